@@ -1,0 +1,18 @@
+"""cupy_fa: paged-KV attention for LLM inference on CuPy/NVRTC.
+
+Public API:
+    PagedKVCache      K/V pages [num_pages, page_size, H_kv, D]; ``append`` writes new tokens at slots.
+    BatchAttention    ``plan(q_lens, kv_lens, page_table, ...)`` then ``run(q, cache, out=None)``.
+    ForwardMode, contract_lengths   serving modes -> the contract's q_len / kv_len (cupy_fa.modes).
+    GraphRunner       CUDA-graph capture and replay per (mode, batch bucket) (cupy_fa.graph).
+    warmup            compile kernels ahead of time.
+    reference         float64 NumPy truth (cupy_fa.reference.paged_attention).
+"""
+
+from . import reference
+from ._build import warmup
+from .attention import BatchAttention
+from .kv_cache import PagedKVCache
+
+__all__ = ["BatchAttention", "PagedKVCache", "reference", "warmup"]
+__version__ = "0.1.0"

@@ -1,0 +1,277 @@
+"""Compiles ``kernels/*.cu`` with NVRTC and launches them: the only module that
+knows kernels exist as text.
+
+* Every compiled kernel is a :class:`Variant`: a source file plus one name
+  expression naming all its compile-time parameters
+  (``cupy_fa::attention_kernel<__nv_bfloat16, cupy_fa::TileTraits<128, 1, 4, 64, 2>>``).
+* ``cupy.RawModule`` compiles it on first use, once per device, and CuPy's disk
+  cache keeps it; the options carry a hash of the whole ``kernels/`` tree, so an
+  edited header never hits a stale cache entry.
+* Without a GPU, :func:`compile_cubin` drives NVRTC directly (no device needed)
+  and reports registers and spills; CI compiles every variant that way.
+
+Environment knobs (all of them):
+  ``CUPY_FA_ARCH``       target instead of the device's, e.g. ``sm_90a`` or ``sm_80``.
+  ``CUPY_FA_CACHE_DIR``  kernel cache directory (default: CuPy's, ``CUPY_CACHE_DIR``).
+"""
+
+import dataclasses
+import functools
+import hashlib
+import os
+import pathlib
+import re
+import threading
+
+import numpy as np
+
+from . import _params
+
+# ---- where the sources are ---------------------------------------------------
+
+_PACKAGE_KERNELS = pathlib.Path(__file__).resolve().parent / "kernels"  # inside a wheel
+_REPO_KERNELS = pathlib.Path(__file__).resolve().parent.parent / "kernels"  # a source checkout
+KERNEL_DIR = _PACKAGE_KERNELS if _PACKAGE_KERNELS.is_dir() else _REPO_KERNELS
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash():
+    """Hash of every file under ``kernels/``: part of the compile options."""
+    digest = hashlib.sha256()
+    for path in sorted(KERNEL_DIR.glob("*.cu*")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+# ---- variants --------------------------------------------------------------------
+
+CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+HEAD_DIMS = (64, 128, 256)
+WARP_LAYOUTS = ((1, 4), (2, 2), (4, 1))  # (warps over query rows, warps over keys)
+STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    source: str       # file under kernels/
+    expression: str   # name expression (template instance) or extern "C" name
+    threads: int
+    smem_bytes: int = 0  # dynamic shared memory per CTA
+
+
+@dataclasses.dataclass(frozen=True)
+class TileShape:
+    """Tile of the attention kernel; the C++ TileTraits derives the rest."""
+    head_dim: int
+    warps_m: int
+    warps_n: int
+
+    @property
+    def block_m(self):
+        return 16 * self.warps_m
+
+    @property
+    def block_n(self):
+        return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
+
+    @property
+    def smem_bytes(self):
+        return 2 * self.head_dim * (self.block_m + 2 * STAGES * self.block_n)
+
+
+def tile_for(head_dim, max_rows_per_request):
+    """Warp layout for a batch whose requests have at most this many packed
+    (query token x head-in-group) rows: decode-like batches spread warps over
+    keys, prefill-like ones over query rows."""
+    if max_rows_per_request <= 16:
+        return TileShape(head_dim, 1, 4)
+    if max_rows_per_request <= 32:
+        return TileShape(head_dim, 2, 2)
+    return TileShape(head_dim, 4, 1)
+
+
+def attention_variant(dtype_name, tile):
+    expr = (f"cupy_fa::attention_kernel<{CTYPES[dtype_name]}, cupy_fa::TileTraits<"
+            f"{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, {STAGES}>>")
+    return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes)
+
+
+def merge_variant(dtype_name, head_dim):
+    return Variant("attention.cu", f"cupy_fa::merge_kernel<{CTYPES[dtype_name]}, {head_dim}>", head_dim // 4)
+
+
+def append_variant(index_dtype):
+    index = {"int32": "int", "int64": "long long"}[np.dtype(index_dtype).name]
+    return Variant("kv_append.cu", f"cupy_fa::append_kernel<{index}>", 256)
+
+
+PLAN_VARIANT = Variant("plan.cu", "cupy_fa::plan_kernel", 1024)
+
+
+def all_variants():
+    """Every kernel the library can launch (what CI compiles)."""
+    out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
+    for dtype_name in CTYPES:
+        for head_dim in HEAD_DIMS:
+            out.append(merge_variant(dtype_name, head_dim))
+            for warps_m, warps_n in WARP_LAYOUTS:
+                out.append(attention_variant(dtype_name, TileShape(head_dim, warps_m, warps_n)))
+    return out
+
+
+# ---- compile options -----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def include_dirs():
+    """CUDA headers the way a user's install finds them: the nvidia-cuda-runtime
+    wheel through cuda.pathfinder, else a toolkit under CUDA_PATH."""
+    dirs = [str(KERNEL_DIR)]
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            dirs.append(str(found))
+    except Exception:  # pathfinder missing or nothing found: fall back below
+        pass
+    if len(dirs) == 1:
+        for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+            if root and os.path.isfile(os.path.join(root, "include", "cuda_fp16.h")):
+                dirs.append(os.path.join(root, "include"))
+                break
+    try:  # CuPy ships the CCCL headers (<nv/target>) that cuda_fp16.h includes
+        import cupy
+
+        cccl = pathlib.Path(cupy.__file__).parent / "_core" / "include" / "cupy" / "_cccl"
+        dirs += [str(p) for p in (cccl / "libcudacxx", cccl / "cub", cccl / "thrust") if p.is_dir()]
+    except ImportError:
+        pass
+    return tuple(dirs)
+
+
+def compile_options(arch):
+    options = ["-std=c++17", f"-DCUPY_FA_SOURCE_HASH={source_hash()}"]
+    options += [f"-I{d}" for d in include_dirs()]
+    options.append(f"-arch={arch}")
+    if arch.endswith("90a"):
+        options.append("-DCUPY_FA_REQUIRE_SM90A")
+    return tuple(options)
+
+
+def program_text(variant):
+    """What NVRTC compiles: the kernel file plus the params layout asserts."""
+    return f'#include "{variant.source}"\n' + _params.layout_asserts()
+
+
+def device_arch(device):
+    override = os.environ.get("CUPY_FA_ARCH")
+    if override:
+        return override
+    major, minor = divmod(int(device.compute_capability), 10)
+    if major < 8:
+        raise RuntimeError(f"cupy_fa needs compute capability 8.0 or newer, device has {major}.{minor}")
+    return f"sm_{major}{minor}a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+# ---- compile on a device, memoised ----------------------------------------------
+
+_functions = {}
+_lock = threading.Lock()
+
+
+def get_function(variant):
+    """The launchable ``cupy.RawKernel`` of a variant on the current device."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    key = (device.id, variant)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _functions.get(key)
+        if fn is None:
+            if os.environ.get("CUPY_FA_CACHE_DIR"):
+                os.environ.setdefault("CUPY_CACHE_DIR", os.environ["CUPY_FA_CACHE_DIR"])
+            module = cupy.RawModule(
+                code=program_text(variant),
+                options=compile_options(device_arch(device)),
+                name_expressions=[variant.expression],
+            )
+            fn = module.get_function(variant.expression)
+            if variant.smem_bytes > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = variant.smem_bytes
+            _functions[key] = fn
+    return fn
+
+
+def launch(variant, grid, params, stream):
+    """Launches one variant with its params struct on ``stream`` (a cupy Stream)."""
+    fn = get_function(variant)
+    with stream:
+        fn(tuple(grid), (variant.threads,), (params,), shared_mem=variant.smem_bytes)
+
+
+def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
+    """Compiles (or loads from the disk cache) every variant for these dtypes and
+    head dims on the current device, so no compile happens inside a step or a
+    graph capture."""
+    wanted = []
+    for variant in all_variants():
+        if variant.source == "attention.cu":
+            if not any(CTYPES[d] in variant.expression for d in dtypes):
+                continue
+            if not any(re.search(rf"[<, ]{hd}[,>]", variant.expression) for hd in head_dims):
+                continue
+        wanted.append(variant)
+    for variant in wanted:
+        get_function(variant)
+    return len(wanted)
+
+
+# ---- compile without a device (CI, `python -m cupy_fa.compile_check`) ------------
+
+_RESOURCE = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_STACK = re.compile(r"(\d+) bytes stack frame")
+
+
+def compile_cubin(variant, arch="sm_90a"):
+    """Compiles one variant to a cubin with NVRTC alone and returns
+    ``(cubin_bytes, {"registers", "spill_stores", "spill_loads", "stack"})``."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(program_text(variant), "cupy_fa.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, variant.expression)
+        options = compile_options(arch) + ("--ptxas-options=-v",)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed on {variant.expression}:\n{nvrtc.getProgramLog(prog)}") from exc
+        lowered = nvrtc.getLoweredName(prog, variant.expression)
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return cubin, _resources_of(log, lowered)
+
+
+def _resources_of(log, lowered):
+    """Registers / spills of function `lowered` from a ptxas -v log."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if "Compiling entry function" in line and lowered in line:
+            block = "\n".join(lines[i:i + 6])
+            regs = _RESOURCE.search(block)
+            spill = _SPILL.search(block)
+            stack = _STACK.search(block)
+            return {
+                "registers": int(regs.group(1)) if regs else None,
+                "spill_stores": int(spill.group(1)) if spill else 0,
+                "spill_loads": int(spill.group(2)) if spill else 0,
+                "stack": int(stack.group(1)) if stack else 0,
+            }
+    return {"registers": None, "spill_stores": None, "spill_loads": None, "stack": None}

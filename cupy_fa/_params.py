@@ -1,0 +1,64 @@
+"""NumPy mirrors of the params structs in ``kernels/params.cuh``.
+
+Each kernel takes one struct by value; CuPy passes a NumPy structured scalar
+as raw bytes, so the dtype below must match the C layout exactly. ``align=True``
+gives C's natural alignment; :func:`layout_asserts` pins each struct's size in
+every compiled kernel and a CPU test compares names, types and order with the
+header, so a mismatch fails a build or a test, never misreads silently.
+"""
+
+import numpy as np
+
+_PTR = np.uint64
+
+_FIELDS = {
+    "PlanParams": [
+        ("q_lens", _PTR), ("kv_lens", _PTR), ("q_indptr", _PTR), ("work_indptr", _PTR),
+        ("num_splits", _PTR), ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
+        ("status", _PTR),
+        ("batch_size", np.int32), ("group_size", np.int32), ("block_m", np.int32), ("block_n", np.int32),
+        ("min_split_keys", np.int32), ("max_splits", np.int32), ("split_row_budget", np.int32),
+    ],
+    "AttentionParams": [
+        ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("out", _PTR), ("lse", _PTR),
+        ("partial_out", _PTR), ("partial_lse", _PTR), ("page_table", _PTR), ("custom_mask", _PTR),
+        ("q_indptr", _PTR), ("kv_lens", _PTR), ("work_indptr", _PTR), ("num_splits", _PTR),
+        ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
+        ("batch_size", np.int32), ("page_size", np.int32), ("page_table_stride", np.int32),
+        ("num_qo_heads", np.int32), ("num_kv_heads", np.int32), ("mask_mode", np.int32),
+        ("sm_scale_log2", np.float32), ("pad_", np.int32),
+    ],
+    "MergeParams": [
+        ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),
+        ("q_indptr", _PTR), ("num_splits", _PTR), ("partial_indptr", _PTR),
+        ("batch_size", np.int32), ("num_qo_heads", np.int32),
+    ],
+    "AppendParams": [
+        ("k_new", _PTR), ("v_new", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("slots", _PTR),
+        ("num_slots", np.int64), ("num_tokens", np.int32), ("row_chunks", np.int32),
+    ],
+}
+
+DTYPES = {name: np.dtype(fields, align=True) for name, fields in _FIELDS.items()}
+
+
+def make(struct_name, **values):
+    """A NumPy scalar of the struct, every field set (missing fields are an error)."""
+    dtype = DTYPES[struct_name]
+    missing = set(dtype.names) - set(values) - {"pad_"}
+    unknown = set(values) - set(dtype.names)
+    if missing or unknown:
+        raise TypeError(f"{struct_name}: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    record = np.zeros((), dtype)
+    for key, value in values.items():
+        record[key] = value
+    return record[()]
+
+
+def layout_asserts():
+    """C++ static_asserts pinning the size of each struct. (NVRTC has no
+    offsetof; tests/test_params_layout.py checks field names, types and order
+    against kernels/params.cuh instead.)"""
+    lines = [f"static_assert(sizeof(cupy_fa::{name}) == {dtype.itemsize}, \"{name} size\");"
+             for name, dtype in DTYPES.items()]
+    return "\n".join(lines) + "\n"

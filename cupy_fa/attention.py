@@ -1,0 +1,314 @@
+"""``BatchAttention``: ``plan()`` a step's batch once, ``run()`` it per layer.
+
+Shapes (T = sum of q_lens, B = batch size):
+    q, out        [T, num_qo_heads, head_dim]   ragged: request b owns rows q_indptr[b] .. q_indptr[b+1]-1
+    lse           [T, num_qo_heads] float32, natural log of the softmax denominator
+    q_lens, kv_lens  [B] ints; kv_len counts the keys valid AFTER this step's K/V write
+    page_table    [B, max_pages] int32 page ids; row b lists request b's pages in token order
+    custom_mask   flat bool, request b's q_len x q_len block row-major at offset sum_{c<b} q_len[c]^2
+
+Semantics (DESIGN.md section 2): query i of request b sits at position
+kv_len - q_len + i; causal lets it see keys 0 .. kv_len - q_len + i (bottom-right
+aligned); a custom mask lets it see every prefix key and draft key
+kv_len - q_len + j iff mask[i, j]. A request with q_len = 0 is padding: it
+reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_kv_heads).
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from . import _arrays, _build, _params, plan as _plan
+from .kv_cache import PagedKVCache
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass
+class _PlanState:
+    batch_size: int
+    num_tokens: int            # sum of q_lens if known on the host, else None
+    tile: _build.TileShape
+    work_grid: int
+    may_split: bool
+    mask_mode: int
+    sm_scale: float
+    host_page_table: object    # numpy, for validation against the cache in run(); None if device-planned
+    host_q_lens: object
+    host_kv_lens: object
+    checked_geometry: set = dataclasses.field(default_factory=set)
+
+
+class BatchAttention:
+    """Attention of a ragged batch of queries over a paged KV cache.
+
+    Args:
+        num_qo_heads, num_kv_heads: query and KV head counts (GQA/MQA: the first a multiple of the second).
+        head_dim: 64, 128 or 256.
+        dtype: "bfloat16" or "float16" (q, cache and out share it).
+        max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes: capacity of the
+            preallocated metadata buffers. Give them to allocate everything up front (required
+            before a CUDA-graph capture); otherwise buffers are sized on first use and grown
+            by eager plans as needed.
+    """
+
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
+                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0):
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim not in _build.HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {_build.HEAD_DIMS}, got {head_dim!r}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        self.group_size = self.num_qo_heads // self.num_kv_heads
+        self.dtype_name = _arrays.resolve_dtype(dtype)
+        given = (max_batch_size, max_num_tokens, max_pages_per_request)
+        self._fixed_capacity = all(v is not None for v in given)
+        if any(v is not None for v in given) and not self._fixed_capacity:
+            raise ValueError("give all of max_batch_size, max_num_tokens, max_pages_per_request, or none")
+        self._buffers = None
+        self._plan = None
+        if self._fixed_capacity:
+            self._buffers = _plan.PlanBuffers(
+                _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
+                               int(max_mask_bytes)), self.num_qo_heads, self.head_dim)
+
+    # ---- plan ------------------------------------------------------------------------
+
+    def plan(self, q_lens, kv_lens, page_table, *, causal=True, sm_scale=None, custom_mask=None,
+             max_q_len=None, max_kv_len=None):
+        """Computes this step's metadata on the device (no launch of attention yet).
+
+        Host inputs (lists / NumPy) are validated before anything is launched.
+        Device inputs (CuPy, torch CUDA tensors, ...) are copied device-to-device
+        into the preallocated buffers with no host synchronisation, which is
+        what a CUDA-graph capture needs; then give ``max_q_len`` (and ideally
+        ``max_kv_len``) as upper bounds, since the host cannot read the lengths.
+        """
+        inputs = (q_lens, kv_lens, page_table, custom_mask)
+        if all(x is None or _arrays.is_host(x) for x in inputs):
+            stream = None  # validate host inputs before touching the device at all
+            q_host, q_dev = _arrays.host_or_device_ints(q_lens, "q_lens", 1)
+            kv_host, kv_dev = _arrays.host_or_device_ints(kv_lens, "kv_lens", 1)
+            pt_host, pt_dev = _arrays.host_or_device_ints(page_table, "page_table", 2)
+        else:
+            stream = _arrays.caller_stream(*inputs)
+            with stream:  # DLPack exchange on the caller's stream: no cross-stream sync
+                q_host, q_dev = _arrays.host_or_device_ints(q_lens, "q_lens", 1)
+                kv_host, kv_dev = _arrays.host_or_device_ints(kv_lens, "kv_lens", 1)
+                pt_host, pt_dev = _arrays.host_or_device_ints(page_table, "page_table", 2)
+        on_host = q_host is not None and kv_host is not None
+        if (q_host is None) != (kv_host is None):
+            raise TypeError("q_lens and kv_lens must both be host arrays or both device arrays")
+        batch = int((q_host if on_host else q_dev).shape[0])
+        pt_shape = (pt_host if pt_host is not None else pt_dev).shape
+        if pt_shape[0] != batch:
+            raise ValueError(f"page_table has {pt_shape[0]} rows, expected one per request ({batch})")
+        if (kv_host if on_host else kv_dev).shape[0] != batch:
+            raise ValueError(f"kv_lens has {(kv_host if on_host else kv_dev).shape[0]} entries, q_lens has {batch}")
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(self.head_dim)
+        if not (isinstance(sm_scale, (int, float, np.floating)) and math.isfinite(sm_scale) and sm_scale > 0):
+            raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+
+        if on_host:
+            _plan.validate_lengths(q_host, kv_host)
+            num_tokens = int(q_host.sum())
+            max_q = int(q_host.max()) if batch else 0
+            mask_bytes = int((q_host ** 2).sum())
+        else:
+            if max_q_len is None:
+                raise ValueError("max_q_len is required when q_lens / kv_lens are device arrays "
+                                 "(the host cannot read them without a sync)")
+            num_tokens, max_q = None, int(max_q_len)
+            mask_bytes = batch * max_q * max_q
+        mask_mode = _plan.MASK_CUSTOM if custom_mask is not None else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
+        mask_host = mask_dev = None
+        if custom_mask is not None:
+            mask_host, mask_dev = self._mask_input(custom_mask, stream)
+            n = (mask_host if mask_host is not None else mask_dev).size
+            if on_host and n != mask_bytes:
+                raise ValueError(f"custom_mask has {n} entries, expected sum(q_lens**2) = {mask_bytes}")
+            mask_bytes = n
+
+        if stream is None:
+            stream = _arrays.caller_stream()
+        stream_capturing = stream.is_capturing()
+        self._ensure_capacity(batch, num_tokens if num_tokens is not None else 0, pt_shape[1],
+                              mask_bytes if custom_mask is not None else 0, stream_capturing)
+        buffers = self._buffers
+        tile = _build.tile_for(self.head_dim, max(max_q, 1) * self.group_size)
+        if on_host:
+            work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
+            live = q_host > 0
+            may_split = bool(np.any((q_host[live] <= _plan.SPLIT_ROW_BUDGET // 2)
+                                    & (kv_host[live] > _plan.MIN_SPLIT_KEYS)))
+        else:
+            kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
+            work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
+            may_split = kv_bound > _plan.MIN_SPLIT_KEYS
+
+        with stream:
+            self._copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev)
+            _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
+        self._plan = _PlanState(batch, num_tokens, tile, work_grid, may_split, mask_mode, float(sm_scale),
+                                pt_host, q_host, kv_host)
+        return self
+
+    def _mask_input(self, custom_mask, stream):
+        if isinstance(custom_mask, (list, tuple)):
+            custom_mask = np.concatenate([np.asarray(m, dtype=bool).ravel() for m in custom_mask]) \
+                if len(custom_mask) else np.zeros(0, bool)
+        if isinstance(custom_mask, np.ndarray):
+            return np.ascontiguousarray(custom_mask.ravel()).astype(np.uint8), None
+        with stream or _arrays.caller_stream(custom_mask):
+            dev = _arrays.to_cupy(custom_mask, "custom_mask")
+        if dev.dtype not in (np.bool_, np.uint8, np.int8):
+            raise TypeError(f"custom_mask must be bool or uint8, got {dev.dtype}")
+        return None, dev.ravel()
+
+    def _ensure_capacity(self, batch, tokens, pages, mask_bytes, capturing):
+        buffers = self._buffers
+        if buffers is not None and buffers.capacity.fits(batch, tokens, pages, mask_bytes):
+            return
+        if self._fixed_capacity or capturing:
+            cap = buffers.capacity if buffers is not None else None
+            raise ValueError(f"step (batch {batch}, tokens {tokens}, page-table columns {pages}, mask bytes "
+                             f"{mask_bytes}) exceeds the capacity {cap} this BatchAttention was built with")
+        base = buffers.capacity if buffers is not None else _plan.Capacity(1, 1, 1, 0)
+        self._buffers = _plan.PlanBuffers(base.grown_to(batch, tokens, pages, mask_bytes),
+                                          self.num_qo_heads, self.head_dim)
+
+    @staticmethod
+    def _copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev):
+        import cupy
+
+        pages = (pt_host if pt_host is not None else pt_dev).shape[1]
+        if q_host is not None:
+            buffers.q_lens[:batch].set(q_host.astype(np.int32))
+            buffers.kv_lens[:batch].set(kv_host.astype(np.int32))
+        else:
+            buffers.q_lens[:batch] = q_dev
+            buffers.kv_lens[:batch] = kv_dev
+        if pt_host is not None:
+            buffers.page_table[:batch, :pages] = cupy.asarray(pt_host.astype(np.int32))
+        else:
+            buffers.page_table[:batch, :pages] = pt_dev
+        if mask_host is not None and mask_host.size:
+            buffers.custom_mask[:mask_host.size].set(mask_host)
+        elif mask_dev is not None and mask_dev.size:
+            buffers.custom_mask[:mask_dev.size] = mask_dev
+
+    # ---- run --------------------------------------------------------------------------
+
+    def run(self, q, cache, out=None, *, lse=None, return_lse=False):
+        """Attention of the planned batch.
+
+        Args:
+            q: device array ``[T, num_qo_heads, head_dim]`` (torch, CuPy, any DLPack).
+            cache: :class:`PagedKVCache` holding this step's K/V already written.
+            out: optional ``[T, num_qo_heads, head_dim]`` destination (same dtype);
+                a new array in q's framework otherwise. Rows of padded requests are not written.
+            lse: optional float32 ``[T, num_qo_heads]`` destination for the natural-log LSE.
+            return_lse: also return the LSE (allocated if ``lse`` is not given).
+        Returns:
+            ``out``, or ``(out, lse)`` when ``return_lse``; torch tensors if q was one.
+        """
+        import cupy
+
+        state = self._plan
+        if state is None:
+            raise RuntimeError("run() before plan(): plan the step's batch first")
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
+        stream = _arrays.caller_stream(q, out, lse)
+        with stream:
+            q_dev = _arrays.to_cupy(q, "q")
+            out_dev = _arrays.to_cupy(out, "out") if out is not None else None
+            lse_dev = _arrays.to_cupy(lse, "lse") if lse is not None else None
+        self._check_run_inputs(state, q_dev, cache, out_dev, lse_dev)
+        num_tokens = int(q_dev.shape[0])
+
+        capturing = stream.is_capturing()
+        with stream:
+            if out_dev is None:
+                if capturing:
+                    raise ValueError("out must be given when running inside a CUDA-graph capture")
+                out_dev = cupy.empty_like(q_dev)
+            if return_lse and lse_dev is None:
+                if capturing:
+                    raise ValueError("lse must be given to return it inside a CUDA-graph capture")
+                lse_dev = cupy.empty((num_tokens, self.num_qo_heads), np.float32)
+            self._launch(state, q_dev, cache, out_dev, lse_dev, num_tokens, stream)
+
+        result = out if out is not None else _arrays.to_caller(out_dev, q)
+        if return_lse:
+            return result, (lse if lse is not None else _arrays.to_caller(lse_dev, q))
+        return result
+
+    def _check_run_inputs(self, state, q_dev, cache, out_dev, lse_dev):
+        h, d = self.num_qo_heads, self.head_dim
+        _arrays.check_device_array(q_dev, "q", dtype=self.dtype_name, ndim=3, shape=(state.num_tokens, h, d))
+        device = q_dev.device.id
+        if (cache.num_kv_heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"cache has num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}; this "
+                             f"BatchAttention expects {self.num_kv_heads} and {self.head_dim}")
+        if cache.dtype_name != self.dtype_name:
+            raise TypeError(f"cache dtype is {cache.dtype_name}, q dtype is {self.dtype_name}")
+        if cache.k.device.id != device:
+            raise ValueError(f"cache is on device {cache.k.device.id}, q on device {device}")
+        if q_dev.shape[0] > self._buffers.capacity.max_num_tokens and state.num_tokens is None:
+            raise ValueError(f"q has {q_dev.shape[0]} tokens, more than max_num_tokens "
+                             f"{self._buffers.capacity.max_num_tokens}")
+        if out_dev is not None:
+            _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, shape=q_dev.shape, device_id=device)
+            if out_dev.ndim != 3:
+                raise ValueError(f"out must have shape {tuple(q_dev.shape)}, got {tuple(out_dev.shape)}")
+        if lse_dev is not None:
+            _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2,
+                                       shape=(q_dev.shape[0], h), device_id=device)
+        geometry = (cache.page_size, cache.num_pages)
+        if state.host_page_table is not None and geometry not in state.checked_geometry:
+            _plan.validate_page_table(state.host_page_table, state.host_kv_lens, state.host_q_lens, *geometry)
+            state.checked_geometry.add(geometry)
+
+    def _launch(self, state, q_dev, cache, out_dev, lse_dev, num_tokens, stream):
+        buffers = self._buffers
+        if state.batch_size == 0 or num_tokens == 0 or state.work_grid == 0:
+            return  # IDLE: nothing to read, nothing to write
+        lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
+        params = _params.make(
+            "AttentionParams", q=q_dev.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
+            out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
+            partial_lse=buffers.partial_lse.data.ptr, page_table=buffers.page_table.data.ptr,
+            custom_mask=buffers.custom_mask.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
+            kv_lens=buffers.kv_lens.data.ptr, work_indptr=buffers.work_indptr.data.ptr,
+            num_splits=buffers.num_splits.data.ptr, split_keys=buffers.split_keys.data.ptr,
+            partial_indptr=buffers.partial_indptr.data.ptr, mask_indptr=buffers.mask_indptr.data.ptr,
+            batch_size=state.batch_size, page_size=cache.page_size,
+            page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
+            sm_scale_log2=state.sm_scale * _LOG2E)
+        _build.launch(_build.attention_variant(self.dtype_name, state.tile),
+                      (state.work_grid, self.num_kv_heads), params, stream)
+        if state.may_split:
+            merge = _params.make(
+                "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
+                partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
+                num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
+                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads)
+            _build.launch(_build.merge_variant(self.dtype_name, self.head_dim),
+                          (num_tokens, self.num_qo_heads), merge, stream)
+
+    @property
+    def planned(self):
+        """The current plan's host-visible facts (batch size, tile, grid), for logs and tests."""
+        return self._plan
+
+    def status(self):
+        """Reads the device status word (syncs): 0 if the last plan's device-side
+        lengths were valid, else 1 + index of a request with q_len > kv_len."""
+        return int(self._buffers.status.get()[0]) if self._buffers is not None else 0

@@ -1,0 +1,149 @@
+"""Per-step metadata: host validation, the device buffers, the plan kernel.
+
+The schedule itself (offsets, row tiles, KV splits) is computed by exactly one
+piece of code, ``kernels/plan.cu``, on the device, from ``q_lens`` / ``kv_lens``
+copied into buffers allocated once for a capacity. Eager ``plan()`` and a
+CUDA-graph replay run that same kernel, so they cannot drift. The host only
+derives upper bounds (grid sizes) and validates host-side inputs.
+
+Split policy (a function of each request alone, never of its batch): a
+request's keys are cut into splits of at least ``MIN_SPLIT_KEYS`` keys, at most
+``MAX_SPLITS`` of them, and ``q_len * splits <= SPLIT_ROW_BUDGET``, which also
+bounds the fp32 partial-result buffer by ``batch_size * SPLIT_ROW_BUDGET`` rows.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from . import _arrays, _build, _params
+
+MIN_SPLIT_KEYS = 512
+MAX_SPLITS = 64
+SPLIT_ROW_BUDGET = 128
+
+MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """Sizes the buffers are allocated for; a plan must fit inside them."""
+    max_batch_size: int
+    max_num_tokens: int          # sum of q_len over a step
+    max_pages_per_request: int   # columns of the page table
+    max_mask_bytes: int = 0      # sum of q_len^2 over a step with a custom mask
+
+    def grown_to(self, batch, tokens, pages, mask_bytes):
+        """A capacity at least this large and large enough for the request."""
+        def grow(have, need):
+            return have if need <= have else max(need, 2 * have)
+        return Capacity(grow(self.max_batch_size, batch), grow(self.max_num_tokens, tokens),
+                        grow(self.max_pages_per_request, pages), grow(self.max_mask_bytes, mask_bytes))
+
+    def fits(self, batch, tokens, pages, mask_bytes):
+        return (batch <= self.max_batch_size and tokens <= self.max_num_tokens
+                and pages <= self.max_pages_per_request and mask_bytes <= self.max_mask_bytes)
+
+
+class PlanBuffers:
+    """Device buffers for one capacity: the step's inputs (lengths, page table,
+    mask), the plan kernel's outputs, and the split-KV workspace."""
+
+    def __init__(self, capacity, num_qo_heads, head_dim):
+        import cupy
+
+        self.capacity = capacity
+        b = capacity.max_batch_size
+        i32 = np.int32
+        self.q_lens = cupy.zeros(b, i32)
+        self.kv_lens = cupy.zeros(b, i32)
+        self.page_table = cupy.zeros((b, max(capacity.max_pages_per_request, 1)), i32)
+        self.custom_mask = cupy.zeros(max(capacity.max_mask_bytes, 1), np.uint8)
+        self.q_indptr = cupy.zeros(b + 1, i32)
+        self.work_indptr = cupy.zeros(b + 1, i32)
+        self.partial_indptr = cupy.zeros(b + 1, i32)
+        self.mask_indptr = cupy.zeros(b + 1, i32)
+        self.num_splits = cupy.zeros(b, i32)
+        self.split_keys = cupy.zeros(b, i32)
+        self.status = cupy.zeros(1, i32)
+        partial_rows = b * SPLIT_ROW_BUDGET
+        self.partial_out = cupy.empty((partial_rows, num_qo_heads, head_dim), np.float32)
+        self.partial_lse = cupy.empty((partial_rows, num_qo_heads), np.float32)
+
+    def plan_params(self, batch_size, group_size, tile):
+        return _params.make(
+            "PlanParams", q_lens=self.q_lens.data.ptr, kv_lens=self.kv_lens.data.ptr,
+            q_indptr=self.q_indptr.data.ptr, work_indptr=self.work_indptr.data.ptr,
+            num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
+            partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
+            status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
+            block_m=tile.block_m, block_n=tile.block_n, min_split_keys=MIN_SPLIT_KEYS,
+            max_splits=MAX_SPLITS, split_row_budget=SPLIT_ROW_BUDGET)
+
+
+# ---- host-side checks and bounds ----------------------------------------------------
+
+
+def validate_lengths(q_lens, kv_lens):
+    """Contract checks on host lengths: raises naming the argument and request."""
+    if q_lens.shape != kv_lens.shape:
+        raise ValueError(f"q_lens and kv_lens must have the same length, got {q_lens.shape[0]} and {kv_lens.shape[0]}")
+    for name, arr in (("q_lens", q_lens), ("kv_lens", kv_lens)):
+        bad = np.flatnonzero(arr < 0)
+        if bad.size:
+            raise ValueError(f"{name}[{bad[0]}] = {arr[bad[0]]} is negative")
+        if arr.size and arr.max() >= 2**31:
+            raise ValueError(f"{name} entries must fit in int32")
+    bad = np.flatnonzero(q_lens > kv_lens)
+    if bad.size:
+        b = bad[0]
+        raise ValueError(f"q_lens[{b}] = {q_lens[b]} > kv_lens[{b}] = {kv_lens[b]}: kv_len counts the valid keys "
+                         f"AFTER this step's K/V were written, so it is at least q_len")
+
+
+def validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages):
+    """Every live request's table row covers kv_len and names pages of the cache."""
+    needed = -(-kv_lens // page_size)  # ceil
+    live = q_lens > 0
+    if live.any() and needed[live].max() > page_table.shape[1]:
+        b = int(np.flatnonzero(live & (needed > page_table.shape[1]))[0])
+        raise ValueError(f"page_table has {page_table.shape[1]} columns but request {b} needs {needed[b]} pages "
+                         f"for kv_len {kv_lens[b]} at page_size {page_size}")
+    for b in np.flatnonzero(live):
+        row = page_table[b, :needed[b]]
+        bad = np.flatnonzero((row < 0) | (row >= num_pages))
+        if bad.size:
+            raise ValueError(f"page_table[{b}, {bad[0]}] = {row[bad[0]]} is not a page of the cache "
+                             f"(0 <= page < num_pages = {num_pages})")
+
+
+def work_bound(q_lens, kv_lens, group_size, tile):
+    """Upper bound on the attention kernel's work items for these host lengths
+    (each request's split count is capped by the same policy constants)."""
+    q = q_lens[q_lens > 0]
+    kv = kv_lens[q_lens > 0]
+    row_blocks = -(-(q * group_size) // tile.block_m)
+    splits = np.minimum(np.maximum(1, SPLIT_ROW_BUDGET // q), MAX_SPLITS)
+    splits = np.maximum(1, np.minimum(splits, -(-kv // MIN_SPLIT_KEYS)))
+    return int((row_blocks * splits).sum())
+
+
+def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
+    """Upper bound on work items for any step that fits the capacity with
+    q_len <= max_q_len and kv_len <= max_kv_len: the fixed grid of a captured
+    graph. CTAs past the real work exit at once, but each still costs a
+    launch slot, so the bound is kept tight for decode-like shapes."""
+    b, t = capacity.max_batch_size, capacity.max_num_tokens
+    max_q_len = max(1, min(max_q_len, t))
+    q = np.arange(1, max_q_len + 1)
+    splits = np.maximum(1, np.minimum(np.minimum(np.maximum(1, SPLIT_ROW_BUDGET // q), MAX_SPLITS),
+                                      -(-max(max_kv_len, 1) // MIN_SPLIT_KEYS)))
+    per_request = int((-(-(q * group_size) // tile.block_m) * splits).max())
+    # a batch can't hold more than b requests, nor more tokens than t
+    loose = b * (SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1) \
+        + -(-(min(t, b * max_q_len) * group_size) // tile.block_m) + b
+    return min(b * per_request, loose)
+
+
+def launch_plan(buffers, batch_size, group_size, tile, stream):
+    _build.launch(_build.PLAN_VARIANT, (1,), buffers.plan_params(batch_size, group_size, tile), stream)

@@ -1,0 +1,339 @@
+// Batch attention over a paged KV cache (FlashAttention-2 style on mma.sync).
+//
+// Work decomposition: for each request b and KV head, the q_len x group_size
+// query rows that share that KV head are packed into rows (row = token * G +
+// head_in_group), cut into tiles of kBlockM rows; the request's keys are cut
+// into num_splits[b] contiguous splits. One CTA = one (row tile, split) of one
+// (request, KV head): blockIdx.x indexes the flat work list whose per-request
+// offsets plan_kernel wrote (work_indptr), blockIdx.y is the KV head. Grids are
+// sized by capacity; CTAs past the real work exit at once (graph-safe).
+//
+// Inside a CTA, WARPS_M warps own 16 rows each and WARPS_N warps split every
+// KV tile between them (decode has few rows but many keys, prefill the
+// reverse); the states of the WARPS_N warps are merged in shared memory at the
+// end. A request with one split writes `out` directly; with several, each
+// split writes a normalised fp32 partial and merge_kernel combines them.
+#include "common.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+
+namespace cupy_fa {
+
+// Tile constants per (head dim, warp layout, keys per tile, pipeline depth).
+// The host picks the instance (cupy_fa/_build.py TileShape) and sizes the
+// dynamic shared memory from the same four numbers.
+template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES>
+struct TileTraits {
+  static constexpr int kHeadDim = HEAD_DIM;
+  static constexpr int kWarpsM = WARPS_M;
+  static constexpr int kWarpsN = WARPS_N;
+  static constexpr int kWarps = WARPS_M * WARPS_N;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockM = 16 * WARPS_M;                                   // query rows per CTA
+  static constexpr int kBlockN = BLOCK_N;                                        // keys per KV tile
+  static constexpr int kKeysPerWarp = kBlockN / WARPS_N;
+  static constexpr int kStages = STAGES;                                         // cp.async pipeline depth
+  static constexpr int kChunks = HEAD_DIM / 8;                                   // 16-byte chunks per row
+  static constexpr int kRowStep = kThreads / kChunks;                            // rows one pass of the CTA loads
+  static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
+  static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
+  static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
+  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV;
+
+  static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
+  static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
+                "loads must tile the CTA evenly");
+  static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
+};
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+attention_kernel(const __grid_constant__ AttentionParams p) {
+  constexpr int D = Traits::kHeadDim;
+  constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN, KW = Traits::kKeysPerWarp;
+  constexpr int CH = Traits::kChunks, STEP = Traits::kRowStep;
+  constexpr int S_BLOCKS = KW / 8, D_BLOCKS = D / 8, K_STEPS = D / 16;
+  typedef ElemTraits<T> E;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + BM * D;
+  T* sV = sK + Traits::kStages * BN * D;
+  __shared__ float s_max[Traits::kWarps][16], s_sum[Traits::kWarps][16];
+
+  // ---- which work item is this CTA --------------------------------------------
+  const int work = blockIdx.x, kv_head = blockIdx.y;
+  if (work >= __ldg(p.work_indptr + p.batch_size)) return;
+  const int b = upper_segment(p.work_indptr, p.batch_size, work);
+  const int q_start = __ldg(p.q_indptr + b);
+  const int q_len = __ldg(p.q_indptr + b + 1) - q_start;
+  const int kv_len = __ldg(p.kv_lens + b);
+  const int splits = __ldg(p.num_splits + b);
+  const int local = work - __ldg(p.work_indptr + b);
+  const int split = local % splits;
+  const int row0 = (local / splits) * BM;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int rows = q_len * group;
+  const int prefix = kv_len - q_len;  // keys that precede this step's queries
+
+  const int kv_begin = split * __ldg(p.split_keys + b);
+  int kv_end = min(kv_len, kv_begin + __ldg(p.split_keys + b));
+  if (p.mask_mode == 1) kv_end = min(kv_end, prefix + (min(row0 + BM, rows) - 1) / group + 1);
+  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
+  const int chunk = tid % CH, row_in_pass = tid / CH;
+
+  // ---- loads: Q once, K/V tiles through a cp.async double buffer ---------------
+  {
+    const T* q = static_cast<const T*>(p.q);
+#pragma unroll
+    for (int r = row_in_pass; r < BM; r += STEP) {
+      const int row = row0 + r;
+      const bool valid = row < rows;
+      const T* src = q;
+      if (valid) {
+        const int token = q_start + row / group, head = kv_head * group + row % group;
+        src = q + ((i64)token * p.num_qo_heads + head) * D + chunk * 8;
+      }
+      cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
+    }
+  }
+  const int* page_row = p.page_table + (i64)b * p.page_table_stride;
+  const i64 slot_stride = (i64)p.num_kv_heads * D;
+  const T* k_base = static_cast<const T*>(p.k_cache) + (i64)kv_head * D + chunk * 8;
+  const T* v_base = static_cast<const T*>(p.v_cache) + (i64)kv_head * D + chunk * 8;
+  auto load_kv_tile = [&](int tile, int stage) {
+    T* dk = sK + stage * BN * D;
+    T* dv = sV + stage * BN * D;
+#pragma unroll
+    for (int r = row_in_pass; r < BN; r += STEP) {
+      const int key = kv_begin + tile * BN + r;
+      const bool valid = key < kv_end;
+      i64 offset = 0;
+      if (valid) {
+        const int page = __ldg(page_row + key / p.page_size);
+        offset = ((i64)page * p.page_size + key % p.page_size) * slot_stride;
+      }
+      cp_async_16(dk + swizzled<D>(r, chunk), k_base + offset, valid);
+      cp_async_16(dv + swizzled<D>(r, chunk), v_base + offset, valid);
+    }
+  };
+
+  // prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
+#pragma unroll
+  for (int t = 0; t < Traits::kStages - 1; ++t) {
+    if (t < num_tiles) load_kv_tile(t, t);
+    cp_async_commit();
+  }
+
+  // ---- per-warp online softmax state: rows (lane/4) and (lane/4 + 8) -----------
+  float acc[D_BLOCKS][4];
+#pragma unroll
+  for (int i = 0; i < D_BLOCKS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  const int g = lane >> 2, tq = lane & 3;
+  const int first_query_pos = prefix + row0 / group;  // position of the tile's first query
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int stage = tile % Traits::kStages;
+    const int ahead = tile + Traits::kStages - 1;  // refills the stage computed last iteration
+    if (ahead < num_tiles) load_kv_tile(ahead, ahead % Traits::kStages);
+    cp_async_commit();
+    cp_async_wait<Traits::kStages - 1>();
+    __syncthreads();
+
+    const T* tK = sK + stage * BN * D;
+    const T* tV = sV + stage * BN * D;
+
+    // S = Q K^T for this warp's 16 rows x KW keys
+    float s[S_BLOCKS][4];
+#pragma unroll
+    for (int i = 0; i < S_BLOCKS; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+      u32 a[4];
+      ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+      for (int nb = 0; nb < S_BLOCKS / 2; ++nb) {
+        u32 kb[4];
+        ldmatrix_x4(kb, tK + swizzled<D>(wn * KW + nb * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                         kk * 2 + ((lane >> 3) & 1)));
+        Mma<T>::run(s[2 * nb], a, kb[0], kb[1]);
+        Mma<T>::run(s[2 * nb + 1], a, kb[2], kb[3]);
+      }
+    }
+
+    // scale into base 2 and mask (only tiles that touch a boundary pay for it)
+    const int tile_key0 = kv_begin + tile * BN;
+    const int tile_last = tile_key0 + BN - 1;
+    const bool need_mask = tile_last >= kv_end || (p.mask_mode == 1 && tile_last > first_query_pos) ||
+                           (p.mask_mode == 2 && tile_last >= prefix);
+#pragma unroll
+    for (int nb = 0; nb < S_BLOCKS; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[nb][e] * p.sm_scale_log2;
+        if (need_mask) {
+          const int key = tile_key0 + wn * KW + nb * 8 + tq * 2 + (e & 1);
+          const int row = row0 + wm * 16 + g + ((e >> 1) << 3);
+          bool visible = key < kv_end;
+          if (visible && row < rows) {
+            const int i = row / group;  // query index within the request
+            if (p.mask_mode == 1) {
+              visible = key <= prefix + i;
+            } else if (p.mask_mode == 2 && key >= prefix) {
+              visible = __ldg(p.custom_mask + __ldg(p.mask_indptr + b) + i * q_len + (key - prefix)) != 0;
+            }
+          }
+          if (!visible) v = -INFINITY;
+        }
+        s[nb][e] = v;
+      }
+    }
+
+    // online softmax update, per row half h (rows g and g + 8)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float offset = safe_offset(mx);
+      const float correction = rescale_factor(row_max[h], offset);
+      row_max[h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < S_BLOCKS; ++nb) {
+        s[nb][2 * h] = exp2f(s[nb][2 * h] - offset);
+        s[nb][2 * h + 1] = exp2f(s[nb][2 * h + 1] - offset);
+        sum += s[nb][2 * h] + s[nb][2 * h + 1];
+      }
+      row_sum[h] = row_sum[h] * correction + sum;
+#pragma unroll
+      for (int db = 0; db < D_BLOCKS; ++db) {
+        acc[db][2 * h] *= correction;
+        acc[db][2 * h + 1] *= correction;
+      }
+    }
+
+    // O += P V: the S accumulator layout is exactly the A-operand layout
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      u32 a[4];
+      a[0] = E::pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = E::pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int db = 0; db < D_BLOCKS / 2; ++db) {
+        u32 vb[4];
+        ldmatrix_x4_trans(vb, tV + swizzled<D>(wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                               db * 2 + (lane >> 4)));
+        Mma<T>::run(acc[2 * db], a, vb[0], vb[1]);
+        Mma<T>::run(acc[2 * db + 1], a, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // the next iteration's loads overwrite this stage
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: merge the WARPS_N states of each row through shared memory ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+  }
+  __syncthreads();
+  float* sO = reinterpret_cast<float*>(sK);  // [warp][16][D], the K/V buffers are free now
+  if (tq == 0) {
+    s_max[warp][g] = row_max[0];
+    s_max[warp][g + 8] = row_max[1];
+    s_sum[warp][g] = row_sum[0];
+    s_sum[warp][g + 8] = row_sum[1];
+  }
+#pragma unroll
+  for (int db = 0; db < D_BLOCKS; ++db) {
+    float* o = sO + (warp * 16 + g) * D + db * 8 + tq * 2;
+    o[0] = acc[db][0];
+    o[1] = acc[db][1];
+    o[8 * D] = acc[db][2];
+    o[8 * D + 1] = acc[db][3];
+  }
+  __syncthreads();
+
+  const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
+  for (int idx = tid; idx < BM * (D / 4); idx += Traits::kThreads) {
+    const int r = idx / (D / 4), c4 = idx % (D / 4);
+    const int row = row0 + r;
+    if (row >= rows) continue;
+    const int rwm = r >> 4, rl = r & 15;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
+    float l_all = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < Traits::kWarpsN; ++w) {
+      const int ww = rwm * Traits::kWarpsN + w;
+      const float f = rescale_factor(s_max[ww][rl], m_all);
+      l_all += s_sum[ww][rl] * f;
+      const float4 part = *reinterpret_cast<const float4*>(sO + (ww * 16 + rl) * D + c4 * 4);
+      o[0] += part.x * f;
+      o[1] += part.y * f;
+      o[2] += part.z * f;
+      o[3] += part.w * f;
+    }
+    const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+    const int i = row / group, head = kv_head * group + row % group;
+    if (splits == 1) {
+      const i64 o_off = ((i64)(q_start + i) * p.num_qo_heads + head) * D + c4 * 4;
+      uint2 packed;
+      packed.x = E::pack(o[0] * inv, o[1] * inv);
+      packed.y = E::pack(o[2] * inv, o[3] * inv);
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + o_off) = packed;
+      if (c4 == 0 && p.lse != nullptr) p.lse[(i64)(q_start + i) * p.num_qo_heads + head] = natural_lse(m_all, l_all);
+    } else {
+      const i64 prow = (i64)partial_base + (i64)i * splits + split;
+      *reinterpret_cast<float4*>(p.partial_out + (prow * p.num_qo_heads + head) * D + c4 * 4) =
+          make_float4(o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
+      if (c4 == 0) p.partial_lse[prow * p.num_qo_heads + head] = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
+    }
+  }
+}
+
+// Combines the splits of each (token, head) of split requests. Grid: (token
+// capacity, H_q), D/4 threads; tokens of unsplit requests exit at once.
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(HEAD_DIM / 4) merge_kernel(const __grid_constant__ MergeParams p) {
+  typedef ElemTraits<T> E;
+  const int token = blockIdx.x, head = blockIdx.y, c4 = threadIdx.x;
+  if (token >= __ldg(p.q_indptr + p.batch_size)) return;
+  const int b = upper_segment(p.q_indptr, p.batch_size, token);
+  const int splits = __ldg(p.num_splits + b);
+  if (splits <= 1) return;
+  const i64 prow0 = __ldg(p.partial_indptr + b) + (i64)(token - __ldg(p.q_indptr + b)) * splits;
+  float m_all = -INFINITY;
+  for (int s = 0; s < splits; ++s) m_all = fmaxf(m_all, p.partial_lse[(prow0 + s) * p.num_qo_heads + head]);
+  float l_all = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int s = 0; s < splits; ++s) {
+    const i64 prow = (prow0 + s) * p.num_qo_heads + head;
+    const float f = rescale_factor(p.partial_lse[prow], m_all);  // each split's l is 1 at its own lse2
+    l_all += f;
+    const float4 part = reinterpret_cast<const float4*>(p.partial_out + prow * HEAD_DIM)[c4];
+    o[0] += part.x * f;
+    o[1] += part.y * f;
+    o[2] += part.z * f;
+    o[3] += part.w * f;
+  }
+  const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+  const i64 o_off = ((i64)token * p.num_qo_heads + head) * HEAD_DIM + c4 * 4;
+  uint2 packed;
+  packed.x = E::pack(o[0] * inv, o[1] * inv);
+  packed.y = E::pack(o[2] * inv, o[3] * inv);
+  *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + o_off) = packed;
+  if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(m_all, l_all);
+}
+
+}  // namespace cupy_fa

@@ -1,0 +1,112 @@
+// Small device building blocks shared by every kernel: element types, 16-byte
+// async copies, ldmatrix / mma.sync wrappers and the shared-memory swizzle.
+// Framework-free: kernels see raw pointers and one params struct, nothing else.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#if defined(CUPY_FA_REQUIRE_SM90A) && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "cupy_fa: this build asked for sm_90a but the compiler is not targeting it"
+#endif
+
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace cupy_fa {
+
+typedef unsigned int u32;
+typedef long long i64;
+
+// ---- element types -------------------------------------------------------
+
+template <typename T> struct ElemTraits;
+template <> struct ElemTraits<__half> {
+  typedef __half2 Pair;
+  static __device__ __forceinline__ u32 pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<u32*>(&h);
+  }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+};
+template <> struct ElemTraits<__nv_bfloat16> {
+  typedef __nv_bfloat162 Pair;
+  static __device__ __forceinline__ u32 pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<u32*>(&h);
+  }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+};
+
+// ---- async copies (cp.async, sm_80+) -----------------------------------------
+
+// Copies 16 bytes global -> shared; when `valid` is false the destination is
+// zero-filled instead, so masked rows never carry NaN garbage into P @ V.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
+  int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- tensor-core fragments (mma.sync m16n8k16, fp32 accumulate) ---------------
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem) {
+  u32 a = static_cast<u32>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem) {
+  u32 a = static_cast<u32>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ---- shared-memory layout ---------------------------------------------------
+
+// Row-major [rows][D] tile of 16-byte chunks, chunk index XOR-ed with (row % 8):
+// the 8 rows one ldmatrix reads then hit 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// Index of the last entry of a non-decreasing `indptr[0..n]` that is <= x,
+// i.e. which segment x falls in. Used to map a flat work or token index to
+// its request without a host-built lookup table.
+__device__ __forceinline__ int upper_segment(const int* indptr, int n, int x) {
+  int lo = 0, hi = n;  // invariant: indptr[lo] <= x < indptr[hi]
+  while (hi - lo > 1) {
+    int mid = (lo + hi) >> 1;
+    if (__ldg(indptr + mid) <= x) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+}  // namespace cupy_fa

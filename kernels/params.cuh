@@ -1,0 +1,85 @@
+// Parameter structs, one per kernel family, passed by value as a single
+// __grid_constant__ argument. cupy_fa/_params.py mirrors each one as a NumPy
+// structured dtype (align=True); the build appends static_asserts on every
+// field offset, so the two can never drift silently.
+//
+// Everything that changes from one serving step to the next (lengths, page
+// tables, masks) lives in device buffers that these pointers reference; the
+// scalars are fixed for the lifetime of a plan, so a captured CUDA graph that
+// froze this struct stays valid when the buffers are refilled.
+#pragma once
+
+namespace cupy_fa {
+
+// Per-step metadata, written by plan_kernel, read by the attention and merge
+// kernels. All arrays have capacity batch_size (+1 for indptrs).
+struct PlanParams {
+  const int* q_lens;          // [B]   new query tokens per request (0 = padded row)
+  const int* kv_lens;         // [B]   valid keys AFTER this step's write
+  int* q_indptr;              // [B+1] exclusive scan of q_lens
+  int* work_indptr;           // [B+1] exclusive scan of (row blocks x splits)
+  int* num_splits;            // [B]   KV splits of request b (0 for padded rows)
+  int* split_keys;            // [B]   keys per split of request b (multiple of block_n)
+  int* partial_indptr;        // [B+1] exclusive scan of q_len x num_splits when num_splits > 1
+  int* mask_indptr;           // [B+1] exclusive scan of q_len^2 (custom-mask offsets)
+  int* status;                // [1]   0 = ok, else first bad request index + 1
+  int batch_size;
+  int group_size;             // H_q / H_kv
+  int block_m;                // packed (token, head) rows per tile
+  int block_n;                // keys per KV tile
+  int min_split_keys;         // a split never holds fewer keys than this
+  int max_splits;             // nor does a request get more splits than this
+  int split_row_budget;       // q_len x num_splits <= this, so B x budget bounds the partial rows
+};
+
+struct AttentionParams {
+  const void* q;              // [total_q, H_q, D]
+  const void* k_cache;        // [num_pages, page_size, H_kv, D]
+  const void* v_cache;        // [num_pages, page_size, H_kv, D]
+  void* out;                  // [total_q, H_q, D]
+  float* lse;                 // [total_q, H_q] natural log, may be null
+  float* partial_out;         // [partial rows, H_q, D] fp32, normalised per split
+  float* partial_lse;         // [partial rows, H_q] natural log
+  const int* page_table;      // [B, page_table_stride]
+  const unsigned char* custom_mask;  // flat, request b at mask_indptr[b], row-major q_len x q_len
+  const int* q_indptr;
+  const int* kv_lens;
+  const int* work_indptr;
+  const int* num_splits;
+  const int* split_keys;
+  const int* partial_indptr;
+  const int* mask_indptr;
+  int batch_size;
+  int page_size;
+  int page_table_stride;
+  int num_qo_heads;
+  int num_kv_heads;
+  int mask_mode;              // 0 = none, 1 = causal (bottom-right), 2 = custom among the q_len newest keys
+  float sm_scale_log2;        // softmax scale x log2(e): scores live in base 2
+  int pad_;
+};
+
+struct MergeParams {
+  void* out;                  // [total_q, H_q, D]
+  float* lse;                 // [total_q, H_q], may be null
+  const float* partial_out;
+  const float* partial_lse;
+  const int* q_indptr;
+  const int* num_splits;
+  const int* partial_indptr;
+  int batch_size;
+  int num_qo_heads;
+};
+
+struct AppendParams {
+  const void* k_new;          // [T, H_kv, D]
+  const void* v_new;          // [T, H_kv, D]
+  void* k_cache;              // [num_pages, page_size, H_kv, D]
+  void* v_cache;
+  const void* slots;          // [T] int32 or int64; negative = skip (padding)
+  long long num_slots;        // num_pages x page_size, slots >= this are skipped
+  int num_tokens;
+  int row_chunks;             // H_kv x D / 8: 16-byte chunks per token
+};
+
+}  // namespace cupy_fa

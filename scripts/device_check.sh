@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call: environment, GPU test suite, demo, benchmarks.
+# Usage on the device machine, from the repo root:  bash scripts/device_check.sh [tests|bench|all] [pytest -k expr]
+# Logs go under $OUT (or ./device_out); the summary table is printed last.
+set -uo pipefail
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+what=${1:-all}; kexpr=${2:-}
+summary=$OUT/summary.txt; : > "$summary"
+
+if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer carried as an archive (scripts/pack_flashinfer.sh)
+  mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+fi
+
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  python3 -c 'import cupy, numpy, torch; print("cupy", cupy.__version__, "numpy", numpy.__version__, "torch", torch.__version__)'
+} 2>&1 | tee "$OUT/env.txt"
+
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  start=$(date +%s)
+  python3 -m pytest -q -x -p no:cacheprovider tests ${kexpr:+-k "$kexpr"} -rs --durations=15 \
+    --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
+  echo "pytest: $(tail -n 1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)" >> "$summary"
+fi
+if [ "$what" = all ] || [ "$what" = demo ]; then
+  python3 -m cupy_fa.demo 2>&1 | tee "$OUT/demo.log"
+  echo "demo:" >> "$summary"; sed -n '/^== summary/,$p' "$OUT/demo.log" >> "$summary"
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  python3 -m bench --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+  echo "bench (last table):" >> "$summary"; tail -n 40 "$OUT/bench.log" >> "$summary"
+fi
+echo; echo "================ device_check summary ================"; cat "$summary"

@@ -1,0 +1,80 @@
+"""Random engine-like batches for the GPU tests: ragged lengths, shuffled and
+interleaved page tables, caches whose unused slots hold NaN (so a read of the
+wrong page or past kv_len shows up), fresh random values every run."""
+
+import os
+
+import numpy as np
+
+TOL = {"float16": 3e-3, "bfloat16": 1e-2}
+
+
+def new_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed), seed
+
+
+def random_lengths(rng, max_requests=33, max_q=300, max_kv=8192, work_budget=None):
+    """(q_lens, kv_lens) mixing decode rows, q_len == kv_len prefills, extends
+    over long prefixes, and padded q_len = 0 rows; total q x kv <= work_budget."""
+    batch = int(rng.integers(1, max_requests + 1))
+    q_lens, kv_lens = [], []
+    for _ in range(batch):
+        kind = rng.choice(["decode", "prefill", "extend", "verify", "pad"], p=[0.3, 0.15, 0.3, 0.2, 0.05])
+        if kind == "decode":
+            q, kv = 1, int(rng.integers(1, max_kv + 1))
+        elif kind == "prefill":
+            q = int(rng.integers(1, max_q + 1)); kv = q
+        elif kind == "extend":
+            q = int(rng.integers(1, max_q + 1)); kv = q + int(rng.integers(0, max_kv - q + 1))
+        elif kind == "verify":
+            q = int(rng.integers(2, 9)); kv = q + int(rng.integers(0, max_kv - q + 1))
+        else:
+            q, kv = 0, int(rng.integers(0, 50))
+        q_lens.append(q); kv_lens.append(kv)
+    q_lens, kv_lens = np.array(q_lens), np.array(kv_lens)
+    if work_budget is not None:  # shrink the largest requests until the reference stays cheap
+        while (q_lens * kv_lens).sum() > work_budget:
+            b = int(np.argmax(q_lens * kv_lens))
+            kv_lens[b] = max(q_lens[b], kv_lens[b] // 2)
+            if q_lens[b] > 1 and q_lens[b] * kv_lens[b] > work_budget // 4:
+                q_lens[b] = max(1, q_lens[b] // 2); kv_lens[b] = max(kv_lens[b], q_lens[b])
+    if q_lens.sum() == 0:
+        q_lens[0], kv_lens[0] = 1, max(1, kv_lens[0])
+    return q_lens, kv_lens
+
+
+def paged_layout(rng, kv_lens, page_size, extra_pages=3):
+    """Page table with pages shuffled over the cache and handed out round-robin,
+    so the requests' pages interleave. Returns (page_table, num_pages)."""
+    needed = [-(-int(kv) // page_size) for kv in kv_lens]
+    num_pages = sum(needed) + extra_pages
+    free = list(rng.permutation(num_pages))
+    pages = [[] for _ in kv_lens]
+    remaining = list(needed)
+    while any(remaining):
+        for b in range(len(kv_lens)):
+            if remaining[b]:
+                pages[b].append(free.pop()); remaining[b] -= 1
+    width = max(1, max(needed) + int(rng.integers(0, 3)))
+    table = np.full((len(kv_lens), width), -1, np.int32)
+    for b, row in enumerate(pages):
+        table[b, :len(row)] = row
+    # unused columns point at real pages too (an engine's table is rarely -1 filled)
+    table[table < 0] = rng.integers(0, num_pages, size=int((table < 0).sum()))
+    return table, num_pages
+
+
+def fill_cache(rng, cache_shape, dtype, page_table, kv_lens, page_size):
+    """Random K/V (host, float32 values exactly representable in dtype) with NaN
+    in every slot that no request may read."""
+    k = rng.standard_normal(cache_shape, dtype=np.float32)
+    v = rng.standard_normal(cache_shape, dtype=np.float32)
+    valid = np.zeros(cache_shape[:2], bool)
+    for b, kv in enumerate(kv_lens):
+        tokens = np.arange(int(kv))
+        valid[page_table[b, tokens // page_size], tokens % page_size] = True
+    k[~valid] = np.nan
+    v[~valid] = np.nan
+    return k.astype(dtype), v.astype(dtype)
