@@ -12,7 +12,10 @@ Public API:
 from . import reference
 from ._build import warmup
 from .attention import BatchAttention
+from .graph import GraphRunner
 from .kv_cache import PagedKVCache
+from .modes import ForwardMode, contract_lengths, from_sglang
 
-__all__ = ["BatchAttention", "PagedKVCache", "reference", "warmup"]
+__all__ = ["BatchAttention", "ForwardMode", "GraphRunner", "PagedKVCache", "contract_lengths", "from_sglang",
+           "reference", "warmup"]
 __version__ = "0.1.0"

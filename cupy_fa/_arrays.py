@@ -77,6 +77,13 @@ def is_host(x):
     return is_torch(x) and x.device.type == "cpu"
 
 
+def host_to_numpy(x):
+    """Host inputs (lists, NumPy, CPU torch) as NumPy; device arrays unchanged."""
+    if not is_host(x):
+        return x
+    return np.asarray(x.numpy() if is_torch(x) else x)
+
+
 def caller_stream(*arrays):
     """The stream to launch on: torch's current stream when any input is a
     torch CUDA tensor, or when torch is in use and no input says otherwise (so

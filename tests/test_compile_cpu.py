@@ -1,0 +1,55 @@
+"""Every kernel variant compiles to an sm_90a cubin through NVRTC, no GPU needed
+(the path CI takes, so a kernel that does not compile cannot land)."""
+
+import pytest
+
+from cupy_fa import _build
+
+
+def _nvrtc_available():
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        return True
+    except Exception:
+        return False
+
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC library not found")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("variant", _build.all_variants(), ids=lambda v: v.expression.replace(" ", ""))
+def test_variant_compiles_for_sm90a(variant):
+    cubin, res = _build.compile_cubin(variant, "sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    assert res["registers"] is not None and res["registers"] <= 255
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0, f"{variant.expression} spills: {res}"
+
+
+@needs_nvrtc
+def test_sm90a_guard_holds():
+    """The sm_90a build really targets sm_90a (the header #errors otherwise)."""
+    from cupy.cuda import nvrtc
+
+    src = '#define CUPY_FA_REQUIRE_SM90A\n#include "common.cuh"\n__global__ void k() {}\n'
+    options = [o for o in _build.compile_options("sm_90a")]
+    prog = nvrtc.createProgram(src, "guard.cu", [], [])
+    nvrtc.compileProgram(prog, options)  # sm_90a: compiles
+    nvrtc.destroyProgram(prog)
+    prog = nvrtc.createProgram(src, "guard.cu", [], [])
+    with pytest.raises(nvrtc.NVRTCError):
+        nvrtc.compileProgram(prog, [o for o in _build.compile_options("sm_90")] + ["-DCUPY_FA_REQUIRE_SM90A"])
+    nvrtc.destroyProgram(prog)
+
+
+def test_source_hash_tracks_kernel_files(tmp_path, monkeypatch):
+    (tmp_path / "a.cuh").write_text("x")
+    monkeypatch.setattr(_build, "KERNEL_DIR", tmp_path)
+    _build.source_hash.cache_clear()
+    first = _build.source_hash()
+    (tmp_path / "a.cuh").write_text("y")
+    _build.source_hash.cache_clear()
+    assert _build.source_hash() != first
+    _build.source_hash.cache_clear()

@@ -1,0 +1,47 @@
+"""The NumPy params dtypes match kernels/params.cuh field by field (CPU)."""
+
+import re
+
+import numpy as np
+
+from cupy_fa import _build, _params
+
+C_TYPES = {"int": np.int32, "float": np.float32, "long long": np.int64}
+
+
+def parse_structs(text):
+    structs = {}
+    for name, body in re.findall(r"struct (\w+) \{(.*?)\};", text, re.S):
+        fields = []
+        for line in body.splitlines():
+            line = line.split("//")[0].strip()
+            if not line:
+                continue
+            m = re.match(r"(?:const )?([\w ]+?)\s*(\*?)\s*(\w+);$", line)
+            assert m, f"cannot parse field line {line!r} of {name}"
+            ctype, pointer, field = m.groups()
+            fields.append((field, np.uint64 if pointer else C_TYPES[ctype]))
+        structs[name] = fields
+    return structs
+
+
+def test_params_match_header():
+    header = parse_structs((_build.KERNEL_DIR / "params.cuh").read_text())
+    assert set(header) == set(_params.DTYPES)
+    for name, fields in header.items():
+        dtype = _params.DTYPES[name]
+        assert list(dtype.names) == [f for f, _ in fields], name
+        for field, ctype in fields:
+            assert dtype.fields[field][0] == np.dtype(ctype), f"{name}.{field}"
+
+
+def test_make_rejects_missing_and_unknown_fields():
+    import pytest
+
+    with pytest.raises(TypeError, match="missing"):
+        _params.make("MergeParams", out=0)
+    fields = {f: 0 for f in _params.DTYPES["MergeParams"].names}
+    with pytest.raises(TypeError, match="unknown"):
+        _params.make("MergeParams", bogus=1, **fields)
+    record = _params.make("MergeParams", **fields)
+    assert record.dtype.itemsize == _params.DTYPES["MergeParams"].itemsize

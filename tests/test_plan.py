@@ -1,0 +1,101 @@
+"""Metadata logic: an independent NumPy model of kernels/plan.cu, the host
+bounds that size the grids against it (CPU), and the device kernel against it (GPU)."""
+
+import numpy as np
+import pytest
+
+from cupy_fa import _build, plan
+
+
+def model(q_lens, kv_lens, group, tile):
+    """What plan_kernel must write, computed the slow obvious way."""
+    out = {k: [0] for k in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr")}
+    splits_all, keys_all = [], []
+    for q, kv in zip(q_lens, kv_lens):
+        splits = keys = 0
+        work = partial = 0
+        if q > 0:
+            cap = min(plan.MAX_SPLITS, max(1, plan.SPLIT_ROW_BUDGET // q))
+            splits = max(1, min(cap, -(-kv // plan.MIN_SPLIT_KEYS)))
+            keys = -(-kv // splits)
+            keys = -(-keys // tile.block_n) * tile.block_n
+            splits = max(1, -(-kv // keys))
+            work = -(-(q * group) // tile.block_m) * splits
+            partial = q * splits if splits > 1 else 0
+            assert (splits - 1) * keys < kv <= splits * keys  # every split non-empty, all keys covered
+        out["q_indptr"].append(out["q_indptr"][-1] + q)
+        out["work_indptr"].append(out["work_indptr"][-1] + work)
+        out["partial_indptr"].append(out["partial_indptr"][-1] + partial)
+        out["mask_indptr"].append(out["mask_indptr"][-1] + q * q)
+        splits_all.append(splits)
+        keys_all.append(keys)
+    out["num_splits"], out["split_keys"] = splits_all, keys_all
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def random_batch(rng, max_q):
+    b = int(rng.integers(1, 65))
+    q = rng.integers(0, max_q + 1, size=b)
+    kv = q + rng.integers(0, 40000, size=b) * (rng.random(b) < 0.7)
+    return q, kv
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (256, 8)])
+def test_host_bounds_cover_the_schedule(head_dim, group):
+    rng = np.random.default_rng()
+    for _ in range(200):
+        max_q = int(rng.choice([1, 4, 8, 300, 3000]))
+        q, kv = random_batch(rng, max_q)
+        tile = _build.tile_for(head_dim, max(1, q.max()) * group)
+        m = model(q, kv, group, tile)
+        assert plan.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
+        cap = plan.Capacity(len(q), int(q.sum()) + 1, 1)
+        assert plan.capacity_work_bound(cap, group, tile, max_q, int(kv.max())) >= m["work_indptr"][-1]
+        # the fp32 partial buffer holds batch x SPLIT_ROW_BUDGET rows: never exceeded
+        assert m["partial_indptr"][-1] <= len(q) * plan.SPLIT_ROW_BUDGET
+        # splits depend on the request alone: the same request alone gets the same schedule
+        b = int(rng.integers(0, len(q)))
+        alone = model(q[b:b + 1], kv[b:b + 1], group, tile)
+        assert alone["num_splits"][0] == m["num_splits"][b] and alone["split_keys"][0] == m["split_keys"][b]
+
+
+def test_tile_choice():
+    assert (_build.tile_for(128, 4).warps_m, _build.tile_for(128, 4).warps_n) == (1, 4)
+    assert _build.tile_for(128, 32).warps_m == 2
+    assert _build.tile_for(128, 33).warps_m == 4
+    for shape in [_build.TileShape(d, m, n) for d in _build.HEAD_DIMS for m, n in _build.WARP_LAYOUTS]:
+        assert shape.smem_bytes <= 227 * 1024
+        assert (shape.block_n // shape.warps_n) % 16 == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 1)])
+def test_device_plan_matches_model(head_dim, group):
+    import cupy_fa
+
+    rng = np.random.default_rng()
+    attn = cupy_fa.BatchAttention(8 * group, 8, head_dim, "float16")
+    for max_q in (1, 8, 300):
+        q, kv = random_batch(rng, max_q)
+        table = np.zeros((len(q), -(-int(kv.max()) // 16) + 1), np.int32)
+        attn.plan(q, kv, table)
+        m = model(q, kv, group, attn.planned.tile)
+        bufs = attn._buffers
+        b = len(q)
+        for name in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr"):
+            assert np.array_equal(getattr(bufs, name)[:b + 1].get(), m[name]), name
+        for name in ("num_splits", "split_keys"):
+            assert np.array_equal(getattr(bufs, name)[:b].get(), m[name]), name
+        assert attn.status() == 0
+
+
+@pytest.mark.gpu
+def test_device_plan_flags_broken_contract():
+    """On the device path (no host validation) q_len > kv_len is flagged and the row skipped."""
+    import cupy
+    import cupy_fa
+
+    attn = cupy_fa.BatchAttention(8, 8, 64, "float16", max_batch_size=4, max_num_tokens=16, max_pages_per_request=4)
+    attn.plan(cupy.array([2, 5], np.int32), cupy.array([9, 3], np.int32), cupy.zeros((2, 4), np.int32), max_q_len=8)
+    assert attn.status() == 2
+    assert attn._buffers.work_indptr[2].get() == attn._buffers.work_indptr[1].get()

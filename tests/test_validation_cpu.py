@@ -1,0 +1,63 @@
+"""Bad input is refused with a message naming the argument, before any device
+work (these run without a GPU: validation happens first)."""
+
+import numpy as np
+import pytest
+
+import cupy_fa
+
+
+@pytest.mark.parametrize("args,kwargs,exc,text", [
+    ((6, 4, 64), {}, ValueError, "multiple of num_kv_heads"),
+    ((8, 2, 96), {}, ValueError, "head_dim"),
+    ((0, 2, 64), {}, ValueError, "num_qo_heads"),
+    ((8, 2, 64), {"dtype": "float32"}, TypeError, "float16 or bfloat16"),
+    ((8, 2, 64), {"max_batch_size": 4}, ValueError, "give all"),
+])
+def test_constructor_rejects(args, kwargs, exc, text):
+    with pytest.raises(exc, match=text):
+        cupy_fa.BatchAttention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,table,exc,text", [
+    ([1, 5], [1, 3], [[0], [1]], ValueError, r"q_lens\[1\] = 5 > kv_lens\[1\] = 3"),
+    ([1, 2], [1, 3], [[0], [1], [2]], ValueError, "page_table has 3 rows"),
+    ([1], [1.5], [[0]], TypeError, "kv_lens must hold integers"),
+    ([-1], [3], [[0]], ValueError, r"q_lens\[0\] = -1 is negative"),
+    ([1, 1], [1], [[0], [1]], ValueError, "kv_lens has 1 entries"),
+    ([[1]], [1], [[0]], ValueError, "q_lens must have 1 dimension"),
+    ([1], [1], [0], ValueError, "page_table must have 2 dimension"),
+])
+def test_plan_rejects_bad_lengths(q_lens, kv_lens, table, exc, text):
+    attn = cupy_fa.BatchAttention(8, 2, 64)
+    with pytest.raises(exc, match=text):
+        attn.plan(q_lens, kv_lens, table)
+
+
+def test_plan_rejects_bad_scale_and_mask():
+    attn = cupy_fa.BatchAttention(8, 2, 64)
+    with pytest.raises(ValueError, match="sm_scale"):
+        attn.plan([1], [4], [[0]], sm_scale=float("nan"))
+    with pytest.raises(ValueError, match="custom_mask has 3 entries"):
+        attn.plan([2], [4], [[0]], custom_mask=np.ones(3, bool))
+
+
+def test_run_before_plan_and_host_arrays():
+    attn = cupy_fa.BatchAttention(8, 2, 64)
+    with pytest.raises(RuntimeError, match="before plan"):
+        attn.run(np.zeros((1, 8, 64), np.float16), None)
+    with pytest.raises(TypeError, match="k must be a CUDA device array"):
+        cupy_fa.PagedKVCache(np.zeros((1, 1, 1, 8)), np.zeros((1, 1, 1, 8)))
+
+
+def test_page_table_validation_logic():
+    from cupy_fa import plan
+
+    table = np.array([[1, 0], [0, 2]])
+    plan.validate_page_table(table, np.array([20, 17]), np.array([1, 1]), 16, 4)
+    with pytest.raises(ValueError, match=r"page_table\[1, 1\] = 2"):
+        plan.validate_page_table(table, np.array([20, 17]), np.array([1, 1]), 16, 2)
+    with pytest.raises(ValueError, match="needs 3 pages"):
+        plan.validate_page_table(table, np.array([40, 17]), np.array([1, 1]), 16, 4)
+    # padded rows (q_len = 0) are not checked: their table rows are never read
+    plan.validate_page_table(table, np.array([40, 17]), np.array([0, 1]), 16, 4)
