@@ -1,0 +1,167 @@
+"""Input sets (paged caches, q, out) on the device, and the fp64 reference check.
+
+Values are normal(0, 1) drawn in float32 by cupy.random and rounded to bf16 (nearest even)
+by integer arithmetic on the bits, so nothing here needs CuPy to do bf16 arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .workloads import DTYPE, H_KV, H_Q, HEAD_DIM, Workload
+
+BF16_NAN_BITS = 0x7FC0
+_CHUNK = 1 << 26  # elements per random-fill chunk (256 MB of float32)
+
+
+def bf16_dtype():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def empty_bf16(shape):
+    import cupy
+
+    return cupy.empty(shape, bf16_dtype())
+
+
+def fill_normal(arr):
+    """Fill a bf16 cupy array with normal(0,1) values, in chunks."""
+    import cupy
+
+    bits = arr.view(cupy.uint16).reshape(-1)
+    for lo in range(0, bits.size, _CHUNK):
+        hi = min(bits.size, lo + _CHUNK)
+        u = cupy.random.standard_normal(hi - lo, dtype=cupy.float32).view(cupy.uint32)
+        bits[lo:hi] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
+    return arr
+
+
+def poison(arr):
+    """Set every element of a bf16 cupy array to NaN."""
+    import cupy
+
+    arr.view(cupy.uint16).fill(BF16_NAN_BITS)
+
+
+def count_nan(arr) -> int:
+    """NaN elements of a bf16 cupy array (an unwritten poisoned element counts)."""
+    import cupy
+
+    bits = arr.view(cupy.uint16)
+    return int(((bits & 0x7FFF) > 0x7F80).sum())
+
+
+def to_host_f64(x) -> np.ndarray:
+    """A device array (cupy bf16 or torch) as a float64 host array."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        if x.dtype == bf16_dtype():
+            return to_host_bf16(x).astype(np.float64)
+        return cupy.asnumpy(x).astype(np.float64)
+    return x.detach().float().cpu().numpy().astype(np.float64)  # torch
+
+
+def as_torch(x):
+    """Zero-copy torch view of a cupy array (bf16 stays bf16)."""
+    import cupy
+    import torch
+
+    try:
+        t = torch.from_dlpack(x)
+        if t.dtype == torch.bfloat16 or x.dtype != bf16_dtype():
+            return t
+    except Exception:  # noqa: BLE001 - fall back to a bit-level view
+        pass
+    return torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16)
+
+
+@dataclass
+class InputSet:
+    cache: object  # cupy_fa.PagedKVCache
+    q: object  # cupy bf16 [B * q_len, H_q, D]
+    out: object  # cupy bf16, same shape
+
+
+@dataclass
+class Inputs:
+    workload: Workload
+    page_size: int
+    q_lens: np.ndarray  # int32 [B]
+    kv_lens: np.ndarray  # int32 [B]
+    page_table: np.ndarray  # int32 [B, pages per request], a random permutation of the pages
+    sets: list
+
+    @property
+    def cu_q(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int64)
+
+
+def make_inputs(w: Workload, page_size: int, n_sets: int, seed: int) -> Inputs:
+    import cupy
+    import cupy_fa
+
+    rng = np.random.default_rng(seed)
+    cupy.random.seed(seed)
+    n_pages = w.num_pages(page_size)
+    page_table = rng.permutation(n_pages).astype(np.int32).reshape(w.batch, w.pages_per_request(page_size))
+    sets = []
+    for _ in range(n_sets):
+        cache = cupy_fa.PagedKVCache.allocate(n_pages, page_size, H_KV, HEAD_DIM, dtype=DTYPE)
+        fill_normal(cache.k)
+        fill_normal(cache.v)
+        q = fill_normal(empty_bf16((w.num_q_rows, H_Q, HEAD_DIM)))
+        out = empty_bf16(q.shape)
+        poison(out)
+        sets.append(InputSet(cache, q, out))
+    cupy.cuda.Device().synchronize()
+    return Inputs(w, page_size, np.full(w.batch, w.q_len, np.int32), np.full(w.batch, w.kv_len, np.int32),
+                  page_table, sets)
+
+
+def reference_windows(inp: Inputs, s: InputSet, windows) -> dict:
+    """fp64 reference for each (b, r0, r1) window of set s: rows r0..r1-1 of request b.
+
+    A window is its own request: q_len = r1 - r0 and kv_len = kv_len - q_len + r1 (the
+    keys row r1-1 can see), over b's pages gathered in order (so its page table is 0..n-1).
+    """
+    import cupy
+    from cupy_fa import reference
+
+    refs = {}
+    cu = inp.cu_q
+    for b, r0, r1 in windows:
+        ql, kl = int(inp.q_lens[b]), int(inp.kv_lens[b])
+        kv_eff = kl - ql + r1
+        n_pages = -(-kv_eff // inp.page_size)
+        pages = cupy.asarray(inp.page_table[b, :n_pages].astype(np.int64))
+        k = to_host_bf16(s.cache.k.view(cupy.uint16)[pages])
+        v = to_host_bf16(s.cache.v.view(cupy.uint16)[pages])
+        q = to_host_bf16(s.q[cu[b] + r0: cu[b] + r1])
+        refs[(b, r0, r1)] = reference.paged_attention(
+            q, k, v, np.array([r1 - r0], np.int32), np.array([kv_eff], np.int32),
+            np.arange(n_pages, dtype=np.int32)[None], causal=inp.workload.causal)
+    return refs
+
+
+def to_host_bf16(x) -> np.ndarray:
+    """A cupy bf16 (or uint16 bit-view) array to the host as ml_dtypes bf16, gathering and
+    copying on the bits only (CuPy's own kernels need not know bf16)."""
+    import cupy
+
+    bits = x if x.dtype == np.uint16 else x.view(cupy.uint16)
+    return cupy.ascontiguousarray(bits).get().view(bf16_dtype())
+
+
+def max_error(inp: Inputs, rows_of, refs: dict) -> float:
+    """Largest relative error over the windows; rows_of(lo, hi) gives flat rows lo..hi-1
+    of an implementation's output [T, H_q, D] as a float64 host array."""
+    from cupy_fa import reference
+
+    cu = inp.cu_q
+    errs = [reference.relative_error(rows_of(cu[b] + r0, cu[b] + r1), ref) for (b, r0, r1), ref in refs.items()]
+    return float(max(errs))

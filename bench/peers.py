@@ -1,0 +1,185 @@
+"""Peers on the same shapes and the same input sets: PyTorch SDPA (cuDNN, flash) on a dense
+copy of the paged cache, and FlashInfer's paged wrappers when FlashInfer imports.
+
+Every peer is checked against the same fp64 reference windows as ours before it is timed,
+and wrapped so that a failure becomes a recorded cell, never a stopped bench.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+
+from . import timing
+from .inputs import Inputs, as_torch, max_error, to_host_f64
+from .workloads import H_KV, H_Q, HEAD_DIM
+
+ERR_LIMIT = 1e-2
+DEVICE = "cuda"  # a CPU smoke test may point it elsewhere
+SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
+
+
+def cell(status, **kw):
+    return {"status": status, **kw}
+
+
+def _failed(e) -> dict:
+    return cell("error", error=f"{type(e).__name__}: {str(e)[:400]}",
+                where=traceback.format_exc(limit=3)[-600:])
+
+
+def _finish(w, fn_for_set, n_sets, n_launch, rows_of, refs, inp, opts, method_note=""):
+    """Check set 0 against the reference, then time n_launch launches rotating the sets."""
+    err = max_error(inp, rows_of, refs)
+    if not err <= ERR_LIMIT:
+        return cell("wrong", err=err, note=f"max rel err {err:.3g} > {ERR_LIMIT}: not timed. {method_note}")
+    launches = [lambda i=i: fn_for_set(i % n_sets) for i in range(n_launch)]
+    t = timing.torch_graph(launches, warmup=opts["warmup"], reps=opts["reps"])
+    return cell("ok", err=err, value=w.figure(t.time_us), note=method_note, sets=n_sets, **t.as_dict())
+
+
+# ---- PyTorch SDPA on a dense copy -------------------------------------------------------
+
+def dense_copy(inp: Inputs, s):
+    """(q [B, H_q, q_len, D], k, v [B, H_kv, kv_len, D]) torch copies of one input set,
+    gathered through the shuffled page table."""
+    import torch
+
+    w = inp.workload
+    pt = torch.as_tensor(inp.page_table, dtype=torch.long, device=DEVICE)
+
+    def gather(cache_arr):
+        paged = as_torch(cache_arr)  # [pages, page_size, H_kv, D]
+        tok = paged[pt].reshape(w.batch, -1, H_KV, HEAD_DIM)[:, : w.kv_len]
+        return tok.transpose(1, 2).contiguous()
+
+    q = as_torch(s.q).view(w.batch, w.q_len, H_Q, HEAD_DIM).transpose(1, 2).contiguous()
+    return q, gather(s.cache.k), gather(s.cache.v)
+
+
+def bench_sdpa(inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
+    """Both SDPA backends; returns {peer name: cell}. Inputs are dense copies of inp.sets."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+    except Exception as e:  # noqa: BLE001
+        return {name: cell("n/a", error=f"torch SDPA unavailable: {e}") for name in SDPA_BACKENDS}
+
+    w = inp.workload
+    dense = [dense_copy(inp, s) for s in inp.sets]
+    torch.cuda.synchronize()
+    results = {}
+    for name, backend_name in SDPA_BACKENDS.items():
+        backend = getattr(SDPBackend, backend_name)
+        try:
+            results[name] = _sdpa_one(w, inp, refs, opts, n_launch, dense, backend, F, sdpa_kernel,
+                                      causal_lower_right, torch)
+        except Exception as e:  # noqa: BLE001
+            results[name] = _failed(e)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    del dense
+    torch.cuda.empty_cache()
+    return results
+
+
+def _sdpa_one(w, inp, refs, opts, n_launch, dense, backend, F, sdpa_kernel, causal_lower_right, torch):
+    # Masking: decode sees every key (no mask); prefill q_len == kv_len is plain is_causal;
+    # otherwise bottom-right causal: flash through CausalBias (lower right), cuDNN through an
+    # explicit boolean mask (the CausalBias path would materialise one on every call).
+    mask_kw, how = {}, "no mask"
+    if w.q_len == w.kv_len:
+        mask_kw, how = {"is_causal": True}, "is_causal"
+    elif w.q_len > 1:
+        if backend.name == "FLASH_ATTENTION":
+            mask_kw, how = {"attn_mask": causal_lower_right(w.q_len, w.kv_len)}, "causal_lower_right"
+        else:
+            m = torch.ones(w.q_len, w.kv_len, dtype=torch.bool, device=DEVICE).tril(w.kv_len - w.q_len)
+            mask_kw, how = {"attn_mask": m}, "explicit bottom-right bool mask"
+
+    def call(q, k, v, gqa):
+        with sdpa_kernel([backend]):
+            if gqa:
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask_kw)
+            return F.scaled_dot_product_attention(q, k, v, **mask_kw)
+
+    sets, gqa, note = dense, True, f"enable_gqa=True, {how}"
+    try:
+        out0 = call(*sets[0], True)
+    except Exception as e:  # noqa: BLE001 - retry with the KV heads expanded
+        first = f"{type(e).__name__}: {str(e)[:200]}"
+        group = H_Q // H_KV
+        sets = [(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) for q, k, v in dense]
+        gqa, note = False, (f"KV heads expanded to {H_Q} (enable_gqa failed: {first}); {how}; "
+                            f"KV bytes still counted for H_kv={H_KV}")
+        try:
+            out0 = call(*sets[0], False)
+        except Exception as e2:
+            raise RuntimeError(f"with enable_gqa: {first} | with expanded KV heads: "
+                               f"{type(e2).__name__}: {str(e2)[:200]}") from e2
+    torch.cuda.synchronize()
+    flat = out0.transpose(1, 2).reshape(w.num_q_rows, H_Q, HEAD_DIM)
+    rows_of = lambda lo, hi: to_host_f64(flat[lo:hi])
+    return _finish(w, lambda i: call(*sets[i], gqa), len(sets), n_launch, rows_of, refs, inp, opts, note)
+
+
+# ---- FlashInfer -------------------------------------------------------------------------
+
+def load_flashinfer():
+    """(module, None) or (None, reason). Sets FLASHINFER_WORKSPACE_BASE to a temp dir first."""
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", tempfile.mkdtemp(prefix="fiws-"))
+    try:
+        import flashinfer
+
+        return flashinfer, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def bench_flashinfer(fi, inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
+    import torch
+
+    w, ps = inp.workload, inp.page_size
+    try:
+        ppr = w.pages_per_request(ps)
+        dev = dict(dtype=torch.int32, device=DEVICE)
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+        kv_indptr = torch.arange(w.batch + 1, **dev) * ppr
+        kv_indices = torch.as_tensor(inp.page_table.reshape(-1), **dev)
+        last_page_len = torch.full((w.batch,), w.kv_len - (ppr - 1) * ps, **dev)
+        # [pages, 2, page_size, H_kv, D], same shuffled page order as ours.
+        kv_sets = [torch.stack([as_torch(s.cache.k), as_torch(s.cache.v)], dim=1) for s in inp.sets]
+        q_sets = [as_torch(s.q) for s in inp.sets]
+        outs = [torch.empty_like(q) for q in q_sets]
+        dt = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        t0 = time.perf_counter()
+        if w.q_len == 1:
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+            wrapper.plan(kv_indptr, kv_indices, last_page_len, H_Q, H_KV, HEAD_DIM, ps, **dt)
+            how = "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)"
+        else:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            qo_indptr = torch.arange(w.batch + 1, **dev) * w.q_len
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, HEAD_DIM, ps,
+                         causal=True, **dt)
+            how = "BatchPrefillWithPagedKVCacheWrapper(causal=True)"
+
+        def call(i):
+            return wrapper.run(q_sets[i], kv_sets[i], out=outs[i])
+
+        call(0)
+        torch.cuda.synchronize()
+        first_use_s = time.perf_counter() - t0
+        rows_of = lambda lo, hi: to_host_f64(outs[0][lo:hi])
+        res = _finish(w, call, len(inp.sets), n_launch, rows_of, refs, inp, opts, how)
+        res["first_use_s"] = first_use_s
+        return res
+    except Exception as e:  # noqa: BLE001
+        return _failed(e)
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

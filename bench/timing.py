@@ -1,0 +1,138 @@
+"""Timing: CUDA-graph replays of many launches over rotated inputs, CUDA events, medians.
+
+Each launch function does one launch on one input set; a graph holds `len(launches)` of
+them in order, so per-launch time = replay time / len(launches).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Timing:
+    time_us: float  # median per-launch time
+    min_us: float
+    max_us: float
+    replays: int
+    launches: int  # launches per graph (or per eager timed region)
+    method: str
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _summary(samples_ms, launches, method) -> Timing:
+    per = [1e3 * t / launches for t in samples_ms]
+    return Timing(statistics.median(per), min(per), max(per), len(per), launches, method)
+
+
+def cupy_graph(launches, warmup=10, reps=50) -> Timing:
+    """Capture `launches` (callables doing CuPy-stream launches) into one cupy graph on a
+    non-blocking stream and time its replays with cupy events."""
+    import cupy
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        for f in launches:  # eager pass: compile, set attributes, touch every buffer
+            f()
+        s.synchronize()
+        s.begin_capture()
+        try:
+            for f in launches:
+                f()
+        finally:
+            g = s.end_capture()
+    times = []
+    for i in range(warmup + reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(s)
+        g.launch(s)
+        b.record(s)
+        b.synchronize()
+        if i >= warmup:
+            times.append(cupy.cuda.get_elapsed_time(a, b))
+    return _summary(times, len(launches), "cupy graph")
+
+
+def torch_graph(launches, warmup=10, reps=50) -> Timing:
+    """The same with torch.cuda.CUDAGraph; falls back to `torch_eager` (and says so in
+    `method`) if the launches cannot be captured."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch's graph docs ask
+        for _ in range(2):
+            for f in launches:
+                f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            for f in launches:
+                f()
+    except Exception as e:  # noqa: BLE001 - any capture failure: time eagerly instead
+        torch.cuda.synchronize()
+        t = torch_eager(launches, warmup, reps)
+        t.method = f"torch eager back-to-back (graph capture failed: {type(e).__name__}: {str(e)[:160]})"
+        return t
+    times = []
+    for i in range(warmup + reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        if i >= warmup:
+            times.append(a.elapsed_time(b))
+    del g
+    return _summary(times, len(launches), "torch graph")
+
+
+def torch_eager(launches, warmup=10, reps=50) -> Timing:
+    """Events around the launches run back to back on torch's current stream."""
+    import torch
+
+    times = []
+    for i in range(warmup + reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for f in launches:
+            f()
+        b.record()
+        b.synchronize()
+        if i >= warmup:
+            times.append(a.elapsed_time(b))
+    return _summary(times, len(launches), "torch eager back-to-back")
+
+
+def cupy_events(fn, warmup=5, reps=20) -> float:
+    """Median milliseconds of fn() (one op on cupy's current stream) between cupy events."""
+    import cupy
+
+    s = cupy.cuda.get_current_stream()
+    times = []
+    for i in range(warmup + reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(s)
+        fn()
+        b.record(s)
+        b.synchronize()
+        if i >= warmup:
+            times.append(cupy.cuda.get_elapsed_time(a, b))
+    return statistics.median(times)
+
+
+def cpu_launch_overhead(fn, args=(), kwargs=None, n_repeat=200) -> dict:
+    """Eager CPU-side cost of one call (cupyx.profiler.benchmark cpu_times, median, us);
+    gpu_us is the eager per-call GPU time it saw, launch latency included."""
+    import numpy as np
+    from cupyx.profiler import benchmark
+
+    r = benchmark(fn, args, kwargs or {}, n_repeat=n_repeat, n_warmup=10)
+    return {"cpu_us": float(np.median(r.cpu_times) * 1e6),
+            "eager_gpu_us": float(np.median(r.gpu_times) * 1e6),
+            "n_repeat": n_repeat}

@@ -1,0 +1,108 @@
+"""bench/: workload definitions, byte and flop counting, selection, table and plot (CPU only)."""
+
+import pytest
+
+from bench import cli, report
+from bench import workloads as W
+
+
+def test_workload_set():
+    names = [w.name for w in W.WORKLOADS]
+    assert len(names) == len(set(names)) == 10
+    for w in W.WORKLOADS:
+        assert 1 <= w.q_len <= w.kv_len and w.causal
+    assert [w.name for w in W.WORKLOADS if w.kind == "compute"] == [
+        "prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384"]
+
+
+def test_kv_bytes_counts_k_and_v_once():
+    w = W.BY_NAME["decode_b64_l4096"]
+    assert w.kv_bytes() == 64 * 4096 * 8 * 128 * 2 * 2 == 1 << 30
+    assert w.min_bytes() == w.kv_bytes() + 2 * 64 * 32 * 128 * 2
+    assert W.BY_NAME["draft_extend_q4_b64_l4096"].kv_len == 4100
+
+
+def test_causal_flops_exact():
+    # prefill: query i sees i + 1 keys -> L (L + 1) / 2 per head
+    w = W.BY_NAME["prefill_b4_l4096"]
+    assert w.visible_keys() == 4096 * 4097 // 2
+    assert w.flops() == 4 * 4 * 32 * 128 * 4096 * 4097 // 2
+    # within 0.03% of DESIGN.md's 4 * B * H * L * L * D / 2
+    assert abs(w.flops() / (4 * 4 * 32 * 4096 * 4096 * 128 / 2) - 1) < 3e-4
+    # extend: 1024 queries over a 15360 prefix
+    e = W.BY_NAME["extend_b4_q1024_l16384"]
+    assert e.visible_keys() == sum(15360 + i + 1 for i in range(1024))
+    # decode: one query sees every key; verify q=4 sees L-3 .. L
+    assert W.BY_NAME["decode_b1_l4096"].visible_keys() == 4096
+    assert W.BY_NAME["verify_q4_b64_l4096"].visible_keys() == 4093 + 4094 + 4095 + 4096
+
+
+def test_figures_and_floors():
+    w = W.BY_NAME["decode_b64_l4096"]
+    assert w.figure(1e6 * (1 << 30) / 4e12) == pytest.approx(4.0)  # 1 GiB in its 4 TB/s time
+    p = W.BY_NAME["prefill_b2_l8192"]
+    assert p.figure(p.flops() / 500e6) == pytest.approx(500.0)
+    fb, ff = p.floors_us()
+    assert ff > fb and ff == pytest.approx(p.flops() / 812e6)
+    fb, ff = w.floors_us()
+    assert fb > ff and fb == pytest.approx(w.min_bytes() / 4.56e6)
+
+
+def test_pages_and_sets():
+    w = W.BY_NAME["draft_extend_q4_b64_l4096"]
+    assert w.pages_per_request(16) == 257 and w.num_pages(1) == 64 * 4100
+    small = W.BY_NAME["decode_b1_l4096"]
+    n = W.num_sets(small.min_bytes(), 60 << 20, 20)
+    assert n * small.min_bytes() > 3 * (60 << 20) and n <= 20
+    assert W.num_sets(W.BY_NAME["decode_b64_l4096"].min_bytes(), 60 << 20, 20) == 2
+
+
+def test_select_and_windows():
+    assert [w.name for w in W.select(["decode"])][:2] == ["decode_b64_l4096", "decode_b16_l32768"]
+    assert [w.name for w in W.select(["*_b64_*"])] == [
+        "decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "draft_extend_q4_b64_l4096"]
+    assert len(W.select([])) == 10
+    with pytest.raises(ValueError):
+        W.select(["nope"])
+    assert W.check_windows(W.BY_NAME["decode_b1_l4096"]) == [(0, 0, 1)]
+    assert W.check_windows(W.BY_NAME["prefill_b2_l8192"]) == [
+        (0, 0, 32), (0, 8128, 8192), (1, 0, 32), (1, 8128, 8192)]
+
+
+def test_cli_help_and_list(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    assert cli.main(["--list"]) == 0
+    assert "prefill_b2_l8192" in capsys.readouterr().out
+
+
+def _fake_results():
+    rows = []
+    design = {"decode_b64_l4096": (4.33, 4.46, 2.72), "prefill_b4_l4096": (516, 610, 323)}
+    for name, (fi, cudnn, flash) in design.items():
+        w = W.BY_NAME[name]
+        for ps in W.PAGE_SIZES:
+            cell = lambda v: {"status": "ok", "value": v, "time_us": 1.0, "err": 3e-3}
+            rows.append({"workload": name, "page_size": ps, "kind": w.kind, "metric": w.metric,
+                         "impls": {"ours": cell(0.9 * fi), "sdpa_cudnn": cell(cudnn),
+                                   "sdpa_flash": {"status": "error", "error": "x"}, "flashinfer": cell(fi)},
+                         "ours_frac_ceiling": 0.5, "ours_over_flashinfer": 0.9})
+    return {"rows": rows, "date": "2026-01-01", "machine": {"gpu": "fake"}, "shape": {"H_kv": 8},
+            "ceilings": {}, "ceilings_used": {"read_tbps": 4.56, "gemm_tflops": 812.0}}
+
+
+def test_table_marks():
+    res = _fake_results()
+    res["rows"][0]["impls"]["ours"]["status"] = "FAIL"
+    text = report.table(res["rows"])
+    assert "FAIL" in text and "n/a" in text and "decode_b64_l4096" in text
+    assert "ceilings" in report.legend(res)
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import plot
+
+    path = plot.plot(_fake_results(), str(tmp_path / "bench.png"))
+    assert path and (tmp_path / "bench.png").stat().st_size > 1000
