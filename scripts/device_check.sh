@@ -7,6 +7,7 @@ OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
 what=${1:-all}; kexpr=${2:-}
+t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
 summary=$OUT/summary.txt; : > "$summary"
 
 if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer carried as an archive (scripts/pack_flashinfer.sh)
@@ -20,16 +21,24 @@ fi
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
   start=$(date +%s)
-  python3 -m pytest -q -x -p no:cacheprovider tests ${kexpr:+-k "$kexpr"} -rs --durations=15 \
+  export CUPY_FA_REPORT=$OUT/modes.jsonl; : > "$CUPY_FA_REPORT"
+  python3 -c 'import cupy_fa; print("compiled", cupy_fa.warmup(), "kernel variants")'  # once, before the workers
+  python3 -m pytest -q -p no:cacheprovider -n 8 tests ${kexpr:+-k "$kexpr"} -rs --durations=10 \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
   echo "pytest: $(tail -n 1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)" >> "$summary"
+  python3 scripts/modes_table.py "$CUPY_FA_REPORT" >> "$summary"
 fi
 if [ "$what" = all ] || [ "$what" = demo ]; then
   python3 -m cupy_fa.demo 2>&1 | tee "$OUT/demo.log"
   echo "demo:" >> "$summary"; sed -n '/^== summary/,$p' "$OUT/demo.log" >> "$summary"
 fi
+if [ "$what" = all ] || [ "$what" = engine ]; then
+  python3 examples/engine.py 2>&1 | tee "$OUT/engine.log"
+  echo "engine (examples/engine.py, exit $?):" >> "$summary"; tail -n 25 "$OUT/engine.log" >> "$summary"
+fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  python3 -m bench --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+  left=$(( limit - ($(date +%s) - t0) - 20 ))
+  python3 -m bench --out "$OUT" --budget $(( left > 60 ? left : 60 )) ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   echo "bench (last table):" >> "$summary"; tail -n 40 "$OUT/bench.log" >> "$summary"
 fi
 echo; echo "================ device_check summary ================"; cat "$summary"
