@@ -11,8 +11,10 @@ knows kernels exist as text.
   and reports registers and spills; CI compiles every variant that way.
 
 Environment knobs (all of them):
-  ``CUPY_FA_ARCH``       target instead of the device's, e.g. ``sm_90a`` or ``sm_80``.
-  ``CUPY_FA_CACHE_DIR``  kernel cache directory (default: CuPy's, ``CUPY_CACHE_DIR``).
+  ``CUPY_FA_ARCH``            target instead of the device's, e.g. ``sm_90a`` or ``sm_80``.
+  ``CUPY_FA_CACHE_DIR``       kernel cache directory (default: CuPy's, ``CUPY_CACHE_DIR``).
+  ``CUPY_FA_DECODE_STAGES``   cp.async pipeline depth of the decode-like tiles (default 2; tuning).
+  ``CUPY_FA_MIN_SPLIT_KEYS``  fewest keys in one KV split (default 512; tuning, see cupy_fa/plan.py).
 """
 
 import dataclasses
@@ -49,7 +51,8 @@ def source_hash():
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 HEAD_DIMS = (64, 128, 256)
 WARP_LAYOUTS = ((1, 4), (2, 2), (4, 1))  # (warps over query rows, warps over keys)
-STAGES = 2
+STAGE_CHOICES = (2, 3, 4)                 # cp.async pipeline depths a decode-like tile may use
+SMEM_LIMIT = 227 * 1024                   # dynamic shared memory per CTA on sm_90 (and 163 KB on sm_80: see fits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,7 @@ class TileShape:
     head_dim: int
     warps_m: int
     warps_n: int
+    stages: int = 2
 
     @property
     def block_m(self):
@@ -77,23 +81,32 @@ class TileShape:
 
     @property
     def smem_bytes(self):
-        return 2 * self.head_dim * (self.block_m + 2 * STAGES * self.block_n)
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
+
+    @property
+    def fits(self):
+        return self.smem_bytes <= SMEM_LIMIT
 
 
 def tile_for(head_dim, max_rows_per_request):
     """Warp layout for a batch whose requests have at most this many packed
     (query token x head-in-group) rows: decode-like batches spread warps over
-    keys, prefill-like ones over query rows."""
-    if max_rows_per_request <= 16:
-        return TileShape(head_dim, 1, 4)
-    if max_rows_per_request <= 32:
-        return TileShape(head_dim, 2, 2)
-    return TileShape(head_dim, 4, 1)
+    keys (and may pipeline deeper: memory-bound), prefill-like ones over query rows."""
+    if max_rows_per_request > 32:
+        return TileShape(head_dim, 4, 1)
+    warps_m = 1 if max_rows_per_request <= 16 else 2
+    stages = int(os.environ.get("CUPY_FA_DECODE_STAGES", "2"))
+    if stages not in STAGE_CHOICES:
+        raise ValueError(f"CUPY_FA_DECODE_STAGES must be one of {STAGE_CHOICES}, got {stages}")
+    tile = TileShape(head_dim, warps_m, 4 // warps_m, stages)
+    while not tile.fits:  # deepest pipeline that fits this head dim
+        tile = dataclasses.replace(tile, stages=tile.stages - 1)
+    return tile
 
 
 def attention_variant(dtype_name, tile):
     expr = (f"cupy_fa::attention_kernel<{CTYPES[dtype_name]}, cupy_fa::TileTraits<"
-            f"{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, {STAGES}>>")
+            f"{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, {tile.stages}>>")
     return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes)
 
 
@@ -116,7 +129,10 @@ def all_variants():
         for head_dim in HEAD_DIMS:
             out.append(merge_variant(dtype_name, head_dim))
             for warps_m, warps_n in WARP_LAYOUTS:
-                out.append(attention_variant(dtype_name, TileShape(head_dim, warps_m, warps_n)))
+                for stages in (STAGE_CHOICES if warps_m < 4 else (2,)):
+                    tile = TileShape(head_dim, warps_m, warps_n, stages)
+                    if tile.fits:
+                        out.append(attention_variant(dtype_name, tile))
     return out
 
 

@@ -37,6 +37,8 @@ class _PlanState:
     host_page_table: object    # numpy, for validation against the cache in run(); None if device-planned
     host_q_lens: object
     host_kv_lens: object
+    stream_ptr: int            # stream the metadata was written on
+    done: object               # event after the plan kernel (None if planned inside a capture)
     checked_geometry: set = dataclasses.field(default_factory=set)
 
 
@@ -145,17 +147,18 @@ class BatchAttention:
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             live = q_host > 0
             may_split = bool(np.any((q_host[live] <= _plan.SPLIT_ROW_BUDGET // 2)
-                                    & (kv_host[live] > _plan.MIN_SPLIT_KEYS)))
+                                    & (kv_host[live] > _plan.min_split_keys())))
         else:
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
-            may_split = kv_bound > _plan.MIN_SPLIT_KEYS
+            may_split = kv_bound > _plan.min_split_keys()
 
         with stream:
             self._copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev)
             _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
+        done = None if stream_capturing else stream.record()
         self._plan = _PlanState(batch, num_tokens, tile, work_grid, may_split, mask_mode, float(sm_scale),
-                                pt_host, q_host, kv_host)
+                                pt_host, q_host, kv_host, stream.ptr, done)
         return self
 
     def _mask_input(self, custom_mask, stream):
@@ -242,6 +245,8 @@ class BatchAttention:
                 if capturing:
                     raise ValueError("lse must be given to return it inside a CUDA-graph capture")
                 lse_dev = cupy.empty((num_tokens, self.num_qo_heads), np.float32)
+            if state.done is not None and stream.ptr != state.stream_ptr and not capturing:
+                stream.wait_event(state.done)  # planned on another stream: order after its metadata
             self._launch(state, q_dev, cache, out_dev, lse_dev, num_tokens, stream)
 
         result = out if out is not None else _arrays.to_caller(out_dev, q)

@@ -61,13 +61,15 @@ class PagedKVCache:
                 Host slots are range-checked before anything is written; on a
                 device array (graph replay) negative slots mean "skip" (padding).
         """
-        k_dev = _arrays.to_cupy(k_new, "k_new")
-        v_dev = _arrays.to_cupy(v_new, "v_new")
+        stream = _arrays.caller_stream(k_new, v_new, slots)
+        with stream:  # DLPack exchange on the caller's stream (a capture must see no foreign stream)
+            k_dev = _arrays.to_cupy(k_new, "k_new")
+            v_dev = _arrays.to_cupy(v_new, "v_new")
+            host, dev = _arrays.host_or_device_ints(slots, "slots", 1)
         row = (None, self.num_kv_heads, self.head_dim)
         _arrays.check_device_array(k_dev, "k_new", dtype=self.dtype_name, ndim=3, shape=row, device_id=self.k.device.id)
         _arrays.check_device_array(v_dev, "v_new", dtype=self.dtype_name, shape=k_dev.shape, device_id=self.k.device.id)
         num_tokens = int(k_dev.shape[0])
-        host, dev = _arrays.host_or_device_ints(slots, "slots", 1)
         if host is not None:
             if host.shape[0] != num_tokens:
                 raise ValueError(f"slots has {host.shape[0]} entries, k_new has {num_tokens} tokens")
@@ -77,7 +79,8 @@ class PagedKVCache:
                                  f"(0 <= slot < num_pages * page_size = {self.num_slots})")
             import cupy
 
-            dev = cupy.asarray(host.astype(np.int64))
+            with stream:
+                dev = cupy.asarray(host.astype(np.int64))
         else:
             if dev.shape[0] != num_tokens:
                 raise ValueError(f"slots has {dev.shape[0]} entries, k_new has {num_tokens} tokens")
@@ -93,7 +96,7 @@ class PagedKVCache:
             num_tokens=num_tokens, row_chunks=row_chunks)
         variant = _build.append_variant(dev.dtype)
         blocks = min((num_tokens * row_chunks + variant.threads - 1) // variant.threads, 65535)
-        _build.launch(variant, (blocks,), params, _arrays.caller_stream(k_new, v_new, slots))
+        _build.launch(variant, (blocks,), params, stream)
 
     def __repr__(self):
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "

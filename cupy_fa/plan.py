@@ -7,20 +7,26 @@ CUDA-graph replay run that same kernel, so they cannot drift. The host only
 derives upper bounds (grid sizes) and validates host-side inputs.
 
 Split policy (a function of each request alone, never of its batch): a
-request's keys are cut into splits of at least ``MIN_SPLIT_KEYS`` keys, at most
+request's keys are cut into splits of at least ``min_split_keys()`` keys, at most
 ``MAX_SPLITS`` of them, and ``q_len * splits <= SPLIT_ROW_BUDGET``, which also
 bounds the fp32 partial-result buffer by ``batch_size * SPLIT_ROW_BUDGET`` rows.
 """
 
 import dataclasses
+import os
 
 import numpy as np
 
 from . import _arrays, _build, _params
 
-MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 64
 SPLIT_ROW_BUDGET = 128
+
+
+def min_split_keys():
+    """Fewest keys per split: 512 unless CUPY_FA_MIN_SPLIT_KEYS says otherwise (tuning)."""
+    return int(os.environ.get("CUPY_FA_MIN_SPLIT_KEYS", "512"))
+
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
 
@@ -77,7 +83,7 @@ class PlanBuffers:
             num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
-            block_m=tile.block_m, block_n=tile.block_n, min_split_keys=MIN_SPLIT_KEYS,
+            block_m=tile.block_m, block_n=tile.block_n, min_split_keys=min_split_keys(),
             max_splits=MAX_SPLITS, split_row_budget=SPLIT_ROW_BUDGET)
 
 
@@ -124,7 +130,7 @@ def work_bound(q_lens, kv_lens, group_size, tile):
     kv = kv_lens[q_lens > 0]
     row_blocks = -(-(q * group_size) // tile.block_m)
     splits = np.minimum(np.maximum(1, SPLIT_ROW_BUDGET // q), MAX_SPLITS)
-    splits = np.maximum(1, np.minimum(splits, -(-kv // MIN_SPLIT_KEYS)))
+    splits = np.maximum(1, np.minimum(splits, -(-kv // min_split_keys())))
     return int((row_blocks * splits).sum())
 
 
@@ -137,7 +143,7 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
     max_q_len = max(1, min(max_q_len, t))
     q = np.arange(1, max_q_len + 1)
     splits = np.maximum(1, np.minimum(np.minimum(np.maximum(1, SPLIT_ROW_BUDGET // q), MAX_SPLITS),
-                                      -(-max(max_kv_len, 1) // MIN_SPLIT_KEYS)))
+                                      -(-max(max_kv_len, 1) // min_split_keys())))
     per_request = int((-(-(q * group_size) // tile.block_m) * splits).max())
     # a batch can't hold more than b requests, nor more tokens than t
     loose = b * (SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1) \

@@ -6,6 +6,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2  # 8 pytest workers share 16 cores
 what=${1:-all}; kexpr=${2:-}
 t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
 summary=$OUT/summary.txt; : > "$summary"
@@ -17,12 +18,12 @@ fi
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c 'import cupy, numpy, torch; print("cupy", cupy.__version__, "numpy", numpy.__version__, "torch", torch.__version__)'
-} 2>&1 | tee "$OUT/env.txt"
+} 2>&1 | tee -a "$summary"
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
   start=$(date +%s)
-  export CUPY_FA_REPORT=$OUT/modes.jsonl; : > "$CUPY_FA_REPORT"
-  python3 -c 'import cupy_fa; print("compiled", cupy_fa.warmup(), "kernel variants")'  # once, before the workers
+  export CUPY_FA_REPORT=/tmp/modes.jsonl; : > "$CUPY_FA_REPORT"
+  python3 scripts/warm_cache.py  # every variant into the disk cache once, 8 processes, before the workers
   python3 -m pytest -q -p no:cacheprovider -n 8 tests ${kexpr:+-k "$kexpr"} -rs --durations=10 \
     --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
   echo "pytest: $(tail -n 1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)" >> "$summary"
@@ -37,6 +38,10 @@ if [ "$what" = all ] || [ "$what" = engine ]; then
   echo "engine (examples/engine.py, exit $?):" >> "$summary"; tail -n 25 "$OUT/engine.log" >> "$summary"
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
+  bash scripts/ab_decode.sh /tmp/best_knobs.sh 2>&1 | tee /tmp/ab.log
+  echo "decode knob A/B (ours only):" >> "$summary"; cat /tmp/ab.log >> "$summary"
+  [ -f /tmp/best_knobs.sh ] && . /tmp/best_knobs.sh
+  echo "main bench with CUPY_FA_DECODE_STAGES=${CUPY_FA_DECODE_STAGES:-2} CUPY_FA_MIN_SPLIT_KEYS=${CUPY_FA_MIN_SPLIT_KEYS:-512}" >> "$summary"
   left=$(( limit - ($(date +%s) - t0) - 20 ))
   python3 -m bench --out "$OUT" --budget $(( left > 60 ? left : 60 )) ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   echo "bench (last table):" >> "$summary"; tail -n 40 "$OUT/bench.log" >> "$summary"

@@ -43,6 +43,11 @@ class Engine:
     def add(self, rid):
         self.pages[rid], self.length[rid] = [], 0
 
+    def commit(self, rids, new_lens):
+        """The step is done: its tokens are now part of each request's prefix."""
+        for rid, n in zip(rids, new_lens):
+            self.length[rid] += int(n)
+
     def write(self, rids, new_lens):
         """Writes K/V of the new tokens (positions length .. length+new-1) of each request."""
         import cupy
@@ -127,15 +132,17 @@ def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size):
     from cupy_fa import reference
 
     rng, seed = new_rng()
-    engine = Engine(rng, dtype, heads, head_dim, page_size, num_pages=(9000 // page_size) + 64)
+    engine = Engine(rng, dtype, heads, head_dim, page_size, num_pages=(12000 // page_size) + 64)
     max_pages = -(-2600 // page_size)
     runner = cupy_fa.GraphRunner(heads[0], heads[1], head_dim, dtype, max_batch_size=8, max_q_len=MAX_Q,
                                  max_pages_per_request=max_pages, page_size=page_size, tree_mask=True)
     for rid in range(7):
         engine.add(rid)
     # long prefixes from the start so split-KV and the merge are exercised too
-    engine.write(list(range(5)), [int(rng.integers(0, 1500)) for _ in range(5)])
-    engine.write([5, 6], [0, 700])
+    for rids, lens in ((list(range(5)), [int(rng.integers(0, 1500)) for _ in range(5)]), ([5, 6], [0, 700])):
+        engine.write(rids, lens)
+        engine.commit(rids, lens)
+    assert max(engine.length.values()) > 512
     for mode, rids, extra in schedule(rng):
         q_lens, kv_lens = step_lengths(rng, engine, mode, rids)
         new = q_lens
@@ -169,8 +176,7 @@ def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size):
                    page=page_size, heads=heads, d=head_dim)
             assert err < TOL[dtype], f"seed {seed} {mode.name} {path}: error {err:.2e}"
         assert np.array_equal(eager.view(np.uint16), graph.view(np.uint16)), f"{mode.name}: eager != graph bits"
-        for rid, n in zip(rids, new):
-            engine.length[rid] += int(n)
+        engine.commit(rids, new)
     # buckets 1, 2, 4 and 8 were all captured, once per mode
     assert runner.num_graphs >= 8
 
@@ -192,6 +198,7 @@ def test_draft_extend_v2_prefix_only_extent_is_caught(use_graph):
     for rid in rids:
         engine.add(rid)
     engine.write(rids, [300, 57, 900])
+    engine.commit(rids, [300, 57, 900])
     prefix = np.array([engine.length[r] for r in rids])
     right_q, right_kv = contract_lengths(M.DRAFT_EXTEND_V2, prefix_lens=prefix, num_draft_tokens=N_DRAFT)
     sg_q, sg_kv = from_sglang(M.DRAFT_EXTEND_V2, prefix + N_DRAFT, num_draft_tokens=N_DRAFT)

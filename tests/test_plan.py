@@ -16,7 +16,7 @@ def model(q_lens, kv_lens, group, tile):
         work = partial = 0
         if q > 0:
             cap = min(plan.MAX_SPLITS, max(1, plan.SPLIT_ROW_BUDGET // q))
-            splits = max(1, min(cap, -(-kv // plan.MIN_SPLIT_KEYS)))
+            splits = max(1, min(cap, -(-kv // plan.min_split_keys())))
             keys = -(-kv // splits)
             keys = -(-keys // tile.block_n) * tile.block_n
             splits = max(1, -(-kv // keys))
