@@ -5,10 +5,6 @@ speculative decoding, padding of graph-mode batches -- against transformers. The
 ``run_all`` runs with the cupy_fa backend on a GPU in tests/test_engine_gpu.py.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 try:
@@ -17,19 +13,7 @@ try:
 except ImportError:
     pytest.skip("torch or transformers not installed", allow_module_level=True)
 
-ENGINE_PATH = Path(__file__).resolve().parents[1] / "examples" / "engine.py"
-
-
-def load_engine():
-    """Import examples/engine.py by path (a top-level name 'examples' may belong to another package)."""
-    name = "cupy_fa_example_engine"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ENGINE_PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
+from example_engine import load_engine
 
 engine = load_engine()
 

@@ -1,23 +1,9 @@
 """The example engine (examples/engine.py) on the GPU through cupy_fa: greedy vs
 transformers, speculative == greedy, graphs on == off."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-ENGINE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "engine.py")
-
-
-def load_engine():
-    name = "cupy_fa_example_engine"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ENGINE_PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from example_engine import load_engine
 
 
 @pytest.mark.gpu
