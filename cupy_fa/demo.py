@@ -117,7 +117,12 @@ def perf_table(rng):
         us = _graph_time_us(lambda: attn.run(q, cache, out=out))
         kv_bytes = 2 * batch * kv_len * 8 * 128 * 2
         flops = 4 * batch * 32 * 128 * (q_len * kv_len - (q_len * (q_len - 1) // 2 if causal else 0))
-        metric = (lambda t: f"{flops / t / 1e6:7.1f} TFLOP/s") if q_len > 8 else (lambda t: f"{kv_bytes / t / 1e6:7.2f} TB/s")
+        if q_len > 8:
+            def metric(t):
+                return f"{flops / t / 1e6:7.1f} TFLOP/s"
+        else:
+            def metric(t):
+                return f"{kv_bytes / t / 1e6:7.2f} TB/s"
         peer = {}
         if torch is not None:
             qt = torch.randn(batch, 32, q_len, 128, device="cuda", dtype=torch.bfloat16)
@@ -134,14 +139,17 @@ def perf_table(rng):
                         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         ts = []
                         for _ in range(20):
-                            s.record(); call(); e.record(); e.synchronize()
+                            s.record()
+                            call()
+                            e.record()
+                            e.synchronize()
                             ts.append(s.elapsed_time(e) * 1000)
                         peer[label] = metric(float(np.median(ts)))
                 except Exception as exc:  # a backend that refuses the shape
                     peer[label] = f"n/a ({type(exc).__name__})"
         rows.append((name, f"{us:8.1f}", metric(us), peer.get("cuDNN", "n/a"), peer.get("flash", "n/a")))
-        del cache
-    print(f"\n{'workload (bf16, 32/8 heads, D128, page 16)':44s} {'us':>8s} {'cupy_fa':>16s} {'SDPA cuDNN':>16s} {'SDPA flash':>16s}")
+    print(f"\n{'workload (bf16, 32/8 heads, D128, page 16)':44s} {'us':>8s} {'cupy_fa':>16s} "
+          f"{'SDPA cuDNN':>16s} {'SDPA flash':>16s}")
     for r in rows:
         print(f"{r[0]:44s} {r[1]:>8s} {r[2]:>16s} {r[3]:>16s} {r[4]:>16s}")
     return rows

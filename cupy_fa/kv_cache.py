@@ -22,7 +22,8 @@ class PagedKVCache:
         k_dev = _arrays.to_cupy(k, "k")
         v_dev = _arrays.to_cupy(v, "v")
         if k_dev.ndim != 4:
-            raise ValueError(f"k must be [num_pages, page_size, num_kv_heads, head_dim], got shape {tuple(k_dev.shape)}")
+            raise ValueError(f"k must be [num_pages, page_size, num_kv_heads, head_dim], "
+                             f"got shape {tuple(k_dev.shape)}")
         self.dtype_name = _arrays.resolve_dtype(k_dev.dtype, "k.dtype")
         _arrays.check_device_array(k_dev, "k")
         _arrays.check_device_array(v_dev, "v", dtype=self.dtype_name, shape=k_dev.shape, device_id=k_dev.device.id)

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from . import _arrays, _build, _params
+from . import _build, _params
 
 MAX_SPLITS = 64
 SPLIT_ROW_BUDGET = 128

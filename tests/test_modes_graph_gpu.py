@@ -26,7 +26,6 @@ class Engine:
     pages are handed out from a shuffled free list (so requests interleave)."""
 
     def __init__(self, rng, dtype, heads, head_dim, page_size, num_pages=600):
-        import cupy
         import cupy_fa
         from cupy_fa import _arrays
 
@@ -265,7 +264,8 @@ def test_inside_torch_cuda_graph():
         ql = np.full(batch, 4)
         kl = rng.integers(4, max_pages * page_size, size=batch)
         pages = rng.permutation(200)[:batch * max_pages].reshape(batch, max_pages)
-        q_lens.zero_(); kv_lens.zero_()
+        q_lens.zero_()
+        kv_lens.zero_()
         q_lens[:batch] = torch.from_numpy(ql).to(torch.int32)
         kv_lens[:batch] = torch.from_numpy(kl).to(torch.int32)
         table[:batch] = torch.from_numpy(pages).to(torch.int32)
