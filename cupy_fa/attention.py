@@ -158,7 +158,7 @@ class BatchAttention:
             _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
         done = None if stream_capturing else stream.record()
         self._plan = _PlanState(batch, num_tokens, tile, work_grid, may_split, mask_mode, float(sm_scale),
-                                pt_host, q_host, kv_host, stream.ptr, done)
+                                pt_host if on_host else None, q_host, kv_host, stream.ptr, done)
         return self
 
     def _mask_input(self, custom_mask, stream):
