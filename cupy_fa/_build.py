@@ -231,17 +231,15 @@ def launch(variant, grid, params, stream):
 
 
 def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
-    """Compiles (or loads from the disk cache) every variant for these dtypes and
-    head dims on the current device, so no compile happens inside a step or a
-    graph capture."""
-    wanted = []
-    for variant in all_variants():
-        if variant.source == "attention.cu":
-            if not any(CTYPES[d] in variant.expression for d in dtypes):
-                continue
-            if not any(re.search(rf"[<, ]{hd}[,>]", variant.expression) for hd in head_dims):
-                continue
-        wanted.append(variant)
+    """Compiles (or loads from the disk cache) every variant that plans with these
+    dtypes and head dims can select under the current knobs, on the current
+    device, so no compile happens inside a step or a graph capture."""
+    wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
+    for dtype_name in dtypes:
+        for head_dim in head_dims:
+            wanted.append(merge_variant(dtype_name, head_dim))
+            for rows in (16, 32, 33):  # one per warp layout tile_for can pick
+                wanted.append(attention_variant(dtype_name, tile_for(head_dim, rows)))
     for variant in wanted:
         get_function(variant)
     return len(wanted)

@@ -107,7 +107,7 @@ class GraphRunner:
         stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table)
         with stream:
             q_dev = _arrays.to_cupy(q, "q")
-            batch, host = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache)
+            batch = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache)
         num_tokens = int(q_dev.shape[0])
         if batch == 0 or num_tokens == 0:  # IDLE, or an all-padding step: nothing to launch
             return self._result(num_tokens, q, return_lse)
@@ -138,7 +138,7 @@ class GraphRunner:
         _arrays.check_device_array(q_dev, "q", dtype=attn.dtype_name, ndim=3,
                                    shape=(None, attn.num_qo_heads, attn.head_dim))
         if mode is ForwardMode.IDLE:
-            return 0, True
+            return 0
         q_host = _arrays.host_or_device_ints(q_lens, "q_lens", 1)[0] if isinstance(q_lens, np.ndarray) else None
         kv_host = _arrays.host_or_device_ints(kv_lens, "kv_lens", 1)[0] if isinstance(kv_lens, np.ndarray) else None
         batch = len(q_lens)
@@ -156,7 +156,7 @@ class GraphRunner:
                 raise ValueError(f"q has {q_dev.shape[0]} tokens, sum(q_lens) is {int(q_host.sum())}")
             if isinstance(page_table, np.ndarray):
                 _plan.validate_page_table(page_table, kv_host, q_host, cache.page_size, cache.num_pages)
-        return batch, q_host is not None
+        return batch
 
     def _stage(self, bucket, batch, q_dev, q_lens, kv_lens, page_table, custom_mask):
         """Copies the step's inputs into the static buffers; rows batch..bucket become padding."""

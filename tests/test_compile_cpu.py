@@ -39,3 +39,15 @@ def test_source_hash_tracks_kernel_files(tmp_path, monkeypatch):
     _build.source_hash.cache_clear()
     assert _build.source_hash() != first
     _build.source_hash.cache_clear()
+
+
+@pytest.mark.parametrize("stages", _build.STAGE_CHOICES)
+def test_every_selectable_tile_is_compiled_in_ci(stages, monkeypatch):
+    """Whatever tile_for can pick (any knob value, any batch shape) is among the variants CI compiles."""
+    monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
+    compiled = set(_build.all_variants())
+    for dtype in _build.CTYPES:
+        for head_dim in _build.HEAD_DIMS:
+            for rows in (1, 4, 16, 17, 32, 33, 4096):
+                variant = _build.attention_variant(dtype, _build.tile_for(head_dim, rows))
+                assert variant in compiled, variant.expression
