@@ -104,12 +104,14 @@ def tile_for(head_dim, max_rows_per_request):
     return tile
 
 
+@functools.lru_cache(maxsize=None)
 def attention_variant(dtype_name, tile):
     expr = (f"cupy_fa::attention_kernel<{CTYPES[dtype_name]}, cupy_fa::TileTraits<"
             f"{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, {tile.stages}>>")
     return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes)
 
 
+@functools.lru_cache(maxsize=None)
 def merge_variant(dtype_name, head_dim):
     return Variant("attention.cu", f"cupy_fa::merge_kernel<{CTYPES[dtype_name]}, {head_dim}>", head_dim // 4)
 

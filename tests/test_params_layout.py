@@ -45,3 +45,18 @@ def test_make_rejects_missing_and_unknown_fields():
         _params.make("MergeParams", bogus=1, **fields)
     record = _params.make("MergeParams", **fields)
     assert record.dtype.itemsize == _params.DTYPES["MergeParams"].itemsize
+
+
+def test_make_matches_fieldwise_assignment():
+    rng = np.random.default_rng()
+    for name, dtype in _params.DTYPES.items():
+        values = {}
+        for field in dtype.names:
+            if field == "pad_":
+                continue
+            kind = dtype.fields[field][0]
+            values[field] = float(rng.random()) if kind.kind == "f" else int(rng.integers(0, 2**31))
+        expected = np.zeros((), dtype)
+        for field, value in values.items():
+            expected[field] = value
+        assert _params.make(name, **values).tobytes() == expected.tobytes(), name
