@@ -109,9 +109,11 @@ def caller_stream(*arrays):
     return cupy.cuda.get_current_stream()
 
 
-def check_device_array(x, name, *, dtype=None, ndim=None, shape=None, device_id=None):
+def check_device_array(x, name, *, dtype=None, ndim=None, shape=None, device_id=None, align=16):
     """Validates a CuPy view: dtype, rank, shape (None entries are free),
-    C-contiguity and device. Raises naming the argument."""
+    C-contiguity, device and base-pointer alignment (the kernels move 16-byte
+    vectors; a misaligned view would fault and kill the CUDA context). Raises
+    naming the argument."""
     if dtype is not None and x.dtype != DTYPES.get(dtype, dtype):
         raise TypeError(f"{name} must have dtype {dtype}, got {dtype_name(x.dtype)}")
     if ndim is not None and x.ndim != ndim:
@@ -123,6 +125,9 @@ def check_device_array(x, name, *, dtype=None, ndim=None, shape=None, device_id=
                                  f"(axis {axis} must be {want})")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (got strides {x.strides})")
+    if align and x.size and x.data.ptr % align:
+        raise ValueError(f"{name} must start on a {align}-byte boundary (got address {x.data.ptr:#x}: "
+                         f"a view at an odd offset into a larger array?)")
     if device_id is not None and x.device.id != device_id:
         raise ValueError(f"{name} is on device {x.device.id}, expected device {device_id} like the other inputs")
     return x

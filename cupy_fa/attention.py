@@ -37,6 +37,7 @@ class _PlanState:
     host_page_table: object    # numpy, for validation against the cache in run(); None if device-planned
     host_q_lens: object
     host_kv_lens: object
+    page_table_columns: int
     stream_ptr: int            # stream the metadata was written on
     done: object               # event after the plan kernel (None if planned inside a capture)
     checked_geometry: set = dataclasses.field(default_factory=set)
@@ -72,6 +73,7 @@ class BatchAttention:
         if any(v is not None for v in given) and not self._fixed_capacity:
             raise ValueError("give all of max_batch_size, max_num_tokens, max_pages_per_request, or none")
         self._buffers = None
+        self._retired = []  # outgrown buffers, kept alive (see _ensure_capacity)
         self._plan = None
         if self._fixed_capacity:
             self._buffers = _plan.PlanBuffers(
@@ -139,8 +141,9 @@ class BatchAttention:
         if stream is None:
             stream = _arrays.caller_stream()
         stream_capturing = stream.is_capturing()
-        self._ensure_capacity(batch, num_tokens if num_tokens is not None else 0, pt_shape[1],
-                              mask_bytes if custom_mask is not None else 0, stream_capturing)
+        with stream:  # allocations (and their memsets) ordered with the copies below
+            self._ensure_capacity(batch, num_tokens if num_tokens is not None else batch * max_q, pt_shape[1],
+                                  mask_bytes if custom_mask is not None else 0, stream_capturing)
         buffers = self._buffers
         tile = _build.tile_for(self.head_dim, max(max_q, 1) * self.group_size)
         if on_host:
@@ -158,7 +161,7 @@ class BatchAttention:
             _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
         done = None if stream_capturing else stream.record()
         self._plan = _PlanState(batch, num_tokens, tile, work_grid, may_split, mask_mode, float(sm_scale),
-                                pt_host if on_host else None, q_host, kv_host, stream.ptr, done)
+                                pt_host if on_host else None, q_host, kv_host, int(pt_shape[1]), stream.ptr, done)
         return self
 
     def _mask_input(self, custom_mask, stream):
@@ -182,6 +185,10 @@ class BatchAttention:
             raise ValueError(f"step (batch {batch}, tokens {tokens}, page-table columns {pages}, mask bytes "
                              f"{mask_bytes}) exceeds the capacity {cap} this BatchAttention was built with")
         base = buffers.capacity if buffers is not None else _plan.Capacity(1, 1, 1, 0)
+        if buffers is not None:
+            # a graph captured earlier (or a run still in flight on another stream) may read
+            # the old buffers: keep them alive rather than hand their memory back
+            self._retired.append(buffers)
         self._buffers = _plan.PlanBuffers(base.grown_to(batch, tokens, pages, mask_bytes),
                                           self.num_qo_heads, self.head_dim)
 
@@ -269,15 +276,20 @@ class BatchAttention:
             raise ValueError(f"q has {q_dev.shape[0]} tokens, more than max_num_tokens "
                              f"{self._buffers.capacity.max_num_tokens}")
         if out_dev is not None:
-            _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, shape=q_dev.shape, device_id=device)
+            _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, shape=q_dev.shape, device_id=device,
+                                       align=8)
             if out_dev.ndim != 3:
                 raise ValueError(f"out must have shape {tuple(q_dev.shape)}, got {tuple(out_dev.shape)}")
         if lse_dev is not None:
-            _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2,
+            _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2, align=4,
                                        shape=(q_dev.shape[0], h), device_id=device)
         geometry = (cache.page_size, cache.num_pages)
-        if state.host_page_table is not None and geometry not in state.checked_geometry:
-            _plan.validate_page_table(state.host_page_table, state.host_kv_lens, state.host_q_lens, *geometry)
+        if state.host_q_lens is not None and geometry not in state.checked_geometry:
+            if state.host_page_table is not None:
+                _plan.validate_page_table(state.host_page_table, state.host_kv_lens, state.host_q_lens, *geometry)
+            else:  # device page table: its ids can't be read without a sync, its width can
+                _plan.validate_page_table_width(state.page_table_columns, state.host_kv_lens, state.host_q_lens,
+                                                cache.page_size)
             state.checked_geometry.add(geometry)
 
     def _launch(self, state, q_dev, cache, out_dev, lse_dev, num_tokens, stream):
@@ -316,4 +328,12 @@ class BatchAttention:
     def status(self):
         """Reads the device status word (syncs): 0 if the last plan's device-side
         lengths were valid, else 1 + index of a request with q_len > kv_len."""
-        return int(self._buffers.status.get()[0]) if self._buffers is not None else 0
+        if self._buffers is None:
+            return 0
+        if self._plan is not None and self._plan.done is not None:
+            self._plan.done.synchronize()  # the plan kernel may have run on another stream
+        else:
+            import cupy
+
+            cupy.cuda.Device().synchronize()
+        return int(self._buffers.status.get()[0])

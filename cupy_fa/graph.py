@@ -107,7 +107,7 @@ class GraphRunner:
         stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table)
         with stream:
             q_dev = _arrays.to_cupy(q, "q")
-            batch = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache)
+            batch = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask)
         num_tokens = int(q_dev.shape[0])
         if batch == 0 or num_tokens == 0:  # IDLE, or an all-padding step: nothing to launch
             return self._result(num_tokens, q, return_lse)
@@ -133,9 +133,9 @@ class GraphRunner:
     def _max_q(self, mode):
         return 1 if mode is ForwardMode.DECODE else self.max_q_len
 
-    def _check_step(self, mode, q_dev, q_lens, kv_lens, page_table, cache):
+    def _check_step(self, mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask):
         attn = self.attn
-        _arrays.check_device_array(q_dev, "q", dtype=attn.dtype_name, ndim=3,
+        _arrays.check_device_array(q_dev, "q", dtype=attn.dtype_name, ndim=3, align=0,  # copied, any alignment
                                    shape=(None, attn.num_qo_heads, attn.head_dim))
         if mode is ForwardMode.IDLE:
             return 0
@@ -156,6 +156,11 @@ class GraphRunner:
                 raise ValueError(f"q has {q_dev.shape[0]} tokens, sum(q_lens) is {int(q_host.sum())}")
             if isinstance(page_table, np.ndarray):
                 _plan.validate_page_table(page_table, kv_host, q_host, cache.page_size, cache.num_pages)
+            else:
+                _plan.validate_page_table_width(pages, kv_host, q_host, cache.page_size)
+            if custom_mask is not None and int(np.prod(custom_mask.shape)) != int((q_host ** 2).sum()):
+                raise ValueError(f"custom_mask has {int(np.prod(custom_mask.shape))} entries, expected "
+                                 f"sum(q_lens**2) = {int((q_host ** 2).sum())}")
         return batch
 
     def _stage(self, bucket, batch, q_dev, q_lens, kv_lens, page_table, custom_mask):

@@ -87,7 +87,7 @@ class PagedKVCache:
                 raise ValueError(f"slots has {dev.shape[0]} entries, k_new has {num_tokens} tokens")
             if dev.dtype not in (np.int32, np.int64):
                 raise TypeError(f"slots must be int32 or int64, got {dev.dtype}")
-            _arrays.check_device_array(dev, "slots", device_id=self.k.device.id)
+            _arrays.check_device_array(dev, "slots", device_id=self.k.device.id, align=dev.itemsize)
         if num_tokens == 0:
             return
         row_chunks = self.num_kv_heads * self.head_dim // 8

@@ -25,7 +25,10 @@ SPLIT_ROW_BUDGET = 128
 
 def min_split_keys():
     """Fewest keys per split: 512 unless CUPY_FA_MIN_SPLIT_KEYS says otherwise (tuning)."""
-    return int(os.environ.get("CUPY_FA_MIN_SPLIT_KEYS", "512"))
+    keys = int(os.environ.get("CUPY_FA_MIN_SPLIT_KEYS", "512"))
+    if keys < 1:
+        raise ValueError(f"CUPY_FA_MIN_SPLIT_KEYS must be a positive number of keys, got {keys}")
+    return keys
 
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
@@ -107,14 +110,20 @@ def validate_lengths(q_lens, kv_lens):
                          f"AFTER this step's K/V were written, so it is at least q_len")
 
 
-def validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages):
-    """Every live request's table row covers kv_len and names pages of the cache."""
+def validate_page_table_width(columns, kv_lens, q_lens, page_size):
+    """Every live request's kv_len fits in `columns` pages of the table."""
     needed = -(-kv_lens // page_size)  # ceil
     live = q_lens > 0
-    if live.any() and needed[live].max() > page_table.shape[1]:
-        b = int(np.flatnonzero(live & (needed > page_table.shape[1]))[0])
-        raise ValueError(f"page_table has {page_table.shape[1]} columns but request {b} needs {needed[b]} pages "
+    if live.any() and needed[live].max() > columns:
+        b = int(np.flatnonzero(live & (needed > columns))[0])
+        raise ValueError(f"page_table has {columns} columns but request {b} needs {needed[b]} pages "
                          f"for kv_len {kv_lens[b]} at page_size {page_size}")
+    return needed, live
+
+
+def validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages):
+    """Every live request's table row covers kv_len and names pages of the cache."""
+    needed, live = validate_page_table_width(page_table.shape[1], kv_lens, q_lens, page_size)
     for b in np.flatnonzero(live):
         row = page_table[b, :needed[b]]
         bad = np.flatnonzero((row < 0) | (row >= num_pages))

@@ -22,7 +22,7 @@ struct PlanParams {
   int* split_keys;            // [B]   keys per split of request b (multiple of block_n)
   int* partial_indptr;        // [B+1] exclusive scan of q_len x num_splits when num_splits > 1
   int* mask_indptr;           // [B+1] exclusive scan of q_len^2 (custom-mask offsets)
-  int* status;                // [1]   0 = ok, else first bad request index + 1
+  int* status;                // [1]   0 = ok, else 1 + index of the first request with q_len > kv_len
   int batch_size;
   int group_size;             // H_q / H_kv
   int block_m;                // packed (token, head) rows per tile

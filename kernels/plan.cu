@@ -59,29 +59,31 @@ __device__ __forceinline__ void split_schedule(const PlanParams& p, int q_len, i
   splits = max(1, (kv_len + keys - 1) / keys);
 }
 
+constexpr int kNoError = 0x7fffffff;  // status while no bad row was seen (atomicMin keeps the first)
+
 extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constant__ PlanParams p) {
   Counts carry{0, 0, 0, 0};
-  if (threadIdx.x == 0) p.status[0] = 0;
+  if (threadIdx.x == 0) p.status[0] = kNoError;
+  __syncthreads();
   for (int base = 0; base < p.batch_size; base += kPlanThreads) {
     const int b = base + threadIdx.x;
     Counts mine{0, 0, 0, 0};
     int splits = 0, keys = 0;
     if (b < p.batch_size) {
-      int q_len = p.q_lens[b], kv_len = p.kv_lens[b];
-      if (q_len < 0 || q_len > kv_len) {
+      const int q_tokens = max(p.q_lens[b], 0), kv_len = p.kv_lens[b];
+      // The caller laid out q, out and the mask with these tokens: they keep their
+      // place in the offsets even when the row itself is refused below.
+      mine.q = q_tokens;
+      mine.mask = q_tokens * q_tokens;
+      if (p.q_lens[b] < 0 || q_tokens > kv_len) {
         // Contract broken on the device path (host inputs are validated before
-        // launch): record it and treat the row as padding rather than read
-        // outside the request.
-        atomicCAS(p.status, 0, b + 1);
-        q_len = 0;
-      }
-      if (q_len > 0) {
-        split_schedule(p, q_len, kv_len, splits, keys);
-        int row_blocks = (q_len * p.group_size + p.block_m - 1) / p.block_m;
-        mine.q = q_len;
+        // launch): record it and give the row no work rather than read outside it.
+        atomicMin(p.status, b + 1);
+      } else if (q_tokens > 0) {
+        split_schedule(p, q_tokens, kv_len, splits, keys);
+        int row_blocks = (q_tokens * p.group_size + p.block_m - 1) / p.block_m;
         mine.work = row_blocks * splits;
-        mine.partial = splits > 1 ? q_len * splits : 0;
-        mine.mask = q_len * q_len;
+        mine.partial = splits > 1 ? q_tokens * splits : 0;
       }
     }
     Counts total;
@@ -98,7 +100,9 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
     }
     carry = carry + total;
   }
+  __syncthreads();  // every atomicMin above is done
   if (threadIdx.x == 0) {
+    atomicCAS(p.status, kNoError, 0);
     p.q_indptr[p.batch_size] = carry.q;
     p.work_indptr[p.batch_size] = carry.work;
     p.partial_indptr[p.batch_size] = carry.partial;

@@ -99,3 +99,10 @@ def test_device_plan_flags_broken_contract():
     attn.plan(cupy.array([2, 5], np.int32), cupy.array([9, 3], np.int32), cupy.zeros((2, 4), np.int32), max_q_len=8)
     assert attn.status() == 2
     assert attn._buffers.work_indptr[2].get() == attn._buffers.work_indptr[1].get()
+    # a refused row keeps its tokens in the offsets: the rows after it still find their q and out
+    attn.plan(cupy.array([5, 2, 1, 3], np.int32), cupy.array([3, 9, 0, 3], np.int32), cupy.zeros((4, 4), np.int32),
+              max_q_len=8)
+    assert attn.status() == 1  # the first bad row, even with two
+    assert attn._buffers.q_indptr[:5].get().tolist() == [0, 5, 7, 8, 11]
+    work = attn._buffers.work_indptr[:5].get()
+    assert work[1] == 0 and work[2] > 0 and work[3] == work[2] and work[4] > work[3]

@@ -61,3 +61,15 @@ def test_page_table_validation_logic():
         plan.validate_page_table(table, np.array([40, 17]), np.array([1, 1]), 16, 4)
     # padded rows (q_len = 0) are not checked: their table rows are never read
     plan.validate_page_table(table, np.array([40, 17]), np.array([0, 1]), 16, 4)
+
+
+def test_page_table_width_and_split_knob(monkeypatch):
+    from cupy_fa import plan
+
+    # host lengths with a device page table: only the width can be checked, and it is
+    with pytest.raises(ValueError, match="has 2 columns but request 0 needs 7 pages"):
+        plan.validate_page_table_width(2, np.array([100]), np.array([1]), 16)
+    plan.validate_page_table_width(7, np.array([100]), np.array([1]), 16)
+    monkeypatch.setenv("CUPY_FA_MIN_SPLIT_KEYS", "0")
+    with pytest.raises(ValueError, match="CUPY_FA_MIN_SPLIT_KEYS"):
+        plan.min_split_keys()
