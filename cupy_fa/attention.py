@@ -141,9 +141,13 @@ class BatchAttention:
         if stream is None:
             stream = _arrays.caller_stream()
         stream_capturing = stream.is_capturing()
+        if num_tokens is not None:
+            tokens_needed = num_tokens
+        else:  # device lengths: an auto-sized instance grows to the bound; a fixed one checks q in run()
+            tokens_needed = 0 if self._fixed_capacity else batch * max_q
         with stream:  # allocations (and their memsets) ordered with the copies below
-            self._ensure_capacity(batch, num_tokens if num_tokens is not None else batch * max_q, pt_shape[1],
-                                  mask_bytes if custom_mask is not None else 0, stream_capturing)
+            self._ensure_capacity(batch, tokens_needed, pt_shape[1], mask_bytes if custom_mask is not None else 0,
+                                  stream_capturing)
         buffers = self._buffers
         tile = _build.tile_for(self.head_dim, max(max_q, 1) * self.group_size)
         if on_host:
