@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: environment, GPU test suite, demo, benchmarks.
-# Usage on the device machine, from the repo root:  bash scripts/device_check.sh [all|tests|demo|engine|bench] [pytest -k expr]
+# Usage on the device machine, from the repo root:  bash scripts/device_check.sh [all|tests|demo|engine|bench|ab] [pytest -k expr]
 # Knobs: CHECK_SECONDS (whole call, default 560), TEST_SECONDS (pytest, default 300), BENCH_ARGS.
 # Logs go under $OUT (or ./device_out); the summary table is printed last.
 set -uo pipefail
@@ -41,11 +41,10 @@ if [ "$what" = all ] || [ "$what" = engine ]; then
   python3 examples/engine.py 2>&1 | tee "$OUT/engine.log"
   echo "engine (examples/engine.py, exit $?):" >> "$summary"; tail -n 25 "$OUT/engine.log" >> "$summary"
 fi
+if [ "$what" = ab ]; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
+  bash scripts/ab_decode.sh /tmp/best_knobs.sh 2>&1 | tee -a "$summary"
+fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  bash scripts/ab_decode.sh /tmp/best_knobs.sh 2>&1 | tee /tmp/ab.log
-  echo "decode knob A/B (ours only):" >> "$summary"; cat /tmp/ab.log >> "$summary"
-  [ -f /tmp/best_knobs.sh ] && . /tmp/best_knobs.sh
-  echo "main bench with CUPY_FA_DECODE_STAGES=${CUPY_FA_DECODE_STAGES:-2} CUPY_FA_MIN_SPLIT_KEYS=${CUPY_FA_MIN_SPLIT_KEYS:-512}" >> "$summary"
   left=$(( limit - ($(date +%s) - t0) - 20 ))
   python3 -m bench --out "$OUT" --budget $(( left > 60 ? left : 60 )) ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   echo "bench (last table):" >> "$summary"; tail -n 40 "$OUT/bench.log" >> "$summary"
