@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import math
 import sys
 import time
@@ -66,51 +65,45 @@ import time
 import numpy as np
 import torch
 
+from cupy_fa.modes import ForwardMode, contract_lengths
+
 # --------------------------------------------------------------------------------------------
 # Forward modes and the one place where a mode becomes (q_len, kv_len)
 # --------------------------------------------------------------------------------------------
 
 
-class Mode(enum.Enum):
-    """The forward modes this engine uses (same names as ``cupy_fa.ForwardMode``)."""
-
-    EXTEND = "extend"
-    DECODE = "decode"
-    TARGET_VERIFY = "target_verify"
-    DRAFT_EXTEND_V2 = "draft_extend_v2"
-
+# The engine's modes are cupy_fa's: the contract lives in one documented place, cupy_fa/modes.py.
+Mode = ForwardMode
 
 # Modes with a fixed q_len per request: these run as CUDA graphs, one per padded batch size.
 GRAPH_MODES = (Mode.DECODE, Mode.TARGET_VERIFY, Mode.DRAFT_EXTEND_V2)
 
 
 def mode_lengths(mode: Mode, seq_len: int, cached: int, window: int) -> tuple[int, int]:
-    """(q_len, kv_len) of one request for one forward step: the contract of DESIGN.md section 2.
+    """(q_len, kv_len) of one request for one forward step, through ``cupy_fa.contract_lengths``.
 
     ``seq_len`` is the length of the token sequence the model has seen once this step is done
     (its last token is the last query of the step), ``cached`` the number of leading tokens whose
     K/V that model's cache already holds (a shared prefix, or 0, for EXTEND), ``window`` is
-    W = num_draft + 1. kv_len is always "valid K/V tokens AFTER this step's write", so it is the
-    sequence length in every mode; the modes differ only in how many trailing tokens are queries:
+    W = num_draft + 1. What this engine feeds per mode (P = tokens cached before the step):
 
-    ==================  ============  ============  ================  =============================
-    mode                q_len         kv_len        sglang seq_lens   here
-    ==================  ============  ============  ================  =============================
-    EXTEND              seq - P       seq = P + C   P + C             prompt (+ first token, draft)
-    DECODE              1             P + 1         P + 1             pending token / last draft
-    TARGET_VERIFY       W             P + W         P (prefix only)   [x0, d1 .. dS]
-    DRAFT_EXTEND_V2     W (fixed)     P + W         P + W (bumped)    last W accepted tokens
-    ==================  ============  ============  ================  =============================
+    ==================  ============  ============  =============================
+    mode                q_len         kv_len        tokens fed
+    ==================  ============  ============  =============================
+    EXTEND              seq - P       seq           prompt (+ first token, draft)
+    DECODE              1             P + 1         pending token / last draft
+    TARGET_VERIFY       W             P + W         [x0, d1 .. dS]
+    DRAFT_EXTEND_V2     W (fixed)     P + W         last W accepted tokens
+    ==================  ============  ============  =============================
     """
     if mode is Mode.EXTEND:
-        q_len = seq_len - cached
+        q_len, kv_len = contract_lengths(mode, prefix_lens=cached, new_lens=seq_len - cached)
     elif mode is Mode.DECODE:
-        q_len = 1
+        q_len, kv_len = contract_lengths(mode, prefix_lens=seq_len - 1)
     elif mode in (Mode.TARGET_VERIFY, Mode.DRAFT_EXTEND_V2):
-        q_len = window
+        q_len, kv_len = contract_lengths(mode, prefix_lens=seq_len - window, num_draft_tokens=window)
     else:
         raise ValueError(f"mode {mode} is not used by this engine")
-    kv_len = seq_len
     if not 1 <= q_len <= kv_len:
         raise ValueError(f"{mode.name}: q_len {q_len} kv_len {kv_len} breaks 1 <= q_len <= kv_len")
     return q_len, kv_len
