@@ -153,12 +153,11 @@ class BatchAttention:
         if on_host:
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             live = q_host > 0
-            may_split = bool(np.any((q_host[live] <= _plan.SPLIT_ROW_BUDGET // 2)
-                                    & (kv_host[live] > _plan.min_split_keys())))
+            may_split = bool(np.any(_plan.max_splits(q_host[live], kv_host[live]) > 1))
         else:
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
-            may_split = kv_bound > _plan.min_split_keys()
+            may_split = bool(_plan.max_splits(1, kv_bound) > 1)
 
         with stream:
             self._copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev)

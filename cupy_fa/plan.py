@@ -132,15 +132,21 @@ def validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages):
                              f"(0 <= page < num_pages = {num_pages})")
 
 
+def max_splits(q_lens, kv_lens):
+    """Upper bound on each request's split count under the policy that
+    kernels/plan.cu applies (its rounding of the split size only lowers it).
+    The host uses it for grid sizes and to know whether a merge can be needed;
+    the schedule itself is only ever computed on the device."""
+    q = np.maximum(np.asarray(q_lens), 1)
+    cap = np.minimum(np.maximum(1, SPLIT_ROW_BUDGET // q), MAX_SPLITS)
+    return np.maximum(1, np.minimum(cap, -(-np.maximum(np.asarray(kv_lens), 1) // min_split_keys())))
+
+
 def work_bound(q_lens, kv_lens, group_size, tile):
-    """Upper bound on the attention kernel's work items for these host lengths
-    (each request's split count is capped by the same policy constants)."""
-    q = q_lens[q_lens > 0]
-    kv = kv_lens[q_lens > 0]
-    row_blocks = -(-(q * group_size) // tile.block_m)
-    splits = np.minimum(np.maximum(1, SPLIT_ROW_BUDGET // q), MAX_SPLITS)
-    splits = np.maximum(1, np.minimum(splits, -(-kv // min_split_keys())))
-    return int((row_blocks * splits).sum())
+    """Upper bound on the attention kernel's work items for these host lengths."""
+    live = q_lens > 0
+    row_blocks = -(-(q_lens[live] * group_size) // tile.block_m)
+    return int((row_blocks * max_splits(q_lens[live], kv_lens[live])).sum())
 
 
 def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
@@ -151,8 +157,7 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
     b, t = capacity.max_batch_size, capacity.max_num_tokens
     max_q_len = max(1, min(max_q_len, t))
     q = np.arange(1, max_q_len + 1)
-    splits = np.maximum(1, np.minimum(np.minimum(np.maximum(1, SPLIT_ROW_BUDGET // q), MAX_SPLITS),
-                                      -(-max(max_kv_len, 1) // min_split_keys())))
+    splits = max_splits(q, np.full_like(q, max_kv_len))
     per_request = int((-(-(q * group_size) // tile.block_m) * splits).max())
     # a batch can't hold more than b requests, nor more tokens than t
     loose = b * (SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1) \
