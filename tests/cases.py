@@ -78,3 +78,19 @@ def fill_cache(rng, cache_shape, dtype, page_table, kv_lens, page_size):
     k[~valid] = np.nan
     v[~valid] = np.nan
     return k.astype(dtype), v.astype(dtype)
+
+
+def tree_masks(rng, q_lens):
+    """Random draft trees for tree verify: draft i sees itself and its ancestor chain.
+    Returns one bool [q, q] mask per request."""
+    masks = []
+    for q in q_lens:
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, q)]
+        m = np.zeros((q, q), bool)
+        for i in range(q):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = parent[j]
+        masks.append(m)
+    return masks

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cases import TOL, fill_cache, new_rng, paged_layout, random_lengths
+from cases import TOL, fill_cache, new_rng, paged_layout, random_lengths, tree_masks
 
 pytestmark = pytest.mark.gpu
 
@@ -90,15 +90,7 @@ def test_custom_mask_tree(dtype):
     rng, _ = new_rng()
     q_lens = np.array([5, 8, 3])
     kv_lens = np.array([700, 9, 3000])
-    masks = []
-    for q in q_lens:  # random tree: each draft sees itself and a random ancestor chain
-        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, q)]
-        m = np.zeros((q, q), bool)
-        for i in range(q):
-            j = i
-            while j >= 0:
-                m[i, j] = True; j = parent[j]
-        masks.append(m)
+    masks = tree_masks(rng, q_lens)
     flat = np.concatenate([m.ravel() for m in masks])
     for page_size in (1, 16):
         run_case(rng, dtype, (16, 2), 128, page_size, True, (q_lens, kv_lens), custom_mask=flat)

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from cases import TOL, new_rng
+from cases import TOL, new_rng, tree_masks
 
 from cupy_fa.modes import ForwardMode, contract_lengths, from_sglang
 
@@ -74,20 +74,6 @@ class Engine:
         return self.rng.standard_normal((total, self.h_q, self.d), dtype=np.float32).astype(self.dtype)
 
 
-def tree_masks(rng, q_lens):
-    masks = []
-    for q in q_lens:
-        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, q)]
-        m = np.zeros((q, q), bool)
-        for i in range(q):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = parent[j]
-        masks.append(m.ravel())
-    return np.concatenate(masks)
-
-
 N_DRAFT = 4
 MAX_Q = 16
 
@@ -149,7 +135,7 @@ def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size):
         table = engine.table(rids, max_pages)
         total = int(np.sum(q_lens))
         q = cupy.asarray(engine.queries(total))
-        mask = tree_masks(rng, q_lens) if extra == "tree" else None
+        mask = np.concatenate([m.ravel() for m in tree_masks(rng, q_lens)]) if extra == "tree" else None
         eager = runner.run(mode, q, engine.cache, q_lens, kv_lens, table, custom_mask=mask, use_graph=False).copy()
         # replay: device inputs, no host sync allowed (first use of a bucket captures outside this block)
         args = (mode, q, engine.cache, cupy.asarray(q_lens, np.int32), cupy.asarray(kv_lens, np.int32),
