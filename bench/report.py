@@ -38,6 +38,7 @@ def machine_info(flashinfer_version=None) -> dict:
         "python": sys.version.split()[0],
         "host": platform.node(),
         "flashinfer": flashinfer_version,
+        "knobs": {k: v for k, v in os.environ.items() if k.startswith("CUPY_FA_")},  # tuning settings in force
     }
     try:
         import torch

@@ -14,7 +14,8 @@ Environment knobs (all of them):
   ``CUPY_FA_ARCH``            target instead of the device's, e.g. ``sm_90a`` or ``sm_80``.
   ``CUPY_FA_CACHE_DIR``       kernel cache directory (default: CuPy's, ``CUPY_CACHE_DIR``).
   ``CUPY_FA_DECODE_STAGES``   cp.async pipeline depth of the decode-like tiles (default 2; tuning).
-  ``CUPY_FA_MIN_SPLIT_KEYS``  fewest keys in one KV split (default 512; tuning, see cupy_fa/plan.py).
+  ``CUPY_FA_DECODE_WARPS_M``  2: decode-like tiles always have two rows of warps (default 1; tuning).
+  ``CUPY_FA_SPLIT_SIZE``      keys per split of small-q requests (default 512; tuning, see cupy_fa/plan.py).
 """
 
 import dataclasses
@@ -50,7 +51,8 @@ def source_hash():
 
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 HEAD_DIMS = (64, 128, 256)
-WARP_LAYOUTS = ((1, 4), (2, 2), (4, 1))  # (warps over query rows, warps over keys)
+WARP_LAYOUTS = ((1, 4), (2, 4), (4, 1))  # (warps over query rows, warps over keys)
+SMALL_Q_LEN = 16  # batches with q_len <= this are decode-like: the small-q tile and fixed-position splits
 STAGE_CHOICES = (2, 3, 4)                 # cp.async pipeline depths a decode-like tile may use
 SMEM_LIMIT = 227 * 1024                   # dynamic shared memory per CTA on sm_90 (and 163 KB on sm_80: see fits)
 
@@ -88,17 +90,24 @@ class TileShape:
         return self.smem_bytes <= SMEM_LIMIT
 
 
-def tile_for(head_dim, max_rows_per_request):
-    """Warp layout for a batch whose requests have at most this many packed
-    (query token x head-in-group) rows: decode-like batches spread warps over
-    keys (and may pipeline deeper: memory-bound), prefill-like ones over query rows."""
-    if max_rows_per_request > 32:
+def tile_for(head_dim, max_q_len, group_size):
+    """Tile for a batch whose longest request has ``max_q_len`` query tokens.
+
+    Decode-like batches (``max_q_len <= SMALL_Q_LEN``) spread 4 warps over the keys
+    of each 64-key tile (memory-bound: few rows, many keys; may pipeline deeper),
+    with a second row of warps when a request packs more than 16 (token x
+    head-in-group) rows; they all share (BLOCK_N, WARPS_N), which with the
+    fixed split positions keeps decode and verify of a token bit-identical.
+    Prefill-like batches put 4 warps over query rows."""
+    if max_q_len > SMALL_Q_LEN:
         return TileShape(head_dim, 4, 1)
-    warps_m = 1 if max_rows_per_request <= 16 else 2
+    warps_m = 1 if max(max_q_len, 1) * group_size <= 16 else 2
+    if os.environ.get("CUPY_FA_DECODE_WARPS_M", "1") == "2":  # tuning: a second (loading-only) warp row
+        warps_m = 2
     stages = int(os.environ.get("CUPY_FA_DECODE_STAGES", "2"))
     if stages not in STAGE_CHOICES:
         raise ValueError(f"CUPY_FA_DECODE_STAGES must be one of {STAGE_CHOICES}, got {stages}")
-    tile = TileShape(head_dim, warps_m, 4 // warps_m, stages)
+    tile = TileShape(head_dim, warps_m, 4, stages)
     while not tile.fits:  # deepest pipeline that fits this head dim
         tile = dataclasses.replace(tile, stages=tile.stages - 1)
     return tile
@@ -240,8 +249,8 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
     for dtype_name in dtypes:
         for head_dim in head_dims:
             wanted.append(merge_variant(dtype_name, head_dim))
-            for rows in (16, 32, 33):  # one per warp layout tile_for can pick
-                wanted.append(attention_variant(dtype_name, tile_for(head_dim, rows)))
+            for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
+                wanted.append(attention_variant(dtype_name, tile_for(head_dim, max_q_len, group)))
     for variant in wanted:
         get_function(variant)
     return len(wanted)

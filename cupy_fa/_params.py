@@ -17,7 +17,8 @@ _FIELDS = {
         ("num_splits", _PTR), ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
         ("status", _PTR),
         ("batch_size", np.int32), ("group_size", np.int32), ("block_m", np.int32), ("block_n", np.int32),
-        ("min_split_keys", np.int32), ("max_splits", np.int32), ("split_row_budget", np.int32),
+        ("split_size", np.int32), ("max_splits", np.int32), ("small_q_len", np.int32),
+        ("split_row_budget", np.int32), ("partial_capacity", np.int32),
     ],
     "AttentionParams": [
         ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("out", _PTR), ("lse", _PTR),
@@ -26,7 +27,7 @@ _FIELDS = {
         ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
         ("batch_size", np.int32), ("page_size", np.int32), ("page_table_stride", np.int32),
         ("num_qo_heads", np.int32), ("num_kv_heads", np.int32), ("mask_mode", np.int32),
-        ("sm_scale_log2", np.float32), ("pad_", np.int32),
+        ("sm_scale_log2", np.float32), ("page_shift", np.int32),
     ],
     "MergeParams": [
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),
@@ -42,7 +43,7 @@ _FIELDS = {
 DTYPES = {name: np.dtype(fields, align=True) for name, fields in _FIELDS.items()}
 
 
-_REQUIRED = {name: frozenset(dtype.names) - {"pad_"} for name, dtype in DTYPES.items()}
+_REQUIRED = {name: frozenset(dtype.names) for name, dtype in DTYPES.items()}
 
 
 def make(struct_name, **values):

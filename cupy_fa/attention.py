@@ -25,6 +25,11 @@ from .kv_cache import PagedKVCache
 _LOG2E = 1.4426950408889634
 
 
+def _page_shift(page_size):
+    """log2(page_size) for a power of two (the kernel shifts), else -1 (it divides)."""
+    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+
+
 @dataclasses.dataclass
 class _PlanState:
     batch_size: int
@@ -149,7 +154,7 @@ class BatchAttention:
             self._ensure_capacity(batch, tokens_needed, pt_shape[1], mask_bytes if custom_mask is not None else 0,
                                   stream_capturing)
         buffers = self._buffers
-        tile = _build.tile_for(self.head_dim, max(max_q, 1) * self.group_size)
+        tile = _build.tile_for(self.head_dim, max_q, self.group_size)
         if on_host:
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             live = q_host > 0
@@ -311,9 +316,10 @@ class BatchAttention:
             batch_size=state.batch_size, page_size=cache.page_size,
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
-            sm_scale_log2=state.sm_scale * _LOG2E)
+            sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size))
+        # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
         _build.launch(_build.attention_variant(self.dtype_name, state.tile),
-                      (state.work_grid, self.num_kv_heads), params, stream)
+                      (state.work_grid * self.num_kv_heads,), params, stream)
         if state.may_split:
             merge = _params.make(
                 "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,

@@ -6,10 +6,17 @@ copied into buffers allocated once for a capacity. Eager ``plan()`` and a
 CUDA-graph replay run that same kernel, so they cannot drift. The host only
 derives upper bounds (grid sizes) and validates host-side inputs.
 
-Split policy (a function of each request alone, never of its batch): a
-request's keys are cut into splits of at least ``min_split_keys()`` keys, at most
-``MAX_SPLITS`` of them, and ``q_len * splits <= SPLIT_ROW_BUDGET``, which also
-bounds the fp32 partial-result buffer by ``batch_size * SPLIT_ROW_BUDGET`` rows.
+Split policy (kernels/plan.cu; a function of each request alone unless the
+batch overflows the partial buffer):
+
+* Small-q requests (``q_len <= SMALL_Q_LEN``: decode, verify, draft extend) are
+  cut at the fixed key positions 0, S, 2S, ... with ``S = split_size()``, up to
+  ``MAX_SPLITS`` splits (longer requests get longer, equal splits). A query's
+  split boundaries then never depend on q_len, kv_len or the batch, so decode
+  and verify of the same token give bit-identical outputs (batch invariance).
+* Longer requests split only while ``q_len * splits <= SPLIT_ROW_BUDGET``.
+* The fp32 partial buffers hold ``partial_rows(...)`` rows; a batch that would
+  need more caps every request at an equal share (the only batch dependence).
 """
 
 import dataclasses
@@ -19,16 +26,24 @@ import numpy as np
 
 from . import _build, _params
 
-MAX_SPLITS = 64
+MAX_SPLITS = 256
 SPLIT_ROW_BUDGET = 128
+SMALL_Q_LEN = _build.SMALL_Q_LEN
+PARTIAL_WORKSPACE_BYTES = 128 << 20  # fp32 partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
 
 
-def min_split_keys():
-    """Fewest keys per split: 512 unless CUPY_FA_MIN_SPLIT_KEYS says otherwise (tuning)."""
-    keys = int(os.environ.get("CUPY_FA_MIN_SPLIT_KEYS", "512"))
-    if keys < 1:
-        raise ValueError(f"CUPY_FA_MIN_SPLIT_KEYS must be a positive number of keys, got {keys}")
+def split_size():
+    """S, the keys per split of small-q requests: 512 unless CUPY_FA_SPLIT_SIZE says
+    otherwise (tuning; a multiple of 64, the decode tile's keys per KV tile)."""
+    keys = int(os.environ.get("CUPY_FA_SPLIT_SIZE", "512"))
+    if keys < 64 or keys % 64:
+        raise ValueError(f"CUPY_FA_SPLIT_SIZE must be a positive multiple of 64 keys, got {keys}")
     return keys
+
+
+def partial_rows(max_batch_size, num_qo_heads, head_dim):
+    """Rows of the fp32 partial buffers for a capacity (see the module docstring)."""
+    return max(max_batch_size * SPLIT_ROW_BUDGET, PARTIAL_WORKSPACE_BYTES // (4 * num_qo_heads * (head_dim + 1)))
 
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
@@ -75,9 +90,9 @@ class PlanBuffers:
         self.num_splits = cupy.zeros(b, i32)
         self.split_keys = cupy.zeros(b, i32)
         self.status = cupy.zeros(1, i32)
-        partial_rows = b * SPLIT_ROW_BUDGET
-        self.partial_out = cupy.empty((partial_rows, num_qo_heads, head_dim), np.float32)
-        self.partial_lse = cupy.empty((partial_rows, num_qo_heads), np.float32)
+        rows = partial_rows(b, num_qo_heads, head_dim)
+        self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), np.float32)
+        self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
 
     def plan_params(self, batch_size, group_size, tile):
         return _params.make(
@@ -86,8 +101,9 @@ class PlanBuffers:
             num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
-            block_m=tile.block_m, block_n=tile.block_n, min_split_keys=min_split_keys(),
-            max_splits=MAX_SPLITS, split_row_budget=SPLIT_ROW_BUDGET)
+            block_m=tile.block_m, block_n=tile.block_n, split_size=split_size(), max_splits=MAX_SPLITS,
+            small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET,
+            partial_capacity=self.partial_out.shape[0])
 
 
 # ---- host-side checks and bounds ----------------------------------------------------
@@ -134,12 +150,13 @@ def validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages):
 
 def max_splits(q_lens, kv_lens):
     """Upper bound on each request's split count under the policy that
-    kernels/plan.cu applies (its rounding of the split size only lowers it).
+    kernels/plan.cu applies (its overflow cap and rounding only lower it).
     The host uses it for grid sizes and to know whether a merge can be needed;
     the schedule itself is only ever computed on the device."""
     q = np.maximum(np.asarray(q_lens), 1)
-    cap = np.minimum(np.maximum(1, SPLIT_ROW_BUDGET // q), MAX_SPLITS)
-    return np.maximum(1, np.minimum(cap, -(-np.maximum(np.asarray(kv_lens), 1) // min_split_keys())))
+    splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size())
+    splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
+    return np.maximum(1, np.minimum(splits, MAX_SPLITS))
 
 
 def work_bound(q_lens, kv_lens, group_size, tile):
@@ -159,9 +176,12 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
     q = np.arange(1, max_q_len + 1)
     splits = max_splits(q, np.full_like(q, max_kv_len))
     per_request = int((-(-(q * group_size) // tile.block_m) * splits).max())
-    # a batch can't hold more than b requests, nor more tokens than t
-    loose = b * (SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1) \
-        + -(-(min(t, b * max_q_len) * group_size) // tile.block_m) + b
+    # whatever kv_len: small-q requests have few row blocks, longer ones few splits
+    # (row_blocks x splits <= SPLIT_ROW_BUDGET x group / block_m + splits); and a
+    # batch can't hold more than b requests, nor more tokens than t
+    small = -(-(min(max_q_len, SMALL_Q_LEN) * group_size) // tile.block_m) * MAX_SPLITS
+    large = SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1
+    loose = b * max(small, large) + -(-(min(t, b * max_q_len) * group_size) // tile.block_m) + b
     return min(b * per_request, loose)
 
 

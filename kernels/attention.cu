@@ -4,15 +4,24 @@
 // query rows that share that KV head are packed into rows (row = token * G +
 // head_in_group), cut into tiles of kBlockM rows; the request's keys are cut
 // into num_splits[b] contiguous splits. One CTA = one (row tile, split) of one
-// (request, KV head): blockIdx.x indexes the flat work list whose per-request
-// offsets plan_kernel wrote (work_indptr), blockIdx.y is the KV head. Grids are
-// sized by capacity; CTAs past the real work exit at once (graph-safe).
+// (request, KV head). blockIdx.x = work item x H_kv + KV head, heads fastest:
+// the H_kv CTAs that read the same key slots (one 16-byte chunk column each of
+// the same [page, slot, H_kv, D] rows) run side by side, so DRAM sees whole
+// slots rather than one head's slice of each. work_indptr (plan_kernel) gives
+// each request's first work item. Grids are sized by capacity; CTAs past the
+// real work exit at once (graph-safe).
 //
 // Inside a CTA, WARPS_M warps own 16 rows each and WARPS_N warps split every
 // KV tile between them (decode has few rows but many keys, prefill the
 // reverse); the states of the WARPS_N warps are merged in shared memory at the
 // end. A request with one split writes `out` directly; with several, each
 // split writes a normalised fp32 partial and merge_kernel combines them.
+//
+// Batch invariance: a query row's result depends only on the keys it sees,
+// the split boundaries and (BLOCK_N, WARPS_N), never on the other rows of its
+// tile (rows never mix in mma, masked keys add exact zeros, empty splits merge
+// as the exact identity). plan_kernel cuts small-q requests at fixed key
+// positions, so decode and verify of the same token give identical bits.
 #include "common.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
@@ -39,6 +48,14 @@ struct TileTraits {
   static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
   static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
   static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV;
+  // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
+  // flight, so hold the compiler to the CTAs per SM that shared memory allows,
+  // as far as 128 registers per thread can feed them. Prefill tiles keep their
+  // registers (compute-bound, 2 CTAs per SM by shared memory anyway).
+  static constexpr int kCtasBySmem = (227 * 1024) / (kSmemBytes + 1024);
+  static constexpr int kCtasBy128Regs = 65536 / (kThreads * 128);
+  static constexpr int kMinCtasPerSm =
+      (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
 
   static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
@@ -47,7 +64,7 @@ struct TileTraits {
 };
 
 template <typename T, typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int D = Traits::kHeadDim;
   constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN, KW = Traits::kKeysPerWarp;
@@ -62,7 +79,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ float s_max[Traits::kWarps][16], s_sum[Traits::kWarps][16];
 
   // ---- which work item is this CTA --------------------------------------------
-  const int work = blockIdx.x, kv_head = blockIdx.y;
+  const int work = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
   if (work >= __ldg(p.work_indptr + p.batch_size)) return;
   const int b = upper_segment(p.work_indptr, p.batch_size, work);
   const int q_start = __ldg(p.q_indptr + b);
@@ -84,13 +101,18 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
   const int chunk = tid % CH, row_in_pass = tid / CH;
+  // a warp whose 16 rows are all padding (decode in a 2-row-warp tile) only loads
+  const bool warp_has_rows = row0 + wm * 16 < rows;
 
-  // ---- loads: Q once, K/V tiles through a cp.async double buffer ---------------
+  // ---- loads: Q once, K/V tiles through a STAGES-deep cp.async pipeline ----------
+  // Loops run a constant number of times so they unroll: every row's address is
+  // ready before the first cp.async issues, instead of one dependent page-id load
+  // per row in a loop.
   {
     const T* q = static_cast<const T*>(p.q);
 #pragma unroll
-    for (int r = row_in_pass; r < BM; r += STEP) {
-      const int row = row0 + r;
+    for (int i = 0; i < BM / STEP; ++i) {
+      const int r = row_in_pass + i * STEP, row = row0 + r;
       const bool valid = row < rows;
       const T* src = q;
       if (valid) {
@@ -104,27 +126,40 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const i64 slot_stride = (i64)p.num_kv_heads * D;
   const T* k_base = static_cast<const T*>(p.k_cache) + (i64)kv_head * D + chunk * 8;
   const T* v_base = static_cast<const T*>(p.v_cache) + (i64)kv_head * D + chunk * 8;
-  auto load_kv_tile = [&](int tile, int stage) {
+  constexpr int KV_ROWS = BN / STEP;  // key rows this thread copies per tile
+  // Page ids of the next tile to issue, fetched one tile ahead so the page-table
+  // read (an L2 round trip every tile at page size 1) hides behind compute.
+  int pages[KV_ROWS];
+  auto page_of = [&](int key) { return p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size; };
+  auto fetch_pages = [&](int tile) {
+#pragma unroll
+    for (int i = 0; i < KV_ROWS; ++i) {
+      const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
+      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+    }
+  };
+  auto issue_kv_tile = [&](int tile, int stage) {
     T* dk = sK + stage * BN * D;
     T* dv = sV + stage * BN * D;
 #pragma unroll
-    for (int r = row_in_pass; r < BN; r += STEP) {
-      const int key = kv_begin + tile * BN + r;
+    for (int i = 0; i < KV_ROWS; ++i) {
+      const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
       const bool valid = key < kv_end;
-      i64 offset = 0;
-      if (valid) {
-        const int page = __ldg(page_row + key / p.page_size);
-        offset = ((i64)page * p.page_size + key % p.page_size) * slot_stride;
-      }
+      const int slot = pages[i] * p.page_size + (key - page_of(key) * p.page_size);  // < 2^31 cache slots
+      const i64 offset = valid ? (i64)slot * slot_stride : 0;
       cp_async_16(dk + swizzled<D>(r, chunk), k_base + offset, valid);
       cp_async_16(dv + swizzled<D>(r, chunk), v_base + offset, valid);
     }
   };
 
   // prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
+  fetch_pages(0);
 #pragma unroll
   for (int t = 0; t < Traits::kStages - 1; ++t) {
-    if (t < num_tiles) load_kv_tile(t, t);
+    if (t < num_tiles) {
+      issue_kv_tile(t, t);
+      fetch_pages(t + 1);
+    }
     cp_async_commit();
   }
 
@@ -139,101 +174,106 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int stage = tile % Traits::kStages;
     const int ahead = tile + Traits::kStages - 1;  // refills the stage computed last iteration
-    if (ahead < num_tiles) load_kv_tile(ahead, ahead % Traits::kStages);
+    if (ahead < num_tiles) {
+      issue_kv_tile(ahead, ahead % Traits::kStages);
+      fetch_pages(ahead + 1);  // consumed next iteration
+    }
     cp_async_commit();
     cp_async_wait<Traits::kStages - 1>();
     __syncthreads();
 
-    const T* tK = sK + stage * BN * D;
-    const T* tV = sV + stage * BN * D;
+    if (warp_has_rows) {
+      const T* tK = sK + stage * BN * D;
+      const T* tV = sV + stage * BN * D;
 
-    // S = Q K^T for this warp's 16 rows x KW keys
-    float s[S_BLOCKS][4];
+      // S = Q K^T for this warp's 16 rows x KW keys
+      float s[S_BLOCKS][4];
 #pragma unroll
-    for (int i = 0; i < S_BLOCKS; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      for (int i = 0; i < S_BLOCKS; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) {
-      u32 a[4];
-      ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      for (int kk = 0; kk < K_STEPS; ++kk) {
+        u32 a[4];
+        ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
-      for (int nb = 0; nb < S_BLOCKS / 2; ++nb) {
-        u32 kb[4];
-        ldmatrix_x4(kb, tK + swizzled<D>(wn * KW + nb * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                         kk * 2 + ((lane >> 3) & 1)));
-        Mma<T>::run(s[2 * nb], a, kb[0], kb[1]);
-        Mma<T>::run(s[2 * nb + 1], a, kb[2], kb[3]);
-      }
-    }
-
-    // scale into base 2 and mask (only tiles that touch a boundary pay for it)
-    const int tile_key0 = kv_begin + tile * BN;
-    const int tile_last = tile_key0 + BN - 1;
-    const bool need_mask = tile_last >= kv_end || (p.mask_mode == 1 && tile_last > first_query_pos) ||
-                           (p.mask_mode == 2 && tile_last >= prefix);
-#pragma unroll
-    for (int nb = 0; nb < S_BLOCKS; ++nb) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[nb][e] * p.sm_scale_log2;
-        if (need_mask) {
-          const int key = tile_key0 + wn * KW + nb * 8 + tq * 2 + (e & 1);
-          const int row = row0 + wm * 16 + g + ((e >> 1) << 3);
-          bool visible = key < kv_end;
-          if (visible && row < rows) {
-            const int i = row / group;  // query index within the request
-            if (p.mask_mode == 1) {
-              visible = key <= prefix + i;
-            } else if (p.mask_mode == 2 && key >= prefix) {
-              visible = __ldg(p.custom_mask + __ldg(p.mask_indptr + b) + i * q_len + (key - prefix)) != 0;
-            }
-          }
-          if (!visible) v = -INFINITY;
+        for (int nb = 0; nb < S_BLOCKS / 2; ++nb) {
+          u32 kb[4];
+          ldmatrix_x4(kb, tK + swizzled<D>(wn * KW + nb * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                           kk * 2 + ((lane >> 3) & 1)));
+          Mma<T>::run(s[2 * nb], a, kb[0], kb[1]);
+          Mma<T>::run(s[2 * nb + 1], a, kb[2], kb[3]);
         }
-        s[nb][e] = v;
       }
-    }
 
-    // online softmax update, per row half h (rows g and g + 8)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
-#pragma unroll
-      for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float offset = safe_offset(mx);
-      const float correction = rescale_factor(row_max[h], offset);
-      row_max[h] = mx;
-      float sum = 0.f;
+      // scale into base 2 and mask (only tiles that touch a boundary pay for it)
+      const int tile_key0 = kv_begin + tile * BN;
+      const int tile_last = tile_key0 + BN - 1;
+      const bool need_mask = tile_last >= kv_end || (p.mask_mode == 1 && tile_last > first_query_pos) ||
+                             (p.mask_mode == 2 && tile_last >= prefix);
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) {
-        s[nb][2 * h] = exp2f(s[nb][2 * h] - offset);
-        s[nb][2 * h + 1] = exp2f(s[nb][2 * h + 1] - offset);
-        sum += s[nb][2 * h] + s[nb][2 * h + 1];
-      }
-      row_sum[h] = row_sum[h] * correction + sum;
 #pragma unroll
-      for (int db = 0; db < D_BLOCKS; ++db) {
-        acc[db][2 * h] *= correction;
-        acc[db][2 * h + 1] *= correction;
+        for (int e = 0; e < 4; ++e) {
+          float v = s[nb][e] * p.sm_scale_log2;
+          if (need_mask) {
+            const int key = tile_key0 + wn * KW + nb * 8 + tq * 2 + (e & 1);
+            const int row = row0 + wm * 16 + g + ((e >> 1) << 3);
+            bool visible = key < kv_end;
+            if (visible && row < rows) {
+              const int i = row / group;  // query index within the request
+              if (p.mask_mode == 1) {
+                visible = key <= prefix + i;
+              } else if (p.mask_mode == 2 && key >= prefix) {
+                visible = __ldg(p.custom_mask + __ldg(p.mask_indptr + b) + i * q_len + (key - prefix)) != 0;
+              }
+            }
+            if (!visible) v = -INFINITY;
+          }
+          s[nb][e] = v;
+        }
       }
-    }
 
-    // O += P V: the S accumulator layout is exactly the A-operand layout
+      // online softmax update, per row half h (rows g and g + 8)
 #pragma unroll
-    for (int kk = 0; kk < KW / 16; ++kk) {
-      u32 a[4];
-      a[0] = E::pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = E::pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[h];
 #pragma unroll
-      for (int db = 0; db < D_BLOCKS / 2; ++db) {
-        u32 vb[4];
-        ldmatrix_x4_trans(vb, tV + swizzled<D>(wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                               db * 2 + (lane >> 4)));
-        Mma<T>::run(acc[2 * db], a, vb[0], vb[1]);
-        Mma<T>::run(acc[2 * db + 1], a, vb[2], vb[3]);
+        for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float offset = safe_offset(mx);
+        const float correction = rescale_factor(row_max[h], offset);
+        row_max[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < S_BLOCKS; ++nb) {
+          s[nb][2 * h] = exp2f(s[nb][2 * h] - offset);
+          s[nb][2 * h + 1] = exp2f(s[nb][2 * h + 1] - offset);
+          sum += s[nb][2 * h] + s[nb][2 * h + 1];
+        }
+        row_sum[h] = row_sum[h] * correction + sum;
+#pragma unroll
+        for (int db = 0; db < D_BLOCKS; ++db) {
+          acc[db][2 * h] *= correction;
+          acc[db][2 * h + 1] *= correction;
+        }
+      }
+
+      // O += P V: the S accumulator layout is exactly the A-operand layout
+#pragma unroll
+      for (int kk = 0; kk < KW / 16; ++kk) {
+        u32 a[4];
+        a[0] = E::pack(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = E::pack(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int db = 0; db < D_BLOCKS / 2; ++db) {
+          u32 vb[4];
+          ldmatrix_x4_trans(vb, tV + swizzled<D>(wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                                 db * 2 + (lane >> 4)));
+          Mma<T>::run(acc[2 * db], a, vb[0], vb[1]);
+          Mma<T>::run(acc[2 * db + 1], a, vb[2], vb[3]);
+        }
       }
     }
     __syncthreads();  // the next iteration's loads overwrite this stage
@@ -303,37 +343,59 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   }
 }
 
+constexpr int kMergeThreads = 256;
+
 // Combines the splits of each (token, head) of split requests. Grid: (token
-// capacity, H_q), D/4 threads; tokens of unsplit requests exit at once.
+// capacity, H_q), kMergeThreads threads: HEAD_DIM / 4 lanes cover one row
+// (a float4 each) and kMergeThreads / (HEAD_DIM / 4) ways fold every WAYS-th
+// split in parallel, then way 0 folds the ways in order. A split over no
+// visible keys (lse -inf) folds as the exact identity, so extra empty splits
+// never change a row's bits. Tokens of unsplit requests exit at once.
 template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(HEAD_DIM / 4) merge_kernel(const __grid_constant__ MergeParams p) {
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_constant__ MergeParams p) {
   typedef ElemTraits<T> E;
-  const int token = blockIdx.x, head = blockIdx.y, c4 = threadIdx.x;
+  constexpr int LANES = HEAD_DIM / 4, WAYS = kMergeThreads / LANES;
+  __shared__ float s_m[WAYS], s_l[WAYS];
+  __shared__ float4 s_o[WAYS][LANES];
+  const int token = blockIdx.x, head = blockIdx.y;
+  const int c4 = threadIdx.x % LANES, way = threadIdx.x / LANES;
   if (token >= __ldg(p.q_indptr + p.batch_size)) return;
   const int b = upper_segment(p.q_indptr, p.batch_size, token);
   const int splits = __ldg(p.num_splits + b);
   if (splits <= 1) return;
   const i64 prow0 = __ldg(p.partial_indptr + b) + (i64)(token - __ldg(p.q_indptr + b)) * splits;
-  float m_all = -INFINITY;
-  for (int s = 0; s < splits; ++s) m_all = fmaxf(m_all, p.partial_lse[(prow0 + s) * p.num_qo_heads + head]);
-  float l_all = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s = 0; s < splits; ++s) {
+
+  // each split is the state (m = its lse2, l = 1, o = its normalised output)
+  float m = -INFINITY, l = 0.f;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto fold = [&](float m_in, float l_in, float4 o_in) {
+    const float m_new = fmaxf(m, m_in);
+    const float f = rescale_factor(m, m_new), f_in = rescale_factor(m_in, m_new);
+    l = l * f + l_in * f_in;
+    o = make_float4(o.x * f + o_in.x * f_in, o.y * f + o_in.y * f_in, o.z * f + o_in.z * f_in,
+                    o.w * f + o_in.w * f_in);
+    m = m_new;
+  };
+  for (int s = way; s < splits; s += WAYS) {
     const i64 prow = (prow0 + s) * p.num_qo_heads + head;
-    const float f = rescale_factor(p.partial_lse[prow], m_all);  // each split's l is 1 at its own lse2
-    l_all += f;
-    const float4 part = reinterpret_cast<const float4*>(p.partial_out + prow * HEAD_DIM)[c4];
-    o[0] += part.x * f;
-    o[1] += part.y * f;
-    o[2] += part.z * f;
-    o[3] += part.w * f;
+    fold(p.partial_lse[prow], 1.f, reinterpret_cast<const float4*>(p.partial_out + prow * HEAD_DIM)[c4]);
   }
-  const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+  if (c4 == 0) {
+    s_m[way] = m;
+    s_l[way] = l;
+  }
+  s_o[way][c4] = o;
+  __syncthreads();
+  if (way != 0) return;
+  for (int w = 1; w < WAYS; ++w) fold(s_m[w], s_l[w], s_o[w][c4]);
+
+  const float inv = l > 0.f ? 1.f / l : 0.f;
   const i64 o_off = ((i64)token * p.num_qo_heads + head) * HEAD_DIM + c4 * 4;
   uint2 packed;
-  packed.x = E::pack(o[0] * inv, o[1] * inv);
-  packed.y = E::pack(o[2] * inv, o[3] * inv);
+  packed.x = E::pack(o.x * inv, o.y * inv);
+  packed.y = E::pack(o.z * inv, o.w * inv);
   *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + o_off) = packed;
-  if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(m_all, l_all);
+  if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(m, l);
 }
 
 }  // namespace cupy_fa

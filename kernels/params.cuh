@@ -27,9 +27,12 @@ struct PlanParams {
   int group_size;             // H_q / H_kv
   int block_m;                // packed (token, head) rows per tile
   int block_n;                // keys per KV tile
-  int min_split_keys;         // a split never holds fewer keys than this
-  int max_splits;             // nor does a request get more splits than this
-  int split_row_budget;       // q_len x num_splits <= this, so B x budget bounds the partial rows
+  int split_size;             // S: small-q requests split at keys 0, S, 2S, ... (multiple of block_n)
+  int max_splits;             // no request gets more splits than this (then splits grow past S)
+  int small_q_len;            // q_len <= this: split at fixed positions (decode, verify, draft extend)
+  int split_row_budget;       // larger q_len: q_len x num_splits <= this (splitting a prefill buys little)
+  int partial_capacity;       // rows of the fp32 partial buffers; a batch that would need more
+                              // caps every request at partial_capacity / batch_size rows
 };
 
 struct AttentionParams {
@@ -39,7 +42,7 @@ struct AttentionParams {
   void* out;                  // [total_q, H_q, D]
   float* lse;                 // [total_q, H_q] natural log, may be null
   float* partial_out;         // [partial rows, H_q, D] fp32, normalised per split
-  float* partial_lse;         // [partial rows, H_q] natural log
+  float* partial_lse;         // [partial rows, H_q] base-2 lse of each split, -inf if it saw no key
   const int* page_table;      // [B, page_table_stride]
   const unsigned char* custom_mask;  // flat, request b at mask_indptr[b], row-major q_len x q_len
   const int* q_indptr;
@@ -56,7 +59,7 @@ struct AttentionParams {
   int num_kv_heads;
   int mask_mode;              // 0 = none, 1 = causal (bottom-right), 2 = custom among the q_len newest keys
   float sm_scale_log2;        // softmax scale x log2(e): scores live in base 2
-  int pad_;
+  int page_shift;             // log2(page_size) when a power of two (shift, not divide), else -1
 };
 
 struct MergeParams {

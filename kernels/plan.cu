@@ -48,42 +48,88 @@ __device__ Counts block_inclusive_scan(Counts v, Counts& total) {
   return v;
 }
 
-// Split rule, a function of the request alone (never of the batch), so a
-// request's result does not depend on what it is batched with.
-__device__ __forceinline__ void split_schedule(const PlanParams& p, int q_len, int kv_len,
-                                               int& splits, int& keys) {
-  int cap = min(p.max_splits, max(1, p.split_row_budget / max(q_len, 1)));
-  splits = max(1, min(cap, (kv_len + p.min_split_keys - 1) / p.min_split_keys));
-  keys = (kv_len + splits - 1) / splits;
-  keys = ((keys + p.block_n - 1) / p.block_n) * p.block_n;
+// Splits a request would get with the whole partial buffer to itself.
+// Small-q requests (decode, verify, draft extend) cut their keys at the fixed
+// positions 0, S, 2S, ...: a query's split boundaries then depend on neither
+// q_len, kv_len nor the batch, which (with the kernels' exact handling of
+// masked keys and empty splits) makes decode and verify of the same token
+// bit-identical. Longer queries split only while q_len x splits stays within
+// split_row_budget: their row tiles already fill the GPU.
+__device__ __forceinline__ int wanted_splits(const PlanParams& p, int q_len, int kv_len) {
+  int splits = (kv_len + p.split_size - 1) / p.split_size;
+  if (q_len > p.small_q_len) splits = min(splits, max(1, p.split_row_budget / q_len));
+  return max(1, min(splits, p.max_splits));
+}
+
+// Keys per split for at most `cap` splits: S when the cap allows S-sized
+// splits, else the smallest multiple of block_n that needs no more than `cap`.
+__device__ __forceinline__ void split_schedule(const PlanParams& p, int kv_len, int cap, int& splits, int& keys) {
+  keys = max(p.split_size, ((kv_len + cap - 1) / cap + p.block_n - 1) / p.block_n * p.block_n);
   splits = max(1, (kv_len + keys - 1) / keys);
+}
+
+// A request's rows in the partial buffer: q_len per split when it has several.
+__device__ __forceinline__ int partial_rows(int q_len, int splits) { return splits > 1 ? q_len * splits : 0; }
+
+__device__ __forceinline__ bool live_request(const PlanParams& p, int b, int& q_len, int& kv_len) {
+  q_len = max(p.q_lens[b], 0);
+  kv_len = p.kv_lens[b];
+  return p.q_lens[b] >= 0 && q_len <= kv_len && q_len > 0;
+}
+
+__device__ int block_sum(int v) {
+  __shared__ int warp_totals[kPlanThreads / 32];
+  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+  if ((threadIdx.x & 31) == 0) warp_totals[threadIdx.x >> 5] = v;
+  __syncthreads();
+  int total = 0;
+  for (int w = 0; w < kPlanThreads / 32; ++w) total += warp_totals[w];
+  __syncthreads();
+  return total;
 }
 
 constexpr int kNoError = 0x7fffffff;  // status while no bad row was seen (atomicMin keeps the first)
 
 extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constant__ PlanParams p) {
-  Counts carry{0, 0, 0, 0};
   if (threadIdx.x == 0) p.status[0] = kNoError;
-  __syncthreads();
+
+  // Pass 1: partial rows the batch wants. Only when they overflow the buffer is
+  // every request capped at an equal share (results then depend on the batch).
+  int wanted_rows = 0;
+  for (int b = threadIdx.x; b < p.batch_size; b += kPlanThreads) {
+    int q_len, kv_len;
+    if (live_request(p, b, q_len, kv_len)) {
+      int splits, keys;
+      split_schedule(p, kv_len, wanted_splits(p, q_len, kv_len), splits, keys);
+      wanted_rows += partial_rows(q_len, splits);
+    }
+  }
+  const bool overflow = block_sum(wanted_rows) > p.partial_capacity;
+  const int share = max(p.partial_capacity / max(p.batch_size, 1), 1);
+
+  // Pass 2: the schedule and the offsets, 1024 requests at a time.
+  Counts carry{0, 0, 0, 0};
   for (int base = 0; base < p.batch_size; base += kPlanThreads) {
     const int b = base + threadIdx.x;
     Counts mine{0, 0, 0, 0};
     int splits = 0, keys = 0;
     if (b < p.batch_size) {
-      const int q_tokens = max(p.q_lens[b], 0), kv_len = p.kv_lens[b];
+      int q_len, kv_len;
+      const bool live = live_request(p, b, q_len, kv_len);
       // The caller laid out q, out and the mask with these tokens: they keep their
       // place in the offsets even when the row itself is refused below.
-      mine.q = q_tokens;
-      mine.mask = q_tokens * q_tokens;
-      if (p.q_lens[b] < 0 || q_tokens > kv_len) {
+      mine.q = q_len;
+      mine.mask = q_len * q_len;
+      if (p.q_lens[b] < 0 || q_len > kv_len) {
         // Contract broken on the device path (host inputs are validated before
         // launch): record it and give the row no work rather than read outside it.
         atomicMin(p.status, b + 1);
-      } else if (q_tokens > 0) {
-        split_schedule(p, q_tokens, kv_len, splits, keys);
-        int row_blocks = (q_tokens * p.group_size + p.block_m - 1) / p.block_m;
-        mine.work = row_blocks * splits;
-        mine.partial = splits > 1 ? q_tokens * splits : 0;
+      } else if (live) {
+        int cap = wanted_splits(p, q_len, kv_len);
+        if (overflow) cap = min(cap, max(1, share / q_len));
+        split_schedule(p, kv_len, cap, splits, keys);
+        mine.work = (q_len * p.group_size + p.block_m - 1) / p.block_m * splits;
+        mine.partial = partial_rows(q_len, splits);
       }
     }
     Counts total;

@@ -1,31 +1,39 @@
 #!/usr/bin/env bash
-# A/B of the decode tuning knobs in one device call: for each (pipeline stages,
-# min split keys) runs the decode-like bench workloads (ours only, fp64-checked),
-# prints one table, and writes the best setting to $1 (sourced by device_check.sh).
+# A/B of the decode tuning knobs in one device call: for each setting of
+# (CUPY_FA_DECODE_STAGES, CUPY_FA_SPLIT_SIZE, CUPY_FA_DECODE_WARPS_M) runs the
+# decode-like bench workloads (ours only, fp64-checked, --quick) and prints one
+# table; the best setting (geomean TB/s) is written to $1 as shell exports.
+# Usage: bash scripts/ab_decode.sh BEST_FILE [settings ...]   (a setting: "stages split warps_m")
 set -uo pipefail
 best_file=$1; shift
-work="decode_b64_l4096 decode_b1_l131072 verify_q8_b64_l4096"
-for setting in "2 512" "3 512" "4 512"; do
+settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 1" "3 512 1" "2 512 2" "2 256 1")
+work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b1_l131072 verify_q8_b64_l4096"}
+rm -rf /tmp/ab_*
+for setting in "${settings[@]}"; do
   set -- $setting
-  CUPY_FA_DECODE_STAGES=$1 CUPY_FA_MIN_SPLIT_KEYS=$2 python3 -m bench $work --quick --no-peers --no-ceilings \
-    --no-plot --out /tmp/ab_s$1_m$2 > /tmp/ab_s$1_m$2.log 2>&1 || echo "setting $setting failed"
+  tag="s$1_k$2_w$3"
+  CUPY_FA_DECODE_STAGES=$1 CUPY_FA_SPLIT_SIZE=$2 CUPY_FA_DECODE_WARPS_M=$3 python3 -m bench $work --quick \
+    --no-peers --no-ceilings --no-plot --out /tmp/ab_$tag > /tmp/ab_$tag.log 2>&1 || echo "setting $setting failed"
 done
 python3 - "$best_file" <<'PY'
 import glob, json, math, sys
-best = None
-print(f"{'stages':>6s} {'min split':>9s}  " + "  ".join(f"{w:>8s}" for w in ["b64 ps16", "b64 ps1", "b1 ps16", "b1 ps1", "vq8 ps16", "vq8 ps1"]) + "   geomean TB/s")
-for path in sorted(glob.glob("/tmp/ab_s*_m*/bench_*.json")):
+best, header = None, False
+for path in sorted(glob.glob("/tmp/ab_*/bench_*.json")):
     d = json.load(open(path))
-    tag = path.split("/")[2]
-    stages, split = tag[4:].split("_m")
-    vals = [r["impls"]["ours"].get("value") for r in d["rows"] if r["impls"].get("ours", {}).get("status") == "ok"]
-    if len(vals) < 6:
-        print(tag, "incomplete"); continue
+    tag = path.split("/")[2][3:]
+    cells = [(f"{r['workload'][:14]} ps{r['page_size']}", r["impls"].get("ours", {})) for r in d["rows"]]
+    if not header:
+        print(f"{'setting':>12s}  " + "  ".join(f"{c:>20s}" for c, _ in cells) + "   geomean TB/s")
+        header = True
+    vals = [o.get("value") for _, o in cells if o.get("status") == "ok"]
+    if len(vals) < len(cells) or not vals:
+        print(tag, "incomplete:", [o.get("status") for _, o in cells]); continue
     g = math.exp(sum(math.log(v) for v in vals) / len(vals))
-    print(f"{stages:>6s} {split:>9s}  " + "  ".join(f"{v:8.2f}" for v in vals) + f"   {g:.3f}")
+    print(f"{tag:>12s}  " + "  ".join(f"{v:20.2f}" for v in vals) + f"   {g:.3f}")
     if best is None or g > best[0]:
-        best = (g, stages, split)
+        best = (g, tag)
 if best:
-    open(sys.argv[1], "w").write(f"export CUPY_FA_DECODE_STAGES={best[1]} CUPY_FA_MIN_SPLIT_KEYS={best[2]}\n")
-    print(f"best: stages={best[1]} min_split_keys={best[2]} (geomean {best[0]:.3f} TB/s)")
+    s, k, w = (x[1:] for x in best[1].split("_"))
+    open(sys.argv[1], "w").write(f"export CUPY_FA_DECODE_STAGES={s} CUPY_FA_SPLIT_SIZE={k} CUPY_FA_DECODE_WARPS_M={w}\n")
+    print(f"best: {best[1]} (geomean {best[0]:.3f} TB/s)")
 PY

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: environment, GPU test suite, demo, benchmarks.
-# Usage on the device machine, from the repo root:  bash scripts/device_check.sh [all|tests|demo|engine|bench|ab] [pytest -k expr]
+# Usage on the device machine, from the repo root:
+#   bash scripts/device_check.sh [STAGES] [pytest -k expr]
+# STAGES: "all" (tests demo engine bench; the default) or a quoted list of tests, demo, engine,
+# ab (knob A/B, tuning only), bench. After "ab" the bench runs with the best knobs it found.
 # Knobs: CHECK_SECONDS (whole call, default 560), TEST_SECONDS (pytest, default 300), BENCH_ARGS.
 # Logs go under $OUT (or ./device_out); the summary table is printed last.
 set -uo pipefail
@@ -8,7 +11,8 @@ OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
 export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2  # 8 pytest workers share 16 cores
-what=${1:-all}; kexpr=${2:-}
+stages=${1:-all}; kexpr=${2:-}
+want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [ "$1" != ab ]; }; }
 t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
 summary=$OUT/summary.txt; : > "$summary"
 
@@ -21,7 +25,7 @@ fi
   python3 -c 'import cupy, numpy, torch; print("cupy", cupy.__version__, "numpy", numpy.__version__, "torch", torch.__version__)'
 } 2>&1 | tee -a "$summary"
 
-if [ "$what" = all ] || [ "$what" = tests ]; then
+if want tests; then
   start=$(date +%s)
   export CUPY_FA_REPORT=/tmp/modes.jsonl; : > "$CUPY_FA_REPORT"
   python3 scripts/warm_cache.py  # every variant into the disk cache once, 8 processes, before the workers
@@ -33,18 +37,19 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   echo "pytest: $(tail -n 1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)" >> "$summary"
   python3 scripts/modes_table.py "$CUPY_FA_REPORT" >> "$summary"
 fi
-if [ "$what" = all ] || [ "$what" = demo ]; then
+if want demo; then
   python3 -m cupy_fa.demo 2>&1 | tee "$OUT/demo.log"
   echo "demo:" >> "$summary"; sed -n '/^== summary/,$p' "$OUT/demo.log" >> "$summary"
 fi
-if [ "$what" = all ] || [ "$what" = engine ]; then
+if want engine; then
   python3 examples/engine.py 2>&1 | tee "$OUT/engine.log"
   echo "engine (examples/engine.py, exit $?):" >> "$summary"; tail -n 25 "$OUT/engine.log" >> "$summary"
 fi
-if [ "$what" = ab ]; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
+if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
   bash scripts/ab_decode.sh /tmp/best_knobs.sh 2>&1 | tee -a "$summary"
+  [ -f /tmp/best_knobs.sh ] && source /tmp/best_knobs.sh && echo "bench runs with: $(cat /tmp/best_knobs.sh)" >> "$summary"
 fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
+if want bench; then
   left=$(( limit - ($(date +%s) - t0) - 20 ))
   python3 -m bench --out "$OUT" --budget $(( left > 60 ? left : 60 )) ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   echo "bench (last table):" >> "$summary"; tail -n 40 "$OUT/bench.log" >> "$summary"

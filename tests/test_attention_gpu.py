@@ -223,13 +223,13 @@ def test_bad_inputs_raise_before_launch():
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("min_split", ["256", "512"])
+@pytest.mark.parametrize("split_size", ["256", "512"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_tuning_knobs(stages, min_split, dtype, monkeypatch):
+def test_decode_tuning_knobs(stages, split_size, dtype, monkeypatch):
     """Every pipeline depth and split size the tuning knobs can select is correct
-    (decode-like tiles: q_len * group <= 32), for each head dim."""
+    (decode-like tiles: q_len <= SMALL_Q_LEN), for each head dim."""
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
-    monkeypatch.setenv("CUPY_FA_MIN_SPLIT_KEYS", min_split)
+    monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", split_size)
     rng, _ = new_rng()
     lengths = (np.array([1, 1, 8, 4, 2]), np.array([9000, 700, 3000, 4, 257]))
     for head_dim in HEAD_DIMS:

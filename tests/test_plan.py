@@ -7,22 +7,43 @@ import pytest
 from cupy_fa import _build, plan
 
 
-def model(q_lens, kv_lens, group, tile):
+def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
     """What plan_kernel must write, computed the slow obvious way."""
+    S = plan.split_size()
+
+    def schedule(q, kv, cap):
+        keys = max(S, -(-(-(-kv // cap)) // tile.block_n) * tile.block_n)
+        return -(-kv // keys), keys
+
+    def wanted(q, kv):
+        splits = -(-kv // S)
+        if q > plan.SMALL_Q_LEN:
+            splits = min(splits, max(1, plan.SPLIT_ROW_BUDGET // q))
+        return max(1, min(splits, plan.MAX_SPLITS))
+
+    live = [(q > 0) for q in q_lens]
+    want_rows = 0
+    for q, kv, ok in zip(q_lens, kv_lens, live):
+        if ok:
+            splits, _ = schedule(q, kv, wanted(q, kv))
+            want_rows += q * splits if splits > 1 else 0
+    share = max(partial_capacity // len(q_lens), 1) if want_rows > partial_capacity else None
+
     out = {k: [0] for k in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr")}
     splits_all, keys_all = [], []
     for q, kv in zip(q_lens, kv_lens):
-        splits = keys = 0
-        work = partial = 0
+        splits = keys = work = partial = 0
         if q > 0:
-            cap = min(plan.MAX_SPLITS, max(1, plan.SPLIT_ROW_BUDGET // q))
-            splits = max(1, min(cap, -(-kv // plan.min_split_keys())))
-            keys = -(-kv // splits)
-            keys = -(-keys // tile.block_n) * tile.block_n
-            splits = max(1, -(-kv // keys))
+            cap = wanted(q, kv)
+            if share is not None:
+                cap = min(cap, max(1, share // q))
+            splits, keys = schedule(q, kv, cap)
+            assert splits <= cap
             work = -(-(q * group) // tile.block_m) * splits
             partial = q * splits if splits > 1 else 0
             assert (splits - 1) * keys < kv <= splits * keys  # every split non-empty, all keys covered
+            if q <= plan.SMALL_Q_LEN and share is None and -(-kv // S) <= plan.MAX_SPLITS:
+                assert keys == S  # fixed split positions: the batch-invariant regime
         out["q_indptr"].append(out["q_indptr"][-1] + q)
         out["work_indptr"].append(out["work_indptr"][-1] + work)
         out["partial_indptr"].append(out["partial_indptr"][-1] + partial)
@@ -30,7 +51,10 @@ def model(q_lens, kv_lens, group, tile):
         splits_all.append(splits)
         keys_all.append(keys)
     out["num_splits"], out["split_keys"] = splits_all, keys_all
-    return {k: np.array(v) for k, v in out.items()}
+    assert out["partial_indptr"][-1] <= partial_capacity
+    result = {k: np.array(v) for k, v in out.items()}
+    result["overflow"] = share is not None
+    return result
 
 
 def random_batch(rng, max_q):
@@ -44,28 +68,48 @@ def random_batch(rng, max_q):
 def test_host_bounds_cover_the_schedule(head_dim, group):
     rng = np.random.default_rng()
     for _ in range(200):
-        max_q = int(rng.choice([1, 4, 8, 300, 3000]))
+        max_q = int(rng.choice([1, 4, 8, 16, 17, 300, 3000]))
         q, kv = random_batch(rng, max_q)
-        tile = _build.tile_for(head_dim, max(1, q.max()) * group)
-        m = model(q, kv, group, tile)
+        tile = _build.tile_for(head_dim, max(1, q.max()), group)
+        capacity = int(rng.choice([plan.partial_rows(len(q), 32, head_dim), len(q) * plan.SPLIT_ROW_BUDGET, 7]))
+        m = model(q, kv, group, tile, capacity)
         assert plan.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
         cap = plan.Capacity(len(q), int(q.sum()) + 1, 1)
         assert plan.capacity_work_bound(cap, group, tile, max_q, int(kv.max())) >= m["work_indptr"][-1]
-        # the fp32 partial buffer holds batch x SPLIT_ROW_BUDGET rows: never exceeded
-        assert m["partial_indptr"][-1] <= len(q) * plan.SPLIT_ROW_BUDGET
-        # splits depend on the request alone: the same request alone gets the same schedule
-        b = int(rng.integers(0, len(q)))
-        alone = model(q[b:b + 1], kv[b:b + 1], group, tile)
-        assert alone["num_splits"][0] == m["num_splits"][b] and alone["split_keys"][0] == m["split_keys"][b]
+        assert plan.capacity_work_bound(cap, group, tile, max_q, 2**31 - 1) >= m["work_indptr"][-1]
+        # the fp32 partial buffers are never overrun
+        assert m["partial_indptr"][-1] <= capacity
+        # unless the batch overflows the partial buffers, splits depend on the request alone
+        if not m["overflow"]:
+            b = int(rng.integers(0, len(q)))
+            alone = model(q[b:b + 1], kv[b:b + 1], group, tile, capacity)
+            assert alone["num_splits"][0] == m["num_splits"][b] and alone["split_keys"][0] == m["split_keys"][b]
+
+
+def test_small_q_splits_sit_at_fixed_positions():
+    """Decode (q=1) and verify (q=8) of the same position see the same split
+    boundaries whatever kv_len: the schedule half of batch invariance."""
+    tile = _build.tile_for(128, 8, 4)
+    S = plan.split_size()
+    for pos in (0, 1, S - 1, S, 3 * S + 5, 100 * S):
+        decode = model([1], [pos + 1], 4, tile)
+        verify = model([8], [pos + 8], 4, tile)
+        assert decode["split_keys"][0] == verify["split_keys"][0] == S
+        assert verify["num_splits"][0] - decode["num_splits"][0] in (0, 1)
 
 
 def test_tile_choice():
-    assert (_build.tile_for(128, 4).warps_m, _build.tile_for(128, 4).warps_n) == (1, 4)
-    assert _build.tile_for(128, 32).warps_m == 2
-    assert _build.tile_for(128, 33).warps_m == 4
+    assert (_build.tile_for(128, 1, 4).warps_m, _build.tile_for(128, 1, 4).warps_n) == (1, 4)
+    assert (_build.tile_for(128, 8, 4).warps_m, _build.tile_for(128, 8, 4).warps_n) == (2, 4)
+    assert _build.tile_for(128, plan.SMALL_Q_LEN, 8).block_n == _build.tile_for(128, 1, 8).block_n
+    assert _build.tile_for(128, plan.SMALL_Q_LEN + 1, 1).warps_m == 4
     for shape in [_build.TileShape(d, m, n) for d in _build.HEAD_DIMS for m, n in _build.WARP_LAYOUTS]:
         assert shape.smem_bytes <= 227 * 1024
         assert (shape.block_n // shape.warps_n) % 16 == 0
+
+
+def bufs_rows(attn):
+    return attn._buffers.partial_out.shape[0]
 
 
 @pytest.mark.gpu
@@ -75,11 +119,11 @@ def test_device_plan_matches_model(head_dim, group):
 
     rng = np.random.default_rng()
     attn = cupy_fa.BatchAttention(8 * group, 8, head_dim, "float16")
-    for max_q in (1, 8, 300):
+    for max_q in (1, 8, 16, 300):
         q, kv = random_batch(rng, max_q)
         table = np.zeros((len(q), -(-int(kv.max()) // 16) + 1), np.int32)
         attn.plan(q, kv, table)
-        m = model(q, kv, group, attn.planned.tile)
+        m = model(q, kv, group, attn.planned.tile, bufs_rows(attn))
         bufs = attn._buffers
         b = len(q)
         for name in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr"):

@@ -70,6 +70,7 @@ def test_page_table_width_and_split_knob(monkeypatch):
     with pytest.raises(ValueError, match="has 2 columns but request 0 needs 7 pages"):
         plan.validate_page_table_width(2, np.array([100]), np.array([1]), 16)
     plan.validate_page_table_width(7, np.array([100]), np.array([1]), 16)
-    monkeypatch.setenv("CUPY_FA_MIN_SPLIT_KEYS", "0")
-    with pytest.raises(ValueError, match="CUPY_FA_MIN_SPLIT_KEYS"):
-        plan.min_split_keys()
+    for bad in ("0", "100"):
+        monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", bad)
+        with pytest.raises(ValueError, match="CUPY_FA_SPLIT_SIZE"):
+            plan.split_size()

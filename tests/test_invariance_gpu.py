@@ -1,0 +1,66 @@
+"""Batch invariance: a token's attention output has the same bits whether it is
+computed by decode (q_len = 1), by verify with N drafts (q_len = N, causal), or
+in a different batch. Speculative decoding is lossless only if this holds
+(issue 5): the verify pass must reproduce what plain decode would have seen."""
+
+import numpy as np
+import pytest
+
+from cases import TOL, fill_cache, new_rng, paged_layout
+
+pytestmark = pytest.mark.gpu
+
+
+def _np(dtype):
+    import ml_dtypes
+
+    return np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size):
+    import cupy
+    import cupy_fa
+    from cupy_fa import plan as _plan, reference
+
+    rng, _ = new_rng()
+    h_q, h_kv = heads
+    S = _plan.split_size()
+    # prefixes around split boundaries (the verify window straddles one) and random ones
+    prefix = np.array([5, S - 3, 2 * S - 1, 3 * S + 2, int(rng.integers(1, 6000)), int(rng.integers(1, 300))])
+    B = len(prefix)
+    for num_draft in (4, 8, 16):
+        kv = prefix + num_draft
+        table, num_pages = paged_layout(rng, kv, page_size)
+        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), _np(dtype), table, kv, page_size)
+        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+        q_host = rng.standard_normal((B * num_draft, h_q, head_dim), dtype=np.float32).astype(_np(dtype))
+        q = cupy.asarray(q_host)
+        attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+
+        verify = cupy.full(q.shape, np.nan, _np(dtype))
+        attn.plan(np.full(B, num_draft), kv, table).run(q, cache, out=verify)
+        got = verify.get().astype(np.float64)
+        assert np.isfinite(got).all()
+        ref = reference.paged_attention(q_host, k_host, v_host, np.full(B, num_draft), kv, table)
+        assert reference.relative_error(got, ref) < TOL[dtype]
+
+        q_rows = q.reshape(B, num_draft, h_q, head_dim)
+        verify_rows = verify.reshape(B, num_draft, h_q, head_dim)
+        for i in range(num_draft):
+            # plain decode of draft position i, the whole batch at once
+            decode = cupy.full((B, h_q, head_dim), np.nan, _np(dtype))
+            attn.plan(np.ones(B, int), prefix + i + 1, table).run(cupy.ascontiguousarray(q_rows[:, i]), cache,
+                                                                  out=decode)
+            same = (decode.view(np.uint16) == verify_rows[:, i].view(np.uint16)).all(axis=(1, 2)).get()
+            assert same.all(), (f"N={num_draft} draft {i}: decode and verify differ for requests "
+                                f"{np.flatnonzero(~same).tolist()} (prefix {prefix[~same].tolist()})")
+        # one request alone, mid-window, in a batch of one: same bits again
+        b, i = int(rng.integers(0, B)), int(rng.integers(0, num_draft))
+        alone = cupy.full((1, h_q, head_dim), np.nan, _np(dtype))
+        attn.plan([1], [int(prefix[b]) + i + 1], table[b:b + 1]).run(
+            cupy.ascontiguousarray(q_rows[b, i:i + 1]), cache, out=alone)
+        assert (alone[0].view(np.uint16) == verify_rows[b, i].view(np.uint16)).all().get()
