@@ -28,12 +28,14 @@ fi
 if want tests; then
   start=$(date +%s)
   export CUPY_FA_REPORT=/tmp/modes.jsonl; : > "$CUPY_FA_REPORT"
+  export CUPY_FA_FAILURE_LOG=$OUT/failures.log; : > "$CUPY_FA_FAILURE_LOG"  # reasons, written as they happen
   python3 scripts/warm_cache.py  # every variant into the disk cache once, 8 processes, before the workers
   # GPU tests only (CI runs the CPU ones); -v so a log cut short still names each result;
   # bounded so the demo, engine and bench still get their share of the call
   timeout ${TEST_SECONDS:-300} python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 -m gpu --timeout 240 \
     tests ${kexpr:+-k "$kexpr"} -rs --durations=10 --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
   grep -E "FAILED|ERROR|Timeout" "$OUT/pytest.log" | head -20 >> "$summary"
+  [ -s "$CUPY_FA_FAILURE_LOG" ] && { echo "failure reasons (first lines each):"; grep -A3 "^====" "$CUPY_FA_FAILURE_LOG" | head -40; } >> "$summary"
   echo "pytest: $(tail -n 1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)" >> "$summary"
   python3 scripts/modes_table.py "$CUPY_FA_REPORT" >> "$summary"
 fi

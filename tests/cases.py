@@ -36,10 +36,11 @@ def random_lengths(rng, max_requests=33, max_q=300, max_kv=8192, work_budget=Non
     q_lens, kv_lens = np.array(q_lens), np.array(kv_lens)
     if work_budget is not None:  # shrink the largest requests until the reference stays cheap
         while (q_lens * kv_lens).sum() > work_budget:
-            b = int(np.argmax(q_lens * kv_lens))
-            kv_lens[b] = max(q_lens[b], kv_lens[b] // 2)
-            if q_lens[b] > 1 and q_lens[b] * kv_lens[b] > work_budget // 4:
-                q_lens[b] = max(1, q_lens[b] // 2); kv_lens[b] = max(kv_lens[b], q_lens[b])
+            b = int(np.argmax(q_lens * kv_lens))  # every pass strictly shrinks q x kv of this request
+            if kv_lens[b] > q_lens[b] and (q_lens[b] == 1 or q_lens[b] * kv_lens[b] <= work_budget // 4):
+                kv_lens[b] = max(q_lens[b], kv_lens[b] // 2)
+            else:  # a prefill (q == kv) or a large extend: halve both
+                q_lens[b] = max(1, q_lens[b] // 2); kv_lens[b] = max(q_lens[b], kv_lens[b] // 2)
     if q_lens.sum() == 0:
         q_lens[0], kv_lens[0] = 1, max(1, kv_lens[0])
     return q_lens, kv_lens

@@ -28,3 +28,12 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped with 'no CUDA device' otherwise)")
+
+
+def pytest_runtest_logreport(report):
+    """With CUPY_FA_FAILURE_LOG set, append each failure's reason to that file as it
+    happens: a device call cut short by its time limit still tells why a test failed."""
+    path = os.environ.get("CUPY_FA_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext[-3000:]}\n")
