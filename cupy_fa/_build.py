@@ -120,9 +120,13 @@ def attention_variant(dtype_name, tile):
     return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes)
 
 
+MERGE_THREADS = 256  # per (token, head): head_dim / 4 lanes x the splits folded in parallel
+
+
 @functools.lru_cache(maxsize=None)
 def merge_variant(dtype_name, head_dim):
-    return Variant("attention.cu", f"cupy_fa::merge_kernel<{CTYPES[dtype_name]}, {head_dim}>", head_dim // 4)
+    return Variant("attention.cu", f"cupy_fa::merge_kernel<{CTYPES[dtype_name]}, {head_dim}, {MERGE_THREADS}>",
+                   MERGE_THREADS)
 
 
 def append_variant(index_dtype):

@@ -343,18 +343,17 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   }
 }
 
-constexpr int kMergeThreads = 256;
-
 // Combines the splits of each (token, head) of split requests. Grid: (token
-// capacity, H_q), kMergeThreads threads: HEAD_DIM / 4 lanes cover one row
-// (a float4 each) and kMergeThreads / (HEAD_DIM / 4) ways fold every WAYS-th
+// capacity, H_q), THREADS threads: HEAD_DIM / 4 lanes cover one row
+// (a float4 each) and THREADS / (HEAD_DIM / 4) ways fold every WAYS-th
 // split in parallel, then way 0 folds the ways in order. A split over no
 // visible keys (lse -inf) folds as the exact identity, so extra empty splits
 // never change a row's bits. Tokens of unsplit requests exit at once.
-template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __grid_constant__ MergeParams p) {
+template <typename T, int HEAD_DIM, int THREADS>
+__global__ void __launch_bounds__(THREADS) merge_kernel(const __grid_constant__ MergeParams p) {
   typedef ElemTraits<T> E;
-  constexpr int LANES = HEAD_DIM / 4, WAYS = kMergeThreads / LANES;
+  constexpr int LANES = HEAD_DIM / 4, WAYS = THREADS / LANES;
+  static_assert(THREADS % LANES == 0 && WAYS >= 1, "whole ways of HEAD_DIM / 4 lanes");
   __shared__ float s_m[WAYS], s_l[WAYS];
   __shared__ float4 s_o[WAYS][LANES];
   const int token = blockIdx.x, head = blockIdx.y;

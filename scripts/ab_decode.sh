@@ -6,8 +6,8 @@
 # Usage: bash scripts/ab_decode.sh BEST_FILE [settings ...]   (a setting: "stages split warps_m")
 set -uo pipefail
 best_file=$1; shift
-settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 1" "3 512 1" "2 512 2" "2 256 1")
-work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b1_l131072 verify_q8_b64_l4096"}
+settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 1" "2 1024 1" "2 512 2" "2 1024 2")
+work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b1_l131072 decode_b1_l4096 verify_q8_b64_l4096"}
 rm -rf /tmp/ab_*
 for setting in "${settings[@]}"; do
   set -- $setting

@@ -222,14 +222,16 @@ def test_bad_inputs_raise_before_launch():
         cupy_fa.BatchAttention(8, 2, 96)
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("split_size", ["256", "512"])
+@pytest.mark.parametrize("stages,split_size,warps_m", [
+    (2, 512, 1), (3, 512, 1), (4, 512, 1), (2, 256, 1), (2, 1024, 1), (2, 2048, 1), (2, 512, 2), (3, 1024, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_tuning_knobs(stages, split_size, dtype, monkeypatch):
-    """Every pipeline depth and split size the tuning knobs can select is correct
-    (decode-like tiles: q_len <= SMALL_Q_LEN), for each head dim."""
+def test_decode_tuning_knobs(stages, split_size, warps_m, dtype, monkeypatch):
+    """Every pipeline depth, split size and warp layout the tuning knobs (and the
+    A/B in scripts/ab_decode.sh) can select is correct (decode-like tiles:
+    q_len <= SMALL_Q_LEN), for each head dim."""
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
-    monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", split_size)
+    monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", str(split_size))
+    monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", str(warps_m))
     rng, _ = new_rng()
     lengths = (np.array([1, 1, 8, 4, 2]), np.array([9000, 700, 3000, 4, 257]))
     for head_dim in HEAD_DIMS:
