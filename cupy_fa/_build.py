@@ -14,7 +14,7 @@ Environment knobs (all of them):
   ``CUPY_FA_ARCH``            target instead of the device's, e.g. ``sm_90a`` or ``sm_80``.
   ``CUPY_FA_CACHE_DIR``       kernel cache directory (default: CuPy's, ``CUPY_CACHE_DIR``).
   ``CUPY_FA_DECODE_STAGES``   cp.async pipeline depth of the decode-like tiles (default 2; tuning).
-  ``CUPY_FA_DECODE_WARPS_M``  2: decode-like tiles always have two rows of warps (default 1; tuning).
+  ``CUPY_FA_DECODE_WARPS_M``  1 or 2 rows of warps in decode-like tiles (default auto: 2 above 16 packed rows; tuning).
   ``CUPY_FA_SPLIT_SIZE``      keys per split of small-q requests (default 512; tuning, see cupy_fa/plan.py).
 """
 
@@ -101,9 +101,10 @@ def tile_for(head_dim, max_q_len, group_size):
     Prefill-like batches put 4 warps over query rows."""
     if max_q_len > SMALL_Q_LEN:
         return TileShape(head_dim, 4, 1)
-    warps_m = 1 if max(max_q_len, 1) * group_size <= 16 else 2
-    if os.environ.get("CUPY_FA_DECODE_WARPS_M", "1") == "2":  # tuning: a second (loading-only) warp row
-        warps_m = 2
+    knob = os.environ.get("CUPY_FA_DECODE_WARPS_M", "auto")  # tuning: force one or two rows of warps
+    if knob not in ("auto", "1", "2"):
+        raise ValueError(f"CUPY_FA_DECODE_WARPS_M must be auto, 1 or 2, got {knob!r}")
+    warps_m = int(knob) if knob != "auto" else (1 if max(max_q_len, 1) * group_size <= 16 else 2)
     stages = int(os.environ.get("CUPY_FA_DECODE_STAGES", "2"))
     if stages not in STAGE_CHOICES:
         raise ValueError(f"CUPY_FA_DECODE_STAGES must be one of {STAGE_CHOICES}, got {stages}")

@@ -6,13 +6,13 @@
 # Usage: bash scripts/ab_decode.sh BEST_FILE [settings ...]   (a setting: "stages split warps_m")
 set -uo pipefail
 best_file=$1; shift
-settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 1" "2 1024 1" "2 512 2" "2 1024 2")
-work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b1_l131072 decode_b1_l4096 verify_q8_b64_l4096"}
+settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 auto" "2 512 1")
+work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b1_l131072 decode_b1_l4096 verify_q8_b64_l4096"}  # AB_ARGS: more bench flags
 rm -rf /tmp/ab_*
 for setting in "${settings[@]}"; do
   set -- $setting
   tag="s$1_k$2_w$3"
-  CUPY_FA_DECODE_STAGES=$1 CUPY_FA_SPLIT_SIZE=$2 CUPY_FA_DECODE_WARPS_M=$3 python3 -m bench $work --quick \
+  CUPY_FA_DECODE_STAGES=$1 CUPY_FA_SPLIT_SIZE=$2 CUPY_FA_DECODE_WARPS_M=$3 python3 -m bench $work ${AB_ARGS:-} --quick \
     --no-peers --no-ceilings --no-plot --out /tmp/ab_$tag > /tmp/ab_$tag.log 2>&1 || echo "setting $setting failed"
 done
 python3 - "$best_file" <<'PY'
@@ -21,7 +21,7 @@ best, header = None, False
 for path in sorted(glob.glob("/tmp/ab_*/bench_*.json")):
     d = json.load(open(path))
     tag = path.split("/")[2][3:]
-    cells = [(f"{r['workload'][:14]} ps{r['page_size']}", r["impls"].get("ours", {})) for r in d["rows"]]
+    cells = [(f"{r['workload'][:20]} ps{r['page_size']}", r["impls"].get("ours", {})) for r in d["rows"]]
     if not header:
         print(f"{'setting':>12s}  " + "  ".join(f"{c:>20s}" for c, _ in cells) + "   geomean TB/s")
         header = True

@@ -223,7 +223,8 @@ def test_bad_inputs_raise_before_launch():
 
 
 @pytest.mark.parametrize("stages,split_size,warps_m", [
-    (2, 512, 1), (3, 512, 1), (4, 512, 1), (2, 256, 1), (2, 1024, 1), (2, 2048, 1), (2, 512, 2), (3, 1024, 2)])
+    (2, 512, "auto"), (3, 512, "auto"), (4, 512, "auto"), (2, 256, "auto"), (2, 1024, "auto"), (2, 2048, "auto"),
+    (2, 512, 1), (2, 512, 2), (3, 1024, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_tuning_knobs(stages, split_size, warps_m, dtype, monkeypatch):
     """Every pipeline depth, split size and warp layout the tuning knobs (and the

@@ -21,11 +21,13 @@ def _np(dtype):
 @pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size):
+@pytest.mark.parametrize("warps_m", ["auto", "1"])
+def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m, monkeypatch):
     import cupy
     import cupy_fa
     from cupy_fa import plan as _plan, reference
 
+    monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", warps_m)  # verify on 16-row CTAs or on 32-row ones
     rng, _ = new_rng()
     h_q, h_kv = heads
     S = _plan.split_size()
