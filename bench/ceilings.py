@@ -50,9 +50,7 @@ def _module():
 
 
 def _grid(fn=None):
-    """Whole waves only: blocks per SM as the kernel's registers allow (at most 8 of 256
-    threads). v1 launched 8 per SM blindly; read_stream needs ~48 registers, so only 5 fit
-    and the grid ran 1.6 waves, which capped the "ceiling" at 2.7 TB/s."""
+    """Whole waves: blocks per SM as the kernel's registers allow (at most 8 of 256 threads)."""
     from .report import sm_count
 
     per_sm = 8
@@ -91,7 +89,10 @@ def measure_read(nbytes: int, reps: int = 20) -> dict:
     sink = cupy.zeros(1, cupy.uint32)
     fn = _module().get_function("read_stream")
     n16 = np.uint64(nbytes // 16)
-    # a ceiling is the best the machine does: try whole waves and two other grid sizes
+    # A ceiling is the best the machine does: try whole waves and two other grid sizes.
+    # (Runs 1-2 of 2026-11-29 read only 2.7-3.0 TB/s with 1056 blocks; run 3 read 4.62 TB/s
+    # with the same 1056 blocks and 4.65 with 4224. The cause of the low readings is not
+    # established; keeping all three grid sizes in the JSON shows if it comes back.)
     from .report import sm_count
 
     tried = {}
