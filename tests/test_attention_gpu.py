@@ -239,3 +239,38 @@ def test_decode_tuning_knobs(stages, split_size, warps_m, dtype, monkeypatch):
         for page_size in (1, 16):
             _, _, attn = run_case(rng, dtype, (32, 8), head_dim, page_size, True, lengths)
             assert attn.planned.tile.warps_m < 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_partial_workspace_overflow(dtype):
+    """A batch whose split partials would overflow the fp32 workspace gets every
+    request capped at an equal share of it (plan.cu): still correct, every row written."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import plan as _plan, reference
+
+    rng, _ = new_rng()
+    h_q, h_kv, head_dim, page_size, batch = 32, 8, 128, 16, 64
+    q_lens = np.full(batch, _plan.SMALL_Q_LEN)
+    kv_lens = rng.integers(4100, 4600, size=batch)  # 9 splits of 512 wanted: 64 x 16 x 9 rows > workspace
+    table, num_pages = paged_layout(rng, kv_lens, page_size)
+    k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv_lens,
+                                page_size)
+    cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+    q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+    out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
+    attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+    attn.plan(q_lens, kv_lens, table).run(cupy.asarray(q_host), cache, out=out)
+    bufs = attn._buffers
+    wanted = int((q_lens * -(-kv_lens // _plan.split_size())).sum())
+    assert wanted > bufs.partial_out.shape[0], "the case must overflow the workspace"
+    assert int(bufs.partial_indptr[batch].get()) <= bufs.partial_out.shape[0]
+    assert (bufs.num_splits[:batch].get() > 1).all()  # capped, not unsplit
+    got = out.get().astype(np.float64)
+    assert np.isfinite(got).all(), f"{np.isnan(got).sum()} output elements not written or NaN"
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    for b in rng.choice(batch, size=4, replace=False):  # the float64 reference on a few requests
+        ref = reference.paged_attention(q_host[cu[b]:cu[b + 1]], k_host, v_host, q_lens[b:b + 1], kv_lens[b:b + 1],
+                                        table[b:b + 1])
+        err = reference.relative_error(got[cu[b]:cu[b + 1]], ref)
+        assert err < TOL[dtype], f"request {b}: relative error {err:.2e}"
