@@ -250,9 +250,13 @@ def test_partial_workspace_overflow(dtype):
     from cupy_fa import plan as _plan, reference
 
     rng, _ = new_rng()
-    h_q, h_kv, head_dim, page_size, batch = 32, 8, 128, 16, 64
+    h_q, h_kv, head_dim, page_size, batch = 32, 2, 128, 16, 64  # few KV heads: a small cache for many keys
     q_lens = np.full(batch, _plan.SMALL_Q_LEN)
-    kv_lens = rng.integers(4100, 4600, size=batch)  # 9 splits of 512 wanted: 64 x 16 x 9 rows > workspace
+    S = _plan.split_size()
+    rows = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, max_batch_size=batch, max_num_tokens=1,
+                                  max_pages_per_request=1)._buffers.partial_out.shape[0]
+    splits = rows // (batch * _plan.SMALL_Q_LEN) + 1  # one split more per request than the workspace holds
+    kv_lens = rng.integers((splits - 1) * S + 1, splits * S + 1, size=batch)
     table, num_pages = paged_layout(rng, kv_lens, page_size)
     k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv_lens,
                                 page_size)
