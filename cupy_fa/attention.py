@@ -83,7 +83,7 @@ class BatchAttention:
         if self._fixed_capacity:
             self._buffers = _plan.PlanBuffers(
                 _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
-                               int(max_mask_bytes)), self.num_qo_heads, self.head_dim)
+                               int(max_mask_bytes)), self.num_qo_heads, self.head_dim, self.dtype_name)
 
     # ---- plan ------------------------------------------------------------------------
 
@@ -198,7 +198,7 @@ class BatchAttention:
             # the old buffers: keep them alive rather than hand their memory back
             self._retired.append(buffers)
         self._buffers = _plan.PlanBuffers(base.grown_to(batch, tokens, pages, mask_bytes),
-                                          self.num_qo_heads, self.head_dim)
+                                          self.num_qo_heads, self.head_dim, self.dtype_name)
 
     @staticmethod
     def _copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev):

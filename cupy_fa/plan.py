@@ -15,7 +15,7 @@ batch overflows the partial buffer):
   split boundaries then never depend on q_len, kv_len or the batch, so decode
   and verify of the same token give bit-identical outputs (batch invariance).
 * Longer requests split only while ``q_len * splits <= SPLIT_ROW_BUDGET``.
-* The fp32 partial buffers hold ``partial_rows(...)`` rows; a batch that would
+* The split-partial buffers hold ``partial_rows(...)`` rows; a batch that would
   need more caps every request at an equal share (the only batch dependence).
 """
 
@@ -29,7 +29,7 @@ from . import _build, _params
 MAX_SPLITS = 256
 SPLIT_ROW_BUDGET = 128
 SMALL_Q_LEN = _build.SMALL_Q_LEN
-PARTIAL_WORKSPACE_BYTES = 128 << 20  # fp32 partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
+PARTIAL_WORKSPACE_BYTES = 128 << 20  # split partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
 
 
 def split_size():
@@ -41,9 +41,11 @@ def split_size():
     return keys
 
 
-def partial_rows(max_batch_size, num_qo_heads, head_dim):
-    """Rows of the fp32 partial buffers for a capacity (see the module docstring)."""
-    return max(max_batch_size * SPLIT_ROW_BUDGET, PARTIAL_WORKSPACE_BYTES // (4 * num_qo_heads * (head_dim + 1)))
+def partial_rows(max_batch_size, num_qo_heads, head_dim, elem_bytes=2):
+    """Rows of the split-partial buffers for a capacity (see the module docstring): one
+    row is H_q x (head_dim outputs in q's dtype + one fp32 LSE)."""
+    row_bytes = num_qo_heads * (head_dim * elem_bytes + 4)
+    return max(max_batch_size * SPLIT_ROW_BUDGET, PARTIAL_WORKSPACE_BYTES // row_bytes)
 
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
@@ -73,8 +75,10 @@ class PlanBuffers:
     """Device buffers for one capacity: the step's inputs (lengths, page table,
     mask), the plan kernel's outputs, and the split-KV workspace."""
 
-    def __init__(self, capacity, num_qo_heads, head_dim):
+    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name):
         import cupy
+
+        from . import _arrays
 
         self.capacity = capacity
         b = capacity.max_batch_size
@@ -90,8 +94,9 @@ class PlanBuffers:
         self.num_splits = cupy.zeros(b, i32)
         self.split_keys = cupy.zeros(b, i32)
         self.status = cupy.zeros(1, i32)
-        rows = partial_rows(b, num_qo_heads, head_dim)
-        self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), np.float32)
+        dtype = _arrays.DTYPES[dtype_name]
+        rows = partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
+        self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
 
     def plan_params(self, batch_size, group_size, tile):

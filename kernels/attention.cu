@@ -15,7 +15,7 @@
 // KV tile between them (decode has few rows but many keys, prefill the
 // reverse); the states of the WARPS_N warps are merged in shared memory at the
 // end. A request with one split writes `out` directly; with several, each
-// split writes a normalised fp32 partial and merge_kernel combines them.
+// split writes a normalised partial (in T, LSE in fp32) and merge_kernel combines them.
 //
 // Batch invariance: a query row's result depends only on the keys it sees,
 // the split boundaries and (BLOCK_N, WARPS_N), never on the other rows of its
@@ -327,18 +327,17 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     }
     const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
     const int i = row / group, head = kv_head * group + row % group;
+    // A split's partial is rounded to T exactly like a final output, so a row whose
+    // only real split goes through merge_kernel (x 1.0) gets the bits it would have
+    // got unsplit: decode and verify stay identical.
     if (splits == 1) {
-      const i64 o_off = ((i64)(q_start + i) * p.num_qo_heads + head) * D + c4 * 4;
-      uint2 packed;
-      packed.x = E::pack(o[0] * inv, o[1] * inv);
-      packed.y = E::pack(o[2] * inv, o[3] * inv);
-      *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + o_off) = packed;
-      if (c4 == 0 && p.lse != nullptr) p.lse[(i64)(q_start + i) * p.num_qo_heads + head] = natural_lse(m_all, l_all);
+      const i64 slot = (i64)(q_start + i) * p.num_qo_heads + head;
+      store_scaled4(static_cast<T*>(p.out) + slot * D + c4 * 4, o, inv);
+      if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(m_all, l_all);
     } else {
-      const i64 prow = (i64)partial_base + (i64)i * splits + split;
-      *reinterpret_cast<float4*>(p.partial_out + (prow * p.num_qo_heads + head) * D + c4 * 4) =
-          make_float4(o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
-      if (c4 == 0) p.partial_lse[prow * p.num_qo_heads + head] = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
+      const i64 slot = ((i64)partial_base + (i64)i * splits + split) * p.num_qo_heads + head;
+      store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, inv);
+      if (c4 == 0) p.partial_lse[slot] = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
     }
   }
 }
@@ -375,9 +374,12 @@ __global__ void __launch_bounds__(THREADS) merge_kernel(const __grid_constant__ 
                     o.w * f + o_in.w * f_in);
     m = m_new;
   };
+  const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);  // 4 elements of T per lane
   for (int s = way; s < splits; s += WAYS) {
     const i64 prow = (prow0 + s) * p.num_qo_heads + head;
-    fold(p.partial_lse[prow], 1.f, reinterpret_cast<const float4*>(p.partial_out + prow * HEAD_DIM)[c4]);
+    const uint2 packed = partial[prow * (HEAD_DIM / 4) + c4];
+    const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
+    fold(p.partial_lse[prow], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
   }
   if (c4 == 0) {
     s_m[way] = m;
@@ -388,12 +390,9 @@ __global__ void __launch_bounds__(THREADS) merge_kernel(const __grid_constant__ 
   if (way != 0) return;
   for (int w = 1; w < WAYS; ++w) fold(s_m[w], s_l[w], s_o[w][c4]);
 
-  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const float merged[4] = {o.x, o.y, o.z, o.w};
   const i64 o_off = ((i64)token * p.num_qo_heads + head) * HEAD_DIM + c4 * 4;
-  uint2 packed;
-  packed.x = E::pack(o.x * inv, o.y * inv);
-  packed.y = E::pack(o.z * inv, o.w * inv);
-  *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + o_off) = packed;
+  store_scaled4(static_cast<T*>(p.out) + o_off, merged, l > 0.f ? 1.f / l : 0.f);
   if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(m, l);
 }
 

@@ -28,6 +28,7 @@ template <> struct ElemTraits<__half> {
     __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<u32*>(&h);
   }
+  static __device__ __forceinline__ float2 unpack(u32 v) { return __half22float2(*reinterpret_cast<__half2*>(&v)); }
   static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
   static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 };
@@ -37,9 +38,22 @@ template <> struct ElemTraits<__nv_bfloat16> {
     __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<u32*>(&h);
   }
+  static __device__ __forceinline__ float2 unpack(u32 v) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+  }
   static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
   static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
+
+// Stores o[0..3] * scale as 4 packed elements (8 bytes) at dst: every output
+// and split partial row leaves a kernel through here, rounded once.
+template <typename T>
+__device__ __forceinline__ void store_scaled4(T* dst, const float (&o)[4], float scale) {
+  uint2 packed;
+  packed.x = ElemTraits<T>::pack(o[0] * scale, o[1] * scale);
+  packed.y = ElemTraits<T>::pack(o[2] * scale, o[3] * scale);
+  *reinterpret_cast<uint2*>(dst) = packed;
+}
 
 // ---- async copies (cp.async, sm_80+) -----------------------------------------
 

@@ -31,7 +31,7 @@ struct PlanParams {
   int max_splits;             // no request gets more splits than this (then splits grow past S)
   int small_q_len;            // q_len <= this: split at fixed positions (decode, verify, draft extend)
   int split_row_budget;       // larger q_len: q_len x num_splits <= this (splitting a prefill buys little)
-  int partial_capacity;       // rows of the fp32 partial buffers; a batch that would need more
+  int partial_capacity;       // rows of the split-partial buffers; a batch that would need more
                               // caps every request at partial_capacity / batch_size rows
 };
 
@@ -41,7 +41,7 @@ struct AttentionParams {
   const void* v_cache;        // [num_pages, page_size, H_kv, D]
   void* out;                  // [total_q, H_q, D]
   float* lse;                 // [total_q, H_q] natural log, may be null
-  float* partial_out;         // [partial rows, H_q, D] fp32, normalised per split
+  void* partial_out;          // [partial rows, H_q, D] normalised per split, in q's dtype (as FlashInfer's tmp_v)
   float* partial_lse;         // [partial rows, H_q] base-2 lse of each split, -inf if it saw no key
   const int* page_table;      // [B, page_table_stride]
   const unsigned char* custom_mask;  // flat, request b at mask_indptr[b], row-major q_len x q_len
@@ -65,7 +65,7 @@ struct AttentionParams {
 struct MergeParams {
   void* out;                  // [total_q, H_q, D]
   float* lse;                 // [total_q, H_q], may be null
-  const float* partial_out;
+  const void* partial_out;    // q's dtype
   const float* partial_lse;
   const int* q_indptr;
   const int* num_splits;

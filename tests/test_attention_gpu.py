@@ -243,7 +243,7 @@ def test_decode_tuning_knobs(stages, split_size, warps_m, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_partial_workspace_overflow(dtype):
-    """A batch whose split partials would overflow the fp32 workspace gets every
+    """A batch whose split partials would overflow the workspace gets every
     request capped at an equal share of it (plan.cu): still correct, every row written."""
     import cupy
     import cupy_fa

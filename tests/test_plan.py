@@ -77,7 +77,7 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
         cap = plan.Capacity(len(q), int(q.sum()) + 1, 1)
         assert plan.capacity_work_bound(cap, group, tile, max_q, int(kv.max())) >= m["work_indptr"][-1]
         assert plan.capacity_work_bound(cap, group, tile, max_q, 2**31 - 1) >= m["work_indptr"][-1]
-        # the fp32 partial buffers are never overrun
+        # the split-partial buffers are never overrun
         assert m["partial_indptr"][-1] <= capacity
         # unless the batch overflows the partial buffers, splits depend on the request alone
         if not m["overflow"]:
