@@ -367,6 +367,16 @@ __global__ void __launch_bounds__(THREADS) merge_kernel(const __grid_constant__ 
   float m = -INFINITY, l = 0.f;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   auto fold = [&](float m_in, float l_in, float4 o_in) {
+    // Empty states are the identity and the first real state is taken as is, so a row
+    // with one real split keeps its partial's bits exactly (also the sign of a zero:
+    // 0 * 0 + (-0) * 1 would give +0 where the unsplit path writes -0).
+    if (m_in == -INFINITY) return;
+    if (m == -INFINITY) {
+      m = m_in;
+      l = l_in;
+      o = o_in;
+      return;
+    }
     const float m_new = fmaxf(m, m_in);
     const float f = rescale_factor(m, m_new), f_in = rescale_factor(m_in, m_new);
     l = l * f + l_in * f_in;
