@@ -66,3 +66,39 @@ def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m
         attn.plan([1], [int(prefix[b]) + i + 1], table[b:b + 1]).run(
             cupy.ascontiguousarray(q_rows[b, i:i + 1]), cache, out=alone)
         assert (alone[0].view(np.uint16) == verify_rows[b, i].view(np.uint16)).all().get()
+
+
+def test_negative_zero_survives_the_merge():
+    """fp16 outputs that round to -0 keep their sign through split partials: uniform
+    attention (K = 0) over a V column of alternating -+2^-24 averages to a tiny negative
+    value for an odd number of keys. Decode and verify, on either side of a split
+    boundary, must agree bit for bit, the sign of zero included."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import plan as _plan
+
+    rng, _ = new_rng()
+    h_q, h_kv, head_dim, page_size, num_draft = 8, 2, 64, 16, 4
+    S = _plan.split_size()
+    prefix = np.array([S - 3, 2 * S - 2])
+    kv = prefix + num_draft
+    table, num_pages = paged_layout(rng, kv, page_size)
+    k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np.float16, table, kv, page_size)
+    for b in range(len(kv)):  # keys all zero (uniform weights), column 0 of V alternates -a, +a, -a, ...
+        for j in range(int(kv[b])):
+            page, slot = table[b, j // page_size], j % page_size
+            k_host[page, slot] = 0
+            v_host[page, slot, :, 0] = np.float16(-(2.0 ** -24) if j % 2 == 0 else 2.0 ** -24)
+    cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+    q = cupy.asarray(rng.standard_normal((len(kv) * num_draft, h_q, head_dim), dtype=np.float32).astype(np.float16))
+    attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, "float16")
+    verify = attn.plan(np.full(len(kv), num_draft), kv, table).run(q, cache).reshape(len(kv), num_draft, h_q, head_dim)
+    q_rows = q.reshape(len(kv), num_draft, h_q, head_dim)
+    saw_negative_zero = False
+    for i in range(num_draft):
+        decode = attn.plan(np.ones(len(kv), int), prefix + i + 1, table).run(cupy.ascontiguousarray(q_rows[:, i]),
+                                                                              cache)
+        bits = decode.view(np.uint16)
+        assert (bits == verify[:, i].view(np.uint16)).all().get(), f"draft {i}"
+        saw_negative_zero |= bool((bits[..., 0] == 0x8000).any().get())
+    assert saw_negative_zero, "the case must produce -0 outputs"
