@@ -70,9 +70,11 @@ def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m
 
 def test_negative_zero_survives_the_merge():
     """fp16 outputs that round to -0 keep their sign through split partials: uniform
-    attention (K = 0) over a V column of alternating -+2^-24 averages to a tiny negative
-    value for an odd number of keys. Decode and verify, on either side of a split
-    boundary, must agree bit for bit, the sign of zero included."""
+    attention (K = 0) over a V column of alternating -+2^-24 (the smallest fp16
+    subnormal) averages to -2^-24 / n for an odd number n of keys, which rounds to -0.
+    Decode and verify must agree bit for bit, the sign of zero included, where decode
+    has one split (written directly) and verify two (merged), and where verify has
+    one empty split more than decode."""
     import cupy
     import cupy_fa
     from cupy_fa import plan as _plan
@@ -80,7 +82,7 @@ def test_negative_zero_survives_the_merge():
     rng, _ = new_rng()
     h_q, h_kv, head_dim, page_size, num_draft = 8, 2, 64, 16, 4
     S = _plan.split_size()
-    prefix = np.array([S - 3, 2 * S - 2])
+    prefix = np.array([S - 3, 3 * S - 2])  # verify windows that cross a split boundary
     kv = prefix + num_draft
     table, num_pages = paged_layout(rng, kv, page_size)
     k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np.float16, table, kv, page_size)
