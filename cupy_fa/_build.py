@@ -16,6 +16,7 @@ Environment knobs (all of them):
   ``CUPY_FA_DECODE_STAGES``   cp.async pipeline depth of the decode-like tiles (default 2; tuning).
   ``CUPY_FA_DECODE_WARPS_M``  1 or 2 rows of warps in decode-like tiles (default auto: 2 above 16 packed rows; tuning).
   ``CUPY_FA_SPLIT_SIZE``      keys per split of small-q requests (default 512; tuning, see cupy_fa/plan.py).
+  ``CUPY_FA_SPLITS_PER_CTA``  consecutive splits one decode CTA runs (default 1; tuning, results unchanged).
 """
 
 import dataclasses
@@ -72,6 +73,7 @@ class TileShape:
     warps_m: int
     warps_n: int
     stages: int = 2
+    splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
 
     @property
     def block_m(self):
@@ -84,6 +86,12 @@ class TileShape:
     @property
     def smem_bytes(self):
         return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
+
+    @property
+    def epilogue_in_stage(self):
+        """The end-of-split epilogue fits in one pipeline stage (TileTraits::kEpilogueInStage):
+        only then may a CTA run several splits."""
+        return self.warps_m * self.warps_n <= self.block_n // 16
 
     @property
     def fits(self):
@@ -111,6 +119,11 @@ def tile_for(head_dim, max_q_len, group_size):
     tile = TileShape(head_dim, warps_m, 4, stages)
     while not tile.fits:  # deepest pipeline that fits this head dim
         tile = dataclasses.replace(tile, stages=tile.stages - 1)
+    per_cta = int(os.environ.get("CUPY_FA_SPLITS_PER_CTA", "1"))  # tuning; never changes results
+    if per_cta < 1:
+        raise ValueError(f"CUPY_FA_SPLITS_PER_CTA must be a positive int, got {per_cta}")
+    if tile.epilogue_in_stage:
+        tile = dataclasses.replace(tile, splits_per_cta=per_cta)
     return tile
 
 

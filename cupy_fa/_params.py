@@ -18,7 +18,7 @@ _FIELDS = {
         ("status", _PTR),
         ("batch_size", np.int32), ("group_size", np.int32), ("block_m", np.int32), ("block_n", np.int32),
         ("split_size", np.int32), ("max_splits", np.int32), ("small_q_len", np.int32),
-        ("split_row_budget", np.int32), ("partial_capacity", np.int32),
+        ("split_row_budget", np.int32), ("splits_per_cta", np.int32), ("partial_capacity", np.int32),
     ],
     "AttentionParams": [
         ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("out", _PTR), ("lse", _PTR),
@@ -27,7 +27,7 @@ _FIELDS = {
         ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
         ("batch_size", np.int32), ("page_size", np.int32), ("page_table_stride", np.int32),
         ("num_qo_heads", np.int32), ("num_kv_heads", np.int32), ("mask_mode", np.int32),
-        ("sm_scale_log2", np.float32), ("page_shift", np.int32),
+        ("sm_scale_log2", np.float32), ("page_shift", np.int32), ("splits_per_cta", np.int32),
     ],
     "MergeParams": [
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),

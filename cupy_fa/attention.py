@@ -316,7 +316,8 @@ class BatchAttention:
             batch_size=state.batch_size, page_size=cache.page_size,
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
-            sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size))
+            sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size),
+            splits_per_cta=state.tile.splits_per_cta)
         # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
         _build.launch(_build.attention_variant(self.dtype_name, state.tile),
                       (state.work_grid * self.num_kv_heads,), params, stream)

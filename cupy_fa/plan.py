@@ -107,7 +107,7 @@ class PlanBuffers:
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
             block_m=tile.block_m, block_n=tile.block_n, split_size=split_size(), max_splits=MAX_SPLITS,
-            small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET,
+            small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=tile.splits_per_cta,
             partial_capacity=self.partial_out.shape[0])
 
 
@@ -168,7 +168,7 @@ def work_bound(q_lens, kv_lens, group_size, tile):
     """Upper bound on the attention kernel's work items for these host lengths."""
     live = q_lens > 0
     row_blocks = -(-(q_lens[live] * group_size) // tile.block_m)
-    return int((row_blocks * max_splits(q_lens[live], kv_lens[live])).sum())
+    return int((row_blocks * -(-max_splits(q_lens[live], kv_lens[live]) // tile.splits_per_cta)).sum())
 
 
 def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
@@ -180,7 +180,7 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
     max_q_len = max(1, min(max_q_len, t))
     q = np.arange(1, max_q_len + 1)
     splits = max_splits(q, np.full_like(q, max_kv_len))
-    per_request = int((-(-(q * group_size) // tile.block_m) * splits).max())
+    per_request = int((-(-(q * group_size) // tile.block_m) * -(-splits // tile.splits_per_cta)).max())
     # whatever kv_len: small-q requests have few row blocks, longer ones few splits
     # (row_blocks x splits <= SPLIT_ROW_BUDGET x group / block_m + splits); and a
     # batch can't hold more than b requests, nor more tokens than t

@@ -57,6 +57,12 @@ struct TileTraits {
   static constexpr int kMinCtasPerSm =
       (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
 
+  // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
+  // memory. When they fit in one stage's K and V tiles, it uses only the stage just
+  // consumed, so the pipeline keeps running: a CTA may then run several consecutive
+  // splits (AttentionParams::splits_per_cta) without a new start-up per split.
+  static constexpr bool kEpilogueInStage = kWarps <= BLOCK_N / 16;
+
   static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
                 "loads must tile the CTA evenly");
@@ -86,15 +92,25 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int q_len = __ldg(p.q_indptr + b + 1) - q_start;
   const int kv_len = __ldg(p.kv_lens + b);
   const int splits = __ldg(p.num_splits + b);
+  // This CTA runs splits [split_first, split_stop) of one row block, one after the
+  // other; each still ends in its own result (out, or a partial for merge_kernel),
+  // so how splits are grouped into CTAs never changes a bit of the output.
+  const int per_cta = Traits::kEpilogueInStage ? p.splits_per_cta : 1;
+  const int groups = (splits + per_cta - 1) / per_cta;
   const int local = work - __ldg(p.work_indptr + b);
-  const int split = local % splits;
-  const int row0 = (local / splits) * BM;
+  const int split_first = (local % groups) * per_cta;
+  const int split_stop = min(split_first + per_cta, splits);
+  const int row0 = (local / groups) * BM;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int rows = q_len * group;
   const int prefix = kv_len - q_len;  // keys that precede this step's queries
 
-  const int kv_begin = split * __ldg(p.split_keys + b);
-  int kv_end = min(kv_len, kv_begin + __ldg(p.split_keys + b));
+  // the splits' keys are contiguous: one range, cut into splits every split_keys
+  // (a multiple of BN, so no tile straddles two splits)
+  const int split_keys = __ldg(p.split_keys + b);
+  const int tiles_per_split = split_keys / BN;
+  const int kv_begin = split_first * split_keys;
+  int kv_end = min(kv_len, split_stop * split_keys);
   if (p.mask_mode == 1) kv_end = min(kv_end, prefix + (min(row0 + BM, rows) - 1) / group + 1);
   const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
 
@@ -164,13 +180,95 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   }
 
   // ---- per-warp online softmax state: rows (lane/4) and (lane/4 + 8) -----------
-  float acc[D_BLOCKS][4];
+  float acc[D_BLOCKS][4], row_max[2], row_sum[2];
+  auto reset_state = [&]() {  // the empty state: every split starts from it
 #pragma unroll
-  for (int i = 0; i < D_BLOCKS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    for (int i = 0; i < D_BLOCKS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+  };
+  reset_state();
   const int g = lane >> 2, tq = lane & 3;
   const int first_query_pos = prefix + row0 / group;  // position of the tile's first query
 
+  // ---- end of a split: merge the WARPS_N states of each row through shared memory,
+  // then write the split's rows (out, or a partial). Callers have synced, so every
+  // warp is done with `stage`, whose K/V tiles (or, for a one-split-per-CTA tile,
+  // all K/V stages) hold the fp32 accumulators; it syncs again before they are reused.
+  const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
+  auto staged = [&](int w, int stage) -> float* {  // warp w's [16][D] fp32 slice
+    if constexpr (Traits::kEpilogueInStage) {
+      constexpr int kPerTile = BN / 32;  // 16 x D fp32 slices in one stage's K (or V) tile
+      T* tile_base = (w < kPerTile ? sK : sV) + stage * BN * D;
+      return reinterpret_cast<float*>(tile_base) + (w % kPerTile) * 16 * D;
+    } else {
+      return reinterpret_cast<float*>(sK) + w * 16 * D;
+    }
+  };
+  auto finish_split = [&](int split, int stage) {
+    float l[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] = row_sum[h];
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    if (tq == 0) {
+      s_max[warp][g] = row_max[0];
+      s_max[warp][g + 8] = row_max[1];
+      s_sum[warp][g] = l[0];
+      s_sum[warp][g + 8] = l[1];
+    }
+    float* mine = staged(warp, stage);
+#pragma unroll
+    for (int db = 0; db < D_BLOCKS; ++db) {
+      float* o = mine + g * D + db * 8 + tq * 2;
+      o[0] = acc[db][0];
+      o[1] = acc[db][1];
+      o[8 * D] = acc[db][2];
+      o[8 * D + 1] = acc[db][3];
+    }
+    __syncthreads();
+
+    for (int idx = tid; idx < BM * (D / 4); idx += Traits::kThreads) {
+      const int r = idx / (D / 4), c4 = idx % (D / 4);
+      const int row = row0 + r;
+      if (row >= rows) continue;
+      const int rwm = r >> 4, rl = r & 15;
+      float m_all = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
+      float l_all = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int w = 0; w < Traits::kWarpsN; ++w) {
+        const int ww = rwm * Traits::kWarpsN + w;
+        const float f = rescale_factor(s_max[ww][rl], m_all);
+        l_all += s_sum[ww][rl] * f;
+        const float4 part = *reinterpret_cast<const float4*>(staged(ww, stage) + rl * D + c4 * 4);
+        o[0] += part.x * f;
+        o[1] += part.y * f;
+        o[2] += part.z * f;
+        o[3] += part.w * f;
+      }
+      const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+      const int i = row / group, head = kv_head * group + row % group;
+      // A split's partial is rounded to T exactly like a final output, so a row whose
+      // only real split goes through merge_kernel (x 1.0) gets the bits it would have
+      // got unsplit: decode and verify stay identical.
+      if (splits == 1) {
+        const i64 slot = (i64)(q_start + i) * p.num_qo_heads + head;
+        store_scaled4(static_cast<T*>(p.out) + slot * D + c4 * 4, o, inv);
+        if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(m_all, l_all);
+      } else {
+        const i64 slot = ((i64)partial_base + (i64)i * splits + split) * p.num_qo_heads + head;
+        store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, inv);
+        if (c4 == 0) p.partial_lse[slot] = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
+      }
+    }
+    __syncthreads();
+  };
+
+  int split_now = split_first, tiles_left = tiles_per_split;
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int stage = tile % Traits::kStages;
     const int ahead = tile + Traits::kStages - 1;  // refills the stage computed last iteration
@@ -277,69 +375,16 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       }
     }
     __syncthreads();  // the next iteration's loads overwrite this stage
+    if (--tiles_left == 0 || tile + 1 == num_tiles) {  // the last tile of a split
+      finish_split(split_now++, stage);
+      reset_state();
+      tiles_left = tiles_per_split;
+    }
   }
   cp_async_wait<0>();
-
-  // ---- epilogue: merge the WARPS_N states of each row through shared memory ----
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
-    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
-  }
   __syncthreads();
-  float* sO = reinterpret_cast<float*>(sK);  // [warp][16][D], the K/V buffers are free now
-  if (tq == 0) {
-    s_max[warp][g] = row_max[0];
-    s_max[warp][g + 8] = row_max[1];
-    s_sum[warp][g] = row_sum[0];
-    s_sum[warp][g + 8] = row_sum[1];
-  }
-#pragma unroll
-  for (int db = 0; db < D_BLOCKS; ++db) {
-    float* o = sO + (warp * 16 + g) * D + db * 8 + tq * 2;
-    o[0] = acc[db][0];
-    o[1] = acc[db][1];
-    o[8 * D] = acc[db][2];
-    o[8 * D + 1] = acc[db][3];
-  }
-  __syncthreads();
-
-  const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
-  for (int idx = tid; idx < BM * (D / 4); idx += Traits::kThreads) {
-    const int r = idx / (D / 4), c4 = idx % (D / 4);
-    const int row = row0 + r;
-    if (row >= rows) continue;
-    const int rwm = r >> 4, rl = r & 15;
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
-    float l_all = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int w = 0; w < Traits::kWarpsN; ++w) {
-      const int ww = rwm * Traits::kWarpsN + w;
-      const float f = rescale_factor(s_max[ww][rl], m_all);
-      l_all += s_sum[ww][rl] * f;
-      const float4 part = *reinterpret_cast<const float4*>(sO + (ww * 16 + rl) * D + c4 * 4);
-      o[0] += part.x * f;
-      o[1] += part.y * f;
-      o[2] += part.z * f;
-      o[3] += part.w * f;
-    }
-    const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
-    const int i = row / group, head = kv_head * group + row % group;
-    // A split's partial is rounded to T exactly like a final output, so a row whose
-    // only real split goes through merge_kernel (x 1.0) gets the bits it would have
-    // got unsplit: decode and verify stay identical.
-    if (splits == 1) {
-      const i64 slot = (i64)(q_start + i) * p.num_qo_heads + head;
-      store_scaled4(static_cast<T*>(p.out) + slot * D + c4 * 4, o, inv);
-      if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(m_all, l_all);
-    } else {
-      const i64 slot = ((i64)partial_base + (i64)i * splits + split) * p.num_qo_heads + head;
-      store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, inv);
-      if (c4 == 0) p.partial_lse[slot] = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
-    }
-  }
+  // splits the causal clip left without a tile still write their (empty) result
+  for (; split_now < split_stop; ++split_now) finish_split(split_now, 0);
 }
 
 // Combines the splits of each (token, head) of split requests. Grid: (token

@@ -31,6 +31,7 @@ struct PlanParams {
   int max_splits;             // no request gets more splits than this (then splits grow past S)
   int small_q_len;            // q_len <= this: split at fixed positions (decode, verify, draft extend)
   int split_row_budget;       // larger q_len: q_len x num_splits <= this (splitting a prefill buys little)
+  int splits_per_cta;         // consecutive splits one CTA runs (1 unless the tile's epilogue fits a stage)
   int partial_capacity;       // rows of the split-partial buffers; a batch that would need more
                               // caps every request at partial_capacity / batch_size rows
 };
@@ -60,6 +61,7 @@ struct AttentionParams {
   int mask_mode;              // 0 = none, 1 = causal (bottom-right), 2 = custom among the q_len newest keys
   float sm_scale_log2;        // softmax scale x log2(e): scores live in base 2
   int page_shift;             // log2(page_size) when a power of two (shift, not divide), else -1
+  int splits_per_cta;         // as in PlanParams: the work items were counted with it
 };
 
 struct MergeParams {

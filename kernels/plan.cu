@@ -128,7 +128,8 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
         int cap = wanted_splits(p, q_len, kv_len);
         if (overflow) cap = min(cap, max(1, share / q_len));
         split_schedule(p, kv_len, cap, splits, keys);
-        mine.work = (q_len * p.group_size + p.block_m - 1) / p.block_m * splits;
+        const int row_blocks = (q_len * p.group_size + p.block_m - 1) / p.block_m;
+        mine.work = row_blocks * ((splits + p.splits_per_cta - 1) / p.splits_per_cta);  // CTAs run split groups
         mine.partial = partial_rows(q_len, splits);
       }
     }

@@ -222,17 +222,19 @@ def test_bad_inputs_raise_before_launch():
         cupy_fa.BatchAttention(8, 2, 96)
 
 
-@pytest.mark.parametrize("stages,split_size,warps_m", [
-    (2, 512, "auto"), (3, 512, "auto"), (4, 512, "auto"), (2, 256, "auto"), (2, 1024, "auto"), (2, 2048, "auto"),
-    (2, 512, 1), (2, 512, 2), (3, 1024, 2)])
+@pytest.mark.parametrize("stages,split_size,warps_m,per_cta", [
+    (2, 512, "auto", 1), (3, 512, "auto", 1), (4, 512, "auto", 1), (2, 256, "auto", 1), (2, 1024, "auto", 1),
+    (2, 2048, "auto", 1), (2, 512, 1, 1), (2, 512, 2, 1), (3, 1024, 2, 1), (2, 512, "auto", 2), (2, 256, 1, 4),
+    (3, 256, "auto", 3)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_tuning_knobs(stages, split_size, warps_m, dtype, monkeypatch):
+def test_decode_tuning_knobs(stages, split_size, warps_m, per_cta, dtype, monkeypatch):
     """Every pipeline depth, split size and warp layout the tuning knobs (and the
     A/B in scripts/ab_decode.sh) can select is correct (decode-like tiles:
     q_len <= SMALL_Q_LEN), for each head dim."""
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
     monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", str(split_size))
     monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", str(warps_m))
+    monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", str(per_cta))
     rng, _ = new_rng()
     lengths = (np.array([1, 1, 8, 4, 2]), np.array([9000, 700, 3000, 4, 257]))
     for head_dim in HEAD_DIMS:

@@ -104,3 +104,38 @@ def test_negative_zero_survives_the_merge():
         assert (bits == verify[:, i].view(np.uint16)).all().get(), f"draft {i}"
         saw_negative_zero |= bool((bits[..., 0] == 0x8000).any().get())
     assert saw_negative_zero, "the case must produce -0 outputs"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_splits_per_cta_never_changes_a_bit(dtype, page_size, monkeypatch):
+    """Grouping several splits into one CTA (CUPY_FA_SPLITS_PER_CTA) is scheduling only:
+    decode and verify outputs are bit-identical to one split per CTA, and correct."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import plan as _plan, reference
+
+    rng, _ = new_rng()
+    h_q, h_kv, head_dim = 32, 8, 128
+    S = _plan.split_size()
+    for q_len in (1, 4):
+        kv = np.array([3 * S + 7, S, 1 + q_len, 7 * S - 1, int(rng.integers(q_len, 9000))]) + q_len
+        q_lens = np.full(len(kv), q_len)
+        table, num_pages = paged_layout(rng, kv, page_size)
+        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), _np(dtype), table, kv, page_size)
+        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(_np(dtype))
+        outs = {}
+        for per_cta in ("1", "2", "3"):
+            monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", per_cta)
+            out = cupy.full(q_host.shape, np.nan, _np(dtype))
+            attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+            attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out)
+            assert attn.planned.tile.splits_per_cta == int(per_cta)
+            outs[per_cta] = out
+        got = outs["1"].get().astype(np.float64)
+        assert np.isfinite(got).all()
+        ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
+        assert reference.relative_error(got, ref) < TOL[dtype]
+        for per_cta in ("2", "3"):
+            assert (outs[per_cta].view(np.uint16) == outs["1"].view(np.uint16)).all().get(), per_cta

@@ -1,6 +1,8 @@
 """Metadata logic: an independent NumPy model of kernels/plan.cu, the host
 bounds that size the grids against it (CPU), and the device kernel against it (GPU)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -39,7 +41,7 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
                 cap = min(cap, max(1, share // q))
             splits, keys = schedule(q, kv, cap)
             assert splits <= cap
-            work = -(-(q * group) // tile.block_m) * splits
+            work = -(-(q * group) // tile.block_m) * -(-splits // tile.splits_per_cta)  # CTAs run split groups
             partial = q * splits if splits > 1 else 0
             assert (splits - 1) * keys < kv <= splits * keys  # every split non-empty, all keys covered
             if q <= plan.SMALL_Q_LEN and share is None and -(-kv // S) <= plan.MAX_SPLITS:
@@ -71,6 +73,7 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
         max_q = int(rng.choice([1, 4, 8, 16, 17, 300, 3000]))
         q, kv = random_batch(rng, max_q)
         tile = _build.tile_for(head_dim, max(1, q.max()), group)
+        tile = dataclasses.replace(tile, splits_per_cta=int(rng.integers(1, 5)) if tile.epilogue_in_stage else 1)
         capacity = int(rng.choice([plan.partial_rows(len(q), 32, head_dim), len(q) * plan.SPLIT_ROW_BUDGET, 7]))
         m = model(q, kv, group, tile, capacity)
         assert plan.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
@@ -96,6 +99,19 @@ def test_small_q_splits_sit_at_fixed_positions():
         verify = model([8], [pos + 8], 4, tile)
         assert decode["split_keys"][0] == verify["split_keys"][0] == S
         assert verify["num_splits"][0] - decode["num_splits"][0] in (0, 1)
+
+
+def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
+    monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", "3")
+    assert _build.tile_for(128, 1, 4).splits_per_cta == 3          # (1,4): 4 warps, 64-key tiles
+    assert _build.tile_for(128, 8, 4).splits_per_cta == 1          # (2,4): 8 warps need all stages
+    assert _build.tile_for(128, plan.SMALL_Q_LEN + 1, 1).splits_per_cta == 1  # prefill: one split per CTA
+    tile = _build.tile_for(128, 1, 4)
+    q, kv = np.array([1, 1, 1]), np.array([5000, 512, 1])
+    assert plan.work_bound(q, kv, 4, tile) == 4 + 1 + 1           # ceil(10 / 3), 1, 1
+    monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", "0")
+    with pytest.raises(ValueError, match="CUPY_FA_SPLITS_PER_CTA"):
+        _build.tile_for(128, 1, 4)
 
 
 def test_tile_choice():
