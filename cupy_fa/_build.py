@@ -54,6 +54,7 @@ CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 HEAD_DIMS = (64, 128, 256)
 WARP_LAYOUTS = ((1, 4), (2, 4), (4, 1))  # (warps over query rows, warps over keys)
 SMALL_Q_LEN = 16  # batches with q_len <= this are decode-like: the small-q tile and fixed-position splits
+MAX_SPLITS_PER_CTA = 64  # CUPY_FA_SPLITS_PER_CTA bound (keeps the kernels' split arithmetic in int32)
 STAGE_CHOICES = (2, 3, 4)                 # cp.async pipeline depths a decode-like tile may use
 SMEM_LIMIT = 227 * 1024                   # dynamic shared memory per CTA on sm_90 (and 163 KB on sm_80: see fits)
 
@@ -74,6 +75,11 @@ class TileShape:
     warps_n: int
     stages: int = 2
     splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
+
+    def __post_init__(self):
+        if self.splits_per_cta != 1 and not self.epilogue_in_stage:
+            raise ValueError(f"splits_per_cta={self.splits_per_cta} needs a tile whose epilogue fits one stage; "
+                             f"{self} does not")
 
     @property
     def block_m(self):
@@ -107,6 +113,9 @@ def tile_for(head_dim, max_q_len, group_size):
     head-in-group) rows; they all share (BLOCK_N, WARPS_N), which with the
     fixed split positions keeps decode and verify of a token bit-identical.
     Prefill-like batches put 4 warps over query rows."""
+    per_cta = int(os.environ.get("CUPY_FA_SPLITS_PER_CTA", "1"))  # tuning; never changes results
+    if not 1 <= per_cta <= MAX_SPLITS_PER_CTA:
+        raise ValueError(f"CUPY_FA_SPLITS_PER_CTA must be an int in 1..{MAX_SPLITS_PER_CTA}, got {per_cta}")
     if max_q_len > SMALL_Q_LEN:
         return TileShape(head_dim, 4, 1)
     knob = os.environ.get("CUPY_FA_DECODE_WARPS_M", "auto")  # tuning: force one or two rows of warps
@@ -119,9 +128,6 @@ def tile_for(head_dim, max_q_len, group_size):
     tile = TileShape(head_dim, warps_m, 4, stages)
     while not tile.fits:  # deepest pipeline that fits this head dim
         tile = dataclasses.replace(tile, stages=tile.stages - 1)
-    per_cta = int(os.environ.get("CUPY_FA_SPLITS_PER_CTA", "1"))  # tuning; never changes results
-    if per_cta < 1:
-        raise ValueError(f"CUPY_FA_SPLITS_PER_CTA must be a positive int, got {per_cta}")
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=per_cta)
     return tile

@@ -64,6 +64,8 @@ struct TileTraits {
   static constexpr bool kEpilogueInStage = kWarps <= BLOCK_N / 16;
 
   static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
+  static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
+  static_assert(!kEpilogueInStage || BLOCK_N % 32 == 0, "whole 16 x D fp32 slices per K (or V) tile");
   static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
                 "loads must tile the CTA evenly");
   static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
@@ -95,7 +97,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // This CTA runs splits [split_first, split_stop) of one row block, one after the
   // other; each still ends in its own result (out, or a partial for merge_kernel),
   // so how splits are grouped into CTAs never changes a bit of the output.
-  const int per_cta = Traits::kEpilogueInStage ? p.splits_per_cta : 1;
+  const int per_cta = p.splits_per_cta;
+  if constexpr (!Traits::kEpilogueInStage) {
+    if (per_cta != 1) __trap();  // plan_kernel counted work with it: the host must never send this
+  }
   const int groups = (splits + per_cta - 1) / per_cta;
   const int local = work - __ldg(p.work_indptr + b);
   const int split_first = (local % groups) * per_cta;
@@ -206,6 +211,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     }
   };
   auto finish_split = [&](int split, int stage) {
+    if constexpr (!Traits::kEpilogueInStage) cp_async_wait<0>();  // it stages over every K/V stage
     float l[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -109,9 +109,12 @@ def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
     tile = _build.tile_for(128, 1, 4)
     q, kv = np.array([1, 1, 1]), np.array([5000, 512, 1])
     assert plan.work_bound(q, kv, 4, tile) == 4 + 1 + 1           # ceil(10 / 3), 1, 1
-    monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", "0")
-    with pytest.raises(ValueError, match="CUPY_FA_SPLITS_PER_CTA"):
-        _build.tile_for(128, 1, 4)
+    for bad in ("0", "65"):
+        monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", bad)
+        with pytest.raises(ValueError, match="CUPY_FA_SPLITS_PER_CTA"):
+            _build.tile_for(128, plan.SMALL_Q_LEN + 1, 1)  # checked for prefill tiles too
+    with pytest.raises(ValueError, match="splits_per_cta"):
+        _build.TileShape(128, 2, 4, splits_per_cta=2)
 
 
 def test_tile_choice():
