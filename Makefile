@@ -33,8 +33,24 @@ $(STAMP): pyproject.toml | $(PY)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-test: venv
-	$(PY) -m pytest -q tests
+# The CPU tests that need torch and transformers (marker cpu_torch: the example engine on
+# its pure-torch backend, torch tensors into the reference) run in a venv of their own, so
+# the package's venv never holds torch. It takes the CPU torch wheel on local disk when
+# there is one, else the CPU build from PyTorch's index (never the multi-GB CUDA build).
+TORCH_VENV  := .venv-torch
+TORCH_STAMP := $(TORCH_VENV)/.installed
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
+TORCH_REQ   := $(if $(TORCH_WHEEL),$(TORCH_WHEEL),torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)
+
+$(TORCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q $(TORCH_REQ)
+	$(TORCH_VENV)/bin/python -m pip install -q transformers numpy ml_dtypes pytest
+	touch $@
+
+test: venv $(TORCH_STAMP)
+	$(PY) -m pytest -q -m "not cpu_torch" --ignore=tests/test_engine_cpu.py tests
+	$(TORCH_VENV)/bin/python -m pytest -q -m cpu_torch tests/test_engine_cpu.py tests/test_reference.py
 
 demo: venv
 	$(PY) -m cupy_fa.demo

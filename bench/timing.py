@@ -30,30 +30,10 @@ def _summary(samples_ms, launches, method) -> Timing:
 
 def cupy_graph(launches, warmup=10, reps=50) -> Timing:
     """Capture `launches` (callables doing CuPy-stream launches) into one cupy graph on a
-    non-blocking stream and time its replays with cupy events."""
-    import cupy
+    non-blocking stream and time its replays with cupy events (cupy_fa._timing)."""
+    from cupy_fa._timing import graph_replays_ms
 
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        for f in launches:  # eager pass: compile, set attributes, touch every buffer
-            f()
-        s.synchronize()
-        s.begin_capture()
-        try:
-            for f in launches:
-                f()
-        finally:
-            g = s.end_capture()
-    times = []
-    for i in range(warmup + reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record(s)
-        g.launch(s)
-        b.record(s)
-        b.synchronize()
-        if i >= warmup:
-            times.append(cupy.cuda.get_elapsed_time(a, b))
-    return _summary(times, len(launches), "cupy graph")
+    return _summary(graph_replays_ms(launches, warmup, reps), len(launches), "cupy graph")
 
 
 def torch_graph(launches, warmup=10, reps=50) -> Timing:

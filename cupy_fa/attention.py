@@ -139,8 +139,8 @@ class BatchAttention:
         if custom_mask is not None:
             mask_host, mask_dev = self._mask_input(custom_mask, stream)
             n = (mask_host if mask_host is not None else mask_dev).size
-            if on_host and n != mask_bytes:
-                raise ValueError(f"custom_mask has {n} entries, expected sum(q_lens**2) = {mask_bytes}")
+            if on_host:
+                _plan.validate_mask_size(n, q_host)
             mask_bytes = n
 
         if stream is None:

@@ -73,27 +73,10 @@ def self_check(rng):
 
 
 def _graph_time_us(launch, launches=20, replays=30):
-    """Per-launch time of `launch` captured `launches` times in a cupy graph."""
-    import cupy
+    """Per-launch time of `launch` captured `launches` times in one cupy graph."""
+    from ._timing import graph_replays_ms
 
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        launch()  # warm-up (compile) outside capture
-        stream.begin_capture()
-        for _ in range(launches):
-            launch()
-        graph = stream.end_capture()
-        for _ in range(3):
-            graph.launch(stream)
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(replays):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) * 1000 / launches)
-    return float(np.median(times))
+    return float(np.median(graph_replays_ms([launch] * launches, warmup=3, reps=replays))) * 1000 / launches
 
 
 def perf_table(rng):

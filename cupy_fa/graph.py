@@ -158,9 +158,8 @@ class GraphRunner:
                 _plan.validate_page_table(page_table, kv_host, q_host, cache.page_size, cache.num_pages)
             else:
                 _plan.validate_page_table_width(pages, kv_host, q_host, cache.page_size)
-            if custom_mask is not None and int(np.prod(custom_mask.shape)) != int((q_host ** 2).sum()):
-                raise ValueError(f"custom_mask has {int(np.prod(custom_mask.shape))} entries, expected "
-                                 f"sum(q_lens**2) = {int((q_host ** 2).sum())}")
+            if custom_mask is not None:
+                _plan.validate_mask_size(int(np.prod(custom_mask.shape)), q_host)
         return batch
 
     def _stage(self, bucket, batch, q_dev, q_lens, kv_lens, page_table, custom_mask):

@@ -145,12 +145,19 @@ def validate_page_table_width(columns, kv_lens, q_lens, page_size):
 def validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages):
     """Every live request's table row covers kv_len and names pages of the cache."""
     needed, live = validate_page_table_width(page_table.shape[1], kv_lens, q_lens, page_size)
-    for b in np.flatnonzero(live):
-        row = page_table[b, :needed[b]]
-        bad = np.flatnonzero((row < 0) | (row >= num_pages))
-        if bad.size:
-            raise ValueError(f"page_table[{b}, {bad[0]}] = {row[bad[0]]} is not a page of the cache "
-                             f"(0 <= page < num_pages = {num_pages})")
+    read = live[:, None] & (np.arange(page_table.shape[1]) < needed[:, None])  # the entries the kernel reads
+    bad = np.argwhere(read & ((page_table < 0) | (page_table >= num_pages)))  # row-major: the first bad entry
+    if bad.size:
+        b, j = (int(x) for x in bad[0])
+        raise ValueError(f"page_table[{b}, {j}] = {page_table[b, j]} is not a page of the cache "
+                         f"(0 <= page < num_pages = {num_pages})")
+
+
+def validate_mask_size(entries, q_lens):
+    """A flat custom mask holds each request's q_len x q_len block: sum(q_lens**2) entries."""
+    expected = int((np.asarray(q_lens) ** 2).sum())
+    if entries != expected:
+        raise ValueError(f"custom_mask has {entries} entries, expected sum(q_lens**2) = {expected}")
 
 
 def max_splits(q_lens, kv_lens):

@@ -71,10 +71,17 @@ __device__ __forceinline__ void split_schedule(const PlanParams& p, int kv_len, 
 // A request's rows in the partial buffer: q_len per split when it has several.
 __device__ __forceinline__ int partial_rows(int q_len, int splits) { return splits > 1 ? q_len * splits : 0; }
 
-__device__ __forceinline__ bool live_request(const PlanParams& p, int b, int& q_len, int& kv_len) {
-  q_len = max(p.q_lens[b], 0);
+enum class Row { kPadding, kLive, kRefused };
+
+// What request b is, read once: padding (q_len = 0), live, or refused because it
+// breaks the contract (q_len < 0 or q_len > kv_len: possible on the device path,
+// whose lengths the host cannot check). q_len comes back clamped at 0.
+__device__ __forceinline__ Row classify(const PlanParams& p, int b, int& q_len, int& kv_len) {
+  const int given = p.q_lens[b];
+  q_len = max(given, 0);
   kv_len = p.kv_lens[b];
-  return p.q_lens[b] >= 0 && q_len <= kv_len && q_len > 0;
+  if (given < 0 || q_len > kv_len) return Row::kRefused;
+  return q_len > 0 ? Row::kLive : Row::kPadding;
 }
 
 __device__ int block_sum(int v) {
@@ -98,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
   int wanted_rows = 0;
   for (int b = threadIdx.x; b < p.batch_size; b += kPlanThreads) {
     int q_len, kv_len;
-    if (live_request(p, b, q_len, kv_len)) {
+    if (classify(p, b, q_len, kv_len) == Row::kLive) {
       int splits, keys;
       split_schedule(p, kv_len, wanted_splits(p, q_len, kv_len), splits, keys);
       wanted_rows += partial_rows(q_len, splits);
@@ -115,16 +122,16 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
     int splits = 0, keys = 0;
     if (b < p.batch_size) {
       int q_len, kv_len;
-      const bool live = live_request(p, b, q_len, kv_len);
+      const Row row = classify(p, b, q_len, kv_len);
       // The caller laid out q, out and the mask with these tokens: they keep their
       // place in the offsets even when the row itself is refused below.
       mine.q = q_len;
       mine.mask = q_len * q_len;
-      if (p.q_lens[b] < 0 || q_len > kv_len) {
+      if (row == Row::kRefused) {
         // Contract broken on the device path (host inputs are validated before
         // launch): record it and give the row no work rather than read outside it.
         atomicMin(p.status, b + 1);
-      } else if (live) {
+      } else if (row == Row::kLive) {
         int cap = wanted_splits(p, q_len, kv_len);
         if (overflow) cap = min(cap, max(1, share / q_len));
         split_schedule(p, kv_len, cap, splits, keys);

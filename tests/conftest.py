@@ -26,8 +26,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped with 'no CUDA device' otherwise)")
+
 
 
 def pytest_runtest_logreport(report):

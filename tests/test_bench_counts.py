@@ -101,7 +101,6 @@ def test_table_marks():
 
 
 def test_plot(tmp_path):
-    pytest.importorskip("matplotlib")
     from bench import plot
 
     path = plot.plot(_fake_results(), str(tmp_path / "bench.png"))

@@ -6,14 +6,12 @@ speculative decoding, padding of graph-mode batches -- against transformers. The
 """
 
 import pytest
-
-try:
-    import torch
-    import transformers  # noqa: F401
-except ImportError:
-    pytest.skip("torch or transformers not installed", allow_module_level=True)
+import torch
 
 from example_engine import load_engine
+
+# Runs in the torch venv of `make test` (.venv-torch): the package's own venv never holds torch.
+pytestmark = pytest.mark.cpu_torch
 
 engine = load_engine()
 

@@ -12,8 +12,6 @@ from example_engine import load_engine
     ["--dtype", "fp16", "--page-size", "1", "--num-draft", "6"],
 ], ids=["bf16-page16-n4", "fp16-page1-n6"])
 def test_engine_on_cupy_fa(flags):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     engine = load_engine()
     args = engine.parse_args(["--device", "cuda", "--backend", "cupy_fa", "--new-tokens", "64",
                               "--timing-runs", "0"] + flags)

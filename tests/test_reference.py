@@ -236,8 +236,10 @@ def test_device_like_inputs_are_fetched(rng):
     np.testing.assert_array_equal(out, paged_attention(*batch))
 
 
+@pytest.mark.cpu_torch
 def test_torch_inputs(rng):
-    torch = pytest.importorskip("torch")
+    import torch
+
     batch = make_batch(rng, [(2, 6), (1, 3)], 2, 2, 1, 4, dtype=ml_dtypes.bfloat16)
     q, k, v = (torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) for x in batch[:3])
     out = paged_attention(q, k, v, *(torch.from_numpy(x) for x in batch[3:]))
