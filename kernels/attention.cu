@@ -225,14 +225,17 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       s_sum[warp][g] = l[0];
       s_sum[warp][g + 8] = l[1];
     }
-    float* mine = staged(warp, stage);
+    // Only real rows are staged (a decode tile has group_size of its 16), each (row, column
+    // pair) as one float2 at a swizzled pair: lanes with the same tq would otherwise hit the
+    // same bank 8 ways.
+    // staged_pair(g, 4 db + tq) = g D + 2 tq + 8 (db ^ g % 8), and row g + 8 has the same swizzle.
+    float2* mine = reinterpret_cast<float2*>(staged(warp, stage) + g * D) + tq;
+    const int first_real = row0 + wm * 16 + g;
 #pragma unroll
     for (int db = 0; db < D_BLOCKS; ++db) {
-      float* o = mine + g * D + db * 8 + tq * 2;
-      o[0] = acc[db][0];
-      o[1] = acc[db][1];
-      o[8 * D] = acc[db][2];
-      o[8 * D + 1] = acc[db][3];
+      float2* o = mine + 4 * (db ^ (g & 7));
+      if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
+      if (first_real + 8 < rows) o[4 * D] = {acc[db][2], acc[db][3]};
     }
     __syncthreads();
 
@@ -250,7 +253,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
         const int ww = rwm * Traits::kWarpsN + w;
         const float f = rescale_factor(s_max[ww][rl], m_all);
         l_all += s_sum[ww][rl] * f;
-        const float4 part = *reinterpret_cast<const float4*>(staged(ww, stage) + rl * D + c4 * 4);
+        const float4 part = *reinterpret_cast<const float4*>(staged(ww, stage) + staged_pair<D>(rl, 2 * c4));
         o[0] += part.x * f;
         o[1] += part.y * f;
         o[2] += part.z * f;
@@ -435,12 +438,26 @@ __global__ void __launch_bounds__(THREADS) merge_kernel(const __grid_constant__ 
                     o.w * f + o_in.w * f_in);
     m = m_new;
   };
+  // A way folds splits way, way + WAYS, ... in that order, loading BATCH of them before
+  // folding any: the loads do not wait on the fold chain, so a long row (256 splits)
+  // pays a few memory latencies instead of one per split.
+  constexpr int BATCH = 8;
   const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);  // 4 elements of T per lane
-  for (int s = way; s < splits; s += WAYS) {
-    const i64 prow = (prow0 + s) * p.num_qo_heads + head;
-    const uint2 packed = partial[prow * (HEAD_DIM / 4) + c4];
-    const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
-    fold(p.partial_lse[prow], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+  for (int s0 = way; s0 < splits; s0 += WAYS * BATCH) {
+    float lse_in[BATCH];
+    uint2 packed[BATCH];
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const int s = s0 + u * WAYS;
+      const i64 prow = (prow0 + min(s, splits - 1)) * p.num_qo_heads + head;
+      packed[u] = __ldg(partial + prow * (HEAD_DIM / 4) + c4);
+      lse_in[u] = s < splits ? __ldg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
+    }
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
+      fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+    }
   }
   if (c4 == 0) {
     s_m[way] = m;

@@ -111,6 +111,16 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
+// Float index of column pair `pair` (columns 2 pair, 2 pair + 1) of row `row` in a
+// row-major [rows][D] fp32 staging tile, the pair index XOR-ed with 4 x (row % 8):
+// the 8 rows of an mma accumulator fragment (same columns) land in 8 different
+// bank groups, and pairs 2c, 2c + 1 stay adjacent, so a float4 read still works.
+template <int D>
+__device__ __forceinline__ int staged_pair(int row, int pair) {
+  static_assert(D >= 64, "the XOR reaches pair 31");
+  return row * D + ((pair ^ ((row & 7) << 2)) << 1);
+}
+
 // Index of the last entry of a non-decreasing `indptr[0..n]` that is <= x,
 // i.e. which segment x falls in. Used to map a flat work or token index to
 // its request without a host-built lookup table.

@@ -3,7 +3,8 @@
 # Usage on the device machine, from the repo root:
 #   bash scripts/device_check.sh [STAGES] [pytest -k expr]
 # STAGES: "all" (tests demo engine bench; the default) or a quoted list of tests, demo, engine,
-# ab (knob A/B, tuning only), bench. After "ab" the bench runs with the best knobs it found.
+# ab (knob A/B, tuning only), ncu (hardware counters, diagnosis only), bench. After "ab" the
+# bench runs with the best knobs it found.
 # Knobs: CHECK_SECONDS (whole call, default 560), TEST_SECONDS (pytest, default 300), BENCH_ARGS.
 # Logs go under $OUT (or ./device_out); the summary table is printed last.
 set -uo pipefail
@@ -12,7 +13,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
 export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2  # 8 pytest workers share 16 cores
 stages=${1:-all}; kexpr=${2:-}
-want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [ "$1" != ab ]; }; }
+want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [[ " ab ncu " != *" $1 "* ]]; }; }
 t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
 summary=$OUT/summary.txt; : > "$summary"
 
@@ -50,6 +51,20 @@ fi
 if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
   bash scripts/ab_decode.sh /tmp/best_knobs.sh 2>&1 | tee -a "$summary"
   [ -f /tmp/best_knobs.sh ] && source /tmp/best_knobs.sh && echo "bench runs with: $(cat /tmp/best_knobs.sh)" >> "$summary"
+fi
+if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer, page 16, into one file
+  export NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
+  for w in ${NCU_WORKLOADS:-decode_b64_l4096 verify_q8_b64_l4096}; do
+    for who in ours flashinfer; do
+      if [ $who = ours ]; then kernels='attention_kernel|merge_kernel'; flags=--no-peers
+      else kernels='BatchPrefill|BatchDecode|MergeStates'; flags=; fi
+      echo "==== ncu $who $w" >> "$OUT/ncu.txt"
+      timeout 150 ncu --clock-control none -k "regex:$kernels" -c 2 $NCU_SECTIONS \
+        python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
+    done
+  done
+  echo "ncu (key lines; whole report in ncu.txt):" >> "$summary"
+  grep -E "^==== ncu|^  [a-zA-Z_].*(Kernel|kernel)|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Waves Per SM|L2 Hit|L1/TEX Hit" "$OUT/ncu.txt" >> "$summary"
 fi
 if want bench; then
   left=$(( limit - ($(date +%s) - t0) - 20 ))
