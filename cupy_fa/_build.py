@@ -140,13 +140,24 @@ def attention_variant(dtype_name, tile):
     return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes)
 
 
-MERGE_THREADS = 256  # per (token, head): head_dim / 4 lanes x the splits folded in parallel
+MAX_SPLITS = 256  # KV splits of one request at most (cupy_fa/plan.py); sizes the merge's shared memory
+# Merge shapes (kernels/attention.cu MergeTraits): (heads per CTA, ways over split groups).
+# Both fold in the same order, so the choice never changes a bit.
+MERGE_WIDE = (8, 1)  # many tokens: one CTA per 8 heads of a token
+MERGE_DEEP = (1, 8)  # few tokens, maybe hundreds of splits: 8 ways per head
+WIDE_MERGE_MIN_ROWS = 1024  # tokens x H_q from which the wide shape still gives every SM a CTA
+
+
+def merge_shape(num_tokens, num_qo_heads):
+    return MERGE_WIDE if num_tokens * num_qo_heads >= WIDE_MERGE_MIN_ROWS else MERGE_DEEP
 
 
 @functools.lru_cache(maxsize=None)
-def merge_variant(dtype_name, head_dim):
-    return Variant("attention.cu", f"cupy_fa::merge_kernel<{CTYPES[dtype_name]}, {head_dim}, {MERGE_THREADS}>",
-                   MERGE_THREADS)
+def merge_variant(dtype_name, head_dim, shape=MERGE_DEEP):
+    heads_per_cta, ways = shape
+    expr = (f"cupy_fa::merge_kernel<{CTYPES[dtype_name]}, "
+            f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {MAX_SPLITS}>>")
+    return Variant("attention.cu", expr, head_dim // 4 * heads_per_cta * ways)
 
 
 def append_variant(index_dtype):
@@ -162,7 +173,7 @@ def all_variants():
     out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in CTYPES:
         for head_dim in HEAD_DIMS:
-            out.append(merge_variant(dtype_name, head_dim))
+            out += [merge_variant(dtype_name, head_dim, shape) for shape in (MERGE_WIDE, MERGE_DEEP)]
             for warps_m, warps_n in WARP_LAYOUTS:
                 for stages in (STAGE_CHOICES if warps_m < 4 else (2,)):
                     tile = TileShape(head_dim, warps_m, warps_n, stages)
@@ -272,7 +283,7 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in dtypes:
         for head_dim in head_dims:
-            wanted.append(merge_variant(dtype_name, head_dim))
+            wanted += [merge_variant(dtype_name, head_dim, shape) for shape in (MERGE_WIDE, MERGE_DEEP)]
             for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
                 wanted.append(attention_variant(dtype_name, tile_for(head_dim, max_q_len, group)))
     for variant in wanted:

@@ -327,8 +327,9 @@ class BatchAttention:
                 partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
                 batch_size=state.batch_size, num_qo_heads=self.num_qo_heads)
-            _build.launch(_build.merge_variant(self.dtype_name, self.head_dim),
-                          (num_tokens, self.num_qo_heads), merge, stream)
+            shape = _build.merge_shape(num_tokens, self.num_qo_heads)
+            _build.launch(_build.merge_variant(self.dtype_name, self.head_dim, shape),
+                          (num_tokens, -(-self.num_qo_heads // shape[0])), merge, stream)
 
     @property
     def planned(self):

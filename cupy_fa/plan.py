@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _build, _params
 
-MAX_SPLITS = 256
+MAX_SPLITS = _build.MAX_SPLITS
 SPLIT_ROW_BUDGET = 128
 SMALL_Q_LEN = _build.SMALL_Q_LEN
 PARTIAL_WORKSPACE_BYTES = 128 << 20  # split partials: at least this much, at least B x SPLIT_ROW_BUDGET rows

@@ -396,34 +396,38 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   for (; split_now < split_stop; ++split_now) finish_split(split_now, 0);
 }
 
-// Combines the splits of each (token, head) of split requests. Grid: (token
-// capacity, H_q), THREADS threads: HEAD_DIM / 4 lanes cover one row
-// (a float4 each) and THREADS / (HEAD_DIM / 4) ways fold every WAYS-th
-// split in parallel, then way 0 folds the ways in order. A split over no
-// visible keys (lse -inf) folds as the exact identity, so extra empty splits
-// never change a row's bits. Tokens of unsplit requests exit at once.
-template <typename T, int HEAD_DIM, int THREADS>
-__global__ void __launch_bounds__(THREADS) merge_kernel(const __grid_constant__ MergeParams p) {
-  typedef ElemTraits<T> E;
-  constexpr int LANES = HEAD_DIM / 4, WAYS = THREADS / LANES;
-  static_assert(THREADS % LANES == 0 && WAYS >= 1, "whole ways of HEAD_DIM / 4 lanes");
-  __shared__ float s_m[WAYS], s_l[WAYS];
-  __shared__ float4 s_o[WAYS][LANES];
-  const int token = blockIdx.x, head = blockIdx.y;
-  const int c4 = threadIdx.x % LANES, way = threadIdx.x / LANES;
-  if (token >= __ldg(p.q_indptr + p.batch_size)) return;
-  const int b = upper_segment(p.q_indptr, p.batch_size, token);
-  const int splits = __ldg(p.num_splits + b);
-  if (splits <= 1) return;
-  const i64 prow0 = __ldg(p.partial_indptr + b) + (i64)(token - __ldg(p.q_indptr + b)) * splits;
+// Merge shapes: HEADS_PER_CTA heads of one token per CTA, HEAD_DIM / 4 lanes per
+// head (a float4 each), WAYS ways folding groups of splits in parallel. "Wide"
+// (many heads, one way) suits many tokens with few splits each, "deep" (one
+// head, several ways) one long request with hundreds of splits; the host picks.
+template <int HEAD_DIM, int HEADS_PER_CTA, int WAYS, int MAX_SPLITS>
+struct MergeTraits {
+  static constexpr int kLanes = HEAD_DIM / 4;
+  static constexpr int kHeadsPerCta = HEADS_PER_CTA;
+  static constexpr int kWays = WAYS;
+  static constexpr int kThreads = kLanes * HEADS_PER_CTA * WAYS;
+  // The fold order is fixed by the split index alone, never by the shape above: each
+  // group of kGroup consecutive splits is folded in order, then the groups in order.
+  // Whichever variant merges a row, its bits are the same (batch invariance).
+  static constexpr int kGroup = 8;
+  static constexpr int kMaxGroups = (MAX_SPLITS + kGroup - 1) / kGroup;
+  static_assert(kThreads <= 1024, "one CTA");
+};
 
-  // each split is the state (m = its lse2, l = 1, o = its normalised output)
-  float m = -INFINITY, l = 0.f;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  auto fold = [&](float m_in, float l_in, float4 o_in) {
-    // Empty states are the identity and the first real state is taken as is, so a row
-    // with one real split keeps its partial's bits exactly (also the sign of a zero:
-    // 0 * 0 + (-0) * 1 would give +0 where the unsplit path writes -0).
+// The online-softmax state of a row slice: max m (base 2), sum l, unnormalised o.
+// (Trivially constructible, so it can live in shared memory: start from empty().)
+struct MergeState {
+  float m, l;
+  float4 o;
+
+  static __device__ __forceinline__ MergeState empty() {
+    return MergeState{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+  }
+
+  // Empty states are the identity and the first real state is taken as is, so a row
+  // with one real split keeps its partial's bits exactly (also the sign of a zero:
+  // 0 * 0 + (-0) * 1 would give +0 where the unsplit path writes -0).
+  __device__ __forceinline__ void fold(float m_in, float l_in, float4 o_in) {
     if (m_in == -INFINITY) return;
     if (m == -INFINITY) {
       m = m_in;
@@ -437,41 +441,72 @@ __global__ void __launch_bounds__(THREADS) merge_kernel(const __grid_constant__ 
     o = make_float4(o.x * f + o_in.x * f_in, o.y * f + o_in.y * f_in, o.z * f + o_in.z * f_in,
                     o.w * f + o_in.w * f_in);
     m = m_new;
-  };
-  // A way folds splits way, way + WAYS, ... in that order, loading BATCH of them before
-  // folding any: the loads do not wait on the fold chain, so a long row (256 splits)
-  // pays a few memory latencies instead of one per split.
-  constexpr int BATCH = 8;
+  }
+  __device__ __forceinline__ void fold(const MergeState& in) { fold(in.m, in.l, in.o); }
+};
+
+// Combines the splits of each (token, head) of split requests (each split is the
+// state m = its lse2, l = 1, o = its normalised partial). Grid: (token capacity,
+// ceil(H_q / HEADS_PER_CTA)); tokens of unsplit requests exit at once.
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_constant__ MergeParams p) {
+  typedef ElemTraits<T> E;
+  constexpr int LANES = Traits::kLanes, HPC = Traits::kHeadsPerCta, WAYS = Traits::kWays, GROUP = Traits::kGroup;
+  const int token = blockIdx.x;
+  const int c4 = threadIdx.x % LANES, in_cta = (threadIdx.x / LANES) % HPC, way = threadIdx.x / (LANES * HPC);
+  const int head = blockIdx.y * HPC + in_cta;
+  if (token >= __ldg(p.q_indptr + p.batch_size)) return;
+  const int b = upper_segment(p.q_indptr, p.batch_size, token);
+  const int splits = __ldg(p.num_splits + b);
+  if (splits <= 1) return;
+  const bool live = head < p.num_qo_heads;  // the last CTA of a head count HPC does not divide
+  const i64 prow0 = __ldg(p.partial_indptr + b) + (i64)(token - __ldg(p.q_indptr + b)) * splits;
   const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);  // 4 elements of T per lane
-  for (int s0 = way; s0 < splits; s0 += WAYS * BATCH) {
-    float lse_in[BATCH];
-    uint2 packed[BATCH];
+
+  // A way folds groups way, way + WAYS, ...; a group's GROUP loads are all issued
+  // before its first fold, so a row pays a few memory latencies, not one per split.
+  const int groups = (splits + GROUP - 1) / GROUP;
+  MergeState total = MergeState::empty();
+  constexpr int kSlots = WAYS > 1 ? Traits::kMaxGroups : 1;  // group states handed to way 0
+  __shared__ float4 s_o[kSlots][HPC][LANES];
+  __shared__ float2 s_ml[kSlots][HPC];  // (m, l): the same in every lane of a head
+  if (groups > Traits::kMaxGroups) __trap();  // plan_kernel never exceeds MAX_SPLITS
+  for (int grp = way; grp < groups && live; grp += WAYS) {
+    float lse_in[GROUP];
+    uint2 packed[GROUP];
 #pragma unroll
-    for (int u = 0; u < BATCH; ++u) {
-      const int s = s0 + u * WAYS;
+    for (int u = 0; u < GROUP; ++u) {
+      const int s = grp * GROUP + u;
       const i64 prow = (prow0 + min(s, splits - 1)) * p.num_qo_heads + head;
-      packed[u] = __ldg(partial + prow * (HEAD_DIM / 4) + c4);
+      packed[u] = __ldg(partial + prow * LANES + c4);
       lse_in[u] = s < splits ? __ldg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
     }
+    MergeState group_state = MergeState::empty();
 #pragma unroll
-    for (int u = 0; u < BATCH; ++u) {
+    for (int u = 0; u < GROUP; ++u) {
       const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
-      fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+      group_state.fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+    }
+    if constexpr (WAYS == 1) {
+      total.fold(group_state);
+    } else {
+      s_o[grp][in_cta][c4] = group_state.o;
+      if (c4 == 0) s_ml[grp][in_cta] = make_float2(group_state.m, group_state.l);
     }
   }
-  if (c4 == 0) {
-    s_m[way] = m;
-    s_l[way] = l;
+  if constexpr (WAYS > 1) {  // groups in order, from shared memory
+    __syncthreads();
+    if (way != 0 || !live) return;
+    for (int grp = 0; grp < groups; ++grp) {
+      const float2 ml = s_ml[grp][in_cta];
+      total.fold(ml.x, ml.y, s_o[grp][in_cta][c4]);
+    }
   }
-  s_o[way][c4] = o;
-  __syncthreads();
-  if (way != 0) return;
-  for (int w = 1; w < WAYS; ++w) fold(s_m[w], s_l[w], s_o[w][c4]);
-
-  const float merged[4] = {o.x, o.y, o.z, o.w};
-  const i64 o_off = ((i64)token * p.num_qo_heads + head) * HEAD_DIM + c4 * 4;
-  store_scaled4(static_cast<T*>(p.out) + o_off, merged, l > 0.f ? 1.f / l : 0.f);
-  if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(m, l);
+  if (!live) return;
+  const float merged[4] = {total.o.x, total.o.y, total.o.z, total.o.w};
+  const i64 o_off = ((i64)token * p.num_qo_heads + head) * (4 * LANES) + c4 * 4;
+  store_scaled4(static_cast<T*>(p.out) + o_off, merged, total.l > 0.f ? 1.f / total.l : 0.f);
+  if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(total.m, total.l);
 }
 
 }  // namespace cupy_fa

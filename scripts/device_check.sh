@@ -55,7 +55,7 @@ fi
 if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer, page 16, into one file
   export NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
   for w in ${NCU_WORKLOADS:-decode_b64_l4096 verify_q8_b64_l4096}; do
-    for who in ours flashinfer; do
+    for who in ${NCU_WHO:-ours flashinfer}; do
       if [ $who = ours ]; then kernels='attention_kernel|merge_kernel'; flags=--no-peers
       else kernels='BatchPrefill|BatchDecode|MergeStates'; flags=; fi
       echo "==== ncu $who $w" >> "$OUT/ncu.txt"

@@ -142,3 +142,44 @@ def test_splits_per_cta_never_changes_a_bit(dtype, page_size, monkeypatch):
         assert reference.relative_error(got, ref) < TOL[dtype]
         for per_cta in ("2", "3"):
             assert (outs[per_cta].view(np.uint16) == outs["1"].view(np.uint16)).all().get(), per_cta
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
+    """The wide merge (8 heads per CTA, one way) and the deep one (1 head, 8 ways over
+    groups of 8 splits) fold in the same order: identical bits, for rows of 1 to 9 groups,
+    with empty splits (causal clip) among them, and correct against float64."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import _build, plan as _plan, reference
+
+    rng, _ = new_rng()
+    h_q, h_kv = 12, 4  # 3 CTAs of the wide shape, the last one half empty (12 heads, 8 per CTA)
+    S = _plan.split_size()
+    # q_len 8 on 16-row CTAs: the first row block's causal clip leaves the last split of
+    # the 3 S + 2 request empty (as in the splits-per-CTA test)
+    for q_len, warps_m in ((1, "auto"), (5, "auto"), (8, "1")):
+        monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", warps_m)
+        kv = np.array([S + 3, 8 * S, 8 * S + 1, 17 * S - 5, 70 * S + 9, 3 * S + 2 - q_len,
+                       int(rng.integers(q_len, 40 * S))]) + q_len
+        q_lens = np.full(len(kv), q_len)
+        table, num_pages = paged_layout(rng, kv, 16)
+        k_host, v_host = fill_cache(rng, (num_pages, 16, h_kv, head_dim), _np(dtype), table, kv, 16)
+        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(_np(dtype))
+        outs = {}
+        for name, min_rows in (("wide", 0), ("deep", 1 << 40)):
+            monkeypatch.setattr(_build, "WIDE_MERGE_MIN_ROWS", min_rows)
+            assert _build.merge_shape(len(q_host), h_q) == (_build.MERGE_WIDE if name == "wide" else _build.MERGE_DEEP)
+            out = cupy.full(q_host.shape, np.nan, _np(dtype))
+            lse = cupy.full(q_host.shape[:2], np.nan, np.float32)
+            attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+            attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out, lse=lse)
+            outs[name] = (out, lse)
+        got = outs["wide"][0].get().astype(np.float64)
+        assert np.isfinite(got).all() and np.isfinite(outs["wide"][1].get()).all()
+        ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
+        assert reference.relative_error(got, ref) < TOL[dtype]
+        assert (outs["wide"][0].view(np.uint16) == outs["deep"][0].view(np.uint16)).all().get()
+        assert (outs["wide"][1].view(np.uint32) == outs["deep"][1].view(np.uint32)).all().get()
