@@ -17,8 +17,6 @@ Environment knobs (all of them):
   ``CUPY_FA_DECODE_WARPS_M``  1 or 2 rows of warps in decode-like tiles (default auto: 2 above 16 packed rows; tuning).
   ``CUPY_FA_SPLIT_SIZE``      keys per split of small-q requests (default 512; tuning, see cupy_fa/plan.py).
   ``CUPY_FA_SPLITS_PER_CTA``  consecutive splits one decode CTA runs (default 1; tuning, results unchanged).
-  ``CUPY_FA_GRID_ORDER``      ``heads`` (default: the KV heads of a work item are adjacent CTAs) or ``work``
-                              (the work items of a KV head are); tuning, results unchanged.
 """
 
 import dataclasses
@@ -133,18 +131,6 @@ def tile_for(head_dim, max_q_len, group_size):
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=per_cta)
     return tile
-
-
-def attention_grid(work_items, num_kv_heads):
-    """Launch grid of the attention kernel: one CTA per (work item, KV head). The kernel
-    reads the order from the grid's shape: 1-D is heads fastest, 2-D (work, head) is
-    work items fastest (kernels/attention.cu)."""
-    order = os.environ.get("CUPY_FA_GRID_ORDER", "heads")  # tuning; never changes results
-    if order == "heads":
-        return (work_items * num_kv_heads,)
-    if order == "work":
-        return (work_items, num_kv_heads)
-    raise ValueError(f"CUPY_FA_GRID_ORDER must be heads or work, got {order!r}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -318,9 +318,9 @@ class BatchAttention:
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
             sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size),
             splits_per_cta=state.tile.splits_per_cta)
-        # one CTA per (work item, KV head) (kernels/attention.cu)
+        # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
         _build.launch(_build.attention_variant(self.dtype_name, state.tile),
-                      _build.attention_grid(state.work_grid, self.num_kv_heads), params, stream)
+                      (state.work_grid * self.num_kv_heads,), params, stream)
         if state.may_split:
             merge = _params.make(
                 "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,

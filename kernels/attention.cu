@@ -7,8 +7,7 @@
 // (request, KV head). blockIdx.x = work item x H_kv + KV head, heads fastest:
 // the H_kv CTAs that read the same key slots (one 16-byte chunk column each of
 // the same [page, slot, H_kv, D] rows) run side by side, so DRAM sees whole
-// slots rather than one head's slice of each (a 2-D grid of (work item, KV head)
-// runs work items fastest instead: a tuning A/B). work_indptr (plan_kernel) gives
+// slots rather than one head's slice of each. work_indptr (plan_kernel) gives
 // each request's first work item. Grids are sized by capacity; CTAs past the
 // real work exit at once (graph-safe).
 //
@@ -88,10 +87,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ float s_max[Traits::kWarps][16], s_sum[Traits::kWarps][16];
 
   // ---- which work item is this CTA --------------------------------------------
-  // 1-D grid: KV heads fastest; 2-D grid (work items, KV heads): work items fastest (tuning)
-  const bool heads_fastest = gridDim.y == 1;
-  const int work = heads_fastest ? blockIdx.x / p.num_kv_heads : blockIdx.x;
-  const int kv_head = heads_fastest ? blockIdx.x % p.num_kv_heads : blockIdx.y;
+  const int work = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
   if (work >= __ldg(p.work_indptr + p.batch_size)) return;
   const int b = upper_segment(p.work_indptr, p.batch_size, work);
   const int q_start = __ldg(p.q_indptr + b);

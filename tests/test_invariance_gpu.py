@@ -183,33 +183,3 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
         assert reference.relative_error(got, ref) < TOL[dtype]
         assert (outs["wide"][0].view(np.uint16) == outs["deep"][0].view(np.uint16)).all().get()
         assert (outs["wide"][1].view(np.uint32) == outs["deep"][1].view(np.uint32)).all().get()
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_grid_order_never_changes_a_bit(dtype, monkeypatch):
-    """CUPY_FA_GRID_ORDER (KV heads or work items fastest) only reorders CTAs."""
-    import cupy
-    import cupy_fa
-    from cupy_fa import reference
-
-    rng, _ = new_rng()
-    h_q, h_kv, head_dim = 32, 8, 128
-    for q_len in (1, 8, 40):
-        kv = np.array([700, 5000, 1 + q_len, int(rng.integers(q_len, 9000))]) + q_len
-        q_lens = np.full(len(kv), q_len)
-        table, num_pages = paged_layout(rng, kv, 16)
-        k_host, v_host = fill_cache(rng, (num_pages, 16, h_kv, head_dim), _np(dtype), table, kv, 16)
-        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(_np(dtype))
-        outs = {}
-        for order in ("heads", "work"):
-            monkeypatch.setenv("CUPY_FA_GRID_ORDER", order)
-            out = cupy.full(q_host.shape, np.nan, _np(dtype))
-            cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table).run(
-                cupy.asarray(q_host), cache, out=out)
-            outs[order] = out
-        got = outs["work"].get().astype(np.float64)
-        assert np.isfinite(got).all()
-        ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
-        assert reference.relative_error(got, ref) < TOL[dtype]
-        assert (outs["heads"].view(np.uint16) == outs["work"].view(np.uint16)).all().get()

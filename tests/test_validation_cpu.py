@@ -74,14 +74,3 @@ def test_page_table_width_and_split_knob(monkeypatch):
         monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", bad)
         with pytest.raises(ValueError, match="CUPY_FA_SPLIT_SIZE"):
             plan.split_size()
-
-
-def test_grid_order_knob(monkeypatch):
-    from cupy_fa import _build
-
-    assert _build.attention_grid(5, 8) == (40,)
-    monkeypatch.setenv("CUPY_FA_GRID_ORDER", "work")
-    assert _build.attention_grid(5, 8) == (5, 8)
-    monkeypatch.setenv("CUPY_FA_GRID_ORDER", "rows")
-    with pytest.raises(ValueError, match="CUPY_FA_GRID_ORDER"):
-        _build.attention_grid(5, 8)
