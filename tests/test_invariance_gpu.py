@@ -183,3 +183,50 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
         assert reference.relative_error(got, ref) < TOL[dtype]
         assert (outs["wide"][0].view(np.uint16) == outs["deep"][0].view(np.uint16)).all().get()
         assert (outs["wide"][1].view(np.uint32) == outs["deep"][1].view(np.uint32)).all().get()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("warps_m", ["auto", "1"])
+def test_fused_merge_equals_merge_kernel_bitwise(dtype, warps_m, monkeypatch):
+    """Split requests merge in the attention kernel (its last CTA per row block) up to
+    FUSED_MAX_SPLITS splits, in merge_kernel above: both fold in the same order with the
+    same rounding, so moving the threshold never changes a bit. Run twice, the fused
+    merge's counters must be back at zero (a second launch, like a graph replay, is
+    identical)."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import plan as _plan, reference
+
+    rng, _ = new_rng()
+    h_q, h_kv, head_dim = 32, 8, 128
+    S = _plan.split_size()
+    monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", warps_m)
+    for q_len in (1, 8, 40):
+        kv = np.array([S + 3, 3 * S + 2 - min(q_len, 8), 9 * S, 33 * S + 1, int(rng.integers(1, 40 * S))]) + q_len
+        q_lens = np.full(len(kv), q_len)
+        table, num_pages = paged_layout(rng, kv, 16)
+        k_host, v_host = fill_cache(rng, (num_pages, 16, h_kv, head_dim), _np(dtype), table, kv, 16)
+        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(_np(dtype))
+        outs = {}
+        for name, fused_max in (("merge_kernel", 0), ("fused", _plan.MAX_SPLITS)):
+            monkeypatch.setattr(_plan, "FUSED_MAX_SPLITS", fused_max)
+            attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+            attn.plan(q_lens, kv, table)
+            assert attn.planned.needs_merge == (name == "merge_kernel")
+            runs = []
+            for _ in range(2):
+                out = cupy.full(q_host.shape, np.nan, _np(dtype))
+                lse = cupy.full(q_host.shape[:2], np.nan, np.float32)
+                attn.run(cupy.asarray(q_host), cache, out=out, lse=lse)
+                runs.append((out, lse))
+            assert (runs[0][0].view(np.uint16) == runs[1][0].view(np.uint16)).all().get(), name
+            assert (runs[0][1].view(np.uint32) == runs[1][1].view(np.uint32)).all().get(), name
+            assert int(attn._buffers.merge_counters.max().get()) == 0, name
+            outs[name] = runs[0]
+        got = outs["fused"][0].get().astype(np.float64)
+        assert np.isfinite(got).all() and np.isfinite(outs["fused"][1].get()).all()
+        ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
+        assert reference.relative_error(got, ref) < TOL[dtype]
+        assert (outs["fused"][0].view(np.uint16) == outs["merge_kernel"][0].view(np.uint16)).all().get()
+        assert (outs["fused"][1].view(np.uint32) == outs["merge_kernel"][1].view(np.uint32)).all().get()
