@@ -36,7 +36,7 @@ class _PlanState:
     num_tokens: int            # sum of q_lens if known on the host, else None
     tile: _build.TileShape
     work_grid: int
-    needs_merge: bool          # some request may have more splits than the attention kernel merges itself
+    may_split: bool
     mask_mode: int
     sm_scale: float
     host_page_table: object    # numpy, for validation against the cache in run(); None if device-planned
@@ -158,17 +158,17 @@ class BatchAttention:
         if on_host:
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             live = q_host > 0
-            needs_merge = bool(np.any(_plan.max_splits(q_host[live], kv_host[live]) > _plan.FUSED_MAX_SPLITS))
+            may_split = bool(np.any(_plan.max_splits(q_host[live], kv_host[live]) > 1))
         else:
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
-            needs_merge = bool(_plan.max_splits(1, kv_bound) > _plan.FUSED_MAX_SPLITS)
+            may_split = bool(_plan.max_splits(1, kv_bound) > 1)
 
         with stream:
             self._copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev)
             _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
         done = None if stream_capturing else stream.record()
-        self._plan = _PlanState(batch, num_tokens, tile, work_grid, needs_merge, mask_mode, float(sm_scale),
+        self._plan = _PlanState(batch, num_tokens, tile, work_grid, may_split, mask_mode, float(sm_scale),
                                 pt_host if on_host else None, q_host, kv_host, int(pt_shape[1]), stream.ptr, done)
         return self
 
@@ -317,17 +317,16 @@ class BatchAttention:
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
             sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size),
-            splits_per_cta=state.tile.splits_per_cta, merge_counters=buffers.merge_counters.data.ptr,
-            counter_stride=_plan.counter_stride(self.group_size), fused_max_splits=_plan.FUSED_MAX_SPLITS)
+            splits_per_cta=state.tile.splits_per_cta)
         # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
         _build.launch(_build.attention_variant(self.dtype_name, state.tile),
                       (state.work_grid * self.num_kv_heads,), params, stream)
-        if state.needs_merge:
+        if state.may_split:
             merge = _params.make(
                 "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
                 partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fused_max_splits=_plan.FUSED_MAX_SPLITS)
+                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads)
             shape = _build.merge_shape(num_tokens, self.num_qo_heads)
             _build.launch(_build.merge_variant(self.dtype_name, self.head_dim, shape),
                           (num_tokens, -(-self.num_qo_heads // shape[0])), merge, stream)

@@ -30,16 +30,6 @@ MAX_SPLITS = _build.MAX_SPLITS
 SPLIT_ROW_BUDGET = 128
 SMALL_Q_LEN = _build.SMALL_Q_LEN
 PARTIAL_WORKSPACE_BYTES = 128 << 20  # split partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
-# Requests with at most this many splits are merged by the attention kernel itself (the last
-# CTA of each row block); more go to merge_kernel, which folds them in several ways per row.
-FUSED_MAX_SPLITS = 32
-
-
-def counter_stride(group_size):
-    """Row blocks per request that the fused merge keeps a counter for: every row block of
-    a split request. A split request has q_len <= max(SMALL_Q_LEN, SPLIT_ROW_BUDGET // 2)
-    (longer ones get one split), and every tile has at least 16 rows."""
-    return -(-max(SMALL_Q_LEN, SPLIT_ROW_BUDGET // 2) * group_size // 16)
 
 
 def split_size():
@@ -108,9 +98,6 @@ class PlanBuffers:
         rows = partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
-        # fused-merge counters, one per (request, row block, KV head): zero between launches
-        # (the last CTA of each row block puts its counter back), so graphs replay them as is
-        self.merge_counters = cupy.zeros(b * counter_stride(1) * num_qo_heads, i32)
 
     def plan_params(self, batch_size, group_size, tile):
         return _params.make(

@@ -71,98 +71,6 @@ struct TileTraits {
   static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
 };
 
-// ---- merging split partials ---------------------------------------------------------
-// The fold order is fixed by the split index alone: groups of kMergeGroup consecutive
-// splits are folded in order, then the groups in order. Whoever merges a row (the fused
-// merge or merge_kernel, in whichever shape), its bits are the same (batch invariance).
-constexpr int kMergeGroup = 8;
-
-// Merge shapes: HEADS_PER_CTA heads of one token per CTA, HEAD_DIM / 4 lanes per
-// head (a float4 each), WAYS ways folding groups of splits in parallel. "Wide"
-// (many heads, one way) suits many tokens with few splits each, "deep" (one
-// head, several ways) one long request with hundreds of splits; the host picks.
-template <int HEAD_DIM, int HEADS_PER_CTA, int WAYS, int MAX_SPLITS>
-struct MergeTraits {
-  static constexpr int kLanes = HEAD_DIM / 4;
-  static constexpr int kHeadsPerCta = HEADS_PER_CTA;
-  static constexpr int kWays = WAYS;
-  static constexpr int kThreads = kLanes * HEADS_PER_CTA * WAYS;
-  static constexpr int kMaxGroups = (MAX_SPLITS + kMergeGroup - 1) / kMergeGroup;
-  static_assert(kThreads <= 1024, "one CTA");
-};
-
-// The online-softmax state of a row slice: max m (base 2), sum l, unnormalised o.
-// (Trivially constructible, so it can live in shared memory: start from empty().)
-struct MergeState {
-  float m, l;
-  float4 o;
-
-  static __device__ __forceinline__ MergeState empty() {
-    return MergeState{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-  }
-
-  // Empty states are the identity and the first real state is taken as is, so a row
-  // with one real split keeps its partial's bits exactly (also the sign of a zero:
-  // 0 * 0 + (-0) * 1 would give +0 where the unsplit path writes -0).
-  __device__ __forceinline__ void fold(float m_in, float l_in, float4 o_in) {
-    if (m_in == -INFINITY) return;
-    if (m == -INFINITY) {
-      m = m_in;
-      l = l_in;
-      o = o_in;
-      return;
-    }
-    // Explicitly rounded operations: the attention kernel (fused merge) and merge_kernel
-    // inline this in different kernels, and must agree to the bit whatever each compile
-    // would contract into FMAs on its own.
-    const float m_new = fmaxf(m, m_in);
-    const float f = rescale_factor(m, m_new), f_in = rescale_factor(m_in, m_new);
-    auto mix = [&](float a, float b) { return __fmaf_rn(a, f, __fmul_rn(b, f_in)); };
-    l = mix(l, l_in);
-    o = make_float4(mix(o.x, o_in.x), mix(o.y, o_in.y), mix(o.z, o_in.z), mix(o.w, o_in.w));
-    m = m_new;
-  }
-  __device__ __forceinline__ void fold(const MergeState& in) { fold(in.m, in.l, in.o); }
-};
-
-// The canonical fold of one row slice (4 columns at c4) of a split row: splits in groups
-// of kMergeGroup, each group folded in order from empty, then the groups in order. Both
-// merges (fused at the end of the attention kernel, and merge_kernel, whose ways fold
-// whole groups) produce exactly these bits. fold_group folds group `grp`; the partial
-// rows of the request's token are prow0, prow0 + 1, ... (x H_q + head).
-template <typename T, int LANES>
-__device__ __forceinline__ MergeState fold_group(const void* partial_out, const float* partial_lse, i64 prow0,
-                                                 int splits, int grp, int head, int num_qo_heads, int c4) {
-  typedef ElemTraits<T> E;
-  const uint2* partial = reinterpret_cast<const uint2*>(partial_out);  // 4 elements of T per lane
-  // all of the group's loads are issued before its first fold; L2 loads (__ldcg): the
-  // fused merge reads partials that other CTAs of the same launch wrote
-  float lse_in[kMergeGroup];
-  uint2 packed[kMergeGroup];
-#pragma unroll
-  for (int u = 0; u < kMergeGroup; ++u) {
-    const int s = grp * kMergeGroup + u;
-    const i64 prow = (prow0 + min(s, splits - 1)) * num_qo_heads + head;
-    packed[u] = __ldcg(partial + prow * LANES + c4);
-    lse_in[u] = s < splits ? __ldcg(partial_lse + prow) : -INFINITY;  // past the end: the identity
-  }
-  MergeState state = MergeState::empty();
-#pragma unroll
-  for (int u = 0; u < kMergeGroup; ++u) {
-    const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
-    state.fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
-  }
-  return state;
-}
-
-// Writes a merged row slice: out (in T) and, if asked for, the natural-log LSE.
-template <typename T>
-__device__ __forceinline__ void store_merged(const MergeState& total, T* out, float* lse) {
-  const float merged[4] = {total.o.x, total.o.y, total.o.z, total.o.w};
-  store_scaled4(out, merged, total.l > 0.f ? 1.f / total.l : 0.f);
-  if (lse != nullptr) *lse = natural_lse(total.m, total.l);
-}
-
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 attention_kernel(const __grid_constant__ AttentionParams p) {
@@ -486,66 +394,99 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __syncthreads();
   // splits the causal clip left without a tile still write their (empty) result
   for (; split_now < split_stop; ++split_now) finish_split(split_now, 0);
-
-  // ---- fused merge: the last CTA to finish a row block's splits merges them -------------
-  // (threadfence-reduction pattern: partials are made visible, then counted; the CTA that
-  // counts last sees them all). Requests with more splits go to merge_kernel, whose
-  // several ways per row are faster there.
-  const int row_block = row0 / BM;
-  if (splits <= 1 || splits > p.fused_max_splits || row_block >= p.counter_stride) return;
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    int* counter = p.merge_counters + ((i64)b * p.counter_stride + row_block) * p.num_kv_heads + kv_head;
-    const int ctas = (splits + per_cta - 1) / per_cta;
-    s_last = atomicAdd(counter, 1) == ctas - 1;
-    if (s_last) *counter = 0;  // every other CTA of the row block has counted: ready for the next launch
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  constexpr int LANES = D / 4;
-  for (int idx = tid; idx < BM * LANES; idx += Traits::kThreads) {
-    const int row = row0 + idx / LANES, c4 = idx % LANES;
-    if (row >= rows) continue;
-    const int i = row / group, head = kv_head * group + row % group;
-    const i64 prow0 = (i64)partial_base + (i64)i * splits;
-    MergeState total = MergeState::empty();
-    for (int grp = 0; grp * kMergeGroup < splits; ++grp)
-      total.fold(fold_group<T, LANES>(p.partial_out, p.partial_lse, prow0, splits, grp, head, p.num_qo_heads, c4));
-    const i64 slot = (i64)(q_start + i) * p.num_qo_heads + head;
-    store_merged(total, static_cast<T*>(p.out) + slot * D + c4 * 4, c4 == 0 && p.lse != nullptr ? p.lse + slot : nullptr);
-  }
 }
 
-// Combines the splits of each (token, head) of requests with more than
-// fused_max_splits splits (fewer are merged by the attention kernel itself; each split
-// is the state m = its lse2, l = 1, o = its normalised partial). Grid: (token capacity,
-// ceil(H_q / HEADS_PER_CTA)); tokens of other requests exit at once.
+// Merge shapes: HEADS_PER_CTA heads of one token per CTA, HEAD_DIM / 4 lanes per
+// head (a float4 each), WAYS ways folding groups of splits in parallel. "Wide"
+// (many heads, one way) suits many tokens with few splits each, "deep" (one
+// head, several ways) one long request with hundreds of splits; the host picks.
+template <int HEAD_DIM, int HEADS_PER_CTA, int WAYS, int MAX_SPLITS>
+struct MergeTraits {
+  static constexpr int kLanes = HEAD_DIM / 4;
+  static constexpr int kHeadsPerCta = HEADS_PER_CTA;
+  static constexpr int kWays = WAYS;
+  static constexpr int kThreads = kLanes * HEADS_PER_CTA * WAYS;
+  // The fold order is fixed by the split index alone, never by the shape above: each
+  // group of kGroup consecutive splits is folded in order, then the groups in order.
+  // Whichever variant merges a row, its bits are the same (batch invariance).
+  static constexpr int kGroup = 8;
+  static constexpr int kMaxGroups = (MAX_SPLITS + kGroup - 1) / kGroup;
+  static_assert(kThreads <= 1024, "one CTA");
+};
+
+// The online-softmax state of a row slice: max m (base 2), sum l, unnormalised o.
+// (Trivially constructible, so it can live in shared memory: start from empty().)
+struct MergeState {
+  float m, l;
+  float4 o;
+
+  static __device__ __forceinline__ MergeState empty() {
+    return MergeState{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+  }
+
+  // Empty states are the identity and the first real state is taken as is, so a row
+  // with one real split keeps its partial's bits exactly (also the sign of a zero:
+  // 0 * 0 + (-0) * 1 would give +0 where the unsplit path writes -0).
+  __device__ __forceinline__ void fold(float m_in, float l_in, float4 o_in) {
+    if (m_in == -INFINITY) return;
+    if (m == -INFINITY) {
+      m = m_in;
+      l = l_in;
+      o = o_in;
+      return;
+    }
+    const float m_new = fmaxf(m, m_in);
+    const float f = rescale_factor(m, m_new), f_in = rescale_factor(m_in, m_new);
+    l = l * f + l_in * f_in;
+    o = make_float4(o.x * f + o_in.x * f_in, o.y * f + o_in.y * f_in, o.z * f + o_in.z * f_in,
+                    o.w * f + o_in.w * f_in);
+    m = m_new;
+  }
+  __device__ __forceinline__ void fold(const MergeState& in) { fold(in.m, in.l, in.o); }
+};
+
+// Combines the splits of each (token, head) of split requests (each split is the
+// state m = its lse2, l = 1, o = its normalised partial). Grid: (token capacity,
+// ceil(H_q / HEADS_PER_CTA)); tokens of unsplit requests exit at once.
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_constant__ MergeParams p) {
-  constexpr int LANES = Traits::kLanes, HPC = Traits::kHeadsPerCta, WAYS = Traits::kWays;
+  typedef ElemTraits<T> E;
+  constexpr int LANES = Traits::kLanes, HPC = Traits::kHeadsPerCta, WAYS = Traits::kWays, GROUP = Traits::kGroup;
   const int token = blockIdx.x;
   const int c4 = threadIdx.x % LANES, in_cta = (threadIdx.x / LANES) % HPC, way = threadIdx.x / (LANES * HPC);
   const int head = blockIdx.y * HPC + in_cta;
   if (token >= __ldg(p.q_indptr + p.batch_size)) return;
   const int b = upper_segment(p.q_indptr, p.batch_size, token);
   const int splits = __ldg(p.num_splits + b);
-  if (splits <= max(1, p.fused_max_splits)) return;
+  if (splits <= 1) return;
   const bool live = head < p.num_qo_heads;  // the last CTA of a head count HPC does not divide
   const i64 prow0 = __ldg(p.partial_indptr + b) + (i64)(token - __ldg(p.q_indptr + b)) * splits;
+  const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);  // 4 elements of T per lane
 
-  // A way folds groups way, way + WAYS, ...; way 0 then folds the groups in order.
-  const int groups = (splits + kMergeGroup - 1) / kMergeGroup;
+  // A way folds groups way, way + WAYS, ...; a group's GROUP loads are all issued
+  // before its first fold, so a row pays a few memory latencies, not one per split.
+  const int groups = (splits + GROUP - 1) / GROUP;
   MergeState total = MergeState::empty();
   constexpr int kSlots = WAYS > 1 ? Traits::kMaxGroups : 1;  // group states handed to way 0
   __shared__ float4 s_o[kSlots][HPC][LANES];
   __shared__ float2 s_ml[kSlots][HPC];  // (m, l): the same in every lane of a head
   if (groups > Traits::kMaxGroups) __trap();  // plan_kernel never exceeds MAX_SPLITS
   for (int grp = way; grp < groups && live; grp += WAYS) {
-    const MergeState group_state =
-        fold_group<T, LANES>(p.partial_out, p.partial_lse, prow0, splits, grp, head, p.num_qo_heads, c4);
+    float lse_in[GROUP];
+    uint2 packed[GROUP];
+#pragma unroll
+    for (int u = 0; u < GROUP; ++u) {
+      const int s = grp * GROUP + u;
+      const i64 prow = (prow0 + min(s, splits - 1)) * p.num_qo_heads + head;
+      packed[u] = __ldg(partial + prow * LANES + c4);
+      lse_in[u] = s < splits ? __ldg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
+    }
+    MergeState group_state = MergeState::empty();
+#pragma unroll
+    for (int u = 0; u < GROUP; ++u) {
+      const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
+      group_state.fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+    }
     if constexpr (WAYS == 1) {
       total.fold(group_state);
     } else {
@@ -562,9 +503,10 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
     }
   }
   if (!live) return;
-  const i64 slot = (i64)token * p.num_qo_heads + head;
-  store_merged(total, static_cast<T*>(p.out) + slot * (4 * LANES) + c4 * 4,
-               c4 == 0 && p.lse != nullptr ? p.lse + slot : nullptr);
+  const float merged[4] = {total.o.x, total.o.y, total.o.z, total.o.w};
+  const i64 o_off = ((i64)token * p.num_qo_heads + head) * (4 * LANES) + c4 * 4;
+  store_scaled4(static_cast<T*>(p.out) + o_off, merged, total.l > 0.f ? 1.f / total.l : 0.f);
+  if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(total.m, total.l);
 }
 
 }  // namespace cupy_fa

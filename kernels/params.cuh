@@ -62,10 +62,6 @@ struct AttentionParams {
   float sm_scale_log2;        // softmax scale x log2(e): scores live in base 2
   int page_shift;             // log2(page_size) when a power of two (shift, not divide), else -1
   int splits_per_cta;         // as in PlanParams: the work items were counted with it
-  int* merge_counters;        // [B x counter_stride x H_kv] zeros: CTAs done per (row block, KV head);
-                              // the last one merges the splits and puts the counter back to 0
-  int counter_stride;         // row blocks per request a counter is kept for (any split request's)
-  int fused_max_splits;       // split requests with at most this many splits merge in this kernel
 };
 
 struct MergeParams {
@@ -78,7 +74,6 @@ struct MergeParams {
   const int* partial_indptr;
   int batch_size;
   int num_qo_heads;
-  int fused_max_splits;       // requests with at most this many splits were merged by the attention kernel
 };
 
 struct AppendParams {
