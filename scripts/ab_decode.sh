@@ -6,7 +6,7 @@
 # Usage: bash scripts/ab_decode.sh BEST_FILE [settings ...]   (a setting: "stages split warps_m [per_cta]")
 set -uo pipefail
 best_file=$1; shift
-settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 auto 1" "2 384 auto 1" "2 256 auto 1" "2 1024 auto 1")
+settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 auto 1" "2 512 auto 2" "2 512 auto 4" "2 384 auto 1" "2 384 auto 2")
 work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b16_l32768 decode_b1_l131072 decode_b1_l4096 verify_q4_b64_l4096 verify_q8_b64_l4096"}  # AB_ARGS: more bench flags
 rm -rf /tmp/ab_*
 for setting in "${settings[@]}"; do
