@@ -54,6 +54,11 @@ if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
 fi
 if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer, page 16, into one file
   export NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
+  NCU_STALLS=smsp__warps_eligible.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active
+  for reason in long_scoreboard short_scoreboard barrier mio_throttle math_pipe_throttle wait lg_throttle \
+                not_selected selected no_instruction dispatch_stall; do
+    NCU_STALLS=$NCU_STALLS,smsp__average_warps_issue_stalled_${reason}_per_issue_active.ratio
+  done
   for w in ${NCU_WORKLOADS:-decode_b64_l4096 verify_q8_b64_l4096}; do
     for who in ${NCU_WHO:-ours flashinfer}; do
       if [ $who = ours ]; then kernels='attention_kernel|merge_kernel'; flags=--no-peers
@@ -61,10 +66,14 @@ if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer
       echo "==== ncu $who $w" >> "$OUT/ncu.txt"
       timeout 150 ncu --clock-control none -k "regex:$kernels" -c 2 $NCU_SECTIONS \
         python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
+      # where the attention kernel's warps wait: issue-stall reasons, cycles per issued instruction
+      echo "==== ncu stalls $who $w" >> "$OUT/ncu.txt"
+      timeout 150 ncu --clock-control none -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_STALLS" \
+        python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
     done
   done
   echo "ncu (key lines; whole report in ncu.txt):" >> "$summary"
-  grep -E "^==== ncu|^  [a-zA-Z_].*(Kernel|kernel)|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Waves Per SM|L2 Hit|L1/TEX Hit" "$OUT/ncu.txt" >> "$summary"
+  grep -E "^==== ncu|^  [a-zA-Z_].*(Kernel|kernel)|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Waves Per SM|L2 Hit|L1/TEX Hit|stalled|warps_eligible|issue_active" "$OUT/ncu.txt" >> "$summary"
 fi
 if want bench; then
   left=$(( limit - ($(date +%s) - t0) - 20 ))
