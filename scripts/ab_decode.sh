@@ -8,7 +8,7 @@ set -uo pipefail
 best_file=$1; shift
 settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 auto 1" "2 512 auto 2" "2 512 auto 4" "2 384 auto 1" "2 384 auto 2")
 work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b16_l32768 decode_b1_l131072 decode_b1_l4096 verify_q4_b64_l4096 verify_q8_b64_l4096"}  # AB_ARGS: more bench flags
-rm -rf /tmp/ab_*
+rm -rf /tmp/ab_* "$best_file"  # a stale pick from an earlier call must never be applied
 for setting in "${settings[@]}"; do
   set -- $setting
   tag="s$1_k$2_w$3_c${4:-1}"

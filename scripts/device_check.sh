@@ -11,7 +11,6 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
-export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2  # 8 pytest workers share 16 cores
 stages=${1:-all}; kexpr=${2:-}
 want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [[ " ab ncu " != *" $1 "* ]]; }; }
 t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
@@ -33,7 +32,8 @@ if want tests; then
   python3 scripts/warm_cache.py  # every variant into the disk cache once, 8 processes, before the workers
   # GPU tests only (CI runs the CPU ones); -v so a log cut short still names each result;
   # bounded so the demo, engine and bench still get their share of the call
-  timeout ${TEST_SECONDS:-300} python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 -m gpu --timeout 240 \
+  # 8 pytest workers share 16 cores: 2 BLAS threads each (the bench's fp64 reference keeps them all)
+  OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout ${TEST_SECONDS:-300} python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 -m gpu --timeout 240 \
     tests ${kexpr:+-k "$kexpr"} -rs --durations=10 --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
   grep -E "FAILED|ERROR|Timeout" "$OUT/pytest.log" | head -20 >> "$summary"
   [ -s "$CUPY_FA_FAILURE_LOG" ] && { echo "failure reasons (first lines each):"; grep -A3 "^====" "$CUPY_FA_FAILURE_LOG" | head -40; } >> "$summary"
