@@ -65,6 +65,7 @@ import time
 import numpy as np
 import torch
 
+from cupy_fa.graph import default_buckets
 from cupy_fa.modes import ForwardMode, contract_lengths
 
 # --------------------------------------------------------------------------------------------
@@ -75,8 +76,8 @@ from cupy_fa.modes import ForwardMode, contract_lengths
 # The engine's modes are cupy_fa's: the contract lives in one documented place, cupy_fa/modes.py.
 Mode = ForwardMode
 
-# Modes with a fixed q_len per request: these run as CUDA graphs, one per padded batch size.
-GRAPH_MODES = (Mode.DECODE, Mode.TARGET_VERIFY, Mode.DRAFT_EXTEND_V2)
+# Modes with a fixed q_len per request (Mode.fixed_q_len) run as CUDA graphs, one per padded
+# batch size.
 
 
 def mode_lengths(mode: Mode, seq_len: int, cached: int, window: int) -> tuple[int, int]:
@@ -110,8 +111,9 @@ def mode_lengths(mode: Mode, seq_len: int, cached: int, window: int) -> tuple[in
 
 
 def batch_bucket(batch_size: int, max_batch: int) -> int:
-    """Padded batch size of a graph-mode step: the next power of two (at most the capacity)."""
-    return min(1 << (batch_size - 1).bit_length(), max_batch)
+    """Padded batch size of a graph-mode step: cupy_fa's default bucket that holds it (the next
+    power of two, at most the capacity)."""
+    return next((b for b in default_buckets(max_batch) if b >= batch_size), max_batch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +329,10 @@ class CupyFABackend:
 
     def plan(self, mode, q_lens, kv_lens, page_table, max_q_len):
         self.mode = mode
-        self.attn[mode].plan(q_lens, kv_lens, page_table, causal=True, max_q_len=max_q_len)
+        # the kv bound keeps a device-length plan's grid (and its merge launch) to what the page
+        # table can hold, instead of the 2^31 default
+        self.attn[mode].plan(q_lens, kv_lens, page_table, causal=True, max_q_len=max_q_len,
+                             max_kv_len=self.spec.max_pages_per_request * self.spec.page_size)
 
     def write_kv(self, layer, k, v, slots):
         self.caches[layer].append(k, v, slots)
@@ -413,7 +418,7 @@ class ModelRunner:
             q_lens.append(q_len)
             kv_lens.append(kv_len)
 
-        if mode in GRAPH_MODES:
+        if mode.fixed_q_len:
             q = q_lens[0]
             assert all(x == q for x in q_lens), "graph modes have a fixed q_len per request"
             Bp = batch_bucket(B, self.max_batch)
