@@ -7,8 +7,9 @@ import traceback
 from . import timing
 from .inputs import Inputs, count_nan, max_error, poison, to_host_f64
 from .workloads import DTYPE, H_KV, H_Q, HEAD_DIM
+from cupy_fa import reference
 
-ERR_LIMIT = 1e-2  # bf16
+ERR_LIMIT = reference.TOL[DTYPE]
 
 
 def bench_ours(inp: Inputs, refs_by_set: dict, opts: dict, n_launch: int) -> dict:

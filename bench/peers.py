@@ -14,9 +14,10 @@ import traceback
 
 from . import timing
 from .inputs import Inputs, as_torch, max_error, to_host_f64
-from .workloads import H_KV, H_Q, HEAD_DIM
+from .workloads import DTYPE, H_KV, H_Q, HEAD_DIM
+from cupy_fa import reference
 
-ERR_LIMIT = 1e-2
+ERR_LIMIT = reference.TOL[DTYPE]
 DEVICE = "cuda"  # a CPU smoke test may point it elsewhere
 SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
 

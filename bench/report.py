@@ -8,6 +8,10 @@ import platform
 import subprocess
 import sys
 
+from cupy_fa.reference import TOL
+
+from .workloads import DTYPE
+
 IMPLS = ["ours", "sdpa_cudnn", "sdpa_flash", "flashinfer"]
 LABELS = {"ours": "ours", "sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA flash", "flashinfer": "FlashInfer"}
 
@@ -109,7 +113,7 @@ def legend(results) -> str:
         (f"TB/s: K+V bytes of the cache once (H_kv={results['shape']['H_kv']}) for every implementation; "
          "TFLOP/s: 4*H_q*D*visible keys (causal counted exactly)."),
         ("cpu us: eager attn.run CPU time per call (decode-like); %ceil: ours over the read (TB/s) or GEMM (TFLOP/s) ceiling; ours/FI: FlashInfer time / ours time; "
-         "n/a: peer unavailable or failed (JSON has why); wrong: peer over 1e-2 rel err; SDPA is dense, "
+         f"n/a: peer unavailable or failed (JSON has why); wrong: peer over {TOL[DTYPE]:g} rel err; SDPA is dense, "
          "timed once per workload."),
     ]
     return "\n".join(lines)
