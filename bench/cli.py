@@ -98,12 +98,13 @@ def run_cell(w, ps, ctx) -> dict:
     _free()
 
     read_c, gemm_c = ctx["ceilings_used"]["read_tbps"], ctx["ceilings_used"]["gemm_tflops"]
+    floor_bytes_us, floor_flops_us = w.floors_us(read_c, gemm_c)
     o, fi = impls["ours"], impls.get("flashinfer", {})
     row = {
         "workload": w.name, "page_size": ps, "kind": w.kind, "metric": w.metric,
         "batch": w.batch, "q_len": w.q_len, "kv_len": w.kv_len, "note": w.note,
         "kv_bytes": w.kv_bytes(), "min_bytes": w.min_bytes(), "flops": w.flops(),
-        "floor_bytes_us": w.min_bytes() / (read_c * 1e6), "floor_flops_us": w.flops() / (gemm_c * 1e6),
+        "floor_bytes_us": floor_bytes_us, "floor_flops_us": floor_flops_us,
         "check_windows": windows, "reference_s": ref_s, "impls": impls,
         "ours_frac_ceiling": (o["value"] / (read_c if w.kind == "memory" else gemm_c)) if o.get("value") else None,
         "ours_over_flashinfer": (fi["time_us"] / o["time_us"])

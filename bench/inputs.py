@@ -17,9 +17,9 @@ _CHUNK = 1 << 26  # elements per random-fill chunk (256 MB of float32)
 
 
 def bf16_dtype():
-    import ml_dtypes
+    from cupy_fa import _arrays
 
-    return np.dtype(ml_dtypes.bfloat16)
+    return _arrays.DTYPES["bfloat16"]
 
 
 def empty_bf16(shape):
