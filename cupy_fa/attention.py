@@ -114,10 +114,7 @@ class BatchAttention:
             raise TypeError("q_lens and kv_lens must both be host arrays or both device arrays")
         batch = int((q_host if on_host else q_dev).shape[0])
         pt_shape = (pt_host if pt_host is not None else pt_dev).shape
-        if pt_shape[0] != batch:
-            raise ValueError(f"page_table has {pt_shape[0]} rows, expected one per request ({batch})")
-        if (kv_host if on_host else kv_dev).shape[0] != batch:
-            raise ValueError(f"kv_lens has {(kv_host if on_host else kv_dev).shape[0]} entries, q_lens has {batch}")
+        _plan.validate_batch_shapes(batch, (kv_host if on_host else kv_dev).shape[0], pt_shape[0])
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(self.head_dim)
         if not (isinstance(sm_scale, (int, float, np.floating)) and math.isfinite(sm_scale) and sm_scale > 0):

@@ -142,6 +142,7 @@ class GraphRunner:
         q_host = _arrays.host_or_device_ints(q_lens, "q_lens", 1)[0] if isinstance(q_lens, np.ndarray) else None
         kv_host = _arrays.host_or_device_ints(kv_lens, "kv_lens", 1)[0] if isinstance(kv_lens, np.ndarray) else None
         batch = len(q_lens)
+        _plan.validate_batch_shapes(batch, len(kv_lens), page_table.shape[0] if len(page_table.shape) else -1)
         if q_dev.shape[0] > batch * self._max_q(mode):
             raise ValueError(f"q has {q_dev.shape[0]} tokens, more than {batch} requests x max q_len "
                              f"{self._max_q(mode)} of {mode.name}")

@@ -131,6 +131,14 @@ def validate_lengths(q_lens, kv_lens):
                          f"AFTER this step's K/V were written, so it is at least q_len")
 
 
+def validate_batch_shapes(batch, kv_entries, page_table_rows):
+    """One kv_len and one page-table row per request (q_lens has `batch` entries)."""
+    if page_table_rows != batch:
+        raise ValueError(f"page_table has {page_table_rows} rows, expected one per request ({batch})")
+    if kv_entries != batch:
+        raise ValueError(f"kv_lens has {kv_entries} entries, q_lens has {batch}")
+
+
 def validate_page_table_width(columns, kv_lens, q_lens, page_size):
     """Every live request's kv_len fits in `columns` pages of the table."""
     needed = -(-kv_lens // page_size)  # ceil
