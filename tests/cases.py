@@ -9,6 +9,13 @@ import numpy as np
 from cupy_fa.reference import TOL  # noqa: F401 - the tests' tolerance is the library's
 
 
+def np_dtype(name):
+    """The NumPy dtype of a cupy_fa dtype name ("float16" or "bfloat16")."""
+    from cupy_fa import _arrays
+
+    return _arrays.DTYPES[name]
+
+
 def new_rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"rng seed {seed}")

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cases import TOL, fill_cache, new_rng, paged_layout, random_lengths, tree_masks
+from cases import TOL, fill_cache, new_rng, np_dtype, paged_layout, random_lengths, tree_masks
 
 pytestmark = pytest.mark.gpu
 
@@ -14,11 +14,6 @@ HEAD_DIMS = [64, 128, 256]
 PAGE_SIZES = [1, 16, 64]
 DTYPES = ["float16", "bfloat16"]
 
-
-def np_dtype(name):
-    import cupy_fa._arrays as arrays
-
-    return arrays.DTYPES[name]
 
 
 def run_case(rng, dtype, heads, head_dim, page_size, causal, lengths, custom_mask=None):

@@ -6,15 +6,9 @@ in a different batch. Speculative decoding is lossless only if this holds
 import numpy as np
 import pytest
 
-from cases import TOL, fill_cache, new_rng, paged_layout
+from cases import TOL, fill_cache, new_rng, np_dtype, paged_layout
 
 pytestmark = pytest.mark.gpu
-
-
-def _np(dtype):
-    import ml_dtypes
-
-    return np.float16 if dtype == "float16" else ml_dtypes.bfloat16
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -37,13 +31,13 @@ def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m
     for num_draft in (4, 8, 16):
         kv = prefix + num_draft
         table, num_pages = paged_layout(rng, kv, page_size)
-        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), _np(dtype), table, kv, page_size)
+        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv, page_size)
         cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-        q_host = rng.standard_normal((B * num_draft, h_q, head_dim), dtype=np.float32).astype(_np(dtype))
+        q_host = rng.standard_normal((B * num_draft, h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
         q = cupy.asarray(q_host)
         attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
 
-        verify = cupy.full(q.shape, np.nan, _np(dtype))
+        verify = cupy.full(q.shape, np.nan, np_dtype(dtype))
         attn.plan(np.full(B, num_draft), kv, table).run(q, cache, out=verify)
         got = verify.get().astype(np.float64)
         assert np.isfinite(got).all()
@@ -54,7 +48,7 @@ def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m
         verify_rows = verify.reshape(B, num_draft, h_q, head_dim)
         for i in range(num_draft):
             # plain decode of draft position i, the whole batch at once
-            decode = cupy.full((B, h_q, head_dim), np.nan, _np(dtype))
+            decode = cupy.full((B, h_q, head_dim), np.nan, np_dtype(dtype))
             attn.plan(np.ones(B, int), prefix + i + 1, table).run(cupy.ascontiguousarray(q_rows[:, i]), cache,
                                                                   out=decode)
             same = (decode.view(np.uint16) == verify_rows[:, i].view(np.uint16)).all(axis=(1, 2)).get()
@@ -62,7 +56,7 @@ def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m
                                 f"{np.flatnonzero(~same).tolist()} (prefix {prefix[~same].tolist()})")
         # one request alone, mid-window, in a batch of one: same bits again
         b, i = int(rng.integers(0, B)), int(rng.integers(0, num_draft))
-        alone = cupy.full((1, h_q, head_dim), np.nan, _np(dtype))
+        alone = cupy.full((1, h_q, head_dim), np.nan, np_dtype(dtype))
         attn.plan([1], [int(prefix[b]) + i + 1], table[b:b + 1]).run(
             cupy.ascontiguousarray(q_rows[b, i:i + 1]), cache, out=alone)
         assert (alone[0].view(np.uint16) == verify_rows[b, i].view(np.uint16)).all().get()
@@ -125,13 +119,13 @@ def test_splits_per_cta_never_changes_a_bit(dtype, page_size, monkeypatch):
         kv = np.array([3 * S + 7, S, 1 + q_len, 7 * S - 1, 3 * S + 2 - q_len, int(rng.integers(q_len, 9000))]) + q_len
         q_lens = np.full(len(kv), q_len)
         table, num_pages = paged_layout(rng, kv, page_size)
-        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), _np(dtype), table, kv, page_size)
+        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv, page_size)
         cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(_np(dtype))
+        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
         outs = {}
         for per_cta in ("1", "2", "3"):
             monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", per_cta)
-            out = cupy.full(q_host.shape, np.nan, _np(dtype))
+            out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
             attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out)
             assert attn.planned.tile.splits_per_cta == int(per_cta)
@@ -165,14 +159,14 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
                        int(rng.integers(q_len, 40 * S))]) + q_len
         q_lens = np.full(len(kv), q_len)
         table, num_pages = paged_layout(rng, kv, 16)
-        k_host, v_host = fill_cache(rng, (num_pages, 16, h_kv, head_dim), _np(dtype), table, kv, 16)
+        k_host, v_host = fill_cache(rng, (num_pages, 16, h_kv, head_dim), np_dtype(dtype), table, kv, 16)
         cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(_np(dtype))
+        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
         outs = {}
         for name, min_rows in (("wide", 0), ("deep", 1 << 40)):
             monkeypatch.setattr(_build, "WIDE_MERGE_MIN_ROWS", min_rows)
             assert _build.merge_shape(len(q_host), h_q) == (_build.MERGE_WIDE if name == "wide" else _build.MERGE_DEEP)
-            out = cupy.full(q_host.shape, np.nan, _np(dtype))
+            out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
             lse = cupy.full(q_host.shape[:2], np.nan, np.float32)
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
             attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out, lse=lse)
