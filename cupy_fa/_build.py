@@ -214,7 +214,9 @@ def include_dirs():
 
 
 def compile_options(arch):
-    options = ["-std=c++17", f"-DCUPY_FA_SOURCE_HASH={source_hash()}"]
+    # -default-device: kernels/ holds device code only; it lets the kernels use generic
+    # lambdas (templates), which NVRTC would otherwise take for host functions
+    options = ["-std=c++17", "-default-device", f"-DCUPY_FA_SOURCE_HASH={source_hash()}"]
     options += [f"-I{d}" for d in include_dirs()]
     options.append(f"-arch={arch}")
     if arch.endswith("90a"):
