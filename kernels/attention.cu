@@ -337,9 +337,13 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[nb][e] * p.sm_scale_log2;
-          if (need_mask) {
+        for (int e = 0; e < 4; ++e) s[nb][e] *= p.sm_scale_log2;
+      }
+      if (need_mask) {  // one test per tile: the common path stays straight-line
+#pragma unroll
+        for (int nb = 0; nb < S_BLOCKS; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
             const int key = tile_key0 + wn * KW + nb * 8 + tq * 2 + (e & 1);
             const int row = row0 + wm * 16 + g + ((e >> 1) << 3);
             bool visible = key < kv_end;
@@ -351,9 +355,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
                 visible = __ldg(p.custom_mask + __ldg(p.mask_indptr + b) + i * q_len + (key - prefix)) != 0;
               }
             }
-            if (!visible) v = -INFINITY;
+            if (!visible) s[nb][e] = -INFINITY;
           }
-          s[nb][e] = v;
         }
       }
 
