@@ -300,15 +300,21 @@ _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _STACK = re.compile(r"(\d+) bytes stack frame")
 
 
+# What cupy.RawModule adds to our options on its NVRTC path (cupy/cuda/compiler.py), so
+# the CPU build below compiles the binary the GPU runs, registers and all.
+RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
+
+
 def compile_cubin(variant, arch="sm_90a"):
-    """Compiles one variant to a cubin with NVRTC alone and returns
+    """Compiles one variant to a cubin with NVRTC alone, with the options
+    ``cupy.RawModule`` uses, and returns
     ``(cubin_bytes, {"registers", "spill_stores", "spill_loads", "stack"})``."""
     from cupy.cuda import nvrtc
 
     prog = nvrtc.createProgram(program_text(variant), "cupy_fa.cu", [], [])
     try:
         nvrtc.addNameExpression(prog, variant.expression)
-        options = compile_options(arch) + ("--ptxas-options=-v",)
+        options = compile_options(arch) + RAWMODULE_OPTIONS + ("--ptxas-options=-v",)
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
