@@ -214,9 +214,7 @@ def include_dirs():
 
 
 def compile_options(arch):
-    # -default-device: kernels/ holds device code only; it lets the kernels use generic
-    # lambdas (templates), which NVRTC would otherwise take for host functions
-    options = ["-std=c++17", "-default-device", f"-DCUPY_FA_SOURCE_HASH={source_hash()}"]
+    options = ["-std=c++17", f"-DCUPY_FA_SOURCE_HASH={source_hash()}"]
     options += [f"-I{d}" for d in include_dirs()]
     options.append(f"-arch={arch}")
     if arch.endswith("90a"):
@@ -301,7 +299,8 @@ _STACK = re.compile(r"(\d+) bytes stack frame")
 
 
 # What cupy.RawModule adds to our options on its NVRTC path (cupy/cuda/compiler.py), so
-# the CPU build below compiles the binary the GPU runs, registers and all.
+# the CPU build below compiles the binary the GPU runs, registers and all. (The default
+# device execution space is also what lets the kernels' generic lambdas compile.)
 RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
 
 
