@@ -299,7 +299,8 @@ _STACK = re.compile(r"(\d+) bytes stack frame")
 
 
 # What cupy.RawModule adds to our options on its NVRTC path (cupy/cuda/compiler.py), so
-# the CPU build below compiles the binary the GPU runs, registers and all.
+# the CPU build below compiles the binary the GPU runs, registers and all. (The default
+# device execution space is also what lets the kernels' generic lambdas compile.)
 RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
 
 

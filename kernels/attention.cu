@@ -144,32 +144,50 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     }
   }
   const int* page_row = p.page_table + (i64)b * p.page_table_stride;
-  const i64 slot_stride = (i64)p.num_kv_heads * D;
-  const T* k_base = static_cast<const T*>(p.k_cache) + (i64)kv_head * D + chunk * 8;
-  const T* v_base = static_cast<const T*>(p.v_cache) + (i64)kv_head * D + chunk * 8;
+  // Byte addresses of this thread's 16-byte chunk of the head in cache slot 0; a key's
+  // chunk is one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(T) < 2^31).
+  const int slot_bytes = p.num_kv_heads * D * (int)sizeof(T);
+  const char* k_chunk = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + kv_head * D + chunk * 8);
+  const char* v_chunk = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + kv_head * D + chunk * 8);
   constexpr int KV_ROWS = BN / STEP;  // key rows this thread copies per tile
   // Page ids of the next tile to issue, fetched one tile ahead so the page-table
   // read (an L2 round trip every tile at page size 1) hides behind compute.
   int pages[KV_ROWS];
-  auto page_of = [&](int key) { return p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size; };
-  auto fetch_pages = [&](int tile) {
+  // The page-size test is made once per tile, outside the unrolled row loops (the
+  // pow2 and general paths are each straight-line code): inside them it put a branch
+  // between every row's address arithmetic and its copies.
+  auto fetch_rows = [&](int tile, auto page_of) {
 #pragma unroll
     for (int i = 0; i < KV_ROWS; ++i) {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
       pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
     }
   };
-  auto issue_kv_tile = [&](int tile, int stage) {
+  auto fetch_pages = [&](int tile) {
+    if (p.page_shift >= 0) {
+      fetch_rows(tile, [&](int key) { return key >> p.page_shift; });
+    } else {
+      fetch_rows(tile, [&](int key) { return key / p.page_size; });
+    }
+  };
+  auto issue_rows = [&](int tile, int stage, auto slot_of) {
     T* dk = sK + stage * BN * D;
     T* dv = sV + stage * BN * D;
 #pragma unroll
     for (int i = 0; i < KV_ROWS; ++i) {
       const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
       const bool valid = key < kv_end;
-      const int slot = pages[i] * p.page_size + (key - page_of(key) * p.page_size);  // < 2^31 cache slots
-      const i64 offset = valid ? (i64)slot * slot_stride : 0;
-      cp_async_16(dk + swizzled<D>(r, chunk), k_base + offset, valid);
-      cp_async_16(dv + swizzled<D>(r, chunk), v_base + offset, valid);
+      const i64 offset = (i64)(valid ? slot_of(pages[i], key) : 0) * slot_bytes;  // < 2^31 cache slots
+      cp_async_16(dk + swizzled<D>(r, chunk), k_chunk + offset, valid);
+      cp_async_16(dv + swizzled<D>(r, chunk), v_chunk + offset, valid);
+    }
+  };
+  auto issue_kv_tile = [&](int tile, int stage) {
+    if (p.page_shift >= 0) {
+      const int in_page = p.page_size - 1;
+      issue_rows(tile, stage, [&](int page, int key) { return (page << p.page_shift) | (key & in_page); });
+    } else {
+      issue_rows(tile, stage, [&](int page, int key) { return page * p.page_size + key % p.page_size; });
     }
   };
 
@@ -319,9 +337,13 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[nb][e] * p.sm_scale_log2;
-          if (need_mask) {
+        for (int e = 0; e < 4; ++e) s[nb][e] *= p.sm_scale_log2;
+      }
+      if (need_mask) {  // one test per tile: the common path stays straight-line
+#pragma unroll
+        for (int nb = 0; nb < S_BLOCKS; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
             const int key = tile_key0 + wn * KW + nb * 8 + tq * 2 + (e & 1);
             const int row = row0 + wm * 16 + g + ((e >> 1) << 3);
             bool visible = key < kv_end;
@@ -333,9 +355,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
                 visible = __ldg(p.custom_mask + __ldg(p.mask_indptr + b) + i * q_len + (key - prefix)) != 0;
               }
             }
-            if (!visible) v = -INFINITY;
+            if (!visible) s[nb][e] = -INFINITY;
           }
-          s[nb][e] = v;
         }
       }
 
