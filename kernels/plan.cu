@@ -95,6 +95,22 @@ __device__ int block_sum(int v) {
   return total;
 }
 
+// Request b's class and, for a live request, its splits and keys per split, capped at an
+// equal share of the partial buffer when the batch overflows it. Both passes below ask
+// this one function, so the rows pass 1 counts are the rows pass 2 lays out.
+__device__ __forceinline__ Row request_schedule(const PlanParams& p, int b, bool overflow, int share, int& q_len,
+                                                int& splits, int& keys) {
+  int kv_len;
+  const Row row = classify(p, b, q_len, kv_len);
+  splits = keys = 0;
+  if (row == Row::kLive) {
+    int cap = wanted_splits(p, q_len, kv_len);
+    if (overflow) cap = min(cap, max(1, share / q_len));
+    split_schedule(p, kv_len, cap, splits, keys);
+  }
+  return row;
+}
+
 constexpr int kNoError = 0x7fffffff;  // status while no bad row was seen (atomicMin keeps the first)
 
 extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constant__ PlanParams p) {
@@ -104,12 +120,8 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
   // every request capped at an equal share (results then depend on the batch).
   int wanted_rows = 0;
   for (int b = threadIdx.x; b < p.batch_size; b += kPlanThreads) {
-    int q_len, kv_len;
-    if (classify(p, b, q_len, kv_len) == Row::kLive) {
-      int splits, keys;
-      split_schedule(p, kv_len, wanted_splits(p, q_len, kv_len), splits, keys);
-      wanted_rows += partial_rows(q_len, splits);
-    }
+    int q_len, splits, keys;
+    if (request_schedule(p, b, false, 0, q_len, splits, keys) == Row::kLive) wanted_rows += partial_rows(q_len, splits);
   }
   const bool overflow = block_sum(wanted_rows) > p.partial_capacity;
   const int share = max(p.partial_capacity / max(p.batch_size, 1), 1);
@@ -121,8 +133,8 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
     Counts mine{0, 0, 0, 0};
     int splits = 0, keys = 0;
     if (b < p.batch_size) {
-      int q_len, kv_len;
-      const Row row = classify(p, b, q_len, kv_len);
+      int q_len;
+      const Row row = request_schedule(p, b, overflow, share, q_len, splits, keys);
       // The caller laid out q, out and the mask with these tokens: they keep their
       // place in the offsets even when the row itself is refused below.
       mine.q = q_len;
@@ -132,9 +144,6 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
         // launch): record it and give the row no work rather than read outside it.
         atomicMin(p.status, b + 1);
       } else if (row == Row::kLive) {
-        int cap = wanted_splits(p, q_len, kv_len);
-        if (overflow) cap = min(cap, max(1, share / q_len));
-        split_schedule(p, kv_len, cap, splits, keys);
         const int row_blocks = (q_len * p.group_size + p.block_m - 1) / p.block_m;
         mine.work = row_blocks * ((splits + p.splits_per_cta - 1) / p.splits_per_cta);  // CTAs run split groups
         mine.partial = partial_rows(q_len, splits);
