@@ -17,8 +17,11 @@ Environment knobs (all of them):
   ``CUPY_FA_DECODE_WARPS_M``  1 or 2 rows of warps in decode-like tiles (default auto: 2 above 16 packed rows; tuning).
   ``CUPY_FA_SPLIT_SIZE``      keys per split of small-q requests (default 512; tuning, see cupy_fa/plan.py).
   ``CUPY_FA_SPLITS_PER_CTA``  consecutive splits one decode CTA runs (default 1; tuning, results unchanged).
+  ``CUPY_FA_PDL``             ``0``: launch the merge kernel the ordinary way, not as a programmatic
+                              dependent of the attention kernel (default on, sm_90+; results unchanged).
 """
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -143,18 +146,25 @@ def attention_variant(dtype_name, tile):
 MAX_SPLITS = 256  # KV splits of one request at most (cupy_fa/plan.py); sizes the merge's shared memory
 # Merge shapes (kernels/attention.cu MergeTraits): (heads per CTA, ways over split groups).
 # Both fold in the same order, so the choice never changes a bit.
-MERGE_WIDE = (8, 1)  # many tokens: one CTA per 8 heads of a token
-MERGE_DEEP = (1, 8)  # few tokens, maybe hundreds of splits: 8 ways per head
-WIDE_MERGE_MIN_ROWS = 1024  # tokens x H_q from which the wide shape still gives every SM a CTA
+MERGE_GROUP = 8  # splits a way folds before handing on (MergeTraits::kGroup)
+MERGE_WIDE = (8, 1)  # many tokens: one CTA per 8 heads of a token, one way
+MERGE_DEEP = (1, 8)  # fewer tokens with more splits: one head, 8 ways
+MERGE_DEEPEST = (1, 0)  # a few rows of long requests: one head, a way per group (up to 1024 threads)
+# (from tokens x H_q rows, shape): wide while it still gives every SM a CTA, the deepest
+# for a handful of rows (B=1 L=131072: 256 splits folded by 32 ways at once, not 8 x 4)
+MERGE_SHAPES = ((1024, MERGE_WIDE), (256, MERGE_DEEP), (0, MERGE_DEEPEST))
 
 
 def merge_shape(num_tokens, num_qo_heads):
-    return MERGE_WIDE if num_tokens * num_qo_heads >= WIDE_MERGE_MIN_ROWS else MERGE_DEEP
+    rows = num_tokens * num_qo_heads
+    return next(shape for min_rows, shape in MERGE_SHAPES if rows >= min_rows)
 
 
 @functools.lru_cache(maxsize=None)
-def merge_variant(dtype_name, head_dim, shape=MERGE_DEEP):
+def merge_variant(dtype_name, head_dim, shape):
     heads_per_cta, ways = shape
+    if ways == 0:  # a way per group of splits, up to 1024 threads (32 ways at D=128: one group each)
+        ways = min(1024 // (head_dim // 4 * heads_per_cta), MAX_SPLITS // MERGE_GROUP)
     expr = (f"cupy_fa::merge_kernel<{CTYPES[dtype_name]}, "
             f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {MAX_SPLITS}>>")
     return Variant("attention.cu", expr, head_dim // 4 * heads_per_cta * ways)
@@ -173,7 +183,7 @@ def all_variants():
     out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in CTYPES:
         for head_dim in HEAD_DIMS:
-            out += [merge_variant(dtype_name, head_dim, shape) for shape in (MERGE_WIDE, MERGE_DEEP)]
+            out += [merge_variant(dtype_name, head_dim, shape) for _, shape in MERGE_SHAPES]
             for warps_m, warps_n in WARP_LAYOUTS:
                 for stages in (STAGE_CHOICES if warps_m < 4 else (2,)):
                     tile = TileShape(head_dim, warps_m, warps_n, stages)
@@ -269,11 +279,78 @@ def get_function(variant):
     return fn
 
 
-def launch(variant, grid, params, stream):
-    """Launches one variant with its params struct on ``stream`` (a cupy Stream)."""
+def launch(variant, grid, params, stream, programmatic=False):
+    """Launches one variant with its params struct on ``stream`` (a cupy Stream).
+
+    ``programmatic=True`` launches it as a programmatic dependent of the kernel
+    before it in the stream (sm_90+; kernels/common.cuh wait_for_prior_grid): its
+    CTAs may start while that kernel's last wave still runs. Only for kernels that
+    wait before reading what their predecessor writes; elsewhere (older GPUs, no
+    driver entry point, ``CUPY_FA_PDL=0``) it is an ordinary launch."""
     fn = get_function(variant)
+    if programmatic and _programmatic_launch_enabled():
+        _launch_programmatic(fn, grid, variant.threads, variant.smem_bytes, stream.ptr, params)
+        return
     with stream:
         fn(tuple(grid), (variant.threads,), (params,), shared_mem=variant.smem_bytes)
+
+
+# ---- programmatic dependent launch through the driver (CuPy has no launch attributes) ----
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute: id, pad to 8, 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    """libcuda's cuLaunchKernelEx (CUDA 12.0+ drivers), or None."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return fn
+
+
+def _programmatic_launch_enabled():
+    """True where programmatic launches happen: an sm_90+ device, a driver with
+    cuLaunchKernelEx, and ``CUPY_FA_PDL`` not ``0``."""
+    if os.environ.get("CUPY_FA_PDL", "1") == "0":
+        return False
+    import cupy
+
+    return _device_supports_pdl(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports_pdl(device_id):
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability) >= 90 and _driver() is not None
+
+
+def _launch_programmatic(fn, grid, threads, smem_bytes, stream_ptr, params):
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem_bytes,
+                           stream_ptr, ctypes.pointer(attr), 1)
+    raw = ctypes.create_string_buffer(params.tobytes())  # the driver copies it at launch
+    args = (ctypes.c_void_p * 1)(ctypes.cast(raw, ctypes.c_void_p))
+    status = _driver()(ctypes.byref(config), fn.kernel.ptr, args, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status} for {fn.name}")
 
 
 def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
@@ -283,7 +360,7 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in dtypes:
         for head_dim in head_dims:
-            wanted += [merge_variant(dtype_name, head_dim, shape) for shape in (MERGE_WIDE, MERGE_DEEP)]
+            wanted += [merge_variant(dtype_name, head_dim, shape) for _, shape in MERGE_SHAPES]
             for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
                 wanted.append(attention_variant(dtype_name, tile_for(head_dim, max_q_len, group)))
     for variant in wanted:

@@ -325,8 +325,9 @@ class BatchAttention:
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
                 batch_size=state.batch_size, num_qo_heads=self.num_qo_heads)
             shape = _build.merge_shape(num_tokens, self.num_qo_heads)
+            # programmatic: its CTAs start in the attention kernel's last wave and wait there
             _build.launch(_build.merge_variant(self.dtype_name, self.head_dim, shape),
-                          (num_tokens, -(-self.num_qo_heads // shape[0])), merge, stream)
+                          (num_tokens, -(-self.num_qo_heads // shape[0])), merge, stream, programmatic=True)
 
     @property
     def planned(self):

@@ -86,6 +86,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   T* sV = sK + Traits::kStages * BN * D;
   __shared__ float s_max[Traits::kWarps][16], s_sum[Traits::kWarps][16];
 
+  // The merge kernel (launched programmatically after this one) may start its CTAs as
+  // slots free up in this grid's last wave: it reads nothing of ours before it waits.
+  allow_dependent_launch();
+
   // ---- which work item is this CTA --------------------------------------------
   const int work = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
   if (work >= __ldg(p.work_indptr + p.batch_size)) return;
@@ -468,7 +472,7 @@ struct MergeState {
 
 // Combines the splits of each (token, head) of split requests (each split is the
 // state m = its lse2, l = 1, o = its normalised partial). Grid: (token capacity,
-// ceil(H_q / HEADS_PER_CTA)); tokens of unsplit requests exit at once.
+// ceil(H_q / HEADS_PER_CTA)); tokens of unsplit requests exit after the wait.
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_constant__ MergeParams p) {
   typedef ElemTraits<T> E;
@@ -476,12 +480,16 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
   const int token = blockIdx.x;
   const int c4 = threadIdx.x % LANES, in_cta = (threadIdx.x / LANES) % HPC, way = threadIdx.x / (LANES * HPC);
   const int head = blockIdx.y * HPC + in_cta;
-  if (token >= __ldg(p.q_indptr + p.batch_size)) return;
-  const int b = upper_segment(p.q_indptr, p.batch_size, token);
-  const int splits = __ldg(p.num_splits + b);
+  // Plan metadata first: plan_kernel finished before the attention kernel began, so this
+  // overlaps the attention kernel's last wave when launched programmatically. Every CTA
+  // then waits for the attention kernel, so the merge never completes before it.
+  const bool real_token = token < __ldg(p.q_indptr + p.batch_size);
+  const int b = real_token ? upper_segment(p.q_indptr, p.batch_size, token) : 0;
+  const int splits = real_token ? __ldg(p.num_splits + b) : 0;
+  const i64 prow0 = splits > 1 ? __ldg(p.partial_indptr + b) + (i64)(token - __ldg(p.q_indptr + b)) * splits : 0;
+  wait_for_prior_grid();  // the partials below are the attention kernel's
   if (splits <= 1) return;
   const bool live = head < p.num_qo_heads;  // the last CTA of a head count HPC does not divide
-  const i64 prow0 = __ldg(p.partial_indptr + b) + (i64)(token - __ldg(p.q_indptr + b)) * splits;
   const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);  // 4 elements of T per lane
 
   // A way folds groups way, way + WAYS, ...; a group's GROUP loads are all issued

@@ -133,4 +133,22 @@ __device__ __forceinline__ int upper_segment(const int* indptr, int n, int x) {
   return lo;
 }
 
+// Programmatic dependent launch (sm_90+). A kernel launched with the attribute
+// (cupy_fa/_build.py launch(programmatic=True)) may start once every CTA of the
+// kernel before it in the stream has run allow_dependent_launch() or exited, and
+// it must run wait_for_prior_grid() before it touches what that kernel writes:
+// it returns when that kernel has finished and its writes are visible. Both are
+// no-ops for an ordinary launch.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 }  // namespace cupy_fa

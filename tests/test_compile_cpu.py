@@ -52,3 +52,24 @@ def test_every_selectable_tile_is_compiled_in_ci(stages, monkeypatch):
                 for group in (1, 4, 8, 16):
                     variant = _build.attention_variant(dtype, _build.tile_for(head_dim, max_q_len, group))
                     assert variant in compiled, variant.expression
+
+
+def test_launch_config_structs_match_cuda_h():
+    """The ctypes mirrors of cuda.h's CUlaunchAttribute / CUlaunchConfig (the programmatic
+    launch of the merge kernel passes them to cuLaunchKernelEx): sizes and offsets as
+    gcc reports them for CUDA 13.0's cuda.h (x86-64)."""
+    import ctypes
+
+    assert (ctypes.sizeof(_build._LaunchAttribute), _build._LaunchAttribute.value.offset) == (72, 8)
+    config = _build._LaunchConfig
+    assert ctypes.sizeof(config) == 56
+    assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (32, 40, 48)
+
+
+def test_merge_group_matches_the_kernel():
+    """_build.MERGE_GROUP sizes the deep merge's ways; it must be MergeTraits::kGroup."""
+    text = (_build.KERNEL_DIR / "attention.cu").read_text()
+    assert f"static constexpr int kGroup = {_build.MERGE_GROUP};" in text
+    for head_dim in _build.HEAD_DIMS:
+        threads = _build.merge_variant("bfloat16", head_dim, _build.MERGE_DEEPEST).threads
+        assert threads <= 1024 and threads // (head_dim // 4) <= _build.MAX_SPLITS // _build.MERGE_GROUP

@@ -141,9 +141,9 @@ def test_splits_per_cta_never_changes_a_bit(dtype, page_size, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
-    """The wide merge (8 heads per CTA, one way) and the deep one (1 head, 8 ways over
-    groups of 8 splits) fold in the same order: identical bits, for rows of 1 to 9 groups,
-    with empty splits (causal clip) among them, and correct against float64."""
+    """The wide merge (8 heads per CTA, one way) and the deep ones (1 head, 8 ways, or a
+    way per group of 8 splits) fold in the same order: identical bits, for rows of 1 to 9
+    groups, with empty splits (causal clip) among them, and correct against float64."""
     import cupy
     import cupy_fa
     from cupy_fa import _build, plan as _plan, reference
@@ -163,9 +163,10 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
         cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
         q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
         outs = {}
-        for name, min_rows in (("wide", 0), ("deep", 1 << 40)):
-            monkeypatch.setattr(_build, "WIDE_MERGE_MIN_ROWS", min_rows)
-            assert _build.merge_shape(len(q_host), h_q) == (_build.MERGE_WIDE if name == "wide" else _build.MERGE_DEEP)
+        for name in ("wide", "deep", "deepest"):
+            shape = getattr(_build, f"MERGE_{name.upper()}")
+            monkeypatch.setattr(_build, "MERGE_SHAPES", ((0, shape),))
+            assert _build.merge_shape(len(q_host), h_q) == shape
             out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
             lse = cupy.full(q_host.shape[:2], np.nan, np.float32)
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
@@ -175,5 +176,64 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
         assert np.isfinite(got).all() and np.isfinite(outs["wide"][1].get()).all()
         ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
         assert reference.relative_error(got, ref) < TOL[dtype]
-        assert (outs["wide"][0].view(np.uint16) == outs["deep"][0].view(np.uint16)).all().get()
-        assert (outs["wide"][1].view(np.uint32) == outs["deep"][1].view(np.uint32)).all().get()
+        for name in ("deep", "deepest"):
+            assert (outs["wide"][0].view(np.uint16) == outs[name][0].view(np.uint16)).all().get(), name
+            assert (outs["wide"][1].view(np.uint32) == outs[name][1].view(np.uint32)).all().get(), name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
+    """The merge kernel launched as a programmatic dependent of the attention kernel
+    (CUPY_FA_PDL, default on) gives the bits of an ordinary launch, eagerly and inside a
+    captured CUDA graph replayed over fresh inputs, and is correct against float64."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import _build, plan as _plan, reference
+
+    assert _build._programmatic_launch_enabled(), "sm_90+ with cuLaunchKernelEx: the programmatic path must run here"
+    rng, _ = new_rng()
+    h_q, h_kv, head_dim, page_size = 32, 8, 128, 16
+    S = _plan.split_size()
+    kv = np.array([1, S + 7, 8 * S, 3 * S + 1, int(rng.integers(1, 64 * S))])  # unsplit rows among split ones
+    q_lens = np.ones(len(kv), dtype=np.int64)
+    table, num_pages = paged_layout(rng, kv, page_size)
+    k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv, page_size)
+    cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+
+    def fresh_q():
+        return rng.standard_normal((len(kv), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+
+    def run(q_host, pdl):
+        monkeypatch.setenv("CUPY_FA_PDL", "1" if pdl else "0")
+        out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
+        attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+        attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out)
+        return out
+
+    q_host = fresh_q()
+    eager = {pdl: run(q_host, pdl) for pdl in (False, True)}
+    assert (eager[True].view(np.uint16) == eager[False].view(np.uint16)).all().get()
+    got = eager[True].get().astype(np.float64)
+    ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
+    assert np.isfinite(got).all() and reference.relative_error(got, ref) < TOL[dtype]
+
+    # captured: plan once, then replay the run (attention + programmatic merge) over new q
+    monkeypatch.setenv("CUPY_FA_PDL", "1")
+    attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
+    q_dev = cupy.empty((len(kv), h_q, head_dim), np_dtype(dtype))
+    out = cupy.empty_like(q_dev)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        attn.run(q_dev, cache, out=out)  # compile and warm outside the capture
+        stream.begin_capture()
+        attn.run(q_dev, cache, out=out)
+        graph = stream.end_capture()
+    for _ in range(3):
+        q_host = fresh_q()
+        q_dev.set(q_host, stream=stream)
+        with stream:
+            out.fill(np.nan)
+            graph.launch(stream)
+        stream.synchronize()
+        expected = run(q_host, False)
+        assert (out.view(np.uint16) == expected.view(np.uint16)).all().get()
