@@ -121,14 +121,22 @@ __device__ __forceinline__ int staged_pair(int row, int pair) {
   return row * D + ((pair ^ ((row & 7) << 2)) << 1);
 }
 
-// Index of the last entry of a non-decreasing `indptr[0..n]` that is <= x,
-// i.e. which segment x falls in. Used to map a flat work or token index to
-// its request without a host-built lookup table.
+// Index of the last entry of a non-decreasing `indptr[0..n]` that is <= x, i.e.
+// which segment x falls in (0 <= x < indptr[n]); maps a flat work or token index
+// to its request without a host-built lookup table. The whole warp searches
+// together: 32 coalesced probes per round narrow the range 32-fold, so n <= 1024
+// takes two dependent loads instead of a binary search's log2(n) (each an L2
+// round trip on a CTA's critical path). Every lane of the warp must call it, with
+// the same x.
 __device__ __forceinline__ int upper_segment(const int* indptr, int n, int x) {
+  const int lane = threadIdx.x & 31;
   int lo = 0, hi = n;  // invariant: indptr[lo] <= x < indptr[hi]
   while (hi - lo > 1) {
-    int mid = (lo + hi) >> 1;
-    if (__ldg(indptr + mid) <= x) lo = mid; else hi = mid;
+    const int step = (hi - lo + 31) >> 5;
+    const int probe = lo + lane * step;  // lane 0 probes lo, which holds
+    const unsigned below = __ballot_sync(0xffffffffu, probe < hi && __ldg(indptr + probe) <= x);
+    lo += (31 - __clz(below)) * step;  // non-decreasing: the lanes that hold are a prefix
+    hi = min(hi, lo + step);           // the next probe failed (or was hi)
   }
   return lo;
 }

@@ -80,6 +80,20 @@ def test_named_shapes(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_large_padded_batch(dtype):
+    """1500 requests, a third of them padding (q_len 0): the attention and merge kernels map
+    each CTA to its request with a warp-wide search over the offsets, three rounds of 32
+    probes here, through runs of equal offsets; every row lands on its own request."""
+    rng, seed = new_rng()
+    batch = 1500
+    q_lens = rng.integers(0, 4, batch) * (rng.random(batch) < 0.67)
+    kv_lens = q_lens + rng.integers(0, 1200, batch)  # up to three splits of 512
+    kv_lens[q_lens == 0] = rng.integers(0, 50, int((q_lens == 0).sum()))
+    err, _, _ = run_case(rng, dtype, (8, 2), 64, 16, True, (q_lens, kv_lens))
+    print(f"seed={seed} err={err:.2e}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_custom_mask_tree(dtype):
     """Tree verify: a custom mask among the drafts, prefix fully visible."""
     rng, _ = new_rng()

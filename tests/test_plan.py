@@ -169,3 +169,31 @@ def test_device_plan_flags_broken_contract():
     assert attn._buffers.q_indptr[:5].get().tolist() == [0, 5, 7, 8, 11]
     work = attn._buffers.work_indptr[:5].get()
     assert work[1] == 0 and work[2] > 0 and work[3] == work[2] and work[4] > work[3]
+
+
+def test_warp_segment_search_model():
+    """A Python model of kernels/common.cuh upper_segment (32 probes per round, ballot,
+    last lane that holds) agrees with bisection on offsets with runs of equal entries, and
+    needs ceil(log32(n)) rounds."""
+    import bisect
+
+    def warp_search(indptr, n, x):
+        lo, hi, rounds = 0, n, 0
+        while hi - lo > 1:
+            step = (hi - lo + 31) >> 5
+            below = [lo + lane * step < hi and indptr[lo + lane * step] <= x for lane in range(32)]
+            assert below[0] and below == sorted(below, reverse=True)  # lane 0 holds; a prefix holds
+            lo += max(lane for lane in range(32) if below[lane]) * step
+            hi = min(hi, lo + step)
+            rounds += 1
+        return lo, rounds
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 31, 32, 33, 64, 1000, 1024, 1025, 5000):
+        sizes = rng.integers(0, 4, n) * (rng.random(n) < 0.6)
+        indptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        for x in range(indptr[-1]):
+            got, rounds = warp_search(indptr, n, x)
+            assert got == bisect.bisect_right(indptr, x) - 1, (n, x)
+            assert indptr[got] <= x < indptr[got + 1]
+            assert rounds <= max(1, int(np.ceil(np.log(n) / np.log(32) - 1e-9)))
