@@ -92,8 +92,11 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 
   // ---- which work item is this CTA --------------------------------------------
   const int work = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
-  if (work >= __ldg(p.work_indptr + p.batch_size)) return;
+  // the total's load overlaps the search's (past the real work the search returns
+  // some request, harmlessly, and the CTA exits)
+  const int total_work = __ldg(p.work_indptr + p.batch_size);
   const int b = upper_segment(p.work_indptr, p.batch_size, work);
+  if (work >= total_work) return;
   const int q_start = __ldg(p.q_indptr + b);
   const int q_len = __ldg(p.q_indptr + b + 1) - q_start;
   const int kv_len = __ldg(p.kv_lens + b);

@@ -122,7 +122,8 @@ __device__ __forceinline__ int staged_pair(int row, int pair) {
 }
 
 // Index of the last entry of a non-decreasing `indptr[0..n]` that is <= x, i.e.
-// which segment x falls in (0 <= x < indptr[n]); maps a flat work or token index
+// which segment x falls in (0 <= x < indptr[n]; a larger x gets some index below n
+// and the caller exits); maps a flat work or token index
 // to its request without a host-built lookup table. The whole warp searches
 // together: 32 coalesced probes per round narrow the range 32-fold, so n <= 1024
 // takes two dependent loads instead of a binary search's log2(n) (each an L2
