@@ -367,17 +367,26 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
         }
       }
 
-      // online softmax update, per row half h (rows g and g + 8)
+      // online softmax update, per row half h (rows g and g + 8). A row keeps its offset m
+      // until a score passes it by more than kLazyRescale (softmax.cuh), so the accumulator
+      // rescale (a multiply per element) runs only on the rare tiles where some row of the
+      // warp moved its m; the rows that did not multiply by exactly 1 then.
+      float correction[2];
+      bool moved = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = row_max[h];
+        float mx = -INFINITY;
 #pragma unroll
         for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float offset = safe_offset(mx);
-        const float correction = rescale_factor(row_max[h], offset);
-        row_max[h] = mx;
+        correction[h] = 1.f;
+        if (mx > row_max[h] + kLazyRescale) {  // also a row's first keys (m = -inf)
+          correction[h] = rescale_factor(row_max[h], mx);
+          moved |= row_max[h] != -INFINITY;  // from -inf the accumulators are still zero
+          row_max[h] = mx;
+        }
+        const float offset = safe_offset(row_max[h]);
         float sum = 0.f;
 #pragma unroll
         for (int nb = 0; nb < S_BLOCKS; ++nb) {
@@ -385,11 +394,15 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           s[nb][2 * h + 1] = exp2f(s[nb][2 * h + 1] - offset);
           sum += s[nb][2 * h] + s[nb][2 * h + 1];
         }
-        row_sum[h] = row_sum[h] * correction + sum;
+        row_sum[h] = row_sum[h] * correction[h] + sum;
+      }
+      if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
         for (int db = 0; db < D_BLOCKS; ++db) {
-          acc[db][2 * h] *= correction;
-          acc[db][2 * h + 1] *= correction;
+          acc[db][0] *= correction[0];
+          acc[db][1] *= correction[0];
+          acc[db][2] *= correction[1];
+          acc[db][3] *= correction[1];
         }
       }
 
