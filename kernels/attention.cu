@@ -371,8 +371,6 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       // until a score passes it by more than kLazyRescale (softmax.cuh), so the accumulator
       // rescale (a multiply per element) runs only on the rare tiles where some row of the
       // warp moved its m; the rows that did not multiply by exactly 1 then.
-      float correction[2];
-      bool moved = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = -INFINITY;
@@ -380,11 +378,19 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
         for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        correction[h] = 1.f;
+        float correction = 1.f;
+        bool moved = false;
         if (mx > row_max[h] + kLazyRescale) {  // also a row's first keys (m = -inf)
-          correction[h] = rescale_factor(row_max[h], mx);
-          moved |= row_max[h] != -INFINITY;  // from -inf the accumulators are still zero
+          correction = rescale_factor(row_max[h], mx);
+          moved = row_max[h] != -INFINITY;  // from -inf the accumulators are still zero
           row_max[h] = mx;
+        }
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+          for (int db = 0; db < D_BLOCKS; ++db) {
+            acc[db][2 * h] *= correction;
+            acc[db][2 * h + 1] *= correction;
+          }
         }
         const float offset = safe_offset(row_max[h]);
         float sum = 0.f;
@@ -394,16 +400,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           s[nb][2 * h + 1] = exp2f(s[nb][2 * h + 1] - offset);
           sum += s[nb][2 * h] + s[nb][2 * h + 1];
         }
-        row_sum[h] = row_sum[h] * correction[h] + sum;
-      }
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int db = 0; db < D_BLOCKS; ++db) {
-          acc[db][0] *= correction[0];
-          acc[db][1] *= correction[0];
-          acc[db][2] *= correction[1];
-          acc[db][3] *= correction[1];
-        }
+        row_sum[h] = row_sum[h] * correction + sum;
       }
 
       // O += P V: the S accumulator layout is exactly the A-operand layout
