@@ -177,9 +177,6 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       fetch_rows(tile, [&](int key) { return key / p.page_size; });
     }
   };
-  // Every key is read once per step: its lines go first when L2 needs room, so the
-  // split partials (written here, read by merge_kernel next) stay in L2.
-  const unsigned long long kv_policy = l2_evict_first();
   auto issue_rows = [&](int tile, int stage, auto slot_of) {
     T* dk = sK + stage * BN * D;
     T* dv = sV + stage * BN * D;
@@ -188,8 +185,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
       const bool valid = key < kv_end;
       const i64 offset = (i64)(valid ? slot_of(pages[i], key) : 0) * slot_bytes;  // < 2^31 cache slots
-      cp_async_16(dk + swizzled<D>(r, chunk), k_chunk + offset, valid, kv_policy);
-      cp_async_16(dv + swizzled<D>(r, chunk), v_chunk + offset, valid, kv_policy);
+      cp_async_16(dk + swizzled<D>(r, chunk), k_chunk + offset, valid);
+      cp_async_16(dv + swizzled<D>(r, chunk), v_chunk + offset, valid);
     }
   };
   auto issue_kv_tile = [&](int tile, int stage) {

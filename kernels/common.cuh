@@ -64,20 +64,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
 }
-// The same copy with an L2 eviction policy (l2_evict_first below): for data read once.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid, unsigned long long l2_policy) {
-  u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
-  int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(gmem),
-               "r"(src_bytes), "l"(l2_policy));
-}
-// An L2 policy that evicts these lines first: the KV cache is streamed once per step, and
-// without it its tiles push out the split partials the merge kernel reads right after.
-__device__ __forceinline__ unsigned long long l2_evict_first() {
-  unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
