@@ -6,7 +6,7 @@
 # Usage: bash scripts/ab_decode.sh BEST_FILE [settings ...]   (a setting: "stages split warps_m [per_cta [pdl]]")
 set -uo pipefail
 best_file=$1; shift
-settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 auto 1 0" "2 512 auto 1 1" "2 1024 auto 1 1")
+settings=("$@"); [ ${#settings[@]} -gt 0 ] || settings=("2 512 auto 1 1" "2 768 auto 1 1" "2 1024 auto 1 1")
 work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b16_l32768 decode_b1_l131072 decode_b1_l4096 verify_q4_b64_l4096 verify_q8_b64_l4096"}  # AB_ARGS: more bench flags
 rm -rf /tmp/ab_* "$best_file"  # a stale pick from an earlier call must never be applied
 for setting in "${settings[@]}"; do

@@ -5,7 +5,8 @@
 # STAGES: "all" (tests demo engine bench; the default) or a quoted list of tests, demo, engine,
 # ab (knob A/B, tuning only), ncu (hardware counters, diagnosis only), bench. After "ab" the
 # bench runs with the best knobs it found.
-# Knobs: CHECK_SECONDS (whole call, default 560), TEST_SECONDS (pytest, default 300), BENCH_ARGS.
+# Knobs: CHECK_SECONDS (whole call, default 560), TEST_SECONDS (pytest, default 300), BENCH_ARGS,
+# AB_APPLY (0: the bench after "ab" runs at the defaults, not at the A/B's pick).
 # Logs go under $OUT (or ./device_out); the summary table is printed last.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -50,7 +51,9 @@ if want engine; then
 fi
 if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
   bash scripts/ab_decode.sh /tmp/best_knobs.sh 2>&1 | tee -a "$summary"
-  [ -f /tmp/best_knobs.sh ] && source /tmp/best_knobs.sh && echo "bench runs with: $(cat /tmp/best_knobs.sh)" >> "$summary"
+  if [ "${AB_APPLY:-1}" = 1 ] && [ -f /tmp/best_knobs.sh ]; then  # AB_APPLY=0: the bench keeps the defaults
+    source /tmp/best_knobs.sh && echo "bench runs with: $(cat /tmp/best_knobs.sh)" >> "$summary"
+  fi
 fi
 if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer, page 16, into one file
   export NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
