@@ -324,20 +324,21 @@ def _driver():
 
 
 def _programmatic_launch_enabled():
-    """True where programmatic launches happen: an sm_90+ device, a driver with
-    cuLaunchKernelEx, and ``CUPY_FA_PDL`` not ``0``."""
+    """True where programmatic launches happen: kernels compiled for sm_90+ (the
+    arch CUPY_FA_ARCH may override), a driver with cuLaunchKernelEx, and
+    ``CUPY_FA_PDL`` not ``0``."""
     if os.environ.get("CUPY_FA_PDL", "1") == "0":
         return False
     import cupy
 
-    return _device_supports_pdl(cupy.cuda.Device().id)
+    return _programmatic_launch_supported(device_arch(cupy.cuda.Device()))
 
 
 @functools.lru_cache(maxsize=None)
-def _device_supports_pdl(device_id):
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).compute_capability) >= 90 and _driver() is not None
+def _programmatic_launch_supported(arch):
+    """Kernels built for an older arch compile griddepcontrol out (common.cuh): a merge
+    launched early would then read partials still being written, so they never are."""
+    return int(re.match(r"sm_(\d+)", arch).group(1)) >= 90 and _driver() is not None
 
 
 def _launch_programmatic(fn, grid, threads, smem_bytes, stream_ptr, params):

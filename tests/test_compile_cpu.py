@@ -73,3 +73,17 @@ def test_merge_group_matches_the_kernel():
     for head_dim in _build.HEAD_DIMS:
         threads = _build.merge_variant("bfloat16", head_dim, _build.MERGE_DEEPEST).threads
         assert threads <= 1024 and threads // (head_dim // 4) <= _build.MAX_SPLITS // _build.MERGE_GROUP
+
+
+def test_programmatic_launch_only_for_sm90_builds(monkeypatch):
+    """The merge is launched early only where the kernels were built with griddepcontrol
+    (sm_90+): an sm_80 build (CUPY_FA_ARCH=sm_80 on a Hopper) must launch it the ordinary way."""
+    monkeypatch.setattr(_build, "_driver", lambda: object())
+    _build._programmatic_launch_supported.cache_clear()
+    try:
+        assert _build._programmatic_launch_supported("sm_90a")
+        assert _build._programmatic_launch_supported("sm_100")
+        assert not _build._programmatic_launch_supported("sm_80")
+        assert not _build._programmatic_launch_supported("sm_86")
+    finally:
+        _build._programmatic_launch_supported.cache_clear()
