@@ -338,7 +338,8 @@ def _programmatic_launch_enabled():
 def _programmatic_launch_supported(arch):
     """Kernels built for an older arch compile griddepcontrol out (common.cuh): a merge
     launched early would then read partials still being written, so they never are."""
-    return int(re.match(r"sm_(\d+)", arch).group(1)) >= 90 and _driver() is not None
+    found = re.match(r"(?:sm|compute)_(\d+)", arch)
+    return found is not None and int(found.group(1)) >= 90 and _driver() is not None
 
 
 def _launch_programmatic(fn, grid, threads, smem_bytes, stream_ptr, params):
@@ -351,7 +352,8 @@ def _launch_programmatic(fn, grid, threads, smem_bytes, stream_ptr, params):
     args = (ctypes.c_void_p * 1)(ctypes.cast(raw, ctypes.c_void_p))
     status = _driver()(ctypes.byref(config), fn.kernel.ptr, args, None)
     if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status} for {fn.name}")
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status} for {fn.name} (a programmatic launch; "
+                           "CUPY_FA_PDL=0 launches it the ordinary way)")
 
 
 def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):

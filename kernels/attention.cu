@@ -9,7 +9,7 @@
 // the same [page, slot, H_kv, D] rows) run side by side, so DRAM sees whole
 // slots rather than one head's slice of each. work_indptr (plan_kernel) gives
 // each request's first work item. Grids are sized by capacity; CTAs past the
-// real work exit at once (graph-safe).
+// real work exit after finding so (graph-safe).
 //
 // Inside a CTA, WARPS_M warps own 16 rows each and WARPS_N warps split every
 // KV tile between them (decode has few rows but many keys, prefill the
@@ -210,6 +210,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   }
 
   // ---- per-warp online softmax state: rows (lane/4) and (lane/4 + 8) -----------
+  // row_max: the row's exponent offset, at most kLazyRescale below its max (softmax.cuh)
   float acc[D_BLOCKS][4], row_max[2], row_sum[2];
   auto reset_state = [&]() {  // the empty state: every split starts from it
 #pragma unroll
@@ -520,8 +521,10 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
     for (int u = 0; u < GROUP; ++u) {
       const int s = grp * GROUP + u;
       const i64 prow = (prow0 + min(s, splits - 1)) * p.num_qo_heads + head;
-      packed[u] = __ldg(partial + prow * LANES + c4);
-      lse_in[u] = s < splits ? __ldg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
+      // __ldcg, not __ldg: launched programmatically, this kernel was already running while
+      // the attention kernel wrote these, so they are not read-only for its whole lifetime
+      packed[u] = __ldcg(partial + prow * LANES + c4);
+      lse_in[u] = s < splits ? __ldcg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
     }
     MergeState group_state = MergeState::empty();
 #pragma unroll

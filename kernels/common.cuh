@@ -122,13 +122,12 @@ __device__ __forceinline__ int staged_pair(int row, int pair) {
 }
 
 // Index of the last entry of a non-decreasing `indptr[0..n]` that is <= x, i.e.
-// which segment x falls in (0 <= x < indptr[n]; a larger x gets some index below n
-// and the caller exits); maps a flat work or token index
-// to its request without a host-built lookup table. The whole warp searches
-// together: 32 coalesced probes per round narrow the range 32-fold, so n <= 1024
-// takes two dependent loads instead of a binary search's log2(n) (each an L2
-// round trip on a CTA's critical path). Every lane of the warp must call it, with
-// the same x.
+// which segment x falls in (0 <= x < indptr[n]; a larger x gets some index below
+// n, and the caller exits); maps a flat work or token index to its request without
+// a host-built lookup table. The whole warp searches together: 32 probes issued at
+// once per round narrow the range 32-fold, so n <= 1024 takes two dependent loads
+// instead of a binary search's log2(n) (each an L2 round trip on a CTA's critical
+// path). Every lane of the warp must call it, with the same x.
 __device__ __forceinline__ int upper_segment(const int* indptr, int n, int x) {
   const int lane = threadIdx.x & 31;
   int lo = 0, hi = n;  // invariant: indptr[lo] <= x < indptr[hi]

@@ -2,7 +2,7 @@
 //
 // A row's partial result over some keys is the state (m, l, o):
 //   m = an offset at most kLazyRescale below the max of its scores s (already
-//       multiplied by softmax_scale * log2(e)), the max itself once merged,
+//       multiplied by softmax_scale * log2(e)); a merge takes the larger m,
 //   l = sum over those keys of 2^(s - m),
 //   o = sum over those keys of 2^(s - m) * v        (un-normalised)
 // Any such m describes the same result; two states over disjoint key sets merge

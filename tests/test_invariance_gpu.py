@@ -17,6 +17,44 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("warps_m", ["auto", "1"])
 def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m, monkeypatch):
+    check_decode_equals_verify(dtype, heads, head_dim, page_size, warps_m, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("warps_m", ["auto", "1"])
+def test_decode_equals_verify_bitwise_peaked_scores(dtype, warps_m, monkeypatch):
+    """Scores spread over tens of log2 units (sm_scale 4): rows move their exponent offset
+    past kLazyRescale on later tiles, so the accumulator rescale runs; still correct and
+    still the same bits in decode and verify."""
+    check_decode_equals_verify(dtype, (32, 8), 128, 16, warps_m, monkeypatch, sm_scale=4.0)
+
+
+def rescale_fires(q_host, k_host, table, kv_lens, q_lens, page_size, sm_scale, group, split):
+    """Whether some decode row's scores, seen as the (1, 4) tile sees them (64-key tiles,
+    16 keys per warp, state reset at every split), pass the row's first offset by more
+    than kLazyRescale = 8 (log2 units) on a later tile: the kernel's rescale branch."""
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    for b in range(len(kv_lens)):
+        keys = np.concatenate([np.arange(table[b, j] * page_size, (table[b, j] + 1) * page_size)
+                               for j in range(-(-int(kv_lens[b]) // page_size))])[:kv_lens[b]]
+        k = k_host.reshape(-1, k_host.shape[2], k_host.shape[3])[keys].astype(np.float64)  # [kv, H_kv, D]
+        q = q_host[starts[b + 1] - 1].astype(np.float64)  # the last row: it sees every key
+        s = np.einsum("hd,khd->hk", q, np.repeat(k, group, axis=1)) * sm_scale * np.log2(np.e)
+        for split0 in range(0, len(keys), split):
+            for warp in range(4):
+                offset = -np.inf
+                for tile0 in range(split0, min(split0 + split, len(keys)), 64):
+                    lo = tile0 + 16 * warp
+                    if lo >= len(keys):
+                        continue
+                    mx = s[:, lo:min(lo + 16, len(keys))].max(axis=1)
+                    if np.isfinite(offset).all() and (mx > offset + 8).any():
+                        return True
+                    offset = np.where(mx > offset + 8, mx, offset)
+    return False
+
+
+def check_decode_equals_verify(dtype, heads, head_dim, page_size, warps_m, monkeypatch, sm_scale=None):
     import cupy
     import cupy_fa
     from cupy_fa import plan as _plan, reference
@@ -38,26 +76,29 @@ def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m
         attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
 
         verify = cupy.full(q.shape, np.nan, np_dtype(dtype))
-        attn.plan(np.full(B, num_draft), kv, table).run(q, cache, out=verify)
+        attn.plan(np.full(B, num_draft), kv, table, sm_scale=sm_scale).run(q, cache, out=verify)
         got = verify.get().astype(np.float64)
         assert np.isfinite(got).all()
-        ref = reference.paged_attention(q_host, k_host, v_host, np.full(B, num_draft), kv, table)
+        ref = reference.paged_attention(q_host, k_host, v_host, np.full(B, num_draft), kv, table, sm_scale=sm_scale)
         assert reference.relative_error(got, ref) < TOL[dtype]
+        if sm_scale is not None:  # the case must reach the kernel's rescale branch, or it tests nothing new
+            assert rescale_fires(q_host, k_host, table, kv, np.full(B, num_draft), page_size, sm_scale,
+                                 h_q // h_kv, S)
 
         q_rows = q.reshape(B, num_draft, h_q, head_dim)
         verify_rows = verify.reshape(B, num_draft, h_q, head_dim)
         for i in range(num_draft):
             # plain decode of draft position i, the whole batch at once
             decode = cupy.full((B, h_q, head_dim), np.nan, np_dtype(dtype))
-            attn.plan(np.ones(B, int), prefix + i + 1, table).run(cupy.ascontiguousarray(q_rows[:, i]), cache,
-                                                                  out=decode)
+            attn.plan(np.ones(B, int), prefix + i + 1, table, sm_scale=sm_scale).run(
+                cupy.ascontiguousarray(q_rows[:, i]), cache, out=decode)
             same = (decode.view(np.uint16) == verify_rows[:, i].view(np.uint16)).all(axis=(1, 2)).get()
             assert same.all(), (f"N={num_draft} draft {i}: decode and verify differ for requests "
                                 f"{np.flatnonzero(~same).tolist()} (prefix {prefix[~same].tolist()})")
         # one request alone, mid-window, in a batch of one: same bits again
         b, i = int(rng.integers(0, B)), int(rng.integers(0, num_draft))
         alone = cupy.full((1, h_q, head_dim), np.nan, np_dtype(dtype))
-        attn.plan([1], [int(prefix[b]) + i + 1], table[b:b + 1]).run(
+        attn.plan([1], [int(prefix[b]) + i + 1], table[b:b + 1], sm_scale=sm_scale).run(
             cupy.ascontiguousarray(q_rows[b, i:i + 1]), cache, out=alone)
         assert (alone[0].view(np.uint16) == verify_rows[b, i].view(np.uint16)).all().get()
 
@@ -190,7 +231,9 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
     import cupy_fa
     from cupy_fa import _build, plan as _plan, reference
 
-    assert _build._programmatic_launch_enabled(), "sm_90+ with cuLaunchKernelEx: the programmatic path must run here"
+    monkeypatch.setenv("CUPY_FA_PDL", "1")
+    if not _build._programmatic_launch_enabled():
+        pytest.skip("programmatic launches need kernels built for sm_90+ and cuLaunchKernelEx")
     rng, _ = new_rng()
     h_q, h_kv, head_dim, page_size = 32, 8, 128, 16
     S = _plan.split_size()
@@ -206,8 +249,10 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
     def run(q_host, pdl):
         monkeypatch.setenv("CUPY_FA_PDL", "1" if pdl else "0")
         out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
-        attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
-        attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out)
+        attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
+        attn._buffers.partial_out.fill(np.nan)  # a merge that read too early would see these
+        attn._buffers.partial_lse.fill(np.nan)
+        attn.run(cupy.asarray(q_host), cache, out=out)
         return out
 
     q_host = fresh_q()
