@@ -19,6 +19,9 @@ Environment knobs (all of them):
   ``CUPY_FA_SPLITS_PER_CTA``  consecutive splits one decode CTA runs (default 1; tuning, results unchanged).
   ``CUPY_FA_PDL``             ``0``: launch the merge kernel the ordinary way, not as a programmatic
                               dependent of the attention kernel (default on, sm_90+; results unchanged).
+  ``CUPY_FA_FOLD_SPLITS``     ``auto`` (default), ``0`` or ``1``: CTAs of the two-row small-q tile fold
+                              all (<= 8) splits of their rows themselves instead of a merge kernel
+                              (auto: when the batch fills the GPU; results unchanged; cupy_fa/plan.py).
 """
 
 import ctypes
@@ -78,11 +81,14 @@ class TileShape:
     warps_n: int
     stages: int = 2
     splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
+    fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
 
     def __post_init__(self):
         if self.splits_per_cta != 1 and not self.epilogue_in_stage:
             raise ValueError(f"splits_per_cta={self.splits_per_cta} needs a tile whose epilogue fits one stage; "
                              f"{self} does not")
+        if self.fold_splits and not (self.fold_capable and self.splits_per_cta == MERGE_GROUP):
+            raise ValueError(f"fold_splits needs a fold-capable tile running {MERGE_GROUP} splits per CTA, got {self}")
 
     @property
     def block_m(self):
@@ -93,14 +99,20 @@ class TileShape:
         return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
 
     @property
+    def fold_capable(self):
+        """TileTraits::kFoldInCta: two rows of small-q warps, D >= 128 (a fold state in shared memory)."""
+        return self.warps_m == 2 and self.warps_n == 4 and self.head_dim >= 128
+
+    @property
     def smem_bytes(self):
-        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n)
+        fold = self.block_m * self.head_dim * 6 if self.fold_capable else 0  # TileTraits::kSmemFold
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold
 
     @property
     def epilogue_in_stage(self):
-        """The end-of-split epilogue fits in one pipeline stage (TileTraits::kEpilogueInStage):
-        only then may a CTA run several splits."""
-        return self.warps_m * self.warps_n <= self.block_n // 16
+        """The end-of-split epilogue fits in one pipeline stage, at once or in two passes
+        (TileTraits::kEpilogueInStage): only then may a CTA run several splits."""
+        return self.warps_m * self.warps_n <= self.block_n // 16 or self.fold_capable
 
     @property
     def fits(self):
@@ -146,7 +158,7 @@ def attention_variant(dtype_name, tile):
 MAX_SPLITS = 256  # KV splits of one request at most (cupy_fa/plan.py); sizes the merge's shared memory
 # Merge shapes (kernels/attention.cu MergeTraits): (heads per CTA, ways over split groups).
 # Both fold in the same order, so the choice never changes a bit.
-MERGE_GROUP = 8  # splits a way folds before handing on (MergeTraits::kGroup)
+MERGE_GROUP = 8  # splits folded in order before the groups are (softmax.cuh kMergeGroup)
 MERGE_WIDE = (8, 1)  # many tokens: one CTA per 8 heads of a token, one way
 MERGE_DEEP = (1, 8)  # fewer tokens with more splits: one head, 8 ways
 MERGE_DEEPEST = (1, 0)  # a few rows of long requests: one head, a way per group (up to 1024 threads)

@@ -28,6 +28,7 @@ _FIELDS = {
         ("batch_size", np.int32), ("page_size", np.int32), ("page_table_stride", np.int32),
         ("num_qo_heads", np.int32), ("num_kv_heads", np.int32), ("mask_mode", np.int32),
         ("sm_scale_log2", np.float32), ("page_shift", np.int32), ("splits_per_cta", np.int32),
+        ("fold_splits", np.int32),
     ],
     "MergeParams": [
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),

@@ -15,6 +15,7 @@ reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_k
 """
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -23,6 +24,19 @@ from . import _arrays, _build, _params, plan as _plan
 from .kv_cache import PagedKVCache
 
 _LOG2E = 1.4426950408889634
+
+
+def _sm_count():
+    import cupy
+
+    return _sm_count_of(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_id):
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 def _page_shift(page_size):
@@ -153,9 +167,10 @@ class BatchAttention:
         buffers = self._buffers
         tile = _build.tile_for(self.head_dim, max_q, self.group_size)
         if on_host:
+            tile = _plan.fold_tile(tile, q_host, kv_host, self.group_size, self.num_kv_heads, _sm_count())
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             live = q_host > 0
-            may_split = bool(np.any(_plan.max_splits(q_host[live], kv_host[live]) > 1))
+            may_split = not tile.fold_splits and bool(np.any(_plan.max_splits(q_host[live], kv_host[live]) > 1))
         else:
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
@@ -314,7 +329,7 @@ class BatchAttention:
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
             sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size),
-            splits_per_cta=state.tile.splits_per_cta)
+            splits_per_cta=state.tile.splits_per_cta, fold_splits=int(state.tile.fold_splits))
         # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
         _build.launch(_build.attention_variant(self.dtype_name, state.tile),
                       (state.work_grid * self.num_kv_heads,), params, stream)

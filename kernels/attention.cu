@@ -47,7 +47,12 @@ struct TileTraits {
   static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
   static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
   static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
-  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV;
+  // Small-q tiles with two rows of warps may fold all splits of a row block in the CTA
+  // (AttentionParams::fold_splits: no partials, no merge kernel). Registers hold them at
+  // 2 CTAs per SM, which the fold state (a MergeState per row and 4 columns) keeps.
+  static constexpr bool kFoldInCta = WARPS_M == 2 && WARPS_N == 4 && HEAD_DIM >= 128;
+  static constexpr int kSmemFold = kFoldInCta ? kBlockM * HEAD_DIM * 6 : 0;    // float4 o + float2 (m, l)
+  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV + kSmemFold;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
   // flight, so hold the compiler to the CTAs per SM that shared memory allows,
   // as far as 128 registers per thread can feed them. Prefill tiles keep their
@@ -58,14 +63,21 @@ struct TileTraits {
       (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
-  // memory. When they fit in one stage's K and V tiles, it uses only the stage just
-  // consumed, so the pipeline keeps running: a CTA may then run several consecutive
-  // splits (AttentionParams::splits_per_cta) without a new start-up per split.
-  static constexpr bool kEpilogueInStage = kWarps <= BLOCK_N / 16;
+  // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
+  // for the fold tile), it uses only the stage just consumed, so the pipeline keeps
+  // running: a CTA may then run several consecutive splits (splits_per_cta) without a
+  // new start-up per split.
+  static constexpr int kEpiloguePasses = kWarps <= BLOCK_N / 16 ? 1 : (kFoldInCta ? 2 : 0);
+  static constexpr bool kEpilogueInStage = kEpiloguePasses > 0;
+  static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM / kEpiloguePasses : HEAD_DIM;  // per pass
 
   static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
-  static_assert(!kEpilogueInStage || BLOCK_N % 32 == 0, "whole 16 x D fp32 slices per K (or V) tile");
+  static_assert(!kEpilogueInStage || kWarps * 16 * kStagedCols * 4 <= 4 * BLOCK_N * HEAD_DIM,
+                "a pass's fp32 slices fit one stage's K and V tiles");
+  static_assert(!kEpilogueInStage || (BLOCK_N * HEAD_DIM) % (32 * kStagedCols) == 0,
+                "whole slices per K (or V) tile");
+  static_assert(kStagedCols >= 64 || kEpiloguePasses <= 1, "staged_pair's swizzle needs 64 columns");
   static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
                 "loads must tile the CTA evenly");
   static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
@@ -108,10 +120,15 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   if constexpr (!Traits::kEpilogueInStage) {
     if (per_cta != 1) __trap();  // plan_kernel counted work with it: the host must never send this
   }
+  if constexpr (!Traits::kFoldInCta) {
+    if (p.fold_splits) __trap();  // no fold state in this tile: the host must never send this
+  }
   const int groups = (splits + per_cta - 1) / per_cta;
   const int local = work - __ldg(p.work_indptr + b);
   const int split_first = (local % groups) * per_cta;
   const int split_stop = min(split_first + per_cta, splits);
+  // A CTA that folds takes merge_kernel's steps for one group: it must run all the splits.
+  if (p.fold_splits && splits > 1 && (groups != 1 || splits > kMergeGroup)) __trap();
   const int row0 = (local / groups) * BM;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int rows = q_len * group;
@@ -227,11 +244,15 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // warp is done with `stage`, whose K/V tiles (or, for a one-split-per-CTA tile,
   // all K/V stages) hold the fp32 accumulators; it syncs again before they are reused.
   const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
-  auto staged = [&](int w, int stage) -> float* {  // warp w's [16][D] fp32 slice
+  constexpr int W = Traits::kStagedCols;  // columns one epilogue pass stages
+  // The fold state of the tile's rows across its splits (fold_splits), after the K/V stages.
+  float4* fold_o = reinterpret_cast<float4*>(sV + Traits::kStages * BN * D);
+  float2* fold_ml = reinterpret_cast<float2*>(fold_o + BM * (D / 4));
+  auto staged = [&](int w, int stage) -> float* {  // warp w's [16][W] fp32 slice
     if constexpr (Traits::kEpilogueInStage) {
-      constexpr int kPerTile = BN / 32;  // 16 x D fp32 slices in one stage's K (or V) tile
+      constexpr int kPerTile = BN * D / (32 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
       T* tile_base = (w < kPerTile ? sK : sV) + stage * BN * D;
-      return reinterpret_cast<float*>(tile_base) + (w % kPerTile) * 16 * D;
+      return reinterpret_cast<float*>(tile_base) + (w % kPerTile) * 16 * W;
     } else {
       return reinterpret_cast<float*>(sK) + w * 16 * D;
     }
@@ -251,56 +272,86 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       s_sum[warp][g] = l[0];
       s_sum[warp][g + 8] = l[1];
     }
-    // Only real rows are staged (a decode tile has group_size of its 16), each (row, column
-    // pair) as one float2 at a swizzled pair: lanes with the same tq would otherwise hit the
-    // same bank 8 ways.
-    // staged_pair(g, 4 db + tq) = g D + 2 tq + 8 (db ^ g % 8), and row g + 8 has the same swizzle.
-    float2* mine = reinterpret_cast<float2*>(staged(warp, stage) + g * D) + tq;
-    const int first_real = row0 + wm * 16 + g;
+    // One pass, or (fold tile) two passes of half of D each: a pass's accumulators are dead
+    // once staged, which keeps the second pass's live registers down.
+    constexpr int kPasses = Traits::kEpilogueInStage ? Traits::kEpiloguePasses : 1;
+    constexpr int kPassBlocks = D_BLOCKS / kPasses;  // 8-column blocks per pass
 #pragma unroll
-    for (int db = 0; db < D_BLOCKS; ++db) {
-      float2* o = mine + 4 * (db ^ (g & 7));
-      if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
-      if (first_real + 8 < rows) o[4 * D] = {acc[db][2], acc[db][3]};
-    }
-    __syncthreads();
+    for (int pass = 0; pass < kPasses; ++pass) {
+      // Only real rows are staged (a decode tile has group_size of its 16), each (row, column
+      // pair) as one float2 at a swizzled pair: lanes with the same tq would otherwise hit the
+      // same bank 8 ways.
+      // staged_pair<W>(g, 4 j + tq) = g W + 2 tq + 8 (j ^ g % 8), and row g + 8 has the same swizzle.
+      float2* mine = reinterpret_cast<float2*>(staged(warp, stage) + g * W) + tq;
+      const int first_real = row0 + wm * 16 + g;
+#pragma unroll
+      for (int j = 0; j < kPassBlocks; ++j) {
+        const int db = pass * kPassBlocks + j;
+        float2* o = mine + 4 * (j ^ (g & 7));
+        if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
+        if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
+      }
+      __syncthreads();
 
-    for (int idx = tid; idx < BM * (D / 4); idx += Traits::kThreads) {
-      const int r = idx / (D / 4), c4 = idx % (D / 4);
-      const int row = row0 + r;
-      if (row >= rows) continue;
-      const int rwm = r >> 4, rl = r & 15;
-      float m_all = -INFINITY;
+      for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {
+        const int r = idx / (W / 4), c4_in_pass = idx % (W / 4), c4 = pass * (W / 4) + c4_in_pass;
+        const int row = row0 + r;
+        if (row >= rows) continue;
+        const int rwm = r >> 4, rl = r & 15;
+        float m_all = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
-      float l_all = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
+        float l_all = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int w = 0; w < Traits::kWarpsN; ++w) {
-        const int ww = rwm * Traits::kWarpsN + w;
-        const float f = rescale_factor(s_max[ww][rl], m_all);
-        l_all += s_sum[ww][rl] * f;
-        const float4 part = *reinterpret_cast<const float4*>(staged(ww, stage) + staged_pair<D>(rl, 2 * c4));
-        o[0] += part.x * f;
-        o[1] += part.y * f;
-        o[2] += part.z * f;
-        o[3] += part.w * f;
+        for (int w = 0; w < Traits::kWarpsN; ++w) {
+          const int ww = rwm * Traits::kWarpsN + w;
+          const float f = rescale_factor(s_max[ww][rl], m_all);
+          l_all += s_sum[ww][rl] * f;
+          const float4 part =
+              *reinterpret_cast<const float4*>(staged(ww, stage) + staged_pair<W>(rl, 2 * c4_in_pass));
+          o[0] += part.x * f;
+          o[1] += part.y * f;
+          o[2] += part.z * f;
+          o[3] += part.w * f;
+        }
+        const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+        const int i = row / group, head = kv_head * group + row % group;
+        const i64 out_slot = (i64)(q_start + i) * p.num_qo_heads + head;
+        // A split's partial is rounded to T exactly like a final output, so a row whose
+        // only real split goes through merge_kernel (x 1.0) gets the bits it would have
+        // got unsplit: decode and verify stay identical.
+        if (splits == 1) {
+          store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, o, inv);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(m_all, l_all);
+        } else if (Traits::kFoldInCta && p.fold_splits) {
+          // merge_kernel's steps on the partial it would have read: rounded to T and
+          // folded in split order from the empty state; written after the last split
+          const int item = r * (D / 4) + c4;
+          const uint2 packed = scaled4<T>(o, inv);
+          const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
+          MergeState state = MergeState::empty();
+          if (split != split_first) {
+            const float2 ml = fold_ml[item];
+            state = MergeState{ml.x, ml.y, fold_o[item]};
+          }
+          state.fold(split_lse2(m_all, l_all), 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+          if (split + 1 < splits) {
+            fold_o[item] = state.o;
+            fold_ml[item] = make_float2(state.m, state.l);
+          } else {
+            const float merged[4] = {state.o.x, state.o.y, state.o.z, state.o.w};
+            store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged,
+                          state.l > 0.f ? 1.f / state.l : 0.f);
+            if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(state.m, state.l);
+          }
+        } else {
+          const i64 slot = ((i64)partial_base + (i64)i * splits + split) * p.num_qo_heads + head;
+          store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, inv);
+          if (c4 == 0) p.partial_lse[slot] = split_lse2(m_all, l_all);
+        }
       }
-      const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
-      const int i = row / group, head = kv_head * group + row % group;
-      // A split's partial is rounded to T exactly like a final output, so a row whose
-      // only real split goes through merge_kernel (x 1.0) gets the bits it would have
-      // got unsplit: decode and verify stay identical.
-      if (splits == 1) {
-        const i64 slot = (i64)(q_start + i) * p.num_qo_heads + head;
-        store_scaled4(static_cast<T*>(p.out) + slot * D + c4 * 4, o, inv);
-        if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(m_all, l_all);
-      } else {
-        const i64 slot = ((i64)partial_base + (i64)i * splits + split) * p.num_qo_heads + head;
-        store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, inv);
-        if (c4 == 0) p.partial_lse[slot] = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
-      }
+      __syncthreads();
     }
-    __syncthreads();
   };
 
   int split_now = split_first, tiles_left = tiles_per_split;
@@ -448,40 +499,9 @@ struct MergeTraits {
   // The fold order is fixed by the split index alone, never by the shape above: each
   // group of kGroup consecutive splits is folded in order, then the groups in order.
   // Whichever variant merges a row, its bits are the same (batch invariance).
-  static constexpr int kGroup = 8;
+  static constexpr int kGroup = kMergeGroup;
   static constexpr int kMaxGroups = (MAX_SPLITS + kGroup - 1) / kGroup;
   static_assert(kThreads <= 1024, "one CTA");
-};
-
-// The online-softmax state of a row slice: max m (base 2), sum l, unnormalised o.
-// (Trivially constructible, so it can live in shared memory: start from empty().)
-struct MergeState {
-  float m, l;
-  float4 o;
-
-  static __device__ __forceinline__ MergeState empty() {
-    return MergeState{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-  }
-
-  // Empty states are the identity and the first real state is taken as is, so a row
-  // with one real split keeps its partial's bits exactly (also the sign of a zero:
-  // 0 * 0 + (-0) * 1 would give +0 where the unsplit path writes -0).
-  __device__ __forceinline__ void fold(float m_in, float l_in, float4 o_in) {
-    if (m_in == -INFINITY) return;
-    if (m == -INFINITY) {
-      m = m_in;
-      l = l_in;
-      o = o_in;
-      return;
-    }
-    const float m_new = fmaxf(m, m_in);
-    const float f = rescale_factor(m, m_new), f_in = rescale_factor(m_in, m_new);
-    l = l * f + l_in * f_in;
-    o = make_float4(o.x * f + o_in.x * f_in, o.y * f + o_in.y * f_in, o.z * f + o_in.z * f_in,
-                    o.w * f + o_in.w * f_in);
-    m = m_new;
-  }
-  __device__ __forceinline__ void fold(const MergeState& in) { fold(in.m, in.l, in.o); }
 };
 
 // Combines the splits of each (token, head) of split requests (each split is the

@@ -45,14 +45,18 @@ template <> struct ElemTraits<__nv_bfloat16> {
   static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 
-// Stores o[0..3] * scale as 4 packed elements (8 bytes) at dst: every output
-// and split partial row leaves a kernel through here, rounded once.
+// o[0..3] * scale rounded to 4 packed elements (8 bytes): every output and split
+// partial row is rounded here, once.
 template <typename T>
-__device__ __forceinline__ void store_scaled4(T* dst, const float (&o)[4], float scale) {
+__device__ __forceinline__ uint2 scaled4(const float (&o)[4], float scale) {
   uint2 packed;
   packed.x = ElemTraits<T>::pack(o[0] * scale, o[1] * scale);
   packed.y = ElemTraits<T>::pack(o[2] * scale, o[3] * scale);
-  *reinterpret_cast<uint2*>(dst) = packed;
+  return packed;
+}
+template <typename T>
+__device__ __forceinline__ void store_scaled4(T* dst, const float (&o)[4], float scale) {
+  *reinterpret_cast<uint2*>(dst) = scaled4<T>(o, scale);
 }
 
 // ---- async copies (cp.async, sm_80+) -----------------------------------------

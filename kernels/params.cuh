@@ -62,6 +62,8 @@ struct AttentionParams {
   float sm_scale_log2;        // softmax scale x log2(e): scores live in base 2
   int page_shift;             // log2(page_size) when a power of two (shift, not divide), else -1
   int splits_per_cta;         // as in PlanParams: the work items were counted with it
+  int fold_splits;            // 1: every CTA runs all splits of its row block (<= kMergeGroup of them) and
+                              // folds them itself as merge_kernel would: no partials, no merge launch
 };
 
 struct MergeParams {

@@ -35,4 +35,45 @@ __device__ __forceinline__ float natural_lse(float m, float l) {
   return l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
+// Base-2 LSE of a split's state, as its partial carries it; -inf for a split that saw no key.
+__device__ __forceinline__ float split_lse2(float m, float l) { return l > 0.f ? m + log2f(l) : -INFINITY; }
+
+// Splits are merged in groups of this many consecutive splits, in order, then the groups in
+// order: merge_kernel (whatever its shape) and an attention CTA that folds its own splits
+// (AttentionParams::fold_splits) take the same steps.
+constexpr int kMergeGroup = 8;
+
+// The online-softmax state of a row slice: offset m (base 2), sum l, unnormalised o.
+// (Trivially constructible, so it can live in shared memory: start from empty().)
+struct MergeState {
+  float m, l;
+  float4 o;
+
+  static __device__ __forceinline__ MergeState empty() {
+    return MergeState{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+  }
+
+  // Empty states are the identity and the first real state is taken as is, so a row
+  // with one real split keeps its partial's bits exactly (also the sign of a zero:
+  // 0 * 0 + (-0) * 1 would give +0 where the unsplit path writes -0). The arithmetic is
+  // pinned (__fmaf_rn, __fmul_rn): merge_kernel and the attention kernel both fold and
+  // must round alike, where the compiler might contract each one differently.
+  __device__ __forceinline__ void fold(float m_in, float l_in, float4 o_in) {
+    if (m_in == -INFINITY) return;
+    if (m == -INFINITY) {
+      m = m_in;
+      l = l_in;
+      o = o_in;
+      return;
+    }
+    const float m_new = fmaxf(m, m_in);
+    const float f = rescale_factor(m, m_new), f_in = rescale_factor(m_in, m_new);
+    l = __fmaf_rn(l, f, __fmul_rn(l_in, f_in));
+    o = make_float4(__fmaf_rn(o.x, f, __fmul_rn(o_in.x, f_in)), __fmaf_rn(o.y, f, __fmul_rn(o_in.y, f_in)),
+                    __fmaf_rn(o.z, f, __fmul_rn(o_in.z, f_in)), __fmaf_rn(o.w, f, __fmul_rn(o_in.w, f_in)));
+    m = m_new;
+  }
+  __device__ __forceinline__ void fold(const MergeState& in) { fold(in.m, in.l, in.o); }
+};
+
 }  // namespace cupy_fa

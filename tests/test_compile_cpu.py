@@ -67,9 +67,10 @@ def test_launch_config_structs_match_cuda_h():
 
 
 def test_merge_group_matches_the_kernel():
-    """_build.MERGE_GROUP sizes the deepest merge's ways; it must be MergeTraits::kGroup."""
-    text = (_build.KERNEL_DIR / "attention.cu").read_text()
-    assert f"static constexpr int kGroup = {_build.MERGE_GROUP};" in text
+    """_build.MERGE_GROUP sizes the deepest merge's ways and the fold's splits per CTA; it must
+    be the kernels' kMergeGroup."""
+    text = (_build.KERNEL_DIR / "softmax.cuh").read_text()
+    assert f"constexpr int kMergeGroup = {_build.MERGE_GROUP};" in text
 
 
 def test_programmatic_launch_only_for_sm90_builds(monkeypatch):

@@ -104,7 +104,8 @@ def test_small_q_splits_sit_at_fixed_positions():
 def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
     monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", "3")
     assert _build.tile_for(128, 1, 4).splits_per_cta == 3          # (1,4): 4 warps, 64-key tiles
-    assert _build.tile_for(128, 8, 4).splits_per_cta == 1          # (2,4): 8 warps need all stages
+    assert _build.tile_for(128, 8, 4).splits_per_cta == 3          # (2,4), D >= 128: half of D per pass
+    assert _build.tile_for(64, 8, 4).splits_per_cta == 1           # (2,4), D = 64: 8 warps need all stages
     assert _build.tile_for(128, plan.SMALL_Q_LEN + 1, 1).splits_per_cta == 1  # prefill: one split per CTA
     tile = _build.tile_for(128, 1, 4)
     q, kv = np.array([1, 1, 1]), np.array([5000, 512, 1])
@@ -114,7 +115,30 @@ def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
         with pytest.raises(ValueError, match="CUPY_FA_SPLITS_PER_CTA"):
             _build.tile_for(128, plan.SMALL_Q_LEN + 1, 1)  # checked for prefill tiles too
     with pytest.raises(ValueError, match="splits_per_cta"):
-        _build.TileShape(128, 2, 4, splits_per_cta=2)
+        _build.TileShape(64, 2, 4, splits_per_cta=2)
+
+
+def test_fold_tile_choice(monkeypatch):
+    """Two-row small-q batches fold their splits in the CTA when every request has at most
+    8 splits and the row blocks fill the GPU; never for the one-row (decode) tile."""
+    verify8 = _build.tile_for(128, 8, 4)
+    q, kv = np.full(64, 8), np.full(64, 4096)  # verify q=8 at B=64: 64 x 8 heads = 512 CTAs
+    folded = plan.fold_tile(verify8, q, kv, 4, 8, 132)
+    assert folded.fold_splits and folded.splits_per_cta == _build.MERGE_GROUP
+    assert plan.work_bound(q, kv, 4, folded) == 64  # one work item per row block
+    assert not plan.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: < 1.5 waves
+    assert not plan.fold_tile(verify8, q, kv + 1, 4, 8, 132).fold_splits  # 9 splits: more than a group
+    assert not plan.fold_tile(_build.tile_for(128, 1, 4), np.ones(512, int), np.full(512, 4096), 4, 8, 132).fold_splits
+    assert not plan.fold_tile(_build.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
+    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "1")
+    assert plan.fold_tile(verify8, q[:2], kv[:2], 4, 8, 132).fold_splits
+    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "0")
+    assert not plan.fold_tile(verify8, q, kv, 4, 8, 132).fold_splits
+    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "yes")
+    with pytest.raises(ValueError, match="CUPY_FA_FOLD_SPLITS"):
+        plan.fold_tile(verify8, q, kv, 4, 8, 132)
+    with pytest.raises(ValueError, match="fold_splits"):
+        _build.TileShape(128, 1, 4, splits_per_cta=8, fold_splits=True)
 
 
 def test_tile_choice():
