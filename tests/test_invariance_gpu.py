@@ -3,6 +3,8 @@ computed by decode (q_len = 1), by verify with N drafts (q_len = N, causal), or
 in a different batch. Speculative decoding is lossless only if this holds
 (issue 5): the verify pass must reproduce what plain decode would have seen."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -232,8 +234,10 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
     from cupy_fa import _build, plan as _plan, reference
 
     monkeypatch.setenv("CUPY_FA_PDL", "1")
-    if not _build._programmatic_launch_enabled():
-        pytest.skip("programmatic launches need kernels built for sm_90+ and cuLaunchKernelEx")
+    # On an sm_90+ device built for itself (the H200 of device_check.sh) the programmatic
+    # path must really run; elsewhere both launches are ordinary and the comparison still holds.
+    if int(cupy.cuda.Device().compute_capability) >= 90 and not os.environ.get("CUPY_FA_ARCH"):
+        assert _build._programmatic_launch_enabled(), "sm_90+: the merge must be launched programmatically"
     rng, _ = new_rng()
     h_q, h_kv, head_dim, page_size = 32, 8, 128, 16
     S = _plan.split_size()
