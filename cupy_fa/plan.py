@@ -179,11 +179,17 @@ def max_splits(q_lens, kv_lens):
     return np.maximum(1, np.minimum(splits, MAX_SPLITS))
 
 
+def row_blocks(q_lens, group_size, tile):
+    """Row tiles of each request: its q_len x group_size packed (token, head) rows cut
+    into tiles of tile.block_m (kernels/plan.cu counts them the same way)."""
+    return -(-(np.asarray(q_lens) * group_size) // tile.block_m)
+
+
 def work_bound(q_lens, kv_lens, group_size, tile):
     """Upper bound on the attention kernel's work items for these host lengths."""
     live = q_lens > 0
-    row_blocks = -(-(q_lens[live] * group_size) // tile.block_m)
-    return int((row_blocks * -(-max_splits(q_lens[live], kv_lens[live]) // tile.splits_per_cta)).sum())
+    split_groups = -(-max_splits(q_lens[live], kv_lens[live]) // tile.splits_per_cta)
+    return int((row_blocks(q_lens[live], group_size, tile) * split_groups).sum())
 
 
 def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
@@ -195,13 +201,13 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
     max_q_len = max(1, min(max_q_len, t))
     q = np.arange(1, max_q_len + 1)
     splits = max_splits(q, np.full_like(q, max_kv_len))
-    per_request = int((-(-(q * group_size) // tile.block_m) * -(-splits // tile.splits_per_cta)).max())
+    per_request = int((row_blocks(q, group_size, tile) * -(-splits // tile.splits_per_cta)).max())
     # whatever kv_len: small-q requests have few row blocks, longer ones few splits
     # (row_blocks x splits <= SPLIT_ROW_BUDGET x group / block_m + splits); and a
     # batch can't hold more than b requests, nor more tokens than t
-    small = -(-(min(max_q_len, SMALL_Q_LEN) * group_size) // tile.block_m) * MAX_SPLITS
+    small = int(row_blocks(min(max_q_len, SMALL_Q_LEN), group_size, tile)) * MAX_SPLITS
     large = SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1
-    loose = b * max(small, large) + -(-(min(t, b * max_q_len) * group_size) // tile.block_m) + b
+    loose = b * max(small, large) + int(row_blocks(min(t, b * max_q_len), group_size, tile)) + b
     return min(b * per_request, loose)
 
 
@@ -227,7 +233,7 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count):
     q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
     if int(max_splits(q, kv).max()) > _build.MERGE_GROUP:
         return tile
-    ctas = int((-(-(q * group_size) // tile.block_m)).sum()) * num_kv_heads
+    ctas = int(row_blocks(q, group_size, tile).sum()) * num_kv_heads
     if knob == "auto" and ctas < FOLD_MIN_WAVES * 2 * sm_count:
         return tile
     return dataclasses.replace(tile, splits_per_cta=_build.MERGE_GROUP, fold_splits=True)

@@ -26,9 +26,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-
-
-
 def pytest_runtest_logreport(report):
     """With CUPY_FA_FAILURE_LOG set, append each failure's reason to that file as it
     happens: a device call cut short by its time limit still tells why a test failed."""
