@@ -71,6 +71,7 @@ class Variant:
     expression: str   # name expression (template instance) or extern "C" name
     threads: int
     smem_bytes: int = 0  # dynamic shared memory per CTA
+    checks: tuple = ()   # C++ constant expressions that must hold (host mirrors of the kernel's traits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +151,13 @@ def tile_for(head_dim, max_q_len, group_size):
 
 @functools.lru_cache(maxsize=None)
 def attention_variant(dtype_name, tile):
-    expr = (f"cupy_fa::attention_kernel<{CTYPES[dtype_name]}, cupy_fa::TileTraits<"
-            f"{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, {tile.stages}>>")
-    return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes)
+    traits = f"cupy_fa::TileTraits<{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, {tile.stages}>"
+    expr = f"cupy_fa::attention_kernel<{CTYPES[dtype_name]}, {traits}>"
+    # TileShape mirrors these traits to size the launch and plan the work; the compile checks it
+    checks = (f"{traits}::kSmemBytes == {tile.smem_bytes}",
+              f"{traits}::kEpilogueInStage == {str(tile.epilogue_in_stage).lower()}",
+              f"{traits}::kFoldInCta == {str(tile.fold_capable).lower()}")
+    return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes, checks)
 
 
 MAX_SPLITS = 256  # KV splits of one request at most (cupy_fa/plan.py); sizes the merge's shared memory
@@ -245,8 +250,10 @@ def compile_options(arch):
 
 
 def program_text(variant):
-    """What NVRTC compiles: the kernel file plus the params layout asserts."""
-    return f'#include "{variant.source}"\n' + _params.layout_asserts()
+    """What NVRTC compiles: the kernel file, the params layout asserts and the variant's
+    checks of the host's mirrors of its traits."""
+    checks = "".join(f'static_assert({c}, "host mirror: {c}");\n' for c in variant.checks)
+    return f'#include "{variant.source}"\n' + _params.layout_asserts() + checks
 
 
 def device_arch(device):

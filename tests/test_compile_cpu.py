@@ -87,3 +87,16 @@ def test_programmatic_launch_only_for_sm90_builds(monkeypatch):
         assert not _build._programmatic_launch_supported("gfx90a")
     finally:
         _build._programmatic_launch_supported.cache_clear()
+
+
+def test_host_mirrors_of_the_traits_are_compiled_in():
+    """TileShape's shared-memory size, epilogue and fold flags mirror TileTraits; every
+    attention variant's program carries them as static_asserts, so a drifted mirror cannot
+    compile (here: a shared-memory size one byte off)."""
+    import dataclasses
+
+    variant = _build.attention_variant("bfloat16", _build.TileShape(128, 2, 4, 2))
+    assert len(variant.checks) == 3 and all(c in _build.program_text(variant) for c in variant.checks)
+    wrong = dataclasses.replace(variant, checks=(variant.checks[0] + " + 1",))
+    with pytest.raises(RuntimeError, match="host mirror"):
+        _build.compile_cubin(wrong)
