@@ -114,8 +114,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int kv_len = __ldg(p.kv_lens + b);
   const int splits = __ldg(p.num_splits + b);
   // This CTA runs splits [split_first, split_stop) of one row block, one after the
-  // other; each still ends in its own result (out, or a partial for merge_kernel),
-  // so how splits are grouped into CTAs never changes a bit of the output.
+  // other; each still ends in its own result (out, a partial for merge_kernel, or a
+  // fold of merge_kernel's steps), so how splits are grouped into CTAs never changes a
+  // bit of the output.
   const int per_cta = p.splits_per_cta;
   if constexpr (!Traits::kEpilogueInStage) {
     if (per_cta != 1) __trap();  // plan_kernel counted work with it: the host must never send this
@@ -240,9 +241,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int first_query_pos = prefix + row0 / group;  // position of the tile's first query
 
   // ---- end of a split: merge the WARPS_N states of each row through shared memory,
-  // then write the split's rows (out, or a partial). Callers have synced, so every
-  // warp is done with `stage`, whose K/V tiles (or, for a one-split-per-CTA tile,
-  // all K/V stages) hold the fp32 accumulators; it syncs again before they are reused.
+  // then write the split's rows (out, a partial, or the fold). Callers have synced, so
+  // every warp is done with `stage`, whose K/V tiles (or, for a tile whose epilogue does
+  // not fit a stage, all K/V stages) hold the fp32 accumulators; it syncs again before
+  // they are reused.
   const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
   constexpr int W = Traits::kStagedCols;  // columns one epilogue pass stages
   // The fold state of the tile's rows across its splits (fold_splits), after the K/V stages.
