@@ -88,6 +88,22 @@ def fill_cache(rng, cache_shape, dtype, page_table, kv_lens, page_size):
     return k.astype(dtype), v.astype(dtype)
 
 
+def paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, num_tokens):
+    """The setup of a GPU case: a shuffled paged cache holding kv_lens keys per request
+    (NaN in every other slot), on the device, and num_tokens fresh host queries.
+    Returns (page_table, k_host, v_host, cache, q_host)."""
+    import cupy
+    import cupy_fa
+
+    h_q, h_kv = heads
+    table, num_pages = paged_layout(rng, kv_lens, page_size)
+    k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv_lens,
+                                page_size)
+    cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+    q_host = rng.standard_normal((num_tokens, h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+    return table, k_host, v_host, cache, q_host
+
+
 def tree_masks(rng, q_lens):
     """Random draft trees for tree verify: draft i sees itself and its ancestor chain.
     Returns one bool [q, q] mask per request."""

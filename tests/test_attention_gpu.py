@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cases import TOL, fill_cache, new_rng, np_dtype, paged_layout, random_lengths, tree_masks
+from cases import TOL, fill_cache, new_rng, np_dtype, paged_case, paged_layout, random_lengths, tree_masks
 
 pytestmark = pytest.mark.gpu
 
@@ -23,11 +23,8 @@ def run_case(rng, dtype, heads, head_dim, page_size, causal, lengths, custom_mas
 
     h_q, h_kv = heads
     q_lens, kv_lens = lengths
-    table, num_pages = paged_layout(rng, kv_lens, page_size)
-    k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv_lens, page_size)
-    cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
     total = int(q_lens.sum())
-    q_host = rng.standard_normal((total, h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+    table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, total)
     q = cupy.asarray(q_host)
     out = cupy.full((total, h_q, head_dim), np.nan, np_dtype(dtype))
     lse = cupy.full((total, h_q), np.nan, np.float32)
@@ -269,11 +266,8 @@ def test_partial_workspace_overflow(dtype):
                                   max_pages_per_request=1)._buffers.partial_out.shape[0]
     splits = rows // (batch * _plan.SMALL_Q_LEN) + 1  # one split more per request than the workspace holds
     kv_lens = rng.integers((splits - 1) * S + 1, splits * S + 1, size=batch)
-    table, num_pages = paged_layout(rng, kv_lens, page_size)
-    k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv_lens,
-                                page_size)
-    cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-    q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+    table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv_lens,
+                                                       int(q_lens.sum()))
     out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
     attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
     attn.plan(q_lens, kv_lens, table).run(cupy.asarray(q_host), cache, out=out)

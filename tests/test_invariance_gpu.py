@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from cases import TOL, fill_cache, new_rng, np_dtype, paged_layout
+from cases import TOL, fill_cache, new_rng, np_dtype, paged_case, paged_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -70,10 +70,7 @@ def check_decode_equals_verify(dtype, heads, head_dim, page_size, warps_m, monke
     B = len(prefix)
     for num_draft in (4, 8, 16):
         kv = prefix + num_draft
-        table, num_pages = paged_layout(rng, kv, page_size)
-        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv, page_size)
-        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-        q_host = rng.standard_normal((B * num_draft, h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+        table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, head_dim, page_size, kv, B * num_draft)
         q = cupy.asarray(q_host)
         attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
 
@@ -161,10 +158,8 @@ def test_splits_per_cta_never_changes_a_bit(dtype, page_size, monkeypatch):
     for q_len in (1, 4, 8):
         kv = np.array([3 * S + 7, S, 1 + q_len, 7 * S - 1, 3 * S + 2 - q_len, int(rng.integers(q_len, 9000))]) + q_len
         q_lens = np.full(len(kv), q_len)
-        table, num_pages = paged_layout(rng, kv, page_size)
-        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv, page_size)
-        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+        table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv,
+                                                           int(q_lens.sum()))
         outs = {}
         for per_cta in ("1", "2", "3"):
             monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", per_cta)
@@ -201,10 +196,8 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
         kv = np.array([S + 3, 8 * S, 8 * S + 1, 17 * S - 5, 70 * S + 9, 3 * S + 2 - q_len,
                        int(rng.integers(q_len, 40 * S))]) + q_len
         q_lens = np.full(len(kv), q_len)
-        table, num_pages = paged_layout(rng, kv, 16)
-        k_host, v_host = fill_cache(rng, (num_pages, 16, h_kv, head_dim), np_dtype(dtype), table, kv, 16)
-        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-        q_host = rng.standard_normal((int(q_lens.sum()), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+        table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, 16, kv,
+                                                           int(q_lens.sum()))
         outs = {}
         for name in ("wide", "deep", "deepest"):
             shape = getattr(_build, f"MERGE_{name.upper()}")
@@ -243,9 +236,7 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
     S = _plan.split_size()
     kv = np.array([1, S + 7, 8 * S, 3 * S + 1, int(rng.integers(1, 64 * S))])  # unsplit rows among split ones
     q_lens = np.ones(len(kv), dtype=np.int64)
-    table, num_pages = paged_layout(rng, kv, page_size)
-    k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv, page_size)
-    cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
+    table, k_host, v_host, cache, _ = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv, 0)
 
     def fresh_q():
         return rng.standard_normal((len(kv), h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
@@ -308,11 +299,8 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
                            int(rng.integers(1, 8 * S - num_draft))])
         B = len(prefix)
         kv, q_lens = prefix + num_draft, np.full(B, num_draft)
-        table, num_pages = paged_layout(rng, kv, page_size)
-        k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv,
-                                    page_size)
-        cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-        q_host = rng.standard_normal((B * num_draft, h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+        table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv,
+                                                           B * num_draft)
         q = cupy.asarray(q_host)
 
         outs = {}
