@@ -81,10 +81,14 @@ class TileShape:
     warps_m: int
     warps_n: int
     stages: int = 2
+    fold_capable: bool = False  # carries a fold state (TileTraits FOLD): its own kernel binary
     splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
     fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
 
     def __post_init__(self):
+        if self.fold_capable and not self.fold_layout:
+            raise ValueError(f"a fold state needs a small-q tile whose epilogue fits one stage (one row of "
+                             f"warps, or two at D >= 128), got {self}")
         if self.splits_per_cta != 1 and not self.epilogue_in_stage:
             raise ValueError(f"splits_per_cta={self.splits_per_cta} needs a tile whose epilogue fits one stage; "
                              f"{self} does not")
@@ -100,9 +104,10 @@ class TileShape:
         return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
 
     @property
-    def fold_capable(self):
-        """TileTraits::kFoldInCta: two rows of small-q warps, D >= 128 (a fold state in shared memory)."""
-        return self.warps_m == 2 and self.warps_n == 4 and self.head_dim >= 128
+    def fold_layout(self):
+        """Whether this warp layout can carry a fold state: a small-q tile whose epilogue fits
+        one stage (one row of warps, or two at D >= 128, half of D per pass)."""
+        return self.warps_n > 1 and (self.warps_m == 1 or self.head_dim >= 128)
 
     @property
     def smem_bytes(self):
@@ -116,8 +121,27 @@ class TileShape:
         return self.warps_m * self.warps_n <= self.block_n // 16 or self.fold_capable
 
     @property
+    def min_ctas_per_sm(self):
+        """TileTraits::kMinCtasPerSm: CTAs per SM the launch bounds hold small-q tiles to
+        (as many as shared memory allows, up to what 128 registers a thread can feed)."""
+        by_smem = SMEM_LIMIT // (self.smem_bytes + 1024)
+        by_registers = 65536 // (32 * self.warps_m * self.warps_n * 128)
+        return 1 if self.warps_n == 1 or by_smem < 1 else min(by_smem, by_registers)
+
+    @property
     def fits(self):
         return self.smem_bytes <= SMEM_LIMIT
+
+    def folding(self):
+        """This tile with its CTAs folding every split of a row block (at most MERGE_GROUP),
+        in the fold-capable variant with the deepest pipeline that still fits; None where
+        no such variant exists."""
+        if not self.fold_layout:
+            return None
+        tile = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP, fold_splits=True)
+        while not tile.fits and tile.stages > min(STAGE_CHOICES):
+            tile = dataclasses.replace(tile, stages=tile.stages - 1)
+        return tile if tile.fits else None
 
 
 def tile_for(head_dim, max_q_len, group_size):
@@ -141,22 +165,33 @@ def tile_for(head_dim, max_q_len, group_size):
     stages = int(os.environ.get("CUPY_FA_DECODE_STAGES", "2"))
     if stages not in STAGE_CHOICES:
         raise ValueError(f"CUPY_FA_DECODE_STAGES must be one of {STAGE_CHOICES}, got {stages}")
-    tile = TileShape(head_dim, warps_m, 4, stages)
-    while not tile.fits:  # deepest pipeline that fits this head dim
-        tile = dataclasses.replace(tile, stages=tile.stages - 1)
+    tile = small_q_tile(head_dim, warps_m, stages)
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=per_cta)
     return tile
 
 
+def small_q_tile(head_dim, warps_m, stages):
+    """The small-q tile with the deepest pipeline up to ``stages`` that fits this head dim.
+    The two-row tile always carries a fold state (at D >= 128): registers already hold it
+    at 2 CTAs per SM, which the state keeps. The one-row tile gets one per batch (its
+    ``folding()``, chosen by plan.fold_tile), as it costs it a CTA per SM."""
+    tile = TileShape(head_dim, warps_m, 4, stages, fold_capable=warps_m == 2 and head_dim >= 128)
+    while not tile.fits:
+        tile = dataclasses.replace(tile, stages=tile.stages - 1)
+    return tile
+
+
 @functools.lru_cache(maxsize=None)
 def attention_variant(dtype_name, tile):
-    traits = f"cupy_fa::TileTraits<{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, {tile.stages}>"
+    fold = str(tile.fold_capable).lower()
+    traits = (f"cupy_fa::TileTraits<{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, "
+              f"{tile.stages}, {fold}>")
     expr = f"cupy_fa::attention_kernel<{CTYPES[dtype_name]}, {traits}>"
     # TileShape mirrors these traits to size the launch and plan the work; the compile checks it
     checks = (f"{traits}::kSmemBytes == {tile.smem_bytes}",
               f"{traits}::kEpilogueInStage == {str(tile.epilogue_in_stage).lower()}",
-              f"{traits}::kFoldInCta == {str(tile.fold_capable).lower()}")
+              f"{traits}::kMinCtasPerSm == {tile.min_ctas_per_sm}")
     return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes, checks)
 
 
@@ -201,11 +236,13 @@ def all_variants():
     for dtype_name in CTYPES:
         for head_dim in HEAD_DIMS:
             out += [merge_variant(dtype_name, head_dim, shape) for _, shape in MERGE_SHAPES]
-            for warps_m, warps_n in WARP_LAYOUTS:
-                for stages in (STAGE_CHOICES if warps_m < 4 else (2,)):
-                    tile = TileShape(head_dim, warps_m, warps_n, stages)
-                    if tile.fits:
-                        out.append(attention_variant(dtype_name, tile))
+            tiles = [TileShape(head_dim, 4, 1)]  # prefill
+            for warps_m in (1, 2):
+                for stages in STAGE_CHOICES:
+                    tile = small_q_tile(head_dim, warps_m, stages)
+                    tiles += [tile, tile.folding()]
+            variants = (attention_variant(dtype_name, t) for t in tiles if t is not None)
+            out += list({v.expression: v for v in variants}.values())  # one per kernel binary
     return out
 
 

@@ -215,28 +215,30 @@ FOLD_MIN_WAVES = 1.5  # fold only when the batch's row blocks fill the GPU this 
 
 
 def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count):
-    """The tile with ``fold_splits`` when its CTAs should fold their own splits, else ``tile``.
+    """``tile.folding()`` when the batch's CTAs should fold their own splits, else ``tile``.
 
-    A CTA of the two-row small-q tile can run all splits of its row block and fold them
-    the way merge_kernel would (same steps, same bits): no partial rows, no merge launch,
-    one CTA start-up per row block instead of one per split. That needs at most
-    ``MERGE_GROUP`` splits per request (kv_len <= 8 S), and pays only when those fewer,
-    longer CTAs still fill the GPU: at least ``FOLD_MIN_WAVES`` waves of 2 CTAs per SM.
+    A CTA of a small-q tile with a fold state can run all splits of its row block and
+    fold them the way merge_kernel would (same steps, same bits): no partial rows, no
+    merge launch, one CTA start-up per row block instead of one per split. That needs at
+    most ``MERGE_GROUP`` splits per request (kv_len <= 8 S), and pays only when those
+    fewer, longer CTAs still fill the GPU: at least ``FOLD_MIN_WAVES`` waves at the
+    folding variant's CTAs per SM (the one-row tile's fold state costs it one of three).
     ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever possible), ``0`` (never).
     The choice depends on the batch; the results do not."""
     knob = os.environ.get("CUPY_FA_FOLD_SPLITS", "auto")
     if knob not in ("auto", "0", "1"):
         raise ValueError(f"CUPY_FA_FOLD_SPLITS must be auto, 0 or 1, got {knob!r}")
     live = np.asarray(q_lens) > 0
-    if knob == "0" or not tile.fold_capable or not live.any():
+    folded = tile.folding()
+    if knob == "0" or folded is None or not live.any():
         return tile
     q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
     if int(max_splits(q, kv).max()) > _build.MERGE_GROUP:
         return tile
     ctas = int(row_blocks(q, group_size, tile).sum()) * num_kv_heads
-    if knob == "auto" and ctas < FOLD_MIN_WAVES * 2 * sm_count:
+    if knob == "auto" and ctas < FOLD_MIN_WAVES * folded.min_ctas_per_sm * sm_count:
         return tile
-    return dataclasses.replace(tile, splits_per_cta=_build.MERGE_GROUP, fold_splits=True)
+    return folded
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream):

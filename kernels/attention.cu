@@ -28,10 +28,10 @@
 
 namespace cupy_fa {
 
-// Tile constants per (head dim, warp layout, keys per tile, pipeline depth).
+// Tile constants per (head dim, warp layout, keys per tile, pipeline depth, fold state).
 // The host picks the instance (cupy_fa/_build.py TileShape) and sizes the
-// dynamic shared memory from the same four numbers.
-template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES>
+// dynamic shared memory from the same numbers.
+template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD>
 struct TileTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kWarpsM = WARPS_M;
@@ -47,10 +47,11 @@ struct TileTraits {
   static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
   static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
   static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
-  // Small-q tiles with two rows of warps may fold all splits of a row block in the CTA
-  // (AttentionParams::fold_splits: no partials, no merge kernel). Registers hold them at
-  // 2 CTAs per SM, which the fold state (a MergeState per row and 4 columns) keeps.
-  static constexpr bool kFoldInCta = WARPS_M == 2 && WARPS_N == 4 && HEAD_DIM >= 128;
+  // FOLD: the CTA carries a fold state (a MergeState per row and 4 columns) and may run
+  // all splits of a row block and fold them itself (AttentionParams::fold_splits: no
+  // partials, no merge kernel). The state costs shared memory, so the host picks this
+  // variant only for batches whose longer CTAs still fill the GPU (cupy_fa/plan.py).
+  static constexpr bool kFoldInCta = FOLD;
   static constexpr int kSmemFold = kFoldInCta ? kBlockM * HEAD_DIM * 6 : 0;    // float4 o + float2 (m, l)
   static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV + kSmemFold;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
@@ -64,7 +65,7 @@ struct TileTraits {
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
   // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
-  // for the fold tile), it uses only the stage just consumed, so the pipeline keeps
+  // for a two-row fold tile), it uses only the stage just consumed, so the pipeline keeps
   // running: a CTA may then run several consecutive splits (splits_per_cta) without a
   // new start-up per split.
   static constexpr int kEpiloguePasses = kWarps <= BLOCK_N / 16 ? 1 : (kFoldInCta ? 2 : 0);
@@ -78,6 +79,7 @@ struct TileTraits {
   static_assert(!kEpilogueInStage || (BLOCK_N * HEAD_DIM) % (32 * kStagedCols) == 0,
                 "whole slices per K (or V) tile");
   static_assert(kStagedCols >= 64 || kEpiloguePasses <= 1, "staged_pair's swizzle needs 64 columns");
+  static_assert(!FOLD || WARPS_N > 1, "a fold is for small-q tiles, whose requests split");
   static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
                 "loads must tile the CTA evenly");
   static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");

@@ -6,7 +6,8 @@
 # ab (knob A/B, tuning only), ncu (hardware counters, diagnosis only), bench. After "ab" the
 # bench runs with the best knobs it found.
 # Knobs: CHECK_SECONDS (whole call, default 560), TEST_SECONDS (pytest, default 300), BENCH_ARGS,
-# AB_APPLY (0: the bench after "ab" runs at the defaults, not at the A/B's pick).
+# AB_SETTINGS, AB_WORKLOADS, AB_ARGS (scripts/ab_decode.sh), AB_APPLY (0: the bench after "ab" runs
+# at the defaults, not at the A/B's pick).
 # Logs go under $OUT (or ./device_out); the summary table is printed last.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -50,7 +51,8 @@ if want engine; then
   echo "engine (examples/engine.py, exit $?):" >> "$summary"; tail -n 25 "$OUT/engine.log" >> "$summary"
 fi
 if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
-  bash scripts/ab_decode.sh /tmp/best_knobs.sh 2>&1 | tee -a "$summary"
+  IFS=';' read -ra ab_settings <<< "${AB_SETTINGS:-}"  # "stages split warps_m per_cta pdl fold;..." (or its defaults)
+  bash scripts/ab_decode.sh /tmp/best_knobs.sh "${ab_settings[@]}" 2>&1 | tee -a "$summary"
   if [ "${AB_APPLY:-1}" = 1 ] && [ -f /tmp/best_knobs.sh ]; then  # AB_APPLY=0: the bench keeps the defaults
     source /tmp/best_knobs.sh && echo "bench runs with: $(cat /tmp/best_knobs.sh)" >> "$summary"
   fi

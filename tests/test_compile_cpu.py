@@ -95,7 +95,7 @@ def test_host_mirrors_of_the_traits_are_compiled_in():
     compile (here: a shared-memory size one byte off)."""
     import dataclasses
 
-    variant = _build.attention_variant("bfloat16", _build.TileShape(128, 2, 4, 2))
+    variant = _build.attention_variant("bfloat16", _build.TileShape(128, 1, 4, 2, fold_capable=True))
     assert len(variant.checks) == 3 and all(c in _build.program_text(variant) for c in variant.checks)
     wrong = dataclasses.replace(variant, checks=(variant.checks[0] + " + 1",))
     with pytest.raises(RuntimeError, match="host mirror"):

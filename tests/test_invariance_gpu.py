@@ -282,19 +282,22 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
-    """Verify on the two-row tile: CTAs that fold their own splits (CUPY_FA_FOLD_SPLITS=1,
-    kernels/attention.cu) give the bits of partials + merge_kernel (=0) and of plain decode of
-    each token, for rows of 1 to 8 splits; at 16 drafts the first row block of the S - 10
-    prefix sees no key of its last split (causal clip), an empty split among the folded."""
+    """CTAs that fold their own splits (CUPY_FA_FOLD_SPLITS=1, kernels/attention.cu) give the
+    bits of partials + merge_kernel (=0) and of plain decode of each token, for rows of 1 to 8
+    splits: decode and verify q=4 on the one-row tile (its fold-capable variant), verify q=8
+    and 16 on the two-row tile, at head dims 64 to 256; at 16 drafts the first row block of
+    the S - 10 prefix sees no key of its last split (causal clip), an empty split among the
+    folded."""
     import cupy
     import cupy_fa
     from cupy_fa import plan as _plan, reference
 
     monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", "auto")
     rng, _ = new_rng()
-    h_q, h_kv, head_dim = 32, 8, 128
+    h_q, h_kv = 32, 8
     S = _plan.split_size()
-    for num_draft in (8, 16):
+    # (head dim, drafts): at D = 64 only the one-row tile has a fold-capable variant
+    for head_dim, num_draft in ((128, 1), (128, 4), (128, 8), (128, 16), (64, 1), (64, 4), (256, 4), (256, 8)):
         prefix = np.array([3, S - 10, S + 1, 2 * S - 4, 5 * S + 7, 8 * S - num_draft,
                            int(rng.integers(1, 8 * S - num_draft))])
         B = len(prefix)
@@ -308,6 +311,7 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
             monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
             assert attn.planned.tile.fold_splits == (fold == "1")
+            assert attn.planned.tile.warps_m == (1 if num_draft * h_q // h_kv <= 16 else 2)
             out = cupy.full(q.shape, np.nan, np_dtype(dtype))
             lse = cupy.full(q.shape[:2], np.nan, np.float32)
             attn.run(q, cache, out=out, lse=lse)
@@ -316,16 +320,18 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
         assert np.isfinite(got).all() and np.isfinite(outs["1"][1].get()).all()
         ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
         assert reference.relative_error(got, ref) < TOL[dtype]
-        assert (outs["1"][0].view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), num_draft
-        assert (outs["1"][1].view(np.uint32) == outs["0"][1].view(np.uint32)).all().get(), num_draft
+        case = f"D={head_dim} N={num_draft}"
+        assert (outs["1"][0].view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
+        assert (outs["1"][1].view(np.uint32) == outs["0"][1].view(np.uint32)).all().get(), case
 
         folded = outs["1"][0].reshape(B, num_draft, h_q, head_dim)
         q_rows = q.reshape(B, num_draft, h_q, head_dim)
         decoder = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+        monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "0")  # plain decode: partials + merge_kernel
         for i in range(num_draft):
             decode = cupy.full((B, h_q, head_dim), np.nan, np_dtype(dtype))
             decoder.plan(np.ones(B, int), prefix + i + 1, table).run(cupy.ascontiguousarray(q_rows[:, i]), cache,
                                                                      out=decode)
             same = (decode.view(np.uint16) == folded[:, i].view(np.uint16)).all(axis=(1, 2)).get()
-            assert same.all(), (f"N={num_draft} draft {i}: decode and folded verify differ for prefixes "
+            assert same.all(), (f"{case} draft {i}: decode and folded verify differ for prefixes "
                                 f"{prefix[~same].tolist()}")

@@ -119,17 +119,28 @@ def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
 
 
 def test_fold_tile_choice(monkeypatch):
-    """Two-row small-q batches fold their splits in the CTA when every request has at most
-    8 splits and the row blocks fill the GPU; never for the one-row (decode) tile."""
+    """Small-q batches fold their splits in the CTA when every request has at most 8 splits
+    and the row blocks fill the GPU 1.5 times at the folding variant's CTAs per SM."""
     verify8 = _build.tile_for(128, 8, 4)
+    assert verify8.fold_capable  # the two-row tile always carries the state
     q, kv = np.full(64, 8), np.full(64, 4096)  # verify q=8 at B=64: 64 x 8 heads = 512 CTAs
     folded = plan.fold_tile(verify8, q, kv, 4, 8, 132)
     assert folded.fold_splits and folded.splits_per_cta == _build.MERGE_GROUP
+    assert folded == dataclasses.replace(verify8, splits_per_cta=8, fold_splits=True)  # same binary
     assert plan.work_bound(q, kv, 4, folded) == 64  # one work item per row block
     assert not plan.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: < 1.5 waves
     assert not plan.fold_tile(verify8, q, kv + 1, 4, 8, 132).fold_splits  # 9 splits: more than a group
-    assert not plan.fold_tile(_build.tile_for(128, 1, 4), np.ones(512, int), np.full(512, 4096), 4, 8, 132).fold_splits
     assert not plan.fold_tile(_build.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
+
+    # the one-row tile (decode, verify q=4) switches to its fold-capable variant, which has
+    # a CTA per SM less (2 instead of 3 at D = 128): 396 CTAs fill 1.5 waves of 132 SMs
+    one_row = _build.tile_for(128, 4, 4)
+    assert not one_row.fold_capable and one_row.min_ctas_per_sm == 3
+    for batch, folds in ((64, True), (50, True), (49, False)):  # x 8 KV heads: 512, 400, 392 CTAs
+        got = plan.fold_tile(one_row, np.full(batch, 4), np.full(batch, 4096), 4, 8, 132)
+        assert got.fold_splits == folds, batch
+        if folds:
+            assert got.fold_capable and got.min_ctas_per_sm == 2 and got.stages == one_row.stages
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "1")
     assert plan.fold_tile(verify8, q[:2], kv[:2], 4, 8, 132).fold_splits
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "0")
@@ -139,6 +150,18 @@ def test_fold_tile_choice(monkeypatch):
         plan.fold_tile(verify8, q, kv, 4, 8, 132)
     with pytest.raises(ValueError, match="fold_splits"):
         _build.TileShape(128, 1, 4, splits_per_cta=8, fold_splits=True)
+
+
+def test_fold_state_only_where_the_layout_allows():
+    with pytest.raises(ValueError, match="fold state"):
+        _build.TileShape(128, 4, 1, fold_capable=True)  # prefill: splits are rare and short
+    with pytest.raises(ValueError, match="fold state"):
+        _build.TileShape(64, 2, 4, fold_capable=True)   # two passes of 32 columns: no swizzle for them
+    assert _build.TileShape(64, 2, 4).folding() is None
+    for head_dim in _build.HEAD_DIMS:
+        for stages in _build.STAGE_CHOICES:
+            folded = _build.small_q_tile(head_dim, 1, stages).folding()
+            assert folded.fits and folded.fold_capable and folded.stages <= stages
 
 
 def test_tile_choice():
