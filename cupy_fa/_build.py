@@ -133,9 +133,9 @@ class TileShape:
         return self.smem_bytes <= SMEM_LIMIT
 
     def folding(self):
-        """This tile with its CTAs folding every split of a row block (at most MERGE_GROUP),
-        in the fold-capable variant with the deepest pipeline that still fits; None where
-        no such variant exists."""
+        """This tile with each CTA folding a group of MERGE_GROUP splits of its row block
+        (plan.fold_tile), in the fold-capable variant with the deepest pipeline that still
+        fits; None where no such variant exists."""
         if not self.fold_layout:
             return None
         tile = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP, fold_splits=True)

@@ -18,7 +18,8 @@ _FIELDS = {
         ("status", _PTR),
         ("batch_size", np.int32), ("group_size", np.int32), ("block_m", np.int32), ("block_n", np.int32),
         ("split_size", np.int32), ("max_splits", np.int32), ("small_q_len", np.int32),
-        ("split_row_budget", np.int32), ("splits_per_cta", np.int32), ("partial_capacity", np.int32),
+        ("split_row_budget", np.int32), ("splits_per_cta", np.int32), ("fold_splits", np.int32),
+        ("partial_capacity", np.int32),
     ],
     "AttentionParams": [
         ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("out", _PTR), ("lse", _PTR),
@@ -33,7 +34,7 @@ _FIELDS = {
     "MergeParams": [
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),
         ("q_indptr", _PTR), ("num_splits", _PTR), ("partial_indptr", _PTR),
-        ("batch_size", np.int32), ("num_qo_heads", np.int32),
+        ("batch_size", np.int32), ("num_qo_heads", np.int32), ("fold_groups", np.int32),
     ],
     "AppendParams": [
         ("k_new", _PTR), ("v_new", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("slots", _PTR),

@@ -50,7 +50,7 @@ class _PlanState:
     num_tokens: int            # sum of q_lens if known on the host, else None
     tile: _build.TileShape
     work_grid: int
-    may_split: bool
+    needs_merge: bool
     mask_mode: int
     sm_scale: float
     host_page_table: object    # numpy, for validation against the cache in run(); None if device-planned
@@ -170,17 +170,19 @@ class BatchAttention:
             tile = _plan.fold_tile(tile, q_host, kv_host, self.group_size, self.num_kv_heads, _sm_count())
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             live = q_host > 0
-            may_split = not tile.fold_splits and bool(np.any(_plan.max_splits(q_host[live], kv_host[live]) > 1))
+            # a merge is needed for split rows; where CTAs fold, only for rows of several groups
+            per_merge_input = _build.MERGE_GROUP if tile.fold_splits else 1
+            needs_merge = bool(np.any(_plan.max_splits(q_host[live], kv_host[live]) > per_merge_input))
         else:
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
-            may_split = bool(_plan.max_splits(1, kv_bound) > 1)
+            needs_merge = bool(_plan.max_splits(1, kv_bound) > 1)
 
         with stream:
             self._copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev)
             _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
         done = None if stream_capturing else stream.record()
-        self._plan = _PlanState(batch, num_tokens, tile, work_grid, may_split, mask_mode, float(sm_scale),
+        self._plan = _PlanState(batch, num_tokens, tile, work_grid, needs_merge, mask_mode, float(sm_scale),
                                 pt_host if on_host else None, q_host, kv_host, int(pt_shape[1]), stream.ptr, done)
         return self
 
@@ -333,12 +335,13 @@ class BatchAttention:
         # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
         _build.launch(_build.attention_variant(self.dtype_name, state.tile),
                       (state.work_grid * self.num_kv_heads,), params, stream)
-        if state.may_split:
+        if state.needs_merge:
             merge = _params.make(
                 "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
                 partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads)
+                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads,
+                fold_groups=int(state.tile.fold_splits))
             shape = _build.merge_shape(num_tokens, self.num_qo_heads)
             # programmatic: its CTAs start in the attention kernel's last wave and wait there
             _build.launch(_build.merge_variant(self.dtype_name, self.head_dim, shape),

@@ -108,7 +108,7 @@ class PlanBuffers:
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
             block_m=tile.block_m, block_n=tile.block_n, split_size=split_size(), max_splits=MAX_SPLITS,
             small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=tile.splits_per_cta,
-            partial_capacity=self.partial_out.shape[0])
+            fold_splits=int(tile.fold_splits), partial_capacity=self.partial_out.shape[0])
 
 
 # ---- host-side checks and bounds ----------------------------------------------------
@@ -217,14 +217,16 @@ FOLD_MIN_WAVES = 1.5  # fold only when the batch's row blocks fill the GPU this 
 def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count):
     """``tile.folding()`` when the batch's CTAs should fold their own splits, else ``tile``.
 
-    A CTA of a small-q tile with a fold state can run all splits of its row block and
-    fold them the way merge_kernel would (same steps, same bits): no partial rows, no
-    merge launch, one CTA start-up per row block instead of one per split. That needs at
-    most ``MERGE_GROUP`` splits per request (kv_len <= 8 S), and pays only when those
-    fewer, longer CTAs still fill the GPU: at least ``FOLD_MIN_WAVES`` waves at the
-    folding variant's CTAs per SM (the one-row tile's fold state costs it one of three).
-    ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever possible), ``0`` (never).
-    The choice depends on the batch; the results do not."""
+    A CTA of a small-q tile with a fold state runs a whole group of ``MERGE_GROUP``
+    consecutive splits of its row block and folds them the way merge_kernel would (same
+    steps, same bits): a request of one group gets its result with no partial rows and no
+    merge; a longer one leaves one state per group (a quarter of its split partials' bytes
+    or less) for merge_kernel to fold in order. Either way one CTA start-up per group
+    instead of per split. It pays only when those fewer, longer CTAs still fill the GPU:
+    at least ``FOLD_MIN_WAVES`` waves at the folding variant's CTAs per SM (the one-row
+    tile's fold state costs it one of three). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default),
+    ``1`` (whenever the tile can), ``0`` (never). The choice depends on the batch; the
+    results do not."""
     knob = os.environ.get("CUPY_FA_FOLD_SPLITS", "auto")
     if knob not in ("auto", "0", "1"):
         raise ValueError(f"CUPY_FA_FOLD_SPLITS must be auto, 0 or 1, got {knob!r}")
@@ -232,10 +234,7 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count):
     folded = tile.folding()
     if knob == "0" or folded is None or not live.any():
         return tile
-    q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
-    if int(max_splits(q, kv).max()) > _build.MERGE_GROUP:
-        return tile
-    ctas = int(row_blocks(q, group_size, tile).sum()) * num_kv_heads
+    ctas = work_bound(np.asarray(q_lens), np.asarray(kv_lens), group_size, folded) * num_kv_heads
     if knob == "auto" and ctas < FOLD_MIN_WAVES * folded.min_ctas_per_sm * sm_count:
         return tile
     return folded

@@ -47,10 +47,10 @@ struct TileTraits {
   static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
   static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
   static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
-  // FOLD: the CTA carries a fold state (a MergeState per row and 4 columns) and may run
-  // all splits of a row block and fold them itself (AttentionParams::fold_splits: no
-  // partials, no merge kernel). The state costs shared memory, so the host picks this
-  // variant only for batches whose longer CTAs still fill the GPU (cupy_fa/plan.py).
+  // FOLD: the CTA carries a fold state and may run a whole group of kMergeGroup splits
+  // of a row block and fold them itself (AttentionParams::fold_splits): merge_kernel's
+  // steps for that group, so no split partials. The state costs shared memory, so the
+  // host picks this variant only for batches whose longer CTAs still fill the GPU.
   static constexpr bool kFoldInCta = FOLD;
   static constexpr int kSmemFold = kFoldInCta ? kBlockM * HEAD_DIM * 6 : 0;    // float4 o + float2 (m, l)
   static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV + kSmemFold;
@@ -84,6 +84,17 @@ struct TileTraits {
                 "loads must tile the CTA evenly");
   static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
 };
+
+// The state of one group of a row's splits, fp32 as merge_kernel holds it, where CTAs fold
+// their groups (fold_splits) and a row has several. Group row gr takes rows 2 gr and
+// 2 gr + 1 of the split-partial buffers (plan_kernel counts two per group): o as [H_q][D]
+// fp32 over partial_out's two rows of T, m and l as partial_lse's two rows.
+__device__ __forceinline__ i64 group_o_index(i64 group_row, int head, int heads, int d4) {  // in float4s
+  return (group_row * heads + head) * d4;
+}
+__device__ __forceinline__ i64 group_m_index(i64 group_row, int head, int heads) {  // l: heads further
+  return 2 * group_row * heads + head;
+}
 
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
@@ -130,8 +141,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int local = work - __ldg(p.work_indptr + b);
   const int split_first = (local % groups) * per_cta;
   const int split_stop = min(split_first + per_cta, splits);
-  // A CTA that folds takes merge_kernel's steps for one group: it must run all the splits.
-  if (p.fold_splits && splits > 1 && (groups != 1 || splits > kMergeGroup)) __trap();
+  // A CTA that folds takes merge_kernel's steps for one group: it must run all its splits.
+  if (p.fold_splits && per_cta != kMergeGroup) __trap();
   const int row0 = (local / groups) * BM;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int rows = q_len * group;
@@ -249,7 +260,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // they are reused.
   const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
   constexpr int W = Traits::kStagedCols;  // columns one epilogue pass stages
-  // The fold state of the tile's rows across its splits (fold_splits), after the K/V stages.
+  // The fold state of the tile's rows across the CTA's splits (fold_splits), after the K/V
+  // stages, per (row, 4 columns); only the thread that folds an entry reads or writes it.
   float4* fold_o = reinterpret_cast<float4*>(sV + Traits::kStages * BN * D);
   float2* fold_ml = reinterpret_cast<float2*>(fold_o + BM * (D / 4));
   auto staged = [&](int w, int stage) -> float* {  // warp w's [16][W] fp32 slice
@@ -319,8 +331,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           o[3] += part.w * f;
         }
         const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
-        const int i = row / group, head = kv_head * group + row % group;
-        const i64 out_slot = (i64)(q_start + i) * p.num_qo_heads + head;
+        const int token = row / group, head = kv_head * group + row % group;  // token: within the request
+        const i64 out_slot = (i64)(q_start + token) * p.num_qo_heads + head;
         // A split's partial is rounded to T exactly like a final output, so a row whose
         // only real split goes through merge_kernel (x 1.0) gets the bits it would have
         // got unsplit: decode and verify stay identical.
@@ -329,7 +341,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(m_all, l_all);
         } else if (Traits::kFoldInCta && p.fold_splits) {
           // merge_kernel's steps on the partial it would have read: rounded to T and
-          // folded in split order from the empty state; written after the last split
+          // folded in split order from the empty state at the group's first split
           const int item = r * (D / 4) + c4;
           const uint2 packed = scaled4<T>(o, inv);
           const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
@@ -339,17 +351,26 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
             state = MergeState{ml.x, ml.y, fold_o[item]};
           }
           state.fold(split_lse2(m_all, l_all), 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
-          if (split + 1 < splits) {
+          if (split + 1 < split_stop) {
             fold_o[item] = state.o;
             fold_ml[item] = make_float2(state.m, state.l);
-          } else {
+          } else if (groups == 1) {  // the request's only group: the final result
             const float merged[4] = {state.o.x, state.o.y, state.o.z, state.o.w};
             store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged,
                           state.l > 0.f ? 1.f / state.l : 0.f);
             if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(state.m, state.l);
+          } else {  // one of several groups: its state (fp32) for merge_kernel to fold in order
+            const i64 group_row = partial_base / 2 + (i64)token * groups + split_first / kMergeGroup;
+            reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
+                state.o;
+            if (c4 == 0) {
+              const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
+              p.partial_lse[m_at] = state.m;
+              p.partial_lse[m_at + p.num_qo_heads] = state.l;
+            }
           }
         } else {
-          const i64 slot = ((i64)partial_base + (i64)i * splits + split) * p.num_qo_heads + head;
+          const i64 slot = ((i64)partial_base + (i64)token * splits + split) * p.num_qo_heads + head;
           store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, inv);
           if (c4 == 0) p.partial_lse[slot] = split_lse2(m_all, l_all);
         }
@@ -524,37 +545,49 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
   const bool real_token = token < __ldg(p.q_indptr + p.batch_size);
   const int b = real_token ? upper_segment(p.q_indptr, p.batch_size, token) : 0;
   const int splits = real_token ? __ldg(p.num_splits + b) : 0;
-  const i64 prow0 = splits > 1 ? __ldg(p.partial_indptr + b) + (i64)(token - __ldg(p.q_indptr + b)) * splits : 0;
+  const int groups = (splits + GROUP - 1) / GROUP;
+  // fold_groups: the attention kernel folded each group itself, so a row with one group is
+  // final already, and a row with several left one state per group (group_o_index)
+  const int inputs = p.fold_groups ? groups : splits;  // partial rows per (token, head)
+  const i64 prow0 = inputs > 1 ? __ldg(p.partial_indptr + b) / (p.fold_groups ? 2 : 1) +
+                                     (i64)(token - __ldg(p.q_indptr + b)) * inputs
+                               : 0;
   wait_for_prior_grid();  // the partials below are the attention kernel's
-  if (splits <= 1) return;
+  if (inputs <= 1) return;
   const bool live = head < p.num_qo_heads;  // the last CTA of a head count HPC does not divide
   const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);  // 4 elements of T per lane
 
   // A way folds groups way, way + WAYS, ...; a group's GROUP loads are all issued
   // before its first fold, so a row pays a few memory latencies, not one per split.
-  const int groups = (splits + GROUP - 1) / GROUP;
   MergeState total = MergeState::empty();
   constexpr int kSlots = WAYS > 1 ? Traits::kMaxGroups : 1;  // group states handed to way 0
   __shared__ float4 s_o[kSlots][HPC][LANES];
   __shared__ float2 s_ml[kSlots][HPC];  // (m, l): the same in every lane of a head
   if (groups > Traits::kMaxGroups) __trap();  // plan_kernel never exceeds MAX_SPLITS
   for (int grp = way; grp < groups && live; grp += WAYS) {
-    float lse_in[GROUP];
-    uint2 packed[GROUP];
-#pragma unroll
-    for (int u = 0; u < GROUP; ++u) {
-      const int s = grp * GROUP + u;
-      const i64 prow = (prow0 + min(s, splits - 1)) * p.num_qo_heads + head;
-      // __ldcg, not __ldg: launched programmatically, this kernel was already running while
-      // the attention kernel wrote these, so they are not read-only for its whole lifetime
-      packed[u] = __ldcg(partial + prow * LANES + c4);
-      lse_in[u] = s < splits ? __ldcg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
-    }
+    // __ldcg, not __ldg: launched programmatically, this kernel was already running while
+    // the attention kernel wrote the partials, so they are not read-only for its whole lifetime
     MergeState group_state = MergeState::empty();
+    if (p.fold_groups) {  // the group's state as the attention kernel left it
+      const i64 m_at = group_m_index(prow0 + grp, head, p.num_qo_heads);
+      const float4* group_o = reinterpret_cast<const float4*>(p.partial_out);
+      group_state = MergeState{__ldcg(p.partial_lse + m_at), __ldcg(p.partial_lse + m_at + p.num_qo_heads),
+                               __ldcg(group_o + group_o_index(prow0 + grp, head, p.num_qo_heads, LANES) + c4)};
+    } else {
+      float lse_in[GROUP];
+      uint2 packed[GROUP];
 #pragma unroll
-    for (int u = 0; u < GROUP; ++u) {
-      const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
-      group_state.fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+      for (int u = 0; u < GROUP; ++u) {
+        const int s = grp * GROUP + u;
+        const i64 prow = (prow0 + min(s, splits - 1)) * p.num_qo_heads + head;
+        packed[u] = __ldcg(partial + prow * LANES + c4);
+        lse_in[u] = s < splits ? __ldcg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
+      }
+#pragma unroll
+      for (int u = 0; u < GROUP; ++u) {
+        const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
+        group_state.fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+      }
     }
     if constexpr (WAYS == 1) {
       total.fold(group_state);

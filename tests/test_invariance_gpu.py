@@ -282,12 +282,13 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
-    """CTAs that fold their own splits (CUPY_FA_FOLD_SPLITS=1, kernels/attention.cu) give the
-    bits of partials + merge_kernel (=0) and of plain decode of each token, for rows of 1 to 8
-    splits: decode and verify q=4 on the one-row tile (its fold-capable variant), verify q=8
-    and 16 on the two-row tile, at head dims 64 to 256; at 16 drafts the first row block of
-    the S - 10 prefix sees no key of its last split (causal clip), an empty split among the
-    folded."""
+    """CTAs that fold their own groups of 8 splits (CUPY_FA_FOLD_SPLITS=1, kernels/attention.cu)
+    give the bits of partials + merge_kernel (=0) and of plain decode of each token, for rows
+    of 1 to 20 splits (one group: the result; several: a state per group that merge_kernel
+    folds): decode and verify q=4 on the one-row tile (its fold-capable variant), verify q=8
+    and 16 on the two-row tile, at head dims 64 to 256. At 16 drafts the first row block of
+    the S - 10 prefix sees no key of its last split (causal clip: an empty split among the
+    folded), and that of the 8 S - 10 prefix none of its second group (an empty group state)."""
     import cupy
     import cupy_fa
     from cupy_fa import plan as _plan, reference
@@ -298,8 +299,8 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
     S = _plan.split_size()
     # (head dim, drafts): at D = 64 only the one-row tile has a fold-capable variant
     for head_dim, num_draft in ((128, 1), (128, 4), (128, 8), (128, 16), (64, 1), (64, 4), (256, 4), (256, 8)):
-        prefix = np.array([3, S - 10, S + 1, 2 * S - 4, 5 * S + 7, 8 * S - num_draft,
-                           int(rng.integers(1, 8 * S - num_draft))])
+        prefix = np.array([3, S - 10, S + 1, 2 * S - 4, 5 * S + 7, 8 * S - num_draft, 8 * S - 10, 8 * S + 2,
+                           9 * S - num_draft, 16 * S + 5, int(rng.integers(1, 20 * S))])
         B = len(prefix)
         kv, q_lens = prefix + num_draft, np.full(B, num_draft)
         table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv,

@@ -43,6 +43,10 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
             assert splits <= cap
             work = -(-(q * group) // tile.block_m) * -(-splits // tile.splits_per_cta)  # CTAs run split groups
             partial = q * splits if splits > 1 else 0
+            if tile.fold_splits:  # CTAs fold their groups: two rows per group state, if several
+                groups = -(-splits // tile.splits_per_cta)
+                assert 2 * q * groups <= max(partial, 2 * q)  # never more than the overflow test counted
+                partial = 2 * q * groups if groups > 1 else 0
             assert (splits - 1) * keys < kv <= splits * keys  # every split non-empty, all keys covered
             if q <= plan.SMALL_Q_LEN and share is None and -(-kv // S) <= plan.MAX_SPLITS:
                 assert keys == S  # fixed split positions: the batch-invariant regime
@@ -74,6 +78,8 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
         q, kv = random_batch(rng, max_q)
         tile = _build.tile_for(head_dim, max(1, q.max()), group)
         tile = dataclasses.replace(tile, splits_per_cta=int(rng.integers(1, 5)) if tile.epilogue_in_stage else 1)
+        if tile.folding() is not None and rng.random() < 0.5:
+            tile = tile.folding()
         capacity = int(rng.choice([plan.partial_rows(len(q), 32, head_dim), len(q) * plan.SPLIT_ROW_BUDGET, 7]))
         m = model(q, kv, group, tile, capacity)
         assert plan.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
@@ -119,8 +125,8 @@ def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
 
 
 def test_fold_tile_choice(monkeypatch):
-    """Small-q batches fold their splits in the CTA when every request has at most 8 splits
-    and the row blocks fill the GPU 1.5 times at the folding variant's CTAs per SM."""
+    """Small-q batches fold their groups of 8 splits in the CTA when those CTAs fill the GPU
+    1.5 times at the folding variant's CTAs per SM."""
     verify8 = _build.tile_for(128, 8, 4)
     assert verify8.fold_capable  # the two-row tile always carries the state
     q, kv = np.full(64, 8), np.full(64, 4096)  # verify q=8 at B=64: 64 x 8 heads = 512 CTAs
@@ -129,7 +135,8 @@ def test_fold_tile_choice(monkeypatch):
     assert folded == dataclasses.replace(verify8, splits_per_cta=8, fold_splits=True)  # same binary
     assert plan.work_bound(q, kv, 4, folded) == 64  # one work item per row block
     assert not plan.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: < 1.5 waves
-    assert not plan.fold_tile(verify8, q, kv + 1, 4, 8, 132).fold_splits  # 9 splits: more than a group
+    longer = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132)  # 9 splits: two groups, a state each
+    assert longer.fold_splits and plan.work_bound(q, kv + 1, 4, longer) == 128
     assert not plan.fold_tile(_build.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
 
     # the one-row tile (decode, verify q=4) switches to its fold-capable variant, which has
@@ -180,15 +187,19 @@ def bufs_rows(attn):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 1)])
-def test_device_plan_matches_model(head_dim, group):
+@pytest.mark.parametrize("fold", ["0", "1"])
+def test_device_plan_matches_model(head_dim, group, fold, monkeypatch):
     import cupy_fa
 
+    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)  # two layouts of the partial rows
     rng = np.random.default_rng()
     attn = cupy_fa.BatchAttention(8 * group, 8, head_dim, "float16")
     for max_q in (1, 8, 16, 300):
         q, kv = random_batch(rng, max_q)
         table = np.zeros((len(q), -(-int(kv.max()) // 16) + 1), np.int32)
         attn.plan(q, kv, table)
+        can_fold = attn.planned.tile.folding() is not None and (q > 0).any()
+        assert attn.planned.tile.fold_splits == (fold == "1" and can_fold)
         m = model(q, kv, group, attn.planned.tile, bufs_rows(attn))
         bufs = attn._buffers
         b = len(q)
