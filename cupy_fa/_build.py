@@ -111,7 +111,7 @@ class TileShape:
 
     @property
     def smem_bytes(self):
-        fold = self.block_m * self.head_dim * 6 if self.fold_capable else 0  # TileTraits::kSmemFold
+        fold = self.block_m * (self.head_dim * 4 + 8) if self.fold_capable else 0  # TileTraits::kSmemFold
         return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold
 
     @property

@@ -52,7 +52,7 @@ struct TileTraits {
   // steps for that group, so no split partials. The state costs shared memory, so the
   // host picks this variant only for batches whose longer CTAs still fill the GPU.
   static constexpr bool kFoldInCta = FOLD;
-  static constexpr int kSmemFold = kFoldInCta ? kBlockM * HEAD_DIM * 6 : 0;    // float4 o + float2 (m, l)
+  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (HEAD_DIM * 4 + 8) : 0;  // o, and (m, l) per row
   static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV + kSmemFold;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
   // flight, so hold the compiler to the CTAs per SM that shared memory allows,
@@ -110,6 +110,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   T* sK = sQ + BM * D;
   T* sV = sK + Traits::kStages * BN * D;
   __shared__ float s_max[Traits::kWarps][16], s_sum[Traits::kWarps][16];
+  // the epilogue's per-row values, computed once per row and split (finish_split)
+  __shared__ float s_factor[BM][Traits::kWarpsN];  // each warp's factor onto the row's max
+  __shared__ float4 s_row[BM];                     // the row's max and sum, 1 / sum, 1 / folded sum
+  __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1];  // fold_splits: the split's fold
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -261,7 +265,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
   constexpr int W = Traits::kStagedCols;  // columns one epilogue pass stages
   // The fold state of the tile's rows across the CTA's splits (fold_splits), after the K/V
-  // stages, per (row, 4 columns); only the thread that folds an entry reads or writes it.
+  // stages: o per (row, 4 columns), (m, l) per row; only the thread that folds an entry
+  // reads or writes it.
   float4* fold_o = reinterpret_cast<float4*>(sV + Traits::kStages * BN * D);
   float2* fold_ml = reinterpret_cast<float2*>(fold_o + BM * (D / 4));
   auto staged = [&](int w, int stage) -> float* {  // warp w's [16][W] fp32 slice
@@ -309,20 +314,46 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       }
       __syncthreads();
 
+      if (pass == 0) {  // the row's values, once per row (the passes share them)
+        const int row = row0 + tid;
+        if (tid < BM && row < rows) {
+          const int rwm = tid >> 4, rl = tid & 15;
+          float m_all = -INFINITY, l_all = 0.f;
+#pragma unroll
+          for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
+#pragma unroll
+          for (int w = 0; w < Traits::kWarpsN; ++w) {
+            const float f = rescale_factor(s_max[rwm * Traits::kWarpsN + w][rl], m_all);
+            s_factor[tid][w] = f;
+            l_all += s_sum[rwm * Traits::kWarpsN + w][rl] * f;
+          }
+          float folded_inv = 0.f;
+          if (Traits::kFoldInCta && p.fold_splits && splits > 1) {
+            // merge_kernel's step for this split's partial: folded in split order from the
+            // empty state at the group's first split
+            const float2 ml = split != split_first ? fold_ml[tid] : make_float2(-INFINITY, 0.f);
+            const FoldStep step = FoldStep::of(ml.x, ml.y, split_lse2(m_all, l_all), 1.f);
+            s_step[tid] = step;
+            if (split + 1 < split_stop) fold_ml[tid] = make_float2(step.m, step.l);
+            folded_inv = step.l > 0.f ? 1.f / step.l : 0.f;
+          }
+          s_row[tid] = make_float4(m_all, l_all, l_all > 0.f ? 1.f / l_all : 0.f, folded_inv);
+        }
+        __syncthreads();
+      }
+
       for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {
         const int r = idx / (W / 4), c4_in_pass = idx % (W / 4), c4 = pass * (W / 4) + c4_in_pass;
         const int row = row0 + r;
         if (row >= rows) continue;
         const int rwm = r >> 4, rl = r & 15;
-        float m_all = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
-        float l_all = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+        const float4 rv = s_row[r];
+        const float m_all = rv.x, l_all = rv.y, inv = rv.z;
+        float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int w = 0; w < Traits::kWarpsN; ++w) {
           const int ww = rwm * Traits::kWarpsN + w;
-          const float f = rescale_factor(s_max[ww][rl], m_all);
-          l_all += s_sum[ww][rl] * f;
+          const float f = s_factor[r][w];
           const float4 part =
               *reinterpret_cast<const float4*>(staged(ww, stage) + staged_pair<W>(rl, 2 * c4_in_pass));
           o[0] += part.x * f;
@@ -330,7 +361,6 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           o[2] += part.z * f;
           o[3] += part.w * f;
         }
-        const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
         const int token = row / group, head = kv_head * group + row % group;  // token: within the request
         const i64 out_slot = (i64)(q_start + token) * p.num_qo_heads + head;
         // A split's partial is rounded to T exactly like a final output, so a row whose
@@ -340,33 +370,27 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, o, inv);
           if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(m_all, l_all);
         } else if (Traits::kFoldInCta && p.fold_splits) {
-          // merge_kernel's steps on the partial it would have read: rounded to T and
-          // folded in split order from the empty state at the group's first split
+          // the fold (s_step) of the partial merge_kernel would have read, rounded to T
+          const FoldStep step = s_step[r];
           const int item = r * (D / 4) + c4;
           const uint2 packed = scaled4<T>(o, inv);
           const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
-          MergeState state = MergeState::empty();
-          if (split != split_first) {
-            const float2 ml = fold_ml[item];
-            state = MergeState{ml.x, ml.y, fold_o[item]};
-          }
-          state.fold(split_lse2(m_all, l_all), 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+          const float4 prior = split != split_first ? fold_o[item] : make_float4(0.f, 0.f, 0.f, 0.f);
+          const float4 folded = step.apply(prior, make_float4(lo.x, lo.y, hi.x, hi.y));
           if (split + 1 < split_stop) {
-            fold_o[item] = state.o;
-            fold_ml[item] = make_float2(state.m, state.l);
+            fold_o[item] = folded;
           } else if (groups == 1) {  // the request's only group: the final result
-            const float merged[4] = {state.o.x, state.o.y, state.o.z, state.o.w};
-            store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged,
-                          state.l > 0.f ? 1.f / state.l : 0.f);
-            if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(state.m, state.l);
+            const float merged[4] = {folded.x, folded.y, folded.z, folded.w};
+            store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
+            if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(step.m, step.l);
           } else {  // one of several groups: its state (fp32) for merge_kernel to fold in order
             const i64 group_row = partial_base / 2 + (i64)token * groups + split_first / kMergeGroup;
             reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
-                state.o;
+                folded;
             if (c4 == 0) {
               const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
-              p.partial_lse[m_at] = state.m;
-              p.partial_lse[m_at + p.num_qo_heads] = state.l;
+              p.partial_lse[m_at] = step.m;
+              p.partial_lse[m_at + p.num_qo_heads] = step.l;
             }
           }
         } else {

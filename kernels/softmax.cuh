@@ -43,6 +43,34 @@ __device__ __forceinline__ float split_lse2(float m, float l) { return l > 0.f ?
 // (AttentionParams::fold_splits) take the same steps.
 constexpr int kMergeGroup = 8;
 
+// One fold of a state (m_in, l_in, o_in) into a state (m, l, o), split into what is the
+// same for every column of a row (computed once per row) and the per-column arithmetic.
+// Empty states are the identity and the first real state is taken as is, so a row with
+// one real split keeps its partial's bits exactly (also the sign of a zero: 0 * 0 +
+// (-0) * 1 would give +0 where the unsplit path writes -0). The arithmetic is pinned
+// (__fmaf_rn, __fmul_rn): merge_kernel and the attention kernel both fold and must round
+// alike, where the compiler might contract each one differently.
+struct FoldStep {
+  enum Kind : int { kKeep = 0, kTake = 1, kBlend = 2 };  // input empty / state empty / both real
+  float m, l;    // the state's offset and sum after the fold
+  float f, f_in;  // kBlend: factors of the state's o and of the input's o
+  int kind;
+
+  static __device__ __forceinline__ FoldStep of(float m, float l, float m_in, float l_in) {
+    if (m_in == -INFINITY) return FoldStep{m, l, 1.f, 0.f, kKeep};
+    if (m == -INFINITY) return FoldStep{m_in, l_in, 0.f, 1.f, kTake};
+    const float m_new = fmaxf(m, m_in);
+    const float f = rescale_factor(m, m_new), f_in = rescale_factor(m_in, m_new);
+    return FoldStep{m_new, __fmaf_rn(l, f, __fmul_rn(l_in, f_in)), f, f_in, kBlend};
+  }
+  __device__ __forceinline__ float blend(float o, float o_in) const { return __fmaf_rn(o, f, __fmul_rn(o_in, f_in)); }
+  __device__ __forceinline__ float4 apply(float4 o, float4 o_in) const {
+    if (kind == kKeep) return o;
+    if (kind == kTake) return o_in;
+    return make_float4(blend(o.x, o_in.x), blend(o.y, o_in.y), blend(o.z, o_in.z), blend(o.w, o_in.w));
+  }
+};
+
 // The online-softmax state of a row slice: offset m (base 2), sum l, unnormalised o.
 // (Trivially constructible, so it can live in shared memory: start from empty().)
 struct MergeState {
@@ -53,25 +81,11 @@ struct MergeState {
     return MergeState{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
   }
 
-  // Empty states are the identity and the first real state is taken as is, so a row
-  // with one real split keeps its partial's bits exactly (also the sign of a zero:
-  // 0 * 0 + (-0) * 1 would give +0 where the unsplit path writes -0). The arithmetic is
-  // pinned (__fmaf_rn, __fmul_rn): merge_kernel and the attention kernel both fold and
-  // must round alike, where the compiler might contract each one differently.
   __device__ __forceinline__ void fold(float m_in, float l_in, float4 o_in) {
-    if (m_in == -INFINITY) return;
-    if (m == -INFINITY) {
-      m = m_in;
-      l = l_in;
-      o = o_in;
-      return;
-    }
-    const float m_new = fmaxf(m, m_in);
-    const float f = rescale_factor(m, m_new), f_in = rescale_factor(m_in, m_new);
-    l = __fmaf_rn(l, f, __fmul_rn(l_in, f_in));
-    o = make_float4(__fmaf_rn(o.x, f, __fmul_rn(o_in.x, f_in)), __fmaf_rn(o.y, f, __fmul_rn(o_in.y, f_in)),
-                    __fmaf_rn(o.z, f, __fmul_rn(o_in.z, f_in)), __fmaf_rn(o.w, f, __fmul_rn(o_in.w, f_in)));
-    m = m_new;
+    const FoldStep step = FoldStep::of(m, l, m_in, l_in);
+    o = step.apply(o, o_in);
+    m = step.m;
+    l = step.l;
   }
   __device__ __forceinline__ void fold(const MergeState& in) { fold(in.m, in.l, in.o); }
 };
