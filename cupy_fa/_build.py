@@ -92,8 +92,9 @@ class TileShape:
         if self.splits_per_cta != 1 and not self.epilogue_in_stage:
             raise ValueError(f"splits_per_cta={self.splits_per_cta} needs a tile whose epilogue fits one stage; "
                              f"{self} does not")
-        if self.fold_splits and not (self.fold_capable and self.splits_per_cta == MERGE_GROUP):
-            raise ValueError(f"fold_splits needs a fold-capable tile running {MERGE_GROUP} splits per CTA, got {self}")
+        if self.fold_splits and not (self.fold_capable and self.splits_per_cta % MERGE_GROUP == 0):
+            raise ValueError(f"fold_splits needs a fold-capable tile running whole groups of {MERGE_GROUP} "
+                             f"splits per CTA, got {self}")
 
     @property
     def block_m(self):
@@ -111,7 +112,7 @@ class TileShape:
 
     @property
     def smem_bytes(self):
-        fold = self.block_m * (self.head_dim * 4 + 8) if self.fold_capable else 0  # TileTraits::kSmemFold
+        fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
         return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold
 
     @property
@@ -132,13 +133,14 @@ class TileShape:
     def fits(self):
         return self.smem_bytes <= SMEM_LIMIT
 
-    def folding(self):
-        """This tile with each CTA folding a group of MERGE_GROUP splits of its row block
-        (plan.fold_tile), in the fold-capable variant with the deepest pipeline that still
-        fits; None where no such variant exists."""
+    def folding(self, groups_per_cta=1):
+        """This tile with each CTA folding ``groups_per_cta`` groups of MERGE_GROUP splits of
+        its row block (plan.fold_tile), in the fold-capable variant with the deepest pipeline
+        that still fits; None where no such variant exists."""
         if not self.fold_layout:
             return None
-        tile = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP, fold_splits=True)
+        tile = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
+                                   fold_splits=True)
         while not tile.fits and tile.stages > min(STAGE_CHOICES):
             tile = dataclasses.replace(tile, stages=tile.stages - 1)
         return tile if tile.fits else None

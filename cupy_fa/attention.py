@@ -169,14 +169,16 @@ class BatchAttention:
         if on_host:
             tile = _plan.fold_tile(tile, q_host, kv_host, self.group_size, self.num_kv_heads, _sm_count())
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
-            live = q_host > 0
-            # a merge is needed for split rows; where CTAs fold, only for rows of several groups
-            per_merge_input = _build.MERGE_GROUP if tile.fold_splits else 1
-            needs_merge = bool(np.any(_plan.max_splits(q_host[live], kv_host[live]) > per_merge_input))
+            needs_merge = _plan.needs_merge(tile, q_host, kv_host)
         else:
+            # The host sees only the bounds: fold by groups where even the shortest such batch
+            # (every request max_q_len tokens, one split) fills the GPU; the bits never depend on it.
+            shortest = np.full(batch, max_q)
+            tile = _plan.fold_tile(tile, shortest, shortest, self.group_size, self.num_kv_heads, _sm_count(),
+                                   exact=False)
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
-            needs_merge = bool(_plan.max_splits(1, kv_bound) > 1)
+            needs_merge = _plan.needs_merge(tile, [1], [kv_bound])
 
         with stream:
             self._copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev)

@@ -185,6 +185,15 @@ def row_blocks(q_lens, group_size, tile):
     return -(-(np.asarray(q_lens) * group_size) // tile.block_m)
 
 
+def needs_merge(tile, q_lens, kv_lens):
+    """Whether a row of these lengths can end in partials for merge_kernel: a row of several
+    splits, or where CTAs fold their groups of splits (tile.fold_splits), of several groups."""
+    q, kv = np.asarray(q_lens), np.asarray(kv_lens)
+    live = q > 0
+    per_input = tile.splits_per_cta if tile.fold_splits else 1
+    return bool(np.any(max_splits(q[live], kv[live]) > per_input))
+
+
 def work_bound(q_lens, kv_lens, group_size, tile):
     """Upper bound on the attention kernel's work items for these host lengths."""
     live = q_lens > 0
@@ -211,33 +220,43 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
     return min(b * per_request, loose)
 
 
-FOLD_MIN_WAVES = 1.5  # fold only when the batch's row blocks fill the GPU this many times over
+FOLD_MIN_WAVES = 1.5  # fold only when the batch's CTAs fill the GPU this many times over
+WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most this many groups
 
 
-def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count):
-    """``tile.folding()`` when the batch's CTAs should fold their own splits, else ``tile``.
+def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=True):
+    """``tile.folding(...)`` when the batch's CTAs should fold their own splits, else ``tile``.
 
-    A CTA of a small-q tile with a fold state runs a whole group of ``MERGE_GROUP``
-    consecutive splits of its row block and folds them the way merge_kernel would (same
-    steps, same bits): a request of one group gets its result with no partial rows and no
-    merge; a longer one leaves one state per group (a quarter of its split partials' bytes
-    or less) for merge_kernel to fold in order. Either way one CTA start-up per group
-    instead of per split. It pays only when those fewer, longer CTAs still fill the GPU:
-    at least ``FOLD_MIN_WAVES`` waves at the folding variant's CTAs per SM (the one-row
-    tile's fold state costs it one of three). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default),
-    ``1`` (whenever the tile can), ``0`` (never). The choice depends on the batch; the
-    results do not."""
+    A CTA of a small-q tile with a fold state takes merge_kernel's steps on the splits it
+    runs (same order, same bits), so they need no partial rows:
+    * a whole row of at most ``WHOLE_ROW_GROUPS`` groups of ``MERGE_GROUP`` splits (its
+      groups, then the groups in order): the result itself, no merge launch;
+    * else one group per CTA: one state per group (a quarter of its split partials' bytes
+      or less), which merge_kernel folds in order.
+    Either way one CTA start-up per group or row instead of per split. It pays only when
+    those fewer, longer CTAs still fill the GPU: at least ``FOLD_MIN_WAVES`` waves at the
+    folding variant's CTAs per SM (the one-row tile's fold state costs it one of three).
+    Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
+    groups). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
+    ``0`` (never). The choice depends on the batch; the results do not."""
     knob = os.environ.get("CUPY_FA_FOLD_SPLITS", "auto")
     if knob not in ("auto", "0", "1"):
         raise ValueError(f"CUPY_FA_FOLD_SPLITS must be auto, 0 or 1, got {knob!r}")
     live = np.asarray(q_lens) > 0
-    folded = tile.folding()
-    if knob == "0" or folded is None or not live.any():
+    by_group = tile.folding()
+    if knob == "0" or by_group is None or not live.any():
         return tile
-    ctas = work_bound(np.asarray(q_lens), np.asarray(kv_lens), group_size, folded) * num_kv_heads
-    if knob == "auto" and ctas < FOLD_MIN_WAVES * folded.min_ctas_per_sm * sm_count:
-        return tile
-    return folded
+    q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
+
+    def fills(folded, ctas):
+        return knob == "1" or ctas >= FOLD_MIN_WAVES * folded.min_ctas_per_sm * sm_count
+
+    groups = -(-int(max_splits(q, kv).max()) // _build.MERGE_GROUP)
+    if exact and groups <= WHOLE_ROW_GROUPS:
+        whole = tile.folding(groups)
+        if whole is not None and fills(whole, int(row_blocks(q, group_size, tile).sum()) * num_kv_heads):
+            return whole
+    return by_group if fills(by_group, work_bound(q, kv, group_size, by_group) * num_kv_heads) else tile
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream):

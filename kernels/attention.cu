@@ -52,7 +52,8 @@ struct TileTraits {
   // steps for that group, so no split partials. The state costs shared memory, so the
   // host picks this variant only for batches whose longer CTAs still fill the GPU.
   static constexpr bool kFoldInCta = FOLD;
-  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (HEAD_DIM * 4 + 8) : 0;  // o, and (m, l) per row
+  // the fold state: merge_kernel's open group and total, o per element and (m, l) per row
+  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (2 * HEAD_DIM * 4 + 16) : 0;
   static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV + kSmemFold;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
   // flight, so hold the compiler to the CTAs per SM that shared memory allows,
@@ -113,7 +114,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // the epilogue's per-row values, computed once per row and split (finish_split)
   __shared__ float s_factor[BM][Traits::kWarpsN];  // each warp's factor onto the row's max
   __shared__ float4 s_row[BM];                     // the row's max and sum, 1 / sum, 1 / folded sum
-  __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1];  // fold_splits: the split's fold
+  __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1][2];  // fold_splits: into the group, into the total
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -145,8 +146,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int local = work - __ldg(p.work_indptr + b);
   const int split_first = (local % groups) * per_cta;
   const int split_stop = min(split_first + per_cta, splits);
-  // A CTA that folds takes merge_kernel's steps for one group: it must run all its splits.
-  if (p.fold_splits && per_cta != kMergeGroup) __trap();
+  // A CTA that folds takes merge_kernel's steps: for one group of its splits, or for all of
+  // them (then the groups in order too), never for a run of groups that is not the whole row.
+  if (p.fold_splits && (per_cta % kMergeGroup != 0 || (groups > 1 && per_cta != kMergeGroup))) __trap();
   const int row0 = (local / groups) * BM;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int rows = q_len * group;
@@ -258,17 +260,20 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int first_query_pos = prefix + row0 / group;  // position of the tile's first query
 
   // ---- end of a split: merge the WARPS_N states of each row through shared memory,
-  // then write the split's rows (out, a partial, or the fold). Callers have synced, so
-  // every warp is done with `stage`, whose K/V tiles (or, for a tile whose epilogue does
-  // not fit a stage, all K/V stages) hold the fp32 accumulators; it syncs again before
-  // they are reused.
+  // then write the split's rows (out, a partial, or the fold). Each warp publishes its
+  // rows' max and sum (publish_row_state) before the barrier that ends the split's last
+  // tile; after it every warp is done with `stage`, whose K/V tiles (or, for a tile whose
+  // epilogue does not fit a stage, all K/V stages) take the fp32 accumulators
+  // (finish_split), which syncs again before they are reused.
   const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
   constexpr int W = Traits::kStagedCols;  // columns one epilogue pass stages
   // The fold state of the tile's rows across the CTA's splits (fold_splits), after the K/V
-  // stages: o per (row, 4 columns), (m, l) per row; only the thread that folds an entry
-  // reads or writes it.
-  float4* fold_o = reinterpret_cast<float4*>(sV + Traits::kStages * BN * D);
-  float2* fold_ml = reinterpret_cast<float2*>(fold_o + BM * (D / 4));
+  // stages: merge_kernel's two levels, the open group's state and the total of the groups
+  // before it, o per (row, 4 columns) and (m, l) per row. Only the thread that folds an
+  // entry reads or writes it.
+  float4* fold_group_o = reinterpret_cast<float4*>(sV + Traits::kStages * BN * D);
+  float4* fold_total_o = fold_group_o + BM * (D / 4);
+  float4* fold_ml = fold_total_o + BM * (D / 4);  // (group m, group l, total m, total l)
   auto staged = [&](int w, int stage) -> float* {  // warp w's [16][W] fp32 slice
     if constexpr (Traits::kEpilogueInStage) {
       constexpr int kPerTile = BN * D / (32 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
@@ -278,8 +283,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       return reinterpret_cast<float*>(sK) + w * 16 * D;
     }
   };
-  auto finish_split = [&](int split, int stage) {
-    if constexpr (!Traits::kEpilogueInStage) cp_async_wait<0>();  // it stages over every K/V stage
+  auto publish_row_state = [&]() {
     float l[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -293,6 +297,41 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       s_sum[warp][g] = l[0];
       s_sum[warp][g + 8] = l[1];
     }
+  };
+  // A row's values for its column items, once per row (thread r for row r): the max and sum
+  // over the warps, each warp's factor onto that max, and with fold_splits the split's steps
+  // in merge_kernel's order: into the open group (empty at a group's first split), and at a
+  // group's last split the group into the total (empty at the CTA's first group).
+  auto row_phase = [&](int split) {
+    const int row = row0 + tid;
+    if (tid >= BM || row >= rows) return;
+    const int rwm = tid >> 4, rl = tid & 15;
+    float m_all = -INFINITY, l_all = 0.f;
+#pragma unroll
+    for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
+#pragma unroll
+    for (int w = 0; w < Traits::kWarpsN; ++w) {
+      const float f = rescale_factor(s_max[rwm * Traits::kWarpsN + w][rl], m_all);
+      s_factor[tid][w] = f;
+      l_all += s_sum[rwm * Traits::kWarpsN + w][rl] * f;
+    }
+    float total_inv = 0.f;
+    if (Traits::kFoldInCta && p.fold_splits && splits > 1) {
+      float4 ml = split != split_first ? fold_ml[tid] : make_float4(-INFINITY, 0.f, -INFINITY, 0.f);
+      if (split % kMergeGroup == 0) ml.x = -INFINITY, ml.y = 0.f;
+      const FoldStep into_group = FoldStep::of(ml.x, ml.y, split_lse2(m_all, l_all), 1.f);
+      FoldStep into_total = FoldStep::of(ml.z, ml.w, -INFINITY, 0.f);  // keep: the group is still open
+      if (split % kMergeGroup == kMergeGroup - 1 || split + 1 == split_stop)
+        into_total = FoldStep::of(ml.z, ml.w, into_group.m, into_group.l);
+      fold_ml[tid] = make_float4(into_group.m, into_group.l, into_total.m, into_total.l);
+      s_step[tid][0] = into_group;
+      s_step[tid][1] = into_total;
+      total_inv = into_total.l > 0.f ? 1.f / into_total.l : 0.f;
+    }
+    s_row[tid] = make_float4(m_all, l_all, l_all > 0.f ? 1.f / l_all : 0.f, total_inv);
+  };
+  auto finish_split = [&](int split, int stage) {
+    if constexpr (!Traits::kEpilogueInStage) cp_async_wait<0>();  // it stages over every K/V stage
     // One pass, or (fold tile) two passes of half of D each: a pass's accumulators are dead
     // once staged, which keeps the second pass's live registers down.
     constexpr int kPasses = Traits::kEpilogueInStage ? Traits::kEpiloguePasses : 1;
@@ -312,50 +351,22 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
         if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
         if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
       }
+      // after the staging (this pass's accumulators are dead), published by the barrier below
+      if (pass == 0) row_phase(split);
       __syncthreads();
-
-      if (pass == 0) {  // the row's values, once per row (the passes share them)
-        const int row = row0 + tid;
-        if (tid < BM && row < rows) {
-          const int rwm = tid >> 4, rl = tid & 15;
-          float m_all = -INFINITY, l_all = 0.f;
-#pragma unroll
-          for (int w = 0; w < Traits::kWarpsN; ++w) m_all = fmaxf(m_all, s_max[rwm * Traits::kWarpsN + w][rl]);
-#pragma unroll
-          for (int w = 0; w < Traits::kWarpsN; ++w) {
-            const float f = rescale_factor(s_max[rwm * Traits::kWarpsN + w][rl], m_all);
-            s_factor[tid][w] = f;
-            l_all += s_sum[rwm * Traits::kWarpsN + w][rl] * f;
-          }
-          float folded_inv = 0.f;
-          if (Traits::kFoldInCta && p.fold_splits && splits > 1) {
-            // merge_kernel's step for this split's partial: folded in split order from the
-            // empty state at the group's first split
-            const float2 ml = split != split_first ? fold_ml[tid] : make_float2(-INFINITY, 0.f);
-            const FoldStep step = FoldStep::of(ml.x, ml.y, split_lse2(m_all, l_all), 1.f);
-            s_step[tid] = step;
-            if (split + 1 < split_stop) fold_ml[tid] = make_float2(step.m, step.l);
-            folded_inv = step.l > 0.f ? 1.f / step.l : 0.f;
-          }
-          s_row[tid] = make_float4(m_all, l_all, l_all > 0.f ? 1.f / l_all : 0.f, folded_inv);
-        }
-        __syncthreads();
-      }
 
       for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {
         const int r = idx / (W / 4), c4_in_pass = idx % (W / 4), c4 = pass * (W / 4) + c4_in_pass;
         const int row = row0 + r;
         if (row >= rows) continue;
         const int rwm = r >> 4, rl = r & 15;
-        const float4 rv = s_row[r];
-        const float m_all = rv.x, l_all = rv.y, inv = rv.z;
+        const float4 rv = s_row[r];  // max, sum, 1 / sum, 1 / folded sum
         float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int w = 0; w < Traits::kWarpsN; ++w) {
-          const int ww = rwm * Traits::kWarpsN + w;
           const float f = s_factor[r][w];
-          const float4 part =
-              *reinterpret_cast<const float4*>(staged(ww, stage) + staged_pair<W>(rl, 2 * c4_in_pass));
+          const float4 part = *reinterpret_cast<const float4*>(staged(rwm * Traits::kWarpsN + w, stage) +
+                                                               staged_pair<W>(rl, 2 * c4_in_pass));
           o[0] += part.x * f;
           o[1] += part.y * f;
           o[2] += part.z * f;
@@ -367,36 +378,43 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
         // only real split goes through merge_kernel (x 1.0) gets the bits it would have
         // got unsplit: decode and verify stay identical.
         if (splits == 1) {
-          store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, o, inv);
-          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(m_all, l_all);
+          store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, o, rv.z);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
         } else if (Traits::kFoldInCta && p.fold_splits) {
-          // the fold (s_step) of the partial merge_kernel would have read, rounded to T
-          const FoldStep step = s_step[r];
+          // merge_kernel's steps (row_phase) on the partial it would have read, rounded to T
           const int item = r * (D / 4) + c4;
-          const uint2 packed = scaled4<T>(o, inv);
+          const uint2 packed = scaled4<T>(o, rv.z);
           const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
-          const float4 prior = split != split_first ? fold_o[item] : make_float4(0.f, 0.f, 0.f, 0.f);
-          const float4 folded = step.apply(prior, make_float4(lo.x, lo.y, hi.x, hi.y));
-          if (split + 1 < split_stop) {
-            fold_o[item] = folded;
-          } else if (groups == 1) {  // the request's only group: the final result
-            const float merged[4] = {folded.x, folded.y, folded.z, folded.w};
-            store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
-            if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(step.m, step.l);
-          } else {  // one of several groups: its state (fp32) for merge_kernel to fold in order
-            const i64 group_row = partial_base / 2 + (i64)token * groups + split_first / kMergeGroup;
-            reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
-                folded;
-            if (c4 == 0) {
-              const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
-              p.partial_lse[m_at] = step.m;
-              p.partial_lse[m_at + p.num_qo_heads] = step.l;
+          const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+          const float4 group_o = s_step[r][0].apply(split % kMergeGroup != 0 ? fold_group_o[item] : zero,
+                                                    make_float4(lo.x, lo.y, hi.x, hi.y));
+          if (split % kMergeGroup != kMergeGroup - 1 && split + 1 != split_stop) {  // the group goes on
+            fold_group_o[item] = group_o;
+          } else {
+            const FoldStep& into_total = s_step[r][1];
+            const float4 total_o =
+                into_total.apply(split >= split_first + kMergeGroup ? fold_total_o[item] : zero, group_o);
+            if (split + 1 < split_stop) {
+              fold_total_o[item] = total_o;
+            } else if (groups == 1) {  // the CTA ran the whole row: the final result
+              const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
+              store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
+              if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
+            } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
+              const i64 group_row = partial_base / 2 + (i64)token * groups + split_first / kMergeGroup;
+              reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
+                  total_o;
+              if (c4 == 0) {
+                const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
+                p.partial_lse[m_at] = into_total.m;
+                p.partial_lse[m_at + p.num_qo_heads] = into_total.l;
+              }
             }
           }
         } else {
           const i64 slot = ((i64)partial_base + (i64)token * splits + split) * p.num_qo_heads + head;
-          store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, inv);
-          if (c4 == 0) p.partial_lse[slot] = split_lse2(m_all, l_all);
+          store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, rv.z);
+          if (c4 == 0) p.partial_lse[slot] = split_lse2(rv.x, rv.y);
         }
       }
       __syncthreads();
@@ -522,17 +540,23 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
         }
       }
     }
+    // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row
+    // tile, at its register cap, a spill)
+    if (tiles_left == 1 || tile + 1 == num_tiles) publish_row_state();
     __syncthreads();  // the next iteration's loads overwrite this stage
-    if (--tiles_left == 0 || tile + 1 == num_tiles) {  // the last tile of a split
+    if (--tiles_left == 0 || tile + 1 == num_tiles) {
       finish_split(split_now++, stage);
       reset_state();
       tiles_left = tiles_per_split;
     }
   }
   cp_async_wait<0>();
-  __syncthreads();
   // splits the causal clip left without a tile still write their (empty) result
-  for (; split_now < split_stop; ++split_now) finish_split(split_now, 0);
+  for (; split_now < split_stop; ++split_now) {
+    publish_row_state();
+    __syncthreads();
+    finish_split(split_now, 0);
+  }
 }
 
 // Merge shapes: HEADS_PER_CTA heads of one token per CTA, HEAD_DIM / 4 lanes per

@@ -282,13 +282,15 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
-    """CTAs that fold their own groups of 8 splits (CUPY_FA_FOLD_SPLITS=1, kernels/attention.cu)
-    give the bits of partials + merge_kernel (=0) and of plain decode of each token, for rows
-    of 1 to 20 splits (one group: the result; several: a state per group that merge_kernel
-    folds): decode and verify q=4 on the one-row tile (its fold-capable variant), verify q=8
-    and 16 on the two-row tile, at head dims 64 to 256. At 16 drafts the first row block of
-    the S - 10 prefix sees no key of its last split (causal clip: an empty split among the
-    folded), and that of the 8 S - 10 prefix none of its second group (an empty group state)."""
+    """CTAs that fold their own splits (CUPY_FA_FOLD_SPLITS=1, kernels/attention.cu) give the
+    bits of partials + merge_kernel (=0) and of plain decode of each token: batches of at most
+    two groups of 8 splits per row (a CTA folds a whole row, both levels of merge_kernel) and
+    of up to 20 splits (a CTA per group, whose states merge_kernel folds; also how a graph plan,
+    which sees only bounds, folds); decode and verify q=4 on the one-row tile (its
+    fold-capable variant), verify q=8 and 16 on the two-row tile, at head dims 64 to 256. At 16
+    drafts the first row block of the S - 10 prefix sees no key of its last split (causal clip:
+    an empty split among the folded), and that of the 8 S - 10 prefix none of its second
+    group (an empty group)."""
     import cupy
     import cupy_fa
     from cupy_fa import plan as _plan, reference
@@ -298,9 +300,13 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
     h_q, h_kv = 32, 8
     S = _plan.split_size()
     # (head dim, drafts): at D = 64 only the one-row tile has a fold-capable variant
-    for head_dim, num_draft in ((128, 1), (128, 4), (128, 8), (128, 16), (64, 1), (64, 4), (256, 4), (256, 8)):
+    cases = [(d, n, whole) for d, n in ((128, 1), (128, 4), (128, 8), (128, 16), (64, 1), (64, 4), (256, 4),
+                                         (256, 8)) for whole in (True, False)]
+    for head_dim, num_draft, whole in cases:
         prefix = np.array([3, S - 10, S + 1, 2 * S - 4, 5 * S + 7, 8 * S - num_draft, 8 * S - 10, 8 * S + 2,
-                           9 * S - num_draft, 16 * S + 5, int(rng.integers(1, 20 * S))])
+                           9 * S - num_draft, 16 * S - num_draft, int(rng.integers(1, 16 * S - num_draft))])
+        if not whole:  # three groups in the batch: a CTA per group
+            prefix[-2:] = [16 * S + 5, int(rng.integers(1, 20 * S))]
         B = len(prefix)
         kv, q_lens = prefix + num_draft, np.full(B, num_draft)
         table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv,
@@ -312,6 +318,8 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
             monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
             assert attn.planned.tile.fold_splits == (fold == "1")
+            if fold == "1":
+                assert attn.planned.tile.splits_per_cta == (16 if whole else 8)
             assert attn.planned.tile.warps_m == (1 if num_draft * h_q // h_kv <= 16 else 2)
             out = cupy.full(q.shape, np.nan, np_dtype(dtype))
             lse = cupy.full(q.shape[:2], np.nan, np.float32)
@@ -321,9 +329,27 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
         assert np.isfinite(got).all() and np.isfinite(outs["1"][1].get()).all()
         ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
         assert reference.relative_error(got, ref) < TOL[dtype]
-        case = f"D={head_dim} N={num_draft}"
+        case = f"D={head_dim} N={num_draft} {'whole rows' if whole else 'groups'}"
         assert (outs["1"][0].view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
         assert (outs["1"][1].view(np.uint32) == outs["0"][1].view(np.uint32)).all().get(), case
+
+        # planned on the device inside a captured graph (the host sees only the bounds), folded too
+        graph_attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+        lens = [cupy.asarray(x, np.int32) for x in (q_lens, kv, table)]
+        graph_out = cupy.empty_like(q)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            for capture in (False, True):  # the first plan sizes the buffers outside the capture
+                if capture:
+                    stream.begin_capture()
+                graph_attn.plan(*lens, max_q_len=num_draft, max_kv_len=int(kv.max()))
+                graph_attn.run(q, cache, out=graph_out)
+            graph = stream.end_capture()
+            graph_out.fill(np.nan)
+            graph.launch(stream)
+        stream.synchronize()
+        assert graph_attn.planned.tile.fold_splits, case
+        assert (graph_out.view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
 
         folded = outs["1"][0].reshape(B, num_draft, h_q, head_dim)
         q_rows = q.reshape(B, num_draft, h_q, head_dim)

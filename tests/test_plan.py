@@ -79,7 +79,7 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
         tile = _build.tile_for(head_dim, max(1, q.max()), group)
         tile = dataclasses.replace(tile, splits_per_cta=int(rng.integers(1, 5)) if tile.epilogue_in_stage else 1)
         if tile.folding() is not None and rng.random() < 0.5:
-            tile = tile.folding()
+            tile = tile.folding(int(rng.integers(1, plan.WHOLE_ROW_GROUPS + 1)))
         capacity = int(rng.choice([plan.partial_rows(len(q), 32, head_dim), len(q) * plan.SPLIT_ROW_BUDGET, 7]))
         m = model(q, kv, group, tile, capacity)
         assert plan.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
@@ -135,8 +135,16 @@ def test_fold_tile_choice(monkeypatch):
     assert folded == dataclasses.replace(verify8, splits_per_cta=8, fold_splits=True)  # same binary
     assert plan.work_bound(q, kv, 4, folded) == 64  # one work item per row block
     assert not plan.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: < 1.5 waves
-    longer = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132)  # 9 splits: two groups, a state each
-    assert longer.fold_splits and plan.work_bound(q, kv + 1, 4, longer) == 128
+    # 9 splits: two groups. With the exact lengths a CTA folds the whole row (no merge);
+    # a graph plan sees only bounds and folds by groups (a state each for merge_kernel)
+    longer = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132)
+    assert longer.splits_per_cta == 16 and plan.work_bound(q, kv + 1, 4, longer) == 64
+    assert not plan.needs_merge(longer, q, kv + 1)
+    bounded = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132, exact=False)
+    assert bounded.splits_per_cta == 8 and plan.work_bound(q, kv + 1, 4, bounded) == 128
+    assert plan.needs_merge(bounded, q, kv + 1)
+    longest = plan.fold_tile(verify8, q, kv * 4, 4, 8, 132)  # 32 splits: by groups
+    assert longest.splits_per_cta == 8 and plan.work_bound(q, kv * 4, 4, longest) == 64 * 4
     assert not plan.fold_tile(_build.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
 
     # the one-row tile (decode, verify q=4) switches to its fold-capable variant, which has
