@@ -3,11 +3,12 @@
 // Work decomposition: for each request b and KV head, the q_len x group_size
 // query rows that share that KV head are packed into rows (row = token * G +
 // head_in_group), cut into tiles of kBlockM rows; the request's keys are cut
-// into num_splits[b] contiguous splits. One CTA = one (row tile, split) of one
-// (request, KV head). blockIdx.x = work item x H_kv + KV head, heads fastest:
-// the H_kv CTAs that read the same key slots (one 16-byte chunk column each of
-// the same [page, slot, H_kv, D] rows) run side by side, so DRAM sees whole
-// slots rather than one head's slice of each. work_indptr (plan_kernel) gives
+// into num_splits[b] contiguous splits. One CTA = one (row tile, run of
+// splits_per_cta consecutive splits) of one (request, KV head). blockIdx.x =
+// work item x H_kv + KV head, heads fastest: the H_kv CTAs that read the same
+// key slots (one 16-byte chunk column each of the same [page, slot, H_kv, D]
+// rows) run side by side, so DRAM sees whole slots rather than one head's
+// slice of each. work_indptr (plan_kernel) gives
 // each request's first work item. Grids are sized by capacity; CTAs past the
 // real work exit after finding so (graph-safe).
 //
@@ -15,7 +16,10 @@
 // KV tile between them (decode has few rows but many keys, prefill the
 // reverse); the states of the WARPS_N warps are merged in shared memory at the
 // end. A request with one split writes `out` directly; with several, each
-// split writes a normalised partial (in T, LSE in fp32) and merge_kernel combines them.
+// split writes a normalised partial (in T, LSE in fp32) and merge_kernel
+// combines them, unless the CTAs fold their splits themselves (fold_splits:
+// merge_kernel's steps, in a tile variant with a fold state), a whole row or
+// one group of 8 splits per CTA.
 //
 // Batch invariance: a query row's result depends only on the keys it sees,
 // the split boundaries and (BLOCK_N, WARPS_N), never on the other rows of its
@@ -47,10 +51,10 @@ struct TileTraits {
   static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
   static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
   static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
-  // FOLD: the CTA carries a fold state and may run a whole group of kMergeGroup splits
-  // of a row block and fold them itself (AttentionParams::fold_splits): merge_kernel's
-  // steps for that group, so no split partials. The state costs shared memory, so the
-  // host picks this variant only for batches whose longer CTAs still fill the GPU.
+  // FOLD: the CTA carries a fold state and may run a whole row, or one group of kMergeGroup
+  // splits of it, and fold them itself (AttentionParams::fold_splits): merge_kernel's steps,
+  // so no split partials. The state costs shared memory, so the host picks this variant
+  // only for batches whose longer CTAs still fill the GPU.
   static constexpr bool kFoldInCta = FOLD;
   // the fold state: merge_kernel's open group and total, o per element and (m, l) per row
   static constexpr int kSmemFold = kFoldInCta ? kBlockM * (2 * HEAD_DIM * 4 + 16) : 0;

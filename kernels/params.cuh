@@ -32,8 +32,8 @@ struct PlanParams {
   int small_q_len;            // q_len <= this: split at fixed positions (decode, verify, draft extend)
   int split_row_budget;       // larger q_len: q_len x num_splits <= this (splitting a prefill buys little)
   int splits_per_cta;         // consecutive splits one CTA runs (1 unless the tile's epilogue fits a stage)
-  int fold_splits;            // 1: CTAs fold their groups of splits (AttentionParams): two partial rows
-                              // per group of a request with several groups, none otherwise
+  int fold_splits;            // 1: CTAs fold their splits (AttentionParams): two partial rows per CTA of
+                              // a request that several CTAs share (a group state each), none otherwise
   int partial_capacity;       // rows of the split-partial buffers; a batch that would need more
                               // caps every request at partial_capacity / batch_size rows
 };
@@ -64,9 +64,9 @@ struct AttentionParams {
   float sm_scale_log2;        // softmax scale x log2(e): scores live in base 2
   int page_shift;             // log2(page_size) when a power of two (shift, not divide), else -1
   int splits_per_cta;         // as in PlanParams: the work items were counted with it
-  int fold_splits;            // 1: every CTA runs one group of kMergeGroup splits of its row block and folds
-                              // them itself as merge_kernel would: the result itself when the request
-                              // has one group, else the group's state (fp32) for merge_kernel
+  int fold_splits;            // 1: every CTA folds its splits_per_cta (a multiple of kMergeGroup) splits as
+                              // merge_kernel would: a whole row (its result) or one group of a longer
+                              // row (the group's state, fp32, for merge_kernel)
 };
 
 struct MergeParams {
