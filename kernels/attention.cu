@@ -8,9 +8,9 @@
 // work item x H_kv + KV head, heads fastest: the H_kv CTAs that read the same
 // key slots (one 16-byte chunk column each of the same [page, slot, H_kv, D]
 // rows) run side by side, so DRAM sees whole slots rather than one head's
-// slice of each. work_indptr (plan_kernel) gives
-// each request's first work item. Grids are sized by capacity; CTAs past the
-// real work exit after finding so (graph-safe).
+// slice of each. work_indptr (plan_kernel) gives each request's first work
+// item. Grids are sized by capacity; CTAs past the real work exit after
+// finding so (graph-safe).
 //
 // Inside a CTA, WARPS_M warps own 16 rows each and WARPS_N warps split every
 // KV tile between them (decode has few rows but many keys, prefill the
@@ -117,7 +117,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ float s_max[Traits::kWarps][16], s_sum[Traits::kWarps][16];
   // the epilogue's per-row values, computed once per row and split (finish_split)
   __shared__ float s_factor[BM][Traits::kWarpsN];  // each warp's factor onto the row's max
-  __shared__ float4 s_row[BM];                     // the row's max and sum, 1 / sum, 1 / folded sum
+  __shared__ float4 s_row[BM];                     // the row's max, sum, 1 / sum, 1 / its folded total's sum
   __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1][2];  // fold_splits: into the group, into the total
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
