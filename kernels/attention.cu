@@ -91,14 +91,15 @@ struct TileTraits {
 };
 
 // The state of one group of a row's splits, fp32 as merge_kernel holds it, where CTAs fold
-// their groups (fold_splits) and a row has several. Group row gr takes rows 2 gr and
-// 2 gr + 1 of the split-partial buffers (plan_kernel counts two per group): o as [H_q][D]
-// fp32 over partial_out's two rows of T, m and l as partial_lse's two rows.
+// their groups (fold_splits) and a row has several. Group row gr takes split-partial rows
+// kPartialRowsPerGroupState gr and the next (params.cuh): o as [H_q][D] fp32 over
+// partial_out's two rows of T, m and l as partial_lse's two rows. A request's first group
+// row is its partial_indptr entry over kPartialRowsPerGroupState.
 __device__ __forceinline__ i64 group_o_index(i64 group_row, int head, int heads, int d4) {  // in float4s
   return (group_row * heads + head) * d4;
 }
 __device__ __forceinline__ i64 group_m_index(i64 group_row, int head, int heads) {  // l: heads further
-  return 2 * group_row * heads + head;
+  return kPartialRowsPerGroupState * group_row * heads + head;
 }
 
 template <typename T, typename Traits>
@@ -405,7 +406,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
               store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
               if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
             } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
-              const i64 group_row = partial_base / 2 + (i64)token * groups + split_first / kMergeGroup;
+              const i64 group_row =
+                  partial_base / kPartialRowsPerGroupState + (i64)token * groups + split_first / kMergeGroup;
               reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
                   total_o;
               if (c4 == 0) {
@@ -601,9 +603,9 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
   // fold_groups: the attention kernel folded each group itself, so a row with one group is
   // final already, and a row with several left one state per group (group_o_index)
   const int inputs = p.fold_groups ? groups : splits;  // partial rows per (token, head)
-  const i64 prow0 = inputs > 1 ? __ldg(p.partial_indptr + b) / (p.fold_groups ? 2 : 1) +
+  const i64 prow0 = inputs > 1 ? __ldg(p.partial_indptr + b) / (p.fold_groups ? kPartialRowsPerGroupState : 1) +
                                      (i64)(token - __ldg(p.q_indptr + b)) * inputs
-                               : 0;
+                               : 0;  // the first of this token's partial rows, or group-state rows
   wait_for_prior_grid();  // the partials below are the attention kernel's
   if (inputs <= 1) return;
   const bool live = head < p.num_qo_heads;  // the last CTA of a head count HPC does not divide

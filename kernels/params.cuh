@@ -11,6 +11,12 @@
 
 namespace cupy_fa {
 
+// Where CTAs fold their splits (fold_splits) and a row has several groups of them, each
+// group leaves its state (fp32 o, and m, l) in this many rows of the split-partial
+// buffers: plan_kernel lays them out, the attention kernel writes and merge_kernel reads
+// them (attention.cu group_o_index).
+constexpr int kPartialRowsPerGroupState = 2;
+
 // Per-step metadata, written by plan_kernel, read by the attention and merge
 // kernels. All arrays have capacity batch_size (+1 for indptrs).
 struct PlanParams {

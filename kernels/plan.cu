@@ -71,14 +71,14 @@ __device__ __forceinline__ void split_schedule(const PlanParams& p, int kv_len, 
 // A request's rows in the partial buffer: q_len per split when it has several.
 __device__ __forceinline__ int partial_rows(int q_len, int splits) { return splits > 1 ? q_len * splits : 0; }
 
-// The rows it takes where CTAs fold their groups of splits (fold_splits): two per group
-// (a group state in fp32, attention.cu group_o_index) when it has several groups, else
-// none. Never more than partial_rows, which decides an overflow in either case, so
-// whether CTAs fold never changes the schedule.
+// The rows it takes where CTAs fold their groups of splits (fold_splits): those of a
+// group state per group when it has several groups, else none. Never more than
+// partial_rows, which decides an overflow in either case, so whether CTAs fold never
+// changes the schedule.
 __device__ __forceinline__ int laid_out_rows(const PlanParams& p, int q_len, int splits) {
   if (!p.fold_splits) return partial_rows(q_len, splits);
   const int groups = (splits + p.splits_per_cta - 1) / p.splits_per_cta;
-  return groups > 1 ? 2 * q_len * groups : 0;
+  return groups > 1 ? kPartialRowsPerGroupState * q_len * groups : 0;
 }
 
 enum class Row { kPadding, kLive, kRefused };
