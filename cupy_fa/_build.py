@@ -178,7 +178,9 @@ def small_q_tile(head_dim, warps_m, stages):
     The two-row tile always carries a fold state (at D >= 128): registers already hold it
     at 2 CTAs per SM, which the state keeps. The one-row tile gets one per batch (its
     ``folding()``, chosen by plan.fold_tile), as it costs it a CTA per SM."""
-    tile = TileShape(head_dim, warps_m, 4, stages, fold_capable=warps_m == 2 and head_dim >= 128)
+    tile = TileShape(head_dim, warps_m, 4, stages)
+    if warps_m == 2 and tile.fold_layout:
+        tile = dataclasses.replace(tile, fold_capable=True)
     while not tile.fits:
         tile = dataclasses.replace(tile, stages=tile.stages - 1)
     return tile
