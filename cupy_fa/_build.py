@@ -19,9 +19,10 @@ Environment knobs (all of them):
   ``CUPY_FA_SPLITS_PER_CTA``  consecutive splits one decode CTA runs (default 1; tuning, results unchanged).
   ``CUPY_FA_PDL``             ``0``: launch the merge kernel the ordinary way, not as a programmatic
                               dependent of the attention kernel (default on, sm_90+; results unchanged).
-  ``CUPY_FA_FOLD_SPLITS``     ``auto`` (default), ``0`` or ``1``: CTAs of the two-row small-q tile fold
-                              all (<= 8) splits of their rows themselves instead of a merge kernel
-                              (auto: when the batch fills the GPU; results unchanged; cupy_fa/plan.py).
+  ``CUPY_FA_FOLD_SPLITS``     ``auto`` (default), ``0`` or ``1``: CTAs of small-q tiles fold their
+                              splits themselves (a whole row, or a group of 8) instead of a merge
+                              kernel (auto: when the batch fills the GPU; results unchanged;
+                              cupy_fa/plan.py fold_tile).
 """
 
 import ctypes
