@@ -220,7 +220,7 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
     return min(b * per_request, loose)
 
 
-FOLD_MIN_WAVES = 1.5  # fold only when the batch's CTAs fill the GPU this many times over
+FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
 WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most this many groups
 
 
@@ -234,8 +234,10 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
     * else one group per CTA: one state per group (a quarter of its split partials' bytes
       or less), which merge_kernel folds in order.
     Either way one CTA start-up per group or row instead of per split. It pays only when
-    those fewer, longer CTAs still fill the GPU: at least ``FOLD_MIN_WAVES`` waves at the
-    folding variant's CTAs per SM (the one-row tile's fold state costs it one of three).
+    those fewer, longer CTAs fill the GPU without a long tail: their waves at the folding
+    variant's CTAs per SM (the one-row tile's fold state costs it one of three) must be
+    ``FOLD_MIN_WAVE_FILL`` full on average, the last one counted whole (0.97 waves: 0.97;
+    1.14 waves: 0.57; 1.94 waves: 0.97).
     Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
     groups). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
     ``0`` (never). The choice depends on the batch; the results do not."""
@@ -249,7 +251,8 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
     q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
 
     def fills(folded, ctas):
-        return knob == "1" or ctas >= FOLD_MIN_WAVES * folded.min_ctas_per_sm * sm_count
+        slots = folded.min_ctas_per_sm * sm_count
+        return knob == "1" or ctas >= FOLD_MIN_WAVE_FILL * slots * -(-ctas // slots)
 
     groups = -(-int(max_splits(q, kv).max()) // _build.MERGE_GROUP)
     if exact and groups <= WHOLE_ROW_GROUPS:

@@ -125,8 +125,8 @@ def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
 
 
 def test_fold_tile_choice(monkeypatch):
-    """Small-q batches fold their groups of 8 splits in the CTA when those CTAs fill the GPU
-    1.5 times at the folding variant's CTAs per SM."""
+    """Small-q batches fold their splits in the CTA when those CTAs fill their waves at the
+    folding variant's CTAs per SM at least 3/4 full, the last wave counted whole."""
     verify8 = _build.tile_for(128, 8, 4)
     assert verify8.fold_capable  # the two-row tile always carries the state
     q, kv = np.full(64, 8), np.full(64, 4096)  # verify q=8 at B=64: 64 x 8 heads = 512 CTAs
@@ -134,7 +134,7 @@ def test_fold_tile_choice(monkeypatch):
     assert folded.fold_splits and folded.splits_per_cta == _build.MERGE_GROUP
     assert folded == dataclasses.replace(verify8, splits_per_cta=8, fold_splits=True)  # same binary
     assert plan.work_bound(q, kv, 4, folded) == 64  # one work item per row block
-    assert not plan.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: < 1.5 waves
+    assert not plan.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: half a wave
     # 9 splits: two groups. With the exact lengths a CTA folds the whole row (no merge);
     # a graph plan sees only bounds and folds by groups (a state each for merge_kernel)
     longer = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132)
@@ -148,7 +148,7 @@ def test_fold_tile_choice(monkeypatch):
     assert not plan.fold_tile(_build.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
 
     # the one-row tile (decode, verify q=4) switches to its fold-capable variant, which has
-    # a CTA per SM less (2 instead of 3 at D = 128): 396 CTAs fill 1.5 waves of 132 SMs
+    # a CTA per SM less (2 instead of 3 at D = 128): 264 slots, so 392 CTAs fill 2 waves 0.74
     one_row = _build.tile_for(128, 4, 4)
     assert not one_row.fold_capable and one_row.min_ctas_per_sm == 3
     for batch, folds in ((64, True), (50, True), (49, False)):  # x 8 KV heads: 512, 400, 392 CTAs
@@ -156,6 +156,10 @@ def test_fold_tile_choice(monkeypatch):
         assert got.fold_splits == folds, batch
         if folds:
             assert got.fold_capable and got.min_ctas_per_sm == 2 and got.stages == one_row.stages
+    # one long request: 256 splits are 32 groups x 8 heads = 256 CTAs, 0.97 of a wave
+    long_one = plan.fold_tile(one_row, np.ones(1, int), np.full(1, 131072), 4, 8, 132)
+    assert long_one.fold_splits and long_one.splits_per_cta == 8
+    assert not plan.fold_tile(one_row, np.ones(1, int), np.full(1, 4096), 4, 8, 132).fold_splits  # 8 CTAs
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "1")
     assert plan.fold_tile(verify8, q[:2], kv[:2], 4, 8, 132).fold_splits
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "0")
