@@ -29,6 +29,7 @@ _FIELDS = {
         ("batch_size", np.int32), ("page_size", np.int32), ("page_table_stride", np.int32),
         ("num_qo_heads", np.int32), ("num_kv_heads", np.int32), ("mask_mode", np.int32),
         ("sm_scale_log2", np.float32), ("page_shift", np.int32), ("splits_per_cta", np.int32),
+        ("group_multiplier", np.uint32), ("group_shift", np.int32),
         ("fold_splits", np.int32),
     ],
     "MergeParams": [
@@ -57,6 +58,17 @@ def make(struct_name, **values):
         unknown = values.keys() - _REQUIRED[struct_name]
         raise TypeError(f"{struct_name}: missing {sorted(missing)}, unknown {sorted(unknown)}")
     return np.array(tuple(values.get(field, 0) for field in dtype.names), dtype)[()]
+
+
+def fast_divisor(d):
+    """(multiplier, shift) of kernels/common.cuh FastDiv for a divisor 1 <= d < 2^31:
+    n // d == (n * multiplier >> 32) >> shift for every 0 <= n < 2^31 (multiplier 0: d = 1)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"a FastDiv divisor must be in [1, 2^31), got {d}")
+    if d == 1:
+        return 0, 0
+    log2 = (d - 1).bit_length()  # ceil(log2 d)
+    return ((1 << (31 + log2)) + d - 1) // d, log2 - 1
 
 
 def layout_asserts():

@@ -86,6 +86,7 @@ class BatchAttention:
             raise ValueError(f"head_dim must be one of {_build.HEAD_DIMS}, got {head_dim!r}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         self.group_size = self.num_qo_heads // self.num_kv_heads
+        self._group_div = _params.fast_divisor(self.group_size)  # AttentionParams group_multiplier, _shift
         self.dtype_name = _arrays.resolve_dtype(dtype)
         given = (max_batch_size, max_num_tokens, max_pages_per_request)
         self._fixed_capacity = all(v is not None for v in given)
@@ -333,7 +334,8 @@ class BatchAttention:
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
             sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size),
-            splits_per_cta=state.tile.splits_per_cta, fold_splits=int(state.tile.fold_splits))
+            splits_per_cta=state.tile.splits_per_cta, fold_splits=int(state.tile.fold_splits),
+            group_multiplier=self._group_div[0], group_shift=self._group_div[1])
         # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
         _build.launch(_build.attention_variant(self.dtype_name, state.tile),
                       (state.work_grid * self.num_kv_heads,), params, stream)

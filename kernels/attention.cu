@@ -156,6 +156,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   if (p.fold_splits && (per_cta % kMergeGroup != 0 || (groups > 1 && per_cta != kMergeGroup))) __trap();
   const int row0 = (local / groups) * BM;
   const int group = p.num_qo_heads / p.num_kv_heads;
+  const FastDiv by_group{p.group_multiplier, p.group_shift, group};  // packed rows -> (token, head)
   const int rows = q_len * group;
   const int prefix = kv_len - q_len;  // keys that precede this step's queries
 
@@ -165,7 +166,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int tiles_per_split = split_keys / BN;
   const int kv_begin = split_first * split_keys;
   int kv_end = min(kv_len, split_stop * split_keys);
-  if (p.mask_mode == 1) kv_end = min(kv_end, prefix + (min(row0 + BM, rows) - 1) / group + 1);
+  if (p.mask_mode == 1) kv_end = min(kv_end, prefix + by_group.div(min(row0 + BM, rows) - 1) + 1);
   const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -186,7 +187,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       const bool valid = row < rows;
       const T* src = q;
       if (valid) {
-        const int token = q_start + row / group, head = kv_head * group + row % group;
+        const int token = q_start + by_group.div(row), head = kv_head * group + by_group.mod(row);
         src = q + ((i64)token * p.num_qo_heads + head) * D + chunk * 8;
       }
       cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
@@ -262,7 +263,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   };
   reset_state();
   const int g = lane >> 2, tq = lane & 3;
-  const int first_query_pos = prefix + row0 / group;  // position of the tile's first query
+  const int first_query_pos = prefix + by_group.div(row0);  // position of the tile's first query
 
   // ---- end of a split: merge the WARPS_N states of each row through shared memory,
   // then write the split's rows (out, a partial, or the fold). Each warp publishes its
@@ -377,7 +378,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           o[2] += part.z * f;
           o[3] += part.w * f;
         }
-        const int token = row / group, head = kv_head * group + row % group;  // token: within the request
+        const int token = by_group.div(row), head = kv_head * group + by_group.mod(row);  // token: in the request
         const i64 out_slot = (i64)(q_start + token) * p.num_qo_heads + head;
         // A split's partial is rounded to T exactly like a final output, so a row whose
         // only real split goes through merge_kernel (x 1.0) gets the bits it would have
@@ -480,7 +481,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
             const int row = row0 + wm * 16 + g + ((e >> 1) << 3);
             bool visible = key < kv_end;
             if (visible && row < rows) {
-              const int i = row / group;  // query index within the request
+              const int i = by_group.div(row);  // query index within the request
               if (p.mask_mode == 1) {
                 visible = key <= prefix + i;
               } else if (p.mask_mode == 2 && key >= prefix) {

@@ -59,6 +59,22 @@ __device__ __forceinline__ void store_scaled4(T* dst, const float (&o)[4], float
   *reinterpret_cast<uint2*>(dst) = scaled4<T>(o, scale);
 }
 
+// ---- division by a divisor fixed per launch ------------------------------------
+
+// n / d and n % d for 0 <= n < 2^31 by a multiply-high and a shift (Granlund and
+// Montgomery, as CUTLASS's FastDivmod): the host computes (multiplier, shift) once
+// (cupy_fa/_params.py fast_divisor); multiplier 0 means d = 1. An int division by a
+// runtime value is a ~20-instruction sequence, and the kernels divide packed rows by the
+// group size in every epilogue column item.
+struct FastDiv {
+  unsigned multiplier;
+  int shift, divisor;
+  __device__ __forceinline__ int div(int n) const {
+    return multiplier ? static_cast<int>(__umulhi(static_cast<unsigned>(n), multiplier) >> shift) : n;
+  }
+  __device__ __forceinline__ int mod(int n) const { return n - div(n) * divisor; }
+};
+
 // ---- async copies (cp.async, sm_80+) -----------------------------------------
 
 // Copies 16 bytes global -> shared; when `valid` is false the destination is

@@ -70,6 +70,8 @@ struct AttentionParams {
   float sm_scale_log2;        // softmax scale x log2(e): scores live in base 2
   int page_shift;             // log2(page_size) when a power of two (shift, not divide), else -1
   int splits_per_cta;         // as in PlanParams: the work items were counted with it
+  unsigned group_multiplier;  // H_q / H_kv as a FastDiv (common.cuh): rows divide by it often
+  int group_shift;
   int fold_splits;            // 1: every CTA folds its splits_per_cta (a multiple of kMergeGroup) splits as
                               // merge_kernel would: a whole row (its result) or one group of a longer
                               // row (the group's state, fp32, for merge_kernel)

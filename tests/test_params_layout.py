@@ -6,7 +6,7 @@ import numpy as np
 
 from cupy_fa import _build, _params
 
-C_TYPES = {"int": np.int32, "float": np.float32, "long long": np.int64}
+C_TYPES = {"int": np.int32, "unsigned": np.uint32, "float": np.float32, "long long": np.int64}
 
 
 def parse_structs(text):
@@ -61,3 +61,29 @@ def test_make_matches_fieldwise_assignment():
         assert made.dtype == dtype
         for field in values:  # padding bytes may differ: the kernels never read them
             assert made[field].tobytes() == expected[field].tobytes(), f"{name}.{field}"
+
+
+def test_fast_divisor_divides_exactly():
+    """kernels/common.cuh FastDiv with _params.fast_divisor's (multiplier, shift): the same
+    quotient as integer division for every dividend the kernels can pass (0 <= n < 2^31)."""
+    import pytest
+
+    def fast_div(n, d):
+        multiplier, shift = _params.fast_divisor(d)
+        if multiplier == 0:
+            return n
+        return ((n * np.uint64(multiplier)) >> np.uint64(32)) >> np.uint64(shift)  # __umulhi, then >>
+
+    rng = np.random.default_rng()
+    edges = np.array([0, 1, 2, 3, 2**16 - 1, 2**16, 2**30, 2**31 - 2, 2**31 - 1], np.uint64)
+    small = np.arange(0, 1 << 16, dtype=np.uint64)
+    divisors = list(range(1, 65)) + [127, 128, 129, 1000, 65535, 65536, 2**30 + 1, 2**31 - 1]
+    divisors += [int(d) for d in rng.integers(1, 2**31, 64)]
+    for d in divisors:
+        n = np.concatenate([edges, small, rng.integers(0, 2**31, 4096).astype(np.uint64)])
+        assert np.array_equal(fast_div(n, d), n // np.uint64(d)), d
+        multiplier, shift = _params.fast_divisor(d)
+        assert 0 <= multiplier < 2**32 and 0 <= shift < 32
+    for bad in (0, -1, 2**31):
+        with pytest.raises(ValueError, match="divisor"):
+            _params.fast_divisor(bad)
