@@ -63,7 +63,8 @@ WARP_LAYOUTS = ((1, 4), (2, 4), (4, 1))  # (warps over query rows, warps over ke
 SMALL_Q_LEN = 16  # batches with q_len <= this are decode-like: the small-q tile and fixed-position splits
 MAX_SPLITS_PER_CTA = 64  # CUPY_FA_SPLITS_PER_CTA bound (keeps the kernels' split arithmetic in int32)
 STAGE_CHOICES = (2, 3, 4)                 # cp.async pipeline depths a decode-like tile may use
-SMEM_LIMIT = 227 * 1024                   # dynamic shared memory per CTA on sm_90 (and 163 KB on sm_80: see fits)
+SMEM_LIMIT = 227 * 1024                   # dynamic shared memory per CTA on sm_90 (the kernels' occupancy math)
+SM80_SMEM_LIMIT = 163 * 1024              # and on sm_80: tiles are chosen for the device's own limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,23 +133,28 @@ class TileShape:
 
     @property
     def fits(self):
-        return self.smem_bytes <= SMEM_LIMIT
+        return self.fits_in(SMEM_LIMIT)
 
-    def folding(self, groups_per_cta=1):
+    def fits_in(self, smem_limit):
+        """Whether its dynamic shared memory fits a device's per-CTA limit (opt-in)."""
+        return self.smem_bytes <= smem_limit
+
+    def folding(self, groups_per_cta=1, smem_limit=SMEM_LIMIT):
         """This tile with each CTA folding ``groups_per_cta`` groups of MERGE_GROUP splits of
         its row block (plan.fold_tile), in the fold-capable variant with the deepest pipeline
-        that still fits; None where no such variant exists."""
+        that still fits ``smem_limit``; None where no such variant exists."""
         if not self.fold_layout:
             return None
         tile = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
                                    fold_splits=True)
-        while not tile.fits and tile.stages > min(STAGE_CHOICES):
+        while not tile.fits_in(smem_limit) and tile.stages > min(STAGE_CHOICES):
             tile = dataclasses.replace(tile, stages=tile.stages - 1)
-        return tile if tile.fits else None
+        return tile if tile.fits_in(smem_limit) else None
 
 
-def tile_for(head_dim, max_q_len, group_size):
-    """Tile for a batch whose longest request has ``max_q_len`` query tokens.
+def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT):
+    """Tile for a batch whose longest request has ``max_q_len`` query tokens, on a device
+    with ``smem_limit`` bytes of dynamic shared memory per CTA.
 
     Decode-like batches (``max_q_len <= SMALL_Q_LEN``) spread 4 warps over the keys
     of each 64-key tile (memory-bound: few rows, many keys; may pipeline deeper),
@@ -168,23 +174,27 @@ def tile_for(head_dim, max_q_len, group_size):
     stages = int(os.environ.get("CUPY_FA_DECODE_STAGES", "2"))
     if stages not in STAGE_CHOICES:
         raise ValueError(f"CUPY_FA_DECODE_STAGES must be one of {STAGE_CHOICES}, got {stages}")
-    tile = small_q_tile(head_dim, warps_m, stages)
+    tile = small_q_tile(head_dim, warps_m, stages, smem_limit)
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=per_cta)
     return tile
 
 
-def small_q_tile(head_dim, warps_m, stages):
-    """The small-q tile with the deepest pipeline up to ``stages`` that fits this head dim.
-    The two-row tile always carries a fold state (at D >= 128): registers already hold it
-    at 2 CTAs per SM, which the state keeps. The one-row tile gets one per batch (its
-    ``folding()``, chosen by plan.fold_tile), as it costs it a CTA per SM."""
-    tile = TileShape(head_dim, warps_m, 4, stages)
-    if warps_m == 2 and tile.fold_layout:
-        tile = dataclasses.replace(tile, fold_capable=True)
-    while not tile.fits:
-        tile = dataclasses.replace(tile, stages=tile.stages - 1)
-    return tile
+def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT):
+    """The small-q tile with the deepest pipeline up to ``stages`` that fits this head dim
+    and ``smem_limit``. The two-row tile carries a fold state (where its layout can, at
+    D >= 128) when it fits: registers already hold it at 2 CTAs per SM, which the state
+    keeps (at D = 256 only Hopper's shared memory has room; elsewhere it runs without, one
+    split per CTA). The one-row tile gets one per batch (its ``folding()``, chosen by
+    plan.fold_tile), as it costs it a CTA per SM."""
+    base = TileShape(head_dim, warps_m, 4, stages)
+    for fold in ((True, False) if warps_m == 2 and base.fold_layout else (False,)):
+        tile = dataclasses.replace(base, fold_capable=fold)
+        while not tile.fits_in(smem_limit) and tile.stages > min(STAGE_CHOICES):
+            tile = dataclasses.replace(tile, stages=tile.stages - 1)
+        if tile.fits_in(smem_limit):
+            return tile
+    raise ValueError(f"no small-q tile of head dim {head_dim} fits {smem_limit} bytes of shared memory per CTA")
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,8 +254,9 @@ def all_variants():
             tiles = [TileShape(head_dim, 4, 1)]  # prefill
             for warps_m in (1, 2):
                 for stages in STAGE_CHOICES:
-                    tile = small_q_tile(head_dim, warps_m, stages)
-                    tiles += [tile, tile.folding()]
+                    for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
+                        tile = small_q_tile(head_dim, warps_m, stages, limit)
+                        tiles += [tile, tile.folding(smem_limit=limit)]
             variants = (attention_variant(dtype_name, t) for t in tiles if t is not None)
             out += list({v.expression: v for v in variants}.values())  # one per kernel binary
     return out
@@ -421,12 +432,17 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
     """Compiles (or loads from the disk cache) every variant that plans with these
     dtypes and head dims can select under the current knobs, on the current
     device, so no compile happens inside a step or a graph capture."""
+    import cupy
+
+    smem_limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in dtypes:
         for head_dim in head_dims:
             wanted += [merge_variant(dtype_name, head_dim, shape) for _, shape in MERGE_SHAPES]
             for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
-                wanted.append(attention_variant(dtype_name, tile_for(head_dim, max_q_len, group)))
+                tile = tile_for(head_dim, max_q_len, group, smem_limit)
+                folded = tile.folding(smem_limit=smem_limit)  # what plan.fold_tile may switch to
+                wanted += [attention_variant(dtype_name, t) for t in (tile, folded) if t is not None]
     for variant in wanted:
         get_function(variant)
     return len(wanted)

@@ -39,6 +39,21 @@ def _sm_count_of(device_id):
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
+def _smem_limit():
+    """Dynamic shared memory one CTA may opt in to on the current device (227 KB on sm_90,
+    163 KB on sm_80): the tiles are chosen to fit it."""
+    import cupy
+
+    return _smem_limit_of(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit_of(device_id):
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
 def _page_shift(page_size):
     """log2(page_size) for a power of two (the kernel shifts), else -1 (it divides)."""
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
@@ -166,9 +181,11 @@ class BatchAttention:
             self._ensure_capacity(batch, tokens_needed, pt_shape[1], mask_bytes if custom_mask is not None else 0,
                                   stream_capturing)
         buffers = self._buffers
-        tile = _build.tile_for(self.head_dim, max_q, self.group_size)
+        smem_limit = _smem_limit()
+        tile = _build.tile_for(self.head_dim, max_q, self.group_size, smem_limit)
         if on_host:
-            tile = _plan.fold_tile(tile, q_host, kv_host, self.group_size, self.num_kv_heads, _sm_count())
+            tile = _plan.fold_tile(tile, q_host, kv_host, self.group_size, self.num_kv_heads, _sm_count(),
+                                   smem_limit=smem_limit)
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             needs_merge = _plan.needs_merge(tile, q_host, kv_host)
         else:
@@ -176,7 +193,7 @@ class BatchAttention:
             # (every request max_q_len tokens, one split) fills the GPU; the bits never depend on it.
             shortest = np.full(batch, max_q)
             tile = _plan.fold_tile(tile, shortest, shortest, self.group_size, self.num_kv_heads, _sm_count(),
-                                   exact=False)
+                                   exact=False, smem_limit=smem_limit)
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
             needs_merge = _plan.needs_merge(tile, [1], [kv_bound])

@@ -224,7 +224,7 @@ FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves th
 WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most this many groups
 
 
-def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=True):
+def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=True, smem_limit=_build.SMEM_LIMIT):
     """``tile.folding(...)`` when the batch's CTAs should fold their own splits, else ``tile``.
 
     A CTA of a small-q tile with a fold state takes merge_kernel's steps on the splits it
@@ -239,13 +239,14 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
     ``FOLD_MIN_WAVE_FILL`` full on average, the last one counted whole (0.97 waves: 0.97;
     1.14 waves: 0.57; 1.94 waves: 0.97).
     Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
-    groups). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
+    groups). The folding variant must fit ``smem_limit`` (the device's shared memory per
+    CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
     ``0`` (never). The choice depends on the batch; the results do not."""
     knob = os.environ.get("CUPY_FA_FOLD_SPLITS", "auto")
     if knob not in ("auto", "0", "1"):
         raise ValueError(f"CUPY_FA_FOLD_SPLITS must be auto, 0 or 1, got {knob!r}")
     live = np.asarray(q_lens) > 0
-    by_group = tile.folding()
+    by_group = tile.folding(smem_limit=smem_limit)
     if knob == "0" or by_group is None or not live.any():
         return tile
     q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
@@ -256,7 +257,7 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
 
     groups = -(-int(max_splits(q, kv).max()) // _build.MERGE_GROUP)
     if exact and groups <= WHOLE_ROW_GROUPS:
-        whole = tile.folding(groups)
+        whole = tile.folding(groups, smem_limit)
         if whole is not None and fills(whole, int(row_blocks(q, group_size, tile).sum()) * num_kv_heads):
             return whole
     return by_group if fills(by_group, work_bound(q, kv, group_size, by_group) * num_kv_heads) else tile

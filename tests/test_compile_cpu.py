@@ -43,15 +43,21 @@ def test_source_hash_tracks_kernel_files(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("stages", _build.STAGE_CHOICES)
 def test_every_selectable_tile_is_compiled_in_ci(stages, monkeypatch):
-    """Whatever tile_for can pick (any knob value, any batch shape) is among the variants CI compiles."""
+    """Whatever tile_for (and plan.fold_tile after it) can pick, on Hopper or on an A100 (any
+    knob value, any batch shape), is among the variants CI compiles."""
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
     compiled = set(_build.all_variants())
     for dtype in _build.CTYPES:
         for head_dim in _build.HEAD_DIMS:
             for max_q_len in (1, 4, 8, 16, 17, 4096):
                 for group in (1, 4, 8, 16):
-                    variant = _build.attention_variant(dtype, _build.tile_for(head_dim, max_q_len, group))
-                    assert variant in compiled, variant.expression
+                    for limit in (_build.SMEM_LIMIT, _build.SM80_SMEM_LIMIT):
+                        tile = _build.tile_for(head_dim, max_q_len, group, limit)
+                        assert tile.fits_in(limit)
+                        for t in (tile, tile.folding(smem_limit=limit), tile.folding(2, limit)):
+                            if t is not None:
+                                assert t.fits_in(limit)
+                                assert _build.attention_variant(dtype, t) in compiled, t
 
 
 def test_launch_config_structs_match_cuda_h():

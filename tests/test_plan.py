@@ -267,3 +267,21 @@ def test_warp_segment_search_model():
             assert got == bisect.bisect_right(indptr, x) - 1, (n, x)
             assert indptr[got] <= x < indptr[got + 1]
             assert rounds <= max(1, int(np.ceil(np.log(n) / np.log(32) - 1e-9)))
+
+
+def test_tiles_fit_the_device_shared_memory():
+    """On an A100 (163 KB per CTA) the head-dim-256 tiles with a fold state do not fit: the
+    two-row tile runs without one (one split per CTA) and the one-row tile never folds."""
+    a100 = _build.SM80_SMEM_LIMIT
+    two_row = _build.tile_for(256, 8, 4, a100)
+    assert two_row.warps_m == 2 and not two_row.fold_capable and two_row.fits_in(a100)
+    assert _build.tile_for(256, 8, 4).fold_capable  # Hopper keeps it
+    q, kv = np.full(64, 8), np.full(64, 4096)
+    assert not plan.fold_tile(two_row, q, kv, 4, 8, 108, smem_limit=a100).fold_splits
+    one_row = _build.tile_for(256, 1, 4, a100)
+    assert one_row.folding(smem_limit=a100) is None
+    assert not plan.fold_tile(one_row, np.ones(512, int), np.full(512, 4096), 4, 8, 108, smem_limit=a100).fold_splits
+    for head_dim in (64, 128):  # there the fold fits an A100 as well
+        assert _build.tile_for(head_dim, 1, 4, a100).folding(smem_limit=a100) is not None
+    with pytest.raises(ValueError, match="shared memory"):
+        _build.small_q_tile(256, 1, 2, 100 * 1024)
