@@ -86,10 +86,10 @@ class Workload:
 
 WORKLOADS = [
     Workload("decode_b64_l4096", 64, 1, 4096),
-    Workload("decode_b32_l4096", 32, 1, 4096, "a mid batch: whole rows fold into 256 CTAs"),
     Workload("decode_b16_l32768", 16, 1, 32768),
     Workload("decode_b1_l131072", 1, 1, 131072),
     Workload("decode_b1_l4096", 1, 1, 4096, "latency: one request, per-step time"),
+    Workload("decode_b32_l4096", 32, 1, 4096, "a mid batch: whole rows fold into 256 CTAs"),
     Workload("verify_q4_b64_l4096", 64, 4, 4096, "TARGET_VERIFY chain: 4 drafts, kv_len = L"),
     Workload("verify_q8_b64_l4096", 64, 8, 4096, "TARGET_VERIFY chain: 8 drafts, kv_len = L"),
     Workload("draft_extend_q4_b64_l4096", 64, 4, 4096 + 4,

@@ -8,7 +8,7 @@ from bench import workloads as W
 
 def test_workload_set():
     names = [w.name for w in W.WORKLOADS]
-    assert len(names) == len(set(names)) == 10
+    assert len(names) == len(set(names)) == 11
     for w in W.WORKLOADS:
         assert 1 <= w.q_len <= w.kv_len and w.causal
     assert [w.name for w in W.WORKLOADS if w.kind == "compute"] == [
@@ -61,7 +61,7 @@ def test_select_and_windows():
     assert [w.name for w in W.select(["decode"])][:2] == ["decode_b64_l4096", "decode_b16_l32768"]
     assert [w.name for w in W.select(["*_b64_*"])] == [
         "decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "draft_extend_q4_b64_l4096"]
-    assert len(W.select([])) == 10
+    assert len(W.select([])) == 11
     with pytest.raises(ValueError):
         W.select(["nope"])
     assert W.check_windows(W.BY_NAME["decode_b1_l4096"]) == [(0, 0, 1)]
