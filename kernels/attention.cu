@@ -67,12 +67,6 @@ struct TileTraits {
   static constexpr int kCtasBy128Regs = 65536 / (kThreads * 128);
   static constexpr int kMinCtasPerSm =
       (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
-  // The epilogue loads all of a thread's column items before folding any (finish_split) in
-  // small-q tiles with registers to spare: past 128 per thread at their CTAs per SM, and not
-  // at head dim 256, whose accumulators take them all. The others (the two-row tile at its
-  // cap, prefill tiles) take one item at a time, or they spill.
-  static constexpr bool kBatchEpilogueItems =
-      WARPS_N > 1 && HEAD_DIM <= 128 && 65536 / (kThreads * kMinCtasPerSm) > 128;
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
   // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
@@ -367,96 +361,67 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       if (pass == 0) row_phase(split);
       __syncthreads();
 
-      // The pass's column items, in batches of kBatch per thread: a batch's loads (its
-      // warps' staged slices, and with fold_splits its fold state) are all issued before any
-      // of its items folds or stores, so a thread pays one round of shared-memory latency per
-      // batch, not one per item (verify's 16 rows give the one-row tile 4 items per thread,
-      // decode's 4 rows one). Only tiles with registers to spare batch (TileTraits).
-      constexpr int kPassItems = BM * (W / 4);
-      constexpr int kItems = (kPassItems + Traits::kThreads - 1) / Traits::kThreads;  // per thread
-      constexpr int kBatch = Traits::kBatchEpilogueItems ? kItems : 1;
-      const bool fold_here = Traits::kFoldInCta && p.fold_splits && splits > 1;
-      const bool group_open = split % kMergeGroup != 0;  // the group state holds earlier splits
-      const bool group_closes = split % kMergeGroup == kMergeGroup - 1 || split + 1 == split_stop;
-      const bool total_open = split >= split_first + kMergeGroup;  // earlier groups are in the total
-      auto item_live = [&](int idx) { return idx < kPassItems && row0 + idx / (W / 4) < rows; };
-      static_assert(kBatch == 1 || kPassItems % (kBatch * Traits::kThreads) == 0, "a batch's items are all in range");
-      for (int first = tid; first < kPassItems; first += kBatch * Traits::kThreads) {  // item first + j kThreads
-        float o[kBatch][4];
-        float4 group_in[kBatch], total_in[kBatch];
+      for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {
+        const int r = idx / (W / 4), c4_in_pass = idx % (W / 4), c4 = pass * (W / 4) + c4_in_pass;
+        const int row = row0 + r;
+        if (row >= rows) continue;
+        const int rwm = r >> 4, rl = r & 15;
+        const float4 rv = s_row[r];  // max, sum, 1 / sum, 1 / folded sum
+        float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const int idx = first + j * Traits::kThreads;
-          const int r = idx / (W / 4), c4_in_pass = idx % (W / 4);
-          const int item = r * (D / 4) + pass * (W / 4) + c4_in_pass;
-          const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-          o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-          group_in[j] = total_in[j] = zero;
-          // A batch loads dead rows' slices too (in range, never used): no branch between the loads
-          if (kBatch == 1 && !item_live(idx)) continue;
-          const int rwm = r >> 4, rl = r & 15;
-#pragma unroll
-          for (int w = 0; w < Traits::kWarpsN; ++w) {
-            const float f = s_factor[r][w];
-            const float4 part = *reinterpret_cast<const float4*>(staged(rwm * Traits::kWarpsN + w, stage) +
-                                                                 staged_pair<W>(rl, 2 * c4_in_pass));
-            o[j][0] += part.x * f;
-            o[j][1] += part.y * f;
-            o[j][2] += part.z * f;
-            o[j][3] += part.w * f;
-          }
-          if (fold_here && group_open) group_in[j] = fold_group_o[item];
-          if (fold_here && group_closes && total_open) total_in[j] = fold_total_o[item];
+        for (int w = 0; w < Traits::kWarpsN; ++w) {
+          const float f = s_factor[r][w];
+          const float4 part = *reinterpret_cast<const float4*>(staged(rwm * Traits::kWarpsN + w, stage) +
+                                                               staged_pair<W>(rl, 2 * c4_in_pass));
+          o[0] += part.x * f;
+          o[1] += part.y * f;
+          o[2] += part.z * f;
+          o[3] += part.w * f;
         }
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const int idx = first + j * Traits::kThreads;
-          if (!item_live(idx)) continue;
-          const int r = idx / (W / 4), c4 = pass * (W / 4) + idx % (W / 4);
-          const int row = row0 + r;
-          const float4 rv = s_row[r];  // max, sum, 1 / sum, 1 / folded sum
-          const int token = by_group.div(row), head = kv_head * group + by_group.mod(row);  // token: in the request
-          const i64 out_slot = (i64)(q_start + token) * p.num_qo_heads + head;
-          // A split's partial is rounded to T exactly like a final output, so a row whose
-          // only real split goes through merge_kernel (x 1.0) gets the bits it would have
-          // got unsplit: decode and verify stay identical.
-          if (splits == 1) {
-            store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, o[j], rv.z);
-            if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
-          } else if (fold_here) {
-            // merge_kernel's steps (row_phase) on the partial it would have read, rounded to T
-            const int item = r * (D / 4) + c4;
-            const uint2 packed = scaled4<T>(o[j], rv.z);
-            const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
-            const float4 group_o = s_step[r][0].apply(group_in[j], make_float4(lo.x, lo.y, hi.x, hi.y));
-            if (!group_closes) {  // the group goes on
-              fold_group_o[item] = group_o;
-            } else {
-              const FoldStep& into_total = s_step[r][1];
-              const float4 total_o = into_total.apply(total_in[j], group_o);
-              if (split + 1 < split_stop) {
-                fold_total_o[item] = total_o;
-              } else if (groups == 1) {  // the CTA ran the whole row: the final result
-                const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
-                store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
-                if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
-              } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
-                const i64 group_row =
-                    partial_base / kPartialRowsPerGroupState + (i64)token * groups + split_first / kMergeGroup;
-                reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
-                    total_o;
-                if (c4 == 0) {
-                  const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
-                  p.partial_lse[m_at] = into_total.m;
-                  p.partial_lse[m_at + p.num_qo_heads] = into_total.l;
-                }
+        const int token = by_group.div(row), head = kv_head * group + by_group.mod(row);  // token: in the request
+        const i64 out_slot = (i64)(q_start + token) * p.num_qo_heads + head;
+        // A split's partial is rounded to T exactly like a final output, so a row whose
+        // only real split goes through merge_kernel (x 1.0) gets the bits it would have
+        // got unsplit: decode and verify stay identical.
+        if (splits == 1) {
+          store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, o, rv.z);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
+        } else if (Traits::kFoldInCta && p.fold_splits) {
+          // merge_kernel's steps (row_phase) on the partial it would have read, rounded to T
+          const int item = r * (D / 4) + c4;
+          const uint2 packed = scaled4<T>(o, rv.z);
+          const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
+          const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+          const float4 group_o = s_step[r][0].apply(split % kMergeGroup != 0 ? fold_group_o[item] : zero,
+                                                    make_float4(lo.x, lo.y, hi.x, hi.y));
+          if (split % kMergeGroup != kMergeGroup - 1 && split + 1 != split_stop) {  // the group goes on
+            fold_group_o[item] = group_o;
+          } else {
+            const FoldStep& into_total = s_step[r][1];
+            const float4 total_o =
+                into_total.apply(split >= split_first + kMergeGroup ? fold_total_o[item] : zero, group_o);
+            if (split + 1 < split_stop) {
+              fold_total_o[item] = total_o;
+            } else if (groups == 1) {  // the CTA ran the whole row: the final result
+              const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
+              store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
+              if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
+            } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
+              const i64 group_row =
+                  partial_base / kPartialRowsPerGroupState + (i64)token * groups + split_first / kMergeGroup;
+              reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
+                  total_o;
+              if (c4 == 0) {
+                const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
+                p.partial_lse[m_at] = into_total.m;
+                p.partial_lse[m_at + p.num_qo_heads] = into_total.l;
               }
             }
-          } else {
-            const i64 slot = ((i64)partial_base + (i64)token * splits + split) * p.num_qo_heads + head;
-            store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o[j], rv.z);
-            if (c4 == 0) p.partial_lse[slot] = split_lse2(rv.x, rv.y);
           }
+        } else {
+          const i64 slot = ((i64)partial_base + (i64)token * splits + split) * p.num_qo_heads + head;
+          store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, rv.z);
+          if (c4 == 0) p.partial_lse[slot] = split_lse2(rv.x, rv.y);
         }
       }
       __syncthreads();
