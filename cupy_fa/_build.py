@@ -114,7 +114,7 @@ class TileShape:
 
     @property
     def smem_bytes(self):
-        fold = self.block_m * (self.head_dim * 4 + 8) if self.fold_capable else 0  # TileTraits::kSmemFold
+        fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
         return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold
 
     @property
@@ -127,11 +127,7 @@ class TileShape:
     def min_ctas_per_sm(self):
         """TileTraits::kMinCtasPerSm: CTAs per SM the launch bounds hold small-q tiles to
         (as many as shared memory allows, up to what 128 registers a thread can feed)."""
-        return self.ctas_per_sm(SMEM_LIMIT)
-
-    def ctas_per_sm(self, smem_limit):
-        """kMinCtasPerSm's rule for a device with ``smem_limit`` bytes of shared memory per CTA."""
-        by_smem = smem_limit // (self.smem_bytes + 1024)
+        by_smem = SMEM_LIMIT // (self.smem_bytes + 1024)
         by_registers = 65536 // (32 * self.warps_m * self.warps_n * 128)
         return 1 if self.warps_n == 1 or by_smem < 1 else min(by_smem, by_registers)
 
@@ -143,26 +139,17 @@ class TileShape:
         """Whether its dynamic shared memory fits a device's per-CTA limit (opt-in)."""
         return self.smem_bytes <= smem_limit
 
-    def folding(self, smem_limit=SMEM_LIMIT, max_stages=None):
-        """This tile with each CTA folding one group of MERGE_GROUP splits of its row block
-        (plan.fold_tile), in the fold-capable variant that fits ``smem_limit``, or None.
-        Its pipeline is this tile's, or deeper (up to ``max_stages``, default the deepest
-        choice) where that keeps as many CTAs per SM: the fold state is one group's, small
-        enough that the one-row tile at D = 128 runs 3 stages at 2 CTAs per SM."""
+    def folding(self, groups_per_cta=1, smem_limit=SMEM_LIMIT):
+        """This tile with each CTA folding ``groups_per_cta`` groups of MERGE_GROUP splits of
+        its row block (plan.fold_tile), in the fold-capable variant with the deepest pipeline
+        that still fits ``smem_limit``; None where no such variant exists."""
         if not self.fold_layout:
             return None
-        tile = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP, fold_splits=True)
+        tile = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
+                                   fold_splits=True)
         while not tile.fits_in(smem_limit) and tile.stages > min(STAGE_CHOICES):
             tile = dataclasses.replace(tile, stages=tile.stages - 1)
-        if not tile.fits_in(smem_limit):
-            return None
-        deepest = tile
-        for stages in STAGE_CHOICES:
-            deeper = dataclasses.replace(tile, stages=stages)
-            if (tile.stages < stages <= (max_stages or max(STAGE_CHOICES)) and deeper.fits_in(smem_limit)
-                    and deeper.ctas_per_sm(smem_limit) >= tile.ctas_per_sm(smem_limit)):
-                deepest = deeper
-        return deepest
+        return tile if tile.fits_in(smem_limit) else None
 
 
 def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT):
@@ -191,15 +178,6 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT):
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=per_cta)
     return tile
-
-
-def fold_max_stages():
-    """``CUPY_FA_FOLD_STAGES`` (tuning; never changes results): the deepest pipeline a
-    folding variant may take (``TileShape.folding``); ``auto`` (default): the deepest choice."""
-    knob = os.environ.get("CUPY_FA_FOLD_STAGES", "auto")
-    if knob != "auto" and knob not in map(str, STAGE_CHOICES):
-        raise ValueError(f"CUPY_FA_FOLD_STAGES must be auto or one of {STAGE_CHOICES}, got {knob!r}")
-    return None if knob == "auto" else int(knob)
 
 
 def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT):
@@ -278,7 +256,7 @@ def all_variants():
                 for stages in STAGE_CHOICES:
                     for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
                         tile = small_q_tile(head_dim, warps_m, stages, limit)
-                        tiles += [tile] + [tile.folding(limit, deepest) for deepest in STAGE_CHOICES]
+                        tiles += [tile, tile.folding(smem_limit=limit)]
             variants = (attention_variant(dtype_name, t) for t in tiles if t is not None)
             out += list({v.expression: v for v in variants}.values())  # one per kernel binary
     return out
@@ -463,7 +441,7 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
             wanted += [merge_variant(dtype_name, head_dim, shape) for _, shape in MERGE_SHAPES]
             for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
                 tile = tile_for(head_dim, max_q_len, group, smem_limit)
-                folded = tile.folding(smem_limit, fold_max_stages())  # what plan.fold_tile may switch to
+                folded = tile.folding(smem_limit=smem_limit)  # what plan.fold_tile may switch to
                 wanted += [attention_variant(dtype_name, t) for t in (tile, folded) if t is not None]
     for variant in wanted:
         get_function(variant)

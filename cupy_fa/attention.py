@@ -189,11 +189,11 @@ class BatchAttention:
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             needs_merge = _plan.needs_merge(tile, q_host, kv_host)
         else:
-            # The host sees only the bounds: fold where even the shortest such batch (every
-            # request max_q_len tokens, one split) fills the GPU; the bits never depend on it.
+            # The host sees only the bounds: fold by groups where even the shortest such batch
+            # (every request max_q_len tokens, one split) fills the GPU; the bits never depend on it.
             shortest = np.full(batch, max_q)
             tile = _plan.fold_tile(tile, shortest, shortest, self.group_size, self.num_kv_heads, _sm_count(),
-                                   smem_limit=smem_limit)
+                                   exact=False, smem_limit=smem_limit)
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
             needs_merge = _plan.needs_merge(tile, [1], [kv_bound])

@@ -221,35 +221,46 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
 
 
 FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
+WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most this many groups
 
 
-def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, smem_limit=_build.SMEM_LIMIT):
+def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=True, smem_limit=_build.SMEM_LIMIT):
     """``tile.folding(...)`` when the batch's CTAs should fold their own splits, else ``tile``.
 
-    A CTA of a small-q tile with a fold state runs one group of ``MERGE_GROUP`` splits and
-    takes merge_kernel's steps on them (same order, same bits), so they need no partial
-    rows: a row of one group gets its result with no merge launch; a longer row leaves one
-    state per group (a quarter of its split partials' bytes or less), which merge_kernel
-    folds in order. Either way one CTA start-up per group instead of per split. It pays only
-    when those fewer, longer CTAs fill the GPU without a long tail: their waves at the
-    folding variant's CTAs per SM (the one-row tile's fold state costs it one of three) must
-    be ``FOLD_MIN_WAVE_FILL`` full on average, the last one counted whole (0.97 waves: 0.97;
-    1.14 waves: 0.57; 1.94 waves: 0.97). Graph plans pass bounds for the lengths (the
-    shortest batch they may see). The folding variant must fit ``smem_limit`` (the device's
-    shared memory per CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the
-    tile can), ``0`` (never); ``CUPY_FA_FOLD_STAGES`` caps its pipeline depth
-    (``_build.fold_max_stages``). The choice depends on the batch; the results do not."""
+    A CTA of a small-q tile with a fold state takes merge_kernel's steps on the splits it
+    runs (same order, same bits), so they need no partial rows:
+    * a whole row of at most ``WHOLE_ROW_GROUPS`` groups of ``MERGE_GROUP`` splits (its
+      groups, then the groups in order): the result itself, no merge launch;
+    * else one group per CTA: one state per group (a quarter of its split partials' bytes
+      or less), which merge_kernel folds in order.
+    Either way one CTA start-up per group or row instead of per split. It pays only when
+    those fewer, longer CTAs fill the GPU without a long tail: their waves at the folding
+    variant's CTAs per SM (the one-row tile's fold state costs it one of three) must be
+    ``FOLD_MIN_WAVE_FILL`` full on average, the last one counted whole (0.97 waves: 0.97;
+    1.14 waves: 0.57; 1.94 waves: 0.97).
+    Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
+    groups). The folding variant must fit ``smem_limit`` (the device's shared memory per
+    CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
+    ``0`` (never). The choice depends on the batch; the results do not."""
     knob = os.environ.get("CUPY_FA_FOLD_SPLITS", "auto")
     if knob not in ("auto", "0", "1"):
         raise ValueError(f"CUPY_FA_FOLD_SPLITS must be auto, 0 or 1, got {knob!r}")
     live = np.asarray(q_lens) > 0
-    folded = tile.folding(smem_limit, _build.fold_max_stages())
-    if knob == "0" or folded is None or not live.any():
+    by_group = tile.folding(smem_limit=smem_limit)
+    if knob == "0" or by_group is None or not live.any():
         return tile
     q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
-    slots = folded.ctas_per_sm(smem_limit) * sm_count
-    ctas = work_bound(q, kv, group_size, folded) * num_kv_heads
-    return folded if knob == "1" or ctas >= FOLD_MIN_WAVE_FILL * slots * -(-ctas // slots) else tile
+
+    def fills(folded, ctas):
+        slots = folded.min_ctas_per_sm * sm_count
+        return knob == "1" or ctas >= FOLD_MIN_WAVE_FILL * slots * -(-ctas // slots)
+
+    groups = -(-int(max_splits(q, kv).max()) // _build.MERGE_GROUP)
+    if exact and groups <= WHOLE_ROW_GROUPS:
+        whole = tile.folding(groups, smem_limit)
+        if whole is not None and fills(whole, int(row_blocks(q, group_size, tile).sum()) * num_kv_heads):
+            return whole
+    return by_group if fills(by_group, work_bound(q, kv, group_size, by_group) * num_kv_heads) else tile
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream):

@@ -18,8 +18,8 @@
 // end. A request with one split writes `out` directly; with several, each
 // split writes a normalised partial (in T, LSE in fp32) and merge_kernel
 // combines them, unless the CTAs fold their splits themselves (fold_splits:
-// merge_kernel's steps, in a tile variant with a fold state), one group of 8
-// splits per CTA: the result of a row of one group, else a state per group.
+// merge_kernel's steps, in a tile variant with a fold state), a whole row or
+// one group of 8 splits per CTA.
 //
 // Batch invariance: a query row's result depends only on the keys it sees,
 // the split boundaries and (BLOCK_N, WARPS_N), never on the other rows of its
@@ -51,15 +51,13 @@ struct TileTraits {
   static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
   static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
   static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
-  // FOLD: the CTA carries a fold state and may run one group of kMergeGroup splits of a row
-  // and fold them itself (AttentionParams::fold_splits): merge_kernel's first level, so no
-  // split partials; a row of one group gets its result with no merge at all. The state
-  // costs shared memory, so the host picks this variant only for batches whose longer CTAs
-  // still fill the GPU.
+  // FOLD: the CTA carries a fold state and may run a whole row, or one group of kMergeGroup
+  // splits of it, and fold them itself (AttentionParams::fold_splits): merge_kernel's steps,
+  // so no split partials. The state costs shared memory, so the host picks this variant
+  // only for batches whose longer CTAs still fill the GPU.
   static constexpr bool kFoldInCta = FOLD;
-  // the fold state: the group's o per element (fp32) and (m, l) per row, one group only, so
-  // that at D = 128 the one-row tile pipelines 3 stages deep at 2 CTAs per SM
-  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (HEAD_DIM * 4 + 8) : 0;
+  // the fold state: merge_kernel's open group and total, o per element and (m, l) per row
+  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (2 * HEAD_DIM * 4 + 16) : 0;
   static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV + kSmemFold;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
   // flight, so hold the compiler to the CTAs per SM that shared memory allows,
@@ -120,8 +118,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ float s_max[Traits::kWarps][16], s_sum[Traits::kWarps][16];
   // the epilogue's per-row values, computed once per row and split (finish_split)
   __shared__ float s_factor[BM][Traits::kWarpsN];  // each warp's factor onto the row's max
-  __shared__ float4 s_row[BM];                     // the row's max, sum, 1 / sum, 1 / its folded group's sum
-  __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1];  // fold_splits: the split's step into the group
+  __shared__ float4 s_row[BM];                     // the row's max, sum, 1 / sum, 1 / its folded total's sum
+  __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1][2];  // fold_splits: into the group, into the total
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -153,9 +151,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int local = work - __ldg(p.work_indptr + b);
   const int split_first = (local % groups) * per_cta;
   const int split_stop = min(split_first + per_cta, splits);
-  // A CTA that folds takes merge_kernel's steps for one group of splits (the whole row when
-  // the row has one group).
-  if (p.fold_splits && per_cta != kMergeGroup) __trap();
+  // A CTA that folds takes merge_kernel's steps: for one group of its splits, or for all of
+  // them (then the groups in order too), never for a run of groups that is not the whole row.
+  if (p.fold_splits && (per_cta % kMergeGroup != 0 || (groups > 1 && per_cta != kMergeGroup))) __trap();
   const int row0 = (local / groups) * BM;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const FastDiv by_group{p.group_multiplier, p.group_shift, group};  // packed rows -> (token, head)
@@ -276,10 +274,12 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int partial_base = splits > 1 ? __ldg(p.partial_indptr + b) : 0;
   constexpr int W = Traits::kStagedCols;  // columns one epilogue pass stages
   // The fold state of the tile's rows across the CTA's splits (fold_splits), after the K/V
-  // stages: merge_kernel's group state, o per (row, 4 columns) and (m, l) per row. Only the
-  // thread that folds an entry reads or writes it.
+  // stages: merge_kernel's two levels, the open group's state and the total of the groups
+  // before it, o per (row, 4 columns) and (m, l) per row. Only the thread that folds an
+  // entry reads or writes it.
   float4* fold_group_o = reinterpret_cast<float4*>(sV + Traits::kStages * BN * D);
-  float2* fold_ml = reinterpret_cast<float2*>(fold_group_o + BM * (D / 4));
+  float4* fold_total_o = fold_group_o + BM * (D / 4);
+  float4* fold_ml = fold_total_o + BM * (D / 4);  // (group m, group l, total m, total l)
   auto staged = [&](int w, int stage) -> float* {  // warp w's [16][W] fp32 slice
     if constexpr (Traits::kEpilogueInStage) {
       constexpr int kPerTile = BN * D / (32 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
@@ -305,8 +305,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     }
   };
   // A row's values for its column items, once per row (thread r for row r): the max and sum
-  // over the warps, each warp's factor onto that max, and with fold_splits the split's step
-  // into the group (empty at the CTA's first split), merge_kernel's order.
+  // over the warps, each warp's factor onto that max, and with fold_splits the split's steps
+  // in merge_kernel's order: into the open group (empty at a group's first split), and at a
+  // group's last split the group into the total (empty at the CTA's first group).
   auto row_phase = [&](int split) {
     const int row = row0 + tid;
     if (tid >= BM || row >= rows) return;
@@ -320,15 +321,20 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       s_factor[tid][w] = f;
       l_all += s_sum[rwm * Traits::kWarpsN + w][rl] * f;
     }
-    float group_inv = 0.f;
+    float total_inv = 0.f;
     if (Traits::kFoldInCta && p.fold_splits && splits > 1) {
-      const float2 ml = split != split_first ? fold_ml[tid] : make_float2(-INFINITY, 0.f);
+      float4 ml = split != split_first ? fold_ml[tid] : make_float4(-INFINITY, 0.f, -INFINITY, 0.f);
+      if (split % kMergeGroup == 0) ml.x = -INFINITY, ml.y = 0.f;
       const FoldStep into_group = FoldStep::of(ml.x, ml.y, split_lse2(m_all, l_all), 1.f);
-      fold_ml[tid] = make_float2(into_group.m, into_group.l);
-      s_step[tid] = into_group;
-      group_inv = into_group.l > 0.f ? 1.f / into_group.l : 0.f;
+      FoldStep into_total = FoldStep::of(ml.z, ml.w, -INFINITY, 0.f);  // keep: the group is still open
+      if (split % kMergeGroup == kMergeGroup - 1 || split + 1 == split_stop)
+        into_total = FoldStep::of(ml.z, ml.w, into_group.m, into_group.l);
+      fold_ml[tid] = make_float4(into_group.m, into_group.l, into_total.m, into_total.l);
+      s_step[tid][0] = into_group;
+      s_step[tid][1] = into_total;
+      total_inv = into_total.l > 0.f ? 1.f / into_total.l : 0.f;
     }
-    s_row[tid] = make_float4(m_all, l_all, l_all > 0.f ? 1.f / l_all : 0.f, group_inv);
+    s_row[tid] = make_float4(m_all, l_all, l_all > 0.f ? 1.f / l_all : 0.f, total_inv);
   };
   auto finish_split = [&](int split, int stage) {
     if constexpr (!Traits::kEpilogueInStage) cp_async_wait<0>();  // it stages over every K/V stage
@@ -360,7 +366,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
         const int row = row0 + r;
         if (row >= rows) continue;
         const int rwm = r >> 4, rl = r & 15;
-        const float4 rv = s_row[r];  // max, sum, 1 / sum, 1 / the group's sum
+        const float4 rv = s_row[r];  // max, sum, 1 / sum, 1 / folded sum
         float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int w = 0; w < Traits::kWarpsN; ++w) {
@@ -385,24 +391,31 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           const int item = r * (D / 4) + c4;
           const uint2 packed = scaled4<T>(o, rv.z);
           const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
-          const FoldStep& into_group = s_step[r];
-          const float4 earlier = split != split_first ? fold_group_o[item] : make_float4(0.f, 0.f, 0.f, 0.f);
-          const float4 group_o = into_group.apply(earlier, make_float4(lo.x, lo.y, hi.x, hi.y));
-          if (split + 1 < split_stop) {  // the group goes on
+          const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+          const float4 group_o = s_step[r][0].apply(split % kMergeGroup != 0 ? fold_group_o[item] : zero,
+                                                    make_float4(lo.x, lo.y, hi.x, hi.y));
+          if (split % kMergeGroup != kMergeGroup - 1 && split + 1 != split_stop) {  // the group goes on
             fold_group_o[item] = group_o;
-          } else if (groups == 1) {  // the CTA ran the whole row: the final result
-            const float merged[4] = {group_o.x, group_o.y, group_o.z, group_o.w};
-            store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
-            if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_group.m, into_group.l);
-          } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
-            const i64 group_row =
-                partial_base / kPartialRowsPerGroupState + (i64)token * groups + split_first / kMergeGroup;
-            reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
-                group_o;
-            if (c4 == 0) {
-              const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
-              p.partial_lse[m_at] = into_group.m;
-              p.partial_lse[m_at + p.num_qo_heads] = into_group.l;
+          } else {
+            const FoldStep& into_total = s_step[r][1];
+            const float4 total_o =
+                into_total.apply(split >= split_first + kMergeGroup ? fold_total_o[item] : zero, group_o);
+            if (split + 1 < split_stop) {
+              fold_total_o[item] = total_o;
+            } else if (groups == 1) {  // the CTA ran the whole row: the final result
+              const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
+              store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
+              if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
+            } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
+              const i64 group_row =
+                  partial_base / kPartialRowsPerGroupState + (i64)token * groups + split_first / kMergeGroup;
+              reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
+                  total_o;
+              if (c4 == 0) {
+                const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
+                p.partial_lse[m_at] = into_total.m;
+                p.partial_lse[m_at + p.num_qo_heads] = into_total.l;
+              }
             }
           }
         } else {

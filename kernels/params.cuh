@@ -72,9 +72,9 @@ struct AttentionParams {
   int splits_per_cta;         // as in PlanParams: the work items were counted with it
   unsigned group_multiplier;  // H_q / H_kv as a FastDiv (common.cuh): rows divide by it often
   int group_shift;
-  int fold_splits;            // 1: every CTA folds its splits_per_cta (= kMergeGroup) splits as merge_kernel
-                              // would: a row of one group (its result), or one group of a longer row
-                              // (the group's state, fp32, for merge_kernel)
+  int fold_splits;            // 1: every CTA folds its splits_per_cta (a multiple of kMergeGroup) splits as
+                              // merge_kernel would: a whole row (its result) or one group of a longer
+                              // row (the group's state, fp32, for merge_kernel)
 };
 
 struct MergeParams {

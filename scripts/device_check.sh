@@ -51,7 +51,7 @@ if want engine; then
   echo "engine (examples/engine.py, exit $?):" >> "$summary"; tail -n 25 "$OUT/engine.log" >> "$summary"
 fi
 if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
-  IFS=';' read -ra ab_settings <<< "${AB_SETTINGS:-}"  # "stages split warps_m per_cta pdl fold fold_stages;..." (or its defaults)
+  IFS=';' read -ra ab_settings <<< "${AB_SETTINGS:-}"  # "stages split warps_m per_cta pdl fold;..." (or its defaults)
   bash scripts/ab_decode.sh /tmp/best_knobs.sh "${ab_settings[@]}" 2>&1 | tee -a "$summary"
   if [ "${AB_APPLY:-1}" = 1 ] && [ -f /tmp/best_knobs.sh ]; then  # AB_APPLY=0: the bench keeps the defaults
     source /tmp/best_knobs.sh && echo "bench runs with: $(cat /tmp/best_knobs.sh)" >> "$summary"

@@ -283,12 +283,11 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
     """CTAs that fold their own splits (CUPY_FA_FOLD_SPLITS=1, kernels/attention.cu) give the
-    bits of partials + merge_kernel (=0) and of plain decode of each token: a CTA per group of
-    8 splits, whose result is the row's where the row has one group, else a state that
-    merge_kernel folds in order; batches of rows of at most two groups, and of up to 20
-    splits (three groups); eager and planned inside a graph capture (bounds only); decode and
-    verify q=4 on the one-row tile (its fold-capable variant), verify q=8 and 16 on the
-    two-row tile, at head dims 64 to 256. At 16
+    bits of partials + merge_kernel (=0) and of plain decode of each token: batches of at most
+    two groups of 8 splits per row (a CTA folds a whole row, both levels of merge_kernel) and
+    of up to 20 splits (a CTA per group, whose states merge_kernel folds; also how a graph plan,
+    which sees only bounds, folds); decode and verify q=4 on the one-row tile (its
+    fold-capable variant), verify q=8 and 16 on the two-row tile, at head dims 64 to 256. At 16
     drafts the first row block of the S - 10 prefix sees no key of its last split (causal clip:
     an empty split among the folded), and that of the 8 S - 10 prefix none of its second
     group (an empty group)."""
@@ -301,12 +300,12 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
     h_q, h_kv = 32, 8
     S = _plan.split_size()
     # (head dim, drafts): at D = 64 only the one-row tile has a fold-capable variant
-    cases = [(d, n, two) for d, n in ((128, 1), (128, 4), (128, 8), (128, 16), (64, 1), (64, 4), (256, 4),
-                                       (256, 8)) for two in (True, False)]
-    for head_dim, num_draft, two in cases:
+    cases = [(d, n, whole) for d, n in ((128, 1), (128, 4), (128, 8), (128, 16), (64, 1), (64, 4), (256, 4),
+                                         (256, 8)) for whole in (True, False)]
+    for head_dim, num_draft, whole in cases:
         prefix = np.array([3, S - 10, S + 1, 2 * S - 4, 5 * S + 7, 8 * S - num_draft, 8 * S - 10, 8 * S + 2,
                            9 * S - num_draft, 16 * S - num_draft, int(rng.integers(1, 16 * S - num_draft))])
-        if not two:  # three groups in some rows
+        if not whole:  # three groups in the batch: a CTA per group
             prefix[-2:] = [16 * S + 5, int(rng.integers(1, 20 * S))]
         B = len(prefix)
         kv, q_lens = prefix + num_draft, np.full(B, num_draft)
@@ -320,7 +319,7 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
             assert attn.planned.tile.fold_splits == (fold == "1")
             if fold == "1":
-                assert attn.planned.tile.splits_per_cta == 8
+                assert attn.planned.tile.splits_per_cta == (16 if whole else 8)
             assert attn.planned.tile.warps_m == (1 if num_draft * h_q // h_kv <= 16 else 2)
             out = cupy.full(q.shape, np.nan, np_dtype(dtype))
             lse = cupy.full(q.shape[:2], np.nan, np.float32)
@@ -330,7 +329,7 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
         assert np.isfinite(got).all() and np.isfinite(outs["1"][1].get()).all()
         ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
         assert reference.relative_error(got, ref) < TOL[dtype]
-        case = f"D={head_dim} N={num_draft} {'two' if two else 'three'} groups at most"
+        case = f"D={head_dim} N={num_draft} {'whole rows' if whole else 'groups'}"
         assert (outs["1"][0].view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
         assert (outs["1"][1].view(np.uint32) == outs["0"][1].view(np.uint32)).all().get(), case
 

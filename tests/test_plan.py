@@ -79,7 +79,7 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
         tile = _build.tile_for(head_dim, max(1, q.max()), group)
         tile = dataclasses.replace(tile, splits_per_cta=int(rng.integers(1, 5)) if tile.epilogue_in_stage else 1)
         if tile.folding() is not None and rng.random() < 0.5:
-            tile = tile.folding()
+            tile = tile.folding(int(rng.integers(1, plan.WHOLE_ROW_GROUPS + 1)))
         capacity = int(rng.choice([plan.partial_rows(len(q), 32, head_dim), len(q) * plan.SPLIT_ROW_BUDGET, 7]))
         m = model(q, kv, group, tile, capacity)
         assert plan.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
@@ -135,25 +135,27 @@ def test_fold_tile_choice(monkeypatch):
     assert folded == dataclasses.replace(verify8, splits_per_cta=8, fold_splits=True)  # same binary
     assert plan.work_bound(q, kv, 4, folded) == 64  # one work item per row block
     assert not plan.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: half a wave
-    assert not plan.needs_merge(folded, q, kv)  # 8 splits: one group, the CTA's result is the row's
-    # 9 splits: two groups, a CTA each, and a state each for merge_kernel
+    # 9 splits: two groups. With the exact lengths a CTA folds the whole row (no merge);
+    # a graph plan sees only bounds and folds by groups (a state each for merge_kernel)
     longer = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132)
-    assert longer.splits_per_cta == 8 and plan.work_bound(q, kv + 1, 4, longer) == 128
-    assert plan.needs_merge(longer, q, kv + 1)
+    assert longer.splits_per_cta == 16 and plan.work_bound(q, kv + 1, 4, longer) == 64
+    assert not plan.needs_merge(longer, q, kv + 1)
+    bounded = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132, exact=False)
+    assert bounded.splits_per_cta == 8 and plan.work_bound(q, kv + 1, 4, bounded) == 128
+    assert plan.needs_merge(bounded, q, kv + 1)
     longest = plan.fold_tile(verify8, q, kv * 4, 4, 8, 132)  # 32 splits: by groups
     assert longest.splits_per_cta == 8 and plan.work_bound(q, kv * 4, 4, longest) == 64 * 4
     assert not plan.fold_tile(_build.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
 
     # the one-row tile (decode, verify q=4) switches to its fold-capable variant, which has
-    # a CTA per SM less (2 instead of 3 at D = 128) and one stage more: 264 slots, so 392
-    # CTAs fill 2 waves 0.74
+    # a CTA per SM less (2 instead of 3 at D = 128): 264 slots, so 392 CTAs fill 2 waves 0.74
     one_row = _build.tile_for(128, 4, 4)
-    assert not one_row.fold_capable and one_row.min_ctas_per_sm == 3 and one_row.stages == 2
+    assert not one_row.fold_capable and one_row.min_ctas_per_sm == 3
     for batch, folds in ((64, True), (50, True), (49, False)):  # x 8 KV heads: 512, 400, 392 CTAs
         got = plan.fold_tile(one_row, np.full(batch, 4), np.full(batch, 4096), 4, 8, 132)
         assert got.fold_splits == folds, batch
         if folds:
-            assert got.fold_capable and got.min_ctas_per_sm == 2 and got.stages == 3
+            assert got.fold_capable and got.min_ctas_per_sm == 2 and got.stages == one_row.stages
     # one long request: 256 splits are 32 groups x 8 heads = 256 CTAs, 0.97 of a wave
     long_one = plan.fold_tile(one_row, np.ones(1, int), np.full(1, 131072), 4, 8, 132)
     assert long_one.fold_splits and long_one.splits_per_cta == 8
@@ -165,12 +167,6 @@ def test_fold_tile_choice(monkeypatch):
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "yes")
     with pytest.raises(ValueError, match="CUPY_FA_FOLD_SPLITS"):
         plan.fold_tile(verify8, q, kv, 4, 8, 132)
-    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "1")
-    monkeypatch.setenv("CUPY_FA_FOLD_STAGES", "2")  # the A/B knob: the folding variant no deeper
-    assert plan.fold_tile(one_row, q, kv, 4, 8, 132).stages == 2
-    monkeypatch.setenv("CUPY_FA_FOLD_STAGES", "5")
-    with pytest.raises(ValueError, match="CUPY_FA_FOLD_STAGES"):
-        plan.fold_tile(one_row, q, kv, 4, 8, 132)
     with pytest.raises(ValueError, match="fold_splits"):
         _build.TileShape(128, 1, 4, splits_per_cta=8, fold_splits=True)
 
@@ -183,16 +179,8 @@ def test_fold_state_only_where_the_layout_allows():
     assert _build.TileShape(64, 2, 4).folding() is None
     for head_dim in _build.HEAD_DIMS:
         for stages in _build.STAGE_CHOICES:
-            tile = _build.small_q_tile(head_dim, 1, stages)
-            folded = tile.folding()
-            assert folded.fits and folded.fold_capable and folded.splits_per_cta == _build.MERGE_GROUP
-            # as deep as the choices allow without losing a CTA per SM to the depth
-            shallow = tile.folding(max_stages=min(_build.STAGE_CHOICES))
-            assert folded.min_ctas_per_sm == shallow.min_ctas_per_sm
-            deeper = dataclasses.replace(folded, stages=folded.stages + 1)
-            assert folded.stages == max(_build.STAGE_CHOICES) or not deeper.fits or \
-                deeper.min_ctas_per_sm < folded.min_ctas_per_sm
-    assert _build.tile_for(128, 1, 4).folding().stages == 3  # one group's state leaves room for a stage
+            folded = _build.small_q_tile(head_dim, 1, stages).folding()
+            assert folded.fits and folded.fold_capable and folded.stages <= stages
 
 
 def test_tile_choice():
@@ -282,9 +270,8 @@ def test_warp_segment_search_model():
 
 
 def test_tiles_fit_the_device_shared_memory():
-    """On an A100 (163 KB per CTA) the head-dim-256 two-row tile with a fold state does not
-    fit: it runs without one (one split per CTA). The one-row tile folds at 2 stages there
-    (152 KB) and at 3 on Hopper (216 KB), one CTA per SM either way."""
+    """On an A100 (163 KB per CTA) the head-dim-256 tiles with a fold state do not fit: the
+    two-row tile runs without one (one split per CTA) and the one-row tile never folds."""
     a100 = _build.SM80_SMEM_LIMIT
     two_row = _build.tile_for(256, 8, 4, a100)
     assert two_row.warps_m == 2 and not two_row.fold_capable and two_row.fits_in(a100)
@@ -292,7 +279,8 @@ def test_tiles_fit_the_device_shared_memory():
     q, kv = np.full(64, 8), np.full(64, 4096)
     assert not plan.fold_tile(two_row, q, kv, 4, 8, 108, smem_limit=a100).fold_splits
     one_row = _build.tile_for(256, 1, 4, a100)
-    assert one_row.folding(smem_limit=a100).stages == 2 and one_row.folding().stages == 3
+    assert one_row.folding(smem_limit=a100) is None
+    assert not plan.fold_tile(one_row, np.ones(512, int), np.full(512, 4096), 4, 8, 108, smem_limit=a100).fold_splits
     for head_dim in (64, 128):  # there the fold fits an A100 as well
         assert _build.tile_for(head_dim, 1, 4, a100).folding(smem_limit=a100) is not None
     with pytest.raises(ValueError, match="shared memory"):
