@@ -58,7 +58,9 @@ if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
   fi
 fi
 if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer, page 16, into one file
-  export NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis"
+  # NCU_EXTRA: more sections (e.g. "--section InstructionStats --section SourceCounters"); NCU_METRICS:
+  # a comma list of metrics for one more pass of its own (a name ncu lacks fails only that pass)
+  export NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis ${NCU_EXTRA:-}"
   NCU_STALLS=smsp__warps_eligible.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active
   for reason in long_scoreboard short_scoreboard barrier mio_throttle math_pipe_throttle wait lg_throttle \
                 not_selected selected no_instruction dispatch_stall; do
@@ -75,10 +77,15 @@ if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer
       echo "==== ncu stalls $who $w" >> "$OUT/ncu.txt"
       timeout 150 ncu --clock-control none -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_STALLS" \
         python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
+      if [ -n "${NCU_METRICS:-}" ]; then
+        echo "==== ncu metrics $who $w" >> "$OUT/ncu.txt"
+        timeout 150 ncu --clock-control none -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_METRICS" \
+          python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
+      fi
     done
   done
   echo "ncu (key lines; whole report in ncu.txt):" >> "$summary"
-  grep -E "^==== ncu|^  [a-zA-Z_].*(Kernel|kernel)|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Waves Per SM|L2 Hit|L1/TEX Hit|stalled|warps_eligible|issue_active" "$OUT/ncu.txt" >> "$summary"
+  grep -E "^==== ncu|^  [a-zA-Z_].*(Kernel|kernel)|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Waves Per SM|L2 Hit|L1/TEX Hit|stalled|warps_eligible|issue_active|inst_executed|bank_conflicts|Executed Instructions|Branch Instructions" "$OUT/ncu.txt" >> "$summary"
 fi
 if want bench; then
   left=$(( limit - ($(date +%s) - t0) - 20 ))
