@@ -67,10 +67,6 @@ struct TileTraits {
   static constexpr int kCtasBy128Regs = 65536 / (kThreads * 128);
   static constexpr int kMinCtasPerSm =
       (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
-  // Lean epilogue (finish_split): the split's write chosen once, items unrolled, in the small-q
-  // tiles with registers to spare (past 128 per thread at their CTAs per SM, and not at head
-  // dim 256, whose accumulators take them all); the others would spill.
-  static constexpr bool kLeanEpilogue = WARPS_N > 1 && HEAD_DIM <= 128 && 65536 / (kThreads * kMinCtasPerSm) > 128;
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
   // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
@@ -365,112 +361,68 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       if (pass == 0) row_phase(split);
       __syncthreads();
 
-      // The pass's column items: thread tid takes items tid, tid + kThreads, ... (row-major),
-      // so its rows grow with k and the first past the real rows ends its share. Each item sums
-      // its warps' staged slices onto the row's max and hands them to the split's write.
-      constexpr int kPassItems = BM * (W / 4);
-      auto for_each_item = [&](auto&& write) {
-        auto item = [&](int idx) {  // false past the real rows
-          const int r = idx / (W / 4), c4_in_pass = idx % (W / 4);
-          if (row0 + r >= rows) return false;
-          const int rwm = r >> 4, rl = r & 15;
-          float o[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {
+        const int r = idx / (W / 4), c4_in_pass = idx % (W / 4), c4 = pass * (W / 4) + c4_in_pass;
+        const int row = row0 + r;
+        if (row >= rows) continue;
+        const int rwm = r >> 4, rl = r & 15;
+        const float4 rv = s_row[r];  // max, sum, 1 / sum, 1 / folded sum
+        float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-          for (int w = 0; w < Traits::kWarpsN; ++w) {
-            const float f = s_factor[r][w];
-            const float4 part = *reinterpret_cast<const float4*>(staged(rwm * Traits::kWarpsN + w, stage) +
-                                                                 staged_pair<W>(rl, 2 * c4_in_pass));
-            o[0] += part.x * f;
-            o[1] += part.y * f;
-            o[2] += part.z * f;
-            o[3] += part.w * f;
-          }
-          write(r, pass * (W / 4) + c4_in_pass, o);
-          return true;
-        };
-        if constexpr (Traits::kLeanEpilogue) {
-          static_assert(kPassItems % Traits::kThreads == 0, "whole items per thread");
-#pragma unroll
-          for (int k = 0; k < kPassItems / Traits::kThreads; ++k) {
-            if (!item(tid + k * Traits::kThreads)) break;
+        for (int w = 0; w < Traits::kWarpsN; ++w) {
+          const float f = s_factor[r][w];
+          const float4 part = *reinterpret_cast<const float4*>(staged(rwm * Traits::kWarpsN + w, stage) +
+                                                               staged_pair<W>(rl, 2 * c4_in_pass));
+          o[0] += part.x * f;
+          o[1] += part.y * f;
+          o[2] += part.z * f;
+          o[3] += part.w * f;
+        }
+        const int token = by_group.div(row), head = kv_head * group + by_group.mod(row);  // token: in the request
+        const i64 out_slot = (i64)(q_start + token) * p.num_qo_heads + head;
+        // A split's partial is rounded to T exactly like a final output, so a row whose
+        // only real split goes through merge_kernel (x 1.0) gets the bits it would have
+        // got unsplit: decode and verify stay identical.
+        if (splits == 1) {
+          store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, o, rv.z);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
+        } else if (Traits::kFoldInCta && p.fold_splits) {
+          // merge_kernel's steps (row_phase) on the partial it would have read, rounded to T
+          const int item = r * (D / 4) + c4;
+          const uint2 packed = scaled4<T>(o, rv.z);
+          const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
+          const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+          const float4 group_o = s_step[r][0].apply(split % kMergeGroup != 0 ? fold_group_o[item] : zero,
+                                                    make_float4(lo.x, lo.y, hi.x, hi.y));
+          if (split % kMergeGroup != kMergeGroup - 1 && split + 1 != split_stop) {  // the group goes on
+            fold_group_o[item] = group_o;
+          } else {
+            const FoldStep& into_total = s_step[r][1];
+            const float4 total_o =
+                into_total.apply(split >= split_first + kMergeGroup ? fold_total_o[item] : zero, group_o);
+            if (split + 1 < split_stop) {
+              fold_total_o[item] = total_o;
+            } else if (groups == 1) {  // the CTA ran the whole row: the final result
+              const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
+              store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
+              if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
+            } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
+              const i64 group_row =
+                  partial_base / kPartialRowsPerGroupState + (i64)token * groups + split_first / kMergeGroup;
+              reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
+                  total_o;
+              if (c4 == 0) {
+                const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
+                p.partial_lse[m_at] = into_total.m;
+                p.partial_lse[m_at + p.num_qo_heads] = into_total.l;
+              }
+            }
           }
         } else {
-          for (int idx = tid; idx < kPassItems; idx += Traits::kThreads) item(idx);
+          const i64 slot = ((i64)partial_base + (i64)token * splits + split) * p.num_qo_heads + head;
+          store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, rv.z);
+          if (c4 == 0) p.partial_lse[slot] = split_lse2(rv.x, rv.y);
         }
-      };
-      auto token_of = [&](int r) { return by_group.div(row0 + r); };  // in the request
-      auto head_of = [&](int r) { return kv_head * group + by_group.mod(row0 + r); };
-      auto out_slot = [&](int r) { return (i64)(q_start + token_of(r)) * p.num_qo_heads + head_of(r); };
-      // The four writes of a split's item. A split's result is rounded to T exactly like a
-      // final output, so a row whose only real split goes through merge_kernel (x 1.0) gets
-      // the bits it would have got unsplit: decode and verify stay identical.
-      auto write_result = [&](int r, int c4, const float (&o)[4]) {  // the row's only split
-        const float4 rv = s_row[r];  // max, sum, 1 / sum
-        const i64 slot = out_slot(r);
-        store_scaled4(static_cast<T*>(p.out) + slot * D + c4 * 4, o, rv.z);
-        if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(rv.x, rv.y);
-      };
-      auto write_partial = [&](int r, int c4, const float (&o)[4]) {  // normalised, for merge_kernel
-        const float4 rv = s_row[r];
-        const i64 slot = ((i64)partial_base + (i64)token_of(r) * splits + split) * p.num_qo_heads + head_of(r);
-        store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, rv.z);
-        if (c4 == 0) p.partial_lse[slot] = split_lse2(rv.x, rv.y);
-      };
-      // fold_splits: merge_kernel's step into the group (row_phase) on the partial it would
-      // have read, then the group goes on, or closes into the total
-      auto into_group = [&](int r, int c4, const float (&o)[4]) {
-        const uint2 packed = scaled4<T>(o, s_row[r].z);
-        const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
-        const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4 earlier = split % kMergeGroup != 0 ? fold_group_o[r * (D / 4) + c4] : zero;
-        return s_step[r][0].apply(earlier, make_float4(lo.x, lo.y, hi.x, hi.y));
-      };
-      auto write_group_on = [&](int r, int c4, const float (&o)[4]) {
-        fold_group_o[r * (D / 4) + c4] = into_group(r, c4, o);
-      };
-      auto write_group_closes = [&](int r, int c4, const float (&o)[4]) {
-        const int item = r * (D / 4) + c4;
-        const FoldStep& into_total = s_step[r][1];
-        const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4 total_o =
-            into_total.apply(split >= split_first + kMergeGroup ? fold_total_o[item] : zero, into_group(r, c4, o));
-        if (split + 1 < split_stop) {
-          fold_total_o[item] = total_o;
-        } else if (groups == 1) {  // the CTA ran the whole row: the final result
-          const i64 slot = out_slot(r);
-          const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
-          store_scaled4(static_cast<T*>(p.out) + slot * D + c4 * 4, merged, s_row[r].w);
-          if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(into_total.m, into_total.l);
-        } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
-          const int head = head_of(r);
-          const i64 group_row =
-              partial_base / kPartialRowsPerGroupState + (i64)token_of(r) * groups + split_first / kMergeGroup;
-          reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
-              total_o;
-          if (c4 == 0) {
-            const i64 m_at = group_m_index(group_row, head, p.num_qo_heads);
-            p.partial_lse[m_at] = into_total.m;
-            p.partial_lse[m_at + p.num_qo_heads] = into_total.l;
-          }
-        }
-      };
-      // The write is the same for every item of the split. A lean tile picks it once and runs
-      // a loop of its own per write, so the common one (a fold whose group goes on) carries
-      // none of the others' address arithmetic; the others pick it per item (registers).
-      const bool folds = Traits::kFoldInCta && p.fold_splits && splits > 1;
-      const bool group_goes_on = split % kMergeGroup != kMergeGroup - 1 && split + 1 != split_stop;
-      if constexpr (Traits::kLeanEpilogue) {
-        if (splits == 1) for_each_item(write_result);
-        else if (!folds) for_each_item(write_partial);
-        else if (group_goes_on) for_each_item(write_group_on);
-        else for_each_item(write_group_closes);
-      } else {
-        for_each_item([&](int r, int c4, const float (&o)[4]) {
-          if (splits == 1) write_result(r, c4, o);
-          else if (!folds) write_partial(r, c4, o);
-          else if (group_goes_on) write_group_on(r, c4, o);
-          else write_group_closes(r, c4, o);
-        });
       }
       __syncthreads();
     }
