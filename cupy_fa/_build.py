@@ -319,6 +319,30 @@ def device_arch(device):
     return f"sm_{major}{minor}a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
+# ---- the device: its limits, read once per device --------------------------------
+
+
+def device_attribute(name):
+    """A CUDA device attribute of CuPy's current device (e.g. ``MultiProcessorCount``,
+    ``MaxSharedMemoryPerBlockOptin``), queried once per device: plans read these every step."""
+    import cupy
+
+    return _device_attribute(cupy.cuda.Device().id, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_attribute(device_id, name):
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes[name])
+
+
+def device_smem_limit():
+    """Dynamic shared memory one CTA may opt in to (227 KB on sm_90, 163 KB on sm_80): tiles
+    are chosen to fit it."""
+    return device_attribute("MaxSharedMemoryPerBlockOptin")
+
+
 # ---- compile on a device, memoised ----------------------------------------------
 
 _functions = {}
@@ -432,9 +456,7 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
     """Compiles (or loads from the disk cache) every variant that plans with these
     dtypes and head dims can select under the current knobs, on the current
     device, so no compile happens inside a step or a graph capture."""
-    import cupy
-
-    smem_limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    smem_limit = device_smem_limit()
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in dtypes:
         for head_dim in head_dims:

@@ -15,7 +15,6 @@ reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_k
 """
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -24,34 +23,6 @@ from . import _arrays, _build, _params, plan as _plan
 from .kv_cache import PagedKVCache
 
 _LOG2E = 1.4426950408889634
-
-
-def _sm_count():
-    import cupy
-
-    return _sm_count_of(cupy.cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(device_id):
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
-
-def _smem_limit():
-    """Dynamic shared memory one CTA may opt in to on the current device (227 KB on sm_90,
-    163 KB on sm_80): the tiles are chosen to fit it."""
-    import cupy
-
-    return _smem_limit_of(cupy.cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_limit_of(device_id):
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
 
 
 def _page_shift(page_size):
@@ -181,10 +152,10 @@ class BatchAttention:
             self._ensure_capacity(batch, tokens_needed, pt_shape[1], mask_bytes if custom_mask is not None else 0,
                                   stream_capturing)
         buffers = self._buffers
-        smem_limit = _smem_limit()
+        smem_limit, sm_count = _build.device_smem_limit(), _build.device_attribute("MultiProcessorCount")
         tile = _build.tile_for(self.head_dim, max_q, self.group_size, smem_limit)
         if on_host:
-            tile = _plan.fold_tile(tile, q_host, kv_host, self.group_size, self.num_kv_heads, _sm_count(),
+            tile = _plan.fold_tile(tile, q_host, kv_host, self.group_size, self.num_kv_heads, sm_count,
                                    smem_limit=smem_limit)
             work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
             needs_merge = _plan.needs_merge(tile, q_host, kv_host)
@@ -192,7 +163,7 @@ class BatchAttention:
             # The host sees only the bounds: fold by groups where even the shortest such batch
             # (every request max_q_len tokens, one split) fills the GPU; the bits never depend on it.
             shortest = np.full(batch, max_q)
-            tile = _plan.fold_tile(tile, shortest, shortest, self.group_size, self.num_kv_heads, _sm_count(),
+            tile = _plan.fold_tile(tile, shortest, shortest, self.group_size, self.num_kv_heads, sm_count,
                                    exact=False, smem_limit=smem_limit)
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
