@@ -139,17 +139,21 @@ class TileShape:
         """Whether its dynamic shared memory fits a device's per-CTA limit (opt-in)."""
         return self.smem_bytes <= smem_limit
 
+    def deepest_fit(self, smem_limit):
+        """This tile with the deepest pipeline up to its own that fits ``smem_limit``, or None."""
+        tile = self
+        while not tile.fits_in(smem_limit) and tile.stages > min(STAGE_CHOICES):
+            tile = dataclasses.replace(tile, stages=tile.stages - 1)
+        return tile if tile.fits_in(smem_limit) else None
+
     def folding(self, groups_per_cta=1, smem_limit=SMEM_LIMIT):
         """This tile with each CTA folding ``groups_per_cta`` groups of MERGE_GROUP splits of
         its row block (plan.fold_tile), in the fold-capable variant with the deepest pipeline
         that still fits ``smem_limit``; None where no such variant exists."""
         if not self.fold_layout:
             return None
-        tile = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
-                                   fold_splits=True)
-        while not tile.fits_in(smem_limit) and tile.stages > min(STAGE_CHOICES):
-            tile = dataclasses.replace(tile, stages=tile.stages - 1)
-        return tile if tile.fits_in(smem_limit) else None
+        return dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
+                                   fold_splits=True).deepest_fit(smem_limit)
 
 
 def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT):
@@ -189,10 +193,8 @@ def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT):
     plan.fold_tile), as it costs it a CTA per SM."""
     base = TileShape(head_dim, warps_m, 4, stages)
     for fold in ((True, False) if warps_m == 2 and base.fold_layout else (False,)):
-        tile = dataclasses.replace(base, fold_capable=fold)
-        while not tile.fits_in(smem_limit) and tile.stages > min(STAGE_CHOICES):
-            tile = dataclasses.replace(tile, stages=tile.stages - 1)
-        if tile.fits_in(smem_limit):
+        tile = dataclasses.replace(base, fold_capable=fold).deepest_fit(smem_limit)
+        if tile is not None:
             return tile
     raise ValueError(f"no small-q tile of head dim {head_dim} fits {smem_limit} bytes of shared memory per CTA")
 
