@@ -251,16 +251,17 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
         return tile
     q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
 
-    def fills(folded, ctas):
+    def fills(folded):  # its CTAs, work_bound's count, fill their waves
+        ctas = work_bound(q, kv, group_size, folded) * num_kv_heads
         slots = folded.min_ctas_per_sm * sm_count
         return knob == "1" or ctas >= FOLD_MIN_WAVE_FILL * slots * -(-ctas // slots)
 
     groups = -(-int(max_splits(q, kv).max()) // _build.MERGE_GROUP)
     if exact and groups <= WHOLE_ROW_GROUPS:
         whole = tile.folding(groups, smem_limit)
-        if whole is not None and fills(whole, int(row_blocks(q, group_size, tile).sum()) * num_kv_heads):
+        if whole is not None and fills(whole):
             return whole
-    return by_group if fills(by_group, work_bound(q, kv, group_size, by_group) * num_kv_heads) else tile
+    return by_group if fills(by_group) else tile
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream):
