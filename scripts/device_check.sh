@@ -66,22 +66,19 @@ if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer
                 not_selected selected no_instruction dispatch_stall; do
     NCU_STALLS=$NCU_STALLS,smsp__average_warps_issue_stalled_${reason}_per_issue_active.ratio
   done
+  ncu_pass() {  # one ncu pass over the bench of workload $w ($who, $flags): a title word, then ncu's options
+    echo "==== ncu ${1:+$1 }$who $w" >> "$OUT/ncu.txt"; shift
+    timeout 150 ncu --clock-control none "$@" \
+      python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
+  }
   for w in ${NCU_WORKLOADS:-decode_b64_l4096 verify_q8_b64_l4096}; do
     for who in ${NCU_WHO:-ours flashinfer}; do
       if [ $who = ours ]; then kernels='attention_kernel|merge_kernel'; flags=--no-peers
       else kernels='BatchPrefill|BatchDecode|MergeStates'; flags=; fi
-      echo "==== ncu $who $w" >> "$OUT/ncu.txt"
-      timeout 150 ncu --clock-control none -k "regex:$kernels" -c 2 $NCU_SECTIONS \
-        python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
+      ncu_pass "" -k "regex:$kernels" -c 2 $NCU_SECTIONS
       # where the attention kernel's warps wait: issue-stall reasons, cycles per issued instruction
-      echo "==== ncu stalls $who $w" >> "$OUT/ncu.txt"
-      timeout 150 ncu --clock-control none -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_STALLS" \
-        python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
-      if [ -n "${NCU_METRICS:-}" ]; then
-        echo "==== ncu metrics $who $w" >> "$OUT/ncu.txt"
-        timeout 150 ncu --clock-control none -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_METRICS" \
-          python3 -m bench $w --page-size 16 --quick $flags --no-ceilings --no-plot --out /tmp/ncu_bench >> "$OUT/ncu.txt" 2>&1
-      fi
+      ncu_pass stalls -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_STALLS"
+      if [ -n "${NCU_METRICS:-}" ]; then ncu_pass metrics -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_METRICS"; fi
     done
   done
   echo "ncu (key lines; whole report in ncu.txt):" >> "$summary"
