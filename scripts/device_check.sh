@@ -59,7 +59,8 @@ if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
 fi
 if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer, page 16, into one file
   # NCU_EXTRA: more sections (e.g. "--section InstructionStats --section SourceCounters"); NCU_METRICS:
-  # a comma list of metrics for one more pass of its own (a name ncu lacks fails only that pass)
+  # a comma list of metrics for one more pass of its own (a name ncu lacks fails only that pass);
+  # NCU_SOURCE=1: one more pass whose per-instruction SASS counts and stall samples go to sass_*.csv
   export NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis ${NCU_EXTRA:-}"
   NCU_STALLS=smsp__warps_eligible.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active
   for reason in long_scoreboard short_scoreboard barrier mio_throttle math_pipe_throttle wait lg_throttle \
@@ -79,6 +80,12 @@ if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer
       # where the attention kernel's warps wait: issue-stall reasons, cycles per issued instruction
       ncu_pass stalls -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_STALLS"
       if [ -n "${NCU_METRICS:-}" ]; then ncu_pass metrics -k "regex:${kernels%%|*}" -c 1 --metrics "$NCU_METRICS"; fi
+      if [ "${NCU_SOURCE:-0}" = 1 ]; then  # per-instruction counts and stall samples (SASS), one CSV each
+        ncu_pass source -k "regex:${kernels%%|*}" -c 1 --section SourceCounters --section WarpStateStats \
+          -f -o "/tmp/ncu_source_${who}_$w"
+        ncu --import "/tmp/ncu_source_${who}_$w.ncu-rep" --page source --csv --print-source sass \
+          > "$OUT/sass_${who}_$w.csv" 2>> "$OUT/ncu.txt"
+      fi
     done
   done
   echo "ncu (key lines; whole report in ncu.txt):" >> "$summary"
