@@ -191,7 +191,14 @@ def needs_merge(tile, q_lens, kv_lens):
     q, kv = np.asarray(q_lens), np.asarray(kv_lens)
     live = q > 0
     per_input = tile.splits_per_cta if tile.fold_splits else 1
-    return bool(np.any(max_splits(q[live], kv[live]) > per_input))
+    merges = bool(np.any(max_splits(q[live], kv[live]) > per_input))
+    # merge_kernel finds a folded row's group states by MERGE_GROUP splits each (kernels/
+    # attention.cu), the attention kernel leaves one per CTA of splits_per_cta: only CTAs of one
+    # group each may precede a merge (fold_tile gives whole rows only to rows that need none)
+    if merges and tile.fold_splits and tile.splits_per_cta != _build.MERGE_GROUP:
+        raise RuntimeError(f"internal: a merge after CTAs that fold {tile.splits_per_cta} splits each; "
+                           f"merge_kernel reads one state per {_build.MERGE_GROUP}")
+    return merges
 
 
 def work_bound(q_lens, kv_lens, group_size, tile):

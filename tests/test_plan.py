@@ -143,6 +143,8 @@ def test_fold_tile_choice(monkeypatch):
     bounded = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132, exact=False)
     assert bounded.splits_per_cta == 8 and plan.work_bound(q, kv + 1, 4, bounded) == 128
     assert plan.needs_merge(bounded, q, kv + 1)
+    with pytest.raises(RuntimeError, match="merge_kernel reads one state per 8"):
+        plan.needs_merge(longer, q, kv * 4)  # a whole-row CTA's row that would need a merge
     longest = plan.fold_tile(verify8, q, kv * 4, 4, 8, 132)  # 32 splits: by groups
     assert longest.splits_per_cta == 8 and plan.work_bound(q, kv * 4, 4, longest) == 64 * 4
     assert not plan.fold_tile(_build.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
