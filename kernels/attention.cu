@@ -378,12 +378,16 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           o[2] += part.z * f;
           o[3] += part.w * f;
         }
-        const int token = by_group.div(row), head = kv_head * group + by_group.mod(row);  // token: in the request
-        const i64 out_slot = (i64)(q_start + token) * p.num_qo_heads + head;
+        // the row's token (in the request), head and slot in `out`: only the writes that leave the
+        // CTA compute them (a fold whose group goes on, most splits, needs none)
+        auto token_of = [&]() { return by_group.div(row); };
+        auto head_of = [&]() { return kv_head * group + by_group.mod(row); };
+        auto out_slot_of = [&]() { return (i64)(q_start + token_of()) * p.num_qo_heads + head_of(); };
         // A split's partial is rounded to T exactly like a final output, so a row whose
         // only real split goes through merge_kernel (x 1.0) gets the bits it would have
         // got unsplit: decode and verify stay identical.
         if (splits == 1) {
+          const i64 out_slot = out_slot_of();
           store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, o, rv.z);
           if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
         } else if (Traits::kFoldInCta && p.fold_splits) {
@@ -404,11 +408,13 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
               fold_total_o[item] = total_o;
             } else if (groups == 1) {  // the CTA ran the whole row: the final result
               const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
+              const i64 out_slot = out_slot_of();
               store_scaled4(static_cast<T*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
               if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
             } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
+              const int head = head_of();
               const i64 group_row =
-                  partial_base / kPartialRowsPerGroupState + (i64)token * groups + split_first / kMergeGroup;
+                  partial_base / kPartialRowsPerGroupState + (i64)token_of() * groups + split_first / kMergeGroup;
               reinterpret_cast<float4*>(p.partial_out)[group_o_index(group_row, head, p.num_qo_heads, D / 4) + c4] =
                   total_o;
               if (c4 == 0) {
@@ -419,7 +425,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
             }
           }
         } else {
-          const i64 slot = ((i64)partial_base + (i64)token * splits + split) * p.num_qo_heads + head;
+          const i64 slot = ((i64)partial_base + (i64)token_of() * splits + split) * p.num_qo_heads + head_of();
           store_scaled4(static_cast<T*>(p.partial_out) + slot * D + c4 * 4, o, rv.z);
           if (c4 == 0) p.partial_lse[slot] = split_lse2(rv.x, rv.y);
         }
