@@ -23,6 +23,8 @@ Environment knobs (all of them):
                               splits themselves (a whole row, or a group of 8) instead of a merge
                               kernel (auto: when the batch fills the GPU; results unchanged;
                               cupy_fa/plan.py fold_tile).
+  ``CUPY_FA_TRACE``           ``1``: compile the attention kernel's timeline stamps in (diagnosis only,
+                              scripts/probe_timeline.py; ``trace_buffer`` reads them).
 """
 
 import ctypes
@@ -301,6 +303,8 @@ def compile_options(arch):
     options.append(f"-arch={arch}")
     if arch.endswith("90a"):
         options.append("-DCUPY_FA_REQUIRE_SM90A")
+    if os.environ.get("CUPY_FA_TRACE") == "1":
+        options.append("-DCUPY_FA_TRACE")
     return tuple(options)
 
 
@@ -348,6 +352,7 @@ def device_smem_limit():
 # ---- compile on a device, memoised ----------------------------------------------
 
 _functions = {}
+_modules = {}  # the same keys: the module each function lives in (trace_buffer)
 _lock = threading.Lock()
 
 
@@ -373,8 +378,20 @@ def get_function(variant):
             fn = module.get_function(variant.expression)
             if variant.smem_bytes > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = variant.smem_bytes
+            _modules[key] = module
             _functions[key] = fn
     return fn
+
+
+def trace_buffer(variant):
+    """The timeline stamps of ``variant`` on the current device (``CUPY_FA_TRACE=1`` builds of
+    attention.cu only): a uint64 cupy array [kTraceCtas, 4] of (start, first K/V tile, done,
+    SM id) per CTA, written by each launch (zero it in between to tell launches apart)."""
+    import cupy
+
+    module = _modules[(cupy.cuda.Device().id, variant)]
+    pointer = module.get_global("cupy_fa_trace")
+    return cupy.ndarray((1 << 15, 4), cupy.uint64, pointer)
 
 
 def launch(variant, grid, params, stream, programmatic=False):

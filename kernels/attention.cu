@@ -124,6 +124,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
   allow_dependent_launch();
+  trace_stamp(0);  // the CTA starts
 
   // ---- which work item is this CTA --------------------------------------------
   const int work = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
@@ -445,6 +446,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     cp_async_commit();
     cp_async_wait<Traits::kStages - 1>();
     __syncthreads();
+    if (tile == 0) trace_stamp(1);  // its first K/V tile has arrived
 
     if (warp_has_rows) {
       const T* tK = sK + stage * BN * D;
@@ -570,6 +572,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     __syncthreads();
     finish_split(split_now, 0);
   }
+  trace_stamp(2);  // it is done
 }
 
 // Merge shapes: HEADS_PER_CTA heads of one token per CTA, HEAD_DIM / 4 lanes per

@@ -179,4 +179,29 @@ __device__ __forceinline__ void wait_for_prior_grid() {
 #endif
 }
 
+// ---- timeline probe (diagnosis only: scripts/probe_timeline.py) -----------------
+
+// With -DCUPY_FA_TRACE (CUPY_FA_TRACE=1), thread 0 of each of the first kTraceCtas CTAs
+// stamps the global timer (ns) into cupy_fa_trace[blockIdx.x][stamp], and its SM id into
+// stamp kTraceSm; without it every call compiles to nothing.
+constexpr int kTraceCtas = 1 << 15, kTraceStamps = 4, kTraceSm = kTraceStamps - 1;
+#ifdef CUPY_FA_TRACE
+}  // namespace cupy_fa
+extern "C" {
+__device__ unsigned long long cupy_fa_trace[cupy_fa::kTraceCtas][cupy_fa::kTraceStamps];
+}
+namespace cupy_fa {
+__device__ __forceinline__ void trace_stamp(int stamp) {
+  if (threadIdx.x != 0 || blockIdx.x >= kTraceCtas) return;
+  unsigned long long now;
+  unsigned sm;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  cupy_fa_trace[blockIdx.x][stamp] = now;
+  cupy_fa_trace[blockIdx.x][kTraceSm] = sm;
+}
+#else
+__device__ __forceinline__ void trace_stamp(int) {}
+#endif
+
 }  // namespace cupy_fa
