@@ -8,9 +8,9 @@
 // work item x H_kv + KV head, heads fastest: the H_kv CTAs that read the same
 // key slots (one 16-byte chunk column each of the same [page, slot, H_kv, D]
 // rows) run side by side, so DRAM sees whole slots rather than one head's
-// slice of each. work_indptr (plan_kernel) gives each request's first work
-// item. Grids are sized by capacity; CTAs past the real work exit after
-// finding so (graph-safe).
+// slice of each. plan_kernel gives each work item its request and first key
+// (work_items) and each request its first work item (work_indptr). Grids are
+// sized by capacity; CTAs past the real work exit after finding so (graph-safe).
 //
 // Inside a CTA, WARPS_M warps own 16 rows each and WARPS_N warps split every
 // KV tile between them (decode has few rows but many keys, prefill the
@@ -128,11 +128,40 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 
   // ---- which work item is this CTA --------------------------------------------
   const int work = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
-  // the total's load overlaps the search's (past the real work the search returns
-  // some request, harmlessly, and the CTA exits)
-  const int total_work = __ldg(p.work_indptr + p.batch_size);
-  const int b = upper_segment(p.work_indptr, p.batch_size, work);
-  if (work >= total_work) return;
+  // its request and first key (plan_kernel); past the real work, request -1: the CTA exits
+  const int2 item = __ldg(p.work_items + work);
+  if (item.x < 0) return;
+  const int b = item.x, kv_begin = item.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
+  const int chunk = tid % CH, row_in_pass = tid / CH;
+
+  // ---- page ids: this thread's key rows of the next tile to issue -----------------
+  // Fetched one tile ahead, so the page-table read (an L2 round trip every tile at page
+  // size 1) hides behind compute; the first tile's right away, from the work item alone,
+  // bounded by the request's page-table row (the copies check the real key range).
+  const int* page_row = p.page_table + (i64)b * p.page_table_stride;
+  constexpr int KV_ROWS = BN / STEP;  // key rows this thread copies per tile
+  int pages[KV_ROWS];
+  // The page-size test is made once per tile, outside the unrolled row loops (the
+  // pow2 and general paths are each straight-line code): inside them it put a branch
+  // between every row's address arithmetic and its copies.
+  auto fetch_rows = [&](int tile_key0, int key_stop, auto page_of) {
+#pragma unroll
+    for (int i = 0; i < KV_ROWS; ++i) {
+      const int key = tile_key0 + row_in_pass + i * STEP;
+      pages[i] = key < key_stop ? __ldg(page_row + page_of(key)) : 0;
+    }
+  };
+  auto fetch_pages = [&](int tile_key0, int key_stop) {
+    if (p.page_shift >= 0) {
+      fetch_rows(tile_key0, key_stop, [&](int key) { return key >> p.page_shift; });
+    } else {
+      fetch_rows(tile_key0, key_stop, [&](int key) { return key / p.page_size; });
+    }
+  };
+  fetch_pages(kv_begin, p.page_table_stride * p.page_size);
+
   const int q_start = __ldg(p.q_indptr + b);
   const int q_len = __ldg(p.q_indptr + b + 1) - q_start;
   const int kv_len = __ldg(p.kv_lens + b);
@@ -165,14 +194,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // (a multiple of BN, so no tile straddles two splits)
   const int split_keys = __ldg(p.split_keys + b);
   const int tiles_per_split = split_keys / BN;
-  const int kv_begin = split_first * split_keys;
   int kv_end = min(kv_len, split_stop * split_keys);
   if (p.mask_mode == 1) kv_end = min(kv_end, prefix + by_group.div(min(row0 + BM, rows) - 1) + 1);
   const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
-  const int chunk = tid % CH, row_in_pass = tid / CH;
   // a warp whose 16 rows are all padding (decode in a 2-row-warp tile) only loads
   const bool warp_has_rows = row0 + wm * 16 < rows;
 
@@ -194,33 +219,11 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
     }
   }
-  const int* page_row = p.page_table + (i64)b * p.page_table_stride;
   // Byte addresses of this thread's 16-byte chunk of the head in cache slot 0; a key's
   // chunk is one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(T) < 2^31).
   const int slot_bytes = p.num_kv_heads * D * (int)sizeof(T);
   const char* k_chunk = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + kv_head * D + chunk * 8);
   const char* v_chunk = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + kv_head * D + chunk * 8);
-  constexpr int KV_ROWS = BN / STEP;  // key rows this thread copies per tile
-  // Page ids of the next tile to issue, fetched one tile ahead so the page-table
-  // read (an L2 round trip every tile at page size 1) hides behind compute.
-  int pages[KV_ROWS];
-  // The page-size test is made once per tile, outside the unrolled row loops (the
-  // pow2 and general paths are each straight-line code): inside them it put a branch
-  // between every row's address arithmetic and its copies.
-  auto fetch_rows = [&](int tile, auto page_of) {
-#pragma unroll
-    for (int i = 0; i < KV_ROWS; ++i) {
-      const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
-      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
-    }
-  };
-  auto fetch_pages = [&](int tile) {
-    if (p.page_shift >= 0) {
-      fetch_rows(tile, [&](int key) { return key >> p.page_shift; });
-    } else {
-      fetch_rows(tile, [&](int key) { return key / p.page_size; });
-    }
-  };
   auto issue_rows = [&](int tile, int stage, auto slot_of) {
     T* dk = sK + stage * BN * D;
     T* dv = sV + stage * BN * D;
@@ -243,12 +246,11 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   };
 
   // prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
-  fetch_pages(0);
 #pragma unroll
   for (int t = 0; t < Traits::kStages - 1; ++t) {
     if (t < num_tiles) {
       issue_kv_tile(t, t);
-      fetch_pages(t + 1);
+      fetch_pages(kv_begin + (t + 1) * BN, kv_end);  // nothing past kv_end is read
     }
     cp_async_commit();
   }
@@ -264,7 +266,12 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   };
   reset_state();
   const int g = lane >> 2, tq = lane & 3;
-  const int first_query_pos = prefix + by_group.div(row0);  // position of the tile's first query
+  // Tiles whose last key reaches this need the mask: the end of the keys, the causal diagonal of
+  // the tile's first query, or the custom mask's columns (this step's keys). One threshold, so
+  // the per-tile test is one compare.
+  const int mask_from = p.mask_mode == 1   ? min(kv_end, prefix + by_group.div(row0) + 1)
+                        : p.mask_mode == 2 ? min(kv_end, prefix)
+                                           : kv_end;
 
   // ---- end of a split: merge the WARPS_N states of each row through shared memory,
   // then write the split's rows (out, a partial, or the fold). Each warp publishes its
@@ -305,6 +312,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       s_sum[warp][g + 8] = l[1];
     }
   };
+  // with fold_splits: whether a split is the last of its group of kMergeGroup (or of the CTA's
+  // run), whose fold then moves the group into the total
+  auto group_closes = [&](int split) { return split % kMergeGroup == kMergeGroup - 1 || split + 1 == split_stop; };
   // A row's values for its column items, once per row (thread r for row r): the max and sum
   // over the warps, each warp's factor onto that max, and with fold_splits the split's steps
   // in merge_kernel's order: into the open group (empty at a group's first split), and at a
@@ -328,7 +338,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       if (split % kMergeGroup == 0) ml.x = -INFINITY, ml.y = 0.f;
       const FoldStep into_group = FoldStep::of(ml.x, ml.y, split_lse2(m_all, l_all), 1.f);
       FoldStep into_total = FoldStep::of(ml.z, ml.w, -INFINITY, 0.f);  // keep: the group is still open
-      if (split % kMergeGroup == kMergeGroup - 1 || split + 1 == split_stop)
+      if (group_closes(split))
         into_total = FoldStep::of(ml.z, ml.w, into_group.m, into_group.l);
       fold_ml[tid] = make_float4(into_group.m, into_group.l, into_total.m, into_total.l);
       s_step[tid][0] = into_group;
@@ -399,7 +409,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
           const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
           const float4 group_o = s_step[r][0].apply(split % kMergeGroup != 0 ? fold_group_o[item] : zero,
                                                     make_float4(lo.x, lo.y, hi.x, hi.y));
-          if (split % kMergeGroup != kMergeGroup - 1 && split + 1 != split_stop) {  // the group goes on
+          if (!group_closes(split)) {  // the group goes on
             fold_group_o[item] = group_o;
           } else {
             const FoldStep& into_total = s_step[r][1];
@@ -441,7 +451,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     const int ahead = tile + Traits::kStages - 1;  // refills the stage computed last iteration
     if (ahead < num_tiles) {
       issue_kv_tile(ahead, ahead % Traits::kStages);
-      fetch_pages(ahead + 1);  // consumed next iteration
+      fetch_pages(kv_begin + (ahead + 1) * BN, kv_end);  // consumed next iteration
     }
     cp_async_commit();
     cp_async_wait<Traits::kStages - 1>();
@@ -473,8 +483,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       // scale into base 2 and mask (only tiles that touch a boundary pay for it)
       const int tile_key0 = kv_begin + tile * BN;
       const int tile_last = tile_key0 + BN - 1;
-      const bool need_mask = tile_last >= kv_end || (p.mask_mode == 1 && tile_last > first_query_pos) ||
-                             (p.mask_mode == 2 && tile_last >= prefix);
+      const bool need_mask = tile_last >= mask_from;
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
