@@ -14,18 +14,18 @@ _PTR = np.uint64
 _FIELDS = {
     "PlanParams": [
         ("q_lens", _PTR), ("kv_lens", _PTR), ("q_indptr", _PTR), ("work_indptr", _PTR),
-        ("work_items", _PTR), ("num_splits", _PTR), ("split_keys", _PTR), ("partial_indptr", _PTR),
-        ("mask_indptr", _PTR), ("status", _PTR),
+        ("num_splits", _PTR), ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
+        ("status", _PTR),
         ("batch_size", np.int32), ("group_size", np.int32), ("block_m", np.int32), ("block_n", np.int32),
         ("split_size", np.int32), ("max_splits", np.int32), ("small_q_len", np.int32),
         ("split_row_budget", np.int32), ("splits_per_cta", np.int32), ("fold_splits", np.int32),
-        ("partial_capacity", np.int32), ("work_grid", np.int32),
+        ("partial_capacity", np.int32),
     ],
     "AttentionParams": [
         ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("out", _PTR), ("lse", _PTR),
         ("partial_out", _PTR), ("partial_lse", _PTR), ("page_table", _PTR), ("custom_mask", _PTR),
-        ("q_indptr", _PTR), ("kv_lens", _PTR), ("work_indptr", _PTR), ("work_items", _PTR),
-        ("num_splits", _PTR), ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
+        ("q_indptr", _PTR), ("kv_lens", _PTR), ("work_indptr", _PTR), ("num_splits", _PTR),
+        ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
         ("batch_size", np.int32), ("page_size", np.int32), ("page_table_stride", np.int32),
         ("num_qo_heads", np.int32), ("num_kv_heads", np.int32), ("mask_mode", np.int32),
         ("sm_scale_log2", np.float32), ("page_shift", np.int32), ("splits_per_cta", np.int32),

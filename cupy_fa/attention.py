@@ -84,8 +84,7 @@ class BatchAttention:
         if self._fixed_capacity:
             self._buffers = _plan.PlanBuffers(
                 _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
-                               int(max_mask_bytes)), self.num_qo_heads, self.head_dim, self.dtype_name,
-                self.group_size)
+                               int(max_mask_bytes)), self.num_qo_heads, self.head_dim, self.dtype_name)
 
     # ---- plan ------------------------------------------------------------------------
 
@@ -172,7 +171,7 @@ class BatchAttention:
 
         with stream:
             self._copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev)
-            _plan.launch_plan(buffers, batch, self.group_size, tile, work_grid, stream)
+            _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
         done = None if stream_capturing else stream.record()
         self._plan = _PlanState(batch, num_tokens, tile, work_grid, needs_merge, mask_mode, float(sm_scale),
                                 pt_host if on_host else None, q_host, kv_host, int(pt_shape[1]), stream.ptr, done)
@@ -204,7 +203,7 @@ class BatchAttention:
             # the old buffers: keep them alive rather than hand their memory back
             self._retired.append(buffers)
         self._buffers = _plan.PlanBuffers(base.grown_to(batch, tokens, pages, mask_bytes),
-                                          self.num_qo_heads, self.head_dim, self.dtype_name, self.group_size)
+                                          self.num_qo_heads, self.head_dim, self.dtype_name)
 
     @staticmethod
     def _copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev):
@@ -317,7 +316,7 @@ class BatchAttention:
             partial_lse=buffers.partial_lse.data.ptr, page_table=buffers.page_table.data.ptr,
             custom_mask=buffers.custom_mask.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
             kv_lens=buffers.kv_lens.data.ptr, work_indptr=buffers.work_indptr.data.ptr,
-            work_items=buffers.work_items.data.ptr, num_splits=buffers.num_splits.data.ptr, split_keys=buffers.split_keys.data.ptr,
+            num_splits=buffers.num_splits.data.ptr, split_keys=buffers.split_keys.data.ptr,
             partial_indptr=buffers.partial_indptr.data.ptr, mask_indptr=buffers.mask_indptr.data.ptr,
             batch_size=state.batch_size, page_size=cache.page_size,
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,

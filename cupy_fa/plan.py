@@ -75,7 +75,7 @@ class PlanBuffers:
     """Device buffers for one capacity: the step's inputs (lengths, page table,
     mask), the plan kernel's outputs, and the split-KV workspace."""
 
-    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name, group_size):
+    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name):
         import cupy
 
         from . import _arrays
@@ -89,7 +89,6 @@ class PlanBuffers:
         self.custom_mask = cupy.zeros(max(capacity.max_mask_bytes, 1), np.uint8)
         self.q_indptr = cupy.zeros(b + 1, i32)
         self.work_indptr = cupy.zeros(b + 1, i32)
-        self.work_items = cupy.zeros((work_item_capacity(capacity, group_size, head_dim), 2), i32)
         self.partial_indptr = cupy.zeros(b + 1, i32)
         self.mask_indptr = cupy.zeros(b + 1, i32)
         self.num_splits = cupy.zeros(b, i32)
@@ -100,17 +99,16 @@ class PlanBuffers:
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
 
-    def plan_params(self, batch_size, group_size, tile, work_grid):
+    def plan_params(self, batch_size, group_size, tile):
         return _params.make(
             "PlanParams", q_lens=self.q_lens.data.ptr, kv_lens=self.kv_lens.data.ptr,
             q_indptr=self.q_indptr.data.ptr, work_indptr=self.work_indptr.data.ptr,
-            work_items=self.work_items.data.ptr, num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
+            num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
             block_m=tile.block_m, block_n=tile.block_n, split_size=split_size(), max_splits=MAX_SPLITS,
             small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=tile.splits_per_cta,
-            fold_splits=int(tile.fold_splits), partial_capacity=self.partial_out.shape[0],
-            work_grid=work_grid)
+            fold_splits=int(tile.fold_splits), partial_capacity=self.partial_out.shape[0])
 
 
 # ---- host-side checks and bounds ----------------------------------------------------
@@ -229,18 +227,6 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
     return min(b * per_request, loose)
 
 
-def work_item_capacity(capacity, group_size, head_dim):
-    """Entries of PlanBuffers.work_items (one per attention work item): the most any plan on
-    this capacity launches, i.e. capacity_work_bound of the tiles with the most work items
-    (the one-row small-q tile running one split per CTA, and the prefill tile)."""
-    unbounded = 2**31 - 1
-    t = capacity.max_num_tokens
-    small_q = capacity_work_bound(capacity, group_size, _build.TileShape(head_dim, 1, 4), min(t, SMALL_Q_LEN),
-                                  unbounded)
-    prefill = capacity_work_bound(capacity, group_size, _build.TileShape(head_dim, 4, 1), t, unbounded)
-    return max(small_q, prefill, 1)
-
-
 FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
 WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most this many groups
 
@@ -285,9 +271,5 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
     return by_group if fills(by_group) else tile
 
 
-def launch_plan(buffers, batch_size, group_size, tile, work_grid, stream):
-    """plan_kernel for a step whose attention grid covers ``work_grid`` work items."""
-    if work_grid > buffers.work_items.shape[0]:  # work_item_capacity bounds every plan's grid
-        raise RuntimeError(f"internal: a grid of {work_grid} work items exceeds the {buffers.work_items.shape[0]} "
-                           f"work_items entries of capacity {buffers.capacity}")
-    _build.launch(_build.PLAN_VARIANT, (1,), buffers.plan_params(batch_size, group_size, tile, work_grid), stream)
+def launch_plan(buffers, batch_size, group_size, tile, stream):
+    _build.launch(_build.PLAN_VARIANT, (1,), buffers.plan_params(batch_size, group_size, tile), stream)

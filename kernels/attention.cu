@@ -8,9 +8,9 @@
 // work item x H_kv + KV head, heads fastest: the H_kv CTAs that read the same
 // key slots (one 16-byte chunk column each of the same [page, slot, H_kv, D]
 // rows) run side by side, so DRAM sees whole slots rather than one head's
-// slice of each. plan_kernel gives each work item its request and first key
-// (work_items) and each request its first work item (work_indptr). Grids are
-// sized by capacity; CTAs past the real work exit after finding so (graph-safe).
+// slice of each. work_indptr (plan_kernel) gives each request's first work
+// item. Grids are sized by capacity; CTAs past the real work exit after
+// finding so (graph-safe).
 //
 // Inside a CTA, WARPS_M warps own 16 rows each and WARPS_N warps split every
 // KV tile between them (decode has few rows but many keys, prefill the
@@ -67,6 +67,10 @@ struct TileTraits {
   static constexpr int kCtasBy128Regs = 65536 / (kThreads * 128);
   static constexpr int kMinCtasPerSm =
       (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
+  // Q's mma fragments (32 registers at D = 128) held across the KV tiles, loaded from shared
+  // memory once, where the register file gives every thread 255 (decode-like tiles at 256
+  // threads per SM: the one-row folding tile): a third of a tile's ldmatrix reads fewer.
+  static constexpr bool kQInRegisters = WARPS_N > 1 && HEAD_DIM <= 128 && kThreads * kMinCtasPerSm <= 256;
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
   // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
@@ -128,40 +132,11 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 
   // ---- which work item is this CTA --------------------------------------------
   const int work = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
-  // its request and first key (plan_kernel); past the real work, request -1: the CTA exits
-  const int2 item = __ldg(p.work_items + work);
-  if (item.x < 0) return;
-  const int b = item.x, kv_begin = item.y;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
-  const int chunk = tid % CH, row_in_pass = tid / CH;
-
-  // ---- page ids: this thread's key rows of the next tile to issue -----------------
-  // Fetched one tile ahead, so the page-table read (an L2 round trip every tile at page
-  // size 1) hides behind compute; the first tile's right away, from the work item alone,
-  // bounded by the request's page-table row (the copies check the real key range).
-  const int* page_row = p.page_table + (i64)b * p.page_table_stride;
-  constexpr int KV_ROWS = BN / STEP;  // key rows this thread copies per tile
-  int pages[KV_ROWS];
-  // The page-size test is made once per tile, outside the unrolled row loops (the
-  // pow2 and general paths are each straight-line code): inside them it put a branch
-  // between every row's address arithmetic and its copies.
-  auto fetch_rows = [&](int tile_key0, int key_stop, auto page_of) {
-#pragma unroll
-    for (int i = 0; i < KV_ROWS; ++i) {
-      const int key = tile_key0 + row_in_pass + i * STEP;
-      pages[i] = key < key_stop ? __ldg(page_row + page_of(key)) : 0;
-    }
-  };
-  auto fetch_pages = [&](int tile_key0, int key_stop) {
-    if (p.page_shift >= 0) {
-      fetch_rows(tile_key0, key_stop, [&](int key) { return key >> p.page_shift; });
-    } else {
-      fetch_rows(tile_key0, key_stop, [&](int key) { return key / p.page_size; });
-    }
-  };
-  fetch_pages(kv_begin, p.page_table_stride * p.page_size);
-
+  // the total's load overlaps the search's (past the real work the search returns
+  // some request, harmlessly, and the CTA exits)
+  const int total_work = __ldg(p.work_indptr + p.batch_size);
+  const int b = upper_segment(p.work_indptr, p.batch_size, work);
+  if (work >= total_work) return;
   const int q_start = __ldg(p.q_indptr + b);
   const int q_len = __ldg(p.q_indptr + b + 1) - q_start;
   const int kv_len = __ldg(p.kv_lens + b);
@@ -194,10 +169,14 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // (a multiple of BN, so no tile straddles two splits)
   const int split_keys = __ldg(p.split_keys + b);
   const int tiles_per_split = split_keys / BN;
+  const int kv_begin = split_first * split_keys;
   int kv_end = min(kv_len, split_stop * split_keys);
   if (p.mask_mode == 1) kv_end = min(kv_end, prefix + by_group.div(min(row0 + BM, rows) - 1) + 1);
   const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
 
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
+  const int chunk = tid % CH, row_in_pass = tid / CH;
   // a warp whose 16 rows are all padding (decode in a 2-row-warp tile) only loads
   const bool warp_has_rows = row0 + wm * 16 < rows;
 
@@ -219,11 +198,33 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
     }
   }
+  const int* page_row = p.page_table + (i64)b * p.page_table_stride;
   // Byte addresses of this thread's 16-byte chunk of the head in cache slot 0; a key's
   // chunk is one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(T) < 2^31).
   const int slot_bytes = p.num_kv_heads * D * (int)sizeof(T);
   const char* k_chunk = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + kv_head * D + chunk * 8);
   const char* v_chunk = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + kv_head * D + chunk * 8);
+  constexpr int KV_ROWS = BN / STEP;  // key rows this thread copies per tile
+  // Page ids of the next tile to issue, fetched one tile ahead so the page-table
+  // read (an L2 round trip every tile at page size 1) hides behind compute.
+  int pages[KV_ROWS];
+  // The page-size test is made once per tile, outside the unrolled row loops (the
+  // pow2 and general paths are each straight-line code): inside them it put a branch
+  // between every row's address arithmetic and its copies.
+  auto fetch_rows = [&](int tile, auto page_of) {
+#pragma unroll
+    for (int i = 0; i < KV_ROWS; ++i) {
+      const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
+      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+    }
+  };
+  auto fetch_pages = [&](int tile) {
+    if (p.page_shift >= 0) {
+      fetch_rows(tile, [&](int key) { return key >> p.page_shift; });
+    } else {
+      fetch_rows(tile, [&](int key) { return key / p.page_size; });
+    }
+  };
   auto issue_rows = [&](int tile, int stage, auto slot_of) {
     T* dk = sK + stage * BN * D;
     T* dv = sV + stage * BN * D;
@@ -246,11 +247,12 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   };
 
   // prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
+  fetch_pages(0);
 #pragma unroll
   for (int t = 0; t < Traits::kStages - 1; ++t) {
     if (t < num_tiles) {
       issue_kv_tile(t, t);
-      fetch_pages(kv_begin + (t + 1) * BN, kv_end);  // nothing past kv_end is read
+      fetch_pages(t + 1);
     }
     cp_async_commit();
   }
@@ -445,13 +447,14 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     }
   };
 
+  u32 q_frag[Traits::kQInRegisters ? K_STEPS : 1][4];  // kQInRegisters: Q's fragments, from the first tile on
   int split_now = split_first, tiles_left = tiles_per_split;
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int stage = tile % Traits::kStages;
     const int ahead = tile + Traits::kStages - 1;  // refills the stage computed last iteration
     if (ahead < num_tiles) {
       issue_kv_tile(ahead, ahead % Traits::kStages);
-      fetch_pages(kv_begin + (ahead + 1) * BN, kv_end);  // consumed next iteration
+      fetch_pages(ahead + 1);  // consumed next iteration
     }
     cp_async_commit();
     cp_async_wait<Traits::kStages - 1>();
@@ -466,10 +469,23 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       float s[S_BLOCKS][4];
 #pragma unroll
       for (int i = 0; i < S_BLOCKS; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      auto load_q = [&](int kk, u32(&a)[4]) {
+        ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      };
+      if constexpr (Traits::kQInRegisters) {
+        if (tile == 0) {  // Q arrived with the first tile
+#pragma unroll
+          for (int kk = 0; kk < K_STEPS; ++kk) load_q(kk, q_frag[kk]);
+        }
+      }
 #pragma unroll
       for (int kk = 0; kk < K_STEPS; ++kk) {
         u32 a[4];
-        ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        if constexpr (Traits::kQInRegisters) {
+          a[0] = q_frag[kk][0], a[1] = q_frag[kk][1], a[2] = q_frag[kk][2], a[3] = q_frag[kk][3];
+        } else {
+          load_q(kk, a);
+        }
 #pragma unroll
         for (int nb = 0; nb < S_BLOCKS / 2; ++nb) {
           u32 kb[4];

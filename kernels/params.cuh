@@ -24,8 +24,6 @@ struct PlanParams {
   const int* kv_lens;         // [B]   valid keys AFTER this step's write
   int* q_indptr;              // [B+1] exclusive scan of q_lens
   int* work_indptr;           // [B+1] exclusive scan of (row blocks x splits)
-  int2* work_items;           // [work_grid] each work item's (request, first key), then (-1, 0) up to the
-                              // grid's end: an attention CTA issues its page-table reads one load in
   int* num_splits;            // [B]   KV splits of request b (0 for padded rows)
   int* split_keys;            // [B]   keys per split of request b (multiple of block_n)
   int* partial_indptr;        // [B+1] exclusive scan of q_len x num_splits when num_splits > 1
@@ -44,7 +42,6 @@ struct PlanParams {
                               // a request that several CTAs share (a group state each), none otherwise
   int partial_capacity;       // rows of the split-partial buffers; a batch that would need more
                               // caps every request at partial_capacity / batch_size rows
-  int work_grid;              // work items the attention kernel's grid covers (this plan's bound)
 };
 
 struct AttentionParams {
@@ -60,7 +57,6 @@ struct AttentionParams {
   const int* q_indptr;
   const int* kv_lens;
   const int* work_indptr;
-  const int2* work_items;     // PlanParams::work_items
   const int* num_splits;
   const int* split_keys;
   const int* partial_indptr;

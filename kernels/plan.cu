@@ -181,28 +181,6 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
     p.partial_indptr[p.batch_size] = carry.partial;
     p.mask_indptr[p.batch_size] = carry.mask;
   }
-  __syncthreads();  // the offsets and splits above are visible to the whole block
-
-  // Pass 3: each work item's request and first key, and (-1, 0) for the grid's CTAs past the
-  // real work. An attention CTA reads its entry with one load and issues its first page-table
-  // reads right after, instead of searching work_indptr and reading the request's splits
-  // first: L2 round trips at every CTA start, and so in every SM slot's handover from one CTA
-  // to the next.
-  for (int w = threadIdx.x; w < p.work_grid; w += kPlanThreads) {
-    int2 item = make_int2(-1, 0);
-    if (w < carry.work) {
-      int lo = 0, hi = p.batch_size;  // work_indptr[lo] <= w < work_indptr[hi]
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (p.work_indptr[mid] <= w) lo = mid; else hi = mid;
-      }
-      // the attention kernel's order: row blocks of split groups, split groups fastest
-      const int groups = (p.num_splits[lo] + p.splits_per_cta - 1) / p.splits_per_cta;
-      const int split_first = ((w - p.work_indptr[lo]) % groups) * p.splits_per_cta;
-      item = make_int2(lo, split_first * p.split_keys[lo]);
-    }
-    p.work_items[w] = item;
-  }
 }
 
 }  // namespace cupy_fa

@@ -32,8 +32,8 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
     share = max(partial_capacity // len(q_lens), 1) if want_rows > partial_capacity else None
 
     out = {k: [0] for k in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr")}
-    splits_all, keys_all, items = [], [], []
-    for b, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+    splits_all, keys_all = [], []
+    for q, kv in zip(q_lens, kv_lens):
         splits = keys = work = partial = 0
         if q > 0:
             cap = wanted(q, kv)
@@ -41,10 +41,7 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
                 cap = min(cap, max(1, share // q))
             splits, keys = schedule(q, kv, cap)
             assert splits <= cap
-            groups = -(-splits // tile.splits_per_cta)  # CTAs run groups of splits_per_cta splits
-            work = -(-(q * group) // tile.block_m) * groups
-            # work items: row blocks of split groups, split groups fastest; (request, first key)
-            items += [(b, (local % groups) * tile.splits_per_cta * keys) for local in range(work)]
+            work = -(-(q * group) // tile.block_m) * -(-splits // tile.splits_per_cta)  # CTAs run split groups
             partial = q * splits if splits > 1 else 0
             if tile.fold_splits:  # CTAs fold their groups: two rows per group state, if several
                 groups = -(-splits // tile.splits_per_cta)
@@ -60,7 +57,6 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
         splits_all.append(splits)
         keys_all.append(keys)
     out["num_splits"], out["split_keys"] = splits_all, keys_all
-    out["work_items"] = np.array(items, dtype=np.int64).reshape(-1, 2)
     assert out["partial_indptr"][-1] <= partial_capacity
     result = {k: np.array(v) for k, v in out.items()}
     result["overflow"] = share is not None
@@ -90,9 +86,6 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
         cap = plan.Capacity(len(q), int(q.sum()) + 1, 1)
         assert plan.capacity_work_bound(cap, group, tile, max_q, int(kv.max())) >= m["work_indptr"][-1]
         assert plan.capacity_work_bound(cap, group, tile, max_q, 2**31 - 1) >= m["work_indptr"][-1]
-        # every grid a plan on this capacity launches has its work_items entries
-        assert plan.work_item_capacity(cap, group, head_dim) >= plan.capacity_work_bound(cap, group, tile, max_q,
-                                                                                          2**31 - 1)
         # the split-partial buffers are never overrun
         assert m["partial_indptr"][-1] <= capacity
         # unless the batch overflows the partial buffers, splits depend on the request alone
@@ -228,9 +221,6 @@ def test_device_plan_matches_model(head_dim, group, fold, monkeypatch):
             assert np.array_equal(getattr(bufs, name)[:b + 1].get(), m[name]), name
         for name in ("num_splits", "split_keys"):
             assert np.array_equal(getattr(bufs, name)[:b].get(), m[name]), name
-        # each work item's (request, first key), then (-1, 0) to the end of the grid
-        items, n = bufs.work_items[:attn.planned.work_grid].get(), len(m["work_items"])
-        assert np.array_equal(items[:n], m["work_items"]) and (items[n:] == [-1, 0]).all(), "work_items"
         assert attn.status() == 0
 
 
