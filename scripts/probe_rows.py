@@ -28,6 +28,9 @@ B, L, PAGE, H_KV, D = 64, 4096, 16, 8, 128
 CONFIGS = [("decode H_q 32 (4 rows)", 1, 32, True), ("decode H_q 64 (8 rows)", 1, 64, True),
            ("decode H_q 128 (16 rows)", 1, 128, True), ("verify q4 H_q 32 causal", 4, 32, True),
            ("verify q4 H_q 32 not causal", 4, 32, False)]
+# PROBE_SPLITS="512 1024": each config planned at each split size (CUPY_FA_SPLIT_SIZE): how the
+# per-split epilogue's cost scales with the real rows
+SPLITS = os.environ.get("PROBE_SPLITS", "512").split()
 
 
 def main():
@@ -39,14 +42,17 @@ def main():
     table = rng.permutation(pages).astype(np.int32).reshape(B, L // PAGE)
     kv_bytes = B * L * H_KV * D * 2 * 2
     runs = {}
-    for name, q_len, h_q, causal in CONFIGS:
-        attn = cupy_fa.BatchAttention(h_q, H_KV, D, dtype="bfloat16")
-        attn.plan(np.full(B, q_len, np.int32), np.full(B, L, np.int32), table, causal=causal)
-        sets = [(fill_normal(empty_bf16((B * q_len, h_q, D))), empty_bf16((B * q_len, h_q, D))) for _ in range(2)]
-        launches = [lambda i=i: attn.run(sets[i % 2][0], cache, out=sets[i % 2][1]) for i in range(20)]
-        runs[name] = (attn, sets, launches)
+    for split in SPLITS:
+        os.environ["CUPY_FA_SPLIT_SIZE"] = split
+        for name, q_len, h_q, causal in CONFIGS:
+            attn = cupy_fa.BatchAttention(h_q, H_KV, D, dtype="bfloat16")
+            attn.plan(np.full(B, q_len, np.int32), np.full(B, L, np.int32), table, causal=causal)
+            sets = [(fill_normal(empty_bf16((B * q_len, h_q, D))), empty_bf16((B * q_len, h_q, D)))
+                    for _ in range(2)]
+            launches = [lambda i=i, a=attn, s=sets: a.run(s[i % 2][0], cache, out=s[i % 2][1]) for i in range(20)]
+            runs[f"S={split} {name}"] = (attn, sets, launches)
     for rnd in (1, 2):
-        for name, *_ in CONFIGS:
+        for name in runs:
             attn, sets, launches = runs[name]
             for _, out in sets:
                 out.view(cupy.uint16).fill(0)
@@ -56,7 +62,7 @@ def main():
             cupy.cuda.Device().synchronize()
             bad = sum(count_nan(out) for _, out in sets)
             per = 1e3 * np.median(times) / len(launches)
-            print(f"round {rnd}  {name:30s} {per:7.1f} us  {kv_bytes / per / 1e6:.3f} TB/s  tile "
+            print(f"round {rnd}  {name:37s} {per:7.1f} us  {kv_bytes / per / 1e6:.3f} TB/s  tile "
                   f"{attn.planned.tile}  NaN outputs {bad}", flush=True)
 
 
