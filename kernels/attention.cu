@@ -67,6 +67,10 @@ struct TileTraits {
   static constexpr int kCtasBy128Regs = 65536 / (kThreads * 128);
   static constexpr int kMinCtasPerSm =
       (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
+  // Q's mma fragments (32 registers at D = 128) held across the KV tiles, loaded from shared
+  // memory once, where the register file gives every thread 255 (decode-like tiles at 256
+  // threads per SM: the one-row folding tile): a third of a tile's ldmatrix reads fewer.
+  static constexpr bool kQInRegisters = WARPS_N > 1 && HEAD_DIM <= 128 && kThreads * kMinCtasPerSm <= 256;
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
   // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
@@ -76,15 +80,6 @@ struct TileTraits {
   static constexpr int kEpiloguePasses = kWarps <= BLOCK_N / 16 ? 1 : (kFoldInCta ? 2 : 0);
   static constexpr bool kEpilogueInStage = kEpiloguePasses > 0;
   static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM / kEpiloguePasses : HEAD_DIM;  // per pass
-  // Decode-like tiles at D <= 128 whose SM holds at most 256 of their threads (the one-row
-  // folding tile) may use 255 registers a thread, and spend them on:
-  static constexpr bool kRegisterRich = WARPS_N > 1 && HEAD_DIM <= 128 && kThreads * kMinCtasPerSm <= 256;
-  // - Q's mma fragments (32 registers at D = 128) held across the KV tiles, loaded from shared
-  //   memory once: a third of a tile's ldmatrix reads fewer;
-  static constexpr bool kQInRegisters = kRegisterRich;
-  // - a thread's epilogue column items unrolled, so their shared-memory reads overlap (a
-  //   split's epilogue runs while the CTA has one tile in flight).
-  static constexpr int kItemUnroll = kRegisterRich ? kBlockM * (kStagedCols / 4) / kThreads : 1;
 
   static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
@@ -379,7 +374,6 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       if (pass == 0) row_phase(split);
       __syncthreads();
 
-#pragma unroll Traits::kItemUnroll
       for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {
         const int r = idx / (W / 4), c4_in_pass = idx % (W / 4), c4 = pass * (W / 4) + c4_in_pass;
         const int row = row0 + r;
