@@ -385,13 +385,14 @@ def get_function(variant):
 
 def trace_buffer(variant):
     """The timeline stamps of ``variant`` on the current device (``CUPY_FA_TRACE=1`` builds of
-    attention.cu only): a uint64 cupy array [kTraceCtas, 4] of (start, first K/V tile, done,
-    SM id) per CTA, written by each launch (zero it in between to tell launches apart)."""
+    attention.cu only): a uint64 cupy array [kTraceCtas, kTraceStamps] (kernels/common.cuh) of
+    (start, first K/V tile, done, ns in epilogues, ns waiting at the loop top, SM id) per CTA,
+    written by each launch (zero it in between to tell launches apart)."""
     import cupy
 
     module = _modules[(cupy.cuda.Device().id, variant)]
     pointer = module.get_global("cupy_fa_trace")
-    return cupy.ndarray((1 << 15, 4), cupy.uint64, pointer)
+    return cupy.ndarray((1 << 15, 6), cupy.uint64, pointer)
 
 
 def launch(variant, grid, params, stream, programmatic=False):

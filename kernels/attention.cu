@@ -449,6 +449,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 
   u32 q_frag[Traits::kQInRegisters ? K_STEPS : 1][4];  // kQInRegisters: Q's fragments, from the first tile on
   int split_now = split_first, tiles_left = tiles_per_split;
+  unsigned long long traced_wait = 0, traced_epilogue = 0;  // ns at the loop-top wait, in epilogues (CUPY_FA_TRACE)
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int stage = tile % Traits::kStages;
     const int ahead = tile + Traits::kStages - 1;  // refills the stage computed last iteration
@@ -457,8 +458,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       fetch_pages(ahead + 1);  // consumed next iteration
     }
     cp_async_commit();
+    const unsigned long long wait_from = trace_now();
     cp_async_wait<Traits::kStages - 1>();
     __syncthreads();
+    traced_wait += trace_now() - wait_from;
     if (tile == 0) trace_stamp(1);  // its first K/V tile has arrived
 
     if (warp_has_rows) {
@@ -585,7 +588,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     if (tiles_left == 1 || tile + 1 == num_tiles) publish_row_state();
     __syncthreads();  // the next iteration's loads overwrite this stage
     if (--tiles_left == 0 || tile + 1 == num_tiles) {
+      const unsigned long long epilogue_from = trace_now();
       finish_split(split_now++, stage);
+      traced_epilogue += trace_now() - epilogue_from;
       reset_state();
       tiles_left = tiles_per_split;
     }
@@ -598,6 +603,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     finish_split(split_now, 0);
   }
   trace_stamp(2);  // it is done
+  trace_store(3, traced_epilogue);
+  trace_store(4, traced_wait);
 }
 
 // Merge shapes: HEADS_PER_CTA heads of one token per CTA, HEAD_DIM / 4 lanes per

@@ -3,7 +3,7 @@
 For each workload (bench/workloads.py, page 16):
 * the timeline of one launch, from the attention kernel's stamps (CUPY_FA_TRACE=1 build,
   kernels/common.cuh trace_stamp): when each CTA starts, gets its first K/V tile and ends,
-  which SM it ran on; summarised as the launch's span, the start-up latency of the first and
+  how long its thread 0 waited at the loop top and spent in split epilogues, which SM it ran on; summarised as the launch's span, the start-up latency of the first and
   later waves, the gap an SM slot sits idle between one CTA's end and the next one's first tile,
   and the spread of the last CTAs' ends (the tail);
 * the graph-replay time with random q and with q = 0 (the same instructions; only the data the
@@ -54,7 +54,7 @@ def resident_per_sm(start, done, sm):
 
 def timeline(stamps):
     """Summary (us) of one launch's CTA stamps (rows: start, first tile, done, SM)."""
-    start, first, done, sm = (stamps[:, i].astype(np.int64) for i in range(4))
+    start, first, done, epilogue_ns, wait_ns, sm = (stamps[:, i].astype(np.int64) for i in range(6))
     t0 = start.min()
     start, first, done = (start - t0) / 1e3, (first - t0) / 1e3, (done - t0) / 1e3
     first = np.where(first >= start, first, done)  # a CTA without a K/V tile
@@ -70,6 +70,10 @@ def timeline(stamps):
                          f"p90 {np.percentile(lat, 90):.2f} us, duration p50 "
                          f"{np.median(done[sel] - start[sel]):.1f} us, min {np.min(done[sel] - start[sel]):.1f} "
                          f"max {np.max(done[sel] - start[sel]):.1f}")
+            lines.append(f"    per CTA (thread 0, p50): {np.median(wait_ns[sel]) / 1e3:.1f} us at the loop-top wait "
+                         f"(K/V not in yet, or the barrier), {np.median(epilogue_ns[sel]) / 1e3:.1f} us in split "
+                         f"epilogues, {np.median(done[sel] - start[sel] - (wait_ns[sel] + epilogue_ns[sel]) / 1e3):.1f}"
+                         f" us the rest (tile math, issuing copies, start-up)")
     # per SM: each later CTA takes the slot of the earliest-ending CTA before it on that SM
     idle, gaps = 0.0, []
     for s in np.unique(sm):
