@@ -210,8 +210,12 @@ def attention_variant(dtype_name, tile):
     # TileShape mirrors these traits to size the launch and plan the work; the compile checks it
     checks = (f"{traits}::kSmemBytes == {tile.smem_bytes}",
               f"{traits}::kEpilogueInStage == {str(tile.epilogue_in_stage).lower()}",
-              f"{traits}::kMinCtasPerSm == {tile.min_ctas_per_sm}")
+              f"{traits}::kMinCtasPerSm == {tile.min_ctas_per_sm}",
+              f"cupy_fa::kTraceCtas == {TRACE_SHAPE[0]} && cupy_fa::kTraceStamps == {TRACE_SHAPE[1]}")
     return Variant("attention.cu", expr, 32 * tile.warps_m * tile.warps_n, tile.smem_bytes, checks)
+
+
+TRACE_SHAPE = (1 << 15, 6)  # kernels/common.cuh (kTraceCtas, kTraceStamps): trace_buffer's shape
 
 
 MAX_SPLITS = 256  # KV splits of one request at most (cupy_fa/plan.py); sizes the merge's shared memory
@@ -392,7 +396,7 @@ def trace_buffer(variant):
 
     module = _modules[(cupy.cuda.Device().id, variant)]
     pointer = module.get_global("cupy_fa_trace")
-    return cupy.ndarray((1 << 15, 6), cupy.uint64, pointer)
+    return cupy.ndarray(TRACE_SHAPE, cupy.uint64, pointer)
 
 
 def launch(variant, grid, params, stream, programmatic=False):

@@ -96,13 +96,24 @@ def test_programmatic_launch_only_for_sm90_builds(monkeypatch):
 
 
 def test_host_mirrors_of_the_traits_are_compiled_in():
-    """TileShape's shared-memory size, epilogue and fold flags mirror TileTraits; every
-    attention variant's program carries them as static_asserts, so a drifted mirror cannot
-    compile (here: a shared-memory size one byte off)."""
+    """TileShape's shared-memory size, epilogue and fold flags mirror TileTraits (and
+    TRACE_SHAPE the trace buffer's); every attention variant's program carries them as
+    static_asserts, so a drifted mirror cannot compile (here: a shared-memory size one byte off)."""
     import dataclasses
 
     variant = _build.attention_variant("bfloat16", _build.TileShape(128, 1, 4, 2, fold_capable=True))
-    assert len(variant.checks) == 3 and all(c in _build.program_text(variant) for c in variant.checks)
+    assert len(variant.checks) == 4 and all(c in _build.program_text(variant) for c in variant.checks)
     wrong = dataclasses.replace(variant, checks=(variant.checks[0] + " + 1",))
     with pytest.raises(RuntimeError, match="host mirror"):
         _build.compile_cubin(wrong)
+
+
+def test_trace_build_compiles(monkeypatch):
+    """The timeline probe's build (CUPY_FA_TRACE=1, scripts/probe_timeline.py) still compiles,
+    without spills, for the tile the decode benchmarks run."""
+    monkeypatch.setenv("CUPY_FA_TRACE", "1")
+    assert "-DCUPY_FA_TRACE" in _build.compile_options("sm_90a")
+    variant = _build.attention_variant("bfloat16", _build.tile_for(128, 1, 4).folding())
+    cubin, res = _build.compile_cubin(variant, "sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
