@@ -2,10 +2,11 @@
 
 For each workload (bench/workloads.py, page 16):
 * the timeline of one launch, from the attention kernel's stamps (CUPY_FA_TRACE=1 build,
-  kernels/common.cuh trace_stamp): when each CTA starts, gets its first K/V tile and ends,
-  how long its thread 0 waited at the loop top and spent in split epilogues, which SM it ran on; summarised as the launch's span, the start-up latency of the first and
-  later waves, the gap an SM slot sits idle between one CTA's end and the next one's first tile,
-  and the spread of the last CTAs' ends (the tail);
+  kernels/common.cuh trace_stamp): when each CTA starts, gets its first K/V tile and ends, how
+  long its thread 0 waited at the loop top and spent in split epilogues, which SM it ran on;
+  summarised as the launch's span, the start-up latency of the first and later waves, the gap
+  an SM slot sits idle between one CTA's end and the next one's first tile, and the spread of
+  the last CTAs' ends (the tail);
 * the graph-replay time with random q and with q = 0 (the same instructions; only the data the
   tensor cores see differ), and the SM clock and power nvidia-smi reports while it replays.
 
@@ -35,8 +36,9 @@ DEFAULT = ["decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "de
 LAUNCHES = 20  # per graph, over rotating input sets
 
 
-def attention_traces():
-    return [_build.trace_buffer(v) for (dev, v) in list(_build._modules) if v.source == "attention.cu"]
+def attention_variants():
+    """The attention kernel variants compiled so far (their trace buffers hold the stamps)."""
+    return [v for (_, v) in list(_build._modules) if v.source == "attention.cu"]
 
 
 def resident_per_sm(start, done, sm):
@@ -53,7 +55,8 @@ def resident_per_sm(start, done, sm):
 
 
 def timeline(stamps):
-    """Summary (us) of one launch's CTA stamps (rows: start, first tile, done, SM)."""
+    """Summary (us) of one launch's CTA stamps (rows: start, first tile, done, epilogue ns,
+    loop-top wait ns, SM: _build.trace_buffer)."""
     start, first, done, epilogue_ns, wait_ns, sm = (stamps[:, i].astype(np.int64) for i in range(6))
     t0 = start.min()
     start, first, done = (start - t0) / 1e3, (first - t0) / 1e3, (done - t0) / 1e3
@@ -155,14 +158,14 @@ def main(names):
         for f in run:
             f()
         cupy.cuda.Device().synchronize()
-        for buf in attention_traces():
-            buf.fill(0)
+        for v in attention_variants():
+            _build.trace_buffer(v).fill(0)
         run[0]()
         run[1]()  # the second launch's stamps overwrite the first's (same grid)
         cupy.cuda.Device().synchronize()
         print(f"== {name} (page 16, {n_sets} input sets)")
-        for (dev, v), buf in zip([k for k in _build._modules if k[1].source == "attention.cu"], attention_traces()):
-            st = cupy.asnumpy(buf)
+        for v in attention_variants():
+            st = cupy.asnumpy(_build.trace_buffer(v))
             real = st[(st[:, 2] > st[:, 0]) & (st[:, 0] > 0)]
             if len(real) == 0:
                 continue
