@@ -508,32 +508,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nb][e] *= p.sm_scale_log2;
       }
-      // Small-q tiles end each CTA's key stream on the masked tile (the causal diagonal of a verify
-      // step), so its cost is the CTA's tail: there each row's stop (the end of the keys, and under
-      // the causal mask the key after its own position) is set once and a key costs one compare
-      // with a constant. Key by key, the divisions and branches cost ~0.5 us a CTA. Custom masks,
-      // and prefill tiles (the diagonal a small part of their work; no register to spare at
-      // D = 256), go key by key.
-      bool mask_by_row_stops = false;
-      if constexpr (Traits::kWarpsN > 1) mask_by_row_stops = p.mask_mode != 2;
-      if (need_mask && mask_by_row_stops) {
-        const int key0 = tile_key0 + wn * KW + tq * 2;  // this thread's keys: key0 + nb * 8 + (e & 1)
-        int stop[2];                                    // row half h (row g or g + 8): its stop - key0
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int row = row0 + wm * 16 + g + 8 * h;
-          asm volatile("" : "+r"(row));  // computed here, not hoisted out of the loop and held across it
-          const int key_stop = p.mask_mode == 1 && row < rows ? min(kv_end, prefix + by_group.div(row) + 1) : kv_end;
-          stop[h] = key_stop - key0;
-        }
-#pragma unroll
-        for (int nb = 0; nb < S_BLOCKS; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (nb * 8 + (e & 1) >= stop[e >> 1]) s[nb][e] = -INFINITY;
-          }
-        }
-      } else if (need_mask) {
+      if (need_mask) {  // one test per tile: the common path stays straight-line
 #pragma unroll
         for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
