@@ -21,6 +21,8 @@ summary=$OUT/summary.txt; : > "$summary"
 if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer carried as an archive (scripts/pack_flashinfer.sh)
   mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi \
     && export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+else  # the archive is git-ignored: a device call has it only when it carries .fi
+  echo "flashinfer: .fi/flashinfer.tar.xz absent (not carried?): the bench runs without it" >> "$summary"
 fi
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
