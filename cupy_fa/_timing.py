@@ -1,8 +1,12 @@
-"""CUDA-graph replay timing, shared by the demo and the bench (bench/timing.py).
+"""CUDA-graph replay timing, shared by the demo, the bench (bench/timing.py) and the probes (scripts/).
 
 Small kernels are timed as replays of one graph holding many launches: per-launch
 time = replay time / launches, with no CPU launch cost in it.
 """
+
+import time
+
+import numpy as np
 
 
 def graph_replays_ms(launches, warmup=10, reps=50):
@@ -32,3 +36,12 @@ def graph_replays_ms(launches, warmup=10, reps=50):
         if i >= warmup:
             times.append(cupy.cuda.get_elapsed_time(start, end))
     return times
+
+
+def per_launch_us_for(launches, seconds, reps=20):
+    """Median per-launch time (us) of graph replays of `launches` for about `seconds`, in
+    slices of `reps` replays (each slice captured anew; the diagnosis scripts' timer)."""
+    times, start = [], time.time()
+    while time.time() - start < seconds:
+        times += graph_replays_ms(launches, warmup=2, reps=reps)
+    return 1e3 * float(np.median(times)) / len(launches)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cupy  # noqa: E402
 
 import cupy_fa  # noqa: E402
-from cupy_fa._timing import graph_replays_ms  # noqa: E402
+from cupy_fa._timing import per_launch_us_for  # noqa: E402
 from bench.inputs import empty_bf16, fill_normal, count_nan  # noqa: E402
 
 B, L, PAGE, H_KV, D = 64, 4096, 16, 8, 128
@@ -56,12 +56,9 @@ def main():
             attn, sets, launches = runs[name]
             for _, out in sets:
                 out.view(cupy.uint16).fill(0)
-            times, t0 = [], time.time()
-            while time.time() - t0 < 2.0:
-                times += graph_replays_ms(launches, warmup=2, reps=20)
+            per = per_launch_us_for(launches, 2.0)
             cupy.cuda.Device().synchronize()
             bad = sum(count_nan(out) for _, out in sets)
-            per = 1e3 * np.median(times) / len(launches)
             print(f"round {rnd}  {name:37s} {per:7.1f} us  {kv_bytes / per / 1e6:.3f} TB/s  tile "
                   f"{attn.planned.tile}  NaN outputs {bad}", flush=True)
 
