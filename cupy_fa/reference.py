@@ -355,7 +355,7 @@ def check_attention(out, ref, dtype, *, q_lens=None, q_indptr=None, lse=None, re
     def check_untouched(name, arr, rows, why):
         if arr is None or not len(rows):
             return
-        kept = _poisoned(arr[rows], poison).reshape(len(rows), -1)
+        kept = _poisoned(arr[rows], poison).reshape(len(rows), int(np.prod(arr.shape[1:], dtype=np.int64)))
         for r, ok in zip(rows, kept.all(axis=1)):
             if not ok:
                 vals = arr[r].reshape(-1)
@@ -381,7 +381,8 @@ def check_attention(out, ref, dtype, *, q_lens=None, q_indptr=None, lse=None, re
         check_untouched("lse", got_lse, rows, f"request {b}, refused")
 
     live = got[:total]
-    flat = live.reshape(total, -1)
+    width = int(np.prod(want.shape[1:], dtype=np.int64))  # elements of one row (reshape(0, -1) is ambiguous)
+    flat = live.reshape(total, width)
     finite = np.isfinite(flat).all(axis=1)
     for r in np.flatnonzero(live_row & ~finite):
         b, t = where_of(r)
@@ -401,10 +402,10 @@ def check_attention(out, ref, dtype, *, q_lens=None, q_indptr=None, lse=None, re
     # per row: sum of squares and largest element of the error and of the reference; the rows of
     # refused requests count as nothing (their poison was checked above)
     live_col = live_row[:, None]
-    d2 = np.where(live_col, (d * d).reshape(total, -1), 0.0).sum(axis=1)
-    r2 = np.where(live_col, (want * want).reshape(total, -1), 0.0).sum(axis=1)
-    dmax = np.where(live_row, np.abs(d).reshape(total, -1).max(axis=1, initial=0.0), 0.0)
-    rmax = np.where(live_row, np.abs(want).reshape(total, -1).max(axis=1, initial=0.0), 0.0)
+    d2 = np.where(live_col, (d * d).reshape(total, width), 0.0).sum(axis=1)
+    r2 = np.where(live_col, (want * want).reshape(total, width), 0.0).sum(axis=1)
+    dmax = np.where(live_row, np.abs(d).reshape(total, width).max(axis=1, initial=0.0), 0.0)
+    rmax = np.where(live_row, np.abs(want).reshape(total, width).max(axis=1, initial=0.0), 0.0)
 
     def figures(diff2, norm2, dm, rm):  # ||d|| / ||ref|| and max|d| / max|ref| (0 / 0 = 0, x / 0 = inf)
         with np.errstate(divide="ignore", invalid="ignore"):

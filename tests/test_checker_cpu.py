@@ -122,6 +122,18 @@ def test_unwritten_nan_and_written_rows():
     assert check.failing("unwritten")[0].startswith("unwritten row 0 (request 0 token 0)")
 
 
+def test_no_live_rows_only_the_tail():
+    """An IDLE step or a bucket of padding: no live row, the whole buffer is tail."""
+    out = np.full((4, 2, 8), POISON)
+    lse = np.full((4, 2), POISON)
+    empty = dict(q_lens=np.zeros(3, int), ref_lse=np.zeros((0, 2)), poison=POISON)
+    check = check_attention(out, np.zeros((0, 2, 8)), "float16", lse=lse, **empty)
+    assert check and check.counts == {"requests": 0, "rows": 0, "tail rows": 4}
+    out[3, 1, 7] = 0.5
+    check = check_attention(out, np.zeros((0, 2, 8)), "float16", lse=lse, **empty)
+    assert [line.split(" (")[0] for line in check.failures] == ["written out row 3"]
+
+
 def test_refused_request_must_stay_poisoned():
     rng, _ = new_rng()
     q_lens, ref, lse = small_case(rng)
