@@ -8,13 +8,19 @@ the request or row where it was put, and nothing else; beside it, the old whole-
 norm-wise check (``relative_error`` < TOL, plus the LSE's max abs error < 1e-2 where the
 test read the LSE), whose misses it counts and prints.
 
-Measured with ``CUPY_FA_MUTATION_BATCHES=25`` on 2026-12-01 (25 batches per dtype, heads 8/2,
-D 64, page 16, the random grid's work budget; faults at least 3x the bar, see
-inject_faults): the old check passed the sign flip of a long decode request in 13/25 (fp16) and
-24/25 (bf16) batches, the dropped last split (output only) in 25/25 and 25/25, and with its
-LSE check in 0/25 and 1/25, the one-key shift in 25/25 and 25/25 with or without the LSE,
-and a written padded row always (it never read past the live rows). The new checker reported
-every one of the 200 faults and raised no false alarm on the 50 correct results.
+Measured with ``CUPY_FA_MUTATION_BATCHES=25`` on 2026-12-01 at branch issue-16 (25 batches per
+dtype, heads 8 / 2, D 64, page 16, the random grid's work budget, each fault moving its request
+or row by at least 3x the bar; seeds 1781140585 fp16, 4179070590 bf16), batches in which the old
+check passed each fault, fp16 / bf16, output only (how the mode, graph and invariance tests
+checked) and with its LSE check (how test_attention_gpu checked):
+
+    sign of a long decode request flipped   0 / 19 of 25    with LSE  0 / 19
+    last KV split of a decode row dropped  20 / 25          with LSE  1 /  0
+    a row one key short                    16 / 17          with LSE 14 /  5
+    a padded row (past the live ones)      25 / 25          with LSE 25 / 25 (never read)
+
+The new checker reported all 200 faults, each at its request or row only, and raised no false
+alarm on the 50 correct results.
 """
 
 import math
