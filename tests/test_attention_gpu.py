@@ -147,13 +147,18 @@ def test_padded_rows_write_nothing(page_size):
     check_attention(out.get(), ref, "float16", q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse,
                     poison=POISON).assert_ok()
 
+    # padding only: host lengths take a q of no rows (nothing is launched); device lengths take any
+    # q (the host cannot count its rows), so the kernels launch over a grid sized from the bounds,
+    # find no work and write nothing: the whole buffer is tail
     zeros = np.zeros(3, np.int32)
     for lengths in ((zeros, np.array([0, 5, 9])), (cupy.asarray(zeros), cupy.asarray([0, 5, 9], np.int32))):
-        out = poisoned((0, 4, 64), np.float16, TAIL)
-        lse = poisoned((0, 4), np.float32, TAIL)
         host = isinstance(lengths[0], np.ndarray)
-        attn.plan(*lengths, table[:3] if host else cupy.asarray(table[:3]), max_q_len=None if host else 4)
-        attn.run(cupy.asarray(q_host[:0]), cache, out=out[:0], lse=lse[:0])
+        rows = 0 if host else 4
+        out = poisoned((rows, 4, 64), np.float16, TAIL)
+        lse = poisoned((rows, 4), np.float32, TAIL)
+        attn.plan(*lengths, table[:3] if host else cupy.asarray(table[:3]), max_q_len=None if host else 4,
+                  max_kv_len=9)
+        attn.run(cupy.asarray(q_host[:rows]), cache, out=out[:rows], lse=lse[:rows])
         check_attention(out.get(), np.zeros((0, 4, 64)), "float16", q_lens=zeros, lse=lse.get(),
                         ref_lse=np.zeros((0, 4)), poison=POISON).assert_ok()
 

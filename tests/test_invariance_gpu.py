@@ -79,6 +79,8 @@ def check_decode_equals_verify(dtype, heads, head_dim, page_size, warps_m, monke
         verify = verify_buf[:len(q)]
         attn.plan(np.full(B, num_draft), kv, table, sm_scale=sm_scale).run(q, cache, out=verify,
                                                                             lse=lse_buf[:len(q)])
+        rows_of_warps = 1 if warps_m == "1" or num_draft * (h_q // h_kv) <= 16 else 2
+        assert attn.planned.tile.warps_m == rows_of_warps, attn.planned.tile  # the knob took effect
         ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, np.full(B, num_draft), kv, table,
                                                  sm_scale=sm_scale, return_lse=True)
         check_attention(verify_buf.get(), ref, dtype, q_lens=np.full(B, num_draft), lse=lse_buf.get(),
