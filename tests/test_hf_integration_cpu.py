@@ -24,7 +24,7 @@ class KernelStandIn:
     def __init__(self):
         self.steps, self.caches, self.writes = [], [], 0
 
-    def check(self, q, k_pages):
+    def check(self, key, q, k_pages):
         pass
 
     def append(self, key, k_pages, v_pages, k_new, v_new, slots):
@@ -217,7 +217,7 @@ def test_refusals_name_what_is_missing():
     with pytest.raises(NotImplementedError, match="value head dim"):
         hf.attention_forward(_Module(), q, kv, torch.randn(1, 2, 3, 8), None)
     with pytest.raises(ValueError, match="CUDA"):
-        hf.CupyFABackend().check(torch.randn(3, 4, 64, dtype=torch.bfloat16), None)
+        hf.CupyFABackend().check(None, torch.randn(3, 4, 64, dtype=torch.bfloat16), None)
 
 
 # ---- end to end through transformers, the stand-in in place of the kernels ----------------

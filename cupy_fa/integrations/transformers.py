@@ -236,7 +236,7 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 
 
 def _check_module(module, query, value, dropout, kwargs, name):
-    window = getattr(module, "sliding_window", None)
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     if window not in (None, 0, False):
         raise NotImplementedError(f"{name} has no sliding-window attention (layer "
                                   f"{getattr(module, 'layer_idx', '?')} has a window of {window})")
@@ -327,7 +327,7 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, scal
     q = query[0].transpose(0, 1).contiguous()  # [T, H_q, D]
     k_new = key[0].transpose(0, 1).contiguous()  # [T, H_kv, D]
     v_new = value[0].transpose(0, 1).contiguous()
-    backend.check(q, k_pages)
+    backend.check((cache, group), q, k_pages)
     step_key = (tuple(q.shape), int(kwargs["max_seqlen_q"]), int(max_k), tuple(read_index.shape),
                 tuple(cu_k.shape))
     step = _steps.step(cache, group, layer, step_key, lambda: paged_step(
@@ -368,7 +368,7 @@ def attention_forward(module, query, key, value, attention_mask=None, scaling=No
     group = h_q // h_kv
     # rows (b, h_kv, t) with the group's heads: [B*H_kv*T, H_q / H_kv, D]
     q = query.reshape(b, h_kv, group, t, d).permute(0, 1, 3, 2, 4).reshape(b * h_kv * t, group, d)
-    backend.check(q, k_pages)
+    backend.check((module.config, "dense"), q, k_pages)
     mask_key = None if attention_mask is None else (attention_mask.data_ptr(), tuple(attention_mask.shape))
     step_key = (tuple(query.shape), tuple(key.shape), key.stride(), mask_key, causal)
     step = _steps.step(module.config, "dense", module.layer_idx, step_key,
@@ -405,8 +405,9 @@ class CupyFABackend:
         self._caches = _PerOwner()  # owner -> {slot: PagedKVCache}
         self._attention = _PerOwner()  # owner -> {(slot, shape): [BatchAttention, the Step it planned]}
 
-    def check(self, q, k_pages):
-        """Raises before anything is written when cupy_fa cannot run this layer."""
+    def check(self, key, q, k_pages):
+        """Raises before anything is written when cupy_fa cannot run this layer (its
+        ``BatchAttention`` is made here: the constructor checks heads and head dim)."""
         import torch
 
         if q.device.type != "cuda":
@@ -414,10 +415,18 @@ class CupyFABackend:
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"cupy_fa runs float16 or bfloat16 attention, this model's is {q.dtype} "
                             f"(load it with dtype=torch.bfloat16)")
-        from .. import _build
+        self._instance(key, q, k_pages)
 
-        if q.shape[-1] not in _build.HEAD_DIMS:
-            raise NotImplementedError(f"cupy_fa supports head dims {_build.HEAD_DIMS}, this model has {q.shape[-1]}")
+    def _instance(self, key, q, k_pages):
+        import cupy_fa
+
+        owned, slot = self._owned(self._attention, key)
+        shape = (slot, q.shape[1], k_pages.shape[2], q.shape[2], q.dtype)
+        entry = owned.get(shape)
+        if entry is None:
+            entry = owned[shape] = [cupy_fa.BatchAttention(q.shape[1], k_pages.shape[2], q.shape[2], str(q.dtype)),
+                                    None]
+        return entry
 
     @staticmethod
     def _owned(table, key):
@@ -451,15 +460,8 @@ class CupyFABackend:
         import cupy
         import torch
 
-        import cupy_fa
-
         with cupy.cuda.Device(q.device.index):
-            owned, slot = self._owned(self._attention, key)
-            shape = (slot, q.shape[1], k_pages.shape[2], q.shape[2], q.dtype)
-            entry = owned.get(shape)
-            if entry is None:
-                entry = owned[shape] = [cupy_fa.BatchAttention(q.shape[1], k_pages.shape[2], q.shape[2],
-                                                               str(q.dtype)), None]
+            entry = self._instance(key, q, k_pages)
             attn = entry[0]
             if entry[1] is not step:
                 attn.plan(step.q_lens, step.kv_lens, step.page_table, causal=causal, sm_scale=scale,
