@@ -69,6 +69,7 @@ def run(args):
             seconds = time.perf_counter() - start
         except Exception as exc:  # an implementation this machine lacks: say so, keep the others
             rows.append((implementation, None, f"failed: {type(exc).__name__}: {exc}"[:120]))
+            print(f"{implementation}: {rows[-1][2]}", flush=True)
             continue
         results = list(out.values())
         generated = sum(len(r.generated_tokens) for r in results)
@@ -76,6 +77,7 @@ def run(args):
         tokens[implementation] = [r.generated_tokens for r in results]
         note = f"{len(results)} requests, {generated} tokens" + (f", {errors} failed" if errors else "")
         rows.append((implementation, generated / seconds if not errors else None, f"{seconds:.2f} s, {note}"))
+        print(f"{implementation}: {generated / seconds:.0f} tokens/s ({note}, {seconds:.2f} s)", flush=True)
 
     if args.summary:
         try:

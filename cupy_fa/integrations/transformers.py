@@ -54,12 +54,17 @@ Not supported (raises ``NotImplementedError`` before anything is written): slidi
 layers, attention sinks, logit soft-capping, dropout, a value head dim other than the query's.
 cupy_fa's own limits apply (float16 / bfloat16, head dim 64, 128 or 256, sm_80+).
 
-Tested against transformers 5.17 (its ``paged|sdpa`` and ``sdpa`` give the same tokens:
-``tests/test_hf_integration_gpu.py``).
+Versions: written against transformers 5.17, whose ``paged|sdpa`` and ``sdpa`` give the same
+tokens (``tests/test_hf_integration_gpu.py``); 5.18 lacks the check below too (not run). From
+5.19 on, transformers' continuous batching accepts only its own implementations (``paged|eager``,
+``sdpa``, flash attention) and refuses any other with a ValueError, so ``generate_batch`` cannot
+use ``"paged|cupy_fa"`` there; ``"cupy_fa"`` for ``generate`` still works (its mapping test
+passes on 5.24). :func:`register` warns on such a version.
 """
 
 import dataclasses
 import threading
+import warnings
 import weakref
 
 ATTENTION = "cupy_fa"
@@ -78,12 +83,25 @@ def register():
     Raises:
         ImportError: torch or transformers is not installed.
     """
+    import transformers
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
     AttentionInterface.register(ATTENTION, attention_forward)
     AttentionMaskInterface.register(ATTENTION, padding_mask)
+    if _version(transformers.__version__) >= (5, 19):
+        warnings.warn(f"transformers {transformers.__version__}: from 5.19 on its continuous batching accepts only "
+                      f"its own attention implementations, so generate_batch refuses {PAGED_ATTENTION!r} (written "
+                      f"against 5.17); {ATTENTION!r} for generate works", stacklevel=2)
     return PAGED_ATTENTION, ATTENTION
+
+
+def _version(text):
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
 
 
 # ---- the contract of one step, built on the device from transformers' arguments ----------
@@ -349,18 +367,23 @@ def attention_forward(module, query, key, value, attention_mask=None, scaling=No
         ``(out [B, T, H_q, D], None)``.
     Raises:
         NotImplementedError: see the module docstring; ValueError: shapes that do not fit.
+
+    Called with transformers' paged cache (``cache=``, continuous batching), it is
+    :func:`paged_attention_forward`.
     """
+    if kwargs.get("cache") is not None:
+        return paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                       **kwargs)
     _check_module(module, query, value, dropout, kwargs, ATTENTION)
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError(f"{ATTENTION} takes the 2D padding mask its AttentionMaskInterface entry makes, got a "
                          f"{attention_mask.ndim}D attention_mask; call cupy_fa.integrations.transformers.register() "
                          f"before building the model's masks")
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    if value.stride() != key.stride():
-        value = value.contiguous() if key.is_contiguous() else value
-        key, value = key.contiguous(), value.contiguous()
     k_pages, v_pages = dense_pages(key), dense_pages(value)
-    if k_pages is None or v_pages is None:  # a layout with no page view (not one transformers' caches make)
+    if k_pages is None or v_pages is None or key.stride() != value.stride():
+        # one page table serves K and V: layouts that differ (or have no page view) are made
+        # contiguous; transformers' caches never need it (K and V share their strides)
         key, value = key.contiguous(), value.contiguous()
         k_pages, v_pages = dense_pages(key), dense_pages(value)
     b, h_q, t, d = query.shape
