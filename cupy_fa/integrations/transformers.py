@@ -55,7 +55,7 @@ layers, attention sinks, logit soft-capping, dropout, a value head dim other tha
 cupy_fa's own limits apply (float16 / bfloat16, head dim 64, 128 or 256, sm_80+).
 
 Versions: written against transformers 5.17, whose ``paged|sdpa`` and ``sdpa`` give the same
-tokens (``tests/test_hf_integration_gpu.py``); 5.18 lacks the check below too (not run). From
+tokens (``tests/test_hf_integration_gpu.py``); 5.18 does not have the check described next either (not run). From
 5.19 on, transformers' continuous batching accepts only its own implementations (``paged|eager``,
 ``sdpa``, flash attention) and refuses any other with a ValueError, so ``generate_batch`` cannot
 use ``"paged|cupy_fa"`` there; ``"cupy_fa"`` for ``generate`` still works (its mapping test
