@@ -178,8 +178,10 @@ def _compile_key(arch):
 
     from . import _build
 
-    facts = (_build.source_hash(), arch, nvrtc.getVersion(), cupy.__version__, _build.compile_options(arch),
-             _build.RAWMODULE_OPTIONS, [v.expression for v in _build.all_variants()])
+    # the options without their -I paths: one key wherever the checkout or the venv lies
+    options = [o for o in _build.compile_options(arch) if not o.startswith("-I")]
+    facts = (_build.source_hash(), arch, nvrtc.getVersion(), cupy.__version__, options, _build.RAWMODULE_OPTIONS,
+             [v.expression for v in _build.all_variants()])
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 
