@@ -33,9 +33,11 @@ class Sm90Tile:
     head_dim: int
     block_n: int
     stages: int = 2
-    overlap: bool = True        # issue S of tile i with P V of tile i - 1, softmax while P V runs
+    overlap: int = 2            # 0 none; 1 S of tile i issued with P V of tile i - 1, softmax while P V
+                                # runs; 2 as 1 with the softmax held before P V's wait (prefill_sm90.cu)
     pingpong: bool = True       # the two consumer warpgroups take turns at the tensor cores
     producer_regs: int = 56     # setmaxnreg of the producer; the consumers get (504 - it) / 2
+    q_in_regs: bool = False     # Q's wgmma A fragments in registers instead of shared memory
 
     block_m = BLOCK_M
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
@@ -47,14 +49,15 @@ class Sm90Tile:
 
     @property
     def smem_bytes(self):
-        """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, K and V rings, barriers."""
+        """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, K and V rings, barriers, scratch."""
         d = self.head_dim
-        return 1024 + BLOCK_M * d * 2 + 2 * self.stages * self.block_n * d * 2 + (4 * self.stages + 1) * 8
+        return (1024 + BLOCK_M * d * 2 + 2 * self.stages * self.block_n * d * 2 + (4 * self.stages + 1) * 8
+                + 256 * 4)
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
-        return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
-                f"{b(self.pingpong)}, {self.producer_regs}>")
+        return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {int(self.overlap)}, "
+                f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}>")
 
 
 # The default tile per head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at

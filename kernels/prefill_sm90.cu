@@ -13,7 +13,7 @@
 //
 // Overlap (Traits::kOverlap, FlashAttention-3's intra-warpgroup pipelining): step i issues
 // S of tile i and P V of tile i - 1 together, then the softmax of tile i runs while P V is
-// still in the tensor cores. Ping-pong (Traits::kPingPong): the two consumer warpgroups take
+// still in the tensor cores (mode 2 keeps ptxas from sinking half of it past P V's wait). Ping-pong (Traits::kPingPong): the two consumer warpgroups take
 // turns issuing their GEMMs (named barriers 1 and 2), so one's softmax overlaps the other's
 // GEMMs.
 //
@@ -34,16 +34,22 @@
 
 namespace cupy_fa {
 
-// One instance per (head dim, keys per tile, pipeline depth, overlap, ping-pong); the host
-// mirror is cupy_fa/prefill_sm90.py Sm90Tile.
-template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS>
+// One instance per (head dim, keys per tile, pipeline depth, overlap, ping-pong, producer
+// registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
+template <int HEAD_DIM, int BLOCK_N, int STAGES, int OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
   static constexpr int kBlockN = BLOCK_N;
   static constexpr int kStages = STAGES;
-  static constexpr bool kOverlap = OVERLAP;
+  // 0: S, softmax, then P V of the previous tile, each waited for; 1: S of tile i issued with
+  // P V of tile i - 1 and the softmax between their waits (FlashAttention-3's intra-warpgroup
+  // overlap); 2: as 1, with the softmax held before the second wait (see the main loop)
+  static constexpr int kOverlap = OVERLAP;
   static constexpr bool kPingPong = PINGPONG;
+  // Q's A fragments in registers (loaded once from the Q tile) instead of read from shared
+  // memory by every S = Q K^T: a third less shared-memory traffic for 32 registers (D = 128).
+  static constexpr bool kQInRegs = Q_IN_REGS;
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   // setmaxnreg: the CTA starts at 168 registers a thread (64 K / 384 rounded down to 8, the
   // launch bounds), and the producer gives back what the consumers take:
@@ -53,7 +59,7 @@ struct Sm90PrefillTraits {
   static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= 168, "setmaxnreg range");
   static constexpr int kQTileBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;
-  static constexpr int kBarrierBytes = (4 * STAGES + 1) * 8;
+  static constexpr int kBarrierBytes = (4 * STAGES + 1) * 8 + 256 * 4;  // sm90_pipeline.cuh PipeBarriers
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
   static constexpr int kSmemBytes = 1024 + kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes;
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 64-column swizzle blocks, one wgmma N");
@@ -100,6 +106,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
       ri.token[h] = by_group.div(min(row, w.rows - 1));
     }
     const unsigned my_q = q_addr + wg * 64 * 128;  // this warpgroup's 64 rows of every column block
+    const unsigned scratch = smem_addr(&bars.scratch[threadIdx.x - 128]);  // see the overlapped step
 
     float o[D / 2];
 #pragma unroll
@@ -109,13 +116,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
     RowState st;
     st.reset();
 
+    unsigned q_frag[Tr::kQInRegs ? D / 16 : 1][4];  // kQInRegs: Q's A fragments, once
     // S = Q K^T of the K tile in `stage` (issue only)
     auto issue_qk = [&](int stage) {
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        Wgmma<BN, QT>::ss_kk(s, kmajor_desc<BM>(my_q, kk), kmajor_desc<BN>(k_addr + stage * Tr::kKVTileBytes, kk),
-                             kk > 0);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const u64 k_desc = kmajor_desc<BN>(k_addr + stage * Tr::kKVTileBytes, kk);
+        if constexpr (Tr::kQInRegs) {
+          Wgmma<BN, QT>::rs_k(s, q_frag[kk], k_desc, kk > 0);
+        } else {
+          Wgmma<BN, QT>::ss_kk(s, kmajor_desc<BM>(my_q, kk), k_desc, kk > 0);
+        }
+      }
       wgmma_commit();
     };
     // O += P V of the V tile in `stage` (issue only)
@@ -134,6 +147,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
 
     const int T = w.num_tiles;
     mbar_wait(&bars.q_full, 0);
+    if constexpr (Tr::kQInRegs) {  // the mma.sync A layout of rows 16 w .. of this warpgroup's 64
+      const int row = wg * 64 + (wtid / 32) * 16 + (lane & 15);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], smem + swizzled_offset<BM>(row, 2 * kk + (lane >> 4)));
+    }
     if (T > 0) {
       PipeState<ST> ks, vs;  // K runs one tile ahead of V
       // ping-pong: warpgroup 0 takes the first turn; every turn taken is one given (the
@@ -159,7 +177,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
         float factor[2];
         bool moved;
         mbar_wait(&bars.k_full[ks.stage], ks.phase);
-        if (Tr::kOverlap) {
+        if (Tr::kOverlap > 0) {
           if (Tr::kPingPong) named_sync(1 + wg, 256);
           issue_qk(ks.stage);
           mbar_wait(&bars.v_full[vs.stage], vs.phase);
@@ -169,6 +187,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
           pin(s);
           mbar_arrive(&bars.k_empty[ks.stage]);
           moved = softmax(tile, masked, factor);
+          // The softmax must be done before the wait, or ptxas sinks half of its exp2s below it
+          // (registers the wait does not name), out of the overlap: a shared-memory store of the
+          // row sums (which need every exp2) is ordered before the wait.
+          if constexpr (Tr::kOverlap == 2)
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(st.l[0] + st.l[1]) : "memory");
           wgmma_wait<0>();
           pin(o);
           pin(frag);

@@ -68,6 +68,7 @@ template <int STAGES>
 struct PipeBarriers {
   unsigned long long k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
   unsigned long long q_full;
+  float scratch[256];  // one word per consumer thread (prefill_sm90.cu: orders the softmax before a wait)
 
   // One thread, before the CTA's first __syncthreads.
   __device__ __forceinline__ void init(int producer_threads, int consumer_threads) {

@@ -55,6 +55,10 @@ struct RowState {
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
   }
+  // Keeps the state's arithmetic before what follows (sm90_wgmma.cuh pin).
+  __device__ __forceinline__ void pin() {
+    asm volatile("" : "+f"(m[0]), "+f"(m[1]), "+f"(l[0]), "+f"(l[1])::"memory");
+  }
 
   // Folds a tile's raw scores s (in place: they become 2^(s scale - m), P in fp32) into the
   // state; returns each row's factor for the accumulators (1 unless its m moved) and whether
@@ -64,9 +68,12 @@ struct RowState {
     bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+      // the row's max and sum in four independent chains (the softmax sits between a
+      // warpgroup's GEMMs: its latency, not only its throughput, counts)
+      float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      for (int j = 0; j < BN / 8; ++j) part[j % 4] = fmaxf(part[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float mx2 = mx * scale_log2;  // -inf stays -inf (scale > 0)
@@ -77,17 +84,17 @@ struct RowState {
         m[h] = mx2;
       }
       const float offset = safe_offset(m[h]);
-      float sum = 0.f;
+      float sums[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
           x = fast_exp2(fmaf(x, scale_log2, -offset));
-          sum += x;
+          sums[(2 * j + e) % 4] += x;
         }
       }
-      l[h] = l[h] * factor[h] + sum;
+      l[h] = l[h] * factor[h] + ((sums[0] + sums[1]) + (sums[2] + sums[3]));
     }
     return moved;
   }

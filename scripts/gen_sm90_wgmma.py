@@ -23,7 +23,9 @@ HEADER = """\
 //       (S = Q K^T: Q rows and K rows each hold their head-dim elements contiguously);
 //   rs_mn(d, a, b_desc, accumulate): A from registers (4 x 32 bits per thread, the
 //       mma.sync m16n8k16 A layout per warp), B from shared memory MN-major (transposed;
-//       O += P V: V rows are keys, the head dim contiguous).
+//       O += P V: V rows are keys, the head dim contiguous);
+//   rs_k(d, a, b_desc, accumulate): A from registers, B K-major (S = Q K^T with Q held in
+//       registers).
 // accumulate = 0 overwrites d (the first k-step), 1 adds to it. Each call only issues: the
 // caller fences (wgmma.fence), commits and waits (kernels/sm90_wgmma.cuh).
 #pragma once
@@ -46,13 +48,14 @@ def struct(n, ctype, ptx):
           f'        "%{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
           f'        : {d_cons}\n'
           f'        : "l"(a_desc), "l"(b_desc), "r"(accumulate));\n')
-    rs = (f'    asm volatile(\n'
-          f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
-          f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "\n'
-          f'        "{{{d_list}}}, "\n'
-          f'        "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, 1;\\n}}\\n"\n'
-          f'        : {d_cons}\n'
-          f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));\n')
+    def rs(tnsp_b):
+        return (f'    asm volatile(\n'
+                f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
+                f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "\n'
+                f'        "{{{d_list}}}, "\n'
+                f'        "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, {tnsp_b};\\n}}\\n"\n'
+                f'        : {d_cons}\n'
+                f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));\n')
     return (f"\ntemplate <> struct Wgmma<{n}, {ctype}> {{\n"
             f"  static constexpr int kRegs = {regs};\n"
             f"  static __device__ __forceinline__ void ss_kk(float (&d)[{regs}], unsigned long long a_desc,\n"
@@ -60,7 +63,10 @@ def struct(n, ctype, ptx):
             f"{ss}  }}\n"
             f"  static __device__ __forceinline__ void rs_mn(float (&d)[{regs}], const unsigned (&a)[4],\n"
             f"                                               unsigned long long b_desc, int accumulate) {{\n"
-            f"{rs}  }}\n"
+            f"{rs(1)}  }}\n"
+            f"  static __device__ __forceinline__ void rs_k(float (&d)[{regs}], const unsigned (&a)[4],\n"
+            f"                                              unsigned long long b_desc, int accumulate) {{\n"
+            f"{rs(0)}  }}\n"
             f"}};\n")
 
 

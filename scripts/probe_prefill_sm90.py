@@ -46,17 +46,18 @@ T = s9.Sm90Tile
 # name -> (dtype, tile). The first D=128 bf16 one is the default; the others are tuning variants.
 VARIANTS = {
     "d128": ("bfloat16", s9.DEFAULT_TILES[128]),
+    "d128_v1": ("bfloat16", T(128, 128, 2, overlap=1)),          # s90-v1: the softmax half sunk past P V's wait
+    "d128_qr": ("bfloat16", T(128, 128, 2, q_in_regs=True)),
+    "d128_qr_s3": ("bfloat16", T(128, 128, 3, q_in_regs=True)),
     "d128_nopp": ("bfloat16", T(128, 128, 2, pingpong=False)),
-    "d128_s3": ("bfloat16", T(128, 128, 3)),
-    "d128_bn96s3": ("bfloat16", T(128, 96, 3)),
-    "d128_bn112": ("bfloat16", T(128, 112, 2)),
-    "d128_noov": ("bfloat16", T(128, 128, 2, overlap=False)),
     "d128_f16": ("float16", s9.DEFAULT_TILES[128]),
     "d64": ("bfloat16", s9.DEFAULT_TILES[64]),
+    "d64_qr": ("bfloat16", T(64, 128, 4, q_in_regs=True)),
     "d64_f16": ("float16", s9.DEFAULT_TILES[64]),
     "d256": ("bfloat16", s9.DEFAULT_TILES[256]),
     "d256_f16": ("float16", s9.DEFAULT_TILES[256]),
 }
+DEFAULTS = ("d128", "d128_f16", "d64", "d64_f16", "d256", "d256_f16")  # what ships: cold-compiled one by one
 
 
 def log(msg):
@@ -151,12 +152,14 @@ def compile_one(name):
     path = os.path.join(WORK, f"{name}.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
+    note = ""
     try:
-        sass = subprocess.run(["cuobjdump", "--dump-sass", path], capture_output=True, text=True).stdout
+        proc = subprocess.run(["cuobjdump", "--dump-sass", path], capture_output=True, text=True)
+        sass, note = proc.stdout, f"cuobjdump rc {proc.returncode} {proc.stderr.strip()[:160]}"
     except OSError as e:
-        sass = f"cuobjdump: {e}"
+        sass, note = "", f"cuobjdump: {e}"
     return name, dict(cold_s=cold, nvrtc_s=nvrtc_s, hgmma=sass.count("HGMMA"), local=sass.count("LDL") + sass.count("STL"),
-                      setmaxreg=sass.count("SETMAXREG"), sass_lines=sass.count("\n"), **resources)
+                      setmaxreg=sass.count("SETMAXREG"), sass_lines=sass.count("\n"), note=note, **resources)
 
 
 def child_compile(names):
@@ -174,16 +177,21 @@ def child_compile(names):
     cupy.cuda.Device().synchronize()
     res["first_call_s"] = time.perf_counter() - t0
     log(f"first prefill call, cold (plan + prefill kernel compiled, run): {res['first_call_s']:.2f} s")
-    # every variant in its own process at once (the machine has 16 cores): cold compile each
+    # the shipped variants one after another (cold compile times as a user sees them), then the
+    # tuning variants in processes of their own at once (the machine has 16 cores)
+    res["variants"] = dict(compile_one(n) for n in names if n in DEFAULTS)
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
-    with ProcessPoolExecutor(min(len(names), 12), mp_context=multiprocessing.get_context("spawn")) as pool:
-        res["variants"] = dict(pool.map(compile_one, names))
+    rest = [n for n in names if n not in DEFAULTS]
+    if rest:
+        with ProcessPoolExecutor(min(len(rest), 12), mp_context=multiprocessing.get_context("spawn")) as pool:
+            res["variants"].update(pool.map(compile_one, rest))
     for name, info in res["variants"].items():
-        log(f"compile {name:12s} cold {info['cold_s']:5.2f} s (RawModule; d128 was compiled by the first call), "
-            f"NVRTC {info['nvrtc_s']:4.2f} s, regs {info['registers']}, spills {info['spill_stores']}/"
-            f"{info['spill_loads']}, HGMMA {info['hgmma']}, LDL/STL {info['local']}, setmaxreg {info['setmaxreg']}")
+        log(f"compile {name:12s} cold {info['cold_s']:5.2f} s (RawModule{'; compiled by the first call' if name == 'd128' else ''}"
+            f"{'' if name in DEFAULTS else '; in parallel'}), NVRTC {info['nvrtc_s']:4.2f} s, regs {info['registers']}, "
+            f"spills {info['spill_stores']}/{info['spill_loads']}, HGMMA {info['hgmma']}, LDL/STL {info['local']}, "
+            f"setmaxreg {info['setmaxreg']} ({info['note']})")
     return res
 
 
@@ -330,7 +338,7 @@ WORKLOADS = [  # name, B, q_len, kv_len, causal, D, dtype, page sizes, variants
     ("extend_b4_q1024_l16384", 4, 1024, 16384, True, 128, "bfloat16", (16, 1), "d128*"),
     ("prefill_b2_l8192_nc", 2, 8192, 8192, False, 128, "bfloat16", (16,), "d128"),
     ("prefill_b2_l8192_f16", 2, 8192, 8192, True, 128, "float16", (16,), "d128_f16"),
-    ("prefill_b2_l8192_d64", 2, 8192, 8192, True, 64, "bfloat16", (16,), "d64"),
+    ("prefill_b2_l8192_d64", 2, 8192, 8192, True, 64, "bfloat16", (16,), "d64*"),
     ("prefill_b2_l8192_d256", 2, 8192, 8192, True, 256, "bfloat16", (16,), "d256"),
 ]
 H_Q, H_KV = 32, 8
@@ -520,6 +528,69 @@ def time_sdpa(wname, sets, page_table, B, ql, kl, causal, D, dtype, flops, check
     return {"done": True}
 
 
+# ---- child: ncu (run under ncu by the parent) ---------------------------------------------
+
+NCU_SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "MemoryWorkloadAnalysis"]
+NCU_METRICS = ",".join(
+    ["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+     "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
+     "smsp__warps_eligible.avg.per_cycle_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+     "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
+     "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "sm__cycles_elapsed.avg.per_second"]
+    + [f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in
+       ("long_scoreboard", "short_scoreboard", "barrier", "membar", "mio_throttle", "math_pipe_throttle", "wait",
+        "lg_throttle", "not_selected", "selected", "no_instruction", "dispatch_stall", "sleeping", "branch_resolving")])
+
+
+def child_ncu(names):
+    """One launch of each variant on prefill_b2_l8192, page 16 (the parent runs this under ncu)."""
+    import cupy
+
+    from cupy_fa import _arrays
+    from cupy_fa.kv_cache import PagedKVCache
+
+    B, ql, kl, ps, D = 2, 8192, 8192, 16, 128
+    ppr = kl // ps
+    dt = _arrays.DTYPES["bfloat16"]
+    k = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), "bfloat16")
+    v = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), "bfloat16")
+    q = fill_random(cupy.empty((B * ql, H_Q, D), dt), "bfloat16")
+    out = cupy.empty_like(q)
+    page_table = np.random.default_rng(7).permutation(B * ppr).astype(np.int32).reshape(B, ppr)
+    for name in names:
+        dtype, tile = VARIANTS[name]
+        pf = s9.Sm90Prefill(H_Q, H_KV, D, dtype, tile).plan(np.full(B, ql), np.full(B, kl), page_table)
+        pf.run(q, PagedKVCache(k, v), out)
+        cupy.cuda.Device().synchronize()
+    return {}
+
+
+def run_ncu(names, timeout):
+    """Two ncu passes over one launch per variant: sections, then metrics (a name this ncu lacks
+    fails only its pass). Returns the lines worth reading."""
+    lines = []
+    base = ["ncu", "--clock-control", "none", "-k", "regex:prefill_sm90", "-c", str(len(names))]
+    child = [sys.executable, os.path.abspath(__file__), "--child", "ncu"]
+    with open(os.path.join(WORK, "ncu_in.json"), "w") as f:
+        json.dump({"names": names}, f)
+    keep = ("prefill_sm90_kernel", "Duration", "Throughput", "Pipe", "Issue", "Eligible", "Active Warps", "L2 Hit",
+            "L1/TEX Hit", "Bank", "stall", "Stall", "cycles being", "gmma", "warps_", "issue_active", "wavefronts",
+            "lts__", "per_second", "SM Busy", "Executed Ipc")
+    for label, extra in (("sections", sum((["--section", x] for x in NCU_SECTIONS), [])),
+                         ("metrics", ["--metrics", NCU_METRICS])):
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(base + extra + child, capture_output=True, text=True, timeout=timeout)
+            text = proc.stdout + proc.stderr
+        except (subprocess.TimeoutExpired, OSError) as e:
+            text = f"ncu {label}: {type(e).__name__}: {e}"
+        with open(os.path.join(OUT, f"ncu_{label}.txt"), "w") as f:
+            f.write(text)
+        lines.append(f"-- ncu {label} ({time.perf_counter() - t0:.0f} s)")
+        lines += [ln.rstrip()[:200] for ln in text.splitlines() if any(k in ln for k in keep)][:80]
+    return lines
+
+
 # ---- parent -------------------------------------------------------------------------------
 
 def run_child(stage, payload, timeout):
@@ -550,6 +621,8 @@ def child_main(stage):
         res = child_compile(payload["names"])
     elif stage == "correct":
         res = child_correct(payload["names"], payload["paths"], payload["cases"])
+    elif stage == "ncu":
+        res = child_ncu(payload["names"])
     else:
         res = child_time(payload["passed"], payload["quick"])
     with open(os.path.join(WORK, f"{stage}_out.json"), "w") as f:
@@ -562,6 +635,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one case per dtype and head dim, one timing workload")
     ap.add_argument("--only", default="", help="comma list of variant names (default: all)")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--ncu", default="", help="comma list of variants to profile once each on prefill_b2_l8192")
     args = ap.parse_args()
     if args.child:
         return child_main(args.child)
@@ -605,9 +679,11 @@ def main():
         if cells and all(r.get("ok") for r in cells):
             passed.append(n)
     timed, t_status = run_child("time", {"passed": passed, "quick": args.quick}, 240 if not args.quick else 120)
+    ncu_names = [n for n in args.ncu.split(",") if n in passed] if args.ncu else []
+    ncu_lines = run_ncu(ncu_names, 90) if ncu_names else []
 
     with open(os.path.join(OUT, "probe.json"), "w") as f:
-        json.dump(dict(seed=seed, compiled=compiled, correct=correct, timed=timed, cases=cases,
+        json.dump(dict(seed=seed, compiled=compiled, correct=correct, timed=timed, cases=cases, ncu=ncu_lines,
                        statuses=dict(correct=c_status, time=t_status)), f, indent=1)
 
     # ---- the tables, last -------------------------------------------------------------------
@@ -625,6 +701,10 @@ def main():
         worst_l = max((r.get("lse_err", math.inf) for r in cells.values()), default=math.nan)
         log(f"  {n:12s} {len(cells) - len(bad)}/{len(cells)} ok, out {worst:.2e}, lse {worst_l:.2e}"
             f"{'  FAILED: ' + ', '.join(bad) if bad else ''}")
+    if ncu_lines:
+        log("\n==== ncu (prefill_b2_l8192, page 16; whole reports in $OUT/ncu_*.txt)")
+        for line in ncu_lines:
+            log(line)
     log(f"\n==== timing ({t_status}): TFLOP/s (us), fp64 window check")
     if timed:
         rows = timed["rows"]
