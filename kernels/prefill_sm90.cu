@@ -117,26 +117,29 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
     st.reset();
 
     unsigned q_frag[Tr::kQInRegs ? D / 16 : 1][4];  // kQInRegs: Q's A fragments, once
+    // the descriptors of Q and of stage 0's K and V; a stage and a k-step are constant steps
+    const u64 q_desc = kmajor_desc(my_q), k_desc = kmajor_desc(k_addr), v_desc = mnmajor_desc<BN>(v_addr);
     // S = Q K^T of the K tile in `stage` (issue only)
     auto issue_qk = [&](int stage) {
+      const u64 k_tile = desc_at(k_desc, stage * Tr::kKVTileBytes);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const u64 k_desc = kmajor_desc<BN>(k_addr + stage * Tr::kKVTileBytes, kk);
+        const u64 kd = desc_at(k_tile, kmajor_step<BN>(kk));
         if constexpr (Tr::kQInRegs) {
-          Wgmma<BN, QT>::rs_k(s, q_frag[kk], k_desc, kk > 0);
+          Wgmma<BN, QT>::rs_k(s, q_frag[kk], kd, kk > 0);
         } else {
-          Wgmma<BN, QT>::ss_kk(s, kmajor_desc<BM>(my_q, kk), k_desc, kk > 0);
+          Wgmma<BN, QT>::ss_kk(s, desc_at(q_desc, kmajor_step<BM>(kk)), kd, kk > 0);
         }
       }
       wgmma_commit();
     };
     // O += P V of the V tile in `stage` (issue only)
     auto issue_pv = [&](int stage) {
+      const u64 v_tile = desc_at(v_desc, stage * Tr::kKVTileBytes);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks)
-        Wgmma<D, QT>::rs_mn(o, frag[ks], mnmajor_desc<BN>(v_addr + stage * Tr::kKVTileBytes, ks), 1);
+      for (int ks = 0; ks < BN / 16; ++ks) Wgmma<D, QT>::rs_mn(o, frag[ks], desc_at(v_tile, mnmajor_step(ks)), 1);
       wgmma_commit();
     };
     // mask (masked tiles only) and fold tile `tile`'s scores; P into the fragments after `wait`

@@ -80,11 +80,18 @@ struct KVProducer {
 
   // cp.async of one K or V tile (cache `base`) into the stage at shared address `dst`.
   __device__ __forceinline__ void copy_tile(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
-#pragma unroll
+    // 4 rows at a time: fully unrolled, the compiler keeps every row's address live at once,
+    // more than the producer's registers hold
+#pragma unroll 4
     for (int i = 0; i < BN / RP; ++i) {
       // this thread's row is its warp's row i WARP_ROWS + lane / CH (key_of's order), whose
       // slot lane (i WARP_ROWS) % 32 + lane / CH looked up, in register (i WARP_ROWS) / 32
-      const int slot = __shfl_sync(0xffffffffu, slots[(i * WARP_ROWS) / 32], (i * WARP_ROWS) % 32 + lane / CH);
+      // (selected, not indexed: i is not a constant here)
+      const int reg = (i * WARP_ROWS) / 32;
+      int mine = slots[0];
+#pragma unroll
+      for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
+      const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CH);
       const int row = row_in_pass + RP * i;
       const char* src = base + (i64)max(slot, 0) * slot_bytes;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + swizzled_offset<BN>(row, chunk)),

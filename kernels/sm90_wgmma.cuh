@@ -38,23 +38,28 @@ __device__ __forceinline__ u64 make_desc(unsigned smem_addr, unsigned lead_bytes
          (1ull << 62);
 }
 
+// A descriptor `bytes` further on (a multiple of 16): the start address is the low field, and
+// shared addresses stay below 2^18, so adding to the whole word never carries out of it. The
+// main loops build each tile's descriptor once and step it by constants.
+__device__ __forceinline__ u64 desc_at(u64 desc, unsigned bytes) { return desc + (bytes >> 4); }
+
 // K-major operand (Q as A, K as B of S = Q K^T): rows of the tile are M (or N), columns K.
 // Core groups of 8 rows are 1024 bytes apart (SBO); the leading offset is unused with the
 // swizzle. Step kk (16 columns) starts kk % 4 x 32 bytes into its column block: the swizzle
 // is applied by the hardware to the absolute address, so a start inside the 128-byte row
 // selects the right chunks.
+__device__ __forceinline__ u64 kmajor_desc(unsigned tile_addr) { return make_desc(tile_addr, 16, 1024); }
 template <int ROWS>
-__device__ __forceinline__ u64 kmajor_desc(unsigned tile_addr, int kk) {
-  return make_desc(tile_addr + (kk >> 2) * (ROWS * 128) + (kk & 3) * 32, 16, 1024);
+__device__ __forceinline__ constexpr unsigned kmajor_step(int kk) {  // bytes from step 0 to step kk
+  return (kk >> 2) * (ROWS * 128) + (kk & 3) * 32;
 }
 
 // MN-major operand (V as B of O = P V, transposed): rows of the tile are K (keys), columns N
 // (the head dim). N advances 64 elements per column block (LBO = a block's bytes), K 8 rows
 // per 1024 bytes (SBO); step ks (16 keys) starts 16 rows = 2048 bytes further.
 template <int ROWS>
-__device__ __forceinline__ u64 mnmajor_desc(unsigned tile_addr, int ks) {
-  return make_desc(tile_addr + ks * 2048, ROWS * 128, 1024);
-}
+__device__ __forceinline__ u64 mnmajor_desc(unsigned tile_addr) { return make_desc(tile_addr, ROWS * 128, 1024); }
+__device__ __forceinline__ constexpr unsigned mnmajor_step(int ks) { return ks * 2048; }
 
 // ---- the wgmma protocol -----------------------------------------------------------------
 
