@@ -33,8 +33,7 @@ class Sm90Tile:
     head_dim: int
     block_n: int
     stages: int = 2
-    overlap: int = 2            # 0 none; 1 S of tile i issued with P V of tile i - 1, softmax while P V
-                                # runs; 2 as 1 with the softmax held before P V's wait (prefill_sm90.cu)
+    overlap: bool = True        # issue S of tile i with P V of tile i - 1, softmax while P V runs
     pingpong: bool = True       # the two consumer warpgroups take turns at the tensor cores
     producer_regs: int = 56     # setmaxnreg of the producer; the consumers get (504 - it) / 2
     q_in_regs: bool = False     # Q's wgmma A fragments in registers instead of shared memory
@@ -56,7 +55,7 @@ class Sm90Tile:
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
-        return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {int(self.overlap)}, "
+        return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
                 f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}>")
 
 
