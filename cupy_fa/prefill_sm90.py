@@ -148,6 +148,8 @@ class Sm90Prefill:
         _arrays.check_device_array(q, "q", dtype=self.dtype_name, ndim=3,
                                    shape=(st["tokens"], self.num_qo_heads, self.head_dim))
         _arrays.check_device_array(out, "out", dtype=self.dtype_name, shape=q.shape, align=8)
+        if lse is not None:
+            _arrays.check_device_array(lse, "lse", dtype=np.float32, shape=(q.shape[0], self.num_qo_heads), align=4)
         if (cache.num_kv_heads, cache.head_dim, cache.dtype_name) != (self.num_kv_heads, self.head_dim,
                                                                      self.dtype_name):
             raise ValueError("cache heads, head_dim or dtype do not match this instance")
