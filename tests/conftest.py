@@ -16,6 +16,11 @@ def cuda_state():
     return cuda_probe.probe()
 
 
+def cuda_device_count():
+    """CUDA devices this process may use (0 when there is no GPU or CUDA is broken)."""
+    return cuda_state().devices
+
+
 def pytest_report_header(config):
     return f"cuda: {cuda_state().describe()}"
 
