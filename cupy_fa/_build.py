@@ -206,7 +206,8 @@ def attention_variant(dtype_name, tile):
     fold = str(tile.fold_capable).lower()
     traits = (f"cupy_fa::TileTraits<{tile.head_dim}, {tile.warps_m}, {tile.warps_n}, {tile.block_n}, "
               f"{tile.stages}, {fold}>")
-    expr = f"cupy_fa::attention_kernel<{CTYPES[dtype_name]}, {traits}>"
+    t = CTYPES[dtype_name]
+    expr = f"cupy_fa::attention_kernel<{t}, {t}, {t}, {traits}>"
     # TileShape mirrors these traits to size the launch and plan the work; the compile checks it
     checks = (f"{traits}::kSmemBytes == {tile.smem_bytes}",
               f"{traits}::kEpilogueInStage == {str(tile.epilogue_in_stage).lower()}",
@@ -242,7 +243,7 @@ def merge_variant(dtype_name, head_dim, shape):
         ways = min(1024 // (head_dim // 4 * heads_per_cta), MAX_SPLITS // MERGE_GROUP)
     expr = (f"cupy_fa::merge_kernel<{CTYPES[dtype_name]}, "
             f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {MAX_SPLITS}>>")
-    return Variant("attention.cu", expr, head_dim // 4 * heads_per_cta * ways)
+    return Variant("merge.cu", expr, head_dim // 4 * heads_per_cta * ways)
 
 
 def append_variant(index_dtype):
