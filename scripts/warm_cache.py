@@ -3,9 +3,9 @@
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from cupy_fa import _build
+from cupy_fa import _build, schedule
 
-VARIANTS = _build.all_variants()
+VARIANTS = schedule.all_variants()
 
 
 def compile_one(i):
