@@ -110,6 +110,34 @@ def encodings(sass):
     return _ENCODING.findall(sass)
 
 
+# Instructions that move data or do the attention math: where two builds agree on these counts,
+# they differ in integer address arithmetic, predicates and register moves only.
+DATA_AND_MATH = re.compile(r"^(HMMA|LDSM|LDGSTS|LDGDEPBAR|DEPBAR|LDG|STG|LDS|STS|LD|ST|ATOM|RED|BAR|SHFL|VOTE|"
+                           r"MUFU|FMUL|FADD|FFMA|FMNMX|F2FP|HADD2|HFMA2|WARPSYNC|EXIT|BRA)$")
+
+
+def opcode(instruction):
+    """The opcode without modifiers; ``@!PT`` instructions (never executed: ptxas's padding) count as NOP."""
+    ins = instruction.split()
+    if ins[0] == "@!PT":
+        return "NOP"
+    op = ins[1] if ins[0].startswith("@") else ins[0]
+    return op.split(".")[0].rstrip(";")
+
+
+def opcode_delta(ia, ib):
+    """(opcode, new count - base count), largest changes first."""
+    from collections import Counter
+
+    ca, cb = Counter(map(opcode, ia)), Counter(map(opcode, ib))
+    delta = [(op, cb[op] - ca[op]) for op in set(ca) | set(cb) if cb[op] != ca[op]]
+    return sorted(delta, key=lambda d: (-abs(d[1]), d[0]))
+
+
+def data_and_math_same(ia, ib):
+    return all(not DATA_AND_MATH.match(op) for op, _ in opcode_delta(ia, ib))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base")
@@ -118,6 +146,7 @@ def main(argv=None):
     parser.add_argument("-j", type=int, default=2, help="nvcc processes at once")
     parser.add_argument("--diff", type=int, default=0, help="print the first N differing instruction lines")
     parser.add_argument("--trace", action="store_true", help="compile both with -DCUPY_FA_TRACE")
+    parser.add_argument("--ops", type=int, default=6, help="opcode count changes shown per differing variant")
     args = parser.parse_args(argv)
     extra = ("-DCUPY_FA_TRACE",) if args.trace else ()
 
@@ -148,8 +177,11 @@ def main(argv=None):
             same_multiset = sorted(ia) == sorted(ib)
             verdict = (f"DIFFERENT ({len(ia)} vs {len(ib)} instructions; "
                        + ("same instructions reordered" if same_multiset else
-                          "same opcodes, other operands" if ops(ia) == ops(ib) else "other opcodes") + ")")
+                          "same opcodes, other operands" if ops(ia) == ops(ib) else
+                          "same data/math opcode counts" if data_and_math_same(ia, ib) else "other opcodes") + ")")
             bad += 1
+            delta = opcode_delta(ia, ib)
+            verdict += "; " + (" ".join(f"{op}{n:+d}" for op, n in delta[:args.ops]) if delta else "same opcode counts")
             if args.diff:
                 diff = list(difflib.unified_diff(ia, ib, "base", "new", n=1, lineterm=""))
                 print(f"--- {name}\n" + "\n".join(diff[:args.diff]))
@@ -158,9 +190,9 @@ def main(argv=None):
         rows.append((name, verdict, f"{ra['registers']} -> {rb['registers']}",
                      f"{ra['spills']} -> {rb['spills']}" + ("  SPILLS" if spills else "")))
     width = max(len(r[0]) for r in rows)
-    print(f"{'variant':{width}s}  {'SASS (base vs new)':45s}  {'registers':>10s}  spill bytes")
+    print(f"{'variant':{width}s}  {'registers':>10s}  {'spill bytes':12s}  SASS (base vs new)")
     for r in rows:
-        print(f"{r[0]:{width}s}  {r[1]:45s}  {r[2]:>10s}  {r[3]}")
+        print(f"{r[0]:{width}s}  {r[2]:>10s}  {r[3]:12s}  {r[1]}")
     same = sum(r[1] == "identical bytes" for r in rows)
     print(f"{len(rows)} variants: {same} identical bytes, "
           f"{sum(r[1].startswith('same instructions') for r in rows)} same instructions (control bits differ), "
