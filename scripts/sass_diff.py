@@ -138,6 +138,25 @@ def data_and_math_same(ia, ib):
     return all(not DATA_AND_MATH.match(op) for op, _ in opcode_delta(ia, ib))
 
 
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+
+
+def main_loop_size(sass):
+    """Instructions of the largest backward-branch loop that holds tensor-core work (the tile loop,
+    its epilogue included), or None: a static proxy of the per-tile cost."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in map(_LINE.match, sass.splitlines()) if m]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    best = None
+    for i, (a, text) in enumerate(ins):
+        m = _BRANCH.search(text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = ins[at[int(m.group(1), 16)]:i + 1]
+            if any("HMMA" in t for _, t in body) and (best is None or len(body) > best):
+                best = len(body)
+    return best
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base")
@@ -185,6 +204,9 @@ def main(argv=None):
             if args.diff:
                 diff = list(difflib.unified_diff(ia, ib, "base", "new", n=1, lineterm=""))
                 print(f"--- {name}\n" + "\n".join(diff[:args.diff]))
+        la, lb = main_loop_size(sa), main_loop_size(sb)
+        if la and lb and ia != ib:
+            verdict += f"; tile loop {la} -> {lb} instructions"
         spills = ra["spills"] or rb["spills"]
         bad += bool(spills)
         rows.append((name, verdict, f"{ra['registers']} -> {rb['registers']}",
