@@ -62,12 +62,77 @@ def to_cupy(x, name):
 
 
 def to_caller(array, like):
-    """`array` (CuPy) in the framework of `like`: torch in, torch out."""
-    if like is not None and is_torch(like):
+    """`array` (CuPy) handed back in the framework of `like`, zero copy through DLPack:
+    torch in, torch out; JAX in, JAX out; any other array-API array (one with
+    ``__array_namespace__``) through its namespace's ``from_dlpack``; CuPy (or no `like`) as
+    CuPy. Call it with the stream the result was written on current (the consumer waits on it)."""
+    if like is None:
+        return array
+    module = type(like).__module__.split(".")[0]
+    if module == "cupy":
+        return array
+    if module == "torch":
         import torch
 
         return torch.from_dlpack(array)
+    if module in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.from_dlpack(array)
+    namespace = getattr(like, "__array_namespace__", None)
+    if namespace is not None:
+        return namespace().from_dlpack(array)
     return array
+
+
+_cuda_ready = False
+
+
+def cuda_problem():
+    """None when CuPy sees a usable CUDA device; else one plain sentence saying what is missing
+    and what to install (no CuPy, no NVIDIA driver, a driver older than CuPy's CUDA, no device)."""
+    try:
+        import cupy
+    except ImportError:
+        return ("CuPy is not installed: install cupy_fa with the CUDA extra that matches the driver, "
+                "pip install -e '.[cuda12]' (or '.[cuda13]') from a checkout")
+    runtime = cupy.cuda.runtime
+    try:
+        built_for = runtime.runtimeGetVersion()
+    except Exception:  # pragma: no cover - no runtime library at all
+        built_for = 0
+    try:
+        driver = runtime.driverGetVersion()
+    except Exception:
+        driver = 0
+    cuda = f"CUDA {built_for // 1000}.{built_for % 1000 // 10}" if built_for else "CUDA"
+    if driver == 0:
+        return (f"no NVIDIA driver was found (libcuda.so.1): cupy_fa's kernels need an NVIDIA GPU (sm_80 or newer) "
+                f"with its driver; CuPy {cupy.__version__} here is built for {cuda}")
+    if built_for and driver // 1000 < built_for // 1000:
+        major = driver // 1000
+        return (f"the NVIDIA driver supports CUDA {major}.{driver % 1000 // 10}, older than the {cuda} this CuPy "
+                f"needs: update the driver, or install cupy_fa's [cuda{major}] extra instead"
+                + (f" (CUPY_FA_CUDA={major} make ...)" if major in (12, 13) else ""))
+    try:
+        count = runtime.getDeviceCount()
+    except Exception as exc:
+        return f"the CUDA runtime found no usable GPU ({exc})"
+    if count == 0:
+        return "the NVIDIA driver is installed but no CUDA device is visible (is CUDA_VISIBLE_DEVICES empty?)"
+    return None
+
+
+def require_cuda():
+    """Raises RuntimeError with :func:`cuda_problem`'s sentence unless a CUDA device is usable
+    (checked until it first is; afterwards free)."""
+    global _cuda_ready
+    if _cuda_ready:
+        return
+    problem = cuda_problem()
+    if problem is not None:
+        raise RuntimeError(f"cupy_fa cannot run here: {problem}")
+    _cuda_ready = True
 
 
 def is_host(x):
@@ -89,6 +154,7 @@ def caller_stream(*arrays):
     torch CUDA tensor, or when torch is in use and no input says otherwise (so
     host-planned steps and torch launches stay ordered, and we are captured
     inside ``torch.cuda.graph`` too); else CuPy's current stream."""
+    require_cuda()
     import cupy
 
     torch_device = None

@@ -49,16 +49,24 @@ class _PlanState:
 
 
 class BatchAttention:
-    """Attention of a ragged batch of queries over a paged KV cache.
+    """Attention of a ragged batch of queries over a paged KV cache: :meth:`plan` a step,
+    then :meth:`run` it for each layer.
 
     Args:
         num_qo_heads, num_kv_heads: query and KV head counts (GQA/MQA: the first a multiple of the second).
         head_dim: 64, 128 or 256.
-        dtype: "bfloat16" or "float16" (q, cache and out share it).
+        dtype: "bfloat16" or "float16" (also NumPy / ml_dtypes / torch dtypes); q, cache and out share it.
         max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes: capacity of the
-            preallocated metadata buffers. Give them to allocate everything up front (required
+            preallocated metadata buffers (requests, sum of q_len, page-table columns, custom-mask
+            bytes). Give the first three (all or none) to allocate everything up front (needed
             before a CUDA-graph capture); otherwise buffers are sized on first use and grown
             by eager plans as needed.
+    Raises:
+        ValueError: head counts that are not positive ints or do not divide, an unsupported
+            head dim, some but not all of the capacities. TypeError: a dtype other than float16
+            / bfloat16.
+
+    One instance owns one set of buffers: plan and run it on one stream at a time.
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
@@ -90,13 +98,49 @@ class BatchAttention:
 
     def plan(self, q_lens, kv_lens, page_table, *, causal=True, sm_scale=None, custom_mask=None,
              max_q_len=None, max_kv_len=None):
-        """Computes this step's metadata on the device (no launch of attention yet).
+        """Plans one step's batch: checks it and computes its metadata on the device.
 
-        Host inputs (lists / NumPy) are validated before anything is launched.
-        Device inputs (CuPy, torch CUDA tensors, ...) are copied device-to-device
-        into the preallocated buffers with no host synchronisation, which is
-        what a CUDA-graph capture needs; then give ``max_q_len`` (and ideally
-        ``max_kv_len``) as upper bounds, since the host cannot read the lengths.
+        Plan once per step, then :meth:`run` once per layer (the layers of a step share its
+        lengths and page table). No attention runs here.
+
+        Args:
+            q_lens: ``[B]`` ints, query tokens of each request in this step; 0 marks a padded
+                row, which reads and writes nothing.
+            kv_lens: ``[B]`` ints, keys of each request in the cache AFTER this step's K/V were
+                written (they count this step's tokens: ``q_len <= kv_len`` for a live request).
+            page_table: ``[B, max_pages]`` ints (int32 on the device): row b lists request b's
+                pages in token order. Only its first ``ceil(kv_len / page_size)`` entries are
+                read; pad the rest with anything (-1, 0).
+            causal: bottom-right causal (query i sees keys ``0 .. kv_len - q_len + i``); False:
+                every query sees all ``kv_len`` keys.
+            sm_scale: softmax scale, a positive float; default ``1 / sqrt(head_dim)``.
+            custom_mask: a tree mask among each request's own ``q_len`` tokens instead of the
+                causal one (the prefix stays visible): flat bool / uint8, request b's ``q_len x
+                q_len`` block row-major at offset ``sum_{c<b} q_len[c]**2``; or a list of blocks.
+            max_q_len, max_kv_len: host upper bounds of device lengths (``max_q_len`` is
+                required for them; ``max_kv_len`` keeps the grid tight). Ignored for host lengths.
+
+        Every input may be a host value (list, NumPy, CPU torch) or a device array (CuPy, torch
+        CUDA, any DLPack producer); ``q_lens`` and ``kv_lens`` must be the same kind. Host
+        inputs are checked before anything touches the device. Device inputs are copied
+        device-to-device into the preallocated buffers with no host sync (what a CUDA-graph
+        capture needs): their values are trusted within the bounds, and a row with ``q_len >
+        kv_len`` is refused on the device (:meth:`status`).
+
+        The page ids are not checked here but in :meth:`run`, against the cache the step runs
+        on (its ``num_pages`` and ``page_size``), once per cache geometry.
+
+        Returns:
+            self.
+        Raises:
+            ValueError: lengths or page-table rows of different batch sizes, a negative length,
+                ``q_len > kv_len`` (host), a custom mask whose size is not ``sum(q_len**2)``, a
+                bad ``sm_scale``, device lengths without ``max_q_len``, a step beyond the
+                capacity given to the constructor (or, inside a CUDA-graph capture, beyond the
+                buffers already allocated).
+            TypeError: non-integer lengths or page table, ``q_lens`` and ``kv_lens`` of different
+                kinds, a custom mask that is not bool / uint8.
+            RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words.
         """
         step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len)
         sm_scale = self._checked_sm_scale(sm_scale)
@@ -158,17 +202,35 @@ class BatchAttention:
     # ---- run --------------------------------------------------------------------------
 
     def run(self, q, cache, out=None, *, lse=None, return_lse=False):
-        """Attention of the planned batch.
+        """Attention of the planned batch over ``cache``, on the caller's stream (torch's
+        current stream for torch tensors, else CuPy's).
 
         Args:
-            q: device array ``[T, num_qo_heads, head_dim]`` (torch, CuPy, any DLPack).
-            cache: :class:`PagedKVCache` holding this step's K/V already written.
-            out: optional ``[T, num_qo_heads, head_dim]`` destination (same dtype);
-                a new array in q's framework otherwise. Rows of padded requests are not written.
-            lse: optional float32 ``[T, num_qo_heads]`` destination for the natural-log LSE.
-            return_lse: also return the LSE (allocated if ``lse`` is not given).
+            q: ``[T, num_qo_heads, head_dim]`` device array (torch, CuPy, any DLPack) of this
+                instance's dtype, C-contiguous, 16-byte aligned; request b owns the ``q_len[b]``
+                rows from ``sum_{c<b} q_len[c]`` on. ``T = sum(q_lens)`` for a host-planned step;
+                a device-planned step takes any ``T`` within the capacity (rows past the last
+                request are neither read nor written).
+            cache: the :class:`PagedKVCache` this step's K/V were already appended to, of the
+                same dtype, ``num_kv_heads`` and ``head_dim``.
+            out: optional ``[T, num_qo_heads, head_dim]`` destination of q's dtype (8-byte
+                aligned); a new array otherwise. Rows of padded requests are not written.
+            lse: optional float32 ``[T, num_qo_heads]`` destination of the natural-log LSE.
+            return_lse: also return the LSE (allocated when ``lse`` is not given).
         Returns:
-            ``out``, or ``(out, lse)`` when ``return_lse``; torch tensors if q was one.
+            ``out``, or ``(out, lse)`` with ``return_lse``. Arrays allocated here come back in
+            q's framework, zero copy (torch in, torch out; JAX in, JAX out; else CuPy).
+        Raises:
+            RuntimeError: ``run`` before ``plan``; no usable CUDA device.
+            TypeError: ``cache`` not a PagedKVCache; q, out or the cache of another dtype; a NumPy
+                array for q, out or lse.
+            ValueError: shapes that do not fit the plan or this instance (``T != sum(q_lens)``,
+                head count, head dim), arrays that are not C-contiguous, misaligned, on the CPU or
+                on another device, ``out`` / ``lse`` not given inside a CUDA-graph capture; and the page-table
+                checks of a host-planned step, made here against ``cache`` once per cache geometry:
+                every page id the step reads must be a page of the cache and every live row wide
+                enough for ``ceil(kv_len / page_size)`` pages (a device page table: widths only).
+        Nothing is launched when it raises.
         """
         import cupy
 

@@ -1,25 +1,24 @@
-"""``make demo`` / ``python -m cupy_fa.demo``: the main job.
+"""``make demo`` / ``python -m cupy_fa.demo``: what cupy_fa does on this machine.
 
 With a GPU: a self-check of engine-like batches against the float64 reference,
 then a small timing table beside PyTorch SDPA, and decode step time under
 CUDA-graph replay vs eager. Without one: every kernel variant compiled for
-sm_90a through NVRTC, with registers and spills, and a plain statement that no
-GPU was found.
+sm_90a through NVRTC, with registers and spills (the table is cached, keyed by the
+kernel sources, the NVRTC version and the options, so a second run prints it at
+once), and a plain statement of what is missing. Without CuPy: what to install.
 """
 
+import argparse
+import hashlib
+import json
+import os
+import pathlib
 import sys
 import time
 
 import numpy as np
 
-
-def _has_gpu():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+from ._arrays import cuda_problem
 
 
 def _random_case(rng, q_lens, kv_lens, page_size, h_q=32, h_kv=8, d=128, dtype="bfloat16"):
@@ -165,14 +164,87 @@ def decode_replay_vs_eager(rng):
     return rows
 
 
-def main():
-    if not _has_gpu():
-        from . import compile_check
+def compile_cache_dir():
+    """``CUPY_FA_CACHE_DIR``, else ``$XDG_CACHE_HOME/cupy_fa`` (``~/.cache/cupy_fa``)."""
+    from .knobs import knobs
 
-        print("No CUDA GPU found: compiling every kernel variant for sm_90a with NVRTC instead.\n")
-        compile_check.main([])
-        print("\nNo GPU was found, so nothing was run; the kernels above compile. Run `make demo` on a GPU machine.")
-        return 0
+    base = knobs().cache_dir
+    if base:
+        return pathlib.Path(base)
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "cupy_fa"
+
+
+def _compile_key(arch):
+    import cupy
+    from cupy.cuda import nvrtc
+
+    from . import _build, schedule
+
+    # the options without their -I paths: one key wherever the checkout or the venv lies
+    options = [o for o in _build.compile_options(arch) if not o.startswith("-I")]
+    facts = (_build.source_hash(), arch, nvrtc.getVersion(), cupy.__version__, options, _build.RAWMODULE_OPTIONS,
+             [v.expression for v in schedule.all_variants()])
+    return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+
+
+def compile_table(arch="sm_90a", recompile=False):
+    """Every variant compiled for ``arch`` without a GPU: (table text, seconds, cached?)."""
+    from . import compile_check, schedule
+
+    path = compile_cache_dir() / f"compile_check-{arch}-{_compile_key(arch)}.json"
+    variants = {v.expression: v for v in schedule.all_variants()}
+    if not recompile and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            rows = [(variants[r["expression"]], r["resources"], r["seconds"]) for r in saved["rows"]]
+            return compile_check.format_table(rows), saved["seconds"], True
+        except (KeyError, ValueError, TypeError):
+            pass  # an unreadable entry: compile again
+    start = time.perf_counter()
+    rows = compile_check.compile_all(arch)
+    seconds = time.perf_counter() - start
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"seconds": seconds, "rows": [
+            {"expression": v.expression, "resources": res, "seconds": t} for v, res, t in rows]}))
+    except OSError:
+        pass  # a read-only home: the next run compiles again
+    return compile_check.format_table(rows), seconds, False
+
+
+def _no_gpu(problem, args):
+    print(f"No usable GPU: {problem}.")
+    print(f"Compiling every kernel variant for {args.arch} with NVRTC instead (no GPU needed).\n")
+    table, seconds, cached = compile_table(args.arch, args.recompile)
+    print(table)
+    count = table.count("\n")
+    if cached:
+        print(f"{count} variants compile for {args.arch} (cached table of an earlier {seconds:.0f} s compile, "
+              f"same sources, NVRTC and options; --recompile to compile again)")
+    else:
+        print(f"{count} variants compiled for {args.arch} in {seconds:.0f} s (cached for the next run)")
+    print("\nNothing was run: the kernels above compile. Run `make demo` on a machine with an NVIDIA GPU "
+          "(sm_80 or newer) and its driver to see them checked and timed.")
+    return 0
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m cupy_fa.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="sm_90a", help="target of the no-GPU compile (default sm_90a)")
+    parser.add_argument("--recompile", action="store_true", help="ignore the cached no-GPU compile table")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    problem = cuda_problem()
+    if problem is not None and problem.startswith("CuPy is not installed"):
+        print(f"cupy_fa needs CuPy, even to compile its kernels without a GPU. {problem}.\n"
+              "`make demo` builds a venv with it.", file=sys.stderr)
+        return 1
+    if problem is not None:
+        return _no_gpu(problem, args)
     import cupy
 
     rng = np.random.default_rng()

@@ -48,6 +48,14 @@ class GraphRunner:
         page_size: page size of the caches the runner will be used with.
         buckets: batch sizes to capture (default powers of two up to max_batch_size).
         tree_mask: reserve space for TARGET_VERIFY custom masks (tree speculation).
+    Raises:
+        ValueError: buckets that do not reach max_batch_size; what :class:`BatchAttention` raises
+            for the heads, head dim and dtype.
+
+    It allocates its static buffers at construction: q, out, lse for ``max_batch_size x max_q_len``
+    tokens here, the lengths, page table and mask in its :class:`BatchAttention`'s plan buffers
+    (a step is staged straight into them). Call :meth:`run` outside any other capture;
+    inside your own ``torch.cuda.graph``, use :class:`BatchAttention` directly.
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size, max_q_len,
@@ -81,12 +89,32 @@ class GraphRunner:
 
     def run(self, mode, q, cache, q_lens, kv_lens, page_table, *, custom_mask=None, use_graph=True,
             return_lse=False):
-        """One attention step of `mode` in contract terms (see cupy_fa.modes).
+        """One attention step of ``mode`` in contract terms (see :mod:`cupy_fa.modes`): captured
+        on first use of each (mode, batch bucket, cache), replayed after.
 
-        q: ``[sum(q_lens), H_q, D]``; q_lens / kv_lens ``[B]``; page_table ``[B, <= max_pages]``;
-        custom_mask (TARGET_VERIFY tree): flat bool of sum(q_len^2). Host or device inputs.
-        Returns a view ``[sum(q_lens), H_q, D]`` of the runner's static output (valid until
-        the next run), in q's framework; with ``return_lse`` also the LSE view.
+        Args:
+            mode: a :class:`ForwardMode` (or its value).
+            q: ``[sum(q_lens), H_q, D]`` device array of the runner's dtype (copied into the
+                static buffer: any alignment).
+            cache: the :class:`PagedKVCache` this step's K/V were appended to, of the runner's
+                ``page_size``.
+            q_lens, kv_lens: ``[B]`` contract lengths, ``B <= max_batch_size``; q_len at most 1 for
+                DECODE and ``max_q_len`` otherwise. page_table: ``[B, <= max_pages_per_request]``.
+                Host or device values; host ones are checked here (lengths, ``sum(q_lens)``, page
+                ids against the cache), device ones are trusted within the bounds.
+            custom_mask: TARGET_VERIFY tree mask, flat bool of ``sum(q_len**2)`` (a runner built
+                with ``tree_mask=True``).
+            use_graph: False runs the same step eagerly (bit-identical results).
+            return_lse: also return the LSE view.
+        Returns:
+            A view ``[sum(q_lens), H_q, D]`` of the runner's static output, valid until the next
+            ``run``, in q's framework; with ``return_lse`` also the ``[sum(q_lens), H_q]`` LSE view.
+        Raises:
+            ValueError: a batch beyond ``max_batch_size``, q_lens above the mode's bound, more
+                page-table columns than ``max_pages_per_request``, a cache of another page size,
+                a custom mask outside tree TARGET_VERIFY, and what :meth:`BatchAttention.plan`
+                raises for host inputs. TypeError: cache not a PagedKVCache. RuntimeError: called
+                inside another capture, no usable CUDA device.
         """
         mode = ForwardMode(mode)
         if not isinstance(cache, PagedKVCache):

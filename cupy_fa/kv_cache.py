@@ -13,8 +13,17 @@ class PagedKVCache:
     """K/V cache pages, allocated here or wrapped zero-copy from any DLPack arrays.
 
     Args:
-        k, v: device arrays ``[num_pages, page_size, num_kv_heads, head_dim]``,
-            float16 or bfloat16, C-contiguous, same shape, dtype and device.
+        k, v: device arrays ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD: a page
+            holds ``page_size`` consecutive tokens of one request, each ``num_kv_heads x
+            head_dim``), float16 or bfloat16, C-contiguous, 16-byte aligned, same shape, dtype
+            and device; ``head_dim`` a multiple of 8. Any page size (powers of two shift, others
+            divide). The caller's objects are kept alive and written in place.
+    Attributes:
+        k, v: the CuPy views; num_pages, page_size, num_kv_heads, head_dim; dtype_name.
+    Raises:
+        TypeError: a NumPy array, an unsupported dtype, v of another dtype.
+        ValueError: a CPU tensor, not 4-dimensional, v of another shape or device, not
+            C-contiguous or misaligned, a head dim that is not a multiple of 8, an empty cache.
     """
 
     def __init__(self, k, v):
@@ -36,7 +45,13 @@ class PagedKVCache:
 
     @classmethod
     def allocate(cls, num_pages, page_size, num_kv_heads, head_dim, dtype="bfloat16"):
-        """A zero-filled cache on the current CuPy device."""
+        """A zero-filled cache ``[num_pages, page_size, num_kv_heads, head_dim]`` of ``dtype``
+        ("bfloat16" / "float16") on the current CuPy device.
+
+        Raises:
+            ValueError: a dimension below 1 (or a head dim that is not a multiple of 8).
+            TypeError: another dtype.
+        """
         import cupy
 
         np_dtype = _arrays.DTYPES[_arrays.resolve_dtype(dtype)]
@@ -54,13 +69,23 @@ class PagedKVCache:
         return self.num_pages * self.page_size
 
     def append(self, k_new, v_new, slots):
-        """Writes new K/V rows at their slots, on the caller's stream.
+        """Writes new K/V rows at their slots, on the caller's stream (torch's current stream
+        for torch tensors, else CuPy's).
 
         Args:
-            k_new, v_new: device arrays ``[T, num_kv_heads, head_dim]`` of the cache dtype.
-            slots: ``[T]`` int32 or int64, ``page * page_size + offset``; host or device.
-                Host slots are range-checked before anything is written; on a
-                device array (graph replay) negative slots mean "skip" (padding).
+            k_new, v_new: device arrays ``[T, num_kv_heads, head_dim]`` of the cache dtype,
+                C-contiguous, 16-byte aligned.
+            slots: ``[T]`` ints, ``page * page_size + offset``; host (list, NumPy, CPU torch) or
+                device (int32 or int64). Host slots are range-checked before anything is
+                written; on a device array (graph replay) negative slots mean "skip" (padding),
+                and other values are trusted.
+        Raises:
+            TypeError: NumPy K/V, another dtype, non-integer slots (device: not int32 / int64).
+            ValueError: shapes that do not match the cache or each other, a host slot outside
+                ``0 .. num_pages * page_size - 1``, K/V on the CPU or another device, misaligned
+                or non-contiguous arrays.
+            RuntimeError: no usable CUDA device.
+        Nothing is written when it raises.
         """
         stream = _arrays.caller_stream(k_new, v_new, slots)
         with stream:  # DLPack exchange on the caller's stream (a capture must see no foreign stream)

@@ -100,6 +100,7 @@ class MmaTile:
     fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
 
     family = MMA_SYNC
+    whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
 
     def __post_init__(self):
         if self.fold_capable and not self.fold_layout:
@@ -395,7 +396,7 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
 def plan_constants(tile):
     """PlanParams' policy fields for a tile (kernels/plan.cu reads them)."""
     s = split_size()
-    if s % tile.block_n:
+    if getattr(tile, "whole_tiles_per_split", False) and s % tile.block_n:
         raise ValueError(f"CUPY_FA_SPLIT_SIZE={s} is not a multiple of the tile's {tile.block_n} keys per KV tile")
     return dict(block_m=tile.block_m, block_n=tile.block_n, split_size=s, max_splits=MAX_SPLITS,
                 small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=tile.splits_per_cta,

@@ -65,6 +65,7 @@ class OtherFamilyTile:
     block_n: int = 128
     splits_per_cta: int = 1
     fold_splits: bool = False
+    whole_tiles_per_split: bool = True  # its kernel runs whole KV tiles per split, as mma.sync's does
 
     def folding(self, groups_per_cta=1, smem_limit=None):
         return None
@@ -92,6 +93,8 @@ def test_split_size_must_be_a_multiple_of_the_tile_keys():
         assert schedule.plan_constants(schedule.tile_for(128, 1, 4))["split_size"] == 576  # 9 x 64
         with pytest.raises(ValueError, match="CUPY_FA_SPLIT_SIZE=576 is not a multiple of the tile's 128"):
             schedule.plan_constants(OtherFamilyTile())
+        # a family whose kernel takes any split length (it masks by the split's key range) is not held to it
+        assert schedule.plan_constants(OtherFamilyTile(block_n=80, whole_tiles_per_split=False))["split_size"] == 576
     finally:
         knobs.use(before)
 

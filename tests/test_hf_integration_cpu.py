@@ -1,0 +1,266 @@
+"""The transformers integration's argument mapping, on the CPU torch wheel (marker cpu_torch).
+
+No kernel runs here. The mapping (transformers' arguments -> q_lens / kv_lens / page table /
+zero-copy page views) is checked against hand-built arguments, and then end to end: a
+pure-torch stand-in for the kernels, which reads exactly what cupy_fa's kernels read (the
+page views, the lengths and the page table of each Step, rows packed by q_len), replaces
+the backend, and transformers' generate_batch with "paged|cupy_fa" and generate with
+"cupy_fa" must give the tokens of its own "paged|sdpa" and "sdpa".
+"""
+
+import psutil  # noqa: F401  (transformers sizes its CPU paged cache from it)
+import pytest
+import torch
+import transformers
+
+import cupy_fa.integrations.transformers as hf
+
+pytestmark = pytest.mark.cpu_torch
+
+
+class KernelStandIn:
+    """What the kernels compute, in torch, from what they are given."""
+
+    def __init__(self):
+        self.steps, self.caches, self.writes = [], [], 0
+
+    def check(self, key, q, k_pages):
+        pass
+
+    def append(self, key, k_pages, v_pages, k_new, v_new, slots):
+        self.caches.append(key)
+        h, d = k_pages.shape[2:]
+        k_pages.view(-1, h, d).index_copy_(0, slots, k_new)  # writes through the view: the cache itself
+        v_pages.view(-1, h, d).index_copy_(0, slots, v_new)
+        self.writes += 1
+
+    def attention(self, key, step, q, k_pages, v_pages, scale, causal, pages_key=None, zero_fill=False):
+        self.steps.append(step)
+        out = torch.zeros_like(q) if zero_fill else torch.full_like(q, float("nan"))  # unwritten rows stay NaN
+        page_size, h_kv, d = k_pages.shape[1:]
+        group = q.shape[1] // h_kv
+        start = 0
+        for b, (q_len, kv_len) in enumerate(zip(step.q_lens.tolist(), step.kv_lens.tolist())):
+            assert q_len == 0 or 1 <= q_len <= kv_len, (b, q_len, kv_len)
+            if q_len == 0:
+                continue
+            pages = step.page_table[b, :-(-kv_len // page_size)].long()
+            assert int(pages.min()) >= 0 and int(pages.max()) < k_pages.shape[0]
+            k = k_pages[pages].reshape(-1, h_kv, d)[:kv_len].double().repeat_interleave(group, dim=1)
+            v = v_pages[pages].reshape(-1, h_kv, d)[:kv_len].double().repeat_interleave(group, dim=1)
+            s = torch.einsum("qhd,khd->hqk", q[start:start + q_len].double(), k) * scale
+            if causal:
+                i, j = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+                s = s.masked_fill(j > kv_len - q_len + i, float("-inf"))
+            out[start:start + q_len] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+            start += q_len
+        assert start <= q.shape[0]
+        return out
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    hf.register()
+    kernels = KernelStandIn()
+    monkeypatch.setattr(hf, "backend", kernels)
+    return kernels
+
+
+def tiny_model(kind, seed):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    if kind == "llama":
+        config = transformers.LlamaConfig(head_dim=16, **common)
+    else:  # Qwen2: biases on q/k/v, head dim from hidden / heads
+        config = transformers.Qwen2Config(**common)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def random_prompts(seed, lengths):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    return prompts + [prompts[3][:27] + [7, 8, 9]]  # shares three 8-token blocks with prompt 3
+
+
+# ---- hand-built arguments --------------------------------------------------------------
+
+
+def _slots(blocks, length, block_size):
+    return [blocks[t // block_size] * block_size + t % block_size for t in range(length)]
+
+
+def test_paged_step_maps_lengths_and_pages():
+    """Chunked prefill, decode and a padding request (cumulative lengths plateau), blocks
+    shuffled, read_index padded with the trash slot: lengths are the differences of the
+    cumulative ones, row b's pages the blocks of its read slots, and only those are named."""
+    bs = 4
+    requests = [  # (past, new, blocks)
+        (5, 3, [7, 2]),
+        (0, 1, [5]),
+        (9, 1, [0, 3, 6]),
+    ]
+    cu_q, cu_k, read, write = [0], [0], [], []
+    for past, new, blocks in requests:
+        cu_q.append(cu_q[-1] + new)
+        cu_k.append(cu_k[-1] + past + new)
+        slots = _slots(blocks, past + new, bs)
+        read += slots
+        write += slots[past:]
+    cu_q.append(cu_q[-1])  # a padding request
+    cu_k.append(cu_k[-1])
+    trash = 10 * bs
+    read += [trash] * 6
+    step = hf.paged_step(bs, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                         torch.tensor(read), torch.tensor(write), max_seqlen_q=3, max_seqlen_k=10)
+    assert step.q_lens.tolist() == [3, 1, 1, 0]
+    assert step.kv_lens.tolist() == [8, 1, 10, 0]
+    assert step.page_table.dtype == torch.int32 and step.page_table.shape == (4, 3)
+    assert step.page_table.tolist() == [[7, 2, 0], [5, 0, 0], [0, 3, 6], [0, 0, 0]]
+    assert (step.max_q_len, step.max_kv_len) == (3, 10)
+
+
+def test_paged_step_of_fresh_prefills_reads_the_write_slots():
+    """A batch with no cache to read has an empty read_index: the pages come from write_index."""
+    bs = 8
+    blocks = [[4], [1, 9]]
+    lens = [6, 13]
+    write = _slots(blocks[0], 6, bs) + _slots(blocks[1], 13, bs)
+    cu = torch.tensor([0, 6, 19], dtype=torch.int32)
+    step = hf.paged_step(bs, cu, cu, torch.zeros(0, dtype=torch.int64), torch.tensor(write), 13, 13)
+    assert step.q_lens.tolist() == lens and step.kv_lens.tolist() == lens
+    assert step.page_table.tolist() == [[4, 0], [1, 9]]
+
+
+def test_paged_cache_views_are_the_cache_tensors():
+    class Cache:
+        block_size, num_key_value_heads, head_dim = 4, 2, 16
+        layer_index_to_group_indices = {0: (0, 0), 1: (0, 1)}
+        sliding_windows = {0: 1, 1: 1}
+        key_cache = [torch.randn(6 * 4, 2, 16) for _ in range(2)]
+        value_cache = [torch.randn(6 * 4, 2, 16) for _ in range(2)]
+
+    k, v, group = hf.paged_cache_views(Cache, 1)
+    assert group == 0 and k.shape == (6, 4, 2, 16) and v.shape == (6, 4, 2, 16)
+    assert k.data_ptr() == Cache.key_cache[1].data_ptr() and v.data_ptr() == Cache.value_cache[1].data_ptr()
+    assert k.is_contiguous() and torch.equal(k[3, 2], Cache.key_cache[1][3 * 4 + 2])
+    Cache.sliding_windows = {0: 1, 1: 64}
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        hf.paged_cache_views(Cache, 1)
+
+
+@pytest.mark.parametrize("layout", ["heads-major", "tokens-major"])
+def test_dense_step_pages_name_the_valid_keys(layout):
+    """Request b * H_kv + h lists batch row b's valid keys of head h in order, as page ids of
+    the zero-copy one-vector-per-page view; live query rows come first."""
+    b, h_kv, h_q, length, t, d = 3, 2, 6, 9, 3, 8
+    if layout == "heads-major":  # what DynamicCache's concatenation makes
+        key = torch.randn(b, h_kv, length, d)
+    else:  # a fresh projection viewed [B, H, L, D]
+        key = torch.randn(b, length, h_kv, d).transpose(1, 2)
+    query = torch.randn(b, h_q, t, d)
+    mask = torch.ones(b, length, dtype=torch.bool)
+    mask[0, :4] = False  # left padding
+    mask[2, 2] = False  # a hole
+    mask[2, length - 2] = False  # a padded query position
+    step = hf.dense_step(query, key, mask)
+    pages = hf.dense_pages(key)
+    assert pages.data_ptr() == key.data_ptr() and pages.shape[1:] == (1, 1, d)
+    assert step.kv_lens.tolist() == [5, 5, 9, 9, 7, 7]
+    assert step.q_lens.tolist() == [3, 3, 3, 3, 2, 2]
+    for r in range(b * h_kv):
+        row, head = divmod(r, h_kv)
+        valid = torch.nonzero(mask[row]).flatten()
+        for j, pos in enumerate(valid.tolist()):
+            assert torch.equal(pages[step.page_table[r, j], 0, 0], key[row, head, pos])
+    live = mask[:, length - t:][:, None, :].expand(b, h_kv, t).reshape(-1)
+    assert live[step.rows].tolist() == sorted(live.tolist(), reverse=True)  # live rows first
+    assert sorted(step.rows.tolist()) == list(range(b * h_kv * t))
+    no_mask = hf.dense_step(query, key, None)
+    assert no_mask.rows is None and no_mask.q_lens.tolist() == [t] * 6 and no_mask.kv_lens.tolist() == [length] * 6
+
+
+def test_padding_mask_is_none_without_padding():
+    full = torch.ones(2, 7, dtype=torch.bool)
+    assert hf.padding_mask(2, 1, 7, attention_mask=full) is None
+    assert hf.padding_mask(2, 1, 7, attention_mask=None) is None
+    full[1, 0] = False
+    assert torch.equal(hf.padding_mask(2, 1, 7, attention_mask=full), full)
+
+
+def test_register_adds_both_names():
+    names = hf.register()
+    assert names == ("paged|cupy_fa", "cupy_fa")
+    assert transformers.AttentionInterface._global_mapping["paged|cupy_fa"] is hf.paged_attention_forward
+    assert transformers.AttentionInterface._global_mapping["cupy_fa"] is hf.attention_forward
+    assert transformers.AttentionMaskInterface._global_mapping["cupy_fa"] is hf.padding_mask
+
+
+# ---- refusals before anything is written ------------------------------------------------
+
+
+class _Module:
+    layer_idx, scaling, is_causal = 0, 0.25, True
+
+
+def test_refusals_name_what_is_missing():
+    q = torch.randn(1, 4, 3, 16)
+    kv = torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match="without a paged attention cache"):
+        hf.paged_attention_forward(_Module(), q, kv, kv, None)
+    windowed = _Module()
+    windowed.sliding_window = 128
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        hf.attention_forward(windowed, q, kv, kv, None)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        hf.attention_forward(_Module(), q, kv, kv, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="value head dim"):
+        hf.attention_forward(_Module(), q, kv, torch.randn(1, 2, 3, 8), None)
+    with pytest.raises(ValueError, match="CUDA"):
+        hf.CupyFABackend().check(None, torch.randn(3, 4, 64, dtype=torch.bfloat16), None)
+
+
+# ---- end to end through transformers, the stand-in in place of the kernels ----------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_generate_batch_gives_paged_sdpa_tokens(stand_in, kind):
+    model = tiny_model(kind, seed=1)
+    prompts = random_prompts(2, (5, 23, 1, 40, 17, 8))
+    gen = transformers.GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens = {}
+    for impl in ("paged|sdpa", "paged|cupy_fa"):
+        model.set_attn_implementation(impl)
+        cb = transformers.ContinuousBatchingConfig(block_size=8, num_blocks=64, max_batch_tokens=32)
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        assert [o.error for o in out.values()] == [None] * len(prompts)
+        tokens[impl] = [o.generated_tokens for o in out.values()]
+    assert all(len(t) == 16 for t in tokens["paged|cupy_fa"])
+    assert tokens["paged|cupy_fa"] == tokens["paged|sdpa"]
+    # what ran: chunked prefill (32-token budget, a 40-token prompt), mixed and decode steps
+    steps = stand_in.steps
+    assert any(bool(((s.q_lens > 1) & (s.kv_lens > s.q_lens)).any()) for s in steps)
+    assert any(bool((s.q_lens == 1).all()) for s in steps)
+    assert stand_in.writes == len(steps)
+    # the pages it read were transformers' cache tensors, not copies
+    cache, layer = stand_in.caches[0]
+    k_pages, v_pages, _ = hf.paged_cache_views(cache, layer)
+    assert k_pages.data_ptr() == cache.key_cache[cache.layer_index_to_group_indices[layer][1]].data_ptr()
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_generate_gives_sdpa_tokens(stand_in, padded):
+    model = tiny_model("llama", seed=3)
+    prompts = random_prompts(4, (5, 23, 1, 40, 17, 8)) if padded else random_prompts(4, (12,) * 6)[:6]
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    gen = transformers.GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outputs = {}
+    for impl in ("sdpa", "cupy_fa"):
+        model.set_attn_implementation(impl)
+        outputs[impl] = model.generate(ids, attention_mask=mask, generation_config=gen)
+    assert torch.equal(outputs["cupy_fa"], outputs["sdpa"])
+    assert len(stand_in.steps) == 16 * 3  # every layer of every forward ran the stand-in
+    assert len({id(s) for s in stand_in.steps}) == 16  # one Step per forward, shared by its 3 layers
+    assert all((s.rows is not None) == padded for s in stand_in.steps)
