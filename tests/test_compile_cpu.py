@@ -97,7 +97,7 @@ def test_programmatic_launch_only_for_sm90_builds(monkeypatch):
 
 
 def test_host_mirrors_of_the_traits_are_compiled_in():
-    """TileShape's shared-memory size, epilogue and fold flags mirror TileTraits (and
+    """MmaTile's shared-memory size, epilogue and fold flags mirror TileTraits (and
     TRACE_SHAPE the trace buffer's); every attention variant's program carries them as
     static_asserts, so a drifted mirror cannot compile (here: a shared-memory size one byte off)."""
     import dataclasses
