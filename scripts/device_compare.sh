@@ -8,7 +8,7 @@
 # Usage on the device machine, from the repo root: bash scripts/device_compare.sh OLD_TREE
 # OLD_TREE holds the old revision (cupy_fa/, kernels/, bench/), made before the call with
 #   mkdir -p exp/base && git archive REV | tar -x -C exp/base      (untracked: it travels with the tree)
-# Knobs: COMPARE_SECONDS (150), TEST_SECONDS (200), AB_BUDGET (seconds of cells per bench run, 50),
+# Knobs: COMPARE_SECONDS (150), TEST_SECONDS (200), AB_BUDGET (seconds of cells per bench run, 40),
 # AB_WORKLOADS (the bench's decode-like workloads and prefill_b4_l4096), GRID (random cases, 20).
 # Logs under $OUT (or ./device_out); the summary is printed last.
 set -uo pipefail
@@ -37,7 +37,7 @@ sed -n '/^================ device_check summary/,$p' "$OUT/device_check.log" | g
 
 stamp "A/B $old against ."
 work=${AB_WORKLOADS:-"decode_b64_l4096 decode_b16_l32768 decode_b1_l131072 decode_b1_l4096 decode_b32_l4096 verify_q4_b64_l4096 verify_q8_b64_l4096 draft_extend_q4_b64_l4096 prefill_b4_l4096"}
-ROUNDS=2 bash scripts/ab_trees.sh "$old ." $work --budget ${AB_BUDGET:-50} > "$OUT/ab_trees.txt" 2>&1
+ROUNDS=2 bash scripts/ab_trees.sh "$old ." $work --budget ${AB_BUDGET:-40} > "$OUT/ab_trees.txt" 2>&1
 cat "$OUT/ab_trees.txt" >> "$summary"
 stamp "done"
 echo; echo "================ device_compare summary ================"; cat "$summary"
