@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from . import _build
+from . import _build, schedule
 
 RESOURCE_KEYS = ("registers", "spill_stores", "spill_loads", "stack")
 
@@ -32,7 +32,7 @@ def compile_all(arch="sm_90a", only=""):
     """Returns [(variant, resources dict, seconds)]; raises on the first failure, a compile
     error or a variant whose resource line is missing."""
     rows = []
-    for variant in _build.all_variants():
+    for variant in schedule.all_variants():
         if only and only not in variant.expression:
             continue
         start = time.perf_counter()

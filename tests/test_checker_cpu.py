@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from cases import POISON, fill_cache, new_rng, np_dtype, paged_layout, random_lengths
-from cupy_fa import plan as _plan
+from cupy_fa import schedule
 from cupy_fa.reference import LSE_TOL, MAX_ABS, TOL, check_attention, paged_attention, relative_error
 
 # ---- unit tests -----------------------------------------------------------------------
@@ -202,7 +202,7 @@ def fault_size(row_out, ref_row):
 def make_batch(rng, dtype):
     """The random grid's lengths, plus a long decode request whose last split holds at least one
     KV tile and a short prefill, so every fault below has a target in every batch."""
-    S = _plan.split_size()
+    S = schedule.split_size()
     q_lens, kv_lens = random_lengths(rng, work_budget=BUDGET)
     long_decode = int(rng.integers(4, 15)) * S + int(rng.integers(64, S + 1))
     short_prefill = int(rng.integers(16, 300))
@@ -221,7 +221,7 @@ def inject_faults(rng, batch, ref, ref_lse, dtype):
     rows {row: [H]}, tail row to write or None). Targets are drawn at random among the batch's
     candidates whose fault moves them by at least MIN_FAULT x the bar in float64."""
     q, k, v, q_lens, kv_lens, table = batch
-    S, tol = _plan.split_size(), TOL[dtype]
+    S, tol = schedule.split_size(), TOL[dtype]
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     decode = np.flatnonzero((q_lens == 1) & (kv_lens > S))
 
