@@ -229,7 +229,7 @@ def relative_error(out, ref) -> float:
 #
 # relative_error above is one norm over a whole batch: one long decode request, one row of a
 # prefill or one split of a row is a small part of that norm, so a wrong one can hide under the
-# bar (tests/test_checker_mutations.py measures how often). check_attention holds every request
+# bar (tests/test_checker_cpu.py measures how often). check_attention holds every request
 # AND every query row to the bar on its own, bounds the largest element error of each, checks
 # the LSE of every (row, head), and checks that rows which must not be written (the tail of a
 # poisoned buffer past the live rows, the rows of a request refused on the device) were not.

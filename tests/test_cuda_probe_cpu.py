@@ -76,3 +76,15 @@ def test_conftest_skips_on_no_device_and_fails_on_broken(monkeypatch):
     with pytest.raises(pytest.fail.Exception, match="CUDA is present but not usable.*cudaErrorUnknown"):
         conftest.pytest_runtest_setup(gpu)
     conftest.pytest_runtest_setup(cpu)  # CPU tests still run
+
+
+def test_gpu_tests_live_outside_the_cpu_modules():
+    """scripts/device_check.sh collects every test module but the CPU-only ``*_cpu.py`` ones: a GPU
+    test in one of those would never run on the GPU machine."""
+    import pathlib
+    import re
+
+    marked = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bgpu\b)", re.M)
+    for path in sorted(pathlib.Path(__file__).parent.glob("*_cpu.py")):
+        assert not marked.search(path.read_text()), f"{path.name} holds a GPU test; move it to a *_gpu.py module"
+    assert marked.search((pathlib.Path(__file__).parent / "test_errors_gpu.py").read_text())  # the pattern sees one
