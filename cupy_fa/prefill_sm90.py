@@ -37,6 +37,8 @@ class Sm90Tile:
     pingpong: bool = True       # the two consumer warpgroups take turns at the tensor cores
     producer_regs: int = 56     # setmaxnreg of the producer; the consumers get (504 - it) / 2
     q_in_regs: bool = False     # Q's wgmma A fragments in registers instead of shared memory
+    uniform_wg: bool = False    # the warpgroup index warp-uniform (Q descriptors in uniform registers)
+    joint_rows: bool = False    # the softmax of both rows of a thread at once, branch-free
 
     block_m = BLOCK_M
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
@@ -56,7 +58,8 @@ class Sm90Tile:
     def traits(self):
         b = lambda x: str(bool(x)).lower()
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
-                f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}>")
+                f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}, {b(self.uniform_wg)}, "
+                f"{b(self.joint_rows)}>")
 
 
 # The default tile per head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at

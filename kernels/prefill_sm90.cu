@@ -33,7 +33,8 @@ namespace cupy_fa {
 
 // One instance per (head dim, keys per tile, pipeline depth, overlap, ping-pong, producer
 // registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
-template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS>
+template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS,
+          bool UNIFORM_WG = false, bool JOINT_ROWS = false>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
@@ -46,6 +47,13 @@ struct Sm90PrefillTraits {
   // Q's A fragments in registers (loaded once from the Q tile) instead of read from shared
   // memory by every S = Q K^T: a third less shared-memory traffic for 32 registers (D = 128).
   static constexpr bool kQInRegs = Q_IN_REGS;
+  // The warpgroup index taken from lane 0 (a shuffle), which ptxas then knows is the same in
+  // every thread of a warp: what depends on it (Q's descriptors, the named-barrier ids) lives
+  // in uniform registers, and the Q K^T issue needs no per-wgmma register-to-uniform moves.
+  static constexpr bool kUniformWg = UNIFORM_WG;
+  // The online softmax of the thread's two rows at once and without branches (the row max
+  // update by selects): one scheduling region, the rows' reductions and exp2s interleaved.
+  static constexpr bool kJointRows = JOINT_ROWS;
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   // setmaxnreg: the CTA starts at 168 registers a thread (64 K / 384 rounded down to 8, the
   // launch bounds), and the producer gives back what the consumers take:
@@ -85,7 +93,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
   if (threadIdx.x == 0) bars.init(128, 256);
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = Tr::kUniformWg ? __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0) : (int)threadIdx.x / 128;
   if (warpgroup == 0) {
     regs_release<Tr::kProducerRegs>();
     produce<QT, KVT, Tr>(p, w, by_group, bars, q_addr, k_addr, v_addr, threadIdx.x);

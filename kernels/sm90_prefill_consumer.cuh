@@ -69,7 +69,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // mask (the tiles that need it) and fold tile `tile`'s scores into the state
   auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
     if (masked) mask_tile<BN>(s, p, w, ri, w.kv_begin + tile * BN, quad);
-    return st.fold<BN>(s, p.sm_scale_log2, factor);
+    if constexpr (Tr::kJointRows) return st.fold_joint<BN>(s, p.sm_scale_log2, factor);
+    else return st.fold<BN>(s, p.sm_scale_log2, factor);
   };
 
   const int T = w.num_tiles;
