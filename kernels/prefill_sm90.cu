@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
   // indices blockIdx.x + gridDim.x, + 2 gridDim.x, ... while there are any.
   RingPos<ST, Tr::kQBufs> pos;
   PrefillWork w = first;
-  const int warpgroup = Tr::kUniformWg ? __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0) : (int)threadIdx.x / 128;
+  const int warpgroup = Tr::kUniformWg ? __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0) : (int)(threadIdx.x / 128);
   if (warpgroup == 0) {
     regs_release<Tr::kProducerRegs>();
     for (int cta = blockIdx.x;;) {

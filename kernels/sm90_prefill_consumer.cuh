@@ -31,7 +31,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   }
   const unsigned scratch = smem_addr(&bars.scratch[wg * 128 + wtid]);  // see the overlapped step
   // this item's Q tile (of kQBufs)
-  const int qb = pos.qs.stage;
+  const int qb = Tr::kQBufs > 1 ? pos.qs.stage : 0;
   q_addr += qb * Tr::kQTileBytes;
   smem += qb * Tr::kQTileBytes;
 
