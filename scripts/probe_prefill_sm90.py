@@ -1,6 +1,6 @@
 """The sm_90a prefill family (kernels/prefill_sm90.cu) on an H200, in one call.
 
-    python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...]
+    python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...] [--ab [--rounds N]]
 
 (from the repository root, PYTHONPATH at it, CUPY_CACHE_DIR empty for cold compile times;
 about 80 s on an H200, 90 s with one --ncu variant.)
@@ -19,6 +19,12 @@ about 80 s on an H200, 90 s with one --ncu variant.)
    (BatchAttention) and PyTorch SDPA (cuDNN, flash) on a dense copy, each checked against the
    fp64 reference on two windows of rows, then timed as CUDA-graph replays of 5 launches over
    input sets rotated past the L2 (median); TFLOP/s = 4 H_q D x visible keys.
+
+With --ab, stage 3 is instead an interleaved A/B of AB_NAMES (earlier commits' kernels from
+scripts/sm90_snapshots/, this tree's default and the round-2 traits) and SDPA cuDNN on the three
+bench workloads at page sizes 16 and 1: every implementation's graph captured once, replayed in
+turn for --rounds rounds (order rotated); median, min-max and the median per-round ratio to
+d128 and to cuDNN. Stages 1-2 then cover AB_NAMES + AB_CORRECT_EXTRA only (about 150 s).
 
 Each stage runs in a child process with a time limit (a hung kernel costs its stage only);
 the parent prints the correctness and timing tables last. Logs and JSON go under $OUT.
@@ -750,32 +756,23 @@ def child_ab(passed, rounds, replays):
 
 
 def ab_table(ab):
-    """The A/B summary: per cell, each implementation's median TFLOP/s, its spread over the
-    rounds (min-max of per-round TFLOP/s) and the median over rounds of its time ratio to
-    d128 (the round-1 default of this tree) measured in the same round."""
-    lines = []
-    cells = ab["cells"]
-    labels = []
-    for c in cells.values():
-        for k in c["impls"]:
-            if k not in labels:
-                labels.append(k)
-    lines.append(f"  {'cell':27s} " + " ".join(f"{k:>20s}" for k in labels))
-    for key, c in cells.items():
-        base = c["impls"].get("d128")
-        row = []
-        for k in labels:
-            r = c["impls"].get(k)
-            if r is None:
-                row.append(f"{'':>20s}")
-                continue
-            tf = [c["flops"] / u / 1e6 for u in r["us"]]
-            ratio = (float(np.median([b / u for u, b in zip(r["us"], base["us"])])) if base else float("nan"))
-            row.append(f"{np.median(tf):6.1f}{'!' if not r['ok'] else ' '}[{min(tf):5.1f}-{max(tf):5.1f}]{ratio:5.3f}".rjust(20))
+    """The A/B summary, one line per cell and implementation: median TFLOP/s over the rounds,
+    its spread (min-max of the per-round TFLOP/s), and the medians over rounds of its speed
+    ratio to d128 (this tree's round-1 default) and to SDPA cuDNN measured in the same round."""
+    lines = [f"  {'cell':24s} {'ps':>2s} {'impl':12s} {'TFLOP/s':>7s} {'[min - max]':>15s} {'/d128':>6s} {'/cudnn':>6s}"]
+
+    def ratio(r, other):
+        if other is None:
+            return float("nan")
+        return float(np.median([b / u for u, b in zip(r["us"], other["us"])]))
+
+    for key, c in ab["cells"].items():
         wname, ps = key.split("|")
-        lines.append(f"  {wname + ' ps ' + ps:27s} " + " ".join(row))
-    lines.append("  (median TFLOP/s over rounds [min-max], then the median per-round speed ratio to d128; "
-                 "! = failed its fp64 window check)")
+        base, cudnn = c["impls"].get("d128"), c["impls"].get("sdpa_cudnn")
+        for label, r in c["impls"].items():
+            tf = [c["flops"] / u / 1e6 for u in r["us"]]
+            lines.append(f"  {wname:24s} {ps:>2s} {label:12s} {np.median(tf):7.1f} [{min(tf):6.1f} - {max(tf):6.1f}] "
+                         f"{ratio(r, base):6.3f} {ratio(r, cudnn):6.3f}{'' if r['ok'] else '  FAILED fp64 window check'}")
     return lines
 
 
@@ -892,7 +889,7 @@ def main():
                     help="interleaved A/B of AB_NAMES (snapshots of earlier commits, this tree's default and the "
                          "round-2 variants) and SDPA cuDNN on the three bench workloads, page sizes 16 and 1, "
                          "after compiling them and checking them (and AB_CORRECT_EXTRA) for correctness")
-    ap.add_argument("--rounds", type=int, default=15, help="--ab: rounds of alternation per cell")
+    ap.add_argument("--rounds", type=int, default=21, help="--ab: rounds of alternation per cell")
     ap.add_argument("--replays", type=int, default=3, help="--ab: graph replays (of 5 launches) per turn")
     args = ap.parse_args()
     if args.child:
