@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peers", action="store_true", help="ours only")
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even if importable")
     p.add_argument("--no-ceilings", action="store_true",
-                   help=f"skip measuring ceilings; use DESIGN.md's {W.DESIGN_READ_TBPS} TB/s, "
-                        f"{W.DESIGN_GEMM_TFLOPS:.0f} TFLOP/s")
+                   help=f"skip measuring ceilings; use the reference {W.REFERENCE_READ_TBPS} TB/s, "
+                        f"{W.REFERENCE_GEMM_TFLOPS:.0f} TFLOP/s")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--budget", type=float, default=0,
                    help="seconds: start no new workload after this much time (0: no limit); the JSON "
@@ -52,8 +52,8 @@ def list_workloads() -> str:
         fb, ff = w.floors_us()
         lines.append(f"{w.name:27s} {w.batch:3d} {w.q_len:6d} {w.kv_len:7d} {w.kv_bytes() / 1e6:9.1f} "
                      f"{w.qo_bytes() / 1e6:8.1f} {w.flops() / 1e9:9.1f} {fb:15.1f} {ff:14.1f}  {w.metric}")
-    lines.append(f"floors: min bytes (KV + q + out) / {W.DESIGN_READ_TBPS} TB/s; "
-                 f"flops / {W.DESIGN_GEMM_TFLOPS:.0f} TFLOP/s")
+    lines.append(f"floors: min bytes (KV + q + out) / {W.REFERENCE_READ_TBPS} TB/s; "
+                 f"flops / {W.REFERENCE_GEMM_TFLOPS:.0f} TFLOP/s")
     return "\n".join(lines)
 
 
@@ -161,10 +161,10 @@ def main(argv=None) -> int:
     measured = {} if args.no_ceilings else ceilings.measure_all(quick=q, log=log)
     read_tbps = (measured.get("read") or {}).get("tbps")
     gemm_tflops = (measured.get("gemm") or {}).get("tflops")
-    ceilings_used = {"read_tbps": read_tbps or W.DESIGN_READ_TBPS,
-                     "gemm_tflops": gemm_tflops or W.DESIGN_GEMM_TFLOPS,
-                     "read_from": "measured" if read_tbps else "DESIGN.md",
-                     "gemm_from": "measured" if gemm_tflops else "DESIGN.md"}
+    ceilings_used = {"read_tbps": read_tbps or W.REFERENCE_READ_TBPS,
+                     "gemm_tflops": gemm_tflops or W.REFERENCE_GEMM_TFLOPS,
+                     "read_from": "measured" if read_tbps else "reference (bench/NOTES.md)",
+                     "gemm_from": "measured" if gemm_tflops else "reference (bench/NOTES.md)"}
 
     ctx = {"opts": opts, "launches": launches, "seed": seed, "l2": machine["l2_bytes"], "fi": fi,
            "fi_reason": fi_reason, "no_peers": args.no_peers, "sdpa": {}, "ceilings_used": ceilings_used}

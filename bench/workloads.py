@@ -1,8 +1,8 @@
 """The benchmark workloads and what each must move and compute (pure Python, no GPU).
 
 Every workload is bf16, H_q = 32 query heads, H_kv = 8 KV heads, head dim 128, the same
-q_len / kv_len for every request of the batch, causal (bottom-right aligned, DESIGN.md
-section 2). Each runs at page size 16 and page size 1 with a shuffled page table.
+q_len / kv_len for every request of the batch, causal (bottom-right aligned,
+docs/design.md "The contract"). Each runs at page size 16 and page size 1 with a shuffled page table.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ H_Q, H_KV, HEAD_DIM = 32, 8, 128
 DTYPE, DTYPE_BYTES = "bfloat16", 2
 PAGE_SIZES = (16, 1)
 
-# DESIGN.md section 5, measured on the H200: used for the written floors and as fallbacks
+# The H200's ceilings as measured before v1 (bench/NOTES.md "Floors"): used for the written floors and as fallbacks
 # when a ceiling could not be measured in the run.
-DESIGN_READ_TBPS = 4.56
-DESIGN_GEMM_TFLOPS = 812.0
+REFERENCE_READ_TBPS = 4.56
+REFERENCE_GEMM_TFLOPS = 812.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Workload:
         """4 * sum_b(H_q * D * visible keys): QK^T and PV, 2 flops per multiply-add each."""
         return 4 * self.batch * H_Q * HEAD_DIM * self.visible_keys()
 
-    def floors_us(self, read_tbps: float = DESIGN_READ_TBPS, gemm_tflops: float = DESIGN_GEMM_TFLOPS):
+    def floors_us(self, read_tbps: float = REFERENCE_READ_TBPS, gemm_tflops: float = REFERENCE_GEMM_TFLOPS):
         """(bytes floor, flops floor) in microseconds."""
         return self.min_bytes() / (read_tbps * 1e6), self.flops() / (gemm_tflops * 1e6)
 

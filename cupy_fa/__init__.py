@@ -5,17 +5,18 @@ Public API:
     BatchAttention    ``plan(q_lens, kv_lens, page_table, ...)`` then ``run(q, cache, out=None)``.
     ForwardMode, contract_lengths   serving modes -> the contract's q_len / kv_len (cupy_fa.modes).
     GraphRunner       CUDA-graph capture and replay per (mode, batch bucket) (cupy_fa.graph).
-    warmup            compile kernels ahead of time.
+    warmup            compile kernels ahead of time (cupy_fa.schedule).
+    knobs             the CUPY_FA_* environment variables, read once (cupy_fa.knobs).
     reference         float64 NumPy truth (cupy_fa.reference.paged_attention).
 """
 
-from . import reference
-from ._build import warmup
+from . import knobs, reference
+from .schedule import warmup
 from .attention import BatchAttention
 from .graph import GraphRunner
 from .kv_cache import PagedKVCache
 from .modes import ForwardMode, contract_lengths, from_sglang
 
 __all__ = ["BatchAttention", "ForwardMode", "GraphRunner", "PagedKVCache", "contract_lengths", "from_sglang",
-           "reference", "warmup"]
+           "knobs", "reference", "warmup"]
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ Shapes (T = sum of q_lens, B = batch size):
     page_table    [B, max_pages] int32 page ids; row b lists request b's pages in token order
     custom_mask   flat bool, request b's q_len x q_len block row-major at offset sum_{c<b} q_len[c]^2
 
-Semantics (DESIGN.md section 2): query i of request b sits at position
+Semantics (docs/design.md, "The contract"): query i of request b sits at position
 kv_len - q_len + i; causal lets it see keys 0 .. kv_len - q_len + i (bottom-right
 aligned); a custom mask lets it see every prefix key and draft key
 kv_len - q_len + j iff mask[i, j]. A request with q_len = 0 is padding: it
@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _build, _params, plan as _plan
+from . import _arrays, _build, _params, plan as _plan, schedule as _schedule
 from .kv_cache import PagedKVCache
 
 _LOG2E = 1.4426950408889634
@@ -34,7 +34,7 @@ def _page_shift(page_size):
 class _PlanState:
     batch_size: int
     num_tokens: int            # sum of q_lens if known on the host, else None
-    tile: _build.TileShape
+    tile: _schedule.MmaTile    # the kernel binary and its schedule (cupy_fa.schedule)
     work_grid: int
     needs_merge: bool
     mask_mode: int
@@ -76,8 +76,8 @@ class BatchAttention:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if head_dim not in _build.HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {_build.HEAD_DIMS}, got {head_dim!r}")
+        if head_dim not in _schedule.HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {_schedule.HEAD_DIMS}, got {head_dim!r}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         self.group_size = self.num_qo_heads // self.num_kv_heads
         self._group_div = _params.fast_divisor(self.group_size)  # AttentionParams group_multiplier, _shift
@@ -142,96 +142,46 @@ class BatchAttention:
                 kinds, a custom mask that is not bool / uint8.
             RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words.
         """
-        inputs = (q_lens, kv_lens, page_table, custom_mask)
-        if all(x is None or _arrays.is_host(x) for x in inputs):
-            stream = None  # validate host inputs before touching the device at all
-            q_host, q_dev = _arrays.host_or_device_ints(q_lens, "q_lens", 1)
-            kv_host, kv_dev = _arrays.host_or_device_ints(kv_lens, "kv_lens", 1)
-            pt_host, pt_dev = _arrays.host_or_device_ints(page_table, "page_table", 2)
-        else:
-            stream = _arrays.caller_stream(*inputs)
-            with stream:  # DLPack exchange on the caller's stream: no cross-stream sync
-                q_host, q_dev = _arrays.host_or_device_ints(q_lens, "q_lens", 1)
-                kv_host, kv_dev = _arrays.host_or_device_ints(kv_lens, "kv_lens", 1)
-                pt_host, pt_dev = _arrays.host_or_device_ints(page_table, "page_table", 2)
-        on_host = q_host is not None and kv_host is not None
-        if (q_host is None) != (kv_host is None):
-            raise TypeError("q_lens and kv_lens must both be host arrays or both device arrays")
-        batch = int((q_host if on_host else q_dev).shape[0])
-        pt_shape = (pt_host if pt_host is not None else pt_dev).shape
-        _plan.validate_batch_shapes(batch, (kv_host if on_host else kv_dev).shape[0], pt_shape[0])
+        step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len)
+        sm_scale = self._checked_sm_scale(sm_scale)
+        stream = step.stream if step.stream is not None else _arrays.caller_stream()
+        capturing = stream.is_capturing()
+        if step.num_tokens is not None:
+            tokens_needed = step.num_tokens
+        else:  # device lengths: an auto-sized instance grows to the bound; a fixed one checks q in run()
+            tokens_needed = 0 if self._fixed_capacity else step.batch * step.max_q_len
+        with stream:  # allocations (and their memsets) ordered with the copies below
+            self._ensure_capacity(step.batch, tokens_needed, step.page_columns, step.mask_bytes if step.has_mask else 0,
+                                  capturing)
+            _plan.stage_inputs(self._buffers, step)
+        mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
+        return self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream)
+
+    def _checked_sm_scale(self, sm_scale):
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(self.head_dim)
         if not (isinstance(sm_scale, (int, float, np.floating)) and math.isfinite(sm_scale) and sm_scale > 0):
             raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+        return float(sm_scale)
 
-        if on_host:
-            _plan.validate_lengths(q_host, kv_host)
-            num_tokens = int(q_host.sum())
-            max_q = int(q_host.max()) if batch else 0
-            mask_bytes = int((q_host ** 2).sum())
-        else:
-            if max_q_len is None:
-                raise ValueError("max_q_len is required when q_lens / kv_lens are device arrays "
-                                 "(the host cannot read them without a sync)")
-            num_tokens, max_q = None, int(max_q_len)
-            mask_bytes = batch * max_q * max_q
-        mask_mode = _plan.MASK_CUSTOM if custom_mask is not None else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
-        mask_host = mask_dev = None
-        if custom_mask is not None:
-            mask_host, mask_dev = self._mask_input(custom_mask, stream)
-            n = (mask_host if mask_host is not None else mask_dev).size
-            if on_host:
-                _plan.validate_mask_size(n, q_host)
-            mask_bytes = n
-
-        if stream is None:
-            stream = _arrays.caller_stream()
-        stream_capturing = stream.is_capturing()
-        if num_tokens is not None:
-            tokens_needed = num_tokens
-        else:  # device lengths: an auto-sized instance grows to the bound; a fixed one checks q in run()
-            tokens_needed = 0 if self._fixed_capacity else batch * max_q
-        with stream:  # allocations (and their memsets) ordered with the copies below
-            self._ensure_capacity(batch, tokens_needed, pt_shape[1], mask_bytes if custom_mask is not None else 0,
-                                  stream_capturing)
+    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream):
+        """The plan of a step whose inputs are in the buffers already (:func:`cupy_fa.plan.stage_inputs`):
+        its schedule (cupy_fa.schedule) and the plan kernel on ``stream``. GraphRunner captures
+        this (and run) while staging outside the graph."""
         buffers = self._buffers
-        smem_limit, sm_count = _build.device_smem_limit(), _build.device_attribute("MultiProcessorCount")
-        tile = _build.tile_for(self.head_dim, max_q, self.group_size, smem_limit)
-        if on_host:
-            tile = _plan.fold_tile(tile, q_host, kv_host, self.group_size, self.num_kv_heads, sm_count,
-                                   smem_limit=smem_limit)
-            work_grid = _plan.work_bound(q_host, kv_host, self.group_size, tile)
-            needs_merge = _plan.needs_merge(tile, q_host, kv_host)
-        else:
-            # The host sees only the bounds: fold by groups where even the shortest such batch
-            # (every request max_q_len tokens, one split) fills the GPU; the bits never depend on it.
-            shortest = np.full(batch, max_q)
-            tile = _plan.fold_tile(tile, shortest, shortest, self.group_size, self.num_kv_heads, sm_count,
-                                   exact=False, smem_limit=smem_limit)
-            kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
-            work_grid = _plan.capacity_work_bound(buffers.capacity, self.group_size, tile, max_q, kv_bound)
-            needs_merge = _plan.needs_merge(tile, [1], [kv_bound])
-
+        sched = _schedule.schedule_step(
+            self.head_dim, self.group_size, self.num_kv_heads,
+            q_lens=step.q_host if step.on_host else None, kv_lens=step.kv_host if step.on_host else None,
+            max_q_len=step.max_q_len, max_kv_len=max_kv_len, capacity=buffers.capacity, batch_size=step.batch,
+            smem_limit=_build.device_smem_limit(), sm_count=_build.device_attribute("MultiProcessorCount"),
+            arch=_build.current_arch())
         with stream:
-            self._copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev)
-            _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
-        done = None if stream_capturing else stream.record()
-        self._plan = _PlanState(batch, num_tokens, tile, work_grid, needs_merge, mask_mode, float(sm_scale),
-                                pt_host if on_host else None, q_host, kv_host, int(pt_shape[1]), stream.ptr, done)
+            _plan.launch_plan(buffers, step.batch, self.group_size, sched.tile, stream)
+        done = None if stream.is_capturing() else stream.record()
+        self._plan = _PlanState(step.batch, step.num_tokens, sched.tile, sched.work_grid, sched.needs_merge, mask_mode,
+                                sm_scale, step.pt_host if step.on_host else None, step.q_host, step.kv_host,
+                                step.page_columns, stream.ptr, done)
         return self
-
-    def _mask_input(self, custom_mask, stream):
-        if isinstance(custom_mask, (list, tuple)):
-            custom_mask = np.concatenate([np.asarray(m, dtype=bool).ravel() for m in custom_mask]) \
-                if len(custom_mask) else np.zeros(0, bool)
-        if isinstance(custom_mask, np.ndarray):
-            return np.ascontiguousarray(custom_mask.ravel()).astype(np.uint8), None
-        with stream or _arrays.caller_stream(custom_mask):
-            dev = _arrays.to_cupy(custom_mask, "custom_mask")
-        if dev.dtype not in (np.bool_, np.uint8, np.int8):
-            raise TypeError(f"custom_mask must be bool or uint8, got {dev.dtype}")
-        return None, dev.ravel()
 
     def _ensure_capacity(self, batch, tokens, pages, mask_bytes, capturing):
         buffers = self._buffers
@@ -248,26 +198,6 @@ class BatchAttention:
             self._retired.append(buffers)
         self._buffers = _plan.PlanBuffers(base.grown_to(batch, tokens, pages, mask_bytes),
                                           self.num_qo_heads, self.head_dim, self.dtype_name)
-
-    @staticmethod
-    def _copy_inputs(buffers, batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev):
-        import cupy
-
-        pages = (pt_host if pt_host is not None else pt_dev).shape[1]
-        if q_host is not None:
-            buffers.q_lens[:batch].set(q_host.astype(np.int32))
-            buffers.kv_lens[:batch].set(kv_host.astype(np.int32))
-        else:
-            buffers.q_lens[:batch] = q_dev
-            buffers.kv_lens[:batch] = kv_dev
-        if pt_host is not None:
-            buffers.page_table[:batch, :pages] = cupy.asarray(pt_host.astype(np.int32))
-        else:
-            buffers.page_table[:batch, :pages] = pt_dev
-        if mask_host is not None and mask_host.size:
-            buffers.custom_mask[:mask_host.size].set(mask_host)
-        elif mask_dev is not None and mask_dev.size:
-            buffers.custom_mask[:mask_dev.size] = mask_dev
 
     # ---- run --------------------------------------------------------------------------
 
@@ -387,7 +317,7 @@ class BatchAttention:
             splits_per_cta=state.tile.splits_per_cta, fold_splits=int(state.tile.fold_splits),
             group_multiplier=self._group_div[0], group_shift=self._group_div[1])
         # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
-        _build.launch(_build.attention_variant(self.dtype_name, state.tile),
+        _build.launch(_schedule.attention_variant(self.dtype_name, state.tile),
                       (state.work_grid * self.num_kv_heads,), params, stream)
         if state.needs_merge:
             merge = _params.make(
@@ -396,10 +326,10 @@ class BatchAttention:
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
                 batch_size=state.batch_size, num_qo_heads=self.num_qo_heads,
                 fold_groups=int(state.tile.fold_splits))
-            shape = _build.merge_shape(num_tokens, self.num_qo_heads)
+            shape, grid = _schedule.merge_grid(num_tokens, self.num_qo_heads)
             # programmatic: its CTAs start in the attention kernel's last wave and wait there
-            _build.launch(_build.merge_variant(self.dtype_name, self.head_dim, shape),
-                          (num_tokens, -(-self.num_qo_heads // shape[0])), merge, stream, programmatic=True)
+            _build.launch(_schedule.merge_variant(self.dtype_name, self.head_dim, shape), grid, merge, stream,
+                          programmatic=True)
 
     @property
     def planned(self):

@@ -166,7 +166,9 @@ def decode_replay_vs_eager(rng):
 
 def compile_cache_dir():
     """``CUPY_FA_CACHE_DIR``, else ``$XDG_CACHE_HOME/cupy_fa`` (``~/.cache/cupy_fa``)."""
-    base = os.environ.get("CUPY_FA_CACHE_DIR")
+    from .knobs import knobs
+
+    base = knobs().cache_dir
     if base:
         return pathlib.Path(base)
     return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "cupy_fa"
@@ -176,21 +178,21 @@ def _compile_key(arch):
     import cupy
     from cupy.cuda import nvrtc
 
-    from . import _build
+    from . import _build, schedule
 
     # the options without their -I paths: one key wherever the checkout or the venv lies
     options = [o for o in _build.compile_options(arch) if not o.startswith("-I")]
     facts = (_build.source_hash(), arch, nvrtc.getVersion(), cupy.__version__, options, _build.RAWMODULE_OPTIONS,
-             [v.expression for v in _build.all_variants()])
+             [v.expression for v in schedule.all_variants()])
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 
 def compile_table(arch="sm_90a", recompile=False):
     """Every variant compiled for ``arch`` without a GPU: (table text, seconds, cached?)."""
-    from . import _build, compile_check
+    from . import compile_check, schedule
 
     path = compile_cache_dir() / f"compile_check-{arch}-{_compile_key(arch)}.json"
-    variants = {v.expression: v for v in _build.all_variants()}
+    variants = {v.expression: v for v in schedule.all_variants()}
     if not recompile and path.is_file():
         try:
             saved = json.loads(path.read_text())

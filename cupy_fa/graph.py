@@ -1,16 +1,17 @@
 """CUDA-graph capture and replay of attention steps, one graph per (mode, batch bucket).
 
-Everything a step changes lives in static device buffers owned here, sized for
-``max_batch_size x max_q_len`` query tokens and ``max_pages_per_request`` pages:
-lengths, page-table rows, the tree mask, q, out, lse. A replay copies the
-step's inputs into them (on the caller's stream, no host sync when the inputs
-are device arrays) and launches the graph. A batch smaller than its bucket is
-padded with ``q_len = 0`` rows that read and write nothing.
+Everything a step changes lives in static device buffers, sized for ``max_batch_size x
+max_q_len`` query tokens and ``max_pages_per_request`` pages: the lengths, page-table rows and
+tree mask in the runner's ``BatchAttention``'s own plan buffers, q, out and lse here. A step
+checks its inputs once (:func:`cupy_fa.plan.check_step`, as ``BatchAttention.plan`` does), stages
+them once, straight into those buffers (on the caller's stream, no host sync when the inputs are
+device arrays), and launches the graph. A batch smaller than its bucket is padded with
+``q_len = 0`` rows that read and write nothing.
 
-The captured step is the same code as the eager step (:meth:`GraphRunner.run`
-with ``use_graph=False``): ``BatchAttention.plan`` on the static device buffers,
-which launches the device metadata kernel, then ``BatchAttention.run``. So eager
-and replay results are bit-identical and cannot drift.
+The captured step is the same code as the eager step (:meth:`GraphRunner.run` with
+``use_graph=False``): the plan kernel on the staged buffers (``BatchAttention``'s plan of staged
+inputs), then ``BatchAttention.run``. So eager and replay results are bit-identical and cannot
+drift (docs/design.md, "CUDA graphs").
 
 A graph freezes the K/V cache pointers: graphs are kept per cache, so an
 engine with one cache per layer either gives each layer its own runner key (it
@@ -51,8 +52,9 @@ class GraphRunner:
         ValueError: buckets that do not reach max_batch_size; what :class:`BatchAttention` raises
             for the heads, head dim and dtype.
 
-    It allocates its static buffers (q, out, lse for ``max_batch_size x max_q_len`` tokens,
-    lengths, page table, mask) at construction. Call :meth:`run` outside any other capture;
+    It allocates its static buffers at construction: q, out, lse for ``max_batch_size x max_q_len``
+    tokens here, the lengths, page table and mask in its :class:`BatchAttention`'s plan buffers
+    (a step is staged straight into them). Call :meth:`run` outside any other capture;
     inside your own ``torch.cuda.graph``, use :class:`BatchAttention` directly.
     """
 
@@ -72,10 +74,6 @@ class GraphRunner:
                                    max_mask_bytes=mask_bytes)
         self.tree_mask = tree_mask
         elem = _arrays.DTYPES[self.attn.dtype_name]
-        self.q_lens = cupy.zeros(self.max_batch_size, np.int32)
-        self.kv_lens = cupy.zeros(self.max_batch_size, np.int32)
-        self.page_table = cupy.zeros((self.max_batch_size, self.max_pages_per_request), np.int32)
-        self.mask = cupy.zeros(max(mask_bytes, 1), np.uint8)
         self.q = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
         self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
         self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
@@ -119,11 +117,6 @@ class GraphRunner:
                 inside another capture, no usable CUDA device.
         """
         mode = ForwardMode(mode)
-        q_lens, kv_lens, page_table = (_arrays.host_to_numpy(x) for x in (q_lens, kv_lens, page_table))
-        if custom_mask is not None:
-            custom_mask = _arrays.host_to_numpy(custom_mask)
-            if isinstance(custom_mask, np.ndarray):
-                custom_mask = custom_mask.astype(np.uint8).reshape(-1)
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
         if cache.page_size != self.page_size:
@@ -134,13 +127,14 @@ class GraphRunner:
         stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table)
         with stream:
             q_dev = _arrays.to_cupy(q, "q")
-            batch = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask)
+        step = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask)
         num_tokens = int(q_dev.shape[0])
-        if batch == 0 or num_tokens == 0:  # IDLE, or an all-padding step: nothing to launch
+        if step is None or step.batch == 0 or num_tokens == 0:  # IDLE, or an all-padding step: nothing to launch
             return self._result(num_tokens, q, return_lse)
-        bucket = self.bucket_for(batch)
+        bucket = self.bucket_for(step.batch)
         with stream:
-            self._stage(bucket, batch, q_dev, q_lens, kv_lens, page_table, custom_mask)
+            _plan.stage_inputs(self.attn._buffers, step, pad_to=bucket)  # once, straight into the plan buffers
+            self.q[:num_tokens] = q_dev
             if use_graph:
                 key = (mode, bucket, tree, cache.k.data.ptr, cache.v.data.ptr)
                 graph = self._graphs.get(key)
@@ -148,7 +142,7 @@ class GraphRunner:
                     graph = self._graphs[key] = self._capture(mode, bucket, cache, tree, stream)
                 graph.launch(stream)
             else:
-                self._step(mode, bucket, cache, tree)
+                self._step(mode, bucket, cache, tree, stream)
         return self._result(num_tokens, q, return_lse)
 
     @property
@@ -161,66 +155,48 @@ class GraphRunner:
         return 1 if mode is ForwardMode.DECODE else self.max_q_len
 
     def _check_step(self, mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask):
+        """The step's inputs checked (plan.check_step, the same checks as BatchAttention.plan) and
+        against this runner's bounds; None for IDLE."""
         attn = self.attn
         _arrays.check_device_array(q_dev, "q", dtype=attn.dtype_name, ndim=3, align=0,  # copied, any alignment
                                    shape=(None, attn.num_qo_heads, attn.head_dim))
         if mode is ForwardMode.IDLE:
-            return 0
-        q_host = _arrays.host_or_device_ints(q_lens, "q_lens", 1)[0] if isinstance(q_lens, np.ndarray) else None
-        kv_host = _arrays.host_or_device_ints(kv_lens, "kv_lens", 1)[0] if isinstance(kv_lens, np.ndarray) else None
-        batch = len(q_lens)
-        _plan.validate_batch_shapes(batch, len(kv_lens), page_table.shape[0] if len(page_table.shape) else -1)
-        if q_dev.shape[0] > batch * self._max_q(mode):
-            raise ValueError(f"q has {q_dev.shape[0]} tokens, more than {batch} requests x max q_len "
-                             f"{self._max_q(mode)} of {mode.name}")
-        pages = page_table.shape[1] if len(page_table.shape) == 2 else -1
-        if not 0 <= pages <= self.max_pages_per_request:
-            raise ValueError(f"page_table must be [B, <= {self.max_pages_per_request}], got {tuple(page_table.shape)}")
-        if q_host is not None and kv_host is not None:  # host inputs: check the contract before any copy
-            _plan.validate_lengths(q_host, kv_host)
-            if q_host.max(initial=0) > self._max_q(mode):
-                raise ValueError(f"q_lens max {q_host.max()} exceeds {mode.name}'s max q_len {self._max_q(mode)}")
-            if int(q_host.sum()) != q_dev.shape[0]:
-                raise ValueError(f"q has {q_dev.shape[0]} tokens, sum(q_lens) is {int(q_host.sum())}")
-            if isinstance(page_table, np.ndarray):
-                _plan.validate_page_table(page_table, kv_host, q_host, cache.page_size, cache.num_pages)
-            else:
-                _plan.validate_page_table_width(pages, kv_host, q_host, cache.page_size)
-            if custom_mask is not None:
-                _plan.validate_mask_size(int(np.prod(custom_mask.shape)), q_host)
-        return batch
+            return None
+        max_q = self._max_q(mode)
+        step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q)
+        if q_dev.shape[0] > step.batch * max_q:
+            raise ValueError(f"q has {q_dev.shape[0]} tokens, more than {step.batch} requests x max q_len "
+                             f"{max_q} of {mode.name}")
+        if not 0 <= step.page_columns <= self.max_pages_per_request:
+            shape = (step.pt_host if step.pt_host is not None else step.pt_dev).shape
+            raise ValueError(f"page_table must be [B, <= {self.max_pages_per_request}], got {tuple(shape)}")
+        if step.batch > self.max_batch_size:
+            raise ValueError(f"batch of {step.batch} requests exceeds max_batch_size {self.max_batch_size}")
+        if step.has_mask and step.mask_bytes > attn._buffers.capacity.max_mask_bytes:
+            raise ValueError(f"custom_mask has {step.mask_bytes} entries, more than the {self.max_batch_size} x "
+                             f"{self.max_q_len}^2 this runner holds")
+        if step.on_host:  # host inputs: the contract checked before any copy
+            if step.max_q_len > max_q:
+                raise ValueError(f"q_lens max {step.max_q_len} exceeds {mode.name}'s max q_len {max_q}")
+            if step.num_tokens != q_dev.shape[0]:
+                raise ValueError(f"q has {q_dev.shape[0]} tokens, sum(q_lens) is {step.num_tokens}")
+            _plan.check_page_table(step, cache.page_size, cache.num_pages)
+        return step
 
-    def _stage(self, bucket, batch, q_dev, q_lens, kv_lens, page_table, custom_mask):
-        """Copies the step's inputs into the static buffers; rows batch..bucket become padding."""
-        import cupy
-
-        def put(dst, src):
-            if isinstance(src, np.ndarray):  # host -> device; a contiguous target takes it directly
-                if dst.flags.c_contiguous:
-                    dst.set(np.ascontiguousarray(src, dtype=dst.dtype))
-                else:
-                    dst[...] = cupy.asarray(src.astype(dst.dtype))
-            else:
-                dst[...] = _arrays.to_cupy(src, "input").reshape(dst.shape)
-
-        put(self.q_lens[:batch], q_lens)
-        put(self.kv_lens[:batch], kv_lens)
-        self.q_lens[batch:bucket] = 0
-        self.kv_lens[batch:bucket] = 0
-        put(self.page_table[:batch, :page_table.shape[1]], page_table)
-        self.q[:q_dev.shape[0]] = q_dev
-        if custom_mask is not None:
-            n = int(np.prod(custom_mask.shape))
-            put(self.mask[:n], custom_mask.reshape(-1) if isinstance(custom_mask, np.ndarray) else custom_mask)
-
-    def _step(self, mode, bucket, cache, tree):
-        """The captured work: device metadata from the static buffers, then attention."""
+    def _step(self, mode, bucket, cache, tree, stream):
+        """The captured work, on inputs already staged: the plan kernel, then attention."""
         max_q = self._max_q(mode)
         tokens = bucket * max_q
-        self.attn.plan(self.q_lens[:bucket], self.kv_lens[:bucket], self.page_table[:bucket], causal=True,
-                       custom_mask=self.mask[:bucket * max_q * max_q] if tree else None, max_q_len=max_q,
-                       max_kv_len=self.max_pages_per_request * self.page_size)
-        self.attn.run(self.q[:tokens], cache, out=self.out[:tokens], lse=self.lse[:tokens])
+        attn = self.attn
+        buffers = attn._buffers
+        staged = _plan.StepInputs(  # the bucket's rows as they sit in the plan buffers
+            batch=bucket, q_host=None, q_dev=buffers.q_lens[:bucket], kv_host=None, kv_dev=buffers.kv_lens[:bucket],
+            pt_host=None, pt_dev=buffers.page_table[:bucket], mask_host=None,
+            mask_dev=buffers.custom_mask[:bucket * max_q * max_q] if tree else None, num_tokens=None,
+            max_q_len=max_q, mask_bytes=bucket * max_q * max_q, stream=stream)
+        attn._plan_staged(staged, _plan.MASK_CUSTOM if tree else _plan.MASK_CAUSAL, attn._checked_sm_scale(None),
+                          self.max_pages_per_request * self.page_size, stream)
+        attn.run(self.q[:tokens], cache, out=self.out[:tokens], lse=self.lse[:tokens])
 
     def _capture(self, mode, bucket, cache, tree, stream):
         import cupy
@@ -228,13 +204,13 @@ class GraphRunner:
         if stream.is_capturing():
             raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
                                "(or use BatchAttention directly inside torch.cuda.graph)")
-        self._step(mode, bucket, cache, tree)  # warm-up: compiles kernels and sets smem limits first
+        self._step(mode, bucket, cache, tree, stream)  # warm-up: compiles kernels and sets smem limits first
         capture = cupy.cuda.Stream(non_blocking=True)
         capture.wait_event(stream.record())
         with capture:
             capture.begin_capture()
             try:
-                self._step(mode, bucket, cache, tree)
+                self._step(mode, bucket, cache, tree, capture)
             finally:
                 graph = capture.end_capture()
         stream.wait_event(capture.record())

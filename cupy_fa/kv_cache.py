@@ -6,7 +6,7 @@ Token j of a request lives in page ``page_table[b, j // page_size]`` at offset
 
 import numpy as np
 
-from . import _arrays, _build, _params
+from . import _arrays, _build, _params, schedule
 
 
 class PagedKVCache:
@@ -120,7 +120,7 @@ class PagedKVCache:
             "AppendParams", k_new=k_dev.data.ptr, v_new=v_dev.data.ptr, k_cache=self.k.data.ptr,
             v_cache=self.v.data.ptr, slots=dev.data.ptr, num_slots=self.num_slots,
             num_tokens=num_tokens, row_chunks=row_chunks)
-        variant = _build.append_variant(dev.dtype)
+        variant = schedule.append_variant(dev.dtype)
         blocks = min((num_tokens * row_chunks + variant.threads - 1) // variant.threads, 65535)
         _build.launch(variant, (blocks,), params, stream)
 

@@ -1,51 +1,19 @@
-"""Per-step metadata: host validation, the device buffers, the plan kernel.
+"""Per-step metadata: the device buffers, the plan kernel, and the validation of a step's inputs.
 
-The schedule itself (offsets, row tiles, KV splits) is computed by exactly one
-piece of code, ``kernels/plan.cu``, on the device, from ``q_lens`` / ``kv_lens``
-copied into buffers allocated once for a capacity. Eager ``plan()`` and a
-CUDA-graph replay run that same kernel, so they cannot drift. The host only
-derives upper bounds (grid sizes) and validates host-side inputs.
-
-Split policy (kernels/plan.cu; a function of each request alone unless the
-batch overflows the partial buffer):
-
-* Small-q requests (``q_len <= SMALL_Q_LEN``: decode, verify, draft extend) are
-  cut at the fixed key positions 0, S, 2S, ... with ``S = split_size()``, up to
-  ``MAX_SPLITS`` splits (longer requests get longer, equal splits). A query's
-  split boundaries then never depend on q_len, kv_len or the batch, so decode
-  and verify of the same token give bit-identical outputs (batch invariance).
-* Longer requests split only while ``q_len * splits <= SPLIT_ROW_BUDGET``.
-* The split-partial buffers hold ``partial_rows(...)`` rows; a batch that would
-  need more caps every request at an equal share (the only batch dependence).
+The schedule itself (offsets, row tiles, KV splits) is computed by exactly one piece of code,
+``kernels/plan.cu``, on the device, from ``q_lens`` / ``kv_lens`` in buffers allocated once for
+a capacity. Eager ``plan()`` and a CUDA-graph replay run that same kernel, so they cannot drift.
+The policy it applies (tile, split size, budgets) comes from :mod:`cupy_fa.schedule`
+(``schedule.plan_constants``); this module holds the buffers, fills them (:func:`stage_inputs`)
+and checks host inputs against the contract before anything is launched (:func:`check_step`,
+used by ``BatchAttention.plan`` and ``GraphRunner.run`` alike).
 """
 
 import dataclasses
-import os
 
 import numpy as np
 
-from . import _build, _params
-
-MAX_SPLITS = _build.MAX_SPLITS
-SPLIT_ROW_BUDGET = 128
-SMALL_Q_LEN = _build.SMALL_Q_LEN
-PARTIAL_WORKSPACE_BYTES = 128 << 20  # split partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
-
-
-def split_size():
-    """S, the keys per split of small-q requests: 512 unless CUPY_FA_SPLIT_SIZE says
-    otherwise (tuning; a multiple of 64, the decode tile's keys per KV tile)."""
-    keys = int(os.environ.get("CUPY_FA_SPLIT_SIZE", "512"))
-    if keys < 64 or keys % 64:
-        raise ValueError(f"CUPY_FA_SPLIT_SIZE must be a positive multiple of 64 keys, got {keys}")
-    return keys
-
-
-def partial_rows(max_batch_size, num_qo_heads, head_dim, elem_bytes=2):
-    """Rows of the split-partial buffers for a capacity (see the module docstring): one
-    row is H_q x (head_dim outputs in q's dtype + one fp32 LSE)."""
-    row_bytes = num_qo_heads * (head_dim * elem_bytes + 4)
-    return max(max_batch_size * SPLIT_ROW_BUDGET, PARTIAL_WORKSPACE_BYTES // row_bytes)
+from . import _build, _params, schedule
 
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
@@ -95,7 +63,7 @@ class PlanBuffers:
         self.split_keys = cupy.zeros(b, i32)
         self.status = cupy.zeros(1, i32)
         dtype = _arrays.DTYPES[dtype_name]
-        rows = partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
+        rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
 
@@ -106,9 +74,7 @@ class PlanBuffers:
             num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
-            block_m=tile.block_m, block_n=tile.block_n, split_size=split_size(), max_splits=MAX_SPLITS,
-            small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=tile.splits_per_cta,
-            fold_splits=int(tile.fold_splits), partial_capacity=self.partial_out.shape[0])
+            partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile))
 
 
 # ---- host-side checks and bounds ----------------------------------------------------
@@ -168,108 +134,143 @@ def validate_mask_size(entries, q_lens):
         raise ValueError(f"custom_mask has {entries} entries, expected sum(q_lens**2) = {expected}")
 
 
-def max_splits(q_lens, kv_lens):
-    """Upper bound on each request's split count under the policy that
-    kernels/plan.cu applies (its overflow cap and rounding only lower it).
-    The host uses it for grid sizes and to know whether a merge can be needed;
-    the schedule itself is only ever computed on the device."""
-    q = np.maximum(np.asarray(q_lens), 1)
-    splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size())
-    splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
-    return np.maximum(1, np.minimum(splits, MAX_SPLITS))
+# ---- a step's inputs: checked once, staged once ----------------------------------------
 
 
-def row_blocks(q_lens, group_size, tile):
-    """Row tiles of each request: its q_len x group_size packed (token, head) rows cut
-    into tiles of tile.block_m (kernels/plan.cu counts them the same way)."""
-    return -(-(np.asarray(q_lens) * group_size) // tile.block_m)
+@dataclasses.dataclass
+class StepInputs:
+    """A step's metadata inputs after :func:`check_step`: each one either a host NumPy array
+    (``*_host``) or a device CuPy view (``*_dev``), the other None."""
+    batch: int
+    q_host: object
+    q_dev: object
+    kv_host: object
+    kv_dev: object
+    pt_host: object
+    pt_dev: object
+    mask_host: object            # flat uint8, or None
+    mask_dev: object
+    num_tokens: int | None       # sum(q_lens) when the lengths are on the host
+    max_q_len: int               # max(q_lens) on the host, else the bound the caller gave
+    mask_bytes: int              # entries of the custom mask (or the bound batch x max_q_len^2)
+    stream: object               # the stream of the DLPack exchange (device inputs), else None
+
+    @property
+    def on_host(self):
+        return self.q_host is not None
+
+    @property
+    def page_columns(self):
+        return int((self.pt_host if self.pt_host is not None else self.pt_dev).shape[1])
+
+    @property
+    def has_mask(self):
+        return self.mask_host is not None or self.mask_dev is not None
 
 
-def needs_merge(tile, q_lens, kv_lens):
-    """Whether a row of these lengths can end in partials for merge_kernel: a row of several
-    splits, or where CTAs fold their groups of splits (tile.fold_splits), of several groups."""
-    q, kv = np.asarray(q_lens), np.asarray(kv_lens)
-    live = q > 0
-    per_input = tile.splits_per_cta if tile.fold_splits else 1
-    merges = bool(np.any(max_splits(q[live], kv[live]) > per_input))
-    # merge_kernel finds a folded row's group states by MERGE_GROUP splits each (kernels/
-    # attention.cu), the attention kernel leaves one per CTA of splits_per_cta: only CTAs of one
-    # group each may precede a merge (fold_tile gives whole rows only to rows that need none)
-    if merges and tile.fold_splits and tile.splits_per_cta != _build.MERGE_GROUP:
-        raise RuntimeError(f"internal: a merge after CTAs that fold {tile.splits_per_cta} splits each; "
-                           f"merge_kernel reads one state per {_build.MERGE_GROUP}")
-    return merges
+def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None):
+    """Parses a step's inputs (lists, NumPy, CPU torch, or device arrays of any DLPack framework)
+    and checks everything of the contract the host can see, before anything touches the device:
+    one kv_len and one page-table row per request, lengths on the host valid (non-negative,
+    ``q_len <= kv_len``, int32), a host custom mask of ``sum(q_lens**2)`` entries, and for device
+    lengths a ``max_q_len`` bound. Raises ``ValueError`` / ``TypeError`` naming the argument.
+    ``BatchAttention.plan`` and ``GraphRunner.run`` both check with it; the page table against
+    the cache is :func:`check_page_table`."""
+    from . import _arrays
+
+    inputs = (q_lens, kv_lens, page_table, custom_mask)
+    stream = None if all(x is None or _arrays.is_host(x) for x in inputs) else _arrays.caller_stream(*inputs)
+
+    def parse():
+        return (_arrays.host_or_device_ints(q_lens, "q_lens", 1), _arrays.host_or_device_ints(kv_lens, "kv_lens", 1),
+                _arrays.host_or_device_ints(page_table, "page_table", 2))
+
+    if stream is None:  # host inputs: validated before the device is touched at all
+        (q_host, q_dev), (kv_host, kv_dev), (pt_host, pt_dev) = parse()
+    else:
+        with stream:  # DLPack exchange on the caller's stream: no cross-stream sync
+            (q_host, q_dev), (kv_host, kv_dev), (pt_host, pt_dev) = parse()
+    if (q_host is None) != (kv_host is None):
+        raise TypeError("q_lens and kv_lens must both be host arrays or both device arrays")
+    on_host = q_host is not None
+    batch = int((q_host if on_host else q_dev).shape[0])
+    pt_shape = (pt_host if pt_host is not None else pt_dev).shape
+    validate_batch_shapes(batch, (kv_host if on_host else kv_dev).shape[0], pt_shape[0])
+    if on_host:
+        validate_lengths(q_host, kv_host)
+        num_tokens = int(q_host.sum())
+        max_q = int(q_host.max()) if batch else 0
+        mask_bytes = int((q_host ** 2).sum())
+    else:
+        if max_q_len is None:
+            raise ValueError("max_q_len is required when q_lens / kv_lens are device arrays "
+                             "(the host cannot read them without a sync)")
+        num_tokens, max_q = None, int(max_q_len)
+        mask_bytes = batch * max_q * max_q
+    mask_host = mask_dev = None
+    if custom_mask is not None:
+        mask_host, mask_dev = _mask_input(custom_mask, stream)
+        n = (mask_host if mask_host is not None else mask_dev).size
+        if on_host:
+            validate_mask_size(n, q_host)
+        mask_bytes = n
+    return StepInputs(batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev, num_tokens, max_q,
+                      mask_bytes, stream)
 
 
-def work_bound(q_lens, kv_lens, group_size, tile):
-    """Upper bound on the attention kernel's work items for these host lengths."""
-    live = q_lens > 0
-    split_groups = -(-max_splits(q_lens[live], kv_lens[live]) // tile.splits_per_cta)
-    return int((row_blocks(q_lens[live], group_size, tile) * split_groups).sum())
+def _mask_input(custom_mask, stream):
+    from . import _arrays
+
+    if isinstance(custom_mask, (list, tuple)):
+        custom_mask = np.concatenate([np.asarray(m, dtype=bool).ravel() for m in custom_mask]) \
+            if len(custom_mask) else np.zeros(0, bool)
+    custom_mask = _arrays.host_to_numpy(custom_mask)
+    if isinstance(custom_mask, np.ndarray):
+        return np.ascontiguousarray(custom_mask.ravel()).astype(np.uint8), None
+    with stream or _arrays.caller_stream(custom_mask):
+        dev = _arrays.to_cupy(custom_mask, "custom_mask")
+    if dev.dtype not in (np.bool_, np.uint8, np.int8):
+        raise TypeError(f"custom_mask must be bool or uint8, got {dev.dtype}")
+    return None, dev.ravel()
 
 
-def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
-    """Upper bound on work items for any step that fits the capacity with
-    q_len <= max_q_len and kv_len <= max_kv_len: the fixed grid of a captured
-    graph. CTAs past the real work exit at once, but each still costs a
-    launch slot, so the bound is kept tight for decode-like shapes."""
-    b, t = capacity.max_batch_size, capacity.max_num_tokens
-    max_q_len = max(1, min(max_q_len, t))
-    q = np.arange(1, max_q_len + 1)
-    splits = max_splits(q, np.full_like(q, max_kv_len))
-    per_request = int((row_blocks(q, group_size, tile) * -(-splits // tile.splits_per_cta)).max())
-    # whatever kv_len: small-q requests have few row blocks, longer ones few splits
-    # (row_blocks x splits <= SPLIT_ROW_BUDGET x group / block_m + splits); and a
-    # batch can't hold more than b requests, nor more tokens than t
-    small = int(row_blocks(min(max_q_len, SMALL_Q_LEN), group_size, tile)) * MAX_SPLITS
-    large = SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1
-    loose = b * max(small, large) + int(row_blocks(min(t, b * max_q_len), group_size, tile)) + b
-    return min(b * per_request, loose)
+def check_page_table(step, page_size, num_pages):
+    """A host page table names pages of a cache of ``num_pages`` pages and covers every live
+    request's kv_len; of a device page table only its width can be checked. Needs host lengths
+    (a device-planned step is the caller's contract)."""
+    if not step.on_host:
+        return
+    if step.pt_host is not None:
+        validate_page_table(step.pt_host, step.kv_host, step.q_host, page_size, num_pages)
+    else:
+        validate_page_table_width(step.page_columns, step.kv_host, step.q_host, page_size)
 
 
-FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
-WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most this many groups
+def stage_inputs(buffers, step, pad_to=None):
+    """Copies a checked step's inputs into the plan buffers (on the current stream): lengths,
+    page-table rows, custom mask. Rows ``step.batch .. pad_to - 1`` become padding (q_len = 0,
+    kv_len = 0: they read and write nothing)."""
+    import cupy
 
-
-def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=True, smem_limit=_build.SMEM_LIMIT):
-    """``tile.folding(...)`` when the batch's CTAs should fold their own splits, else ``tile``.
-
-    A CTA of a small-q tile with a fold state takes merge_kernel's steps on the splits it
-    runs (same order, same bits), so they need no partial rows:
-    * a whole row of at most ``WHOLE_ROW_GROUPS`` groups of ``MERGE_GROUP`` splits (its
-      groups, then the groups in order): the result itself, no merge launch;
-    * else one group per CTA: one state per group (a quarter of its split partials' bytes
-      or less), which merge_kernel folds in order.
-    Either way one CTA start-up per group or row instead of per split. It pays only when
-    those fewer, longer CTAs fill the GPU without a long tail: their waves at the folding
-    variant's CTAs per SM (the one-row tile's fold state costs it one of three) must be
-    ``FOLD_MIN_WAVE_FILL`` full on average, the last one counted whole (0.97 waves: 0.97;
-    1.14 waves: 0.57; 1.94 waves: 0.97).
-    Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
-    groups). The folding variant must fit ``smem_limit`` (the device's shared memory per
-    CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
-    ``0`` (never). The choice depends on the batch; the results do not."""
-    knob = os.environ.get("CUPY_FA_FOLD_SPLITS", "auto")
-    if knob not in ("auto", "0", "1"):
-        raise ValueError(f"CUPY_FA_FOLD_SPLITS must be auto, 0 or 1, got {knob!r}")
-    live = np.asarray(q_lens) > 0
-    by_group = tile.folding(smem_limit=smem_limit)
-    if knob == "0" or by_group is None or not live.any():
-        return tile
-    q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
-
-    def fills(folded):  # its CTAs, work_bound's count, fill their waves
-        ctas = work_bound(q, kv, group_size, folded) * num_kv_heads
-        slots = folded.min_ctas_per_sm * sm_count
-        return knob == "1" or ctas >= FOLD_MIN_WAVE_FILL * slots * -(-ctas // slots)
-
-    groups = -(-int(max_splits(q, kv).max()) // _build.MERGE_GROUP)
-    if exact and groups <= WHOLE_ROW_GROUPS:
-        whole = tile.folding(groups, smem_limit)
-        if whole is not None and fills(whole):
-            return whole
-    return by_group if fills(by_group) else tile
+    batch, pages = step.batch, step.page_columns
+    if step.on_host:
+        buffers.q_lens[:batch].set(step.q_host.astype(np.int32))
+        buffers.kv_lens[:batch].set(step.kv_host.astype(np.int32))
+    else:
+        buffers.q_lens[:batch] = step.q_dev
+        buffers.kv_lens[:batch] = step.kv_dev
+    if pad_to is not None and pad_to > batch:
+        buffers.q_lens[batch:pad_to] = 0
+        buffers.kv_lens[batch:pad_to] = 0
+    if step.pt_host is not None:
+        buffers.page_table[:batch, :pages] = cupy.asarray(step.pt_host.astype(np.int32))
+    else:
+        buffers.page_table[:batch, :pages] = step.pt_dev
+    if step.mask_host is not None and step.mask_host.size:
+        buffers.custom_mask[:step.mask_host.size].set(step.mask_host)
+    elif step.mask_dev is not None and step.mask_dev.size:
+        buffers.custom_mask[:step.mask_dev.size] = step.mask_dev
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream):
-    _build.launch(_build.PLAN_VARIANT, (1,), buffers.plan_params(batch_size, group_size, tile), stream)
+    _build.launch(schedule.PLAN_VARIANT, (1,), buffers.plan_params(batch_size, group_size, tile), stream)

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _build, _params, plan as _plan
+from . import _arrays, _build, _params, plan as _plan, schedule
 
 _LOG2E = 1.4426950408889634
 THREADS = 384  # producer warpgroup + 2 consumer warpgroups
@@ -137,8 +137,8 @@ class Sm90Prefill:
         scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else float(sm_scale)
         live = q > 0
         self._plan = dict(batch=batch, buffers=buffers, q=q, kv=kv, pt=pt, mode=mode, scale=scale,
-                          work=_plan.work_bound(q, kv, self.group_size, self.tile),
-                          merge=_plan.needs_merge(self.tile, q[live], kv[live]) if live.any() else False,
+                          work=schedule.work_bound(q, kv, self.group_size, self.tile),
+                          merge=schedule.needs_merge(self.tile, q[live], kv[live]) if live.any() else False,
                           tokens=int(q.sum()))
         return self
 
@@ -188,7 +188,7 @@ class Sm90Prefill:
                 partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
                 batch_size=st["batch"], num_qo_heads=self.num_qo_heads, fold_groups=0)
-            shape = _build.merge_shape(st["tokens"], self.num_qo_heads)
-            _build.launch(_build.merge_variant(self.dtype_name, self.head_dim, shape),
+            shape = schedule.merge_shape(st["tokens"], self.num_qo_heads)
+            _build.launch(schedule.merge_variant(self.dtype_name, self.head_dim, shape),
                           (st["tokens"], -(-self.num_qo_heads // shape[0])), merge, stream, programmatic=True)
         return out

@@ -3,7 +3,7 @@
 What it shows: cupy_fa works inside an ordinary torch engine. The engine owns a paged KV cache,
 runs the transformer layers itself with the weights of a ``transformers.LlamaForCausalLM``, and
 hands only two things to an attention backend: writing the new K/V into the cache and attention
-over the paged cache. It serves a batch of prompts in three forward modes of DESIGN.md section 2:
+over the paged cache. It serves a batch of prompts in three forward modes (docs/design.md):
 
 * EXTEND        -- prefill, including one prompt whose first pages are shared with another
                    prompt (an extend over a cached prefix: those pages are reused, not recomputed);

@@ -19,6 +19,10 @@ namespace cupy_fa {
 typedef unsigned int u32;
 typedef long long i64;
 
+// std::is_same without <type_traits> (NVRTC has no standard library headers).
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+
 // ---- element types -------------------------------------------------------
 
 template <typename T> struct ElemTraits;
@@ -178,37 +182,5 @@ __device__ __forceinline__ void wait_for_prior_grid() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-
-// ---- timeline probe (diagnosis only: scripts/probe_timeline.py) -----------------
-
-// With -DCUPY_FA_TRACE (CUPY_FA_TRACE=1), thread 0 of each of the first kTraceCtas CTAs
-// records into cupy_fa_trace[blockIdx.x]: the global timer (ns) at a point (trace_stamp), a
-// value such as the ns spent in some region (trace_store; trace_now() gives the timer), and
-// its SM id in entry kTraceSm. Without the define every call compiles to nothing (trace_now()
-// is 0, so the sums kept from it fold away).
-constexpr int kTraceCtas = 1 << 15, kTraceStamps = 6, kTraceSm = kTraceStamps - 1;
-#ifdef CUPY_FA_TRACE
-}  // namespace cupy_fa
-extern "C" {
-__device__ unsigned long long cupy_fa_trace[cupy_fa::kTraceCtas][cupy_fa::kTraceStamps];
-}
-namespace cupy_fa {
-__device__ __forceinline__ unsigned long long trace_now() {
-  unsigned long long now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  return now;
-}
-__device__ __forceinline__ void trace_store(int entry, unsigned long long value) {
-  if (threadIdx.x != 0 || blockIdx.x >= kTraceCtas) return;
-  unsigned sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  cupy_fa_trace[blockIdx.x][entry] = value;
-  cupy_fa_trace[blockIdx.x][kTraceSm] = sm;
-}
-#else
-__device__ __forceinline__ unsigned long long trace_now() { return 0; }
-__device__ __forceinline__ void trace_store(int, unsigned long long) {}
-#endif
-__device__ __forceinline__ void trace_stamp(int entry) { trace_store(entry, trace_now()); }
 
 }  // namespace cupy_fa

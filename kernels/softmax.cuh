@@ -1,4 +1,6 @@
-// Online softmax in base 2, the one building block every kernel shares.
+// Online softmax in base 2, the one building block every kernel shares: the state of a row,
+// how two states merge (FoldStep, MergeState: merge_kernel and the CTAs that fold their splits)
+// and how a warp's rows take in one KV tile (OnlineSoftmaxRows).
 //
 // A row's partial result over some keys is the state (m, l, o):
 //   m = an offset at most kLazyRescale below the max of its scores s (already
@@ -88,6 +90,65 @@ struct MergeState {
     l = step.l;
   }
   __device__ __forceinline__ void fold(const MergeState& in) { fold(in.m, in.l, in.o); }
+};
+
+// A warp's online-softmax state over the rows its threads hold two each: rows g = lane / 4 and
+// g + 8 of its 16-row slice, four lanes (tq = lane % 4) per row, the mma.sync m16n8 accumulator
+// layout (wgmma's m64nN accumulators hold each warp's 16 rows the same way). Per row half h
+// (row g, then g + 8): o as D_BLOCKS blocks of 8 columns, acc[db][2h] and acc[db][2h + 1] the
+// thread's two columns of block db; row_max[h] the offset m (at most kLazyRescale below the row's
+// max); row_sum[h] the thread's part of l (the four lanes' parts add up in the epilogue).
+template <int D_BLOCKS>
+struct OnlineSoftmaxRows {
+  float acc[D_BLOCKS][4], row_max[2], row_sum[2];
+
+  // The empty state: every split starts from it.
+  __device__ __forceinline__ void reset() {
+#pragma unroll
+    for (int i = 0; i < D_BLOCKS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+
+  // One KV tile's scores s (base 2, masked keys -inf; the same fragment layout, S_BLOCKS blocks
+  // of 8 keys) into the state; s becomes P = 2^(s - m), ready for P V. A row keeps its offset m
+  // until a score passes it by more than kLazyRescale, so the accumulator rescale (a multiply per
+  // element) runs only on the rare tiles where some row of the warp moved its m; the rows that
+  // did not multiply by exactly 1 then.
+  template <int S_BLOCKS>
+  __device__ __forceinline__ void update(float (&s)[S_BLOCKS][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      float correction = 1.f;
+      bool moved = false;
+      if (mx > row_max[h] + kLazyRescale) {  // also a row's first keys (m = -inf)
+        correction = rescale_factor(row_max[h], mx);
+        moved = row_max[h] != -INFINITY;  // from -inf the accumulators are still zero
+        row_max[h] = mx;
+      }
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int db = 0; db < D_BLOCKS; ++db) {
+          acc[db][2 * h] *= correction;
+          acc[db][2 * h + 1] *= correction;
+        }
+      }
+      const float offset = safe_offset(row_max[h]);
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < S_BLOCKS; ++nb) {
+        s[nb][2 * h] = exp2f(s[nb][2 * h] - offset);
+        s[nb][2 * h + 1] = exp2f(s[nb][2 * h + 1] - offset);
+        sum += s[nb][2 * h] + s[nb][2 * h + 1];
+      }
+      row_sum[h] = row_sum[h] * correction + sum;
+    }
+  }
 };
 
 }  // namespace cupy_fa

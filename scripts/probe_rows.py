@@ -11,6 +11,7 @@ Printed: graph-replay time per launch (20 launches over 2 rotating q/out sets, m
 slices replayed for ~2 s) and TB/s of K/V read, each config twice in interleaved rounds.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cupy  # noqa: E402
 
 import cupy_fa  # noqa: E402
+from cupy_fa import knobs  # noqa: E402
 from cupy_fa._timing import per_launch_us_for  # noqa: E402
 from bench.inputs import empty_bf16, fill_normal, count_nan  # noqa: E402
 
@@ -43,7 +45,7 @@ def main():
     kv_bytes = B * L * H_KV * D * 2 * 2
     runs = {}
     for split in SPLITS:
-        os.environ["CUPY_FA_SPLIT_SIZE"] = split
+        knobs.use(dataclasses.replace(knobs.knobs(), split_size=int(split)))  # plans below take it
         for name, q_len, h_q, causal in CONFIGS:
             attn = cupy_fa.BatchAttention(h_q, H_KV, D, dtype="bfloat16")
             attn.plan(np.full(B, q_len, np.int32), np.full(B, L, np.int32), table, causal=causal)

@@ -1,8 +1,8 @@
 """Where a decode-like step loses time against the read ceiling (diagnosis only, GPU).
 
 For each workload (bench/workloads.py, page 16):
-* the timeline of one launch, from the attention kernel's stamps (CUPY_FA_TRACE=1 build,
-  kernels/common.cuh trace_stamp): when each CTA starts, gets its first K/V tile and ends, how
+* the timeline of one launch, from the attention kernel's stamps (a build with the knob
+  CUPY_FA_TRACE on, kernels/trace.cuh): when each CTA starts, gets its first K/V tile and ends, how
   long its thread 0 waited at the loop top and spent in split epilogues, which SM it ran on;
   summarised as the launch's span, the start-up latency of the first and later waves, the gap
   an SM slot sits idle between one CTA's end and the next one's first tile, and the spread of
@@ -13,21 +13,20 @@ For each workload (bench/workloads.py, page 16):
 Usage on the device: python3 scripts/probe_timeline.py [workload ...] > probe.txt
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
 import threading
 import time
 
-os.environ["CUPY_FA_TRACE"] = "1"  # before cupy_fa compiles anything
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cupy  # noqa: E402
 
 import cupy_fa  # noqa: E402
-from cupy_fa import _build  # noqa: E402
+from cupy_fa import _build, knobs  # noqa: E402
 from cupy_fa._timing import per_launch_us_for  # noqa: E402
 from bench import inputs, workloads  # noqa: E402
 
@@ -38,7 +37,7 @@ LAUNCHES = 20  # per graph, over rotating input sets
 
 def attention_variants():
     """The attention kernel variants compiled so far (their trace buffers hold the stamps)."""
-    return [v for (_, v) in list(_build._modules) if v.source == "attention.cu"]
+    return _build.compiled_variants("attention.cu")
 
 
 def resident_per_sm(start, done, sm):
@@ -142,6 +141,7 @@ def replay_for(launches, seconds, clocks):
 
 
 def main(names):
+    knobs.use(dataclasses.replace(knobs.knobs(), trace=True))  # the stamps compiled in (kernels/trace.cuh)
     clocks = Clocks()
     for name in names:
         (w,) = workloads.select([name])

@@ -1,11 +1,19 @@
-"""Compiles every kernel variant into CuPy's disk cache, several processes at once
-(the parent never touches CUDA, so forked workers each get a clean context)."""
+"""Compiles every kernel variant of the cupy_fa on the path into CuPy's disk cache, several
+processes at once (the parent never touches CUDA, so forked workers each get a clean context).
+Works for an older tree too (`PYTHONPATH=exp/base python3 scripts/warm_cache.py`), whose variant
+list lived in cupy_fa._build."""
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 from cupy_fa import _build
 
-VARIANTS = _build.all_variants()
+try:
+    from cupy_fa import schedule
+
+    VARIANTS = schedule.all_variants()
+except ImportError:  # a tree from before cupy_fa/schedule.py
+    VARIANTS = _build.all_variants()
 
 
 def compile_one(i):
@@ -15,6 +23,6 @@ def compile_one(i):
 
 if __name__ == "__main__":
     start = time.perf_counter()
-    with ProcessPoolExecutor(8) as pool:
+    with ProcessPoolExecutor(int(sys.argv[1]) if len(sys.argv) > 1 else 8) as pool:
         done = list(pool.map(compile_one, range(len(VARIANTS))))
-    print(f"compiled {len(done)} kernel variants in {time.perf_counter() - start:.1f} s")
+    print(f"compiled {len(done)} kernel variants of {_build.KERNEL_DIR} in {time.perf_counter() - start:.1f} s")

@@ -26,6 +26,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _knobs_put_back():
+    """A test that changes a CUPY_FA_* variable takes it in with cupy_fa.knobs.reload() (knobs are
+    read once); the knobs in force before the test are put back after it."""
+    from cupy_fa import knobs
+
+    before = knobs.knobs()
+    yield
+    knobs.use(before)
+
+
 def pytest_runtest_logreport(report):
     """With CUPY_FA_FAILURE_LOG set, append each failure's reason to that file as it
     happens: a device call cut short by its time limit still tells why a test failed."""

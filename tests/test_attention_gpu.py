@@ -238,10 +238,13 @@ def test_decode_tuning_knobs(stages, split_size, warps_m, per_cta, dtype, monkey
     """Every pipeline depth, split size and warp layout the tuning knobs (and the
     A/B in scripts/ab_decode.sh) can select is correct (decode-like tiles:
     q_len <= SMALL_Q_LEN), for each head dim."""
+    import cupy_fa
+
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
     monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", str(split_size))
     monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", str(warps_m))
     monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", str(per_cta))
+    cupy_fa.knobs.reload()  # knobs are read once: take the new value
     rng, _ = new_rng()
     lengths = (np.array([1, 1, 8, 4, 2]), np.array([9000, 700, 3000, 4, 257]))
     for head_dim in HEAD_DIMS:
@@ -256,15 +259,15 @@ def test_partial_workspace_overflow(dtype):
     request capped at an equal share of it (plan.cu): still correct, every row written."""
     import cupy
     import cupy_fa
-    from cupy_fa import plan as _plan, reference
+    from cupy_fa import reference, schedule
 
     rng, _ = new_rng()
     h_q, h_kv, head_dim, page_size, batch = 32, 2, 128, 16, 64  # few KV heads: a small cache for many keys
-    q_lens = np.full(batch, _plan.SMALL_Q_LEN)
-    S = _plan.split_size()
+    q_lens = np.full(batch, schedule.SMALL_Q_LEN)
+    S = schedule.split_size()
     rows = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, max_batch_size=batch, max_num_tokens=1,
                                   max_pages_per_request=1)._buffers.partial_out.shape[0]
-    splits = rows // (batch * _plan.SMALL_Q_LEN) + 1  # one split more per request than the workspace holds
+    splits = rows // (batch * schedule.SMALL_Q_LEN) + 1  # one split more per request than the workspace holds
     kv_lens = rng.integers((splits - 1) * S + 1, splits * S + 1, size=batch)
     table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv_lens,
                                                        int(q_lens.sum()))
@@ -272,7 +275,7 @@ def test_partial_workspace_overflow(dtype):
     attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
     attn.plan(q_lens, kv_lens, table).run(cupy.asarray(q_host), cache, out=out)
     bufs = attn._buffers
-    wanted = int((q_lens * -(-kv_lens // _plan.split_size())).sum())
+    wanted = int((q_lens * -(-kv_lens // schedule.split_size())).sum())
     assert wanted > bufs.partial_out.shape[0], "the case must overflow the workspace"
     assert int(bufs.partial_indptr[batch].get()) <= bufs.partial_out.shape[0]
     assert (bufs.num_splits[:batch].get() > 1).all()  # capped, not unsplit

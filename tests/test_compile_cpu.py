@@ -4,10 +4,10 @@ machine without NVRTC fails here rather than silently checking nothing."""
 
 import pytest
 
-from cupy_fa import _build
+from cupy_fa import _build, knobs, schedule
 
 
-@pytest.mark.parametrize("variant", _build.all_variants(), ids=lambda v: v.expression.replace(" ", ""))
+@pytest.mark.parametrize("variant", schedule.all_variants(), ids=lambda v: v.expression.replace(" ", ""))
 def test_variant_compiles_for_sm90a(variant):
     cubin, res = _build.compile_cubin(variant, "sm_90a")
     assert cubin[:4] == b"\x7fELF"
@@ -41,23 +41,24 @@ def test_source_hash_tracks_kernel_files(tmp_path, monkeypatch):
     _build.source_hash.cache_clear()
 
 
-@pytest.mark.parametrize("stages", _build.STAGE_CHOICES)
+@pytest.mark.parametrize("stages", schedule.STAGE_CHOICES)
 def test_every_selectable_tile_is_compiled_in_ci(stages, monkeypatch):
-    """Whatever tile_for (and plan.fold_tile after it) can pick, on Hopper or on an A100 (any
+    """Whatever tile_for (and schedule.fold_tile after it) can pick, on Hopper or on an A100 (any
     knob value, any batch shape), is among the variants CI compiles."""
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
-    compiled = set(_build.all_variants())
+    knobs.reload()  # knobs are read once: take the new value
+    compiled = set(schedule.all_variants())
     for dtype in _build.CTYPES:
-        for head_dim in _build.HEAD_DIMS:
+        for head_dim in schedule.HEAD_DIMS:
             for max_q_len in (1, 4, 8, 16, 17, 4096):
                 for group in (1, 4, 8, 16):
-                    for limit in (_build.SMEM_LIMIT, _build.SM80_SMEM_LIMIT):
-                        tile = _build.tile_for(head_dim, max_q_len, group, limit)
+                    for limit in (schedule.SMEM_LIMIT, schedule.SM80_SMEM_LIMIT):
+                        tile = schedule.tile_for(head_dim, max_q_len, group, limit)
                         assert tile.fits_in(limit)
                         for t in (tile, tile.folding(smem_limit=limit), tile.folding(2, limit)):
                             if t is not None:
                                 assert t.fits_in(limit)
-                                assert _build.attention_variant(dtype, t) in compiled, t
+                                assert schedule.attention_variant(dtype, t) in compiled, t
 
 
 def test_launch_config_structs_match_cuda_h():
@@ -73,10 +74,10 @@ def test_launch_config_structs_match_cuda_h():
 
 
 def test_merge_group_matches_the_kernel():
-    """_build.MERGE_GROUP sizes the deepest merge's ways and the fold's splits per CTA; it must
+    """schedule.MERGE_GROUP sizes the deepest merge's ways and the fold's splits per CTA; it must
     be the kernels' kMergeGroup."""
     text = (_build.KERNEL_DIR / "softmax.cuh").read_text()
-    assert f"constexpr int kMergeGroup = {_build.MERGE_GROUP};" in text
+    assert f"constexpr int kMergeGroup = {schedule.MERGE_GROUP};" in text
 
 
 def test_programmatic_launch_only_for_sm90_builds(monkeypatch):
@@ -96,12 +97,12 @@ def test_programmatic_launch_only_for_sm90_builds(monkeypatch):
 
 
 def test_host_mirrors_of_the_traits_are_compiled_in():
-    """TileShape's shared-memory size, epilogue and fold flags mirror TileTraits (and
+    """MmaTile's shared-memory size, epilogue and fold flags mirror TileTraits (and
     TRACE_SHAPE the trace buffer's); every attention variant's program carries them as
     static_asserts, so a drifted mirror cannot compile (here: a shared-memory size one byte off)."""
     import dataclasses
 
-    variant = _build.attention_variant("bfloat16", _build.TileShape(128, 1, 4, 2, fold_capable=True))
+    variant = schedule.attention_variant("bfloat16", schedule.MmaTile(128, 1, 4, 2, fold_capable=True))
     assert len(variant.checks) == 4 and all(c in _build.program_text(variant) for c in variant.checks)
     wrong = dataclasses.replace(variant, checks=(variant.checks[0] + " + 1",))
     with pytest.raises(RuntimeError, match="host mirror"):
@@ -112,8 +113,9 @@ def test_trace_build_compiles(monkeypatch):
     """The timeline probe's build (CUPY_FA_TRACE=1, scripts/probe_timeline.py) still compiles,
     without spills, for the tile the decode benchmarks run."""
     monkeypatch.setenv("CUPY_FA_TRACE", "1")
+    knobs.reload()  # knobs are read once: take the new value
     assert "-DCUPY_FA_TRACE" in _build.compile_options("sm_90a")
-    variant = _build.attention_variant("bfloat16", _build.tile_for(128, 1, 4).folding())
+    variant = schedule.attention_variant("bfloat16", schedule.tile_for(128, 1, 4).folding())
     cubin, res = _build.compile_cubin(variant, "sm_90a")
     assert cubin[:4] == b"\x7fELF"
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res

@@ -94,11 +94,11 @@ def test_demo_help():
 
 
 def test_demo_no_gpu_compile_is_cached(monkeypatch, tmp_path):
-    from cupy_fa import _build, compile_check
+    from cupy_fa import compile_check, knobs, schedule
 
     pytest.importorskip("cupy")  # the key names NVRTC's version
     calls = []
-    some = _build.all_variants()[:3]
+    some = schedule.all_variants()[:3]
 
     def fake_compile_all(arch="sm_90a", only=""):
         calls.append(arch)
@@ -106,6 +106,7 @@ def test_demo_no_gpu_compile_is_cached(monkeypatch, tmp_path):
                 enumerate(some)]
 
     monkeypatch.setenv("CUPY_FA_CACHE_DIR", str(tmp_path))
+    knobs.reload()  # knobs are read once: take the new value
     monkeypatch.setattr(compile_check, "compile_all", fake_compile_all)
     first, _, cached_first = demo.compile_table("sm_90a")
     second, _, cached_second = demo.compile_table("sm_90a")

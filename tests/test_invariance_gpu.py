@@ -59,12 +59,13 @@ def rescale_fires(q_host, k_host, table, kv_lens, q_lens, page_size, sm_scale, g
 def check_decode_equals_verify(dtype, heads, head_dim, page_size, warps_m, monkeypatch, sm_scale=None):
     import cupy
     import cupy_fa
-    from cupy_fa import plan as _plan, reference
+    from cupy_fa import reference, schedule
 
     monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", warps_m)  # verify on 16-row CTAs or on 32-row ones
+    cupy_fa.knobs.reload()  # knobs are read once: take the new value
     rng, _ = new_rng()
     h_q, h_kv = heads
-    S = _plan.split_size()
+    S = schedule.split_size()
     # prefixes around split boundaries (the verify window straddles one) and random ones
     prefix = np.array([5, S - 3, 2 * S - 1, 3 * S + 2, int(rng.integers(1, 6000)), int(rng.integers(1, 300))])
     B = len(prefix)
@@ -111,11 +112,11 @@ def test_negative_zero_survives_the_merge():
     one empty split more than decode."""
     import cupy
     import cupy_fa
-    from cupy_fa import plan as _plan
+    from cupy_fa import schedule
 
     rng, _ = new_rng()
     h_q, h_kv, head_dim, page_size, num_draft = 8, 2, 64, 16, 4
-    S = _plan.split_size()
+    S = schedule.split_size()
     prefix = np.array([S - 3, 3 * S - 2])  # verify windows that cross a split boundary
     kv = prefix + num_draft
     table, num_pages = paged_layout(rng, kv, page_size)
@@ -147,14 +148,15 @@ def test_splits_per_cta_never_changes_a_bit(dtype, page_size, monkeypatch):
     decode and verify outputs are bit-identical to one split per CTA, and correct."""
     import cupy
     import cupy_fa
-    from cupy_fa import plan as _plan, reference
+    from cupy_fa import reference, schedule
 
     rng, _ = new_rng()
     h_q, h_kv, head_dim = 32, 8, 128
-    S = _plan.split_size()
+    S = schedule.split_size()
     # q_len 8 on one warp row (16-row CTAs): the first row block's causal clip ends just
     # before a split boundary, so its last split in a group is empty (3 * S + 2 keys)
     monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", "1")
+    cupy_fa.knobs.reload()  # knobs are read once: take the new value
     for q_len in (1, 4, 8):
         kv = np.array([3 * S + 7, S, 1 + q_len, 7 * S - 1, 3 * S + 2 - q_len, int(rng.integers(q_len, 9000))]) + q_len
         q_lens = np.full(len(kv), q_len)
@@ -163,6 +165,7 @@ def test_splits_per_cta_never_changes_a_bit(dtype, page_size, monkeypatch):
         outs = {}
         for per_cta in ("1", "2", "3"):
             monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", per_cta)
+            cupy_fa.knobs.reload()  # knobs are read once: take the new value
             out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
             attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out)
@@ -184,15 +187,16 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
     groups, with empty splits (causal clip) among them, and correct against float64."""
     import cupy
     import cupy_fa
-    from cupy_fa import _build, plan as _plan, reference
+    from cupy_fa import _build, reference, schedule
 
     rng, _ = new_rng()
     h_q, h_kv = 12, 4  # 3 CTAs of the wide shape, the last one half empty (12 heads, 8 per CTA)
-    S = _plan.split_size()
+    S = schedule.split_size()
     # q_len 8 on 16-row CTAs: the first row block's causal clip leaves the last split of
     # the 3 S + 2 request empty (as in the splits-per-CTA test)
     for q_len, warps_m in ((1, "auto"), (5, "auto"), (8, "1")):
         monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", warps_m)
+        cupy_fa.knobs.reload()  # knobs are read once: take the new value
         kv = np.array([S + 3, 8 * S, 8 * S + 1, 17 * S - 5, 70 * S + 9, 3 * S + 2 - q_len,
                        int(rng.integers(q_len, 40 * S))]) + q_len
         q_lens = np.full(len(kv), q_len)
@@ -202,7 +206,7 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
         for name in ("wide", "deep", "deepest"):
             shape = getattr(_build, f"MERGE_{name.upper()}")
             monkeypatch.setattr(_build, "MERGE_SHAPES", ((0, shape),))
-            assert _build.merge_shape(len(q_host), h_q) == shape
+            assert schedule.merge_shape(len(q_host), h_q) == shape
             out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
             lse = cupy.full(q_host.shape[:2], np.nan, np.float32)
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
@@ -224,16 +228,17 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
     captured CUDA graph replayed over fresh inputs, and is correct against float64."""
     import cupy
     import cupy_fa
-    from cupy_fa import _build, plan as _plan, reference
+    from cupy_fa import _build, reference, schedule
 
     monkeypatch.setenv("CUPY_FA_PDL", "1")
+    cupy_fa.knobs.reload()  # knobs are read once: take the new value
     # On an sm_90+ device built for itself (the H200 of device_check.sh) the programmatic
     # path must really run; elsewhere both launches are ordinary and the comparison still holds.
     if int(cupy.cuda.Device().compute_capability) >= 90 and not os.environ.get("CUPY_FA_ARCH"):
         assert _build._programmatic_launch_enabled(), "sm_90+: the merge must be launched programmatically"
     rng, _ = new_rng()
     h_q, h_kv, head_dim, page_size = 32, 8, 128, 16
-    S = _plan.split_size()
+    S = schedule.split_size()
     kv = np.array([1, S + 7, 8 * S, 3 * S + 1, int(rng.integers(1, 64 * S))])  # unsplit rows among split ones
     q_lens = np.ones(len(kv), dtype=np.int64)
     table, k_host, v_host, cache, _ = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv, 0)
@@ -243,6 +248,7 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
 
     def run(q_host, pdl):
         monkeypatch.setenv("CUPY_FA_PDL", "1" if pdl else "0")
+        cupy_fa.knobs.reload()  # knobs are read once: take the new value
         out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
         attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
         attn._buffers.partial_out.fill(np.nan)  # a merge that read too early would see these
@@ -259,6 +265,7 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
 
     # captured: plan once, then replay the run (attention + programmatic merge) over new q
     monkeypatch.setenv("CUPY_FA_PDL", "1")
+    cupy_fa.knobs.reload()  # knobs are read once: take the new value
     attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
     q_dev = cupy.empty((len(kv), h_q, head_dim), np_dtype(dtype))
     out = cupy.empty_like(q_dev)
@@ -293,12 +300,13 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
     group (an empty group)."""
     import cupy
     import cupy_fa
-    from cupy_fa import plan as _plan, reference
+    from cupy_fa import reference, schedule
 
     monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", "auto")
+    cupy_fa.knobs.reload()  # knobs are read once: take the new value
     rng, _ = new_rng()
     h_q, h_kv = 32, 8
-    S = _plan.split_size()
+    S = schedule.split_size()
     # (head dim, drafts): at D = 64 only the one-row tile has a fold-capable variant
     cases = [(d, n, whole) for d, n in ((128, 1), (128, 4), (128, 8), (128, 16), (64, 1), (64, 4), (256, 4),
                                          (256, 8)) for whole in (True, False)]
@@ -316,6 +324,7 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
         outs = {}
         for fold in ("0", "1"):
             monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
+            cupy_fa.knobs.reload()  # knobs are read once: take the new value
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
             assert attn.planned.tile.fold_splits == (fold == "1")
             if fold == "1":
@@ -355,6 +364,7 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
         q_rows = q.reshape(B, num_draft, h_q, head_dim)
         decoder = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
         monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "0")  # plain decode: partials + merge_kernel
+        cupy_fa.knobs.reload()  # knobs are read once: take the new value
         for i in range(num_draft):
             decode = cupy.full((B, h_q, head_dim), np.nan, np_dtype(dtype))
             decoder.plan(np.ones(B, int), prefix + i + 1, table).run(cupy.ascontiguousarray(q_rows[:, i]), cache,

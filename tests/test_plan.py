@@ -6,28 +6,28 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cupy_fa import _build, plan
+from cupy_fa import knobs, plan, schedule
 
 
 def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
     """What plan_kernel must write, computed the slow obvious way."""
-    S = plan.split_size()
+    S = schedule.split_size()
 
-    def schedule(q, kv, cap):
+    def split_of(q, kv, cap):
         keys = max(S, -(-(-(-kv // cap)) // tile.block_n) * tile.block_n)
         return -(-kv // keys), keys
 
     def wanted(q, kv):
         splits = -(-kv // S)
-        if q > plan.SMALL_Q_LEN:
-            splits = min(splits, max(1, plan.SPLIT_ROW_BUDGET // q))
-        return max(1, min(splits, plan.MAX_SPLITS))
+        if q > schedule.SMALL_Q_LEN:
+            splits = min(splits, max(1, schedule.SPLIT_ROW_BUDGET // q))
+        return max(1, min(splits, schedule.MAX_SPLITS))
 
     live = [(q > 0) for q in q_lens]
     want_rows = 0
     for q, kv, ok in zip(q_lens, kv_lens, live):
         if ok:
-            splits, _ = schedule(q, kv, wanted(q, kv))
+            splits, _ = split_of(q, kv, wanted(q, kv))
             want_rows += q * splits if splits > 1 else 0
     share = max(partial_capacity // len(q_lens), 1) if want_rows > partial_capacity else None
 
@@ -39,7 +39,7 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
             cap = wanted(q, kv)
             if share is not None:
                 cap = min(cap, max(1, share // q))
-            splits, keys = schedule(q, kv, cap)
+            splits, keys = split_of(q, kv, cap)
             assert splits <= cap
             work = -(-(q * group) // tile.block_m) * -(-splits // tile.splits_per_cta)  # CTAs run split groups
             partial = q * splits if splits > 1 else 0
@@ -48,7 +48,7 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
                 assert 2 * q * groups <= max(partial, 2 * q)  # never more than the overflow test counted
                 partial = 2 * q * groups if groups > 1 else 0
             assert (splits - 1) * keys < kv <= splits * keys  # every split non-empty, all keys covered
-            if q <= plan.SMALL_Q_LEN and share is None and -(-kv // S) <= plan.MAX_SPLITS:
+            if q <= schedule.SMALL_Q_LEN and share is None and -(-kv // S) <= schedule.MAX_SPLITS:
                 assert keys == S  # fixed split positions: the batch-invariant regime
         out["q_indptr"].append(out["q_indptr"][-1] + q)
         out["work_indptr"].append(out["work_indptr"][-1] + work)
@@ -76,16 +76,16 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
     for _ in range(200):
         max_q = int(rng.choice([1, 4, 8, 16, 17, 300, 3000]))
         q, kv = random_batch(rng, max_q)
-        tile = _build.tile_for(head_dim, max(1, q.max()), group)
+        tile = schedule.tile_for(head_dim, max(1, q.max()), group)
         tile = dataclasses.replace(tile, splits_per_cta=int(rng.integers(1, 5)) if tile.epilogue_in_stage else 1)
         if tile.folding() is not None and rng.random() < 0.5:
-            tile = tile.folding(int(rng.integers(1, plan.WHOLE_ROW_GROUPS + 1)))
-        capacity = int(rng.choice([plan.partial_rows(len(q), 32, head_dim), len(q) * plan.SPLIT_ROW_BUDGET, 7]))
+            tile = tile.folding(int(rng.integers(1, schedule.WHOLE_ROW_GROUPS + 1)))
+        capacity = int(rng.choice([schedule.partial_rows(len(q), 32, head_dim), len(q) * schedule.SPLIT_ROW_BUDGET, 7]))
         m = model(q, kv, group, tile, capacity)
-        assert plan.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
+        assert schedule.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
         cap = plan.Capacity(len(q), int(q.sum()) + 1, 1)
-        assert plan.capacity_work_bound(cap, group, tile, max_q, int(kv.max())) >= m["work_indptr"][-1]
-        assert plan.capacity_work_bound(cap, group, tile, max_q, 2**31 - 1) >= m["work_indptr"][-1]
+        assert schedule.capacity_work_bound(cap, group, tile, max_q, int(kv.max())) >= m["work_indptr"][-1]
+        assert schedule.capacity_work_bound(cap, group, tile, max_q, 2**31 - 1) >= m["work_indptr"][-1]
         # the split-partial buffers are never overrun
         assert m["partial_indptr"][-1] <= capacity
         # unless the batch overflows the partial buffers, splits depend on the request alone
@@ -98,8 +98,8 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
 def test_small_q_splits_sit_at_fixed_positions():
     """Decode (q=1) and verify (q=8) of the same position see the same split
     boundaries whatever kv_len: the schedule half of batch invariance."""
-    tile = _build.tile_for(128, 8, 4)
-    S = plan.split_size()
+    tile = schedule.tile_for(128, 8, 4)
+    S = schedule.split_size()
     for pos in (0, 1, S - 1, S, 3 * S + 5, 100 * S):
         decode = model([1], [pos + 1], 4, tile)
         verify = model([8], [pos + 8], 4, tile)
@@ -109,88 +109,91 @@ def test_small_q_splits_sit_at_fixed_positions():
 
 def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
     monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", "3")
-    assert _build.tile_for(128, 1, 4).splits_per_cta == 3          # (1,4): 4 warps, 64-key tiles
-    assert _build.tile_for(128, 8, 4).splits_per_cta == 3          # (2,4), D >= 128: half of D per pass
-    assert _build.tile_for(64, 8, 4).splits_per_cta == 1           # (2,4), D = 64: 8 warps need all stages
-    assert _build.tile_for(128, plan.SMALL_Q_LEN + 1, 1).splits_per_cta == 1  # prefill: one split per CTA
-    tile = _build.tile_for(128, 1, 4)
+    knobs.reload()  # knobs are read once: take the new value
+    assert schedule.tile_for(128, 1, 4).splits_per_cta == 3          # (1,4): 4 warps, 64-key tiles
+    assert schedule.tile_for(128, 8, 4).splits_per_cta == 3          # (2,4), D >= 128: half of D per pass
+    assert schedule.tile_for(64, 8, 4).splits_per_cta == 1           # (2,4), D = 64: 8 warps need all stages
+    assert schedule.tile_for(128, schedule.SMALL_Q_LEN + 1, 1).splits_per_cta == 1  # prefill: one split per CTA
+    tile = schedule.tile_for(128, 1, 4)
     q, kv = np.array([1, 1, 1]), np.array([5000, 512, 1])
-    assert plan.work_bound(q, kv, 4, tile) == 4 + 1 + 1           # ceil(10 / 3), 1, 1
+    assert schedule.work_bound(q, kv, 4, tile) == 4 + 1 + 1           # ceil(10 / 3), 1, 1
     for bad in ("0", "65"):
         monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", bad)
         with pytest.raises(ValueError, match="CUPY_FA_SPLITS_PER_CTA"):
-            _build.tile_for(128, plan.SMALL_Q_LEN + 1, 1)  # checked for prefill tiles too
+            knobs.reload()  # checked when the knobs are read, whatever tile comes next
     with pytest.raises(ValueError, match="splits_per_cta"):
-        _build.TileShape(64, 2, 4, splits_per_cta=2)
+        schedule.MmaTile(64, 2, 4, splits_per_cta=2)
 
 
 def test_fold_tile_choice(monkeypatch):
     """Small-q batches fold their splits in the CTA when those CTAs fill their waves at the
     folding variant's CTAs per SM at least 3/4 full, the last wave counted whole."""
-    verify8 = _build.tile_for(128, 8, 4)
+    verify8 = schedule.tile_for(128, 8, 4)
     assert verify8.fold_capable  # the two-row tile always carries the state
     q, kv = np.full(64, 8), np.full(64, 4096)  # verify q=8 at B=64: 64 x 8 heads = 512 CTAs
-    folded = plan.fold_tile(verify8, q, kv, 4, 8, 132)
-    assert folded.fold_splits and folded.splits_per_cta == _build.MERGE_GROUP
+    folded = schedule.fold_tile(verify8, q, kv, 4, 8, 132)
+    assert folded.fold_splits and folded.splits_per_cta == schedule.MERGE_GROUP
     assert folded == dataclasses.replace(verify8, splits_per_cta=8, fold_splits=True)  # same binary
-    assert plan.work_bound(q, kv, 4, folded) == 64  # one work item per row block
-    assert not plan.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: half a wave
+    assert schedule.work_bound(q, kv, 4, folded) == 64  # one work item per row block
+    assert not schedule.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: half a wave
     # 9 splits: two groups. With the exact lengths a CTA folds the whole row (no merge);
     # a graph plan sees only bounds and folds by groups (a state each for merge_kernel)
-    longer = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132)
-    assert longer.splits_per_cta == 16 and plan.work_bound(q, kv + 1, 4, longer) == 64
-    assert not plan.needs_merge(longer, q, kv + 1)
-    bounded = plan.fold_tile(verify8, q, kv + 1, 4, 8, 132, exact=False)
-    assert bounded.splits_per_cta == 8 and plan.work_bound(q, kv + 1, 4, bounded) == 128
-    assert plan.needs_merge(bounded, q, kv + 1)
+    longer = schedule.fold_tile(verify8, q, kv + 1, 4, 8, 132)
+    assert longer.splits_per_cta == 16 and schedule.work_bound(q, kv + 1, 4, longer) == 64
+    assert not schedule.needs_merge(longer, q, kv + 1)
+    bounded = schedule.fold_tile(verify8, q, kv + 1, 4, 8, 132, exact=False)
+    assert bounded.splits_per_cta == 8 and schedule.work_bound(q, kv + 1, 4, bounded) == 128
+    assert schedule.needs_merge(bounded, q, kv + 1)
     with pytest.raises(RuntimeError, match="merge_kernel reads one state per 8"):
-        plan.needs_merge(longer, q, kv * 4)  # a whole-row CTA's row that would need a merge
-    longest = plan.fold_tile(verify8, q, kv * 4, 4, 8, 132)  # 32 splits: by groups
-    assert longest.splits_per_cta == 8 and plan.work_bound(q, kv * 4, 4, longest) == 64 * 4
-    assert not plan.fold_tile(_build.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
+        schedule.needs_merge(longer, q, kv * 4)  # a whole-row CTA's row that would need a merge
+    longest = schedule.fold_tile(verify8, q, kv * 4, 4, 8, 132)  # 32 splits: by groups
+    assert longest.splits_per_cta == 8 and schedule.work_bound(q, kv * 4, 4, longest) == 64 * 4
+    assert not schedule.fold_tile(schedule.tile_for(64, 8, 4), q, kv, 4, 8, 132).fold_splits  # D = 64: no fold state
 
     # the one-row tile (decode, verify q=4) switches to its fold-capable variant, which has
     # a CTA per SM less (2 instead of 3 at D = 128): 264 slots, so 392 CTAs fill 2 waves 0.74
-    one_row = _build.tile_for(128, 4, 4)
+    one_row = schedule.tile_for(128, 4, 4)
     assert not one_row.fold_capable and one_row.min_ctas_per_sm == 3
     for batch, folds in ((64, True), (50, True), (49, False)):  # x 8 KV heads: 512, 400, 392 CTAs
-        got = plan.fold_tile(one_row, np.full(batch, 4), np.full(batch, 4096), 4, 8, 132)
+        got = schedule.fold_tile(one_row, np.full(batch, 4), np.full(batch, 4096), 4, 8, 132)
         assert got.fold_splits == folds, batch
         if folds:
             assert got.fold_capable and got.min_ctas_per_sm == 2 and got.stages == one_row.stages
     # one long request: 256 splits are 32 groups x 8 heads = 256 CTAs, 0.97 of a wave
-    long_one = plan.fold_tile(one_row, np.ones(1, int), np.full(1, 131072), 4, 8, 132)
+    long_one = schedule.fold_tile(one_row, np.ones(1, int), np.full(1, 131072), 4, 8, 132)
     assert long_one.fold_splits and long_one.splits_per_cta == 8
-    assert not plan.fold_tile(one_row, np.ones(1, int), np.full(1, 4096), 4, 8, 132).fold_splits  # 8 CTAs
+    assert not schedule.fold_tile(one_row, np.ones(1, int), np.full(1, 4096), 4, 8, 132).fold_splits  # 8 CTAs
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "1")
-    assert plan.fold_tile(verify8, q[:2], kv[:2], 4, 8, 132).fold_splits
+    knobs.reload()  # knobs are read once: take the new value
+    assert schedule.fold_tile(verify8, q[:2], kv[:2], 4, 8, 132).fold_splits
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "0")
-    assert not plan.fold_tile(verify8, q, kv, 4, 8, 132).fold_splits
+    knobs.reload()  # knobs are read once: take the new value
+    assert not schedule.fold_tile(verify8, q, kv, 4, 8, 132).fold_splits
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "yes")
     with pytest.raises(ValueError, match="CUPY_FA_FOLD_SPLITS"):
-        plan.fold_tile(verify8, q, kv, 4, 8, 132)
+        knobs.reload()
     with pytest.raises(ValueError, match="fold_splits"):
-        _build.TileShape(128, 1, 4, splits_per_cta=8, fold_splits=True)
+        schedule.MmaTile(128, 1, 4, splits_per_cta=8, fold_splits=True)
 
 
 def test_fold_state_only_where_the_layout_allows():
     with pytest.raises(ValueError, match="fold state"):
-        _build.TileShape(128, 4, 1, fold_capable=True)  # prefill: splits are rare and short
+        schedule.MmaTile(128, 4, 1, fold_capable=True)  # prefill: splits are rare and short
     with pytest.raises(ValueError, match="fold state"):
-        _build.TileShape(64, 2, 4, fold_capable=True)   # two passes of 32 columns: no swizzle for them
-    assert _build.TileShape(64, 2, 4).folding() is None
-    for head_dim in _build.HEAD_DIMS:
-        for stages in _build.STAGE_CHOICES:
-            folded = _build.small_q_tile(head_dim, 1, stages).folding()
+        schedule.MmaTile(64, 2, 4, fold_capable=True)   # two passes of 32 columns: no swizzle for them
+    assert schedule.MmaTile(64, 2, 4).folding() is None
+    for head_dim in schedule.HEAD_DIMS:
+        for stages in schedule.STAGE_CHOICES:
+            folded = schedule.small_q_tile(head_dim, 1, stages).folding()
             assert folded.fits and folded.fold_capable and folded.stages <= stages
 
 
 def test_tile_choice():
-    assert (_build.tile_for(128, 1, 4).warps_m, _build.tile_for(128, 1, 4).warps_n) == (1, 4)
-    assert (_build.tile_for(128, 8, 4).warps_m, _build.tile_for(128, 8, 4).warps_n) == (2, 4)
-    assert _build.tile_for(128, plan.SMALL_Q_LEN, 8).block_n == _build.tile_for(128, 1, 8).block_n
-    assert _build.tile_for(128, plan.SMALL_Q_LEN + 1, 1).warps_m == 4
-    for shape in [_build.TileShape(d, m, n) for d in _build.HEAD_DIMS for m, n in _build.WARP_LAYOUTS]:
+    assert (schedule.tile_for(128, 1, 4).warps_m, schedule.tile_for(128, 1, 4).warps_n) == (1, 4)
+    assert (schedule.tile_for(128, 8, 4).warps_m, schedule.tile_for(128, 8, 4).warps_n) == (2, 4)
+    assert schedule.tile_for(128, schedule.SMALL_Q_LEN, 8).block_n == schedule.tile_for(128, 1, 8).block_n
+    assert schedule.tile_for(128, schedule.SMALL_Q_LEN + 1, 1).warps_m == 4
+    for shape in [schedule.MmaTile(d, m, n) for d in schedule.HEAD_DIMS for m, n in schedule.WARP_LAYOUTS]:
         assert shape.smem_bytes <= 227 * 1024
         assert (shape.block_n // shape.warps_n) % 16 == 0
 
@@ -206,6 +209,7 @@ def test_device_plan_matches_model(head_dim, group, fold, monkeypatch):
     import cupy_fa
 
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)  # two layouts of the partial rows
+    knobs.reload()  # knobs are read once: take the new value
     rng = np.random.default_rng()
     attn = cupy_fa.BatchAttention(8 * group, 8, head_dim, "float16")
     for max_q in (1, 8, 16, 300):
@@ -274,16 +278,16 @@ def test_warp_segment_search_model():
 def test_tiles_fit_the_device_shared_memory():
     """On an A100 (163 KB per CTA) the head-dim-256 tiles with a fold state do not fit: the
     two-row tile runs without one (one split per CTA) and the one-row tile never folds."""
-    a100 = _build.SM80_SMEM_LIMIT
-    two_row = _build.tile_for(256, 8, 4, a100)
+    a100 = schedule.SM80_SMEM_LIMIT
+    two_row = schedule.tile_for(256, 8, 4, a100)
     assert two_row.warps_m == 2 and not two_row.fold_capable and two_row.fits_in(a100)
-    assert _build.tile_for(256, 8, 4).fold_capable  # Hopper keeps it
+    assert schedule.tile_for(256, 8, 4).fold_capable  # Hopper keeps it
     q, kv = np.full(64, 8), np.full(64, 4096)
-    assert not plan.fold_tile(two_row, q, kv, 4, 8, 108, smem_limit=a100).fold_splits
-    one_row = _build.tile_for(256, 1, 4, a100)
+    assert not schedule.fold_tile(two_row, q, kv, 4, 8, 108, smem_limit=a100).fold_splits
+    one_row = schedule.tile_for(256, 1, 4, a100)
     assert one_row.folding(smem_limit=a100) is None
-    assert not plan.fold_tile(one_row, np.ones(512, int), np.full(512, 4096), 4, 8, 108, smem_limit=a100).fold_splits
+    assert not schedule.fold_tile(one_row, np.ones(512, int), np.full(512, 4096), 4, 8, 108, smem_limit=a100).fold_splits
     for head_dim in (64, 128):  # there the fold fits an A100 as well
-        assert _build.tile_for(head_dim, 1, 4, a100).folding(smem_limit=a100) is not None
+        assert schedule.tile_for(head_dim, 1, 4, a100).folding(smem_limit=a100) is not None
     with pytest.raises(ValueError, match="shared memory"):
-        _build.small_q_tile(256, 1, 2, 100 * 1024)
+        schedule.small_q_tile(256, 1, 2, 100 * 1024)

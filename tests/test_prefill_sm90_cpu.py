@@ -10,7 +10,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from cupy_fa import _build, plan as _plan, prefill_sm90 as s9
+from cupy_fa import _build, prefill_sm90 as s9, schedule
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_family_refuses_a_plain_sm90_build():
 def test_default_tiles_fit_and_split_registers(head_dim):
     tile = s9.DEFAULT_TILES[head_dim]
     assert tile.head_dim == head_dim and tile.block_n % 16 == 0
-    assert tile.smem_bytes <= _build.SMEM_LIMIT
+    assert tile.smem_bytes <= schedule.SMEM_LIMIT
     assert 128 * tile.producer_regs + 256 * tile.consumer_regs <= 384 * 168
     assert tile.consumer_regs % 8 == 0 and tile.consumer_regs >= 216
 
@@ -53,10 +53,11 @@ def test_work_layout_is_the_plans_with_128_rows():
     tile = s9.DEFAULT_TILES[128]
     q = np.array([4096, 17, 1000, 1])
     kv = np.array([4096, 2000, 16384, 40])
-    assert list(_plan.row_blocks(q, 4, tile)) == [128, 1, 32, 1]
-    assert list(_plan.max_splits(q, kv)) == [1, 4, 1, 1]  # q = 17 over 2000 keys: 4 splits of 512
-    assert _plan.work_bound(q, kv, 4, tile) == 128 + 4 + 32 + 1
-    assert _plan.needs_merge(tile, q, kv)
+    assert list(schedule.row_blocks(q, 4, tile)) == [128, 1, 32, 1]
+    assert list(schedule.max_splits(q, kv)) == [1, 4, 1, 1]  # q = 17 over 2000 keys: 4 splits of 512
+    assert schedule.work_bound(q, kv, 4, tile) == 128 + 4 + 32 + 1
+    assert schedule.needs_merge(tile, q, kv)
+
 
 
 # The round-2 traits (warp-uniform warpgroup index, joint two-row softmax, persistent grid)
@@ -76,7 +77,7 @@ ROUND2_TILES = [
 def test_round2_variants_compile_without_spills(dtype, tile):
     cubin, res = _build.compile_cubin(s9.variant(dtype, tile), "sm_90a")
     assert res["registers"] == 168 and res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
-    assert tile.smem_bytes <= _build.SMEM_LIMIT
+    assert tile.smem_bytes <= schedule.SMEM_LIMIT
 
 
 def test_persistent_tile_holds_two_q_tiles():

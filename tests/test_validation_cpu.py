@@ -73,4 +73,4 @@ def test_page_table_width_and_split_knob(monkeypatch):
     for bad in ("0", "100"):
         monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", bad)
         with pytest.raises(ValueError, match="CUPY_FA_SPLIT_SIZE"):
-            plan.split_size()
+            cupy_fa.knobs.reload()

@@ -1,0 +1,504 @@
+"""The tiling policy: which kernel runs a batch, with which tile, splits and merge (one file).
+
+For a planned step :func:`schedule_step` answers everything the host decides:
+
+1. **The kernel family and tile** (:func:`tile_for`). Today one family, ``MMA_SYNC``
+   (``kernels/attention.cu``, mma.sync m16n8k16, sm_80+), with one tile per batch shape:
+   * small-q batches (every ``q_len <= SMALL_Q_LEN``: decode, verify, draft extend) take the
+     small-q tile, 4 warps over the 64 keys of each KV tile, one row of warps (16 packed rows)
+     or two (32) by the packed rows of the longest request; ``CUPY_FA_DECODE_STAGES`` deep;
+   * longer batches (prefill, extend, mixed) take the prefill tile, 4 warps over 64 query rows.
+   A second family (e.g. wgmma prefill on sm_90a) is one more :class:`KernelFamily` and tile
+   class, chosen in :func:`prefill_tile` by arch; it reads the same work layout and metadata
+   (``kernels/work.cuh``) with its own ``block_m`` / ``block_n``.
+2. **The fold** (:func:`fold_tile`): whether the small-q CTAs fold their splits themselves
+   (whole rows, or groups of ``MERGE_GROUP``) instead of leaving partials for the merge kernel.
+3. **The splits** (computed on the device by ``kernels/plan.cu``; :func:`max_splits` is the
+   host's bound): small-q requests split every ``split_size()`` keys at fixed positions (batch
+   invariance), others only while ``q_len x splits <= SPLIT_ROW_BUDGET``; at most ``MAX_SPLITS``.
+4. **The grid and the merge** (:func:`work_bound`, :func:`capacity_work_bound`,
+   :func:`needs_merge`, :func:`merge_shape`).
+
+None of these choices changes a bit of the results except the split size (docs/design.md,
+"Batch invariance"); the tuning knobs are :mod:`cupy_fa.knobs`. :func:`all_variants` lists every
+kernel the policy can select (what CI compiles) and :func:`warmup_variants` those one device
+can select.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from . import _build
+from .knobs import STAGE_CHOICES, knobs
+from ._build import Variant
+
+# ---- the policy's constants ------------------------------------------------------------
+
+HEAD_DIMS = (64, 128, 256)
+WARP_LAYOUTS = ((1, 4), (2, 4), (4, 1))  # mma.sync tiles: (warps over query rows, warps over keys)
+SMALL_Q_LEN = 16  # batches with q_len <= this are decode-like: the small-q tile and fixed-position splits
+MAX_SPLITS = 256  # KV splits of one request at most (sizes the merge's shared memory)
+SPLIT_ROW_BUDGET = 128  # larger q_len: splits only while q_len x splits <= this
+PARTIAL_WORKSPACE_BYTES = 128 << 20  # split partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
+MERGE_GROUP = 8  # splits folded in order before the groups are (kernels/softmax.cuh kMergeGroup)
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (the kernels' occupancy math)
+SM80_SMEM_LIMIT = 163 * 1024  # and on sm_80: tiles are chosen for the device's own limit
+FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
+WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most this many groups
+
+
+# ---- element types ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementTypes:
+    """The element types of a kernel's Q, KV and O (separate template parameters of the
+    attention kernel; equal today, a future fp8 KV cache differs in ``kv``)."""
+    q: str
+    kv: str
+    out: str
+
+    @classmethod
+    def of(cls, dtype):
+        return dtype if isinstance(dtype, cls) else cls(dtype, dtype, dtype)
+
+    def ctypes(self):
+        return tuple(_build.CTYPES[name] for name in (self.q, self.kv, self.out))
+
+
+# ---- kernel families and their tiles -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelFamily:
+    """One attention kernel template: its source, its name, and the archs it runs on. A tile
+    class per family names its traits (``MmaTile.traits``)."""
+    name: str
+    source: str      # file under kernels/
+    kernel: str      # the __global__ template, instantiated as kernel<Q, KV, O, Traits>
+    min_sm: int      # compute capability (x10) it needs
+
+
+MMA_SYNC = KernelFamily("mma_sync", "attention.cu", "cupy_fa::attention_kernel", 80)
+FAMILIES = (MMA_SYNC,)
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaTile:
+    """A tile of the mma.sync family; the C++ ``TileTraits`` (kernels/tile_traits.cuh) derives
+    the rest, and the numbers the host uses are compiled into every variant as checks."""
+    head_dim: int
+    warps_m: int
+    warps_n: int
+    stages: int = 2
+    fold_capable: bool = False  # carries a fold state (TileTraits FOLD): its own kernel binary
+    splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
+    fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
+
+    family = MMA_SYNC
+    whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
+
+    def __post_init__(self):
+        if self.fold_capable and not self.fold_layout:
+            raise ValueError(f"a fold state needs a small-q tile whose epilogue fits one stage (one row of "
+                             f"warps, or two at D >= 128), got {self}")
+        if self.splits_per_cta != 1 and not self.epilogue_in_stage:
+            raise ValueError(f"splits_per_cta={self.splits_per_cta} needs a tile whose epilogue fits one stage; "
+                             f"{self} does not")
+        if self.fold_splits and not (self.fold_capable and self.splits_per_cta % MERGE_GROUP == 0):
+            raise ValueError(f"fold_splits needs a fold-capable tile running whole groups of {MERGE_GROUP} "
+                             f"splits per CTA, got {self}")
+
+    @property
+    def block_m(self):
+        """Packed (token, head) rows per CTA (PlanParams::block_m)."""
+        return 16 * self.warps_m
+
+    @property
+    def block_n(self):
+        """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it)."""
+        return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
+
+    @property
+    def threads(self):
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def fold_layout(self):
+        """Whether this warp layout can carry a fold state: a small-q tile whose epilogue fits
+        one stage (one row of warps, or two at D >= 128, half of D per pass)."""
+        return self.warps_n > 1 and (self.warps_m == 1 or self.head_dim >= 128)
+
+    @property
+    def smem_bytes(self):
+        fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold
+
+    @property
+    def epilogue_in_stage(self):
+        """The end-of-split epilogue fits in one pipeline stage, at once or in two passes
+        (TileTraits::kEpilogueInStage): only then may a CTA run several splits."""
+        return self.warps_m * self.warps_n <= self.block_n // 16 or self.fold_capable
+
+    @property
+    def min_ctas_per_sm(self):
+        """TileTraits::kMinCtasPerSm: CTAs per SM the launch bounds hold small-q tiles to
+        (as many as shared memory allows, up to what 128 registers a thread can feed)."""
+        by_smem = SMEM_LIMIT // (self.smem_bytes + 1024)
+        by_registers = 65536 // (self.threads * 128)
+        return 1 if self.warps_n == 1 or by_smem < 1 else min(by_smem, by_registers)
+
+    @property
+    def fits(self):
+        return self.fits_in(SMEM_LIMIT)
+
+    def fits_in(self, smem_limit):
+        """Whether its dynamic shared memory fits a device's per-CTA limit (opt-in)."""
+        return self.smem_bytes <= smem_limit
+
+    def deepest_fit(self, smem_limit):
+        """This tile with the deepest pipeline up to its own that fits ``smem_limit``, or None."""
+        tile = self
+        while not tile.fits_in(smem_limit) and tile.stages > min(STAGE_CHOICES):
+            tile = dataclasses.replace(tile, stages=tile.stages - 1)
+        return tile if tile.fits_in(smem_limit) else None
+
+    def folding(self, groups_per_cta=1, smem_limit=SMEM_LIMIT):
+        """This tile with each CTA folding ``groups_per_cta`` groups of MERGE_GROUP splits of
+        its row block (:func:`fold_tile`), in the fold-capable variant with the deepest pipeline
+        that still fits ``smem_limit``; None where no such variant exists."""
+        if not self.fold_layout:
+            return None
+        return dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
+                                   fold_splits=True).deepest_fit(smem_limit)
+
+    def traits(self):
+        """The C++ traits type of this tile's kernel binary."""
+        return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
+                f"{self.stages}, {str(self.fold_capable).lower()}>")
+
+    def checks(self):
+        """The host's mirrors of the traits, compiled in as static_asserts."""
+        traits = self.traits()
+        return (f"{traits}::kSmemBytes == {self.smem_bytes}",
+                f"{traits}::kEpilogueInStage == {str(self.epilogue_in_stage).lower()}",
+                f"{traits}::kMinCtasPerSm == {self.min_ctas_per_sm}",
+                f"cupy_fa::kTraceCtas == {_build.TRACE_SHAPE[0]} && cupy_fa::kTraceStamps == {_build.TRACE_SHAPE[1]}")
+
+
+# ---- which tile for a batch ------------------------------------------------------------------
+
+
+def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None):
+    """Tile for a batch whose longest request has ``max_q_len`` query tokens, on a device with
+    ``smem_limit`` bytes of dynamic shared memory per CTA and target ``arch`` (e.g. ``sm_90a``;
+    None: any).
+
+    Decode-like batches (``max_q_len <= SMALL_Q_LEN``) spread 4 warps over the keys of each
+    64-key tile (memory-bound: few rows, many keys; may pipeline deeper), with a second row of
+    warps when a request packs more than 16 (token x head-in-group) rows; they all share
+    (BLOCK_N, WARPS_N), which with the fixed split positions keeps decode and verify of a token
+    bit-identical. Prefill-like batches take :func:`prefill_tile`."""
+    k = knobs()
+    if max_q_len > SMALL_Q_LEN:
+        return prefill_tile(head_dim, smem_limit, arch)
+    warps_m = k.decode_warps_m or (1 if max(max_q_len, 1) * group_size <= 16 else 2)
+    tile = small_q_tile(head_dim, warps_m, k.decode_stages, smem_limit)
+    if tile.epilogue_in_stage:
+        tile = dataclasses.replace(tile, splits_per_cta=k.splits_per_cta)
+    return tile
+
+
+def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None):
+    """The tile of batches with a request of more than SMALL_Q_LEN tokens: 4 warps over query
+    rows (64 packed rows per CTA), one KV split per CTA. A second kernel family for these
+    batches (e.g. wgmma on ``arch == "sm_90a"``) is chosen here."""
+    del smem_limit, arch  # every arch the library runs on takes the mma.sync prefill tile today
+    return MmaTile(head_dim, 4, 1)
+
+
+def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT):
+    """The small-q tile with the deepest pipeline up to ``stages`` that fits this head dim
+    and ``smem_limit``. The two-row tile carries a fold state (where its layout can, at
+    D >= 128) when it fits: registers already hold it at 2 CTAs per SM, which the state
+    keeps (at D = 256 only Hopper's shared memory has room; elsewhere it runs without, one
+    split per CTA). The one-row tile gets one per batch (its ``folding()``, chosen by
+    :func:`fold_tile`), as it costs it a CTA per SM."""
+    base = MmaTile(head_dim, warps_m, 4, stages)
+    for fold in ((True, False) if warps_m == 2 and base.fold_layout else (False,)):
+        tile = dataclasses.replace(base, fold_capable=fold).deepest_fit(smem_limit)
+        if tile is not None:
+            return tile
+    raise ValueError(f"no small-q tile of head dim {head_dim} fits {smem_limit} bytes of shared memory per CTA")
+
+
+# ---- splits -----------------------------------------------------------------------------------
+
+
+def split_size():
+    """S, the keys per split of small-q requests (CUPY_FA_SPLIT_SIZE, default 512; a multiple
+    of 64, the small-q tile's keys per KV tile)."""
+    return knobs().split_size
+
+
+def partial_rows(max_batch_size, num_qo_heads, head_dim, elem_bytes=2):
+    """Rows of the split-partial buffers for a capacity: at least PARTIAL_WORKSPACE_BYTES and
+    at least max_batch_size x SPLIT_ROW_BUDGET rows; one row is H_q x (head_dim outputs in the
+    output type + one fp32 LSE). A batch that would need more caps every request at an equal
+    share (kernels/plan.cu: the only way a batch changes a request's splits)."""
+    row_bytes = num_qo_heads * (head_dim * elem_bytes + 4)
+    return max(max_batch_size * SPLIT_ROW_BUDGET, PARTIAL_WORKSPACE_BYTES // row_bytes)
+
+
+def max_splits(q_lens, kv_lens):
+    """Upper bound on each request's split count under the policy that kernels/plan.cu
+    applies (its overflow cap and rounding only lower it). The host uses it for grid sizes
+    and to know whether a merge can be needed; the schedule itself is only ever computed on
+    the device."""
+    q = np.maximum(np.asarray(q_lens), 1)
+    splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size())
+    splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
+    return np.maximum(1, np.minimum(splits, MAX_SPLITS))
+
+
+# ---- the grid ----------------------------------------------------------------------------------
+
+
+def row_blocks(q_lens, group_size, tile):
+    """Row tiles of each request: its q_len x group_size packed (token, head) rows cut into
+    tiles of tile.block_m (kernels/plan.cu counts them the same way)."""
+    return -(-(np.asarray(q_lens) * group_size) // tile.block_m)
+
+
+def needs_merge(tile, q_lens, kv_lens):
+    """Whether a row of these lengths can end in partials for merge_kernel: a row of several
+    splits, or where CTAs fold their groups of splits (tile.fold_splits), of several groups."""
+    q, kv = np.asarray(q_lens), np.asarray(kv_lens)
+    live = q > 0
+    per_input = tile.splits_per_cta if tile.fold_splits else 1
+    merges = bool(np.any(max_splits(q[live], kv[live]) > per_input))
+    # merge_kernel finds a folded row's group states by MERGE_GROUP splits each (kernels/
+    # merge.cu), the attention kernel leaves one per CTA of splits_per_cta: only CTAs of one
+    # group each may precede a merge (fold_tile gives whole rows only to rows that need none)
+    if merges and tile.fold_splits and tile.splits_per_cta != MERGE_GROUP:
+        raise RuntimeError(f"internal: a merge after CTAs that fold {tile.splits_per_cta} splits each; "
+                           f"merge_kernel reads one state per {MERGE_GROUP}")
+    return merges
+
+
+def work_bound(q_lens, kv_lens, group_size, tile):
+    """Upper bound on the attention kernel's work items for these host lengths."""
+    q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
+    live = q_lens > 0
+    split_groups = -(-max_splits(q_lens[live], kv_lens[live]) // tile.splits_per_cta)
+    return int((row_blocks(q_lens[live], group_size, tile) * split_groups).sum())
+
+
+def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
+    """Upper bound on work items for any step that fits the capacity with
+    q_len <= max_q_len and kv_len <= max_kv_len: the fixed grid of a captured
+    graph. CTAs past the real work exit at once, but each still costs a
+    launch slot, so the bound is kept tight for decode-like shapes."""
+    b, t = capacity.max_batch_size, capacity.max_num_tokens
+    max_q_len = max(1, min(max_q_len, t))
+    q = np.arange(1, max_q_len + 1)
+    splits = max_splits(q, np.full_like(q, max_kv_len))
+    per_request = int((row_blocks(q, group_size, tile) * -(-splits // tile.splits_per_cta)).max())
+    # whatever kv_len: small-q requests have few row blocks, longer ones few splits
+    # (row_blocks x splits <= SPLIT_ROW_BUDGET x group / block_m + splits); and a
+    # batch can't hold more than b requests, nor more tokens than t
+    small = int(row_blocks(min(max_q_len, SMALL_Q_LEN), group_size, tile)) * MAX_SPLITS
+    large = SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1
+    loose = b * max(small, large) + int(row_blocks(min(t, b * max_q_len), group_size, tile)) + b
+    return min(b * per_request, loose)
+
+
+# ---- the fold ----------------------------------------------------------------------------------
+
+
+def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=True, smem_limit=SMEM_LIMIT):
+    """``tile.folding(...)`` when the batch's CTAs should fold their own splits, else ``tile``.
+
+    A CTA of a small-q tile with a fold state takes merge_kernel's steps on the splits it
+    runs (same order, same bits), so they need no partial rows:
+    * a whole row of at most ``WHOLE_ROW_GROUPS`` groups of ``MERGE_GROUP`` splits (its
+      groups, then the groups in order): the result itself, no merge launch;
+    * else one group per CTA: one state per group (a quarter of its split partials' bytes
+      or less), which merge_kernel folds in order.
+    Either way one CTA start-up per group or row instead of per split. It pays only when
+    those fewer, longer CTAs fill the GPU without a long tail: their waves at the folding
+    variant's CTAs per SM (the one-row tile's fold state costs it one of three) must be
+    ``FOLD_MIN_WAVE_FILL`` full on average, the last one counted whole (0.97 waves: 0.97;
+    1.14 waves: 0.57; 1.94 waves: 0.97).
+    Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
+    groups). The folding variant must fit ``smem_limit`` (the device's shared memory per
+    CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
+    ``0`` (never). The choice depends on the batch; the results do not."""
+    knob = knobs().fold_splits
+    live = np.asarray(q_lens) > 0
+    by_group = tile.folding(smem_limit=smem_limit)
+    if knob == "0" or by_group is None or not live.any():
+        return tile
+    q, kv = np.asarray(q_lens)[live], np.asarray(kv_lens)[live]
+
+    def fills(folded):  # its CTAs, work_bound's count, fill their waves
+        ctas = work_bound(q, kv, group_size, folded) * num_kv_heads
+        slots = folded.min_ctas_per_sm * sm_count
+        return knob == "1" or ctas >= FOLD_MIN_WAVE_FILL * slots * -(-ctas // slots)
+
+    groups = -(-int(max_splits(q, kv).max()) // MERGE_GROUP)
+    if exact and groups <= WHOLE_ROW_GROUPS:
+        whole = tile.folding(groups, smem_limit)
+        if whole is not None and fills(whole):
+            return whole
+    return by_group if fills(by_group) else tile
+
+
+# ---- one step's schedule -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSchedule:
+    """What the host decided for a planned step."""
+    tile: MmaTile        # the kernel binary (family, traits) and its schedule (splits per CTA, fold)
+    work_grid: int       # work items the attention grid is sized for (x H_kv CTAs)
+    needs_merge: bool    # whether merge_kernel runs after the attention kernel
+
+
+def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=None, max_q_len=None,
+                  max_kv_len=None, capacity=None, batch_size=None, smem_limit=SMEM_LIMIT, sm_count=132, arch=None):
+    """The tile, grid and merge of one step.
+
+    With host lengths (``q_lens``, ``kv_lens``) the choice is exact. With device lengths the host
+    sees only bounds: ``max_q_len`` (required), ``max_kv_len`` (None: any), the ``capacity`` the
+    grid must cover and ``batch_size``; the fold is then by groups only, where even the shortest
+    such batch (every request max_q_len tokens, one split) fills the GPU. The bits never depend
+    on any of it."""
+    if q_lens is not None:
+        q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
+        max_q = int(q_lens.max()) if q_lens.size else 0
+        tile = tile_for(head_dim, max_q, group_size, smem_limit, arch)
+        tile = fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
+        return StepSchedule(tile, work_bound(q_lens, kv_lens, group_size, tile), needs_merge(tile, q_lens, kv_lens))
+    max_q = int(max_q_len)
+    tile = tile_for(head_dim, max_q, group_size, smem_limit, arch)
+    shortest = np.full(batch_size, max_q)
+    tile = fold_tile(tile, shortest, shortest, group_size, num_kv_heads, sm_count, exact=False, smem_limit=smem_limit)
+    kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
+    return StepSchedule(tile, capacity_work_bound(capacity, group_size, tile, max_q, kv_bound),
+                        needs_merge(tile, [1], [kv_bound]))
+
+
+def plan_constants(tile):
+    """PlanParams' policy fields for a tile (kernels/plan.cu reads them)."""
+    s = split_size()
+    if getattr(tile, "whole_tiles_per_split", False) and s % tile.block_n:
+        raise ValueError(f"CUPY_FA_SPLIT_SIZE={s} is not a multiple of the tile's {tile.block_n} keys per KV tile")
+    return dict(block_m=tile.block_m, block_n=tile.block_n, split_size=s, max_splits=MAX_SPLITS,
+                small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=tile.splits_per_cta,
+                fold_splits=int(tile.fold_splits))
+
+
+# ---- merge shapes -------------------------------------------------------------------------------
+
+# Merge shapes (kernels/merge.cu MergeTraits): (heads per CTA, ways over split groups).
+# Both fold in the same order, so the choice never changes a bit.
+MERGE_WIDE = (8, 1)  # many tokens: one CTA per 8 heads of a token, one way
+MERGE_DEEP = (1, 8)  # fewer tokens with more splits: one head, 8 ways
+MERGE_DEEPEST = (1, 0)  # a few rows of long requests: one head, a way per group (up to 1024 threads)
+# (from tokens x H_q rows, shape): wide while it still gives every SM a CTA, the deepest
+# for a handful of rows (B=1 L=131072: 256 splits folded by 32 ways at once, not 8 x 4)
+MERGE_SHAPES = ((1024, MERGE_WIDE), (256, MERGE_DEEP), (0, MERGE_DEEPEST))
+
+
+def merge_shape(num_tokens, num_qo_heads):
+    rows = num_tokens * num_qo_heads
+    return next(shape for min_rows, shape in MERGE_SHAPES if rows >= min_rows)
+
+
+def merge_grid(num_tokens, num_qo_heads):
+    """The merge kernel's shape and grid for a step of ``num_tokens`` query tokens."""
+    shape = merge_shape(num_tokens, num_qo_heads)
+    return shape, (num_tokens, -(-num_qo_heads // shape[0]))
+
+
+# ---- variants ----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def attention_variant(dtype, tile):
+    """The attention kernel binary of a tile (its family's template) for element types
+    ``dtype`` (a dtype name, or :class:`ElementTypes`)."""
+    q, kv, out = ElementTypes.of(dtype).ctypes()
+    expr = f"{tile.family.kernel}<{q}, {kv}, {out}, {tile.traits()}>"
+    return Variant(tile.family.source, expr, tile.threads, tile.smem_bytes, tile.checks())
+
+
+@functools.lru_cache(maxsize=None)
+def merge_variant(dtype_name, head_dim, shape):
+    heads_per_cta, ways = shape
+    if ways == 0:  # a way per group of splits, up to 1024 threads (32 ways at D=128: one group each)
+        ways = min(1024 // (head_dim // 4 * heads_per_cta), MAX_SPLITS // MERGE_GROUP)
+    expr = (f"cupy_fa::merge_kernel<{_build.CTYPES[dtype_name]}, "
+            f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {MAX_SPLITS}>>")
+    return Variant("merge.cu", expr, head_dim // 4 * heads_per_cta * ways)
+
+
+def append_variant(index_dtype):
+    index = {"int32": "int", "int64": "long long"}[np.dtype(index_dtype).name]
+    return Variant("kv_append.cu", f"cupy_fa::append_kernel<{index}>", 256)
+
+
+PLAN_VARIANT = Variant("plan.cu", "cupy_fa::plan_kernel", 1024)
+
+
+def _common_variants(dtype_name, head_dim):
+    return [merge_variant(dtype_name, head_dim, shape) for _, shape in MERGE_SHAPES]
+
+
+def all_variants():
+    """Every kernel the library can launch, on Hopper or on an A100, under any knob values
+    (what CI compiles)."""
+    out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
+    for dtype_name in _build.CTYPES:
+        for head_dim in HEAD_DIMS:
+            out += _common_variants(dtype_name, head_dim)
+            tiles = [prefill_tile(head_dim)]
+            for warps_m in (1, 2):
+                for stages in STAGE_CHOICES:
+                    for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
+                        tile = small_q_tile(head_dim, warps_m, stages, limit)
+                        tiles += [tile, tile.folding(smem_limit=limit)]
+            variants = (attention_variant(dtype_name, t) for t in tiles if t is not None)
+            out += list({v.expression: v for v in variants}.values())  # one per kernel binary
+    return out
+
+
+def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None):
+    """Every variant that plans with these dtypes and head dims can select under the knobs in
+    force, on a device with ``smem_limit`` and ``arch``."""
+    wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
+    for dtype_name in dtypes:
+        for head_dim in head_dims:
+            wanted += _common_variants(dtype_name, head_dim)
+            for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
+                tile = tile_for(head_dim, max_q_len, group, smem_limit, arch)
+                folded = tile.folding(smem_limit=smem_limit)  # what fold_tile may switch to
+                wanted += [attention_variant(dtype_name, t) for t in (tile, folded) if t is not None]
+    return wanted
+
+
+def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
+    """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
+    head dims can select under the current knobs, on the current device, so no compile happens
+    inside a step or a graph capture. Returns how many."""
+    import cupy
+
+    wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(), _build.device_arch(cupy.cuda.Device()))
+    for variant in wanted:
+        _build.get_function(variant)
+    return len(wanted)

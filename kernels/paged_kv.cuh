@@ -1,0 +1,123 @@
+// Paged K/V addressing and the cp.async producer: a CTA's K and V tiles from the paged cache
+// into shared memory, and Q's row block once.
+//
+// Cache layout [num_pages, page_size, H_kv, D] (NHD), K and V alike; key j of request b lives in
+// page page_table[b][j / page_size], slot j % page_size (a shift and a mask when page_size is a
+// power of two: AttentionParams::page_shift). Each thread copies one 16-byte chunk column
+// (`chunk`) of kRows key rows per tile. Page ids are fetched one tile ahead (fetch_pages, into
+// registers), so the page-table read (an L2 round trip every tile at page size 1) hides behind
+// the previous tile's compute; copies of rows past kv_end zero-fill, so masked keys never carry
+// NaN garbage into P V.
+//
+// Loops run a constant number of times so they unroll: every row's address is ready before the
+// first cp.async issues, instead of one dependent page-id load per row in a loop. The page-size
+// test is made once per tile, outside the unrolled row loops (the pow2 and general paths are each
+// straight-line code): inside them it put a branch between every row's address arithmetic and its
+// copies.
+#pragma once
+
+#include "common.cuh"
+#include "params.cuh"
+
+namespace cupy_fa {
+
+// Copies Q's row block [row0, row0 + BLOCK_M) of packed rows (rows past `rows` zero-filled) into
+// sQ (swizzled). It rides in the first cp.async group of the K/V pipeline.
+template <typename Traits, typename QT>
+__device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, int q_start, int row0, int rows,
+                                             int kv_head, int group, FastDiv by_group, int row_in_pass, int chunk) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, STEP = Traits::kRowStep;
+  const QT* q = static_cast<const QT*>(p.q);
+#pragma unroll
+  for (int i = 0; i < BM / STEP; ++i) {
+    const int r = row_in_pass + i * STEP, row = row0 + r;
+    const bool valid = row < rows;
+    const QT* src = q;
+    if (valid) {
+      const int token = q_start + by_group.div(row), head = kv_head * group + by_group.mod(row);
+      src = q + ((i64)token * p.num_qo_heads + head) * D + chunk * 8;
+    }
+    cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
+  }
+}
+
+// The K/V producer of one CTA: tiles of BLOCK_N keys from kv_begin, up to kv_end, into the
+// pipeline stages of sK and sV.
+template <typename Traits, typename KVT>
+struct PagedKVProducer {
+  static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kRowStep;
+  static constexpr int kRows = BN / STEP;  // key rows this thread copies per tile
+  static_assert(sizeof(KVT) == 2, "16-byte chunks of 8 elements (Traits::kChunks): fp8 KV needs its own count");
+
+  const AttentionParams& p;
+  const int* page_row;  // the request's page-table row
+  int slot_bytes;       // bytes from one cache slot to the next
+  // Byte addresses of this thread's 16-byte chunk of the head in cache slot 0; a key's chunk is
+  // one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(KVT) < 2^31).
+  const char* k_chunk;
+  const char* v_chunk;
+  KVT* sK;
+  KVT* sV;
+  int kv_begin, kv_end, num_tiles;
+  int row_in_pass, chunk;
+  int pages[kRows];  // page ids of the next tile to issue (fetch_pages), one tile ahead
+
+  __device__ __forceinline__ PagedKVProducer(const AttentionParams& p, int request, int kv_head, KVT* sK, KVT* sV,
+                                             int kv_begin, int kv_end, int num_tiles, int row_in_pass, int chunk)
+      : p(p),
+        page_row(p.page_table + (i64)request * p.page_table_stride),
+        slot_bytes(p.num_kv_heads * D * (int)sizeof(KVT)),
+        k_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + kv_head * D + chunk * 8)),
+        v_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + kv_head * D + chunk * 8)),
+        sK(sK),
+        sV(sV),
+        kv_begin(kv_begin),
+        kv_end(kv_end),
+        num_tiles(num_tiles),
+        row_in_pass(row_in_pass),
+        chunk(chunk) {}
+
+  template <typename PageOf>
+  __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
+      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+    }
+  }
+
+  // Page ids of tile `tile` (0 past the last tile), for the issue() that follows.
+  __device__ __forceinline__ void fetch_pages(int tile) {
+    if (p.page_shift >= 0) {
+      fetch_rows(tile, [&](int key) { return key >> p.page_shift; });
+    } else {
+      fetch_rows(tile, [&](int key) { return key / p.page_size; });
+    }
+  }
+
+  template <typename SlotOf>
+  __device__ __forceinline__ void issue_rows(int tile, int stage, SlotOf slot_of) {
+    KVT* dk = sK + stage * BN * D;
+    KVT* dv = sV + stage * BN * D;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
+      const bool valid = key < kv_end;
+      const i64 offset = (i64)(valid ? slot_of(pages[i], key) : 0) * slot_bytes;  // < 2^31 cache slots
+      cp_async_16(dk + swizzled<D>(r, chunk), k_chunk + offset, valid);
+      cp_async_16(dv + swizzled<D>(r, chunk), v_chunk + offset, valid);
+    }
+  }
+
+  // The cp.async copies of tile `tile` into stage `stage`, from the page ids fetched for it.
+  __device__ __forceinline__ void issue(int tile, int stage) {
+    if (p.page_shift >= 0) {
+      const int in_page = p.page_size - 1;
+      issue_rows(tile, stage, [&](int page, int key) { return (page << p.page_shift) | (key & in_page); });
+    } else {
+      issue_rows(tile, stage, [&](int page, int key) { return page * p.page_size + key % p.page_size; });
+    }
+  }
+};
+
+}  // namespace cupy_fa

@@ -1,0 +1,77 @@
+// Tile traits of the mma.sync attention family (sm_80+): one template, one traits struct per
+// (head dim, warp layout, keys per tile, pipeline depth, fold state). The host mirrors the
+// numbers it needs (cupy_fa/schedule.py MmaTile, checked by static_asserts compiled into every
+// variant) to size the launch, the shared memory and the plan's work layout.
+//
+// Element types are the kernel's own template parameters (attention_kernel<Q, KV, O, Traits>),
+// not the tile's: the sizes below assume 2-byte elements (fp16 / bf16), as Q and KV are today.
+#pragma once
+
+#include "common.cuh"
+#include "softmax.cuh"
+
+namespace cupy_fa {
+
+// Tile constants per (head dim, warp layout, keys per tile, pipeline depth, fold state).
+// The host picks the instance (cupy_fa/schedule.py MmaTile) and sizes the
+// dynamic shared memory from the same numbers.
+template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD>
+struct TileTraits {
+  static constexpr int kHeadDim = HEAD_DIM;
+  static constexpr int kWarpsM = WARPS_M;
+  static constexpr int kWarpsN = WARPS_N;
+  static constexpr int kWarps = WARPS_M * WARPS_N;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockM = 16 * WARPS_M;                                   // query rows per CTA
+  static constexpr int kBlockN = BLOCK_N;                                        // keys per KV tile
+  static constexpr int kKeysPerWarp = kBlockN / WARPS_N;
+  static constexpr int kStages = STAGES;                                         // cp.async pipeline depth
+  static constexpr int kChunks = HEAD_DIM / 8;                                   // 16-byte chunks per row
+  static constexpr int kRowStep = kThreads / kChunks;                            // rows one pass of the CTA loads
+  static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
+  static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
+  static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
+  // FOLD: the CTA carries a fold state and may run a whole row, or one group of kMergeGroup
+  // splits of it, and fold them itself (AttentionParams::fold_splits): merge_kernel's steps,
+  // so no split partials. The state costs shared memory, so the host picks this variant
+  // only for batches whose longer CTAs still fill the GPU.
+  static constexpr bool kFoldInCta = FOLD;
+  // the fold state: merge_kernel's open group and total, o per element and (m, l) per row
+  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (2 * HEAD_DIM * 4 + 16) : 0;
+  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV + kSmemFold;
+  // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
+  // flight, so hold the compiler to the CTAs per SM that shared memory allows,
+  // as far as 128 registers per thread can feed them. Prefill tiles keep their
+  // registers (compute-bound, 2 CTAs per SM by shared memory anyway).
+  static constexpr int kCtasBySmem = (227 * 1024) / (kSmemBytes + 1024);
+  static constexpr int kCtasBy128Regs = 65536 / (kThreads * 128);
+  static constexpr int kMinCtasPerSm =
+      (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
+  // Q's mma fragments (32 registers at D = 128) held across the KV tiles, loaded from shared
+  // memory once, where the register file gives every thread 255 (decode-like tiles at 256
+  // threads per SM: the one-row folding tile): a third of a tile's ldmatrix reads fewer.
+  static constexpr bool kQInRegisters = WARPS_N > 1 && HEAD_DIM <= 128 && kThreads * kMinCtasPerSm <= 256;
+
+  // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
+  // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
+  // for a two-row fold tile), it uses only the stage just consumed, so the pipeline keeps
+  // running: a CTA may then run several consecutive splits (splits_per_cta) without a
+  // new start-up per split.
+  static constexpr int kEpiloguePasses = kWarps <= BLOCK_N / 16 ? 1 : (kFoldInCta ? 2 : 0);
+  static constexpr bool kEpilogueInStage = kEpiloguePasses > 0;
+  static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM / kEpiloguePasses : HEAD_DIM;  // per pass
+
+  static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
+  static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
+  static_assert(!kEpilogueInStage || kWarps * 16 * kStagedCols * 4 <= 4 * BLOCK_N * HEAD_DIM,
+                "a pass's fp32 slices fit one stage's K and V tiles");
+  static_assert(!kEpilogueInStage || (BLOCK_N * HEAD_DIM) % (32 * kStagedCols) == 0,
+                "whole slices per K (or V) tile");
+  static_assert(kStagedCols >= 64 || kEpiloguePasses <= 1, "staged_pair's swizzle needs 64 columns");
+  static_assert(!FOLD || WARPS_N > 1, "a fold is for small-q tiles, whose requests split");
+  static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
+                "loads must tile the CTA evenly");
+  static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
+};
+
+}  // namespace cupy_fa

@@ -1,0 +1,74 @@
+"""The CUPY_FA_* knobs: read once into one frozen object, validated when read (CPU)."""
+
+import dataclasses
+
+import pytest
+
+from cupy_fa import knobs, schedule
+
+
+def test_defaults_and_parsing():
+    k = knobs.Knobs.from_environ({})
+    assert k == knobs.Knobs()
+    assert (k.decode_stages, k.decode_warps_m, k.split_size, k.splits_per_cta, k.fold_splits, k.pdl, k.trace) == \
+        (2, None, 512, 1, "auto", True, False)
+    env = {"CUPY_FA_ARCH": "sm_80", "CUPY_FA_CACHE_DIR": "/tmp/x", "CUPY_FA_DECODE_STAGES": "3",
+           "CUPY_FA_DECODE_WARPS_M": "2", "CUPY_FA_SPLIT_SIZE": "1024", "CUPY_FA_SPLITS_PER_CTA": "4",
+           "CUPY_FA_FOLD_SPLITS": "0", "CUPY_FA_PDL": "0", "CUPY_FA_TRACE": "1"}
+    k = knobs.Knobs.from_environ(env)
+    assert k == knobs.Knobs("sm_80", "/tmp/x", 3, 2, 1024, 4, "0", False, True)
+    assert knobs.Knobs.from_environ({"CUPY_FA_DECODE_WARPS_M": "auto"}).decode_warps_m is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        k.split_size = 64
+
+
+@pytest.mark.parametrize("name,value", [
+    ("CUPY_FA_DECODE_STAGES", "5"), ("CUPY_FA_DECODE_STAGES", "two"), ("CUPY_FA_DECODE_WARPS_M", "4"),
+    ("CUPY_FA_SPLIT_SIZE", "100"), ("CUPY_FA_SPLIT_SIZE", "0"), ("CUPY_FA_SPLITS_PER_CTA", "0"),
+    ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"),
+])
+def test_bad_values_name_the_variable(name, value):
+    with pytest.raises(ValueError, match=name):
+        knobs.Knobs.from_environ({name: value})
+
+
+def test_read_once_then_reload(monkeypatch):
+    """Changing the environment changes nothing until reload(); a bad value leaves the knobs in
+    force as they were."""
+    monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", "512")
+    knobs.reload()
+    assert schedule.split_size() == 512
+    monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", "1024")
+    assert schedule.split_size() == 512  # not re-read per call
+    assert knobs.reload().split_size == 1024 and schedule.split_size() == 1024
+    monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", "1000")
+    with pytest.raises(ValueError, match="CUPY_FA_SPLIT_SIZE"):
+        knobs.reload()
+    assert schedule.split_size() == 1024
+
+
+def test_use_installs_and_returns_the_previous():
+    before = knobs.knobs()
+    previous = knobs.use(dataclasses.replace(before, decode_warps_m=2, splits_per_cta=3))
+    assert previous == before
+    tile = schedule.tile_for(128, 1, 4)
+    assert (tile.warps_m, tile.splits_per_cta) == (2, 3)
+    with pytest.raises(TypeError, match="Knobs"):
+        knobs.use({"split_size": 512})
+    knobs.use(before)
+    assert schedule.tile_for(128, 1, 4).warps_m == 1
+
+
+def test_nothing_else_reads_the_environment():
+    """Only cupy_fa/knobs.py reads CUPY_FA_* variables (the one table of them is README.md's)."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(knobs.__file__).parent
+    readers = [p.name for p in package.glob("*.py")
+               if p.name != "knobs.py" and re.search(r"environ(\.get)?\s*[\[(]\s*[\"']CUPY_FA_", p.read_text())]
+    assert readers == []
+    readme = (package.parent / "README.md").read_text()
+    for field in dataclasses.fields(knobs.Knobs):
+        variable = "CUPY_FA_" + field.name.upper()
+        assert f"`{variable}`" in readme, variable
