@@ -17,7 +17,7 @@ def _needs_sm90():
         pytest.skip("the sm_90a prefill family runs on compute capability 9.0 (Hopper) only")
 
 
-def run(dtype, heads, head_dim, page_size, causal, q_lens, kv_lens, rng, tail=3):
+def run(dtype, heads, head_dim, page_size, causal, q_lens, kv_lens, rng, tile=None, tail=3):
     """(out, lse, reference out, reference lse) of one random paged case (NaN in every cache
     slot no request may read); out and lse are the whole poisoned buffers, ``tail`` rows past
     the live ones included."""
@@ -30,7 +30,7 @@ def run(dtype, heads, head_dim, page_size, causal, q_lens, kv_lens, rng, tail=3)
     table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, total)
     out = poisoned((total, h_q, head_dim), np_dtype(dtype), tail)
     lse = poisoned((total, h_q), np.float32, tail)
-    s9.Sm90Prefill(h_q, h_kv, head_dim, dtype).plan(q_lens, kv_lens, table, causal=causal).run(
+    s9.Sm90Prefill(h_q, h_kv, head_dim, dtype, tile).plan(q_lens, kv_lens, table, causal=causal).run(
         cupy.asarray(q_host), cache, out[:total], lse[:total])
     ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv_lens, table, causal=causal,
                                              return_lse=True)
@@ -75,3 +75,21 @@ def test_a_request_keeps_its_bits_in_any_batch():
             q[cu[b]:cu[b + 1]], cache, one, one_lse)
         assert (out[cu[b]:cu[b + 1]].view(cupy.uint16) == one.view(cupy.uint16)).all(), f"request {b} out"
         assert (lse[cu[b]:cu[b + 1]].view(cupy.uint32) == one_lse.view(cupy.uint32)).all(), f"request {b} lse"
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 128), ("bfloat16", 64)])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_round2_persistent_variant_matches_the_reference(dtype, head_dim, page_size, causal):
+    """The persistent-grid variant with the joint softmax (each CTA runs several work items,
+    the items handed over through shared memory) on random ragged batches."""
+    from cupy_fa import prefill_sm90 as s9
+
+    tile = s9.Sm90Tile(head_dim, 128, 2 if head_dim == 128 else 4, uniform_wg=True, joint_rows=True, persistent=True)
+    rng, seed = new_rng()
+    q_lens, kv_lens = random_lengths(rng, max_requests=9, max_q=700, max_kv=4000, work_budget=1_500_000)
+    got, got_lse, ref, ref_lse = run(dtype, (16, 4), head_dim, page_size, causal, q_lens, kv_lens, rng, tile)
+    check = check_attention(got, ref, dtype, q_lens=q_lens, lse=got_lse, ref_lse=ref_lse, poison=POISON,
+                            label=f"seed {seed} sm90 prefill, persistent")
+    print(check.summary())
+    check.assert_ok()
