@@ -40,6 +40,8 @@ class Sm90Tile:
     uniform_wg: bool = False    # the warpgroup index warp-uniform (Q descriptors in uniform registers)
     joint_rows: bool = False    # the softmax of both rows of a thread at once, branch-free
     persistent: bool = False    # at most one CTA per SM, each running work items in turn (two Q tiles)
+    lean_copy: bool = False     # the producer's cp.async loop at ~6 instructions a copy instead of ~18
+    poly_exp2: int = 0          # of every 4 eight-key blocks of an unmasked tile, this many take 2^x on the FMA pipe
 
     block_m = BLOCK_M
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
@@ -60,7 +62,7 @@ class Sm90Tile:
         b = lambda x: str(bool(x)).lower()
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
                 f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}, {b(self.uniform_wg)}, "
-                f"{b(self.joint_rows)}, {b(self.persistent)}>")
+                f"{b(self.joint_rows)}, {b(self.persistent)}, {b(self.lean_copy)}, {int(self.poly_exp2)}>")
 
 
 # The default tile per head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at

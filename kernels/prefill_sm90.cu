@@ -34,7 +34,8 @@ namespace cupy_fa {
 // One instance per (head dim, keys per tile, pipeline depth, overlap, ping-pong, producer
 // registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS,
-          bool UNIFORM_WG = false, bool JOINT_ROWS = false, bool PERSISTENT = false>
+          bool UNIFORM_WG = false, bool JOINT_ROWS = false, bool PERSISTENT = false, bool LEAN_COPY = false,
+          int POLY_EXP2 = 0>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
@@ -61,6 +62,15 @@ struct Sm90PrefillTraits {
   // set-up and pipeline fill per item.
   static constexpr bool kPersistent = PERSISTENT;
   static constexpr int kQBufs = PERSISTENT ? 2 : 1;
+  // The producer's copy loop at about 6 instructions per 16-byte cp.async instead of 18
+  // (sm90_prefill_load.cuh copy_tile_lean): the producer warps share each SM sub-partition's
+  // issue slots with the consumers' softmax.
+  static constexpr bool kLeanCopy = LEAN_COPY;
+  // On tiles that need no mask, POLY_EXP2 of every 4 eight-key blocks take 2^x from a
+  // polynomial on the FMA pipe instead of the special-function unit (MUFU, a quarter of the
+  // FMA pipe's rate: at D = 64 the exp2s take as long as the GEMMs), sm90_prefill_softmax.cuh.
+  static constexpr int kPolyExp2 = POLY_EXP2;
+  static_assert(POLY_EXP2 >= 0 && POLY_EXP2 <= 4, "0 to 4 of every 4 eight-key blocks");
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   // setmaxnreg: the CTA starts at 168 registers a thread (64 K / 384 rounded down to 8, the
   // launch bounds), and the producer gives back what the consumers take:

@@ -75,10 +75,18 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     wgmma_commit();
   };
   // mask (the tiles that need it) and fold tile `tile`'s scores into the state
+  // (kPolyExp2: masked tiles take every exp2 from the special-function unit, so a masked key's
+  // 2^-inf stays an exact 0; the polynomial's share is for the tiles with every key visible)
+  auto fold = [&](auto poly, float (&factor)[2]) {
+    if constexpr (Tr::kJointRows) return st.template fold_joint<BN, decltype(poly)::value>(s, p.sm_scale_log2, factor);
+    else return st.template fold<BN, decltype(poly)::value>(s, p.sm_scale_log2, factor);
+  };
   auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
-    if (masked) mask_tile<BN>(s, p, w, ri, w.kv_begin + tile * BN, quad);
-    if constexpr (Tr::kJointRows) return st.fold_joint<BN>(s, p.sm_scale_log2, factor);
-    else return st.fold<BN>(s, p.sm_scale_log2, factor);
+    if (Tr::kPolyExp2 == 0 || masked) {
+      if (masked) mask_tile<BN>(s, p, w, ri, w.kv_begin + tile * BN, quad);
+      return fold(IntConst<0>{}, factor);
+    }
+    return fold(IntConst<Tr::kPolyExp2>{}, factor);
   };
 
   const int T = w.num_tiles;

@@ -100,6 +100,37 @@ struct KVProducer {
     }
   }
 
+  // copy_tile with fewer instructions per 16-byte copy (Traits::kLeanCopy): the row's slot
+  // shuffled as before, then its source by one 32 x 32 -> 64-bit multiply-add (slots and slot
+  // bytes are non-negative: no sign extension, no 64 x 64 product), the zero fill by the
+  // copy's ignore-src predicate (one compare instead of a size register ptxas turns back into
+  // a predicate) and the shared address stepped by a constant (the row's swizzle phase
+  // row % 8 is the same for every pass when a pass covers a multiple of 8 rows).
+  __device__ __forceinline__ void copy_tile_lean(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
+    constexpr unsigned PASS_BYTES = RP * 128;  // a pass's rows in one 64-column block
+    const unsigned dst0 = dst + swizzled_offset<BN>(row_in_pass, chunk);
+#pragma unroll 4
+    for (int i = 0; i < BN / RP; ++i) {
+      const int reg = (i * WARP_ROWS) / 32;
+      int mine = slots[0];
+#pragma unroll
+      for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
+      const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CH);
+      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)slot_bytes;
+      const unsigned to = RP % 8 == 0 ? dst0 + i * PASS_BYTES : dst + swizzled_offset<BN>(row_in_pass + RP * i, chunk);
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
+          "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to),
+          "l"(src), "r"(slot)
+          : "memory");
+    }
+  }
+
+  __device__ __forceinline__ void copy(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
+    if constexpr (Tr::kLeanCopy) copy_tile_lean(base, dst, slots);
+    else copy_tile(base, dst, slots);
+  }
+
   // Q's BLOCK_M packed rows (zero past the request's rows) into the Q tile at `dst`.
   template <typename QT>
   __device__ __forceinline__ void copy_q(unsigned dst, const FastDiv& by_group) const {
@@ -151,7 +182,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     prod.slots_of(T - 1, slots_k);
     prod.fetch_pages(T - 2);
     mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-    prod.copy_tile(prod.k_base, k_addr + ks.stage * STAGE_BYTES, slots_k);
+    prod.copy(prod.k_base, k_addr + ks.stage * STAGE_BYTES, slots_k);
     cp_async_arrive(&bars.k_full[ks.stage]);
     ks.advance();
     for (int i = 1; i < T; ++i) {
@@ -161,16 +192,16 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
       prod.slots_of(tile, slots_k);
       prod.fetch_pages(tile - 1);
       mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-      prod.copy_tile(prod.k_base, k_addr + ks.stage * STAGE_BYTES, slots_k);
+      prod.copy(prod.k_base, k_addr + ks.stage * STAGE_BYTES, slots_k);
       cp_async_arrive(&bars.k_full[ks.stage]);
       ks.advance();
       mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-      prod.copy_tile(prod.v_base, v_addr + vs.stage * STAGE_BYTES, slots_v);
+      prod.copy(prod.v_base, v_addr + vs.stage * STAGE_BYTES, slots_v);
       cp_async_arrive(&bars.v_full[vs.stage]);
       vs.advance();
     }
     mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-    prod.copy_tile(prod.v_base, v_addr + vs.stage * STAGE_BYTES, slots_k);
+    prod.copy(prod.v_base, v_addr + vs.stage * STAGE_BYTES, slots_k);
     cp_async_arrive(&bars.v_full[vs.stage]);
     vs.advance();
   }

@@ -66,6 +66,12 @@ VARIANTS = {
     "d128_p": ("bfloat16", T(128, 128, 2, persistent=True)),
     "d128_ujp": ("bfloat16", T(128, 128, 2, persistent=True, **UJ)),
     "d128_ujp_f16": ("float16", T(128, 128, 2, persistent=True, **UJ)),
+    "d128_ujl": ("bfloat16", T(128, 128, 2, lean_copy=True, **UJ)),
+    "d128_ujx2": ("bfloat16", T(128, 128, 2, poly_exp2=2, **UJ)),
+    "d128_ujlx1": ("bfloat16", T(128, 128, 2, lean_copy=True, poly_exp2=1, **UJ)),
+    "d128_ujlx2": ("bfloat16", T(128, 128, 2, lean_copy=True, poly_exp2=2, **UJ)),
+    "d64_ujl": ("bfloat16", T(64, 128, 4, lean_copy=True, **UJ)),
+    "d64_ujlx2": ("bfloat16", T(64, 128, 4, lean_copy=True, poly_exp2=2, **UJ)),
     "d64_ujp": ("bfloat16", T(64, 128, 4, persistent=True, **UJ)),
     "d128_bn176": ("bfloat16", T(128, 176, 2, producer_regs=40)),  # consumers at 232 registers
     "d128_qr": ("bfloat16", T(128, 128, 2, q_in_regs=True)),
