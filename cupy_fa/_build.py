@@ -23,6 +23,7 @@ import hashlib
 import os
 import pathlib
 import re
+import struct
 import threading
 
 import numpy as np
@@ -323,10 +324,22 @@ def compile_cubin(variant, arch="sm_90a"):
             raise RuntimeError(f"NVRTC failed on {variant.expression}:\n{nvrtc.getProgramLog(prog)}") from exc
         lowered = nvrtc.getLoweredName(prog, variant.expression)
         log = nvrtc.getProgramLog(prog)
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = whole_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
     return cubin, _resources_of(log, lowered)
+
+
+def whole_elf(image):
+    """An ELF image padded with zeros to the end its own headers give. CuPy's ``nvrtc.getCUBIN``
+    strips a trailing NUL byte, as for PTX text, so the cubin it returns is one byte short of its
+    program-header table, and cuobjdump / nvdisasm refuse it ("does not contain device code")."""
+    if len(image) < 64 or image[:4] != b"\x7fELF" or image[4] != 2:  # not a 64-bit ELF: as it is
+        return image
+    phoff, shoff = struct.unpack_from("<QQ", image, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 54)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return image + bytes(max(0, end - len(image)))
 
 
 def _resources_of(log, lowered):

@@ -24,7 +24,6 @@ import os
 import pathlib
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -44,14 +43,6 @@ def tool(name):
         if (pathlib.Path(d) / name).exists():
             return str(pathlib.Path(d) / name)
     return shutil.which(name)
-
-
-def whole_elf(cubin):
-    """An ELF image padded to the end its headers give (CuPy's nvrtc.getCUBIN drops the last byte)."""
-    phoff, shoff = struct.unpack_from("<QQ", cubin, 32)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 54)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + bytes(max(0, end - len(cubin)))
 
 
 def disassemble(path):
@@ -77,7 +68,7 @@ def compile_sass(variant, use_nvrtc):
         cubin_path = pathlib.Path(tmp) / "prog.cubin"
         if use_nvrtc:
             cubin, res = _build.compile_cubin(variant)
-            cubin_path.write_bytes(whole_elf(cubin))
+            cubin_path.write_bytes(cubin)  # whole: _build.compile_cubin pads CuPy's short image
         else:
             text = _build.program_text(variant) + f"\nstatic auto cupy_fa_sass_instance = &{variant.expression};\n"
             (pathlib.Path(tmp) / "prog.cu").write_text(text)
