@@ -23,8 +23,8 @@ import numpy as np
 from . import _arrays, _build, _params, plan as _plan, schedule
 
 _LOG2E = 1.4426950408889634
-THREADS = 384  # producer warpgroup + 2 consumer warpgroups
-BLOCK_M = 128
+THREADS = 384  # producer warpgroup + 2 consumer warpgroups (the default tiles; Sm90Tile.threads)
+BLOCK_M = 128  # packed rows per CTA of the default tiles (Sm90Tile.block_m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,27 +42,43 @@ class Sm90Tile:
     persistent: bool = False    # at most one CTA per SM, each running work items in turn (two Q tiles)
     lean_copy: bool = False     # the producer's cp.async loop at ~6 instructions a copy instead of ~18
     poly_exp2: int = 0          # of every 4 eight-key blocks of an unmasked tile, this many take 2^x on the FMA pipe
+    consumer_wgs: int = 2       # consumer warpgroups of 64 rows: 2 (block_m 128) or 3 (block_m 192, 512 threads)
 
-    block_m = BLOCK_M
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
     fold_splits = False
 
     @property
+    def block_m(self):
+        """Packed (token, head) rows per CTA: 64 per consumer warpgroup (PlanParams::block_m)."""
+        return 64 * self.consumer_wgs
+
+    @property
+    def threads(self):
+        """Sm90PrefillTraits::kThreads: the producer warpgroup and the consumers."""
+        return 128 * (1 + self.consumer_wgs)
+
+    @property
+    def entry_regs(self):
+        """Registers a thread starts with at one CTA per SM (the launch bounds): 168 at 384 threads."""
+        return 65536 // self.threads // 8 * 8
+
+    @property
     def consumer_regs(self):
-        return (3 * 168 - self.producer_regs) // 2 // 8 * 8
+        return ((1 + self.consumer_wgs) * self.entry_regs - self.producer_regs) // self.consumer_wgs // 8 * 8
 
     @property
     def smem_bytes(self):
         """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, K and V rings, barriers, scratch."""
         d, q_bufs = self.head_dim, 2 if self.persistent else 1
-        return (1024 + q_bufs * BLOCK_M * d * 2 + 2 * self.stages * self.block_n * d * 2
-                + (4 * self.stages + 3 * q_bufs) * 8 + 256 * 4 + q_bufs * 52)
+        return (1024 + q_bufs * self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2
+                + (4 * self.stages + 3 * q_bufs) * 8 + 128 * self.consumer_wgs * 4 + q_bufs * 52)
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
                 f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}, {b(self.uniform_wg)}, "
-                f"{b(self.joint_rows)}, {b(self.persistent)}, {b(self.lean_copy)}, {int(self.poly_exp2)}>")
+                f"{b(self.joint_rows)}, {b(self.persistent)}, {b(self.lean_copy)}, {int(self.poly_exp2)}, "
+                f"{int(self.consumer_wgs)}>")
 
 
 # The default tile per head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at
@@ -82,8 +98,9 @@ def variant(dtype_name, tile):
     ctype = _build.CTYPES[dtype_name]
     expr = f"cupy_fa::prefill_sm90_kernel<{ctype}, {ctype}, {ctype}, {tile.traits()}>"
     checks = (f"{tile.traits()}::kSmemBytes == {tile.smem_bytes}",
-              f"{tile.traits()}::kConsumerRegs == {tile.consumer_regs}")
-    return _build.Variant("prefill_sm90.cu", expr, THREADS, tile.smem_bytes, checks)
+              f"{tile.traits()}::kConsumerRegs == {tile.consumer_regs}",
+              f"{tile.traits()}::kBlockM == {tile.block_m} && {tile.traits()}::kThreads == {tile.threads}")
+    return _build.Variant("prefill_sm90.cu", expr, tile.threads, tile.smem_bytes, checks)
 
 
 def all_variants(tiles=None):

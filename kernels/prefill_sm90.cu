@@ -35,10 +35,17 @@ namespace cupy_fa {
 // registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS,
           bool UNIFORM_WG = false, bool JOINT_ROWS = false, bool PERSISTENT = false, bool LEAN_COPY = false,
-          int POLY_EXP2 = 0>
+          int POLY_EXP2 = 0, int CONSUMER_WGS = 2>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
-  static constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
+  // consumer warpgroups of 64 packed rows each: 2 (128 rows), or 3 (192 rows: each
+  // warpgroup's softmax then has two others' GEMMs to hide behind, and the producer's
+  // K / V tiles serve 3 x 64 rows; 512 threads start at 128 registers, so only tiles whose
+  // consumers fit about 152, e.g. D = 64)
+  static constexpr int kConsumerWgs = CONSUMER_WGS;
+  static_assert(CONSUMER_WGS == 2 || CONSUMER_WGS == 3, "2 or 3 consumer warpgroups");
+  static constexpr int kConsumerThreads = 128 * CONSUMER_WGS;
+  static constexpr int kBlockM = 64 * CONSUMER_WGS;  // packed rows per CTA: 64 per consumer warpgroup
   static constexpr int kBlockN = BLOCK_N;
   static constexpr int kStages = STAGES;
   // S of tile i issued with P V of tile i - 1, the softmax between their waits (else S,
@@ -71,23 +78,26 @@ struct Sm90PrefillTraits {
   // FMA pipe's rate: at D = 64 the exp2s take as long as the GEMMs), sm90_prefill_softmax.cuh.
   static constexpr int kPolyExp2 = POLY_EXP2;
   static_assert(POLY_EXP2 >= 0 && POLY_EXP2 <= 4, "0 to 4 of every 4 eight-key blocks");
-  static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-  // setmaxnreg: the CTA starts at 168 registers a thread (64 K / 384 rounded down to 8, the
-  // launch bounds), and the producer gives back what the consumers take:
-  // 128 x PRODUCER_REGS + 256 x kConsumerRegs <= 384 x 168
+  static constexpr int kThreads = 128 + kConsumerThreads;  // producer warpgroup + the consumers
+  // setmaxnreg: the CTA starts at 64 K / kThreads registers a thread rounded down to 8 (the
+  // launch bounds: 168 at 384 threads, 128 at 512), and the producer gives back what the
+  // consumers take: 128 x PRODUCER_REGS + kConsumerThreads x kConsumerRegs <= kThreads x kEntryRegs
+  static constexpr int kEntryRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kProducerRegs = PRODUCER_REGS;
-  static constexpr int kConsumerRegs = (3 * 168 - PRODUCER_REGS) / 2 / 8 * 8;
-  static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= 168, "setmaxnreg range");
+  static constexpr int kConsumerRegs = ((kThreads / 128) * kEntryRegs - PRODUCER_REGS) / CONSUMER_WGS / 8 * 8;
+  static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= kEntryRegs, "setmaxnreg range");
+  static_assert(kConsumerRegs <= 256, "setmaxnreg range");
   static constexpr int kQTileBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;
   // sm90_pipeline.cuh PipeBarriers (PrefillWork: 13 ints)
-  static constexpr int kBarrierBytes = (4 * STAGES + 3 * kQBufs) * 8 + 256 * 4 + kQBufs * 52;
+  static constexpr int kBarrierBytes = (4 * STAGES + 3 * kQBufs) * 8 + kConsumerThreads * 4 + kQBufs * 52;
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
   static constexpr int kSmemBytes = 1024 + kQBufs * kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes;
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 64-column swizzle blocks, one wgmma N");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "whole k-steps of P V, one wgmma N");
   static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
   static_assert(sizeof(sm90::PrefillWork) == 52, "kBarrierBytes counts PrefillWork as 13 ints");
+  static_assert(!(PERSISTENT && CONSUMER_WGS != 2), "the persistent grid's item hand-over is written for 2 consumers");
 };
 
 template <typename QT, typename KVT, typename OT, typename Tr>
@@ -108,9 +118,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
   const unsigned q_addr = base;  // kQBufs Q tiles, then the K ring, then the V ring
   const unsigned k_addr = q_addr + Tr::kQBufs * Tr::kQTileBytes;
   const unsigned v_addr = k_addr + ST * Tr::kKVTileBytes;
-  auto& bars = *reinterpret_cast<PipeBarriers<ST, Tr::kQBufs>*>(smem + Tr::kQBufs * Tr::kQTileBytes +
+  auto& bars = *reinterpret_cast<PipeBarriers<ST, Tr::kQBufs, Tr::kConsumerThreads>*>(smem + Tr::kQBufs * Tr::kQTileBytes +
                                                                  2 * ST * Tr::kKVTileBytes);
-  if (threadIdx.x == 0) bars.init(128, 256);
+  if (threadIdx.x == 0) bars.init(128, Tr::kConsumerThreads);
   __syncthreads();
 
   // Each role runs the CTA's work items in turn: `first`, then (persistent) those of CTA
@@ -139,7 +149,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
         if (w.num_tiles < 0) break;
         // the two consumers start each item together: the ping-pong turns of one item (named
         // barriers 1, 2) are all taken before either warpgroup gives the next item's first
-        if (Tr::kPingPong && later) named_sync(3, 256);
+        if (Tr::kPingPong && later) named_sync(Tr::kConsumerWgs + 1, Tr::kConsumerThreads);
         consume<QT, OT, Tr>(p, w, by_group, bars, pos, smem, q_addr, k_addr, v_addr, warpgroup - 1, threadIdx.x % 128);
       }
     } else {

@@ -159,7 +159,7 @@ struct KVProducer {
 // (cp.async.wait_all) before the thread exits.
 template <typename QT, typename KVT, typename Tr>
 __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
-                                        PipeBarriers<Tr::kStages, Tr::kQBufs>& bars,
+                                        PipeBarriers<Tr::kStages, Tr::kQBufs, Tr::kConsumerThreads>& bars,
                                         RingPos<Tr::kStages, Tr::kQBufs>& pos, unsigned q_addr, unsigned k_addr,
                                         unsigned v_addr, int tid) {
   constexpr int STAGE_BYTES = Tr::kKVTileBytes;
@@ -210,7 +210,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
 // A persistent CTA's producer after its last item: a work record of -1 tiles in the next
 // slot tells the consumers there is no more.
 template <typename Tr>
-__device__ __forceinline__ void end_of_work(PipeBarriers<Tr::kStages, Tr::kQBufs>& bars,
+__device__ __forceinline__ void end_of_work(PipeBarriers<Tr::kStages, Tr::kQBufs, Tr::kConsumerThreads>& bars,
                                             RingPos<Tr::kStages, Tr::kQBufs>& pos, int tid) {
   mbar_wait(&bars.q_empty[pos.qs.stage], pos.qs.phase ^ 1);
   if (tid == 0) {

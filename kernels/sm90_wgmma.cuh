@@ -120,10 +120,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // 2^x on the FMA pipe, for finite x <= 64 (the softmax's x = s scale - m is at most
 // kLazyRescale): x = j + f with j = round(x) (the 1.5 x 2^23 shifter: t's low mantissa bits
-// are j), 2^f on [-1/2, 1/2] by a degree-3 polynomial (relative error 7.5e-5, below the bf16
-// / fp16 rounding of P that follows), and j added to its exponent field. x is clamped at
-// -126 first (2^-126, not 0: a key of an unmasked tile that far below the row's max adds
-// nothing an fp32 sum keeps). 8 FMA-pipe instructions for one MUFU.
+// are j), 2^f on [-1/2, 1/2] by a degree-3 polynomial (relative error 7.5e-5 over [-125, 8],
+// below the bf16 / fp16 rounding of P that follows), and j added to its exponent field. x is
+// clamped at -126 first (a tiny positive value there, not 0: a key of an unmasked tile that far
+// below the row's max adds nothing an fp32 sum keeps; masked tiles never come here).
+// 8 instructions on the FMA / ALU pipes for one MUFU.
 __device__ __forceinline__ float fma_exp2(float x) {
   x = fmaxf(x, -126.f);
   const float t = x + 12582912.f;
