@@ -40,7 +40,7 @@ class Sm90Tile:
     uniform_wg: bool = False    # the warpgroup index warp-uniform (Q descriptors in uniform registers)
     joint_rows: bool = False    # the softmax of both rows of a thread at once, branch-free
     persistent: bool = False    # at most one CTA per SM, each running work items in turn (two Q tiles)
-    lean_copy: bool = False     # the producer's cp.async loop at ~6 instructions a copy instead of ~18
+    lean_copy: bool = False     # the producer's cp.async loop at ~9 instructions a copy instead of ~18
     poly_exp2: int = 0          # of every 4 eight-key blocks of an unmasked tile, this many take 2^x on the FMA pipe
     consumer_wgs: int = 2       # consumer warpgroups of 64 rows: 2 (block_m 128) or 3 (block_m 192, 512 threads)
 

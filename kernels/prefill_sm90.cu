@@ -2,11 +2,12 @@
 // FlashAttention-3's structure, in inline PTX (no CUTLASS: NVRTC compiles a variant in about
 // 1.3 s, and the package needs no headers beyond the CUDA runtime's).
 //
-// One CTA = one work item of plan_kernel (kernels/plan.cu with block_m = 128): 128 packed
-// (token, head in group) rows of one request and KV head, over one split of its keys
-// (sm90_prefill_work.cuh). Three warpgroups: a producer (sm90_prefill_load.cuh) that copies Q
-// once and the paged K / V tiles into a ring of kStages stages guarded by mbarriers
-// (sm90_pipeline.cuh), and two consumers of 64 rows each (sm90_prefill_consumer.cuh) that run
+// One CTA = one work item of plan_kernel (kernels/plan.cu with block_m = 128, or 192): 128
+// packed (token, head in group) rows of one request and KV head, over one split of its keys
+// (sm90_prefill_work.cuh). Three warpgroups (four with 192 rows): a producer
+// (sm90_prefill_load.cuh) that copies Q once and the paged K / V tiles into a ring of kStages
+// stages guarded by mbarriers (sm90_pipeline.cuh), and two (three) consumers of 64 rows each
+// (sm90_prefill_consumer.cuh) that run
 // S = Q K^T and O += P V on wgmma (sm90_wgmma.cuh) around the mask and online softmax in
 // registers (sm90_prefill_softmax.cuh), then write O / l. The producer gives registers back
 // (setmaxnreg) to the consumers. Key tiles are taken last to first: the tiles that need a mask
@@ -41,7 +42,7 @@ struct Sm90PrefillTraits {
   // consumer warpgroups of 64 packed rows each: 2 (128 rows), or 3 (192 rows: each
   // warpgroup's softmax then has two others' GEMMs to hide behind, and the producer's
   // K / V tiles serve 3 x 64 rows; 512 threads start at 128 registers, so only tiles whose
-  // consumers fit about 152, e.g. D = 64)
+  // consumers fit 160 with the producer at 32: D = 64, or D = 128 with 64 / 80 keys a tile)
   static constexpr int kConsumerWgs = CONSUMER_WGS;
   static_assert(CONSUMER_WGS == 2 || CONSUMER_WGS == 3, "2 or 3 consumer warpgroups");
   static constexpr int kConsumerThreads = 128 * CONSUMER_WGS;
@@ -69,9 +70,9 @@ struct Sm90PrefillTraits {
   // set-up and pipeline fill per item.
   static constexpr bool kPersistent = PERSISTENT;
   static constexpr int kQBufs = PERSISTENT ? 2 : 1;
-  // The producer's copy loop at about 6 instructions per 16-byte cp.async instead of 18
-  // (sm90_prefill_load.cuh copy_tile_lean): the producer warps share each SM sub-partition's
-  // issue slots with the consumers' softmax.
+  // The producer's copy loop at about 9 instructions per 16-byte cp.async instead of 18
+  // (sm90_prefill_load.cuh copy_tile_lean; a D = 128 tile 705 -> 415 instructions a warp): the
+  // producer warps share each SM sub-partition's issue slots with the consumers' softmax.
   static constexpr bool kLeanCopy = LEAN_COPY;
   // On tiles that need no mask, POLY_EXP2 of every 4 eight-key blocks take 2^x from a
   // polynomial on the FMA pipe instead of the special-function unit (MUFU, a quarter of the

@@ -924,7 +924,7 @@ def run_ab(cells, rounds, replays, timeout):
             break
         if os.path.exists(progress_path):
             os.remove(progress_path)
-        res, status = run_child("ab", {"cells": remaining, "rounds": rounds, "replays": replays, "skip": skip},
+        res, status = run_child("ab", {"cells": remaining, "rounds": rounds, "replays": replays, "skip": list(skip)},
                                 int(left))
         res = res or {}
         done.update(res.get("cells", {}))
