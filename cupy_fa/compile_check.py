@@ -1,5 +1,5 @@
-"""Compiles every kernel variant to an sm_90a cubin with NVRTC alone (no GPU
-needed) and prints registers and spills: ``python -m cupy_fa.compile_check``."""
+"""Compiles every kernel variant to an sm_90a cubin (``--arch``: another target's variants) with
+NVRTC alone (no GPU needed) and prints registers and spills: ``python -m cupy_fa.compile_check``."""
 
 import argparse
 import sys
@@ -9,9 +9,10 @@ from . import _build, schedule
 
 
 def compile_all(arch="sm_90a", only=""):
-    """Returns [(variant, resources dict, seconds)]; raises on the first failure."""
+    """Every variant an ``arch`` build can launch (the wgmma family only for sm_90a), compiled:
+    returns [(variant, resources dict, seconds)]; raises on the first failure."""
     rows = []
-    for variant in schedule.all_variants():
+    for variant in schedule.all_variants(arch):
         if only and only not in variant.expression:
             continue
         start = time.perf_counter()
