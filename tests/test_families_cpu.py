@@ -238,3 +238,78 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
     assert rows == [] and seen == []  # no wgmma variant in an sm_80 build
     rows = compile_check.compile_all("sm_90a", only="prefill_sm90")
     assert len(rows) == 2 * len(s9.DEFAULT_TILES) and {a for _, a in seen} == {"sm_90a"}
+
+
+# ---- what BatchAttention launches for a step (no GPU: the launches recorded) ---------------------
+
+
+class _Buf:
+    """A stand-in device buffer: a distinct pointer, and a shape."""
+    _next = [0x10000]
+
+    def __init__(self, shape=(1,)):
+        self.shape = shape
+        self.data = type("Ptr", (), {"ptr": _Buf._next[0]})()
+        _Buf._next[0] += 0x1000
+
+
+def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target):
+    """The (variant, grid, params, programmatic) of each launch BatchAttention.run makes for a
+    step planned with `target`'s schedule (the plan kernel itself not run)."""
+    import types
+
+    from cupy_fa import attention
+
+    attn = attention.BatchAttention(h_q, h_kv, head_dim, "bfloat16")
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse")
+    attn._buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
+    sched = schedule.schedule_step(head_dim, h_q // h_kv, h_kv, q_lens=q_lens, kv_lens=kv_lens, **target)
+    state = attention._PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,
+                                 300, 0, None)
+    calls = []
+    monkeypatch.setattr(_build, "launch", lambda variant, grid, params, stream, programmatic=False:
+                        calls.append((variant, tuple(grid), params, programmatic)))
+    cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16)
+    attn._launch(state, _Buf(), cache, _Buf(), _Buf(), int(np.sum(q_lens)), None)
+    return attn, sched, calls
+
+
+@pytest.mark.parametrize("target", [H200, A100], ids=["sm_90a", "sm_80"])
+def test_a_mixed_step_launches_both_families_then_one_merge(monkeypatch, target):
+    q, kv = [1, 2048, 1, 4], [4096, 4096, 700, 3000]
+    attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, q, kv, target)
+    bufs = attn._buffers
+    (long_v, long_grid, long_p, long_pdl), (small_v, small_grid, small_p, small_pdl), merge = calls
+    assert long_v == schedule.attention_variant("bfloat16", sched.long.tile)
+    assert long_grid == (sched.long.ctas,) and long_p["work_indptr"] == bufs.long_work_indptr.data.ptr
+    assert (long_p["splits_per_cta"], long_p["fold_splits"]) == (1, 0) and not long_pdl
+    assert small_v == schedule.attention_variant("bfloat16", sched.small.tile) and small_v.source == "attention.cu"
+    assert small_grid == (sched.small.ctas,) and small_p["work_indptr"] == bufs.work_indptr.data.ptr and not small_pdl
+    assert small_p["fold_splits"] == 0
+    merge_v, _, merge_p, merge_pdl = merge
+    assert merge_v.source == "merge.cu" and merge_pdl and merge_p["fold_groups"] == 0
+    # everything but the work list and the split run is the same in both launches
+    same = [f for f in long_p.dtype.names if f not in ("work_indptr", "splits_per_cta", "fold_splits")]
+    assert all(long_p[f] == small_p[f] for f in same)
+
+
+def test_a_decode_step_launches_as_before(monkeypatch):
+    """B = 64 decode on an H200: one attention launch of the folding small-q tile (whole rows), no
+    merge; the work list is work_indptr."""
+    attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, [1] * 64, [4096] * 64, H200)
+    assert sched.long is None and len(calls) == 1
+    variant, grid, params, pdl = calls[0]
+    assert variant.source == "attention.cu" and grid == (64 * 8,) and not pdl
+    assert params["work_indptr"] == attn._buffers.work_indptr.data.ptr
+    assert (params["splits_per_cta"], params["fold_splits"]) == (8, 1)
+    # a long one: groups folded in the CTAs, their states merged (fold_groups)
+    attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, [1], [131072], H200)
+    assert [c[0].source for c in calls] == ["attention.cu", "merge.cu"] and calls[1][2]["fold_groups"] == 1
+
+
+def test_a_prefill_step_launches_the_wgmma_family_alone(monkeypatch):
+    attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, [4096, 300], [4096, 2000], H200)
+    assert sched.small is None
+    assert [c[0].source for c in calls] == ["prefill_sm90.cu"]  # q 4096, 300: one split each, no merge
+    assert calls[0][1] == (sched.long.ctas,) == ((4096 * 4 + 300 * 4 + 127) // 128 * 8,)  # 128-row items x 8 heads
