@@ -413,10 +413,14 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """One attention launch of a step: a family's tile (the kernel binary and its schedule:
-    splits per CTA, fold), the work items its grid is sized for and its CTAs (:func:`launch_grid`)."""
+    splits per CTA, fold), the work items its grid is sized for, its CTAs (:func:`launch_grid`)
+    and the most KV splits a request of the class gets (:func:`max_splits`: small-q requests at
+    fixed positions every split_size() keys, longer ones while q_len x splits <= SPLIT_ROW_BUDGET;
+    kernels/plan.cu computes each request's own on the device)."""
     tile: object         # MmaTile, or prefill_sm90.Sm90Tile
     work_grid: int
     ctas: int
+    max_splits: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,8 +476,10 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     depend on any of it."""
     long_tile = prefill_tile(head_dim, smem_limit, arch)
 
-    def launch(tile, work_grid):
-        return Launch(tile, work_grid, launch_grid(tile, work_grid, num_kv_heads, sm_count))
+    def launch(tile, work_grid, q, kv):  # q, kv: the class's lengths, or the bounds it plans for
+        live = np.asarray(q) > 0
+        splits = int(max_splits(np.asarray(q)[live], np.asarray(kv)[live]).max()) if live.any() else 0
+        return Launch(tile, work_grid, launch_grid(tile, work_grid, num_kv_heads, sm_count), splits)
 
     if q_lens is not None:
         q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
@@ -483,14 +489,14 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
         merge = False
         if is_long.any():
             q, kv = q_lens[is_long], kv_lens[is_long]
-            long = launch(long_tile, work_bound(q, kv, group_size, long_tile))
+            long = launch(long_tile, work_bound(q, kv, group_size, long_tile), q, kv)
             merge = needs_merge(long_tile, q, kv)
         if not is_long.any() or (q_lens[is_small] > 0).any():
             q, kv = q_lens[is_small], kv_lens[is_small]
             tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch)
             if long is None:  # one merge reads one layout: CTAs fold only where no long row splits
                 tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
-            small = launch(tile, work_bound(q, kv, group_size, tile))
+            small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
             merge = merge or needs_merge(tile, q, kv)
         return StepSchedule(small, long, merge)
     max_q = int(max_q_len)
@@ -500,11 +506,11 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
         shortest = np.full(batch_size, max_q)
         tile = fold_tile(tile, shortest, shortest, group_size, num_kv_heads, sm_count, exact=False,
                          smem_limit=smem_limit)
-        return StepSchedule(launch(tile, capacity_work_bound(capacity, group_size, tile, max_q, kv_bound)), None,
-                            needs_merge(tile, [1], [kv_bound]))
-    small = launch(tile, capacity_work_bound(capacity, group_size, tile, SMALL_Q_LEN, kv_bound))
+        grid = capacity_work_bound(capacity, group_size, tile, max_q, kv_bound)
+        return StepSchedule(launch(tile, grid, [1], [kv_bound]), None, needs_merge(tile, [1], [kv_bound]))
+    small = launch(tile, capacity_work_bound(capacity, group_size, tile, SMALL_Q_LEN, kv_bound), [1], [kv_bound])
     long = launch(long_tile, capacity_work_bound(capacity, group_size, long_tile, max_q, kv_bound,
-                                                 min_q_len=SMALL_Q_LEN + 1))
+                                                 min_q_len=SMALL_Q_LEN + 1), [SMALL_Q_LEN + 1], [kv_bound])
     merge = needs_merge(tile, [1], [kv_bound]) or needs_merge(long_tile, [SMALL_Q_LEN + 1], [kv_bound])
     return StepSchedule(small, long, merge)
 

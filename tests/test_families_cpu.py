@@ -26,7 +26,8 @@ def test_long_requests_take_the_wgmma_family_on_sm90a_only():
         assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == (4096 * 4 + 1024 * 4) // 128
         for target in (A100, dict(H200, arch="sm_90"), dict(H200, arch=None)):  # sm_80, a plain sm_90 build, none
             long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **target).long
-            assert schedule.family_of(long.tile) is schedule.MMA_SYNC and (long.tile.warps_m, long.tile.warps_n) == (4, 1)
+            assert schedule.family_of(long.tile) is schedule.MMA_SYNC
+            assert (long.tile.warps_m, long.tile.warps_n) == (4, 1)
     long = schedule.schedule_step(128, 4, 8, q_lens=q, kv_lens=kv, **L40).long
     assert long.tile == schedule.MmaTile(128, 4, 1)
     # a device too small for the wgmma tile falls back to mma.sync (its shared memory decides)
@@ -63,6 +64,7 @@ def test_a_mixed_step_has_a_launch_per_class(target):
     assert long.tile == schedule.prefill_tile(128, target["smem_limit"], target["arch"])
     assert long.work_grid == 2048 * 4 // long.tile.block_m  # q 2048 > SPLIT_ROW_BUDGET: one split
     assert step.needs_merge and step.launches == (long, small) and step.tile is small.tile
+    assert (small.max_splits, long.max_splits) == (8, 1)  # 4096 / 512 fixed splits; q 2048: SPLIT_ROW_BUDGET
     tile, long_tile = step.plan_tiles()
     constants = schedule.plan_constants(tile, long_tile)
     assert constants["long_q_len"] == schedule.SMALL_Q_LEN + 1
@@ -85,7 +87,8 @@ def test_small_q_steps_plan_as_before():
         assert step.long is None and step.plan_tiles()[1] is None
         tile = schedule.fold_tile(schedule.tile_for(128, int(q.max()), 4, arch="sm_90a"), q, np.full(len(q), 4096),
                                   4, 8, 132)
-        assert step.small.tile == tile and step.small.work_grid == schedule.work_bound(q, np.full(len(q), 4096), 4, tile)
+        assert step.small.tile == tile
+        assert step.small.work_grid == schedule.work_bound(q, np.full(len(q), 4096), 4, tile)
     cap = plan.Capacity(64, 64 * 16, 512)
     step = schedule.schedule_step(128, 4, 8, max_q_len=16, max_kv_len=8192, capacity=cap, batch_size=64, **H200)
     assert step.long is None
