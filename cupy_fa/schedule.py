@@ -494,7 +494,7 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
         if not is_long.any() or (q_lens[is_small] > 0).any():
             q, kv = q_lens[is_small], kv_lens[is_small]
             tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch)
-            if long is None:  # one merge reads one layout: CTAs fold only where no long row splits
+            if long is None:  # one merge reads one partial layout: no CTA folds beside a long launch
                 tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
             small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
             merge = merge or needs_merge(tile, q, kv)

@@ -131,7 +131,7 @@ def main(argv=None):
         n, s = by_source.get(source, (0, 0.0))
         by_source[source] = (n + 1, s + seconds)
     print("\nfirst use, cold cache                                   seconds")
-    print(f"  CUDA context                                          {first['context_s']:7.2f}")
+    print(f"  CUDA context (and CuPy's first kernel)                {first['context_s']:7.2f}")
     print(f"  first prefill call (plan + run, q 4096)               {first['prefill_s']:7.2f}   "
           f"{'+'.join(first['prefill_families'])}")
     print(f"  then the first decode call (8 x 1 over 4096)          {first['decode_s']:7.2f}   "
