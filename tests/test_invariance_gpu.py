@@ -207,8 +207,8 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
                                                            int(q_lens.sum()))
         outs = {}
         for name in ("wide", "deep", "deepest"):
-            shape = getattr(_build, f"MERGE_{name.upper()}")
-            monkeypatch.setattr(_build, "MERGE_SHAPES", ((0, shape),))
+            shape = getattr(schedule, f"MERGE_{name.upper()}")
+            monkeypatch.setattr(schedule, "MERGE_SHAPES", ((0, shape),))
             assert schedule.merge_shape(len(q_host), h_q) == shape
             out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
             lse = cupy.full(q_host.shape[:2], np.nan, np.float32)
