@@ -119,7 +119,8 @@ def mixed_case(rng, long_q, kv_max=9000):
 
 def check_mixed(dtype, heads, head_dim, page_size, long_q, path):
     """The small-q rows of a MIXED step (eager BatchAttention, or GraphRunner replaying a captured
-    MIXED step) have the bits of the same requests as a pure small-q step; every row is right."""
+    MIXED step) have the bits of the same requests as a pure small-q step, its long row those of
+    the long request alone; every row is right."""
     import cupy
     import cupy_fa
     from cupy_fa import schedule
@@ -137,6 +138,10 @@ def check_mixed(dtype, heads, head_dim, page_size, long_q, path):
     pure, pure_lse, pure_attn = run_eager(dtype, heads, head_dim, cupy.asarray(q_host[small_rows]), cache,
                                           q_lens[small], kv_lens[small], table[small])
     assert pure_attn.planned.long_tile is None
+    # the long request alone: a request's bits depend on itself only (either family)
+    long_rows = np.arange(cu[at], cu[at + 1])
+    alone, alone_lse, _ = run_eager(dtype, heads, head_dim, cupy.asarray(q_host[long_rows]), cache, q_lens[at:at + 1],
+                                    kv_lens[at:at + 1], table[at:at + 1])
 
     if path == "eager":
         out, lse, attn = run_eager(dtype, heads, head_dim, q, cache, q_lens, kv_lens, table)
@@ -156,6 +161,8 @@ def check_mixed(dtype, heads, head_dim, page_size, long_q, path):
     rows = cupy.asarray(small_rows)
     assert (bits(out)[rows] == bits(pure)).all(), f"{label}: small-q rows differ from the pure small-q step"
     assert (bits(lse)[rows] == bits(pure_lse)).all(), f"{label}: small-q LSE differs from the pure small-q step"
+    assert (bits(out)[cu[at]:cu[at + 1]] == bits(alone)).all(), f"{label}: the long rows differ from the request alone"
+    assert (bits(lse)[cu[at]:cu[at + 1]] == bits(alone_lse)).all(), f"{label}: the long LSE differs from it alone"
 
     # correct: the small-q rows whole, the long row by windows
     refs = reference_rows(q_host, k_host, v_host, q_lens, kv_lens, table,
