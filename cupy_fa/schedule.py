@@ -603,7 +603,7 @@ def all_variants(arch=None):
     for dtype_name in _build.CTYPES:
         for head_dim in HEAD_DIMS:
             out += _common_variants(dtype_name, head_dim)
-            tiles = [MmaTile(head_dim, 4, 1)]  # the mma.sync prefill tile: every arch but sm_90a
+            tiles = [MmaTile(head_dim, 4, 1)]  # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
             if arch is None or is_sm90a(arch):
                 tiles.append(prefill_tile(head_dim, SMEM_LIMIT, "sm_90a"))
             for warps_m in (1, 2):
