@@ -18,7 +18,7 @@
 # OLD_TREE (default exp/base): a directory with the old revision's cupy_fa/, kernels/ and bench/, made
 # before the call with `mkdir -p exp/base && git archive a1fec95 | tar -x -C exp/base` (untracked: it
 # travels with the tree); without it step 3 skips the comparison and says so.
-# Knobs: TEST_SECONDS (140), COMPARE_SECONDS (150), BENCH_SECONDS (80: page 16), BENCH1_SECONDS (35: page 1),
+# Knobs: TEST_SECONDS (150), COMPARE_SECONDS (150), BENCH_SECONDS (80: page 16), BENCH1_SECONDS (35: page 1),
 # GRID (12 random cases).
 set -uo pipefail
 old=${1:-exp/base}
@@ -70,7 +70,7 @@ else
   compare=
 fi
 export CUPY_FA_FAILURE_LOG=$OUT/failures.log; : > "$CUPY_FA_FAILURE_LOG"
-OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout ${TEST_SECONDS:-140} \
+OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout ${TEST_SECONDS:-150} \
   python3 -m pytest -v -p no:cacheprovider -n 6 -m gpu --timeout 120 -rs --durations=10 \
   tests/test_mixed_families_gpu.py tests/test_plan.py tests/test_prefill_sm90_gpu.py tests/test_invariance_gpu.py \
   tests/test_modes_graph_gpu.py tests/test_attention_gpu.py > "$OUT/pytest.log" 2>&1
