@@ -102,6 +102,7 @@ template <int STAGES, int QBUFS>
 struct RingPos {
   PipeState<STAGES> ks, vs;
   PipeState<QBUFS> qs;
+  unsigned generic = 0;  // the producer's: a bit per K stage, then per V stage, last written by cp.async (TMA tiles)
 };
 
 }  // namespace sm90

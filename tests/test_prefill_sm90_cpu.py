@@ -148,6 +148,10 @@ OPT_IN_TILES = [
     ("bfloat16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
     ("float16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
     ("bfloat16", s9.Sm90Tile(128, 64, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, tma_kv=True, **UJ)),
+    ("float16", s9.Sm90Tile(128, 128, 2, lean_copy=True, tma_kv=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, tma_kv=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(256, 80, 2, pingpong=False, lean_copy=True, tma_kv=True)),
 ]
 
 
@@ -173,3 +177,26 @@ def test_probe_snapshots_of_earlier_versions_compile(name):
     spec.loader.exec_module(probe)
     cubin, res = _build.compile_cubin(probe.kernel_variant(name), "sm_90a")
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+
+
+def test_tma_tiles_take_the_pages_that_tile_them():
+    """Sm90Tile.tma_page_size / tma_issue_lanes (the TMA kernel's KVTensorMaps fields): pages of
+    at least 16 keys that divide block_n, each page's first row looked up by one lane of the
+    producer's warp 0 (kernels/sm90_prefill_load.cuh KVProducer::key_of with warp 0)."""
+    t128 = s9.Sm90Tile(128, 128, 2, tma_kv=True)
+    assert [t128.tma_page_size(ps) for ps in (1, 8, 16, 32, 48, 64, 128, 256)] == [0, 0, 16, 32, 0, 64, 128, 0]
+    for tile in (t128, s9.Sm90Tile(64, 128, 4, tma_kv=True), s9.Sm90Tile(256, 80, 2, tma_kv=True)):
+        d, bn = tile.head_dim, tile.block_n
+        rp, wr = 1024 // d, 256 // d
+        for ps in (16, 32, 64, 80, 128):
+            rows = tile.tma_page_size(ps)
+            mask = s9.tma_issue_lanes(tile, rows)
+            if not rows:
+                assert mask == 0
+                continue
+            # the rows warp 0's lanes look up (key_of), and the lanes whose row starts a page
+            looked_up = {lane: lane % wr + rp * (lane // wr) for lane in range(min(32, bn // 4))}
+            starts = sorted(row for lane, row in looked_up.items() if mask >> lane & 1)
+            assert starts == list(range(0, bn, ps)), (d, ps)
+    assert s9.KV_MAPS_DTYPE.itemsize == 320 and s9.KV_MAPS_DTYPE.fields["issue_lanes"][1] == 260
+
