@@ -132,11 +132,14 @@ def validate_lengths(q_lens, kv_lens):
 
 
 def validate_batch_shapes(batch, kv_entries, page_table_rows):
-    """One kv_len and one page-table row per request (q_lens has `batch` entries)."""
+    """One kv_len and one page-table row per request (q_lens has `batch` entries). The lengths
+    are compared first: when q_lens and kv_lens disagree, the batch size itself is in doubt,
+    and a message about page-table rows would point at the wrong argument."""
+    if kv_entries != batch:
+        raise ValueError(f"q_lens and kv_lens differ in length ({batch} and {kv_entries}): "
+                         f"give one q_len and one kv_len per request")
     if page_table_rows != batch:
         raise ValueError(f"page_table has {page_table_rows} rows, expected one per request ({batch})")
-    if kv_entries != batch:
-        raise ValueError(f"kv_lens has {kv_entries} entries, q_lens has {batch}")
 
 
 def validate_page_table_width(columns, kv_lens, q_lens, page_size):
