@@ -16,6 +16,7 @@ reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_k
 
 import dataclasses
 import math
+import threading
 
 import numpy as np
 
@@ -45,7 +46,9 @@ class _PlanState:
     page_table_columns: int
     stream_ptr: int            # stream the metadata was written on
     done: object               # event after the plan kernel (None if planned inside a capture)
+    stream: object = None      # that stream (a later plan on another one waits for it)
     checked_geometry: set = dataclasses.field(default_factory=set)
+    other_streams: dict = dataclasses.field(default_factory=dict)  # ptr -> stream of runs on other streams
 
 
 class BatchAttention:
@@ -66,7 +69,13 @@ class BatchAttention:
             head dim, some but not all of the capacities. TypeError: a dtype other than float16
             / bfloat16.
 
-    One instance owns one set of buffers: plan and run it on one stream at a time.
+    Threads and streams: one instance owns one set of metadata buffers. Its calls may come from
+    any thread and any stream, one call at a time: a plan waits for the work already queued
+    with the instance's previous plan and runs on other streams (no host sync), and a run on
+    another stream than its plan waits for the plan. Two threads inside ``plan`` / ``run`` of one
+    instance at once, or a thread running a plan that another thread's ``plan`` replaced since
+    its own, raise ``RuntimeError``: use one instance per thread (instances are independent and
+    may share a cache and run on different streams at the same time).
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
@@ -89,6 +98,9 @@ class BatchAttention:
         self._buffers = None
         self._retired = []  # outgrown buffers, kept alive (see _ensure_capacity)
         self._plan = None
+        self._busy = threading.Lock()  # held by the thread inside plan() or run() (see the class docstring)
+        self._busy_with = None
+        self._mine = threading.local()  # .plan: the last plan this thread made
         if self._fixed_capacity:
             self._buffers = _plan.PlanBuffers(
                 _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
@@ -140,8 +152,42 @@ class BatchAttention:
                 buffers already allocated).
             TypeError: non-integer lengths or page table, ``q_lens`` and ``kv_lens`` of different
                 kinds, a custom mask that is not bool / uint8.
-            RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words.
+            RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words; another
+                thread inside ``plan`` / ``run`` of this instance at the same time.
         """
+        self._enter("plan")
+        try:
+            return self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len,
+                                   max_kv_len)
+        finally:
+            self._leave()
+
+    def _enter(self, call):
+        """One call at a time per instance: a second thread raises instead of racing on the buffers."""
+        if not self._busy.acquire(blocking=False):
+            holder = self._busy_with or ("another thread", "plan() or run")  # it may just have left
+            raise RuntimeError(
+                f"BatchAttention.{call}() on thread {threading.current_thread().name!r} while thread "
+                f"{holder[0]!r} is inside {holder[1]}() of the same instance: one instance's metadata buffers "
+                f"serve one call at a time; use one BatchAttention per thread")
+        self._busy_with = (threading.current_thread().name, call)
+
+    def _leave(self):
+        self._busy_with = None
+        self._busy.release()
+
+    def _order_after_previous(self, stream):
+        """A plan on another stream than the previous plan (or its runs) first waits for the work
+        queued there: it rewrites the metadata those kernels read. An event per stream that
+        changed, no host sync; inside a capture the capturing code orders the capture itself."""
+        previous = self._plan
+        if previous is None or stream.is_capturing():
+            return
+        for other in (previous.stream, *previous.other_streams.values()):
+            if other is not None and other.ptr != stream.ptr and not other.is_capturing():
+                stream.wait_event(other.record())
+
+    def _plan_step(self, q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len):
         inputs = (q_lens, kv_lens, page_table, custom_mask)
         if all(x is None or _arrays.is_host(x) for x in inputs):
             stream = None  # validate host inputs before touching the device at all
@@ -192,6 +238,7 @@ class BatchAttention:
             tokens_needed = num_tokens
         else:  # device lengths: an auto-sized instance grows to the bound; a fixed one checks q in run()
             tokens_needed = 0 if self._fixed_capacity else batch * max_q
+        self._order_after_previous(stream)
         with stream:  # allocations (and their memsets) ordered with the copies below
             self._ensure_capacity(batch, tokens_needed, pt_shape[1], mask_bytes if custom_mask is not None else 0,
                                   stream_capturing)
@@ -218,7 +265,9 @@ class BatchAttention:
             _plan.launch_plan(buffers, batch, self.group_size, tile, stream)
         done = None if stream_capturing else stream.record()
         self._plan = _PlanState(batch, num_tokens, tile, work_grid, needs_merge, mask_mode, float(sm_scale),
-                                pt_host if on_host else None, q_host, kv_host, int(pt_shape[1]), stream.ptr, done)
+                                pt_host if on_host else None, q_host, kv_host, int(pt_shape[1]), stream.ptr, done,
+                                stream)
+        self._mine.plan = self._plan
         return self
 
     def _mask_input(self, custom_mask, stream):
@@ -291,7 +340,9 @@ class BatchAttention:
             ``out``, or ``(out, lse)`` with ``return_lse``. Arrays allocated here come back in
             q's framework, zero copy (torch in, torch out; JAX in, JAX out; else CuPy).
         Raises:
-            RuntimeError: ``run`` before ``plan``; no usable CUDA device.
+            RuntimeError: ``run`` before ``plan``; no usable CUDA device; another thread inside
+                ``plan`` / ``run`` of this instance at the same time, or another thread's ``plan``
+                since this thread's own (this thread would run that thread's batch).
             TypeError: ``cache`` not a PagedKVCache; q, out or the cache of another dtype; a NumPy
                 array for q, out or lse.
             ValueError: shapes that do not fit the plan or this instance (``T != sum(q_lens)``,
@@ -302,11 +353,24 @@ class BatchAttention:
                 enough for ``ceil(kv_len / page_size)`` pages (a device page table: widths only).
         Nothing is launched when it raises.
         """
+        self._enter("run")
+        try:
+            return self._run_step(q, cache, out, lse, return_lse)
+        finally:
+            self._leave()
+
+    def _run_step(self, q, cache, out, lse, return_lse):
         import cupy
 
         state = self._plan
         if state is None:
             raise RuntimeError("run() before plan(): plan the step's batch first")
+        mine = getattr(self._mine, "plan", None)
+        if mine is not None and mine is not state:
+            raise RuntimeError(
+                f"run() on thread {threading.current_thread().name!r}: another thread planned this BatchAttention "
+                f"after this thread's own plan, so this run would compute that thread's batch; use one "
+                f"BatchAttention per thread")
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
         stream = _arrays.caller_stream(q, out, lse)
@@ -327,8 +391,10 @@ class BatchAttention:
                 if capturing:
                     raise ValueError("lse must be given to return it inside a CUDA-graph capture")
                 lse_dev = cupy.empty((num_tokens, self.num_qo_heads), np.float32)
-            if state.done is not None and stream.ptr != state.stream_ptr and not capturing:
-                stream.wait_event(state.done)  # planned on another stream: order after its metadata
+            if stream.ptr != state.stream_ptr and not capturing:
+                if state.done is not None:
+                    stream.wait_event(state.done)  # planned on another stream: order after its metadata
+                state.other_streams.setdefault(stream.ptr, stream)  # the next plan waits for it
             self._launch(state, q_dev, cache, out_dev, lse_dev, num_tokens, stream)
 
         result = out if out is not None else _arrays.to_caller(out_dev, q)
