@@ -480,6 +480,9 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
     """Compiles (or loads from the disk cache) every variant that plans with these
     dtypes and head dims can select under the current knobs, on the current
     device, so no compile happens inside a step or a graph capture."""
+    from . import _arrays
+
+    _arrays.require_cuda()
     smem_limit = device_smem_limit()
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in dtypes:

@@ -26,6 +26,12 @@ from .kv_cache import PagedKVCache
 _LOG2E = 1.4426950408889634
 
 
+def _check_count(name, value, least):
+    """A capacity argument: an int of at least ``least`` (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
 def _page_shift(page_size):
     """log2(page_size) for a power of two (the kernel shifts), else -1 (it divides)."""
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
@@ -66,8 +72,9 @@ class BatchAttention:
             by eager plans as needed.
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
-            head dim, some but not all of the capacities. TypeError: a dtype other than float16
-            / bfloat16.
+            head dim, some but not all of the capacities, a capacity that is not a positive int
+            (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16.
+        RuntimeError: capacities given on a machine without a usable CUDA device.
 
     Threads and streams: one instance owns one set of metadata buffers. Its calls may come from
     any thread and any stream, one call at a time: a plan waits for the work already queued
@@ -95,6 +102,10 @@ class BatchAttention:
         self._fixed_capacity = all(v is not None for v in given)
         if any(v is not None for v in given) and not self._fixed_capacity:
             raise ValueError("give all of max_batch_size, max_num_tokens, max_pages_per_request, or none")
+        if self._fixed_capacity:
+            for name, value in zip(("max_batch_size", "max_num_tokens", "max_pages_per_request"), given):
+                _check_count(name, value, 1)
+        _check_count("max_mask_bytes", max_mask_bytes, 0)
         self._buffers = None
         self._retired = []  # outgrown buffers, kept alive (see _ensure_capacity)
         self._plan = None

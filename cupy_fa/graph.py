@@ -48,8 +48,9 @@ class GraphRunner:
         buckets: batch sizes to capture (default powers of two up to max_batch_size).
         tree_mask: reserve space for TARGET_VERIFY custom masks (tree speculation).
     Raises:
-        ValueError: buckets that do not reach max_batch_size; what :class:`BatchAttention` raises
-            for the heads, head dim and dtype.
+        ValueError: a size that is not a positive int, buckets that are not positive ints or do
+            not reach max_batch_size; what :class:`BatchAttention` raises for the heads, head dim
+            and dtype. RuntimeError: no usable CUDA device.
 
     It allocates its static buffers (q, out, lse for ``max_batch_size x max_q_len`` tokens,
     lengths, page table, mask) at construction. Call :meth:`run` outside any other capture;
@@ -60,6 +61,14 @@ class GraphRunner:
                  max_pages_per_request, page_size, buckets=None, tree_mask=False):
         import cupy
 
+        from .attention import _check_count
+
+        for name, value in (("max_batch_size", max_batch_size), ("max_q_len", max_q_len),
+                            ("max_pages_per_request", max_pages_per_request), ("page_size", page_size)):
+            _check_count(name, value, 1)
+        if buckets is not None and (not len(buckets) or any(isinstance(b, bool) or not isinstance(b, (int, np.integer))
+                                                            or b < 1 for b in buckets)):
+            raise ValueError(f"buckets must be positive ints, got {buckets!r}")
         self.max_batch_size, self.max_q_len = int(max_batch_size), int(max_q_len)
         self.max_pages_per_request, self.page_size = int(max_pages_per_request), int(page_size)
         self.buckets = tuple(sorted(buckets or default_buckets(self.max_batch_size)))
@@ -132,6 +141,9 @@ class GraphRunner:
         if tree and not (self.tree_mask and mode is ForwardMode.TARGET_VERIFY):
             raise ValueError("custom_mask is for TARGET_VERIFY on a runner built with tree_mask=True")
         stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table)
+        if stream.is_capturing():  # before anything is staged: none of it may land in the caller's graph
+            raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
+                               "(or use BatchAttention directly inside torch.cuda.graph)")
         with stream:
             q_dev = _arrays.to_cupy(q, "q")
             batch = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask)
@@ -225,9 +237,6 @@ class GraphRunner:
     def _capture(self, mode, bucket, cache, tree, stream):
         import cupy
 
-        if stream.is_capturing():
-            raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
-                               "(or use BatchAttention directly inside torch.cuda.graph)")
         self._step(mode, bucket, cache, tree)  # warm-up: compiles kernels and sets smem limits first
         capture = cupy.cuda.Stream(non_blocking=True)
         capture.wait_event(stream.record())

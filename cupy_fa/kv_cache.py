@@ -58,6 +58,7 @@ class PagedKVCache:
         shape = (int(num_pages), int(page_size), int(num_kv_heads), int(head_dim))
         if min(shape) < 1:
             raise ValueError(f"cache dimensions must be positive, got {shape}")
+        _arrays.require_cuda()
         return cls(cupy.zeros(shape, np_dtype), cupy.zeros(shape, np_dtype))
 
     @property

@@ -80,6 +80,7 @@ class PlanBuffers:
 
         from . import _arrays
 
+        _arrays.require_cuda()  # a plain sentence, not CuPy's, where there is no usable device
         self.capacity = capacity
         b = capacity.max_batch_size
         i32 = np.int32
