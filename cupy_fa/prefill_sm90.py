@@ -1,0 +1,187 @@
+"""Host side of the sm_90a prefill family (``kernels/prefill_sm90.cu``), standalone.
+
+Not yet behind ``BatchAttention``: the library's tiling policy and launch path are being
+restructured (issue 17); this module is what that integration will plug in. It holds
+
+* :class:`Sm90Tile`, the host mirror of ``Sm90PrefillTraits`` (shared memory, the work
+  layout plan_kernel must be run with: 128 packed rows per item, ``block_n`` keys per tile,
+  one split per CTA, no fold), and the default tile per head dim (:data:`DEFAULT_TILES`);
+* :func:`variant` / :func:`all_variants`, the kernels to compile (CPU test, warm-up);
+* :class:`Sm90Prefill`, a plan-once / run-many launcher over host lengths that fills
+  ``AttentionParams`` from plan_kernel's metadata exactly as ``BatchAttention`` does and runs
+  merge_kernel after it for requests plan_kernel split.
+
+Shapes are ``BatchAttention``'s (cupy_fa/attention.py): q, out ``[T, H_q, D]``, lse
+``[T, H_q]`` float32 (natural log), cache ``[pages, page_size, H_kv, D]``.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from . import _arrays, _build, _params, plan as _plan
+
+_LOG2E = 1.4426950408889634
+THREADS = 384  # producer warpgroup + 2 consumer warpgroups
+BLOCK_M = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Tile:
+    """One ``Sm90PrefillTraits`` instance (kernels/prefill_sm90.cu)."""
+    head_dim: int
+    block_n: int
+    stages: int = 2
+    overlap: bool = True        # issue S of tile i with P V of tile i - 1, softmax while P V runs
+    pingpong: bool = True       # the two consumer warpgroups take turns at the tensor cores
+    producer_regs: int = 56     # setmaxnreg of the producer; the consumers get (504 - it) / 2
+    q_in_regs: bool = False     # Q's wgmma A fragments in registers instead of shared memory
+
+    block_m = BLOCK_M
+    splits_per_cta = 1          # what plan_kernel's work layout is counted with
+    fold_splits = False
+
+    @property
+    def consumer_regs(self):
+        return (3 * 168 - self.producer_regs) // 2 // 8 * 8
+
+    @property
+    def smem_bytes(self):
+        """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, K and V rings, barriers, scratch."""
+        d = self.head_dim
+        return (1024 + BLOCK_M * d * 2 + 2 * self.stages * self.block_n * d * 2 + (4 * self.stages + 1) * 8
+                + 256 * 4)
+
+    def traits(self):
+        b = lambda x: str(bool(x)).lower()
+        return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
+                f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}>")
+
+
+# The default tile per head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at
+# D <= 128, 128 x 80 at D = 256, which the shared memory allows 2 stages of).
+DEFAULT_TILES = {
+    64: Sm90Tile(64, 128, stages=4),
+    128: Sm90Tile(128, 128, stages=2),
+    256: Sm90Tile(256, 80, stages=2, pingpong=False),
+}
+
+
+def variant(dtype_name, tile):
+    """The compiled kernel of one element type and tile: Q, K, V and O all ``dtype_name``."""
+    ctype = _build.CTYPES[dtype_name]
+    expr = f"cupy_fa::prefill_sm90_kernel<{ctype}, {ctype}, {ctype}, {tile.traits()}>"
+    checks = (f"{tile.traits()}::kSmemBytes == {tile.smem_bytes}",
+              f"{tile.traits()}::kConsumerRegs == {tile.consumer_regs}")
+    return _build.Variant("prefill_sm90.cu", expr, THREADS, tile.smem_bytes, checks)
+
+
+def all_variants(tiles=None):
+    """Every default variant (both element types, every head dim): what CI compiles."""
+    tiles = tiles or list(DEFAULT_TILES.values())
+    return [variant(dtype, t) for dtype in _build.CTYPES for t in tiles]
+
+
+class Sm90Prefill:
+    """Plans a batch once (host lengths) and runs the sm_90a prefill kernel on it.
+
+    Args:
+        num_qo_heads, num_kv_heads, head_dim, dtype: as ``BatchAttention``.
+        tile: an :class:`Sm90Tile` (default ``DEFAULT_TILES[head_dim]``).
+    Raises ValueError on bad heads / head dim, and in ``plan`` on lengths or page tables that
+    break the contract (the same checks as ``BatchAttention.plan``), before any launch.
+    """
+
+    def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", tile=None):
+        if num_qo_heads < 1 or num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a positive multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.tile = tile or DEFAULT_TILES.get(head_dim)
+        if self.tile is None or self.tile.head_dim != head_dim:
+            raise ValueError(f"head_dim must be one of {sorted(DEFAULT_TILES)} (and the tile's), got {head_dim!r}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        self.group_size = self.num_qo_heads // self.num_kv_heads
+        self.dtype_name = _arrays.resolve_dtype(dtype)
+        self.variant = variant(self.dtype_name, self.tile)
+        self._plan = None
+
+    def plan(self, q_lens, kv_lens, page_table, *, causal=True, sm_scale=None, custom_mask=None):
+        import cupy
+
+        q = np.asarray(q_lens, np.int64).reshape(-1)
+        kv = np.asarray(kv_lens, np.int64).reshape(-1)
+        pt = np.asarray(page_table, np.int64)
+        _plan.validate_batch_shapes(q.shape[0], kv.shape[0], pt.shape[0])
+        _plan.validate_lengths(q, kv)
+        batch = int(q.shape[0])
+        mask = None
+        if custom_mask is not None:
+            mask = np.ascontiguousarray(np.asarray(custom_mask, bool).ravel()).astype(np.uint8)
+            _plan.validate_mask_size(mask.size, q)
+        capacity = _plan.Capacity(max(batch, 1), max(int(q.sum()), 1), max(pt.shape[1], 1),
+                                  mask.size if mask is not None else 0)
+        buffers = _plan.PlanBuffers(capacity, self.num_qo_heads, self.head_dim, self.dtype_name)
+        buffers.q_lens[:batch].set(q.astype(np.int32))
+        buffers.kv_lens[:batch].set(kv.astype(np.int32))
+        buffers.page_table[:batch, :pt.shape[1]] = cupy.asarray(pt.astype(np.int32))
+        if mask is not None and mask.size:
+            buffers.custom_mask[:mask.size].set(mask)
+        stream = cupy.cuda.get_current_stream()
+        _plan.launch_plan(buffers, batch, self.group_size, self.tile, stream)
+        mode = _plan.MASK_CUSTOM if mask is not None else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
+        scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else float(sm_scale)
+        live = q > 0
+        self._plan = dict(batch=batch, buffers=buffers, q=q, kv=kv, pt=pt, mode=mode, scale=scale,
+                          work=_plan.work_bound(q, kv, self.group_size, self.tile),
+                          merge=_plan.needs_merge(self.tile, q[live], kv[live]) if live.any() else False,
+                          tokens=int(q.sum()))
+        return self
+
+    def run(self, q, cache, out, lse=None):
+        """Writes ``out`` (and ``lse``) for the planned batch; all arrays CuPy on the current stream."""
+        import cupy
+
+        st = self._plan
+        if st is None:
+            raise RuntimeError("run() before plan()")
+        _arrays.check_device_array(q, "q", dtype=self.dtype_name, ndim=3,
+                                   shape=(st["tokens"], self.num_qo_heads, self.head_dim))
+        _arrays.check_device_array(out, "out", dtype=self.dtype_name, shape=q.shape, align=8)
+        if lse is not None:
+            _arrays.check_device_array(lse, "lse", dtype=np.float32, shape=(q.shape[0], self.num_qo_heads), align=4)
+        if (cache.num_kv_heads, cache.head_dim, cache.dtype_name) != (self.num_kv_heads, self.head_dim,
+                                                                     self.dtype_name):
+            raise ValueError("cache heads, head_dim or dtype do not match this instance")
+        _plan.validate_page_table(st["pt"], st["kv"], st["q"], cache.page_size, cache.num_pages)
+        if st["work"] == 0:
+            return out
+        buffers = st["buffers"]
+        page_size = cache.page_size
+        shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+        div = _params.fast_divisor(self.group_size)
+        lse_ptr = lse.data.ptr if lse is not None else 0
+        params = _params.make(
+            "AttentionParams", q=q.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
+            out=out.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
+            partial_lse=buffers.partial_lse.data.ptr, page_table=buffers.page_table.data.ptr,
+            custom_mask=buffers.custom_mask.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
+            kv_lens=buffers.kv_lens.data.ptr, work_indptr=buffers.work_indptr.data.ptr,
+            num_splits=buffers.num_splits.data.ptr, split_keys=buffers.split_keys.data.ptr,
+            partial_indptr=buffers.partial_indptr.data.ptr, mask_indptr=buffers.mask_indptr.data.ptr,
+            batch_size=st["batch"], page_size=page_size, page_table_stride=buffers.page_table.shape[1],
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, mask_mode=st["mode"],
+            sm_scale_log2=st["scale"] * _LOG2E, page_shift=shift, splits_per_cta=1, fold_splits=0,
+            group_multiplier=div[0], group_shift=div[1])
+        stream = cupy.cuda.get_current_stream()
+        _build.launch(self.variant, (st["work"] * self.num_kv_heads,), params, stream)
+        if st["merge"]:
+            merge = _params.make(
+                "MergeParams", out=out.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
+                partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
+                num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
+                batch_size=st["batch"], num_qo_heads=self.num_qo_heads, fold_groups=0)
+            shape = _build.merge_shape(st["tokens"], self.num_qo_heads)
+            _build.launch(_build.merge_variant(self.dtype_name, self.head_dim, shape),
+                          (st["tokens"], -(-self.num_qo_heads // shape[0])), merge, stream, programmatic=True)
+        return out

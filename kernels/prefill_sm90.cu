@@ -1,0 +1,98 @@
+// Prefill / extend attention over a paged KV cache on Hopper tensor cores (sm_90a only):
+// FlashAttention-3's structure, in inline PTX (no CUTLASS: NVRTC compiles a variant in about
+// 1.3 s, and the package needs no headers beyond the CUDA runtime's).
+//
+// One CTA = one work item of plan_kernel (kernels/plan.cu with block_m = 128): 128 packed
+// (token, head in group) rows of one request and KV head, over one split of its keys
+// (sm90_prefill_work.cuh). Three warpgroups: a producer (sm90_prefill_load.cuh) that copies Q
+// once and the paged K / V tiles into a ring of kStages stages guarded by mbarriers
+// (sm90_pipeline.cuh), and two consumers of 64 rows each (sm90_prefill_consumer.cuh) that run
+// S = Q K^T and O += P V on wgmma (sm90_wgmma.cuh) around the mask and online softmax in
+// registers (sm90_prefill_softmax.cuh), then write O / l. The producer gives registers back
+// (setmaxnreg) to the consumers. Key tiles are taken last to first: the tiles that need a mask
+// (the causal diagonal, the end of the keys) come first.
+//
+// Batch invariance: a row's result depends on its query, its request's keys, the split
+// boundaries (plan_kernel: q_len and kv_len of its own request) and this tile shape only.
+// Rows never mix (each wgmma row is one packed row); a masked key adds an exact zero; tiles
+// a row sees no key of leave its state exactly empty (m = -inf, l = 0, o = 0); the key tiles
+// are at fixed offsets from the split's first key and run in a fixed order. So a request's
+// outputs do not depend on the other requests of its batch, nor on which CTA runs which item.
+// (They are not the mma.sync family's bits: decode-like rows stay on that family.)
+#include "common.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+#include "sm90_wgmma.cuh"
+#include "sm90_pipeline.cuh"
+#include "sm90_prefill_work.cuh"
+#include "sm90_prefill_load.cuh"
+#include "sm90_prefill_softmax.cuh"
+#include "sm90_prefill_consumer.cuh"
+
+namespace cupy_fa {
+
+// One instance per (head dim, keys per tile, pipeline depth, overlap, ping-pong, producer
+// registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
+template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS>
+struct Sm90PrefillTraits {
+  static constexpr int kHeadDim = HEAD_DIM;
+  static constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
+  static constexpr int kBlockN = BLOCK_N;
+  static constexpr int kStages = STAGES;
+  // S of tile i issued with P V of tile i - 1, the softmax between their waits (else S,
+  // softmax, then P V, each waited for) and the two consumers taking turns at the tensor cores
+  static constexpr bool kOverlap = OVERLAP;
+  static constexpr bool kPingPong = PINGPONG;
+  // Q's A fragments in registers (loaded once from the Q tile) instead of read from shared
+  // memory by every S = Q K^T: a third less shared-memory traffic for 32 registers (D = 128).
+  static constexpr bool kQInRegs = Q_IN_REGS;
+  static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+  // setmaxnreg: the CTA starts at 168 registers a thread (64 K / 384 rounded down to 8, the
+  // launch bounds), and the producer gives back what the consumers take:
+  // 128 x PRODUCER_REGS + 256 x kConsumerRegs <= 384 x 168
+  static constexpr int kProducerRegs = PRODUCER_REGS;
+  static constexpr int kConsumerRegs = (3 * 168 - PRODUCER_REGS) / 2 / 8 * 8;
+  static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= 168, "setmaxnreg range");
+  static constexpr int kQTileBytes = kBlockM * HEAD_DIM * 2;
+  static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;
+  static constexpr int kBarrierBytes = (4 * STAGES + 1) * 8 + 256 * 4;  // sm90_pipeline.cuh PipeBarriers
+  // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
+  static constexpr int kSmemBytes = 1024 + kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes;
+  static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 64-column swizzle blocks, one wgmma N");
+  static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "whole k-steps of P V, one wgmma N");
+  static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
+};
+
+template <typename QT, typename KVT, typename OT, typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ AttentionParams p) {
+  static_assert(sizeof(QT) == 2 && sizeof(KVT) == 2 && sizeof(OT) == 2, "16-bit elements");
+  static_assert(sm90::SameType<QT, KVT>::value, "one wgmma element type for Q, K and V");
+  using namespace sm90;
+  constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
+
+  const FastDiv by_group{p.group_multiplier, p.group_shift, p.num_qo_heads / p.num_kv_heads};
+  PrefillWork w;
+  if (!find_work<BM, BN>(p, by_group, w)) return;  // the whole CTA, before any barrier
+
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw = smem_addr(smem_raw);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const unsigned q_addr = base;
+  const unsigned k_addr = q_addr + Tr::kQTileBytes;
+  const unsigned v_addr = k_addr + ST * Tr::kKVTileBytes;
+  auto& bars = *reinterpret_cast<PipeBarriers<ST>*>(smem + Tr::kQTileBytes + 2 * ST * Tr::kKVTileBytes);
+  if (threadIdx.x == 0) bars.init(128, 256);
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    regs_release<Tr::kProducerRegs>();
+    produce<QT, KVT, Tr>(p, w, by_group, bars, q_addr, k_addr, v_addr, threadIdx.x);
+  } else {
+    regs_claim<Tr::kConsumerRegs>();
+    consume<QT, OT, Tr>(p, w, by_group, bars, smem, q_addr, k_addr, v_addr, warpgroup - 1, threadIdx.x % 128);
+  }
+}
+
+}  // namespace cupy_fa

@@ -1,0 +1,88 @@
+// The producer -> consumer pipeline of the sm90 prefill family: mbarriers in shared memory.
+//
+// A stage has a `full` barrier (the producer's copies into it have landed) and an `empty`
+// one (every consumer thread is done reading it). The producer's 128 threads copy with
+// cp.async and each ends its copies of a stage with cp.async.mbarrier.arrive.noinc, which
+// arrives on `full` once that thread's earlier copies are complete: `full` expects 128
+// arrivals and completes its phase when the last copy lands, with no thread waiting.
+// Consumers wait on `full`, read (wgmma), and every consumer thread arrives on `empty`.
+// A stage is reused every kStages tiles; the phase bit (parity) flips each time round.
+#pragma once
+
+namespace cupy_fa {
+namespace sm90 {
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+}
+// After the inits, before any other thread touches the barriers (then a __syncthreads).
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Returns once the phase of parity `parity` has completed. (A fresh barrier is in phase 0,
+// so waiting on parity 1, "the phase before", returns at once: the producer's first pass
+// over the empty barriers.)
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
+  const unsigned addr = smem_addr(bar);
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// This thread's cp.async copies issued so far arrive on `bar` when they complete (counted
+// as one of the barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Position in a ring of STAGES stages: the stage index and the parity of its current use.
+template <int STAGES>
+struct PipeState {
+  int stage = 0, phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// The barriers of the K and V rings and of Q, in shared memory.
+template <int STAGES>
+struct PipeBarriers {
+  unsigned long long k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
+  unsigned long long q_full;
+  float scratch[256];  // one word per consumer thread (prefill_sm90.cu: orders the softmax before a wait)
+
+  // One thread, before the CTA's first __syncthreads.
+  __device__ __forceinline__ void init(int producer_threads, int consumer_threads) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&k_full[s], producer_threads);
+      mbar_init(&v_full[s], producer_threads);
+      mbar_init(&k_empty[s], consumer_threads);
+      mbar_init(&v_empty[s], consumer_threads);
+    }
+    mbar_init(&q_full, producer_threads);
+    mbar_init_fence();
+  }
+};
+
+}  // namespace sm90
+}  // namespace cupy_fa

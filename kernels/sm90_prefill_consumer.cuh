@@ -1,0 +1,153 @@
+// A consumer warpgroup of the sm90 prefill family: 64 of the CTA's 128 packed rows, over the
+// key tiles the producer (sm90_prefill_load.cuh) puts in the K / V rings, last tile first.
+//
+// Per tile: S = Q K^T (wgmma; Q from shared memory, or from registers with kQInRegs), the mask
+// on the tiles that need one, the online softmax and P in registers (sm90_prefill_softmax.cuh),
+// O += P V (wgmma, P as the register A operand, V transposed from shared memory); at the end
+// O / l into `out` or the split's partial. With Traits::kOverlap (FlashAttention-3's intra-
+// warpgroup pipelining) step i issues S of tile i and P V of tile i - 1 together and runs the
+// softmax of tile i while P V is in the tensor cores; with Traits::kPingPong the two consumer
+// warpgroups take turns at issuing (named barriers 1 and 2), so one's softmax runs during the
+// other's GEMMs.
+#pragma once
+
+namespace cupy_fa {
+namespace sm90 {
+
+template <typename QT, typename OT, typename Tr>
+__device__ __forceinline__ void consume(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
+                                        PipeBarriers<Tr::kStages>& bars, unsigned char* smem, unsigned q_addr,
+                                        unsigned k_addr, unsigned v_addr, int wg, int wtid) {
+  constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
+  const int lane = wtid % 32, quad = lane % 4;
+  const int first_row = wg * 64 + (wtid / 32) * 16 + lane / 4;  // tile row of row half 0
+  RowInfo ri;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = w.row0 + first_row + 8 * h;
+    ri.real[h] = row < w.rows;
+    ri.token[h] = by_group.div(min(row, w.rows - 1));
+  }
+  const unsigned scratch = smem_addr(&bars.scratch[wg * 128 + wtid]);  // see the overlapped step
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float s[BN / 2];
+  unsigned frag[BN / 16][4];
+  RowState st;
+  st.reset();
+
+  unsigned q_frag[Tr::kQInRegs ? D / 16 : 1][4];  // kQInRegs: Q's A fragments, once
+  // the descriptors of this warpgroup's 64 Q rows (of every column block) and of stage 0's K
+  // and V; a stage and a k-step are constant steps from them
+  const u64 q_desc = kmajor_desc(q_addr + wg * 64 * 128), k_desc = kmajor_desc(k_addr);
+  const u64 v_desc = mnmajor_desc<BN>(v_addr);
+  // S = Q K^T of the K tile in `stage` (issue only)
+  auto issue_qk = [&](int stage) {
+    const u64 k_tile = desc_at(k_desc, stage * Tr::kKVTileBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const u64 kd = desc_at(k_tile, kmajor_step<BN>(kk));
+      if constexpr (Tr::kQInRegs) {
+        Wgmma<BN, QT>::rs_k(s, q_frag[kk], kd, kk > 0);
+      } else {
+        Wgmma<BN, QT>::ss_kk(s, desc_at(q_desc, kmajor_step<BM>(kk)), kd, kk > 0);
+      }
+    }
+    wgmma_commit();
+  };
+  // O += P V of the V tile in `stage` (issue only)
+  auto issue_pv = [&](int stage) {
+    const u64 v_tile = desc_at(v_desc, stage * Tr::kKVTileBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) Wgmma<D, QT>::rs_mn(o, frag[ks], desc_at(v_tile, mnmajor_step(ks)), 1);
+    wgmma_commit();
+  };
+  // mask (the tiles that need it) and fold tile `tile`'s scores into the state
+  auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
+    if (masked) mask_tile<BN>(s, p, w, ri, w.kv_begin + tile * BN, quad);
+    return st.fold<BN>(s, p.sm_scale_log2, factor);
+  };
+
+  const int T = w.num_tiles;
+  mbar_wait(&bars.q_full, 0);
+  if constexpr (Tr::kQInRegs) {  // the mma.sync A layout of this warp's 16 rows
+    const int row = wg * 64 + (wtid / 32) * 16 + (lane & 15);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], smem + swizzled_offset<BM>(row, 2 * kk + (lane >> 4)));
+  }
+  if (T > 0) {
+    PipeState<ST> ks, vs;  // K runs one tile ahead of V
+    // ping-pong: warpgroup 0 takes the first turn; every turn taken is one given (the last
+    // turn of warpgroup 1 is given to no one), so no barrier is left half-arrived
+    if (Tr::kPingPong && wg == 0 && T > 1) named_arrive(1, 256);
+
+    // the first tile (the last keys): S, softmax, P
+    mbar_wait(&bars.k_full[ks.stage], ks.phase);
+    issue_qk(ks.stage);
+    wgmma_wait<0>();
+    pin(s);
+    mbar_arrive(&bars.k_empty[ks.stage]);
+    {
+      float factor[2];
+      softmax(T - 1, w.masked_tiles > 0, factor);  // o is still zero: nothing to rescale
+    }
+    to_fragments<QT, BN>(s, frag);
+    ks.advance();
+
+    for (int i = 1; i < T; ++i) {
+      const int tile = T - 1 - i;
+      const bool masked = i < w.masked_tiles;
+      float factor[2];
+      bool moved;
+      mbar_wait(&bars.k_full[ks.stage], ks.phase);
+      if (Tr::kPingPong) named_sync(1 + wg, 256);
+      issue_qk(ks.stage);
+      if constexpr (Tr::kOverlap) {
+        mbar_wait(&bars.v_full[vs.stage], vs.phase);
+        issue_pv(vs.stage);
+        if (Tr::kPingPong && !(wg == 1 && i == T - 1)) named_arrive(2 - wg, 256);
+        wgmma_wait<1>();  // S is ready, P V still runs
+        pin(s);
+        mbar_arrive(&bars.k_empty[ks.stage]);
+        moved = softmax(tile, masked, factor);
+        // The softmax must be done before the wait, or ptxas sinks half of its exp2s below it
+        // (they write registers the wait does not name), out of the overlap: a shared-memory
+        // store of the row sums (which need every exp2) is kept before the wait.
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(st.l[0] + st.l[1]) : "memory");
+        wgmma_wait<0>();
+      } else {
+        if (Tr::kPingPong && !(wg == 1 && i == T - 1)) named_arrive(2 - wg, 256);
+        wgmma_wait<0>();
+        pin(s);
+        mbar_arrive(&bars.k_empty[ks.stage]);
+        moved = softmax(tile, masked, factor);
+        // P V of the previous tile after this tile's softmax: the same arithmetic, no overlap
+        mbar_wait(&bars.v_full[vs.stage], vs.phase);
+        issue_pv(vs.stage);
+        wgmma_wait<0>();
+      }
+      pin(o);
+      pin(frag);
+      mbar_arrive(&bars.v_empty[vs.stage]);
+      if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
+      to_fragments<QT, BN>(s, frag);
+      ks.advance();
+      vs.advance();
+    }
+    // P V of the last tile processed (keys from kv_begin on)
+    mbar_wait(&bars.v_full[vs.stage], vs.phase);
+    issue_pv(vs.stage);
+    wgmma_wait<0>();
+    pin(o);
+    pin(frag);
+    mbar_arrive(&bars.v_empty[vs.stage]);
+  }
+  store_rows<OT, D>(p, w, ri, by_group, o, st, w.row0 + first_row, quad);
+}
+
+}  // namespace sm90
+}  // namespace cupy_fa

@@ -1,0 +1,62 @@
+// Which work item a CTA of the sm90 prefill family runs, from plan_kernel's metadata
+// (kernels/plan.cu), and which of its key tiles need a mask.
+//
+// The work layout is the mma.sync family's (kernels/attention.cu): request b owns work items
+// work_indptr[b] .. work_indptr[b + 1] - 1, one per (row block of BLOCK_M packed rows,
+// split), packed row = token x G + head in group (G = H_q / H_kv); blockIdx.x = item x H_kv +
+// KV head. This family runs one split per CTA (plan splits_per_cta = 1, no fold) and takes
+// the items in reverse order: under causal masking a request's last row blocks see the most
+// keys, so the longest CTAs start first and the short ones fill the tail.
+#pragma once
+
+namespace cupy_fa {
+namespace sm90 {
+
+struct PrefillWork {
+  int b, kv_head;
+  int q_start, q_len, rows, row0;  // the request's first token, its query tokens, packed rows; the tile's first row
+  int prefix;                      // keys before this step's queries (kv_len - q_len)
+  int split, splits;
+  int kv_begin, kv_end;            // keys this CTA reads: [kv_begin, kv_end)
+  int num_tiles;                   // key tiles of BLOCK_N from kv_begin, processed last to first
+  int masked_tiles;                // the first this many tiles processed (the last ones by key) need a mask
+};
+
+// Returns false for CTAs past the real work (grids are sized by a bound). Every thread of
+// the CTA calls it (upper_segment is warp-collective) and gets the same answer.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDiv& by_group, PrefillWork& w) {
+  const int total_work = __ldg(p.work_indptr + p.batch_size);
+  const int work = total_work - 1 - (int)(blockIdx.x / p.num_kv_heads);  // reverse: see the file comment
+  w.kv_head = blockIdx.x % p.num_kv_heads;
+  w.b = upper_segment(p.work_indptr, p.batch_size, max(work, 0));
+  if (work < 0) return false;
+  if (p.splits_per_cta != 1 || p.fold_splits) __trap();  // the host never plans this family so
+  w.q_start = __ldg(p.q_indptr + w.b);
+  w.q_len = __ldg(p.q_indptr + w.b + 1) - w.q_start;
+  const int kv_len = __ldg(p.kv_lens + w.b);
+  w.splits = __ldg(p.num_splits + w.b);
+  const int local = work - __ldg(p.work_indptr + w.b);
+  w.split = local % w.splits;
+  w.row0 = (local / w.splits) * BLOCK_M;
+  w.rows = w.q_len * by_group.divisor;
+  w.prefix = kv_len - w.q_len;
+  const int split_keys = __ldg(p.split_keys + w.b);
+  w.kv_begin = w.split * split_keys;
+  w.kv_end = min(kv_len, (w.split + 1) * split_keys);
+  const int first_token = by_group.div(w.row0);
+  if (p.mask_mode == 1) w.kv_end = min(w.kv_end, w.prefix + by_group.div(min(w.row0 + BLOCK_M, w.rows) - 1) + 1);
+  w.num_tiles = w.kv_end > w.kv_begin ? (w.kv_end - w.kv_begin + BLOCK_N - 1) / BLOCK_N : 0;
+  // Keys from mask_from on may be invisible to some row of the tile: the end of the keys, the
+  // causal diagonal of the tile's first row, or the custom mask's columns (this step's keys).
+  const int mask_from = p.mask_mode == 1   ? min(w.kv_end, w.prefix + first_token + 1)
+                        : p.mask_mode == 2 ? min(w.kv_end, w.prefix)
+                                           : w.kv_end;
+  // tile t (keys kv_begin + t BLOCK_N ..) needs the mask iff its last key reaches mask_from
+  const int unmasked = max(0, mask_from - w.kv_begin) / BLOCK_N;
+  w.masked_tiles = max(0, w.num_tiles - unmasked);
+  return true;
+}
+
+}  // namespace sm90
+}  // namespace cupy_fa

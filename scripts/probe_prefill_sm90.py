@@ -1,0 +1,738 @@
+"""The sm_90a prefill family (kernels/prefill_sm90.cu) on an H200, in one call.
+
+    python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...]
+
+(from the repository root, PYTHONPATH at it, CUPY_CACHE_DIR empty for cold compile times;
+about 80 s on an H200, 90 s with one --ncu variant.)
+
+1. compile: every variant through cupy.RawModule on an empty cache (cold NVRTC seconds), the
+   first prefill call cold (compile + plan + run), and each variant's SASS through the
+   device's NVRTC and cuobjdump (HGMMA count, local memory);
+2. correct: each variant on ragged batches (odd lengths, extends over prefixes, splits merged
+   by merge_kernel, causal / non-causal / custom mask, page sizes 1, 16, 64, 48, shuffled page
+   tables, G = 1, 4, 5, 8), outputs and lse poisoned with NaN, every element compared with
+   cupy_fa.reference (float64): per-request |out - ref| / |ref| under 1e-2 (bf16) / 3e-3
+   (fp16), lse likewise; a failure prints its pattern (rows, columns, heads) and runs the
+   same case with V = 1 and with K = 0 to tell the Q K^T side from the P V side;
+3. time: the bench shapes (bf16, H_q 32 / H_kv 8, D 128, causal) at page sizes 16 and 1 and a
+   few more (non-causal, D 64 / 256, fp16): every variant that passed, the mma.sync path
+   (BatchAttention) and PyTorch SDPA (cuDNN, flash) on a dense copy, each checked against the
+   fp64 reference on two windows of rows, then timed as CUDA-graph replays of 5 launches over
+   input sets rotated past the L2 (median); TFLOP/s = 4 H_q D x visible keys.
+
+Each stage runs in a child process with a time limit (a hung kernel costs its stage only);
+the parent prints the correctness and timing tables last. Logs and JSON go under $OUT.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+if "--child" not in sys.argv:  # the parent's fp64 references run in 14 processes of one BLAS thread each
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import numpy as np  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from cupy_fa import prefill_sm90 as s9  # noqa: E402  (no CUDA at import)
+
+OUT = os.environ.get("OUT") or os.path.join(ROOT, "probe_out")
+WORK = "/tmp/probe18"
+TOL = {"bfloat16": 1e-2, "float16": 3e-3}
+T = s9.Sm90Tile
+
+# name -> (dtype, tile). The first D=128 bf16 one is the default; the others are tuning variants.
+VARIANTS = {
+    "d128": ("bfloat16", s9.DEFAULT_TILES[128]),
+    "d128_bn176": ("bfloat16", T(128, 176, 2, producer_regs=40)),  # consumers at 232 registers
+    "d128_qr": ("bfloat16", T(128, 128, 2, q_in_regs=True)),
+    "d128_nopp": ("bfloat16", T(128, 128, 2, pingpong=False)),
+    "d128_noov": ("bfloat16", T(128, 128, 2, overlap=False)),
+    "d128_f16": ("float16", s9.DEFAULT_TILES[128]),
+    "d64": ("bfloat16", s9.DEFAULT_TILES[64]),
+    "d64_bn192": ("bfloat16", T(64, 192, 3, producer_regs=40)),
+    "d64_f16": ("float16", s9.DEFAULT_TILES[64]),
+    "d256": ("bfloat16", s9.DEFAULT_TILES[256]),
+    "d256_f16": ("float16", s9.DEFAULT_TILES[256]),
+}
+DEFAULTS = ("d128", "d128_f16", "d64", "d64_f16", "d256", "d256_f16")  # what ships: cold-compiled one by one
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+# ---- correctness cases (host data, fp64 references) ---------------------------------------
+
+def case_list(quick):
+    """(name, H_q, H_kv, D, dtype, page_size, causal, q_lens, kv_lens, custom mask)."""
+    base = [
+        # prefill + extends + a split request (q 17 over 2000: 4 splits, merged) + a 1-token row
+        ("mix_ps16", 16, 4, 16, True, [300, 77, 129, 17, 650, 1], [300, 1377, 129, 2000, 650, 40]),
+        # page size 1, a 3-split extend (q 40 over 4000)
+        ("ext_ps1", 16, 4, 1, True, [255, 513, 40], [255, 900, 4000]),
+        # non-power-of-two pages, non-causal
+        ("nc_ps48", 16, 4, 48, False, [100, 333, 19], [700, 333, 2500]),
+    ]
+    more = [
+        ("g5_ps64", 10, 2, 64, True, [257, 61, 200], [1000, 61, 201]),   # G = 5 (FastDiv, odd rows)
+        ("g1_ps16", 8, 8, 16, True, [130, 3, 64], [130, 50, 64]),        # G = 1
+        ("g8_ps1_nc", 16, 2, 1, False, [150, 33], [150, 1033]),          # G = 8, non-causal
+        ("tree_ps16", 16, 4, 16, "custom", [40, 23], [600, 23]),         # custom mask over the q_len newest keys
+    ]
+    cases = []
+    for d in (128, 64, 256):
+        for dtype in ("bfloat16", "float16"):
+            chosen = base + (more if (d == 128 and dtype == "bfloat16") else [])
+            if quick:
+                chosen = chosen[:1]
+            for name, hq, hkv, ps, causal, ql, kl in chosen:
+                cases.append(dict(name=f"{name}_d{d}_{'bf16' if dtype == 'bfloat16' else 'f16'}", hq=hq, hkv=hkv,
+                                  d=d, dtype=dtype, ps=ps, causal=causal, q_lens=ql, kv_lens=kl))
+    return cases
+
+
+def to_bits(x, dtype):
+    import ml_dtypes
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    return x.astype(np_dtype)
+
+
+def make_case(args):
+    """Draws one case's inputs (seeded), computes the fp64 reference, saves it as npz."""
+    index, case, seed = args
+    from cupy_fa import reference
+
+    rng = np.random.default_rng(seed)
+    q_lens, kv_lens = np.array(case["q_lens"]), np.array(case["kv_lens"])
+    ps, d, hq, hkv = case["ps"], case["d"], case["hq"], case["hkv"]
+    pages_needed = -(-kv_lens // ps)
+    num_pages = int(pages_needed.sum()) + 7  # a few pages nobody owns
+    perm = rng.permutation(num_pages)
+    width = int(pages_needed.max())
+    page_table = np.full((len(q_lens), width), num_pages - 1, np.int32)  # unread columns: some page
+    at = 0
+    for b, n in enumerate(pages_needed):
+        page_table[b, :n] = perm[at:at + n]
+        at += n
+    q = to_bits(rng.standard_normal((int(q_lens.sum()), hq, d), np.float32), case["dtype"])
+    k = to_bits(rng.standard_normal((num_pages, ps, hkv, d), np.float32), case["dtype"])
+    v = to_bits(rng.standard_normal((num_pages, ps, hkv, d), np.float32), case["dtype"])
+    mask = None
+    if case["causal"] == "custom":
+        mask = np.concatenate([(rng.random(n * n) < 0.5) | np.eye(n, dtype=bool).ravel() for n in q_lens])
+    ref, lse = reference.paged_attention(q, k, v, q_lens, kv_lens, page_table, causal=bool(case["causal"]),
+                                         custom_mask=mask, return_lse=True)
+    path = os.path.join(WORK, f"case_{index}.npz")
+    np.savez(path, q=q.view(np.uint16), k=k.view(np.uint16), v=v.view(np.uint16), page_table=page_table,
+             q_lens=q_lens, kv_lens=kv_lens, ref=ref, lse=lse,
+             mask=mask if mask is not None else np.zeros(0, bool), seed=seed)
+    return path
+
+
+# ---- child: compile ------------------------------------------------------------------------
+
+def compile_one(name):
+    """Cold RawModule compile (the user's path), then the device NVRTC's cubin through cuobjdump."""
+    import cupy
+
+    from cupy_fa import _build
+
+    dtype, tile = VARIANTS[name]
+    v = s9.variant(dtype, tile)
+    t0 = time.perf_counter()
+    _build.get_function(v)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cubin, resources = _build.compile_cubin(v, _build.device_arch(cupy.cuda.Device()))
+    nvrtc_s = time.perf_counter() - t0
+    path = os.path.join(WORK, f"{name}.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    note = ""
+    try:
+        proc = subprocess.run(["cuobjdump", "--dump-sass", path], capture_output=True, text=True)
+        sass, note = proc.stdout, f"cuobjdump rc {proc.returncode} {proc.stderr.strip()[:160]}"
+    except OSError as e:
+        sass, note = "", f"cuobjdump: {e}"
+    return name, dict(cold_s=cold, nvrtc_s=nvrtc_s, hgmma=sass.count("HGMMA"), local=sass.count("LDL") + sass.count("STL"),
+                      setmaxreg=sass.count("SETMAXREG"), sass_lines=sass.count("\n"), note=note, **resources)
+
+
+def child_compile(names):
+    import cupy
+
+    from cupy_fa.kv_cache import PagedKVCache
+
+    res = {}
+    # the first prefill call, cold: the plan and prefill kernels compile on first use
+    t0 = time.perf_counter()
+    pf = s9.Sm90Prefill(32, 8, 128, "bfloat16")
+    cache = PagedKVCache.allocate(8, 16, 8, 128, "bfloat16")
+    q = cupy.zeros((100, 32, 128), cache.k.dtype)
+    pf.plan([100], [100], np.arange(7, dtype=np.int32)[None]).run(q, cache, cupy.empty_like(q))
+    cupy.cuda.Device().synchronize()
+    res["first_call_s"] = time.perf_counter() - t0
+    log(f"first prefill call, cold (plan + prefill kernel compiled, run): {res['first_call_s']:.2f} s")
+    # the shipped variants one after another (cold compile times as a user sees them), then the
+    # tuning variants in processes of their own at once (the machine has 16 cores)
+    res["variants"] = dict(compile_one(n) for n in names if n in DEFAULTS)
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    rest = [n for n in names if n not in DEFAULTS]
+    if rest:
+        with ProcessPoolExecutor(min(len(rest), 12), mp_context=multiprocessing.get_context("spawn")) as pool:
+            res["variants"].update(pool.map(compile_one, rest))
+    for name, info in res["variants"].items():
+        log(f"compile {name:12s} cold {info['cold_s']:5.2f} s (RawModule{'; compiled by the first call' if name == 'd128' else ''}"
+            f"{'' if name in DEFAULTS else '; in parallel'}), NVRTC {info['nvrtc_s']:4.2f} s, regs {info['registers']}, "
+            f"spills {info['spill_stores']}/{info['spill_loads']}, HGMMA {info['hgmma']}, LDL/STL {info['local']}, "
+            f"setmaxreg {info['setmaxreg']} ({info['note']})")
+    return res
+
+
+# ---- child: correctness -----------------------------------------------------------------------
+
+def rel(a, b):
+    from cupy_fa import reference
+
+    return reference.relative_error(a, b)
+
+
+def upload(data, case):
+    import cupy
+
+    from cupy_fa import _arrays
+    from cupy_fa.kv_cache import PagedKVCache
+
+    dt = _arrays.DTYPES[case["dtype"]]
+    k = cupy.asarray(data["k"]).view(dt)
+    v = cupy.asarray(data["v"]).view(dt)
+    q = cupy.asarray(data["q"]).view(dt)
+    return q, PagedKVCache(k, v)
+
+
+def run_variant_on(name, case, data, q, cache, v_override=None, k_override=None):
+    """(out float64 host, lse host, nan count) of variant `name` on the case."""
+    import cupy
+
+    dtype, tile = VARIANTS[name]
+    pf = s9.Sm90Prefill(case["hq"], case["hkv"], case["d"], dtype, tile)
+    mask = data["mask"] if case["causal"] == "custom" else None
+    pf.plan(data["q_lens"], data["kv_lens"], data["page_table"], causal=bool(case["causal"]), custom_mask=mask)
+    from cupy_fa.kv_cache import PagedKVCache
+
+    if v_override is not None or k_override is not None:
+        cache = PagedKVCache(k_override if k_override is not None else cache.k,
+                             v_override if v_override is not None else cache.v)
+    out = cupy.empty_like(q)
+    out.view(cupy.uint16).fill(0x7FC0 if dtype == "bfloat16" else 0x7E00)  # NaN
+    lse = cupy.full((q.shape[0], case["hq"]), np.nan, np.float32)
+    pf.run(q, cache, out, lse)
+    cupy.cuda.Device().synchronize()
+    host = cupy.asnumpy(out.view(cupy.uint16))
+    import ml_dtypes
+
+    o = host.view(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).astype(np.float64)
+    return o, cupy.asnumpy(lse).astype(np.float64), int(np.isnan(o).sum()), int(np.isnan(cupy.asnumpy(lse)).sum())
+
+
+def per_request(o, ref, q_lens):
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    return [rel(o[cu[b]:cu[b + 1]], ref[cu[b]:cu[b + 1]]) for b in range(len(q_lens)) if q_lens[b] > 0]
+
+
+def diagnose(name, case, data, q, cache, o, lse):
+    """Patterns of a failure, and the case rerun with V = 1 and with K = 0."""
+    import cupy
+
+    ref, ref_lse = data["ref"], data["lse"]
+    q_lens = data["q_lens"]
+    g = case["hq"] // case["hkv"]
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    err_rows = np.linalg.norm(np.nan_to_num(o - ref, nan=1e3), axis=2) / (np.linalg.norm(ref, axis=2) + 1e-30)
+    lines = [f"  DIAG {name} on {case['name']}: per-request out err "
+             f"{[f'{e:.2e}' for e in per_request(o, ref, q_lens)]}, lse err "
+             f"{[f'{rel(lse[cu[b]:cu[b+1]], ref_lse[cu[b]:cu[b+1]]):.2e}' for b in range(len(q_lens))]}"]
+    for b in range(len(q_lens)):
+        e = err_rows[cu[b]:cu[b + 1]]  # [q_len, H_q]
+        n, hq = e.shape
+        packed = (np.arange(n)[:, None] * g + (np.arange(hq)[None, :] % g))  # row in the request's packed layout
+        bad = e > TOL[case["dtype"]]
+        if not bad.any():
+            continue
+        rit = packed % 128
+        lines.append(f"   req {b} (q {q_lens[b]}, kv {data['kv_lens'][b]}): {bad.mean() * 100:.1f}% rows bad; "
+                     f"first bad token {np.argwhere(bad)[0].tolist()}; err by tile row // 16: "
+                     f"{[round(float(e[rit // 16 == i].mean()), 3) for i in range(8)]}; by (row % 16) // 8: "
+                     f"{[round(float(e[(rit % 16) // 8 == i].mean()), 3) for i in range(2)]}; by token // 32: "
+                     f"{[round(float(x.mean()), 3) for x in np.array_split(e, min(8, n))]}; by head: "
+                     f"{[round(float(e[:, h].mean()), 3) for h in range(min(hq, 8))]}")
+        db = np.abs(np.nan_to_num(o[cu[b]:cu[b + 1]] - ref[cu[b]:cu[b + 1]], nan=1e3)).mean(axis=(0, 1))
+        lines.append(f"   req {b} mean |err| by column // 8: {[round(float(x), 3) for x in db.reshape(-1, 8).mean(1)]}")
+    # V = 1: out must be 1 wherever a key is visible (tests P, l, the epilogue; not V's layout)
+    ones = cupy.empty_like(cache.v)
+    ones.view(cupy.uint16).fill(0x3F80 if case["dtype"] == "bfloat16" else 0x3C00)
+    o1, l1, _, _ = run_variant_on(name, case, data, q, cache, v_override=ones)
+    lines.append(f"   V=1: max |out - 1| {float(np.nanmax(np.abs(o1 - 1))):.3e}, NaN {int(np.isnan(o1).sum())}, "
+                 f"lse err {rel(l1, ref_lse):.2e}")
+    # K = 0: uniform weights over the visible keys (tests the mask, P V and V's layout, not Q K^T)
+    from cupy_fa import reference
+
+    zeros = cupy.empty_like(cache.k)
+    zeros.view(cupy.uint16).fill(0)
+    k0 = np.zeros_like(data["k"])
+    import ml_dtypes
+
+    dt = ml_dtypes.bfloat16 if case["dtype"] == "bfloat16" else np.float16
+    ref0 = reference.paged_attention(data["q"].view(dt), k0.view(dt), data["v"].view(dt), q_lens, data["kv_lens"],
+                                     data["page_table"], causal=bool(case["causal"]),
+                                     custom_mask=data["mask"] if case["causal"] == "custom" else None)
+    o0, l0, _, _ = run_variant_on(name, case, data, q, cache, k_override=zeros)
+    lines.append(f"   K=0: out err per request {[f'{x:.2e}' for x in per_request(o0, ref0, q_lens)]}")
+    return lines
+
+
+def child_correct(names, case_paths, cases):
+    results = {}
+    diagnosed = 0
+    for name in names:
+        dtype, tile = VARIANTS[name]
+        for path, case in zip(case_paths, cases):
+            if case["d"] != tile.head_dim or case["dtype"] != dtype:
+                continue
+            data = dict(np.load(path))
+            q, cache = upload(data, case)
+            t0 = time.perf_counter()
+            try:
+                o, lse, nan_o, nan_l = run_variant_on(name, case, data, q, cache)
+            except Exception as e:  # noqa: BLE001
+                results[f"{name}|{case['name']}"] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                log(f"correct {name:12s} {case['name']:22s} ERROR {type(e).__name__}: {str(e)[:300]}")
+                continue
+            errs = per_request(o, data["ref"], data["q_lens"])
+            lerr = rel(lse, data["lse"])
+            ok = max(errs) < TOL[dtype] and lerr < TOL[dtype] and nan_o == 0 and nan_l == 0
+            results[f"{name}|{case['name']}"] = dict(ok=ok, err=max(errs), lse_err=lerr, nan=nan_o, nan_lse=nan_l)
+            log(f"correct {name:12s} {case['name']:22s} {'ok  ' if ok else 'FAIL'} max req err {max(errs):.2e} "
+                f"lse {lerr:.2e} NaN {nan_o}/{nan_l} ({time.perf_counter() - t0:.1f} s)")
+            if not ok and diagnosed < 3:
+                diagnosed += 1
+                try:
+                    for line in diagnose(name, case, data, q, cache, o, lse):
+                        log(line)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  DIAG failed: {type(e).__name__}: {str(e)[:300]}")
+    return results
+
+
+# ---- child: timing ------------------------------------------------------------------------
+
+WORKLOADS = [  # name, B, q_len, kv_len, causal, D, dtype, page sizes, variants
+    ("prefill_b4_l4096", 4, 4096, 4096, True, 128, "bfloat16", (16, 1), "d128*"),
+    ("prefill_b2_l8192", 2, 8192, 8192, True, 128, "bfloat16", (16, 1), "d128*"),
+    ("extend_b4_q1024_l16384", 4, 1024, 16384, True, 128, "bfloat16", (16, 1), "d128*"),
+    ("prefill_b2_l8192_nc", 2, 8192, 8192, False, 128, "bfloat16", (16,), "d128"),
+    ("prefill_b2_l8192_f16", 2, 8192, 8192, True, 128, "float16", (16,), "d128_f16"),
+    ("prefill_b2_l8192_d64", 2, 8192, 8192, True, 64, "bfloat16", (16,), "d64*"),
+    ("prefill_b2_l8192_d256", 2, 8192, 8192, True, 256, "bfloat16", (16,), "d256"),
+]
+H_Q, H_KV = 32, 8
+
+
+def visible_keys(q, kv, causal):
+    return q * (kv - q) + q * (q + 1) // 2 if causal else q * kv
+
+
+def fill_random(arr, dtype):
+    import cupy
+
+    if dtype == "bfloat16":
+        from bench.inputs import fill_normal
+
+        return fill_normal(arr)
+    arr[...] = cupy.random.standard_normal(arr.shape, dtype=cupy.float32).astype(cupy.float16)
+    return arr
+
+
+def child_time(passed, quick):
+    import cupy
+
+    from bench import timing
+    from bench.workloads import num_sets
+    from cupy_fa import _arrays, reference
+    import cupy_fa
+    from cupy_fa.kv_cache import PagedKVCache
+
+    try:
+        from bench.ceilings import measure_gemm
+
+        gemm = measure_gemm(8192, reps=10)
+        log(f"bf16 GEMM ceiling (torch.matmul 8192^3): {gemm}")
+    except Exception as e:  # noqa: BLE001
+        gemm = {"error": str(e)[:200]}
+    l2 = cupy.cuda.Device().attributes["L2CacheSize"]
+    warmup, reps = (2, 5) if quick else (3, 15)
+    rows = []
+    for wname, B, ql, kl, causal, D, dtype, page_sizes, pattern in WORKLOADS:
+        if quick and wname != "prefill_b2_l8192":
+            continue
+        flops = 4 * B * H_Q * D * visible_keys(ql, kl, causal)
+        names = [n for n in passed if (n == pattern or (pattern.endswith("*") and n.startswith(pattern[:-1])
+                                                         and VARIANTS[n][0] == dtype and VARIANTS[n][1].head_dim == D))]
+        dt = _arrays.DTYPES[dtype]
+        sdpa_done = {}
+        for ps in page_sizes:
+            ppr = -(-kl // ps)
+            set_bytes = 2 * B * ppr * ps * H_KV * D * 2 + 2 * B * ql * H_Q * D * 2
+            n_sets = num_sets(set_bytes, l2, 5)
+            rng = np.random.default_rng(1234 + ps)
+            cupy.random.seed(1234 + ps)
+            page_table = rng.permutation(B * ppr).astype(np.int32).reshape(B, ppr)
+            sets = []
+            for _ in range(n_sets):
+                k = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), dtype)
+                v = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), dtype)
+                q = fill_random(cupy.empty((B * ql, H_Q, D), dt), dtype)
+                sets.append((q, PagedKVCache(k, v), cupy.empty_like(q)))
+            cupy.cuda.Device().synchronize()
+            q_lens, kv_lens = np.full(B, ql), np.full(B, kl)
+            # fp64 reference on two windows of set 0: the first 32 rows of request 0, the last 32 of request B-1
+            import ml_dtypes
+
+            hdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+            q0, c0, _ = sets[0]
+            windows = {}
+            for b, r0, r1 in ((0, 0, 32), (B - 1, ql - 32, ql)):
+                kv_eff = kl - ql + r1 if causal else kl
+                n_pages = -(-kv_eff // ps)
+                pages = cupy.asarray(page_table[b, :n_pages].astype(np.int64))
+                kk = cupy.asnumpy(c0.k.view(cupy.uint16)[pages]).view(hdt)
+                vv = cupy.asnumpy(c0.v.view(cupy.uint16)[pages]).view(hdt)
+                qq = cupy.asnumpy(q0.view(cupy.uint16)[b * ql + r0: b * ql + r1]).view(hdt)
+                windows[(b, r0, r1)] = reference.paged_attention(
+                    qq, kk, vv, np.array([r1 - r0]), np.array([kv_eff]), np.arange(n_pages)[None], causal=causal)
+
+            def check(out_rows):
+                return max(reference.relative_error(out_rows(b * ql + r0, b * ql + r1), ref)
+                           for (b, r0, r1), ref in windows.items())
+
+            def host_rows(arr):
+                return lambda lo, hi: cupy.asnumpy(arr.view(cupy.uint16)[lo:hi]).view(hdt).astype(np.float64)
+
+            def time_cupy(make_launch, label):
+                try:
+                    err = check(make_launch(0)())
+                    launches = [make_launch(i % n_sets) for i in range(5)]
+                    t = timing.cupy_graph([lambda f=f: f() for f in launches], warmup=warmup, reps=reps)
+                    ok = err < TOL[dtype]
+                    rows.append(dict(workload=wname, ps=ps, impl=label, us=t.time_us, tflops=flops / t.time_us / 1e6,
+                                     err=err, ok=ok))
+                    log(f"time {wname:24s} ps {ps:2d} {label:14s} {t.time_us:9.1f} us {flops / t.time_us / 1e6:6.1f} "
+                        f"TFLOP/s  err {err:.2e}{'' if ok else ' FAIL'}")
+                except Exception as e:  # noqa: BLE001
+                    rows.append(dict(workload=wname, ps=ps, impl=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                    log(f"time {wname:24s} ps {ps:2d} {label:14s} ERROR {type(e).__name__}: {str(e)[:200]}")
+
+            for name in names:
+                vdtype, tile = VARIANTS[name]
+                pf = s9.Sm90Prefill(H_Q, H_KV, D, vdtype, tile).plan(q_lens, kv_lens, page_table, causal=causal)
+
+                def make(i, pf=pf):
+                    q, c, o = sets[i]
+
+                    def go():
+                        pf.run(q, c, o)
+                        return host_rows(o)
+                    return go
+                time_cupy(make, name)
+            # the mma.sync path
+            attn = cupy_fa.BatchAttention(H_Q, H_KV, D, dtype=dtype)
+            attn.plan(q_lens, kv_lens, page_table, causal=causal)
+
+            def make_ours(i):
+                q, c, o = sets[i]
+
+                def go():
+                    attn.run(q, c, out=o)
+                    return host_rows(o)
+                return go
+            time_cupy(make_ours, "mma.sync")
+            # SDPA on a dense copy (no pages: once per workload)
+            if not sdpa_done:
+                sdpa_done.update(time_sdpa(wname, sets, page_table, B, ql, kl, causal, D, dtype, flops, check,
+                                           warmup, reps, rows, ps))
+            del sets
+            cupy.get_default_memory_pool().free_all_blocks()
+    return dict(rows=rows, gemm=gemm)
+
+
+def time_sdpa(wname, sets, page_table, B, ql, kl, causal, D, dtype, flops, check, warmup, reps, rows, ps):
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        from bench import timing
+        from bench.inputs import as_torch
+    except Exception as e:  # noqa: BLE001
+        log(f"sdpa unavailable: {e}")
+        return {"done": True}
+    tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    pt = torch.as_tensor(page_table, dtype=torch.long, device="cuda")
+
+    def torch_view(x):
+        t = as_torch(x) if dtype == "bfloat16" else torch.from_dlpack(x)
+        return t.view(tdt) if t.dtype != tdt else t
+
+    dense = []
+    for q, c, _ in sets:
+        def gather(arr):
+            tok = torch_view(arr)[pt].reshape(B, -1, H_KV, D)[:, :kl]
+            return tok.transpose(1, 2).contiguous()
+        dense.append((torch_view(q).view(B, ql, H_Q, D).transpose(1, 2).contiguous(), gather(c.k), gather(c.v)))
+    torch.cuda.synchronize()
+    for label, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        kw = {}
+        if causal and ql == kl:
+            kw = {"is_causal": True}
+        elif causal:
+            kw = {"attn_mask": causal_lower_right(ql, kl)} if label == "sdpa_flash" else \
+                {"attn_mask": torch.ones(ql, kl, dtype=torch.bool, device="cuda").tril(kl - ql)}
+
+        def call(i, kw=kw, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(*dense[i], enable_gqa=True, **kw)
+        try:
+            o = call(0)
+            torch.cuda.synchronize()
+            flat = o.transpose(1, 2).reshape(B * ql, H_Q, D)
+            err = check(lambda lo, hi: flat[lo:hi].double().cpu().numpy())
+            t = timing.torch_graph([lambda i=i: call(i % len(dense)) for i in range(5)], warmup=warmup, reps=reps)
+            ok = err < TOL[dtype]
+            rows.append(dict(workload=wname, ps="-", impl=label, us=t.time_us, tflops=flops / t.time_us / 1e6, err=err,
+                             ok=ok, method=t.method))
+            log(f"time {wname:24s} ps  - {label:14s} {t.time_us:9.1f} us {flops / t.time_us / 1e6:6.1f} TFLOP/s  "
+                f"err {err:.2e}{'' if ok else ' FAIL'} ({t.method})")
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(workload=wname, ps="-", impl=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            log(f"time {wname:24s} ps  - {label:14s} ERROR {type(e).__name__}: {str(e)[:200]}")
+        torch.cuda.synchronize()
+    del dense
+    torch.cuda.empty_cache()
+    return {"done": True}
+
+
+# ---- child: ncu (run under ncu by the parent) ---------------------------------------------
+
+NCU_SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "MemoryWorkloadAnalysis"]
+NCU_METRICS = ",".join(
+    ["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+     "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",
+     "smsp__warps_eligible.avg.per_cycle_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+     "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
+     "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "sm__cycles_elapsed.avg.per_second"]
+    + [f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in
+       ("long_scoreboard", "short_scoreboard", "barrier", "membar", "mio_throttle", "math_pipe_throttle", "wait",
+        "lg_throttle", "not_selected", "selected", "no_instruction", "dispatch_stall", "sleeping", "branch_resolving")])
+
+
+def child_ncu(names):
+    """One launch of each variant on prefill_b2_l8192, page 16 (the parent runs this under ncu)."""
+    import cupy
+
+    from cupy_fa import _arrays
+    from cupy_fa.kv_cache import PagedKVCache
+
+    B, ql, kl, ps, D = 2, 8192, 8192, 16, 128
+    ppr = kl // ps
+    dt = _arrays.DTYPES["bfloat16"]
+    k = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), "bfloat16")
+    v = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), "bfloat16")
+    q = fill_random(cupy.empty((B * ql, H_Q, D), dt), "bfloat16")
+    out = cupy.empty_like(q)
+    page_table = np.random.default_rng(7).permutation(B * ppr).astype(np.int32).reshape(B, ppr)
+    for name in names:
+        dtype, tile = VARIANTS[name]
+        pf = s9.Sm90Prefill(H_Q, H_KV, D, dtype, tile).plan(np.full(B, ql), np.full(B, kl), page_table)
+        pf.run(q, PagedKVCache(k, v), out)
+        cupy.cuda.Device().synchronize()
+    return {}
+
+
+def run_ncu(names, timeout):
+    """Two ncu passes over one launch per variant: sections, then metrics (a name this ncu lacks
+    fails only its pass). Returns the lines worth reading."""
+    lines = []
+    base = ["ncu", "--clock-control", "none", "-k", "regex:prefill_sm90", "-c", str(len(names))]
+    child = [sys.executable, os.path.abspath(__file__), "--child", "ncu"]
+    with open(os.path.join(WORK, "ncu_in.json"), "w") as f:
+        json.dump({"names": names}, f)
+    keep = ("prefill_sm90_kernel", "Duration", "Throughput", "Pipe", "Issue", "Eligible", "Active Warps", "L2 Hit",
+            "L1/TEX Hit", "Bank", "stall", "Stall", "cycles being", "gmma", "warps_", "issue_active", "wavefronts",
+            "lts__", "per_second", "SM Busy", "Executed Ipc")
+    for label, extra in (("sections", sum((["--section", x] for x in NCU_SECTIONS), [])),
+                         ("metrics", ["--metrics", NCU_METRICS])):
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(base + extra + child, capture_output=True, text=True, timeout=timeout)
+            text = proc.stdout + proc.stderr
+        except (subprocess.TimeoutExpired, OSError) as e:
+            text = f"ncu {label}: {type(e).__name__}: {e}"
+        with open(os.path.join(OUT, f"ncu_{label}.txt"), "w") as f:
+            f.write(text)
+        lines.append(f"-- ncu {label} ({time.perf_counter() - t0:.0f} s)")
+        lines += [ln.rstrip()[:200] for ln in text.splitlines() if any(k in ln for k in keep)][:80]
+    return lines
+
+
+# ---- parent -------------------------------------------------------------------------------
+
+def run_child(stage, payload, timeout):
+    path = os.path.join(WORK, f"{stage}_in.json")
+    with open(path, "w") as f:
+        json.dump(payload, f)
+    out_path = os.path.join(WORK, f"{stage}_out.json")
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    t0 = time.perf_counter()
+    try:
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="8")  # the children's window references use threads
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", stage], timeout=timeout, env=env)
+        status = f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        status = f"TIMEOUT after {timeout} s (a hang?)"
+    log(f"== stage {stage}: {status}, {time.perf_counter() - t0:.1f} s")
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            return json.load(f), status
+    return None, status
+
+
+def child_main(stage):
+    with open(os.path.join(WORK, f"{stage}_in.json")) as f:
+        payload = json.load(f)
+    if stage == "compile":
+        res = child_compile(payload["names"])
+    elif stage == "correct":
+        res = child_correct(payload["names"], payload["paths"], payload["cases"])
+    elif stage == "ncu":
+        res = child_ncu(payload["names"])
+    else:
+        res = child_time(payload["passed"], payload["quick"])
+    with open(os.path.join(WORK, f"{stage}_out.json"), "w") as f:
+        json.dump(res, f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="one case per dtype and head dim, one timing workload")
+    ap.add_argument("--only", default="", help="comma list of variant names (default: all)")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--ncu", default="", help="comma list of variants to profile once each on prefill_b2_l8192")
+    args = ap.parse_args()
+    if args.child:
+        return child_main(args.child)
+    os.makedirs(WORK, exist_ok=True)
+    os.makedirs(OUT, exist_ok=True)
+    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    log(f"probe_prefill_sm90: seed {seed}, variants {names}")
+    try:
+        subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"])
+    except OSError as e:
+        log(f"nvidia-smi: {e}")
+
+    # compile (GPU child) while the CPU draws the cases and their fp64 references
+    cases = case_list(args.quick)
+    with open(os.path.join(WORK, "compile_in.json"), "w") as f:
+        json.dump({"names": names}, f)
+    t0 = time.perf_counter()
+    compile_proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "compile"])
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(14, os.cpu_count() or 2)) as pool:
+        paths = list(pool.map(make_case, [(i, c, seed + i) for i, c in enumerate(cases)]))
+    log(f"== {len(cases)} cases and their fp64 references: {time.perf_counter() - t0:.1f} s")
+    try:
+        compile_proc.wait(timeout=120)
+        status = f"exit {compile_proc.returncode}"
+    except subprocess.TimeoutExpired:
+        compile_proc.kill()
+        status = "TIMEOUT"
+    log(f"== stage compile: {status}, {time.perf_counter() - t0:.1f} s")
+    compiled = None
+    if os.path.exists(os.path.join(WORK, "compile_out.json")):
+        with open(os.path.join(WORK, "compile_out.json")) as f:
+            compiled = json.load(f)
+
+    correct, c_status = run_child("correct", {"names": names, "paths": paths, "cases": cases}, 150)
+    passed = []
+    for n in names:
+        cells = [r for k, r in (correct or {}).items() if k.startswith(n + "|")]
+        if cells and all(r.get("ok") for r in cells):
+            passed.append(n)
+    timed, t_status = run_child("time", {"passed": passed, "quick": args.quick}, 240 if not args.quick else 120)
+    ncu_names = [n for n in args.ncu.split(",") if n in passed] if args.ncu else []
+    ncu_lines = run_ncu(ncu_names, 90) if ncu_names else []
+
+    with open(os.path.join(OUT, "probe.json"), "w") as f:
+        json.dump(dict(seed=seed, compiled=compiled, correct=correct, timed=timed, cases=cases, ncu=ncu_lines,
+                       statuses=dict(correct=c_status, time=t_status)), f, indent=1)
+
+    # ---- the tables, last -------------------------------------------------------------------
+    log("\n==== compile (cold RawModule s / NVRTC s / regs / spills / HGMMA / LDL+STL)")
+    if compiled:
+        log(f"first prefill call cold: {compiled['first_call_s']:.2f} s")
+        for n, r in compiled["variants"].items():
+            log(f"  {n:12s} {r['cold_s']:5.2f} {r['nvrtc_s']:5.2f} {r['registers']} {r['spill_stores']}/{r['spill_loads']} "
+                f"{r['hgmma']} {r['local']}")
+    log(f"\n==== correctness ({c_status}; seed {seed}): variant: cases ok / run, worst out err, worst lse err")
+    for n in names:
+        cells = {k.split("|")[1]: r for k, r in (correct or {}).items() if k.startswith(n + "|")}
+        bad = [k for k, r in cells.items() if not r.get("ok")]
+        worst = max((r.get("err", math.inf) for r in cells.values()), default=math.nan)
+        worst_l = max((r.get("lse_err", math.inf) for r in cells.values()), default=math.nan)
+        log(f"  {n:12s} {len(cells) - len(bad)}/{len(cells)} ok, out {worst:.2e}, lse {worst_l:.2e}"
+            f"{'  FAILED: ' + ', '.join(bad) if bad else ''}")
+    if ncu_lines:
+        log("\n==== ncu (prefill_b2_l8192, page 16; whole reports in $OUT/ncu_*.txt)")
+        for line in ncu_lines:
+            log(line)
+    log(f"\n==== timing ({t_status}): TFLOP/s (us), fp64 window check")
+    if timed:
+        rows = timed["rows"]
+        impls = []
+        for r in rows:
+            if r["impl"] not in impls:
+                impls.append(r["impl"])
+        keys = []
+        for r in rows:
+            if r["ps"] != "-" and (r["workload"], r["ps"]) not in keys:
+                keys.append((r["workload"], r["ps"]))
+        log(f"  {'workload':24s} {'ps':>2s} " + " ".join(f"{i:>12s}" for i in impls))
+        for wname, ps in keys:
+            cells = []
+            for impl in impls:
+                hit = [r for r in rows if r["workload"] == wname and r["impl"] == impl and r["ps"] in (ps, "-")]
+                if not hit:
+                    cells.append(f"{'':>12s}")
+                elif "error" in hit[0]:
+                    cells.append(f"{'error':>12s}")
+                else:
+                    cells.append(f"{hit[0]['tflops']:7.1f}{'' if hit[0]['ok'] else '!'}".rjust(12))
+            log(f"  {wname:24s} {ps:>2d} " + " ".join(cells))
+        log("  (! = failed its fp64 check; sdpa_* on a dense copy, same on both page sizes)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""GPU correctness of the sm_90a prefill family (cupy_fa/prefill_sm90.py) against the float64
+reference, and its batch invariance. Hopper only: on another GPU these skip with that reason."""
+
+import numpy as np
+import pytest
+
+from cases import TOL, new_rng, np_dtype, paged_case, random_lengths
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_sm90():
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the sm_90a prefill family runs on compute capability 9.0 (Hopper) only")
+
+
+def run(dtype, heads, head_dim, page_size, causal, q_lens, kv_lens, rng):
+    """(out, lse, reference out, reference lse) of one random paged case (NaN in every cache
+    slot no request may read, outputs poisoned with NaN)."""
+    import cupy
+
+    from cupy_fa import prefill_sm90 as s9, reference
+
+    h_q, h_kv = heads
+    total = int(q_lens.sum())
+    table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, total)
+    out = cupy.full((total, h_q, head_dim), np.nan, np_dtype(dtype))
+    lse = cupy.full((total, h_q), np.nan, np.float32)
+    s9.Sm90Prefill(h_q, h_kv, head_dim, dtype).plan(q_lens, kv_lens, table, causal=causal).run(
+        cupy.asarray(q_host), cache, out, lse)
+    ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv_lens, table, causal=causal,
+                                             return_lse=True)
+    return out.get().astype(np.float64), lse.get().astype(np.float64), ref, ref_lse
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 48])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_random_ragged_batch(dtype, head_dim, page_size, causal):
+    from cupy_fa import reference
+
+    rng, _ = new_rng()
+    q_lens, kv_lens = random_lengths(rng, max_requests=9, max_q=700, max_kv=4000, work_budget=1_500_000)
+    got, got_lse, ref, ref_lse = run(dtype, (16, 4), head_dim, page_size, causal, q_lens, kv_lens, rng)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    assert np.isfinite(got).all(), f"{int(np.isnan(got).sum())} output elements NaN or not written"
+    assert np.isfinite(got_lse).all(), "lse NaN or not written"
+    for b in range(len(q_lens)):
+        if q_lens[b]:
+            err = reference.relative_error(got[cu[b]:cu[b + 1]], ref[cu[b]:cu[b + 1]])
+            assert err < TOL[dtype], f"request {b} (q {q_lens[b]}, kv {kv_lens[b]}): relative error {err:.2e}"
+    assert float(np.abs(got_lse - ref_lse).max()) < 1e-2
+
+
+def test_a_request_keeps_its_bits_in_any_batch():
+    """Rows never mix: a request's out and lse are bit-identical alone and inside a batch of
+    other requests (prefill, a split extend, a decode row), at another position."""
+    import cupy
+
+    from cupy_fa import prefill_sm90 as s9
+
+    rng, _ = new_rng()
+    dtype, (h_q, h_kv), d, ps = "bfloat16", (32, 8), 128, 16
+    q_lens, kv_lens = np.array([300, 20, 777, 1]), np.array([300, 3000, 1500, 60])
+    total = int(q_lens.sum())
+    table, _, _, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), d, ps, kv_lens, total)
+    q = cupy.asarray(q_host)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    out = cupy.empty((total, h_q, d), np_dtype(dtype))
+    lse = cupy.empty((total, h_q), np.float32)
+    s9.Sm90Prefill(h_q, h_kv, d, dtype).plan(q_lens, kv_lens, table).run(q, cache, out, lse)
+    for b in range(len(q_lens)):
+        one = cupy.empty((int(q_lens[b]), h_q, d), np_dtype(dtype))
+        one_lse = cupy.empty((int(q_lens[b]), h_q), np.float32)
+        s9.Sm90Prefill(h_q, h_kv, d, dtype).plan(q_lens[b:b + 1], kv_lens[b:b + 1], table[b:b + 1]).run(
+            q[cu[b]:cu[b + 1]], cache, one, one_lse)
+        assert (out[cu[b]:cu[b + 1]].view(cupy.uint16) == one.view(cupy.uint16)).all(), f"request {b} out"
+        assert (lse[cu[b]:cu[b + 1]].view(cupy.uint32) == one_lse.view(cupy.uint32)).all(), f"request {b} lse"
