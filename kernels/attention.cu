@@ -65,7 +65,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int split_keys = __ldg(p.split_keys + w.request);
   const int tiles_per_split = split_keys / BN;
   const int kv_begin = w.split_first * split_keys;
-  const int kv_end = variant.key_stop(min(w.kv_len, w.split_stop * split_keys), w.row0 + BM, rows);
+  // a bad request (w.bad: status.cuh) reads no K/V at all: its splits end empty, written NaN
+  const int kv_end = w.bad ? kv_begin : variant.key_stop(min(w.kv_len, w.split_stop * split_keys), w.row0 + BM, rows);
   const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -76,7 +77,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
   load_q_block<Traits>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group, row_in_pass, chunk);
-  PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, row_in_pass, chunk);
+  PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, row_in_pass, chunk,
+                                  w.bad != 0);
   kv.fetch_pages(0);
 #pragma unroll
   for (int t = 0; t < STAGES - 1; ++t) {
@@ -122,10 +124,12 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row
     // tile, at its register cap, a spill)
     if (tiles_left == 1 || tile + 1 == num_tiles) epilogue.publish(state);
-    __syncthreads();  // the next iteration's loads overwrite this stage
+    // the next iteration's loads overwrite this stage; and whether any thread of the CTA has
+    // fetched a page id outside the cache (PagedKVProducer::bad), for the split's epilogue
+    const bool bad = __syncthreads_or(kv.bad);
     if (--tiles_left == 0 || tile + 1 == num_tiles) {
       const unsigned long long epilogue_from = trace_now();
-      epilogue.finish(split_now++, stage, state.acc);
+      epilogue.finish(split_now++, stage, state.acc, bad);
       traced_epilogue += trace_now() - epilogue_from;
       state.reset();
       tiles_left = tiles_per_split;
@@ -135,8 +139,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // splits the causal clip left without a tile still write their (empty) result
   for (; split_now < w.split_stop; ++split_now) {
     epilogue.publish(state);
-    __syncthreads();
-    epilogue.finish(split_now, 0, state.acc);
+    const bool bad = __syncthreads_or(kv.bad);
+    epilogue.finish(split_now, 0, state.acc, bad);
   }
   trace_stamp(kTraceDone);
   trace_store(kTraceEpilogueNs, traced_epilogue);

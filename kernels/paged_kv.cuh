@@ -9,6 +9,12 @@
 // the previous tile's compute; copies of rows past kv_end zero-fill, so masked keys never carry
 // NaN garbage into P V.
 //
+// Page ids are device metadata the host cannot check: each one fetched is compared with the
+// cache's num_pages as it arrives (one unsigned compare and a select per key row, no branch in
+// the unrolled loops): one outside the cache is replaced by page 0, so nothing is read outside
+// the cache, and `bad` is set; the CTA then writes its rows NaN (split_epilogue.cuh) and records
+// the request (status.cuh).
+//
 // Loops run a constant number of times so they unroll: every row's address is ready before the
 // first cp.async issues, instead of one dependent page-id load per row in a loop. The page-size
 // test is made once per tile, outside the unrolled row loops (the pow2 and general paths are each
@@ -61,9 +67,11 @@ struct PagedKVProducer {
   int kv_begin, kv_end, num_tiles;
   int row_in_pass, chunk;
   int pages[kRows];  // page ids of the next tile to issue (fetch_pages), one tile ahead
+  bool bad;          // a page id fetched was outside the cache (or the request was bad already)
 
   __device__ __forceinline__ PagedKVProducer(const AttentionParams& p, int request, int kv_head, KVT* sK, KVT* sV,
-                                             int kv_begin, int kv_end, int num_tiles, int row_in_pass, int chunk)
+                                             int kv_begin, int kv_end, int num_tiles, int row_in_pass, int chunk,
+                                             bool bad)
       : p(p),
         page_row(p.page_table + (i64)request * p.page_table_stride),
         slot_bytes(p.num_kv_heads * D * (int)sizeof(KVT)),
@@ -75,14 +83,18 @@ struct PagedKVProducer {
         kv_end(kv_end),
         num_tiles(num_tiles),
         row_in_pass(row_in_pass),
-        chunk(chunk) {}
+        chunk(chunk),
+        bad(bad) {}
 
   template <typename PageOf>
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
-      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+      const int page = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+      const bool inside = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+      pages[i] = inside ? page : 0;
+      bad |= !inside;
     }
   }
 
