@@ -43,6 +43,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ float s_factor[BM][Traits::kWarpsN];
   __shared__ float4 s_row[BM];
   __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1][2];
+  __shared__ int s_bad[Traits::kWarps];  // per warp: a bad request, or a page id outside the cache (paged_kv.cuh)
+  __shared__ int s_request;              // the request, for the status word at the end (no register held)
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -75,10 +77,14 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // a warp whose 16 rows are all padding (decode in a 2-row-warp tile) only loads
   const bool warp_has_rows = w.row0 + wm * 16 < rows;
 
+  if (lane == 0) s_bad[warp] = w.bad;  // the warp's flag (a reason, status.cuh), before its lanes may set it
+  if (tid == 0) s_request = w.request;
+  __syncwarp();
+
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
   load_q_block<Traits>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group, row_in_pass, chunk);
   PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, row_in_pass, chunk,
-                                  w.bad != 0);
+                                  s_bad + warp);
   kv.fetch_pages(0);
 #pragma unroll
   for (int t = 0; t < STAGES - 1; ++t) {
@@ -93,7 +99,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   state.reset();
   const int mask_from = variant.mask_from(kv_end, w.row0);
   SplitEpilogue<Traits, KVT, OT> epilogue(p, w, rows, kv_head, group, by_group, tid, warp, wm, sK, sV, s_max, s_sum,
-                                          s_factor, s_row, s_step);
+                                          s_factor, s_row, s_step, s_bad);
   Mma mma{lane, wm, wn};
 
   // ---- the main loop: one KV tile per iteration, each split's epilogue after its last tile
@@ -124,12 +130,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row
     // tile, at its register cap, a spill)
     if (tiles_left == 1 || tile + 1 == num_tiles) epilogue.publish(state);
-    // the next iteration's loads overwrite this stage; and whether any thread of the CTA has
-    // fetched a page id outside the cache (PagedKVProducer::bad), for the split's epilogue
-    const bool bad = __syncthreads_or(kv.bad);
+    __syncthreads();  // the next iteration's loads overwrite this stage
     if (--tiles_left == 0 || tile + 1 == num_tiles) {
       const unsigned long long epilogue_from = trace_now();
-      epilogue.finish(split_now++, stage, state.acc, bad);
+      epilogue.finish(split_now++, stage, state.acc);
       traced_epilogue += trace_now() - epilogue_from;
       state.reset();
       tiles_left = tiles_per_split;
@@ -139,8 +143,13 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // splits the causal clip left without a tile still write their (empty) result
   for (; split_now < w.split_stop; ++split_now) {
     epilogue.publish(state);
-    const bool bad = __syncthreads_or(kv.bad);
-    epilogue.finish(split_now, 0, state.acc, bad);
+    __syncthreads();
+    epilogue.finish(split_now, 0, state.acc);
+  }
+  // a bad request is recorded once the CTA is done (status.cuh), off the loop's registers
+  if (tid == 0) {
+    const unsigned reason = epilogue.bad_reason();
+    if (reason != 0) record_bad(p.status, s_request, reason);
   }
   trace_stamp(kTraceDone);
   trace_store(kTraceEpilogueNs, traced_epilogue);

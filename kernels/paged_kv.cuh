@@ -12,8 +12,9 @@
 // Page ids are device metadata the host cannot check: each one fetched is compared with the
 // cache's num_pages as it arrives (one unsigned compare and a select per key row, no branch in
 // the unrolled loops): one outside the cache is replaced by page 0, so nothing is read outside
-// the cache, and `bad` is set; the CTA then writes its rows NaN (split_epilogue.cuh) and records
-// the request (status.cuh).
+// the cache, and the warp's flag in shared memory is set (one predicated store per fetch, no
+// register held across the loop); the CTA's epilogue then writes its rows NaN
+// (split_epilogue.cuh) and records the request (status.cuh).
 //
 // Loops run a constant number of times so they unroll: every row's address is ready before the
 // first cp.async issues, instead of one dependent page-id load per row in a loop. The page-size
@@ -67,11 +68,11 @@ struct PagedKVProducer {
   int kv_begin, kv_end, num_tiles;
   int row_in_pass, chunk;
   int pages[kRows];  // page ids of the next tile to issue (fetch_pages), one tile ahead
-  bool bad;          // a page id fetched was outside the cache (or the request was bad already)
+  int* bad_flag;     // this warp's flag (shared): kPageOutOfRange once a page id fetched was outside the cache
 
   __device__ __forceinline__ PagedKVProducer(const AttentionParams& p, int request, int kv_head, KVT* sK, KVT* sV,
                                              int kv_begin, int kv_end, int num_tiles, int row_in_pass, int chunk,
-                                             bool bad)
+                                             int* bad_flag)
       : p(p),
         page_row(p.page_table + (i64)request * p.page_table_stride),
         slot_bytes(p.num_kv_heads * D * (int)sizeof(KVT)),
@@ -84,18 +85,20 @@ struct PagedKVProducer {
         num_tiles(num_tiles),
         row_in_pass(row_in_pass),
         chunk(chunk),
-        bad(bad) {}
+        bad_flag(bad_flag) {}
 
   template <typename PageOf>
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
+    bool outside = false;
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
       const int page = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
       const bool inside = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
       pages[i] = inside ? page : 0;
-      bad |= !inside;
+      outside |= !inside;
     }
+    if (outside) *bad_flag = kPageOutOfRange;
   }
 
   // Page ids of tile `tile` (0 past the last tile), for the issue() that follows.

@@ -24,8 +24,8 @@ struct WorkItem {
   int request;      // b
   int q_start;      // its first query token (q_indptr[b])
   int q_len, kv_len;  // q_len: its tokens inside q's rows (all of them unless `bad` says otherwise)
-  unsigned bad;     // 0, or why the request breaks the contract (status.cuh): the CTA reads no K/V
-                    // and writes its rows NaN
+  unsigned bad;     // 0, or why the request breaks the contract (status.cuh): the CTA reads no K/V,
+                    // writes its rows NaN and records the request at its end
   int splits;       // KV splits of the request
   int groups;       // runs of splits_per_cta splits, so CTAs per row block
   int split_first;  // this CTA runs splits [split_first, split_stop) of its row block
@@ -78,7 +78,6 @@ __device__ __forceinline__ WorkItem locate_work(const AttentionParams& p, int wo
   // them (then the groups in order too), never for a run of groups that is not the whole row.
   if (p.fold_splits && (per_cta % kMergeGroup != 0 || (w.groups > 1 && per_cta != kMergeGroup))) __trap();
   w.row0 = (local / w.groups) * Traits::kBlockM;
-  if (w.bad != 0 && threadIdx.x == 0) record_bad(p.status, b, w.bad);
   return w;
 }
 

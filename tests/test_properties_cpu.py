@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from cupy_fa import _build, contract_lengths, ForwardMode, plan, reference
+from cupy_fa import ForwardMode, contract_lengths, knobs as knob_state, plan, reference, schedule
 from test_plan import model
 
 SETTINGS = settings(max_examples=int(os.environ.get("CUPY_FA_PROPERTY_EXAMPLES", "150")), deadline=None,
@@ -37,6 +37,7 @@ def knobs(**env):
     """CUPY_FA_* settings for one example (hypothesis examples cannot use monkeypatch)."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
+    knob_state.reload()  # the knobs are read once (cupy_fa.knobs)
     try:
         yield
     finally:
@@ -45,6 +46,7 @@ def knobs(**env):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        knob_state.reload()
 
 
 # ---- strategies -----------------------------------------------------------------------
@@ -81,22 +83,17 @@ def mode_batch(draw, max_batch=12, max_prefix=20000):
 
 
 def plan_on_host(q, kv, head_dim, group, num_kv_heads, capacity_rows):
-    """What BatchAttention.plan chooses for host lengths: tile, fold, grid, merge."""
-    max_q = int(q.max()) if len(q) else 0
-    tile = _build.tile_for(head_dim, max(max_q, 1), group)
-    tile = plan.fold_tile(tile, q, kv, group, num_kv_heads, SM_COUNT)
-    return tile, plan.work_bound(q, kv, group, tile), plan.needs_merge(tile, q, kv), capacity_rows
+    """What BatchAttention.plan chooses for host lengths (cupy_fa.schedule): tile, fold, grid, merge."""
+    sched = schedule.schedule_step(head_dim, group, num_kv_heads, q_lens=q, kv_lens=kv, sm_count=SM_COUNT)
+    return sched.tile, sched.work_grid, sched.needs_merge, capacity_rows
 
 
 def plan_on_device(q, kv, head_dim, group, num_kv_heads, bucket, max_q, max_pages, page_size):
     """What a graph step (GraphRunner: device lengths, bounds only) chooses for a bucket."""
-    tile = _build.tile_for(head_dim, max_q, group)
-    shortest = np.full(bucket, max_q)
-    tile = plan.fold_tile(tile, shortest, shortest, group, num_kv_heads, SM_COUNT, exact=False)
-    capacity = plan.Capacity(bucket, bucket * max_q, max_pages)
-    kv_bound = max_pages * page_size
-    grid = plan.capacity_work_bound(capacity, group, tile, max_q, kv_bound)
-    return tile, grid, plan.needs_merge(tile, [1], [kv_bound])
+    sched = schedule.schedule_step(head_dim, group, num_kv_heads, max_q_len=max_q, max_kv_len=max_pages * page_size,
+                                   capacity=plan.Capacity(bucket, bucket * max_q, max_pages), batch_size=bucket,
+                                   sm_count=SM_COUNT)
+    return sched.tile, sched.work_grid, sched.needs_merge
 
 
 # ---- the kernels' reads and writes, replayed --------------------------------------------
@@ -128,7 +125,7 @@ def replay(m, q, kv, group, tile, grid, merge_launched, causal, masked, page_siz
         split_first = (local % groups) * per_cta
         split_stop = min(split_first + per_cta, splits)
         if tile.fold_splits:
-            assert per_cta % _build.MERGE_GROUP == 0 and (groups == 1 or per_cta == _build.MERGE_GROUP), "a trap"
+            assert per_cta % schedule.MERGE_GROUP == 0 and (groups == 1 or per_cta == schedule.MERGE_GROUP), "a trap"
         row0 = (local // groups) * bm
         rows = q_len * group
         assert row0 < rows, "a CTA past its request's rows"
@@ -159,8 +156,8 @@ def replay(m, q, kv, group, tile, grid, merge_launched, causal, masked, page_siz
                 elif tile.fold_splits and groups == 1:
                     pass  # folded in shared memory until the row's last split
                 elif tile.fold_splits:  # one group of several: its state for the merge, at its group's close
-                    if split % _build.MERGE_GROUP == _build.MERGE_GROUP - 1 or split + 1 == split_stop:
-                        group_row = int(partial_indptr[b]) // 2 + token * groups + split_first // _build.MERGE_GROUP
+                    if split % schedule.MERGE_GROUP == schedule.MERGE_GROUP - 1 or split + 1 == split_stop:
+                        group_row = int(partial_indptr[b]) // 2 + token * groups + split_first // schedule.MERGE_GROUP
                         for r in (2 * group_row, 2 * group_row + 1):
                             assert partial_indptr[b] <= r < partial_indptr[b + 1] <= capacity_rows
                         partials.add((group_row, row % group))
@@ -173,7 +170,7 @@ def replay(m, q, kv, group, tile, grid, merge_launched, causal, masked, page_siz
             if q[b] == 0:
                 continue
             splits = int(m["num_splits"][b])
-            inputs = -(-splits // _build.MERGE_GROUP) if tile.fold_splits else splits
+            inputs = -(-splits // schedule.MERGE_GROUP) if tile.fold_splits else splits
             if inputs <= 1:
                 continue
             for token in range(q[b]):
@@ -207,11 +204,11 @@ def run_schedule(q, kv, head_dim, group, device_bounds, causal, masked, page_siz
     num_kv_heads = 8
     with knobs(CUPY_FA_FOLD_SPLITS=knob_fold, CUPY_FA_SPLITS_PER_CTA=knob_per_cta):
         if device_bounds is None:
-            rows = capacity_rows or plan.partial_rows(len(q), num_kv_heads * group, head_dim)
+            rows = capacity_rows or schedule.partial_rows(len(q), num_kv_heads * group, head_dim)
             tile, grid, merge, rows = plan_on_host(q, kv, head_dim, group, num_kv_heads, rows)
         else:
             bucket, max_q, max_pages = device_bounds
-            rows = plan.partial_rows(bucket, num_kv_heads * group, head_dim)
+            rows = schedule.partial_rows(bucket, num_kv_heads * group, head_dim)
             tile, grid, merge = plan_on_device(q, kv, head_dim, group, num_kv_heads, bucket, max_q, max_pages,
                                                page_size)
         m = model(q, kv, group, tile, rows)
@@ -223,7 +220,7 @@ def run_schedule(q, kv, head_dim, group, device_bounds, causal, masked, page_siz
 
 
 @SETTINGS
-@given(batch=mode_batch(), head_dim=st.sampled_from(_build.HEAD_DIMS), group=st.sampled_from([1, 4, 8]),
+@given(batch=mode_batch(), head_dim=st.sampled_from(schedule.HEAD_DIMS), group=st.sampled_from([1, 4, 8]),
        page_size=st.sampled_from(PAGE_SIZES), causal=st.booleans(), masked=st.booleans(),
        fold=st.sampled_from(["auto", "0", "1"]), per_cta=st.sampled_from([1, 2, 3]))
 def test_host_plan_writes_every_row_once_and_reads_inside(batch, head_dim, group, page_size, causal, masked, fold,
@@ -234,7 +231,7 @@ def test_host_plan_writes_every_row_once_and_reads_inside(batch, head_dim, group
 
 
 @SETTINGS
-@given(batch=mode_batch(max_batch=9), head_dim=st.sampled_from(_build.HEAD_DIMS), group=st.sampled_from([1, 4]),
+@given(batch=mode_batch(max_batch=9), head_dim=st.sampled_from(schedule.HEAD_DIMS), group=st.sampled_from([1, 4]),
        page_size=st.sampled_from(PAGE_SIZES), extra_bucket=st.integers(0, 7), fold=st.sampled_from(["auto", "1"]))
 def test_graph_plan_bounds_cover_any_step_of_the_bucket(batch, head_dim, group, page_size, extra_bucket, fold):
     """A graph step: lengths padded with q_len = 0 rows to the bucket, the grid and the merge
