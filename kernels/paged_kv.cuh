@@ -12,9 +12,10 @@
 // Page ids are device metadata the host cannot check: each one fetched is compared with the
 // cache's num_pages as it arrives (one unsigned compare and a select per key row, no branch in
 // the unrolled loops): one outside the cache is replaced by page 0, so nothing is read outside
-// the cache, and the warp's flag in shared memory is set (one predicated store per fetch, no
-// register held across the loop); the CTA's epilogue then writes its rows NaN
-// (split_epilogue.cuh) and records the request (status.cuh).
+// the cache, and the CTA's flag in shared memory is set (one predicated atomic per fetch, at a
+// constant address: no register is held across the loop for it); after the barrier that ends a
+// split's last tile the CTA writes its rows NaN (split_epilogue.cuh), and it records the request
+// when it is done (status.cuh).
 //
 // Loops run a constant number of times so they unroll: every row's address is ready before the
 // first cp.async issues, instead of one dependent page-id load per row in a loop. The page-size
@@ -68,11 +69,11 @@ struct PagedKVProducer {
   int kv_begin, kv_end, num_tiles;
   int row_in_pass, chunk;
   int pages[kRows];  // page ids of the next tile to issue (fetch_pages), one tile ahead
-  int* bad_flag;     // this warp's flag (shared): kPageOutOfRange once a page id fetched was outside the cache
+  int& bad;          // the CTA's flag (shared): set when a page id fetched was outside the cache
 
   __device__ __forceinline__ PagedKVProducer(const AttentionParams& p, int request, int kv_head, KVT* sK, KVT* sV,
                                              int kv_begin, int kv_end, int num_tiles, int row_in_pass, int chunk,
-                                             int* bad_flag)
+                                             int& bad)
       : p(p),
         page_row(p.page_table + (i64)request * p.page_table_stride),
         slot_bytes(p.num_kv_heads * D * (int)sizeof(KVT)),
@@ -85,7 +86,7 @@ struct PagedKVProducer {
         num_tiles(num_tiles),
         row_in_pass(row_in_pass),
         chunk(chunk),
-        bad_flag(bad_flag) {}
+        bad(bad) {}
 
   template <typename PageOf>
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
@@ -98,7 +99,7 @@ struct PagedKVProducer {
       pages[i] = inside ? page : 0;
       outside |= !inside;
     }
-    if (outside) *bad_flag = kPageOutOfRange;
+    if (outside) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }
 
   // Page ids of tile `tile` (0 past the last tile), for the issue() that follows.

@@ -70,14 +70,12 @@ struct SplitEpilogue {
   float (&s_factor)[BM][Traits::kWarpsN];           // each warp's factor onto the row's max
   float4 (&s_row)[BM];                              // the row's max, sum, 1 / sum, 1 / its folded total's sum
   FoldStep (&s_step)[Traits::kFoldInCta ? BM : 1][2];  // fold_splits: into the group, into the total
-  const int (&s_bad)[Traits::kWarps];                  // per warp: why the CTA's request is bad, or 0 (paged_kv.cuh)
 
   __device__ __forceinline__ SplitEpilogue(const AttentionParams& p, const WorkItem& w, int rows, int kv_head,
                                            int group, FastDiv by_group, int tid, int warp, int wm, KVT* sK, KVT* sV,
                                            float (&s_max)[Traits::kWarps][16], float (&s_sum)[Traits::kWarps][16],
                                            float (&s_factor)[BM][Traits::kWarpsN], float4 (&s_row)[BM],
-                                           FoldStep (&s_step)[Traits::kFoldInCta ? BM : 1][2],
-                                           const int (&s_bad)[Traits::kWarps])
+                                           FoldStep (&s_step)[Traits::kFoldInCta ? BM : 1][2])
       : p(p),
         w(w),
         rows(rows),
@@ -99,24 +97,7 @@ struct SplitEpilogue {
         s_sum(s_sum),
         s_factor(s_factor),
         s_row(s_row),
-        s_step(s_step),
-        s_bad(s_bad) {}
-
-  // Whether the CTA's request is bad (refused, or a page id outside the cache seen by any warp so
-  // far): read after the barrier that ends a split's last tile.
-  __device__ __forceinline__ bool cta_bad() const {
-    int any = 0;
-#pragma unroll
-    for (int wi = 0; wi < Traits::kWarps; ++wi) any |= s_bad[wi];
-    return any != 0;
-  }
-  // why (status.cuh): the request's own reason, else a page id outside the cache; 0 if fine
-  __device__ __forceinline__ unsigned bad_reason() const {
-    unsigned reason = 0;
-#pragma unroll
-    for (int wi = 0; wi < Traits::kWarps; ++wi) reason = max(reason, static_cast<unsigned>(s_bad[wi]));
-    return reason;
-  }
+        s_step(s_step) {}
 
   // warp w's [16][W] fp32 slice of the staging area
   __device__ __forceinline__ float* staged(int wi, int stage) const {
@@ -160,7 +141,7 @@ struct SplitEpilogue {
   // A bad CTA (a page id outside the cache, or a request refused: status.cuh) gives every row
   // a NaN sum: its out, partials, fold states and LSE all come out NaN (the 1 / sum below and
   // natural_lse / split_lse2 pass NaN on), and merge_kernel folds a NaN partial into NaN.
-  __device__ __forceinline__ void row_phase(int split) {
+  __device__ __forceinline__ void row_phase(int split, bool bad) {
     const int row = w.row0 + tid;
     if (tid >= BM || row >= rows) return;
     const int rwm = tid >> 4, rl = tid & 15;
@@ -173,7 +154,7 @@ struct SplitEpilogue {
       s_factor[tid][wi] = f;
       l_all += s_sum[rwm * Traits::kWarpsN + wi][rl] * f;
     }
-    if (cta_bad()) l_all = __int_as_float(0x7fc00000);  // NaN
+    if (bad) l_all = __int_as_float(0x7fc00000);  // NaN
     float total_inv = 0.f;
     if (Traits::kFoldInCta && p.fold_splits && w.splits > 1) {
       float4 ml = split != w.split_first ? fold_ml[tid] : make_float4(-INFINITY, 0.f, -INFINITY, 0.f);
@@ -189,9 +170,9 @@ struct SplitEpilogue {
     s_row[tid] = make_float4(m_all, l_all, inverse_sum(l_all), total_inv);
   }
 
-  // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`). A bad
-  // CTA writes its rows NaN (row_phase).
-  __device__ __forceinline__ void finish(int split, int stage, const float (&acc)[D_BLOCKS][4]) {
+  // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`); a bad
+  // CTA (`bad`: a page id outside the cache, or a refused request) writes its rows NaN (row_phase).
+  __device__ __forceinline__ void finish(int split, int stage, const float (&acc)[D_BLOCKS][4], bool bad) {
     if constexpr (!Traits::kEpilogueInStage) cp_async_wait<0>();  // it stages over every K/V stage
     // One pass, or (fold tile) two passes of half of D each: a pass's accumulators are dead
     // once staged, which keeps the second pass's live registers down.
@@ -213,7 +194,7 @@ struct SplitEpilogue {
         if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
       }
       // after the staging (this pass's accumulators are dead), published by the barrier below
-      if (pass == 0) row_phase(split);
+      if (pass == 0) row_phase(split, bad);
       __syncthreads();
 
       for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {
