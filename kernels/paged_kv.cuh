@@ -90,16 +90,16 @@ struct PagedKVProducer {
 
   template <typename PageOf>
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
-    bool outside = false;
+    const unsigned last = static_cast<unsigned>(p.num_pages - 1);
+    unsigned highest = 0;  // the largest id fetched, as unsigned (a negative one is huge)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
-      const int page = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
-      const bool inside = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-      pages[i] = inside ? page : 0;
-      outside |= !inside;
+      const unsigned page = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+      highest = max(highest, page);
+      pages[i] = static_cast<int>(min(page, last));  // inside the cache, whatever was fetched
     }
-    if (outside) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
+    if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }
 
   // Page ids of tile `tile` (0 past the last tile), for the issue() that follows.
