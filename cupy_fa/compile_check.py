@@ -1,5 +1,10 @@
 """Compiles every kernel variant to an sm_90a cubin with NVRTC alone (no GPU
-needed) and prints registers and spills: ``python -m cupy_fa.compile_check``."""
+needed) and prints registers, spills and stack frames: ``python -m cupy_fa.compile_check``.
+
+A variant whose ptxas log has no resource line for it ("Used N registers", and the
+"bytes stack frame, ... spill stores, ... spill loads" line) fails the check: the figures
+would otherwise read as zero spills that were never measured. Exit status 1 when any
+variant spills or has a stack frame with ``--strict``."""
 
 import argparse
 import sys
@@ -7,38 +12,68 @@ import time
 
 from . import _build, schedule
 
+RESOURCE_KEYS = ("registers", "spill_stores", "spill_loads", "stack")
+
+
+class MissingResources(RuntimeError):
+    """ptxas printed no resource figures for a variant (wrong name, log format changed, -v lost)."""
+
+
+def check_resources(variant, resources):
+    """The resources of one variant, every figure present, or MissingResources naming it."""
+    missing = [key for key in RESOURCE_KEYS if resources.get(key) is None]
+    if missing:
+        raise MissingResources(f"ptxas reported no {', '.join(missing)} for {variant.expression}: its resource "
+                               f"line is missing from the NVRTC log (got {resources})")
+    return resources
+
 
 def compile_all(arch="sm_90a", only=""):
-    """Returns [(variant, resources dict, seconds)]; raises on the first failure."""
+    """Returns [(variant, resources dict, seconds)]; raises on the first failure, a compile
+    error or a variant whose resource line is missing."""
     rows = []
     for variant in schedule.all_variants():
         if only and only not in variant.expression:
             continue
         start = time.perf_counter()
         _, resources = _build.compile_cubin(variant, arch)
-        rows.append((variant, resources, time.perf_counter() - start))
+        rows.append((variant, check_resources(variant, resources), time.perf_counter() - start))
     return rows
 
 
 def format_table(rows):
-    lines = [f"{'kernel variant':84s} {'regs':>5s} {'spill st/ld':>12s} {'smem KB':>8s} {'s':>5s}"]
+    lines = [f"{'kernel variant':84s} {'regs':>5s} {'spill st/ld':>12s} {'stack B':>8s} {'smem KB':>8s} {'s':>5s}"]
     for variant, res, seconds in rows:
         spills = f"{res['spill_stores']}/{res['spill_loads']}"
-        lines.append(f"{variant.expression:84s} {res['registers']!s:>5s} {spills:>12s} "
+        lines.append(f"{variant.expression:84s} {res['registers']!s:>5s} {spills:>12s} {res['stack']!s:>8s} "
                      f"{variant.smem_bytes / 1024:8.1f} {seconds:5.1f}")
     return "\n".join(lines)
+
+
+def summary(rows, arch):
+    spilled = [v.expression for v, r, _ in rows if r["spill_stores"] or r["spill_loads"]]
+    stacked = [v.expression for v, r, _ in rows if r["stack"]]
+    return (f"{len(rows)} variants compiled for {arch}, {len(spilled)} with spills, "
+            f"{len(stacked)} with a stack frame"), spilled, stacked
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--only", default="", help="substring of the variant name")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any variant spills or has a stack frame")
     args = parser.parse_args(argv)
-    rows = compile_all(args.arch, args.only)
+    try:
+        rows = compile_all(args.arch, args.only)
+    except MissingResources as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(format_table(rows))
-    spilled = [v.expression for v, r, _ in rows if r["spill_stores"] or r["spill_loads"]]
-    print(f"{len(rows)} variants compiled for {args.arch}, {len(spilled)} with spills")
-    return 0
+    line, spilled, stacked = summary(rows, args.arch)
+    print(line)
+    for name in stacked:
+        print(f"  stack frame: {name}")
+    return 1 if args.strict and (spilled or stacked) else 0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ class Sm90Tile:
     pingpong: bool = True       # the two consumer warpgroups take turns at the tensor cores
     producer_regs: int = 56     # setmaxnreg of the producer; the consumers get (504 - it) / 2
     q_in_regs: bool = False     # Q's wgmma A fragments in registers instead of shared memory
+    uniform_wg: bool = False    # the warpgroup index warp-uniform (Q descriptors in uniform registers)
+    joint_rows: bool = False    # the softmax of both rows of a thread at once, branch-free
+    persistent: bool = False    # at most one CTA per SM, each running work items in turn (two Q tiles)
 
     block_m = BLOCK_M
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
@@ -49,14 +52,15 @@ class Sm90Tile:
     @property
     def smem_bytes(self):
         """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, K and V rings, barriers, scratch."""
-        d = self.head_dim
-        return (1024 + BLOCK_M * d * 2 + 2 * self.stages * self.block_n * d * 2 + (4 * self.stages + 1) * 8
-                + 256 * 4)
+        d, q_bufs = self.head_dim, 2 if self.persistent else 1
+        return (1024 + q_bufs * BLOCK_M * d * 2 + 2 * self.stages * self.block_n * d * 2
+                + (4 * self.stages + 3 * q_bufs) * 8 + 256 * 4 + q_bufs * 52)
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
-                f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}>")
+                f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}, {b(self.uniform_wg)}, "
+                f"{b(self.joint_rows)}, {b(self.persistent)}>")
 
 
 # The default tile per head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at
@@ -174,7 +178,10 @@ class Sm90Prefill:
             sm_scale_log2=st["scale"] * _LOG2E, page_shift=shift, splits_per_cta=1, fold_splits=0,
             group_multiplier=div[0], group_shift=div[1])
         stream = cupy.cuda.get_current_stream()
-        _build.launch(self.variant, (st["work"] * self.num_kv_heads,), params, stream)
+        ctas = st["work"] * self.num_kv_heads
+        if self.tile.persistent:  # one CTA per SM at most (the kernel's launch bounds), each taking items in turn
+            ctas = min(ctas, _build.device_attribute("MultiProcessorCount"))
+        _build.launch(self.variant, (ctas,), params, stream)
         if st["merge"]:
             merge = _params.make(
                 "MergeParams", out=out.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,

@@ -23,8 +23,8 @@
 #include "params.cuh"
 #include "softmax.cuh"
 #include "sm90_wgmma.cuh"
-#include "sm90_pipeline.cuh"
 #include "sm90_prefill_work.cuh"
+#include "sm90_pipeline.cuh"
 #include "sm90_prefill_load.cuh"
 #include "sm90_prefill_softmax.cuh"
 #include "sm90_prefill_consumer.cuh"
@@ -33,7 +33,8 @@ namespace cupy_fa {
 
 // One instance per (head dim, keys per tile, pipeline depth, overlap, ping-pong, producer
 // registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
-template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS>
+template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS,
+          bool UNIFORM_WG = false, bool JOINT_ROWS = false, bool PERSISTENT = false>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
@@ -46,6 +47,20 @@ struct Sm90PrefillTraits {
   // Q's A fragments in registers (loaded once from the Q tile) instead of read from shared
   // memory by every S = Q K^T: a third less shared-memory traffic for 32 registers (D = 128).
   static constexpr bool kQInRegs = Q_IN_REGS;
+  // The warpgroup index taken from lane 0 (a shuffle), which ptxas then knows is the same in
+  // every thread of a warp: what depends on it (Q's descriptors, the named-barrier ids) lives
+  // in uniform registers, and the Q K^T issue needs no per-wgmma register-to-uniform moves.
+  static constexpr bool kUniformWg = UNIFORM_WG;
+  // The online softmax of the thread's two rows at once and without branches (the row max
+  // update by selects): one scheduling region, the rows' reductions and exp2s interleaved.
+  static constexpr bool kJointRows = JOINT_ROWS;
+  // A persistent grid (the host launches at most one CTA per SM): CTA c runs the work items
+  // of CTA indices c, c + gridDim.x, ... in that order (so still longest first), with two Q
+  // tiles, so the producer copies the next item's Q and first K / V tiles while the consumers
+  // finish this one (its last tiles and the epilogue), and no CTA pays a launch, barrier
+  // set-up and pipeline fill per item.
+  static constexpr bool kPersistent = PERSISTENT;
+  static constexpr int kQBufs = PERSISTENT ? 2 : 1;
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   // setmaxnreg: the CTA starts at 168 registers a thread (64 K / 384 rounded down to 8, the
   // launch bounds), and the producer gives back what the consumers take:
@@ -55,12 +70,14 @@ struct Sm90PrefillTraits {
   static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= 168, "setmaxnreg range");
   static constexpr int kQTileBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;
-  static constexpr int kBarrierBytes = (4 * STAGES + 1) * 8 + 256 * 4;  // sm90_pipeline.cuh PipeBarriers
+  // sm90_pipeline.cuh PipeBarriers (PrefillWork: 13 ints)
+  static constexpr int kBarrierBytes = (4 * STAGES + 3 * kQBufs) * 8 + 256 * 4 + kQBufs * 52;
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
-  static constexpr int kSmemBytes = 1024 + kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes;
+  static constexpr int kSmemBytes = 1024 + kQBufs * kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes;
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 64-column swizzle blocks, one wgmma N");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "whole k-steps of P V, one wgmma N");
   static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
+  static_assert(sizeof(sm90::PrefillWork) == 52, "kBarrierBytes counts PrefillWork as 13 ints");
 };
 
 template <typename QT, typename KVT, typename OT, typename Tr>
@@ -71,27 +88,53 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
   constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
 
   const FastDiv by_group{p.group_multiplier, p.group_shift, p.num_qo_heads / p.num_kv_heads};
-  PrefillWork w;
-  if (!find_work<BM, BN>(p, by_group, w)) return;  // the whole CTA, before any barrier
+  PrefillWork first;
+  if (!find_work<BM, BN>(p, by_group, first, blockIdx.x)) return;  // the whole CTA, before any barrier
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
-  const unsigned q_addr = base;
-  const unsigned k_addr = q_addr + Tr::kQTileBytes;
+  const unsigned q_addr = base;  // kQBufs Q tiles, then the K ring, then the V ring
+  const unsigned k_addr = q_addr + Tr::kQBufs * Tr::kQTileBytes;
   const unsigned v_addr = k_addr + ST * Tr::kKVTileBytes;
-  auto& bars = *reinterpret_cast<PipeBarriers<ST>*>(smem + Tr::kQTileBytes + 2 * ST * Tr::kKVTileBytes);
+  auto& bars = *reinterpret_cast<PipeBarriers<ST, Tr::kQBufs>*>(smem + Tr::kQBufs * Tr::kQTileBytes +
+                                                                 2 * ST * Tr::kKVTileBytes);
   if (threadIdx.x == 0) bars.init(128, 256);
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / 128;
+  // Each role runs the CTA's work items in turn: `first`, then (persistent) those of CTA
+  // indices blockIdx.x + gridDim.x, + 2 gridDim.x, ... while there are any.
+  RingPos<ST, Tr::kQBufs> pos;
+  PrefillWork w = first;
+  const int warpgroup = Tr::kUniformWg ? __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0) : (int)(threadIdx.x / 128);
   if (warpgroup == 0) {
     regs_release<Tr::kProducerRegs>();
-    produce<QT, KVT, Tr>(p, w, by_group, bars, q_addr, k_addr, v_addr, threadIdx.x);
+    for (int cta = blockIdx.x;;) {
+      produce<QT, KVT, Tr>(p, w, by_group, bars, pos, q_addr, k_addr, v_addr, threadIdx.x);
+      if (!Tr::kPersistent) break;
+      if (!find_work<BM, BN>(p, by_group, w, cta += gridDim.x)) {
+        end_of_work<Tr>(bars, pos, threadIdx.x);
+        break;
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // an exited thread's copies are not relied on
   } else {
     regs_claim<Tr::kConsumerRegs>();
-    consume<QT, OT, Tr>(p, w, by_group, bars, smem, q_addr, k_addr, v_addr, warpgroup - 1, threadIdx.x % 128);
+    if constexpr (Tr::kPersistent) {
+      // the items as the producer hands them over (the decode's registers would crowd the loop's)
+      for (bool later = false;; later = true) {
+        mbar_wait(&bars.w_full[pos.qs.stage], pos.qs.phase);
+        w = warp_uniform(bars.work[pos.qs.stage]);
+        if (w.num_tiles < 0) break;
+        // the two consumers start each item together: the ping-pong turns of one item (named
+        // barriers 1, 2) are all taken before either warpgroup gives the next item's first
+        if (Tr::kPingPong && later) named_sync(3, 256);
+        consume<QT, OT, Tr>(p, w, by_group, bars, pos, smem, q_addr, k_addr, v_addr, warpgroup - 1, threadIdx.x % 128);
+      }
+    } else {
+      consume<QT, OT, Tr>(p, w, by_group, bars, pos, smem, q_addr, k_addr, v_addr, warpgroup - 1, threadIdx.x % 128);
+    }
   }
 }
 

@@ -63,12 +63,18 @@ struct PipeState {
   }
 };
 
-// The barriers of the K and V rings and of Q, in shared memory.
-template <int STAGES>
+// The barriers of the K and V rings and of the Q tiles, in shared memory. A persistent CTA
+// (several work items one after another) has QBUFS = 2 Q tiles, so the producer copies the
+// next item's Q while the consumers finish this one; q_empty[b] (every consumer thread) frees
+// Q tile b, and the producer hands each item's decoded work to the consumers in work[b]
+// (w_full[b]: one arrival, after the producer's thread 0 wrote it). One Q tile (QBUFS = 1) is
+// written once; q_empty, w_full and work are then not used.
+template <int STAGES, int QBUFS = 1>
 struct PipeBarriers {
   unsigned long long k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
-  unsigned long long q_full;
+  unsigned long long q_full[QBUFS], q_empty[QBUFS], w_full[QBUFS];
   float scratch[256];  // one word per consumer thread (prefill_sm90.cu: orders the softmax before a wait)
+  PrefillWork work[QBUFS];
 
   // One thread, before the CTA's first __syncthreads.
   __device__ __forceinline__ void init(int producer_threads, int consumer_threads) {
@@ -79,9 +85,23 @@ struct PipeBarriers {
       mbar_init(&k_empty[s], consumer_threads);
       mbar_init(&v_empty[s], consumer_threads);
     }
-    mbar_init(&q_full, producer_threads);
+#pragma unroll
+    for (int b = 0; b < QBUFS; ++b) {
+      mbar_init(&q_full[b], producer_threads);
+      mbar_init(&q_empty[b], consumer_threads);
+      mbar_init(&w_full[b], 1);
+    }
     mbar_init_fence();
   }
+};
+
+// Where the producer and the consumers stand in the K / V rings and the Q tiles. Both sides
+// walk the same work items and tiles in the same order, each with its own copy; in a
+// persistent CTA the positions carry over from one item to the next.
+template <int STAGES, int QBUFS>
+struct RingPos {
+  PipeState<STAGES> ks, vs;
+  PipeState<QBUFS> qs;
 };
 
 }  // namespace sm90

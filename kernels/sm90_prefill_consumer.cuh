@@ -16,8 +16,9 @@ namespace sm90 {
 
 template <typename QT, typename OT, typename Tr>
 __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
-                                        PipeBarriers<Tr::kStages>& bars, unsigned char* smem, unsigned q_addr,
-                                        unsigned k_addr, unsigned v_addr, int wg, int wtid) {
+                                        PipeBarriers<Tr::kStages, Tr::kQBufs>& bars,
+                                        RingPos<Tr::kStages, Tr::kQBufs>& pos, unsigned char* smem,
+                                        unsigned q_addr, unsigned k_addr, unsigned v_addr, int wg, int wtid) {
   constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
   const int lane = wtid % 32, quad = lane % 4;
   const int first_row = wg * 64 + (wtid / 32) * 16 + lane / 4;  // tile row of row half 0
@@ -29,6 +30,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     ri.token[h] = by_group.div(min(row, w.rows - 1));
   }
   const unsigned scratch = smem_addr(&bars.scratch[wg * 128 + wtid]);  // see the overlapped step
+  // this item's Q tile (of kQBufs)
+  const int qb = Tr::kQBufs > 1 ? pos.qs.stage : 0;
+  q_addr += qb * Tr::kQTileBytes;
+  smem += qb * Tr::kQTileBytes;
 
   float o[D / 2];
 #pragma unroll
@@ -41,7 +46,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   unsigned q_frag[Tr::kQInRegs ? D / 16 : 1][4];  // kQInRegs: Q's A fragments, once
   // the descriptors of this warpgroup's 64 Q rows (of every column block) and of stage 0's K
   // and V; a stage and a k-step are constant steps from them
-  const u64 q_desc = kmajor_desc(q_addr + wg * 64 * 128), k_desc = kmajor_desc(k_addr);
+  // (kUniformWg: the Q tile's address from lane 0 too, or in a persistent CTA, where it moves
+  // between the two Q tiles, ptxas keeps it in vector registers)
+  const unsigned q_wg = q_addr + wg * 64 * 128;
+  const u64 q_desc = kmajor_desc(Tr::kUniformWg ? __shfl_sync(0xffffffffu, q_wg, 0) : q_wg), k_desc = kmajor_desc(k_addr);
   const u64 v_desc = mnmajor_desc<BN>(v_addr);
   // S = Q K^T of the K tile in `stage` (issue only)
   auto issue_qk = [&](int stage) {
@@ -69,18 +77,20 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // mask (the tiles that need it) and fold tile `tile`'s scores into the state
   auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
     if (masked) mask_tile<BN>(s, p, w, ri, w.kv_begin + tile * BN, quad);
-    return st.fold<BN>(s, p.sm_scale_log2, factor);
+    if constexpr (Tr::kJointRows) return st.fold_joint<BN>(s, p.sm_scale_log2, factor);
+    else return st.fold<BN>(s, p.sm_scale_log2, factor);
   };
 
   const int T = w.num_tiles;
-  mbar_wait(&bars.q_full, 0);
+  mbar_wait(&bars.q_full[qb], pos.qs.phase);
   if constexpr (Tr::kQInRegs) {  // the mma.sync A layout of this warp's 16 rows
     const int row = wg * 64 + (wtid / 32) * 16 + (lane & 15);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], smem + swizzled_offset<BM>(row, 2 * kk + (lane >> 4)));
   }
   if (T > 0) {
-    PipeState<ST> ks, vs;  // K runs one tile ahead of V
+    PipeState<ST>& ks = pos.ks;  // K runs one tile ahead of V
+    PipeState<ST>& vs = pos.vs;
     // ping-pong: warpgroup 0 takes the first turn; every turn taken is one given (the last
     // turn of warpgroup 1 is given to no one), so no barrier is left half-arrived
     if (Tr::kPingPong && wg == 0 && T > 1) named_arrive(1, 256);
@@ -145,7 +155,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     pin(o);
     pin(frag);
     mbar_arrive(&bars.v_empty[vs.stage]);
+    vs.advance();
   }
+  if (Tr::kQBufs > 1) mbar_arrive(&bars.q_empty[qb]);  // this item's last Q K^T has completed
+  pos.qs.advance();
   store_rows<OT, D>(p, w, ri, by_group, o, st, w.row0 + first_row, quad);
 }
 

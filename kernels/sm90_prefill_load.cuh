@@ -121,24 +121,33 @@ struct KVProducer {
   }
 };
 
-// The producer's whole job: Q, then K of tile T-1, then per step K of the next tile and V
-// of the one before, each after its stage's `empty` barrier, ending with V of tile 0.
-// Returns once its copies have landed (the CTA's shared memory outlives them anyway, but an
-// exited thread's copies are not relied on).
+// The producer's whole job for one work item: Q into the next Q tile (after the consumers
+// freed it, in a persistent CTA), then K of tile T-1, then per step K of the next tile and V
+// of the one before, each after its stage's `empty` barrier, ending with V of tile 0. `pos`
+// carries the ring positions on to the CTA's next item. The caller waits for the last copies
+// (cp.async.wait_all) before the thread exits.
 template <typename QT, typename KVT, typename Tr>
 __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
-                                        PipeBarriers<Tr::kStages>& bars, unsigned q_addr, unsigned k_addr,
+                                        PipeBarriers<Tr::kStages, Tr::kQBufs>& bars,
+                                        RingPos<Tr::kStages, Tr::kQBufs>& pos, unsigned q_addr, unsigned k_addr,
                                         unsigned v_addr, int tid) {
   constexpr int STAGE_BYTES = Tr::kKVTileBytes;
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;
   prod.fetch_pages(T - 1);
-  prod.template copy_q<QT>(q_addr, by_group);
-  cp_async_arrive(&bars.q_full);
+  if (Tr::kQBufs > 1) mbar_wait(&bars.q_empty[pos.qs.stage], pos.qs.phase ^ 1);
+  if (Tr::kPersistent && tid == 0) {  // the item, for the consumers
+    bars.work[pos.qs.stage] = w;
+    mbar_arrive(&bars.w_full[pos.qs.stage]);
+  }
+  prod.template copy_q<QT>(q_addr + pos.qs.stage * Tr::kQTileBytes, by_group);
+  cp_async_arrive(&bars.q_full[pos.qs.stage]);
+  pos.qs.advance();
+  PipeState<Tr::kStages>& ks = pos.ks;
+  PipeState<Tr::kStages>& vs = pos.vs;
   if (T > 0) {
     int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
-    PipeState<Tr::kStages> ks, vs;
     prod.slots_of(T - 1, slots_k);
     prod.fetch_pages(T - 2);
     mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
@@ -163,8 +172,20 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
     prod.copy_tile(prod.v_base, v_addr + vs.stage * STAGE_BYTES, slots_k);
     cp_async_arrive(&bars.v_full[vs.stage]);
+    vs.advance();
   }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// A persistent CTA's producer after its last item: a work record of -1 tiles in the next
+// slot tells the consumers there is no more.
+template <typename Tr>
+__device__ __forceinline__ void end_of_work(PipeBarriers<Tr::kStages, Tr::kQBufs>& bars,
+                                            RingPos<Tr::kStages, Tr::kQBufs>& pos, int tid) {
+  mbar_wait(&bars.q_empty[pos.qs.stage], pos.qs.phase ^ 1);
+  if (tid == 0) {
+    bars.work[pos.qs.stage].num_tiles = -1;
+    mbar_arrive(&bars.w_full[pos.qs.stage]);
+  }
 }
 
 }  // namespace sm90

@@ -98,6 +98,61 @@ struct RowState {
     }
     return moved;
   }
+
+  // fold() for both rows at once and without branches (Traits::kJointRows): the same
+  // function of the scores (the lazy-rescale test by selects, 2^(m - max) by the same
+  // ex2.approx as exp2f here), in one scheduling region, so ptxas interleaves the two rows'
+  // max chains, shuffles and exp2s; each row's max chains start from its first pairs (no
+  // -inf seeds).
+  template <int BN>
+  __device__ __forceinline__ bool fold_joint(float (&s)[BN / 2], float scale_log2, float (&factor)[2]) {
+    constexpr int J = BN / 8, C = J < 4 ? J : 4;  // 8-column blocks; max / sum chains per row
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float part[C];
+#pragma unroll
+      for (int c = 0; c < C; ++c) part[c] = fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]);
+#pragma unroll
+      for (int j = C; j < J; ++j) part[j % C] = fmaxf(part[j % C], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+#pragma unroll
+      for (int w = 1; w < C; w *= 2)
+#pragma unroll
+        for (int c = 0; c + w < C; c += 2 * w) part[c] = fmaxf(part[c], part[c + w]);
+      mx[h] = part[0];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    bool moved = false;
+    float offset[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float mx2 = mx[h] * scale_log2;           // -inf stays -inf (scale > 0)
+      const bool take = mx2 > m[h] + kLazyRescale;    // also a row's first keys (m = -inf)
+      factor[h] = take ? fast_exp2(m[h] - mx2) : 1.f;  // m = -inf: 2^-inf = 0
+      moved = moved || (take && m[h] != -INFINITY);   // from -inf the accumulators are still zero
+      m[h] = take ? mx2 : m[h];
+      offset[h] = safe_offset(m[h]);
+    }
+    float sums[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * h + e];
+          x = fast_exp2(fmaf(x, scale_log2, -offset[h]));
+          sums[h][(2 * j + e) % 4] += x;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * factor[h] + ((sums[h][0] + sums[h][1]) + (sums[h][2] + sums[h][3]));
+    return moved;
+  }
 };
 
 template <int N>

@@ -22,13 +22,16 @@ struct PrefillWork {
   int masked_tiles;                // the first this many tiles processed (the last ones by key) need a mask
 };
 
-// Returns false for CTAs past the real work (grids are sized by a bound). Every thread of
-// the CTA calls it (upper_segment is warp-collective) and gets the same answer.
+// The work item of CTA index `cta` (blockIdx.x, or in a persistent grid each index a CTA
+// takes: blockIdx.x, + gridDim.x, ...). Returns false past the real work (grids are sized by
+// a bound). Every thread of the CTA calls it (upper_segment is warp-collective) and gets the
+// same answer.
 template <int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDiv& by_group, PrefillWork& w) {
+__device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDiv& by_group, PrefillWork& w,
+                                          int cta) {
   const int total_work = __ldg(p.work_indptr + p.batch_size);
-  const int work = total_work - 1 - (int)(blockIdx.x / p.num_kv_heads);  // reverse: see the file comment
-  w.kv_head = blockIdx.x % p.num_kv_heads;
+  const int work = total_work - 1 - cta / p.num_kv_heads;  // reverse: see the file comment
+  w.kv_head = cta % p.num_kv_heads;
   w.b = upper_segment(p.work_indptr, p.batch_size, max(work, 0));
   if (work < 0) return false;
   if (p.splits_per_cta != 1 || p.fold_splits) __trap();  // the host never plans this family so
@@ -56,6 +59,19 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDi
   const int unmasked = max(0, mask_from - w.kv_begin) / BLOCK_N;
   w.masked_tiles = max(0, w.num_tiles - unmasked);
   return true;
+}
+
+// The same record, every field taken from lane 0: ptxas then knows it is warp-uniform (as
+// it infers for find_work's, which come from loads at uniform addresses), so the loops it
+// bounds and the ring positions they carry stay in uniform registers (the wgmma descriptors
+// with them). For a record read from shared memory that ptxas cannot prove uniform.
+__device__ __forceinline__ PrefillWork warp_uniform(const PrefillWork& w) {
+  PrefillWork u;
+  const int* from = reinterpret_cast<const int*>(&w);
+  int* to = reinterpret_cast<int*>(&u);
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(PrefillWork) / sizeof(int)); ++i) to[i] = __shfl_sync(0xffffffffu, from[i], 0);
+  return u;
 }
 
 }  // namespace sm90

@@ -156,11 +156,37 @@ def grid_inputs(case):
     return q_lens, kv_lens, table, k, v, q, mask
 
 
-def run_grid_case(case, out_dir):
+GRID_FIELDS = ("q_lens", "kv_lens", "table", "k", "v", "q", "mask")
+
+
+def save_grid_inputs(cases, inputs_dir):
+    """The parent writes every grid case's inputs once (with the working tree's generators), so
+    both workers read the same arrays and neither imports the other tree's test helpers."""
+    inputs_dir.mkdir(parents=True, exist_ok=True)
+    for case in cases:
+        if case["kind"] != "grid":
+            continue
+        arrays = dict(zip(GRID_FIELDS, grid_inputs(case)))
+        dtype = case["dtype"]
+        packed = {name: (a.view(np.uint16) if name in ("k", "v", "q") else a) for name, a in arrays.items()
+                  if a is not None}
+        np.savez(inputs_dir / f"{case['id']}.npz", dtype=np.array(dtype), **packed)
+
+
+def load_grid_inputs(case, inputs_dir):
+    from cupy_fa import _arrays
+
+    data = np.load(pathlib.Path(inputs_dir) / f"{case['id']}.npz")
+    elem = _arrays.DTYPES[str(data["dtype"])]
+    return tuple((data[name].view(elem) if name in ("k", "v", "q") else data[name]) if name in data else None
+                 for name in GRID_FIELDS)
+
+
+def run_grid_case(case, out_dir, inputs_dir):
     import cupy
     import cupy_fa
 
-    q_lens, kv_lens, table, k, v, q, mask = grid_inputs(case)
+    q_lens, kv_lens, table, k, v, q, mask = load_grid_inputs(case, inputs_dir)
     h_q, h_kv = case["heads"]
     cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v))
     attn = cupy_fa.BatchAttention(h_q, h_kv, case["head_dim"], dtype=case["dtype"])
@@ -171,12 +197,13 @@ def run_grid_case(case, out_dir):
     return save(out_dir, case, out, lse, planned_facts(attn))
 
 
-def worker(out_dir, grid, seed):
+def worker(out_dir, grid, seed, inputs_dir):
     import cupy
 
     out_dir = pathlib.Path(out_dir)
     results = {}
-    runners = {"bench": run_bench_case, "graph": run_graph_case, "grid": run_grid_case}
+    runners = {"bench": run_bench_case, "graph": run_graph_case,
+               "grid": lambda case, out: run_grid_case(case, out, inputs_dir)}
     for case in case_list(grid, seed):
         start = time.perf_counter()
         try:
@@ -208,7 +235,7 @@ def tree_dir(spec, scratch):
 def launch(tree, out_dir, args, log):
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{REPO}", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", str(out_dir), "--grid", str(args.grid),
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), "--inputs", str(args.inputs)]
     return subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -252,10 +279,11 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--out", help="keep the workers' files and logs here (default: a temporary directory)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--inputs", help=argparse.SUPPRESS)
     parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.grid, args.seed)
+        worker(args.worker, args.grid, args.seed, args.inputs)
         return 0
     if args.list:
         for case in case_list(args.grid, args.seed):
@@ -266,6 +294,8 @@ def main(argv=None):
     scratch = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="compare_trees_"))
     scratch.mkdir(parents=True, exist_ok=True)
     trees = {"old": tree_dir(args.old, scratch), "new": pathlib.Path(args.new).resolve()}
+    args.inputs = scratch / "inputs"
+    save_grid_inputs(case_list(args.grid, args.seed), args.inputs)
     dirs = {side: scratch / side for side in trees}
     procs = {}
     for side, tree in trees.items():

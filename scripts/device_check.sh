@@ -9,7 +9,11 @@
 # with the best knobs it found.
 # Knobs: CHECK_SECONDS (whole call, default 560), TEST_SECONDS (pytest, default 300), BENCH_ARGS,
 # AB_SETTINGS, AB_WORKLOADS, AB_ARGS (scripts/ab_decode.sh), AB_APPLY (0: the bench after "ab" runs
-# at the defaults, not at the A/B's pick).
+# at the defaults, not at the A/B's pick), EXPECT_TESTS (the number of GPU tests the run must
+# collect, e.g. when a run is to be compared with the count of a branch), CUPY_FA_SEED (replay
+# the seed a failure printed: tests/cases.py).
+# On a GPU machine no GPU test may skip: a skip (a broken driver, a missing device) is an error
+# here, as is a failure, an error or a count other than EXPECT_TESTS; the script then exits 1.
 # Logs go under $OUT (or ./device_out); the summary table is printed last.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -19,6 +23,7 @@ stages=${1:-all}; kexpr=${2:-}
 want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [[ " ab ncu sanitizer soak " != *" $1 "* ]]; }; }
 t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
 summary=$OUT/summary.txt; : > "$summary"
+check_failed=0  # 1 once a stage that checks something (the GPU tests) found a problem
 
 if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer carried as an archive (scripts/pack_flashinfer.sh)
   mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi \
@@ -38,12 +43,42 @@ if want tests; then
   python3 scripts/warm_cache.py  # every variant into the disk cache once, 8 processes, before the workers
   # GPU tests only (CI runs the CPU ones); -v so a log cut short still names each result;
   # bounded so the demo, engine and bench still get their share of the call
-  # 8 pytest workers share 16 cores: 2 BLAS threads each (the bench's fp64 reference keeps them all)
+  # 8 pytest workers share 16 cores: 2 BLAS threads each (the bench's fp64 reference keeps them all).
+  # The CPU-only modules (tests/*_cpu.py, never a GPU test: tests/test_cuda_probe_cpu.py checks) are
+  # not collected: their imports (psutil for the transformers CPU test) need not exist here.
   OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout ${TEST_SECONDS:-300} python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 -m gpu --timeout 240 \
-    tests ${kexpr:+-k "$kexpr"} -rs --durations=10 --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+    --ignore-glob='*_cpu.py' tests ${kexpr:+-k "$kexpr"} -rs --durations=10 --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+  test_rc=$?
   grep -E "FAILED|ERROR|Timeout" "$OUT/pytest.log" | head -20 >> "$summary"
   [ -s "$CUPY_FA_FAILURE_LOG" ] && { echo "failure reasons (first lines each):"; grep -A3 "^====" "$CUPY_FA_FAILURE_LOG" | head -40; } >> "$summary"
   echo "pytest: $(tail -n 1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)" >> "$summary"
+  # the counts from the JUnit file: on the GPU machine every GPU test runs, none skips
+  counts=$(python3 - "$OUT/junit.xml" <<'PY'
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception as exc:
+    print(f"-1 -1 -1 -1 ({exc})"); sys.exit()
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+print(total["tests"], total["failures"], total["errors"], total["skipped"])
+PY
+)
+  read -r n_tests n_failed n_errors n_skipped _ <<< "$counts"
+  echo "GPU tests: $n_tests collected, $n_failed failed, $n_errors errors, $n_skipped skipped${EXPECT_TESTS:+ (expected $EXPECT_TESTS)}" >> "$summary"
+  if [ "$n_tests" = -1 ]; then
+    echo "ERROR: no counts in $OUT/junit.xml (pytest cut short by TEST_SECONDS?): $counts" >> "$summary"; check_failed=1
+  elif [ "$n_skipped" != 0 ]; then
+    { echo "ERROR: $n_skipped GPU tests skipped; on a GPU machine none may (a skip here is a broken setup):"
+      grep -E "^SKIPPED" "$OUT/pytest.log" | head -20; } >> "$summary"
+    check_failed=1
+  fi
+  if [ "$test_rc" != 0 ] || [ "$n_failed" != 0 ] || [ "$n_errors" != 0 ] || [ "$n_tests" -le 0 ]; then
+    echo "ERROR: the GPU tests did not all pass (pytest exit $test_rc)" >> "$summary"; check_failed=1
+  fi
+  if [ -n "${EXPECT_TESTS:-}" ] && [ "$n_tests" != "$EXPECT_TESTS" ]; then
+    echo "ERROR: $n_tests GPU tests collected, $EXPECT_TESTS expected" >> "$summary"; check_failed=1
+  fi
   python3 scripts/modes_table.py "$CUPY_FA_REPORT" >> "$summary"
 fi
 if want demo; then
@@ -58,10 +93,12 @@ if want sanitizer; then  # memcheck, racecheck, initcheck, synccheck: one line e
   start=$(date +%s)
   bash scripts/sanitize.sh "$OUT" > "$OUT/sanitizer.log" 2>&1; rc=$?
   { echo "sanitizer (exit $rc, $(( $(date +%s) - start )) s):"; grep -E "^sanitizer|^    " "$OUT/sanitizer.log"; } >> "$summary"
+  [ "$rc" = 0 ] || check_failed=1
 fi
 if want soak; then  # a simulated engine through graphs, checked against float64 every 100 steps
-  python3 scripts/soak.py --json "$OUT/soak.json" 2>&1 | tee "$OUT/soak.log"
-  echo "soak (exit ${PIPESTATUS[0]}):" >> "$summary"; grep -E "^soak:" "$OUT/soak.log" >> "$summary"
+  python3 scripts/soak.py --json "$OUT/soak.json" > "$OUT/soak.log" 2>&1; rc=$?
+  { echo "soak (exit $rc):"; grep -E "^soak:" "$OUT/soak.log"; } >> "$summary"
+  [ "$rc" = 0 ] || check_failed=1
 fi
 if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
   IFS=';' read -ra ab_settings <<< "${AB_SETTINGS:-}"  # "stages split warps_m per_cta pdl fold;..." (or its defaults)
@@ -110,3 +147,4 @@ if want bench; then
   echo "bench (last table):" >> "$summary"; tail -n 40 "$OUT/bench.log" >> "$summary"
 fi
 echo; echo "================ device_check summary ================"; cat "$summary"
+exit $check_failed

@@ -1,6 +1,6 @@
 """The sm_90a prefill family (kernels/prefill_sm90.cu) on an H200, in one call.
 
-    python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...]
+    python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...] [--ab [--rounds N]]
 
 (from the repository root, PYTHONPATH at it, CUPY_CACHE_DIR empty for cold compile times;
 about 80 s on an H200, 90 s with one --ncu variant.)
@@ -19,6 +19,12 @@ about 80 s on an H200, 90 s with one --ncu variant.)
    (BatchAttention) and PyTorch SDPA (cuDNN, flash) on a dense copy, each checked against the
    fp64 reference on two windows of rows, then timed as CUDA-graph replays of 5 launches over
    input sets rotated past the L2 (median); TFLOP/s = 4 H_q D x visible keys.
+
+With --ab, stage 3 is instead an interleaved A/B of AB_NAMES (earlier commits' kernels from
+scripts/sm90_snapshots/, this tree's default and the round-2 traits) and SDPA cuDNN on the three
+bench workloads at page sizes 16 and 1: every implementation's graph captured once, replayed in
+turn for --rounds rounds (order rotated); median, min-max and the median per-round ratio to
+d128 and to cuDNN. Stages 1-2 then cover AB_NAMES + AB_CORRECT_EXTRA only (about 150 s).
 
 Each stage runs in a child process with a time limit (a hung kernel costs its stage only);
 the parent prints the correctness and timing tables last. Logs and JSON go under $OUT.
@@ -47,8 +53,20 @@ TOL = {"bfloat16": 1e-2, "float16": 3e-3}
 T = s9.Sm90Tile
 
 # name -> (dtype, tile). The first D=128 bf16 one is the default; the others are tuning variants.
+# Round-2 traits (uniform_wg, joint_rows, persistent; cupy_fa/prefill_sm90.py Sm90Tile):
+UJ = dict(uniform_wg=True, joint_rows=True)
 VARIANTS = {
     "d128": ("bfloat16", s9.DEFAULT_TILES[128]),
+    # earlier versions of the kernel (scripts/sm90_snapshots/<commit>.cu, see SNAPSHOTS) with
+    # the default D = 128 tile, timed beside the current tree in one process (--ab)
+    "v1_af55a79": ("bfloat16", s9.DEFAULT_TILES[128]),
+    "v3_37ed792": ("bfloat16", s9.DEFAULT_TILES[128]),
+    "d128_uw": ("bfloat16", T(128, 128, 2, uniform_wg=True)),
+    "d128_uj": ("bfloat16", T(128, 128, 2, **UJ)),
+    "d128_p": ("bfloat16", T(128, 128, 2, persistent=True)),
+    "d128_ujp": ("bfloat16", T(128, 128, 2, persistent=True, **UJ)),
+    "d128_ujp_f16": ("float16", T(128, 128, 2, persistent=True, **UJ)),
+    "d64_ujp": ("bfloat16", T(64, 128, 4, persistent=True, **UJ)),
     "d128_bn176": ("bfloat16", T(128, 176, 2, producer_regs=40)),  # consumers at 232 registers
     "d128_qr": ("bfloat16", T(128, 128, 2, q_in_regs=True)),
     "d128_nopp": ("bfloat16", T(128, 128, 2, pingpong=False)),
@@ -61,6 +79,41 @@ VARIANTS = {
     "d256_f16": ("float16", s9.DEFAULT_TILES[256]),
 }
 DEFAULTS = ("d128", "d128_f16", "d64", "d64_f16", "d256", "d256_f16")  # what ships: cold-compiled one by one
+# the interleaved A/B (--ab): these, on the three bench workloads at page sizes 16 and 1, with SDPA cuDNN
+AB_NAMES = ("v3_37ed792", "v1_af55a79", "d128", "d128_uw", "d128_uj", "d128_p", "d128_ujp")
+AB_CORRECT_EXTRA = ("d128_ujp_f16", "d64_ujp")  # checked for correctness in an --ab run, not timed
+# commit -> the traits of its default D = 128 tile and its kernel's shared memory (that
+# version's Sm90Tile.smem_bytes); the source is scripts/sm90_snapshots/<commit>.cu
+SNAPSHOTS = {
+    "v1_af55a79": ("af55a79", "cupy_fa::Sm90PrefillTraits<128, 128, 2, true, true, 56>",
+                   1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (4 * 2 + 1) * 8),
+    "v3_37ed792": ("37ed792", "cupy_fa::Sm90PrefillTraits<128, 128, 2, true, true, 56, false>",
+                   1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (4 * 2 + 1) * 8 + 256 * 4),
+}
+
+
+def kernel_variant(name):
+    """The _build.Variant of a probe variant: the current tree's, or an earlier commit's snapshot."""
+    from cupy_fa import _build
+
+    dtype, tile = VARIANTS[name]
+    if name not in SNAPSHOTS:
+        return s9.variant(dtype, tile)
+    commit, traits, smem = SNAPSHOTS[name]
+    ctype = _build.CTYPES[dtype]
+    source = os.path.join(ROOT, "scripts", "sm90_snapshots", f"{commit}.cu")  # absolute: NVRTC opens it as is
+    return _build.Variant(source, f"cupy_fa::prefill_sm90_kernel<{ctype}, {ctype}, {ctype}, {traits}>", s9.THREADS,
+                          smem, (f"{traits}::kSmemBytes == {smem}",))
+
+
+def prefill_for(name, hq, hkv, d):
+    """An Sm90Prefill running variant `name` (a snapshot runs behind the same host launcher:
+    the work layout and AttentionParams are unchanged since af55a79)."""
+    dtype, tile = VARIANTS[name]
+    pf = s9.Sm90Prefill(hq, hkv, d, dtype, tile)
+    if name in SNAPSHOTS:
+        pf.variant = kernel_variant(name)
+    return pf
 
 
 def log(msg):
@@ -144,8 +197,7 @@ def compile_one(name):
 
     from cupy_fa import _build
 
-    dtype, tile = VARIANTS[name]
-    v = s9.variant(dtype, tile)
+    v = kernel_variant(name)
     t0 = time.perf_counter()
     _build.get_function(v)
     cold = time.perf_counter() - t0
@@ -224,7 +276,7 @@ def run_variant_on(name, case, data, q, cache, v_override=None, k_override=None)
     import cupy
 
     dtype, tile = VARIANTS[name]
-    pf = s9.Sm90Prefill(case["hq"], case["hkv"], case["d"], dtype, tile)
+    pf = prefill_for(name, case["hq"], case["hkv"], case["d"])
     mask = data["mask"] if case["causal"] == "custom" else None
     pf.plan(data["q_lens"], data["kv_lens"], data["page_table"], causal=bool(case["causal"]), custom_mask=mask)
     from cupy_fa.kv_cache import PagedKVCache
@@ -321,6 +373,9 @@ def child_correct(names, case_paths, cases):
             lerr = rel(lse, data["lse"])
             ok = max(errs) < TOL[dtype] and lerr < TOL[dtype] and nan_o == 0 and nan_l == 0
             results[f"{name}|{case['name']}"] = dict(ok=ok, err=max(errs), lse_err=lerr, nan=nan_o, nan_lse=nan_l)
+            # what is known so far survives a hang in a later case (the parent kills this child)
+            with open(os.path.join(WORK, "correct_out.json"), "w") as f:
+                json.dump(results, f)
             log(f"correct {name:12s} {case['name']:22s} {'ok  ' if ok else 'FAIL'} max req err {max(errs):.2e} "
                 f"lse {lerr:.2e} NaN {nan_o}/{nan_l} ({time.perf_counter() - t0:.1f} s)")
             if not ok and diagnosed < 3:
@@ -442,8 +497,7 @@ def child_time(passed, quick):
                     log(f"time {wname:24s} ps {ps:2d} {label:14s} ERROR {type(e).__name__}: {str(e)[:200]}")
 
             for name in names:
-                vdtype, tile = VARIANTS[name]
-                pf = s9.Sm90Prefill(H_Q, H_KV, D, vdtype, tile).plan(q_lens, kv_lens, page_table, causal=causal)
+                pf = prefill_for(name, H_Q, H_KV, D).plan(q_lens, kv_lens, page_table, causal=causal)
 
                 def make(i, pf=pf):
                     q, c, o = sets[i]
@@ -531,6 +585,200 @@ def time_sdpa(wname, sets, page_table, B, ql, kl, causal, D, dtype, flops, check
     return {"done": True}
 
 
+# ---- child: interleaved A/B ----------------------------------------------------------------
+
+def capture_cupy(launches):
+    """One CUDA graph of `launches` on a non-blocking CuPy stream (after an eager pass)."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for f in launches:
+            f()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for f in launches:
+                f()
+        finally:
+            graph = stream.end_capture()
+    return lambda: graph.launch(stream), stream
+
+
+def child_ab(passed, rounds, replays):
+    """The A/B variants and SDPA cuDNN on each bench cell: every implementation's graph (5
+    launches over rotated input sets) captured once, then `rounds` rounds in which each is
+    replayed `replays` times in turn (the order rotated every round), so drift in clocks or
+    temperature falls on all of them alike. Per implementation: the per-launch time of each
+    round; the parent reports the median, the spread and the median of the per-round ratio
+    to the default (d128)."""
+    import cupy
+
+    from bench.workloads import num_sets
+    from cupy_fa import _arrays, reference
+    from cupy_fa.kv_cache import PagedKVCache
+
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from bench.inputs import as_torch
+    except Exception as e:  # noqa: BLE001
+        torch = None
+        log(f"sdpa unavailable: {e}")
+    l2 = cupy.cuda.Device().attributes["L2CacheSize"]
+    out = {}
+    import ml_dtypes
+
+    hdt = ml_dtypes.bfloat16
+    for wname, B, ql, kl, causal, D, dtype, page_sizes, _ in WORKLOADS[:3]:
+        flops = 4 * B * H_Q * D * visible_keys(ql, kl, causal)
+        dt = _arrays.DTYPES[dtype]
+        for ps in page_sizes:
+            t_cell = time.perf_counter()
+            ppr = -(-kl // ps)
+            n_sets = num_sets(2 * B * ppr * ps * H_KV * D * 2 + 2 * B * ql * H_Q * D * 2, l2, 5)
+            rng = np.random.default_rng(4321 + ps)
+            cupy.random.seed(4321 + ps)
+            page_table = rng.permutation(B * ppr).astype(np.int32).reshape(B, ppr)
+            sets = []
+            for _ in range(n_sets):
+                k = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), dtype)
+                v = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), dtype)
+                q = fill_random(cupy.empty((B * ql, H_Q, D), dt), dtype)
+                sets.append((q, PagedKVCache(k, v), cupy.empty_like(q)))
+            cupy.cuda.Device().synchronize()
+            # fp64 reference windows of set 0 (first 32 rows of request 0, last 32 of request B-1)
+            q0, c0, _ = sets[0]
+            windows = {}
+            for b, r0, r1 in ((0, 0, 32), (B - 1, ql - 32, ql)):
+                kv_eff = kl - ql + r1 if causal else kl
+                n_pages = -(-kv_eff // ps)
+                pages = cupy.asarray(page_table[b, :n_pages].astype(np.int64))
+                kk = cupy.asnumpy(c0.k.view(cupy.uint16)[pages]).view(hdt)
+                vv = cupy.asnumpy(c0.v.view(cupy.uint16)[pages]).view(hdt)
+                qq = cupy.asnumpy(q0.view(cupy.uint16)[b * ql + r0: b * ql + r1]).view(hdt)
+                windows[(b, r0, r1)] = reference.paged_attention(
+                    qq, kk, vv, np.array([r1 - r0]), np.array([kv_eff]), np.arange(n_pages)[None], causal=causal)
+
+            def check(rows_of):
+                return max(reference.relative_error(rows_of(b * ql + r0, b * ql + r1), ref)
+                           for (b, r0, r1), ref in windows.items())
+
+            impls = {}  # label -> (replay, stream-sync, err)
+            q_lens, kv_lens = np.full(B, ql), np.full(B, kl)
+            for name in passed:
+                try:
+                    pf = prefill_for(name, H_Q, H_KV, D).plan(q_lens, kv_lens, page_table, causal=causal)
+                    q, c, o = sets[0]
+                    o.view(cupy.uint16).fill(0x7FC0)
+                    pf.run(q, c, o)
+                    cupy.cuda.Device().synchronize()
+                    err = check(lambda lo, hi, o=o: cupy.asnumpy(o.view(cupy.uint16)[lo:hi]).view(hdt).astype(np.float64))
+                    replay, stream = capture_cupy([lambda i=i, pf=pf: pf.run(*sets[i % n_sets])
+                                                   for i in range(5)])
+                    impls[name] = (replay, stream, err)
+                except Exception as e:  # noqa: BLE001
+                    log(f"ab {wname} ps {ps} {name}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            if torch is not None:
+                try:
+                    pt = torch.as_tensor(page_table, dtype=torch.long, device="cuda")
+                    dense = []
+                    for q, c, _ in sets:
+                        gather = lambda arr: as_torch(arr)[pt].reshape(B, -1, H_KV, D)[:, :kl].transpose(1, 2).contiguous()
+                        dense.append((as_torch(q).view(B, ql, H_Q, D).transpose(1, 2).contiguous(), gather(c.k),
+                                      gather(c.v)))
+                    kw = {"is_causal": True} if causal and ql == kl else (
+                        {"attn_mask": torch.ones(ql, kl, dtype=torch.bool, device="cuda").tril(kl - ql)} if causal else {})
+
+                    def sdpa(i, kw=kw):
+                        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                            return F.scaled_dot_product_attention(*dense[i % len(dense)], enable_gqa=True, **kw)
+                    o = sdpa(0)
+                    torch.cuda.synchronize()
+                    flat = o.transpose(1, 2).reshape(B * ql, H_Q, D)
+                    err = check(lambda lo, hi: flat[lo:hi].double().cpu().numpy())
+                    ts = torch.cuda.Stream()
+                    ts.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(ts):
+                        for i in range(5):
+                            sdpa(i)
+                    torch.cuda.current_stream().wait_stream(ts)
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        for i in range(5):
+                            sdpa(i)
+                    impls["sdpa_cudnn"] = (g.replay, None, err)
+                except Exception as e:  # noqa: BLE001
+                    log(f"ab {wname} ps {ps} sdpa_cudnn: ERROR {type(e).__name__}: {str(e)[:200]}")
+            labels = list(impls)
+            per_round = {k: [] for k in labels}
+            for label in labels:  # warm-up: two replays each
+                replay, stream, _ = impls[label]
+                for _ in range(2):
+                    replay()
+                cupy.cuda.Device().synchronize()
+            for r in range(rounds):
+                order = labels[r % len(labels):] + labels[:r % len(labels)]
+                for label in order:
+                    replay, stream, _ = impls[label]
+                    if stream is None:  # torch graph on torch's current stream
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        for _ in range(replays):
+                            replay()
+                        b.record()
+                        b.synchronize()
+                        ms = a.elapsed_time(b)
+                    else:
+                        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+                        a.record(stream)
+                        for _ in range(replays):
+                            replay()
+                        b.record(stream)
+                        b.synchronize()
+                        ms = cupy.cuda.get_elapsed_time(a, b)
+                    per_round[label].append(1e3 * ms / (5 * replays))
+            cell = {}
+            for label in labels:
+                us = per_round[label]
+                cell[label] = dict(us=us, err=impls[label][2], tflops=flops / float(np.median(us)) / 1e6,
+                                   ok=impls[label][2] < TOL[dtype])
+                log(f"ab {wname:24s} ps {ps:2d} {label:12s} median {np.median(us):8.1f} us "
+                    f"({min(us):.1f}-{max(us):.1f}) {cell[label]['tflops']:6.1f} TFLOP/s err {impls[label][2]:.2e}")
+            out[f"{wname}|{ps}"] = dict(flops=flops, impls=cell)
+            log(f"ab cell {wname} ps {ps}: {time.perf_counter() - t_cell:.1f} s")
+            del sets, impls
+            if torch is not None:
+                dense = None
+                torch.cuda.empty_cache()
+            cupy.get_default_memory_pool().free_all_blocks()
+    return dict(cells=out)
+
+
+def ab_table(ab):
+    """The A/B summary, one line per cell and implementation: median TFLOP/s over the rounds,
+    its spread (min-max of the per-round TFLOP/s), and the medians over rounds of its speed
+    ratio to d128 (this tree's round-1 default) and to SDPA cuDNN measured in the same round."""
+    lines = [f"  {'cell':24s} {'ps':>2s} {'impl':12s} {'TFLOP/s':>7s} {'[min - max]':>15s} {'/d128':>6s} {'/cudnn':>6s}"]
+
+    def ratio(r, other):
+        if other is None:
+            return float("nan")
+        return float(np.median([b / u for u, b in zip(r["us"], other["us"])]))
+
+    for key, c in ab["cells"].items():
+        wname, ps = key.split("|")
+        base, cudnn = c["impls"].get("d128"), c["impls"].get("sdpa_cudnn")
+        for label, r in c["impls"].items():
+            tf = [c["flops"] / u / 1e6 for u in r["us"]]
+            lines.append(f"  {wname:24s} {ps:>2s} {label:12s} {np.median(tf):7.1f} [{min(tf):6.1f} - {max(tf):6.1f}] "
+                         f"{ratio(r, base):6.3f} {ratio(r, cudnn):6.3f}{'' if r['ok'] else '  FAILED fp64 window check'}")
+    return lines
+
+
 # ---- child: ncu (run under ncu by the parent) ---------------------------------------------
 
 NCU_SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "MemoryWorkloadAnalysis"]
@@ -561,8 +809,7 @@ def child_ncu(names):
     out = cupy.empty_like(q)
     page_table = np.random.default_rng(7).permutation(B * ppr).astype(np.int32).reshape(B, ppr)
     for name in names:
-        dtype, tile = VARIANTS[name]
-        pf = s9.Sm90Prefill(H_Q, H_KV, D, dtype, tile).plan(np.full(B, ql), np.full(B, kl), page_table)
+        pf = prefill_for(name, H_Q, H_KV, D).plan(np.full(B, ql), np.full(B, kl), page_table)
         pf.run(q, PagedKVCache(k, v), out)
         cupy.cuda.Device().synchronize()
     return {}
@@ -626,6 +873,8 @@ def child_main(stage):
         res = child_correct(payload["names"], payload["paths"], payload["cases"])
     elif stage == "ncu":
         res = child_ncu(payload["names"])
+    elif stage == "ab":
+        res = child_ab(payload["passed"], payload["rounds"], payload["replays"])
     else:
         res = child_time(payload["passed"], payload["quick"])
     with open(os.path.join(WORK, f"{stage}_out.json"), "w") as f:
@@ -639,12 +888,21 @@ def main():
     ap.add_argument("--only", default="", help="comma list of variant names (default: all)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ncu", default="", help="comma list of variants to profile once each on prefill_b2_l8192")
+    ap.add_argument("--ab", action="store_true",
+                    help="interleaved A/B of AB_NAMES (snapshots of earlier commits, this tree's default and the "
+                         "round-2 variants) and SDPA cuDNN on the three bench workloads, page sizes 16 and 1, "
+                         "after compiling them and checking them (and AB_CORRECT_EXTRA) for correctness")
+    ap.add_argument("--rounds", type=int, default=21, help="--ab: rounds of alternation per cell")
+    ap.add_argument("--replays", type=int, default=3, help="--ab: graph replays (of 5 launches) per turn")
     args = ap.parse_args()
     if args.child:
         return child_main(args.child)
     os.makedirs(WORK, exist_ok=True)
     os.makedirs(OUT, exist_ok=True)
-    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    if args.ab:
+        names = [n for n in VARIANTS if n in AB_NAMES + AB_CORRECT_EXTRA]
+    else:
+        names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     log(f"probe_prefill_sm90: seed {seed}, variants {names}")
     try:
@@ -654,6 +912,9 @@ def main():
 
     # compile (GPU child) while the CPU draws the cases and their fp64 references
     cases = case_list(args.quick)
+    if args.ab:  # the A/B variants' head dims and types only
+        kinds = {(VARIANTS[n][1].head_dim, VARIANTS[n][0]) for n in names}
+        cases = [c for c in cases if (c["d"], c["dtype"]) in kinds]
     with open(os.path.join(WORK, "compile_in.json"), "w") as f:
         json.dump({"names": names}, f)
     t0 = time.perf_counter()
@@ -677,17 +938,23 @@ def main():
 
     correct, c_status = run_child("correct", {"names": names, "paths": paths, "cases": cases}, 150)
     passed = []
-    for n in names:
+    for n in names:  # every case of its kind run (none lost to a hang) and within tolerance
+        expected = [c for c in cases if c["d"] == VARIANTS[n][1].head_dim and c["dtype"] == VARIANTS[n][0]]
         cells = [r for k, r in (correct or {}).items() if k.startswith(n + "|")]
-        if cells and all(r.get("ok") for r in cells):
+        if cells and len(cells) == len(expected) and all(r.get("ok") for r in cells):
             passed.append(n)
-    timed, t_status = run_child("time", {"passed": passed, "quick": args.quick}, 240 if not args.quick else 120)
+    timed, t_status, ab, ab_status = None, "skipped (--ab)", None, "not run"
+    if args.ab:
+        ab, ab_status = run_child("ab", {"passed": [n for n in AB_NAMES if n in passed], "rounds": args.rounds,
+                                         "replays": args.replays}, 170)
+    else:
+        timed, t_status = run_child("time", {"passed": passed, "quick": args.quick}, 240 if not args.quick else 120)
     ncu_names = [n for n in args.ncu.split(",") if n in passed] if args.ncu else []
     ncu_lines = run_ncu(ncu_names, 90) if ncu_names else []
 
     with open(os.path.join(OUT, "probe.json"), "w") as f:
-        json.dump(dict(seed=seed, compiled=compiled, correct=correct, timed=timed, cases=cases, ncu=ncu_lines,
-                       statuses=dict(correct=c_status, time=t_status)), f, indent=1)
+        json.dump(dict(seed=seed, compiled=compiled, correct=correct, timed=timed, ab=ab, cases=cases, ncu=ncu_lines,
+                       statuses=dict(correct=c_status, time=t_status, ab=ab_status)), f, indent=1)
 
     # ---- the tables, last -------------------------------------------------------------------
     log("\n==== compile (cold RawModule s / NVRTC s / regs / spills / HGMMA / LDL+STL)")
@@ -702,12 +969,19 @@ def main():
         bad = [k for k, r in cells.items() if not r.get("ok")]
         worst = max((r.get("err", math.inf) for r in cells.values()), default=math.nan)
         worst_l = max((r.get("lse_err", math.inf) for r in cells.values()), default=math.nan)
-        log(f"  {n:12s} {len(cells) - len(bad)}/{len(cells)} ok, out {worst:.2e}, lse {worst_l:.2e}"
+        n_cases = sum(c["d"] == VARIANTS[n][1].head_dim and c["dtype"] == VARIANTS[n][0] for c in cases)
+        log(f"  {n:12s} {len(cells) - len(bad)}/{n_cases} ok, out {worst:.2e}, lse {worst_l:.2e}"
             f"{'  FAILED: ' + ', '.join(bad) if bad else ''}")
     if ncu_lines:
         log("\n==== ncu (prefill_b2_l8192, page 16; whole reports in $OUT/ncu_*.txt)")
         for line in ncu_lines:
             log(line)
+    if args.ab:
+        log(f"\n==== interleaved A/B ({ab_status}; {args.rounds} rounds x {args.replays} replays of 5 launches "
+            f"per implementation and cell)")
+        if ab:
+            for line in ab_table(ab):
+                log(line)
     log(f"\n==== timing ({t_status}): TFLOP/s (us), fp64 window check")
     if timed:
         rows = timed["rows"]

@@ -1,12 +1,24 @@
 """Random engine-like batches for the GPU tests: ragged lengths, shuffled and
 interleaved page tables, caches whose unused slots hold NaN (so a read of the
-wrong page or past kv_len shows up), fresh random values every run."""
+wrong page or past kv_len shows up), fresh random values every run.
+
+Replaying a failure: every test draws all of its inputs (torch ones included) from one
+generator made by :func:`new_rng`, which prints its seed; ``CUPY_FA_SEED=<seed>`` makes
+every ``new_rng()`` of the run start from that seed, so the failing test gets its inputs back.
+"""
 
 import os
 
 import numpy as np
 
-from cupy_fa.reference import TOL  # noqa: F401 - the tests' tolerance is the library's
+from cupy_fa.reference import TOL, check_attention  # noqa: F401 - the tests' bars are the library's
+
+SEED_ENV = "CUPY_FA_SEED"
+# What output and LSE buffers hold before a kernel runs: finite (a kernel that wrongly read the
+# NaN slots of the cache and wrote NaN into a row it must not touch still shows up), exact in
+# fp16, bf16 and fp32, and no value attention can produce (|out| <= max |v|; an LSE is at least
+# the largest scaled score). check_attention(poison=POISON) reads it back.
+POISON = -4096.0
 
 
 def np_dtype(name):
@@ -17,9 +29,26 @@ def np_dtype(name):
 
 
 def new_rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"rng seed {seed}")
+    """``(numpy Generator, seed)``: a fresh seed each call, or ``CUPY_FA_SEED`` when set."""
+    given = os.environ.get(SEED_ENV)
+    seed = int(given) if given else int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed} (replay: {SEED_ENV}={seed})")
     return np.random.default_rng(seed), seed
+
+
+def torch_randn(rng, shape, dtype, device="cuda"):
+    """A torch tensor of standard normals drawn from ``rng`` (so the printed seed replays it)."""
+    import torch
+
+    return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(device=device, dtype=dtype)
+
+
+def poisoned(shape, dtype, tail=0):
+    """A CuPy buffer of ``shape`` with ``tail`` rows more, all POISON: pass ``buf[:shape[0]]`` to
+    the kernel and ``buf`` to check_attention, whose tail rows must come back untouched."""
+    import cupy
+
+    return cupy.full((shape[0] + tail,) + tuple(shape[1:]), POISON, dtype)
 
 
 def random_lengths(rng, max_requests=33, max_q=300, max_kv=8192, work_budget=None):
@@ -116,5 +145,25 @@ def tree_masks(rng, q_lens):
             while j >= 0:
                 m[i, j] = True
                 j = parent[j]
+        masks.append(m)
+    return masks
+
+
+def holey_masks(rng, q_lens):
+    """Custom masks that are not trees: each draft sees itself, a random subset of the other
+    drafts (later ones too, and with holes: key j seen while some key i < j is not), and
+    some drafts see only themselves. One bool [q, q] mask per request."""
+    masks = []
+    for q in q_lens:
+        m = rng.random((q, q)) < 0.5
+        np.fill_diagonal(m, True)
+        alone = rng.random(q) < 0.3
+        m[alone] = False
+        m[alone, np.flatnonzero(alone)] = True
+        if q >= 3:  # at least one row that sees itself only, and one with a hole before a seen key
+            m[0] = False
+            m[0, 0] = True
+            m[q - 1] = True
+            m[q - 1, q - 2] = False
         masks.append(m)
     return masks

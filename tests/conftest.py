@@ -5,25 +5,42 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cuda_probe  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_device_count():
-    try:
-        import cupy
+def cuda_state():
+    """What CUDA said, asked once per process (tests/cuda_probe.py)."""
+    return cuda_probe.probe()
 
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no driver, no device, no cupy
-        return 0
+
+def cuda_device_count():
+    """CUDA devices this process may use (0 when there is no GPU or CUDA is broken)."""
+    return cuda_state().devices
+
+
+def pytest_report_header(config):
+    return f"cuda: {cuda_state().describe()}"
 
 
 def pytest_collection_modifyitems(config, items):
-    if cuda_device_count() > 0:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
         return
-    skip = pytest.mark.skip(reason="no CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
+    state = cuda_state()
+    if state.skip_reason:  # a clean "no GPU here": skip them (scripts/device_check.sh makes any skip an error)
+        skip = pytest.mark.skip(reason=state.skip_reason)
+        for item in gpu_items:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    """A broken CUDA setup (see tests/cuda_probe.py) fails every GPU test, loudly, with what CUDA said."""
+    state = cuda_state()
+    if state.error and "gpu" in item.keywords:
+        pytest.fail(f"CUDA is present but not usable, so this GPU test cannot run: {state.error}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

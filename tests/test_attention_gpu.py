@@ -1,22 +1,29 @@
-"""GPU correctness of BatchAttention against the float64 reference."""
+"""GPU correctness of BatchAttention against the float64 reference, request by request and row
+by row (cupy_fa.reference.check_attention), every output and LSE buffer poisoned before the
+run with a tail past the live rows that must come back untouched."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from cases import TOL, fill_cache, new_rng, np_dtype, paged_case, paged_layout, random_lengths, tree_masks
+from cases import (POISON, check_attention, fill_cache, holey_masks, new_rng, np_dtype, paged_case,
+                   paged_layout, poisoned, random_lengths, torch_randn, tree_masks)
 
 pytestmark = pytest.mark.gpu
 
 HEADS = [(8, 8), (32, 8), (16, 2), (8, 1)]
 HEAD_DIMS = [64, 128, 256]
-PAGE_SIZES = [1, 16, 64]
+PAGE_SIZES = [1, 3, 16, 48, 64]  # 3 and 48: the kernels divide by the page size instead of shifting
 DTYPES = ["float16", "bfloat16"]
+TAIL = 3  # poisoned rows past the live ones in every output buffer
 
 
-
-def run_case(rng, dtype, heads, head_dim, page_size, causal, lengths, custom_mask=None):
+def run_case(rng, dtype, heads, head_dim, page_size, causal, lengths, custom_mask=None, device_plan=True):
+    """One batch: planned from host lengths, run into poisoned buffers with a tail, every request
+    and row checked against float64 with its LSE; then (``device_plan``) the same batch planned
+    from device arrays, as inside a CUDA graph (the host sees only the bounds), which must give
+    the same bits and leave the same tail. Returns (check, attn)."""
     import cupy
     import cupy_fa
     from cupy_fa import reference
@@ -26,8 +33,9 @@ def run_case(rng, dtype, heads, head_dim, page_size, causal, lengths, custom_mas
     total = int(q_lens.sum())
     table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, total)
     q = cupy.asarray(q_host)
-    out = cupy.full((total, h_q, head_dim), np.nan, np_dtype(dtype))
-    lse = cupy.full((total, h_q), np.nan, np.float32)
+    out_buf = poisoned((total, h_q, head_dim), np_dtype(dtype), TAIL)
+    lse_buf = poisoned((total, h_q), np.float32, TAIL)
+    out, lse = out_buf[:total], lse_buf[:total]
 
     attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
     attn.plan(q_lens, kv_lens, table, causal=causal, custom_mask=custom_mask)
@@ -37,15 +45,25 @@ def run_case(rng, dtype, heads, head_dim, page_size, causal, lengths, custom_mas
 
     ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv_lens, table, causal=causal,
                                              custom_mask=custom_mask, return_lse=True)
-    got = out.get().astype(np.float64)
-    got_lse = lse.get().astype(np.float64)
-    assert np.isfinite(got).all(), f"{np.isnan(got).sum()} output elements not written or NaN"
-    assert np.isfinite(got_lse).all(), "LSE not written or NaN"
-    err = reference.relative_error(got, ref)
-    lse_err = float(np.abs(got_lse - ref_lse).max())
-    assert err < TOL[dtype], f"relative error {err:.2e} >= {TOL[dtype]}"
-    assert lse_err < 1e-2, f"LSE max abs error {lse_err:.2e}"
-    return err, lse_err, attn
+    check = check_attention(out_buf.get(), ref, dtype, q_lens=q_lens, lse=lse_buf.get(), ref_lse=ref_lse,
+                            poison=POISON, label=f"B={len(q_lens)} page {page_size} D={head_dim} {heads}")
+    print(check.summary())
+    check.assert_ok()
+
+    if device_plan:
+        dev = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+        mask = None if custom_mask is None else cupy.asarray(np.concatenate(
+            [np.asarray(m, bool).ravel() for m in custom_mask]) if isinstance(custom_mask, list) else custom_mask)
+        dev.plan(cupy.asarray(q_lens, np.int32), cupy.asarray(kv_lens, np.int32), cupy.asarray(table),
+                 causal=causal, custom_mask=mask, max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()))
+        dev_out = poisoned((total, h_q, head_dim), np_dtype(dtype), TAIL)
+        dev_lse = poisoned((total, h_q), np.float32, TAIL)
+        dev.run(q, cache, out=dev_out[:total], lse=dev_lse[:total])
+        assert dev.status() == 0
+        same = (dev_out.view(np.uint16) == out_buf.view(np.uint16)).all(axis=(1, 2)).get()
+        assert same.all(), f"device-planned rows {np.flatnonzero(~same).tolist()[:20]} differ from host-planned bits"
+        assert (dev_lse.view(np.uint32) == lse_buf.view(np.uint32)).all().get(), "device-planned LSE differs"
+    return check, attn
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,8 +75,8 @@ def test_random_ragged_batch(dtype, head_dim, heads, page_size, causal):
     rng, seed = new_rng()
     budget = 2_500_000 // heads[0] * 8
     lengths = random_lengths(rng, work_budget=budget)
-    err, lse_err, _ = run_case(rng, dtype, heads, head_dim, page_size, causal, lengths)
-    print(f"seed={seed} B={len(lengths[0])} err={err:.2e} lse_err={lse_err:.2e}")
+    check, _ = run_case(rng, dtype, heads, head_dim, page_size, causal, lengths)
+    print(f"seed={seed} B={len(lengths[0])} max q_len {lengths[0].max()} max kv_len {lengths[1].max()}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,60 +104,92 @@ def test_large_padded_batch(dtype):
     q_lens = rng.integers(0, 4, batch) * (rng.random(batch) < 0.67)
     kv_lens = q_lens + rng.integers(0, 1200, batch)  # up to three splits of 512
     kv_lens[q_lens == 0] = rng.integers(0, 50, int((q_lens == 0).sum()))
-    err, _, _ = run_case(rng, dtype, (8, 2), 64, 16, True, (q_lens, kv_lens))
-    print(f"seed={seed} err={err:.2e}")
+    check, _ = run_case(rng, dtype, (8, 2), 64, 16, True, (q_lens, kv_lens))
+    assert check.counts["requests"] == int((q_lens > 0).sum())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_custom_mask_tree(dtype):
-    """Tree verify: a custom mask among the drafts, prefix fully visible."""
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("kind", ["tree", "holes"])
+def test_custom_mask_tree(dtype, head_dim, kind):
+    """Verify with a custom mask among the drafts, prefix fully visible: draft trees (each draft
+    sees its ancestors) and masks that are no tree (holes: a draft sees a later one but not an
+    earlier one; drafts that see only themselves). The last request has no prefix, so a draft
+    that sees only itself sees exactly one key."""
     rng, _ = new_rng()
-    q_lens = np.array([5, 8, 3])
-    kv_lens = np.array([700, 9, 3000])
-    masks = tree_masks(rng, q_lens)
+    q_lens = np.array([5, 8, 3, 6, 1])
+    kv_lens = np.array([700, 9, 3000, 6, 40])
+    masks = (tree_masks if kind == "tree" else holey_masks)(rng, q_lens)
+    if kind == "holes":
+        assert not masks[3][0, 1:].any()  # holey_masks: row 0 sees only itself
     flat = np.concatenate([m.ravel() for m in masks])
-    for page_size in (1, 16):
-        run_case(rng, dtype, (16, 2), 128, page_size, True, (q_lens, kv_lens), custom_mask=flat)
+    for page_size in (1, 3, 16):
+        run_case(rng, dtype, (16, 2), head_dim, page_size, True, (q_lens, kv_lens), custom_mask=flat)
 
 
-def test_padded_rows_write_nothing():
+@pytest.mark.parametrize("page_size", [16, 3])
+def test_padded_rows_write_nothing(page_size):
+    """Padded requests (q_len 0) among live ones own no rows and write none: the live rows are
+    right, the buffer's tail untouched; a batch of padding only writes nothing at all, whether
+    planned from host or from device lengths."""
     import cupy
     import cupy_fa
+    from cupy_fa import reference
 
     rng, _ = new_rng()
-    q_lens, kv_lens = np.array([3, 0, 2]), np.array([10, 40, 2])
-    table, num_pages = paged_layout(rng, kv_lens, 16)
-    k, v = fill_cache(rng, (num_pages, 16, 2, 64), np.float16, table, kv_lens, 16)
-    cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v))
+    q_lens, kv_lens = np.array([0, 3, 0, 2, 0]), np.array([7, 10, 40, 2, 0])
+    table, k_host, v_host, cache, q_host = paged_case(rng, "float16", (4, 2), 64, page_size, kv_lens, 5)
     attn = cupy_fa.BatchAttention(4, 2, 64, "float16")
-    attn.plan(q_lens, kv_lens, table)
-    q = cupy.asarray(rng.standard_normal((5, 4, 64)).astype(np.float16))
-    out = attn.run(q, cache)
-    assert out.shape == (5, 4, 64) and bool(cupy.isfinite(out).all())
+    out = poisoned((5, 4, 64), np.float16, TAIL)
+    lse = poisoned((5, 4), np.float32, TAIL)
+    attn.plan(q_lens, kv_lens, table).run(cupy.asarray(q_host), cache, out=out[:5], lse=lse[:5])
+    ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv_lens, table, return_lse=True)
+    check_attention(out.get(), ref, "float16", q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse,
+                    poison=POISON).assert_ok()
+
+    # padding only: host lengths take a q of no rows (nothing is launched); device lengths take any
+    # q (the host cannot count its rows), so the kernels launch over a grid sized from the bounds,
+    # find no work and write nothing: the whole buffer is tail
+    zeros = np.zeros(3, np.int32)
+    for lengths in ((zeros, np.array([0, 5, 9])), (cupy.asarray(zeros), cupy.asarray([0, 5, 9], np.int32))):
+        host = isinstance(lengths[0], np.ndarray)
+        rows = 0 if host else 4
+        out = poisoned((rows, 4, 64), np.float16, TAIL)
+        lse = poisoned((rows, 4), np.float32, TAIL)
+        attn.plan(*lengths, table[:3] if host else cupy.asarray(table[:3]), max_q_len=None if host else 4,
+                  max_kv_len=9)
+        attn.run(cupy.asarray(q_host[:rows]), cache, out=out[:rows], lse=lse[:rows])
+        check_attention(out.get(), np.zeros((0, 4, 64)), "float16", q_lens=zeros, lse=lse.get(),
+                        ref_lse=np.zeros((0, 4)), poison=POISON).assert_ok()
 
 
 def test_append_matches_slots():
+    """Host and device slots, int32 and int64: each row lands at its slot and nothing else of the
+    cache changes; device slots that are negative (padding) or past the cache are skipped."""
     import cupy
     import cupy_fa
 
     rng, _ = new_rng()
-    for dtype, index in itertools.product(DTYPES, (np.int32, np.int64)):
+    for dtype, index, where in itertools.product(DTYPES, (np.int32, np.int64), ("host", "device")):
         cache = cupy_fa.PagedKVCache.allocate(37, 16, 4, 128, dtype)
+        for arr in (cache.k, cache.v):  # random everywhere: a stray write shows
+            arr[...] = cupy.asarray(rng.standard_normal(arr.shape, dtype=np.float32).astype(np_dtype(dtype)))
+        k_before, v_before = cache.k.get().reshape(-1, 4, 128), cache.v.get().reshape(-1, 4, 128)
         slots = rng.permutation(37 * 16)[:100].astype(index)
-        k_new = rng.standard_normal((100, 4, 128)).astype(np_dtype(dtype))
-        v_new = rng.standard_normal((100, 4, 128)).astype(np_dtype(dtype))
-        cache.append(cupy.asarray(k_new), cupy.asarray(v_new), cupy.asarray(slots))
-        k_all = cache.k.get().reshape(-1, 4, 128)
-        v_all = cache.v.get().reshape(-1, 4, 128)
-        np.testing.assert_array_equal(k_all[slots], k_new)
-        np.testing.assert_array_equal(v_all[slots], v_new)
-        untouched = np.setdiff1d(np.arange(37 * 16), slots)
-        assert not k_all[untouched].astype(np.float32).any()
-        # host slots are range-checked and nothing is written on error
-        before = cache.k.get()
-        with pytest.raises(ValueError, match="slots"):
-            cache.append(cupy.asarray(k_new[:2]), cupy.asarray(v_new[:2]), np.array([0, 37 * 16]))
-        np.testing.assert_array_equal(cache.k.get(), before)
+        skip = np.zeros(100, bool)
+        if where == "device":  # padding (negative) and past-the-end slots: skipped, not written
+            skip[rng.choice(100, 10, replace=False)] = True
+            slots[skip] = rng.choice([-1, -7, 37 * 16, 37 * 16 + 5], int(skip.sum()))
+        k_new = rng.standard_normal((100, 4, 128), dtype=np.float32).astype(np_dtype(dtype))
+        v_new = rng.standard_normal((100, 4, 128), dtype=np.float32).astype(np_dtype(dtype))
+        cache.append(cupy.asarray(k_new), cupy.asarray(v_new), slots if where == "host" else cupy.asarray(slots))
+        k_all, v_all = cache.k.get().reshape(-1, 4, 128), cache.v.get().reshape(-1, 4, 128)
+        written = slots[~skip]
+        np.testing.assert_array_equal(k_all[written], k_new[~skip])
+        np.testing.assert_array_equal(v_all[written], v_new[~skip])
+        untouched = np.setdiff1d(np.arange(37 * 16), written)
+        np.testing.assert_array_equal(k_all[untouched], k_before[untouched])
+        np.testing.assert_array_equal(v_all[untouched], v_before[untouched])
 
 
 def test_torch_interop_zero_copy():
@@ -156,8 +206,9 @@ def test_torch_interop_zero_copy():
     v_t = torch.from_numpy(v).to("cuda", torch.bfloat16)
     cache = cupy_fa.PagedKVCache(k_t, v_t)
     assert cache.k.data.ptr == k_t.data_ptr() and cache.v.data.ptr == v_t.data_ptr()
-    q_t = torch.randn(208, 32, 128, device="cuda", dtype=torch.bfloat16)
-    out_t = torch.full_like(q_t, float("nan"))
+    q_t = torch_randn(rng, (208, 32, 128), torch.bfloat16)
+    out_buf = torch.full((208 + TAIL, 32, 128), POISON, device="cuda", dtype=torch.bfloat16)
+    out_t = out_buf[:208]
     attn = cupy_fa.BatchAttention(32, 8, 128, "bfloat16")
     attn.plan(q_lens, kv_lens, table)
     stream = torch.cuda.Stream()
@@ -167,66 +218,26 @@ def test_torch_interop_zero_copy():
     stream.synchronize()
     assert got is out_t
     assert isinstance(fresh, torch.Tensor) and isinstance(lse, torch.Tensor) and fresh.is_cuda
-    ref = reference.paged_attention(q_t.float().cpu().numpy(), k_t.float().cpu().numpy(), v_t.float().cpu().numpy(),
-                                    q_lens, kv_lens, table)
-    for tensor in (out_t, fresh):
-        assert torch.isfinite(tensor).all()
-        assert reference.relative_error(tensor.float().cpu().numpy(), ref) < TOL["bfloat16"]
+    ref, ref_lse = reference.paged_attention(q_t.float().cpu().numpy(), k_t.float().cpu().numpy(),
+                                             v_t.float().cpu().numpy(), q_lens, kv_lens, table, return_lse=True)
+    check_attention(out_buf.float().cpu().numpy(), ref, "bfloat16", q_lens=q_lens, poison=POISON).assert_ok()
+    check_attention(fresh.float().cpu().numpy(), ref, "bfloat16", q_lens=q_lens, lse=lse.cpu().numpy(),
+                    ref_lse=ref_lse).assert_ok()
     # torch K/V written through append land in the caller's tensors
     slots = torch.tensor([0, 5], device="cuda")
-    new = torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    new = torch_randn(rng, (2, 8, 128), torch.bfloat16)
     cache.append(new, new, slots)
     torch.cuda.synchronize()
     assert torch.equal(k_t.view(-1, 8, 128)[slots], new)
 
 
-def test_bad_inputs_raise_before_launch():
-    import cupy
-    import cupy_fa
-
-    rng, _ = new_rng()
-    q_lens, kv_lens = np.array([2, 3]), np.array([20, 3])
-    table, num_pages = paged_layout(rng, kv_lens, 16)
-    cache = cupy_fa.PagedKVCache.allocate(num_pages, 16, 2, 64, "float16")
-    attn = cupy_fa.BatchAttention(4, 2, 64, "float16")
-    attn.plan(q_lens, kv_lens, table)
-    q = cupy.asarray(rng.standard_normal((5, 4, 64)).astype(np.float16))
-    out = cupy.full((5, 4, 64), np.nan, np.float16)
-
-    def untouched():
-        cupy.cuda.get_current_stream().synchronize()
-        assert bool(cupy.isnan(out).all())
-
-    cases = [
-        (lambda: attn.run(q.astype(np.float32), cache, out=out), TypeError, "q must have dtype float16"),
-        (lambda: attn.run(q[:4], cache, out=out), ValueError, "q has shape"),
-        (lambda: attn.run(q, cache, out=out[:, :2]), ValueError, "out"),
-        (lambda: attn.run(q.get(), cache, out=out), TypeError, "q must be a CUDA device array"),
-        (lambda: attn.run(cupy.zeros((5, 4, 128), np.float16)[:, :, :64], cache, out=out), ValueError, "C-contiguous"),
-        (lambda: attn.run(q, cupy_fa.PagedKVCache.allocate(4, 16, 1, 64, "float16"), out=out), ValueError, "num_kv_heads"),
-        (lambda: attn.run(q, cupy_fa.PagedKVCache.allocate(4, 16, 2, 64, "bfloat16"), out=out), TypeError, "dtype"),
-        (lambda: attn.run(q, (cache.k, cache.v), out=out), TypeError, "PagedKVCache"),
-    ]
-    for call, exc, text in cases:
-        with pytest.raises(exc, match=text):
-            call()
-        untouched()
-    # page ids outside the cache / a table too short are caught before the kernel runs
-    bad = table.copy(); bad[0, 0] = num_pages + 5
-    attn.plan(q_lens, kv_lens, bad)
-    with pytest.raises(ValueError, match=r"page_table\[0, 0\]"):
-        attn.run(q, cache, out=out)
-    untouched()
-    attn.plan(q_lens, kv_lens, table[:, :1])
-    with pytest.raises(ValueError, match="columns"):
-        attn.run(q, cache, out=out)
-    untouched()
-    with pytest.raises(ValueError, match="q_lens"):
-        attn.plan(np.array([4, 3]), np.array([3, 3]), table)
-    with pytest.raises(ValueError, match="multiple"):
-        cupy_fa.BatchAttention(6, 4, 64)
-    with pytest.raises(ValueError, match="head_dim"):
-        cupy_fa.BatchAttention(8, 2, 96)
+def small_q_stages(head_dim, warps_m, stages, fold_capable, smem_limit):
+    """The deepest pipeline up to ``stages`` whose shared memory fits (TileTraits::kSmemBytes,
+    written out here: Q, K and V stages of 64 keys, the fold state)."""
+    def smem(s):
+        fold = 16 * warps_m * (2 * head_dim * 4 + 16) if fold_capable else 0
+        return 2 * head_dim * (16 * warps_m + 2 * s * 64) + fold
+    return max(s for s in (2, 3, 4) if s <= stages and smem(s) <= smem_limit)
 
 
 @pytest.mark.parametrize("stages,split_size,warps_m,per_cta", [
@@ -237,20 +248,35 @@ def test_bad_inputs_raise_before_launch():
 def test_decode_tuning_knobs(stages, split_size, warps_m, per_cta, dtype, monkeypatch):
     """Every pipeline depth, split size and warp layout the tuning knobs (and the
     A/B in scripts/ab_decode.sh) can select is correct (decode-like tiles:
-    q_len <= SMALL_Q_LEN), for each head dim."""
+    q_len <= SMALL_Q_LEN), for each head dim, and took effect: the planned tile has the
+    stages (as deep as shared memory allows), the warp rows and the splits per CTA asked
+    for, and the plan kernel cut every request at the split size asked for."""
     import cupy_fa
+    from cupy_fa import _build
 
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
     monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", str(split_size))
     monkeypatch.setenv("CUPY_FA_DECODE_WARPS_M", str(warps_m))
     monkeypatch.setenv("CUPY_FA_SPLITS_PER_CTA", str(per_cta))
-    cupy_fa.knobs.reload()  # knobs are read once: take the new value
+    cupy_fa.knobs.reload()  # knobs are read once: take the new values
     rng, _ = new_rng()
     lengths = (np.array([1, 1, 8, 4, 2]), np.array([9000, 700, 3000, 4, 257]))
+    group = 32 // 8
     for head_dim in HEAD_DIMS:
         for page_size in (1, 16):
-            _, _, attn = run_case(rng, dtype, (32, 8), head_dim, page_size, True, lengths)
-            assert attn.planned.tile.warps_m < 4
+            _, attn = run_case(rng, dtype, (32, 8), head_dim, page_size, True, lengths)
+            tile = attn.planned.tile
+            want_rows = int(warps_m) if warps_m != "auto" else (1 if 8 * group <= 16 else 2)
+            assert (tile.warps_m, tile.warps_n) == (want_rows, 4), tile
+            assert tile.stages == small_q_stages(head_dim, want_rows, stages, tile.fold_capable,
+                                                 _build.device_smem_limit()), tile
+            if tile.fold_splits:  # the fold (auto) runs whole groups of 8 splits per CTA, or whole rows
+                assert tile.splits_per_cta in (8, 16), tile
+            else:
+                assert tile.splits_per_cta == (per_cta if tile.epilogue_in_stage else 1), tile
+            bufs, b = attn._buffers, len(lengths[0])
+            assert (bufs.split_keys[:b].get() == split_size).all(), bufs.split_keys[:b].get()
+            assert (bufs.num_splits[:b].get() == -(-lengths[1] // split_size)).all(), bufs.num_splits[:b].get()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -271,19 +297,27 @@ def test_partial_workspace_overflow(dtype):
     kv_lens = rng.integers((splits - 1) * S + 1, splits * S + 1, size=batch)
     table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv_lens,
                                                        int(q_lens.sum()))
-    out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
+    total = int(q_lens.sum())
+    out = poisoned(q_host.shape, np_dtype(dtype), TAIL)
+    lse = poisoned(q_host.shape[:2], np.float32, TAIL)
     attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
-    attn.plan(q_lens, kv_lens, table).run(cupy.asarray(q_host), cache, out=out)
+    attn.plan(q_lens, kv_lens, table).run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total])
     bufs = attn._buffers
     wanted = int((q_lens * -(-kv_lens // schedule.split_size())).sum())
     assert wanted > bufs.partial_out.shape[0], "the case must overflow the workspace"
     assert int(bufs.partial_indptr[batch].get()) <= bufs.partial_out.shape[0]
     assert (bufs.num_splits[:batch].get() > 1).all()  # capped, not unsplit
-    got = out.get().astype(np.float64)
-    assert np.isfinite(got).all(), f"{np.isnan(got).sum()} output elements not written or NaN"
+    got, got_lse = out.get().astype(np.float32), lse.get()
     cu = np.concatenate([[0], np.cumsum(q_lens)])
-    for b in rng.choice(batch, size=4, replace=False):  # the float64 reference on a few requests
-        ref = reference.paged_attention(q_host[cu[b]:cu[b + 1]], k_host, v_host, q_lens[b:b + 1], kv_lens[b:b + 1],
-                                        table[b:b + 1])
-        err = reference.relative_error(got[cu[b]:cu[b + 1]], ref)
-        assert err < TOL[dtype], f"request {b}: relative error {err:.2e}"
+    # every row written (finite, not the poison) and the tail untouched ...
+    assert np.isfinite(got[:total].astype(np.float32)).all() and not (got[:total] == POISON).any()
+    assert np.isfinite(got_lse[:total]).all() and not (got_lse[:total] == POISON).any()
+    assert (got[total:] == POISON).all() and (got_lse[total:] == POISON).all()
+    # ... and a few requests, row by row, against the float64 reference
+    for b in rng.choice(batch, size=4, replace=False):
+        ref, ref_lse = reference.paged_attention(q_host[cu[b]:cu[b + 1]], k_host, v_host, q_lens[b:b + 1],
+                                                 kv_lens[b:b + 1], table[b:b + 1], return_lse=True)
+        check = check_attention(got[cu[b]:cu[b + 1]], ref, dtype, q_lens=q_lens[b:b + 1],
+                                lse=got_lse[cu[b]:cu[b + 1]], ref_lse=ref_lse, label=f"request {b}")
+        print(check.summary())
+        check.assert_ok()

@@ -2,6 +2,8 @@
 (the path CI takes, so a kernel that does not compile cannot land). No skip: a
 machine without NVRTC fails here rather than silently checking nothing."""
 
+import re
+
 import pytest
 
 from cupy_fa import _build, knobs, schedule
@@ -12,6 +14,7 @@ def test_variant_compiles_for_sm90a(variant):
     cubin, res = _build.compile_cubin(variant, "sm_90a")
     assert cubin[:4] == b"\x7fELF"
     assert res["registers"] is not None and res["registers"] <= 255
+    assert res["stack"] is not None, f"{variant.expression}: no stack frame figure in ptxas's log"
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0, f"{variant.expression} spills: {res}"
 
 
@@ -119,3 +122,47 @@ def test_trace_build_compiles(monkeypatch):
     cubin, res = _build.compile_cubin(variant, "sm_90a")
     assert cubin[:4] == b"\x7fELF"
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+
+
+def test_compile_check_fails_without_a_resource_line(monkeypatch, capsys):
+    """compile_check: a variant whose ptxas log has no resource line for it fails the check (its
+    spills would read as zero, never measured), naming the variant."""
+    from cupy_fa import compile_check
+
+    log = ("ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90a'\n"
+           "ptxas info    : Function properties for _Z3fooPf\n")
+    assert _build._resources_of(log, "_Z3fooPf")["registers"] is None
+    assert _build._resources_of("", "_Z3fooPf") == dict.fromkeys(compile_check.RESOURCE_KEYS)
+    first = schedule.all_variants()[0]
+    monkeypatch.setattr(_build, "compile_cubin", lambda variant, arch="sm_90a": (b"\x7fELF", _build._resources_of(
+        log, "_Z3fooPf")))
+    with pytest.raises(compile_check.MissingResources, match="no registers for " + re.escape(first.expression)):
+        compile_check.compile_all(only=first.expression)
+    assert compile_check.main(["--only", first.expression]) == 1
+    assert "resource line is missing" in capsys.readouterr().err
+
+
+def test_compile_check_reports_stack_frames(monkeypatch, capsys):
+    """Stack frames are read from ptxas's log and reported per variant; --strict fails on them."""
+    from cupy_fa import compile_check
+
+    log = ("ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90a'\n"
+           "ptxas info    : Function properties for _Z3fooPf\n"
+           "    24 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 128 registers, used 1 barriers, 400 bytes cmem[0]\n")
+    res = _build._resources_of(log, "_Z3fooPf")
+    assert res == {"registers": 128, "spill_stores": 0, "spill_loads": 0, "stack": 24}
+    variant = schedule.PLAN_VARIANT
+    monkeypatch.setattr(_build, "compile_cubin", lambda v, arch="sm_90a": (b"\x7fELF", dict(res)))
+    assert compile_check.main(["--only", variant.expression]) == 0
+    out = capsys.readouterr().out
+    assert "stack B" in out and "1 with a stack frame" in out and f"stack frame: {variant.expression}" in out
+    assert compile_check.main(["--only", variant.expression, "--strict"]) == 1
+
+
+def test_every_variant_reports_its_stack_frame():
+    """The real plan kernel's log carries the stack line (compile_check reads it for every variant)."""
+    from cupy_fa import compile_check
+
+    ((variant, res, _),) = compile_check.compile_all(only=schedule.PLAN_VARIANT.expression)
+    assert res["stack"] is not None and res["registers"] is not None

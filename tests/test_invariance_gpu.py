@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from cases import TOL, fill_cache, new_rng, np_dtype, paged_case, paged_layout
+from cases import POISON, check_attention, fill_cache, new_rng, np_dtype, paged_case, paged_layout, poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 48])
 @pytest.mark.parametrize("warps_m", ["auto", "1"])
 def test_decode_equals_verify_bitwise(dtype, heads, head_dim, page_size, warps_m, monkeypatch):
     check_decode_equals_verify(dtype, heads, head_dim, page_size, warps_m, monkeypatch)
@@ -75,12 +75,17 @@ def check_decode_equals_verify(dtype, heads, head_dim, page_size, warps_m, monke
         q = cupy.asarray(q_host)
         attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
 
-        verify = cupy.full(q.shape, np.nan, np_dtype(dtype))
-        attn.plan(np.full(B, num_draft), kv, table, sm_scale=sm_scale).run(q, cache, out=verify)
-        got = verify.get().astype(np.float64)
-        assert np.isfinite(got).all()
-        ref = reference.paged_attention(q_host, k_host, v_host, np.full(B, num_draft), kv, table, sm_scale=sm_scale)
-        assert reference.relative_error(got, ref) < TOL[dtype]
+        verify_buf = poisoned(q.shape, np_dtype(dtype), 2)
+        lse_buf = poisoned(q.shape[:2], np.float32, 2)
+        verify = verify_buf[:len(q)]
+        attn.plan(np.full(B, num_draft), kv, table, sm_scale=sm_scale).run(q, cache, out=verify,
+                                                                            lse=lse_buf[:len(q)])
+        rows_of_warps = 1 if warps_m == "1" or num_draft * (h_q // h_kv) <= 16 else 2
+        assert attn.planned.tile.warps_m == rows_of_warps, attn.planned.tile  # the knob took effect
+        ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, np.full(B, num_draft), kv, table,
+                                                 sm_scale=sm_scale, return_lse=True)
+        check_attention(verify_buf.get(), ref, dtype, q_lens=np.full(B, num_draft), lse=lse_buf.get(),
+                        ref_lse=ref_lse, poison=POISON, label=f"verify N={num_draft}").assert_ok()
         if sm_scale is not None:  # the case must reach the kernel's rescale branch, or it tests nothing new
             assert rescale_fires(q_host, k_host, table, kv, np.full(B, num_draft), page_size, sm_scale,
                                  h_q // h_kv, S)
@@ -171,10 +176,8 @@ def test_splits_per_cta_never_changes_a_bit(dtype, page_size, monkeypatch):
             attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out)
             assert attn.planned.tile.splits_per_cta == int(per_cta)
             outs[per_cta] = out
-        got = outs["1"].get().astype(np.float64)
-        assert np.isfinite(got).all()
         ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
-        assert reference.relative_error(got, ref) < TOL[dtype]
+        check_attention(outs["1"].get(), ref, dtype, q_lens=q_lens).assert_ok()
         for per_cta in ("2", "3"):
             assert (outs[per_cta].view(np.uint16) == outs["1"].view(np.uint16)).all().get(), per_cta
 
@@ -204,18 +207,17 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
                                                            int(q_lens.sum()))
         outs = {}
         for name in ("wide", "deep", "deepest"):
-            shape = getattr(_build, f"MERGE_{name.upper()}")
-            monkeypatch.setattr(_build, "MERGE_SHAPES", ((0, shape),))
+            shape = getattr(schedule, f"MERGE_{name.upper()}")
+            monkeypatch.setattr(schedule, "MERGE_SHAPES", ((0, shape),))
             assert schedule.merge_shape(len(q_host), h_q) == shape
             out = cupy.full(q_host.shape, np.nan, np_dtype(dtype))
             lse = cupy.full(q_host.shape[:2], np.nan, np.float32)
             attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
             attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out, lse=lse)
             outs[name] = (out, lse)
-        got = outs["wide"][0].get().astype(np.float64)
-        assert np.isfinite(got).all() and np.isfinite(outs["wide"][1].get()).all()
-        ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
-        assert reference.relative_error(got, ref) < TOL[dtype]
+        ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table, return_lse=True)
+        check_attention(outs["wide"][0].get(), ref, dtype, q_lens=q_lens, lse=outs["wide"][1].get(),
+                        ref_lse=ref_lse).assert_ok()
         for name in ("deep", "deepest"):
             assert (outs["wide"][0].view(np.uint16) == outs[name][0].view(np.uint16)).all().get(), name
             assert (outs["wide"][1].view(np.uint32) == outs[name][1].view(np.uint32)).all().get(), name
@@ -259,9 +261,8 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
     q_host = fresh_q()
     eager = {pdl: run(q_host, pdl) for pdl in (False, True)}
     assert (eager[True].view(np.uint16) == eager[False].view(np.uint16)).all().get()
-    got = eager[True].get().astype(np.float64)
     ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
-    assert np.isfinite(got).all() and reference.relative_error(got, ref) < TOL[dtype]
+    check_attention(eager[True].get(), ref, dtype, q_lens=q_lens).assert_ok()
 
     # captured: plan once, then replay the run (attention + programmatic merge) over new q
     monkeypatch.setenv("CUPY_FA_PDL", "1")
@@ -334,10 +335,9 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
             lse = cupy.full(q.shape[:2], np.nan, np.float32)
             attn.run(q, cache, out=out, lse=lse)
             outs[fold] = (out, lse)
-        got = outs["1"][0].get().astype(np.float64)
-        assert np.isfinite(got).all() and np.isfinite(outs["1"][1].get()).all()
-        ref = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table)
-        assert reference.relative_error(got, ref) < TOL[dtype]
+        ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table, return_lse=True)
+        check_attention(outs["1"][0].get(), ref, dtype, q_lens=q_lens, lse=outs["1"][1].get(),
+                        ref_lse=ref_lse).assert_ok()
         case = f"D={head_dim} N={num_draft} {'whole rows' if whole else 'groups'}"
         assert (outs["1"][0].view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
         assert (outs["1"][1].view(np.uint32) == outs["0"][1].view(np.uint32)).all().get(), case
@@ -372,3 +372,75 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
             same = (decode.view(np.uint16) == folded[:, i].view(np.uint16)).all(axis=(1, 2)).get()
             assert same.all(), (f"{case} draft {i}: decode and folded verify differ for prefixes "
                                 f"{prefix[~same].tolist()}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decode_equals_verify_at_131072_keys(dtype):
+    """The longest context whose splits still sit at fixed positions: 256 splits of 512 keys
+    (MAX_SPLITS x S = 131072). Verify of 4 drafts whose last one sees all 131072 keys, and a
+    window across the boundary of the last two splits, give the bits of plain decode of each
+    draft; and the verify rows are right against float64, LSE included."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import reference, schedule
+
+    rng, _ = new_rng()
+    h_q, h_kv, head_dim, page_size, num_draft = 8, 1, 128, 16, 4
+    S = schedule.split_size()
+    longest = S * schedule.MAX_SPLITS
+    prefix = np.array([longest - num_draft, longest - S - 2])
+    kv = prefix + num_draft
+    B = len(kv)
+    table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv, B * num_draft)
+    q = cupy.asarray(q_host)
+    attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+    verify = poisoned(q.shape, np_dtype(dtype), 2)
+    lse = poisoned(q.shape[:2], np.float32, 2)
+    attn.plan(np.full(B, num_draft), kv, table).run(q, cache, out=verify[:len(q)], lse=lse[:len(q)])
+    assert attn._buffers.num_splits[:B].get().tolist() == [schedule.MAX_SPLITS, schedule.MAX_SPLITS]
+    assert attn._buffers.split_keys[:B].get().tolist() == [S, S]
+    ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, np.full(B, num_draft), kv, table, return_lse=True)
+    check = check_attention(verify.get(), ref, dtype, q_lens=np.full(B, num_draft), lse=lse.get(), ref_lse=ref_lse,
+                            poison=POISON, label="verify at 131072 keys")
+    print(check.summary())
+    check.assert_ok()
+    rows = verify[:len(q)].reshape(B, num_draft, h_q, head_dim)
+    q_rows = q.reshape(B, num_draft, h_q, head_dim)
+    for i in range(num_draft):
+        decode = cupy.full((B, h_q, head_dim), np.nan, np_dtype(dtype))
+        attn.plan(np.ones(B, int), prefix + i + 1, table).run(cupy.ascontiguousarray(q_rows[:, i]), cache, out=decode)
+        assert attn._buffers.split_keys[:B].get().tolist() == [S, S]
+        same = (decode.view(np.uint16) == rows[:, i].view(np.uint16)).all(axis=(1, 2)).get()
+        assert same.all(), f"draft {i}: decode and verify differ for prefixes {prefix[~same].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_beyond_131072_keys_splits_grow(dtype):
+    """Past 131072 keys a request keeps 256 splits at most and its splits grow (keys per split a
+    multiple of 64 past 512): decode, verify and prefill-tile rows there are right against float64,
+    row by row, LSE included, and the tail of the output is untouched."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import reference, schedule
+
+    rng, _ = new_rng()
+    h_q, h_kv, head_dim, page_size = 4, 1, 128, 16
+    S = schedule.split_size()
+    longest = S * schedule.MAX_SPLITS
+    q_lens = np.array([1, 1, 4, 8, 17])
+    kv = np.array([longest + 1, 200_000, 150_000, longest + int(rng.integers(2, 5000)), longest + 100])
+    total = int(q_lens.sum())
+    table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv, total)
+    out = poisoned(q_host.shape, np_dtype(dtype), 3)
+    lse = poisoned(q_host.shape[:2], np.float32, 3)
+    attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
+    attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total])
+    splits, keys = attn._buffers.num_splits[:5].get(), attn._buffers.split_keys[:5].get()
+    small = q_lens <= schedule.SMALL_Q_LEN
+    assert (splits[small] <= schedule.MAX_SPLITS).all() and (keys[small] > S).all() and (keys % 64 == 0).all()
+    assert ((splits - 1) * keys < kv).all() and (kv <= splits * keys).all()
+    ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table, return_lse=True)
+    check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse, poison=POISON,
+                            label="beyond 131072 keys")
+    print(check.summary(), "splits", splits.tolist(), "keys per split", keys.tolist())
+    check.assert_ok()

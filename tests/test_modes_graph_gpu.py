@@ -1,4 +1,6 @@
-"""Every serving mode, eager and under CUDA-graph replay, over a simulated engine loop."""
+"""Every serving mode, eager and under CUDA-graph replay, over a simulated engine loop: every
+request and row against float64 with its LSE, the runner's whole static output poisoned before
+each run and its tail past the live rows checked untouched, eager == graph bit for bit."""
 
 import json
 import os
@@ -6,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from cases import TOL, new_rng, tree_masks
+from cases import POISON, TOL, check_attention, holey_masks, new_rng, paged_case, torch_randn, tree_masks
 
 from cupy_fa.modes import ForwardMode, contract_lengths, from_sglang
 
@@ -87,17 +89,18 @@ def schedule(rng):
     steps += [(M.DRAFT_EXTEND_V2, [0, 1, 2, 3, 4], None), (M.IDLE, [], None)]
     steps += [(M.EXTEND, [5, 6], None), (M.MIXED, [0, 1, 2, 5, 6], None)]
     steps += [(M.TARGET_VERIFY, [0, 1, 2, 3, 4, 5, 6], "tree"), (M.DRAFT_EXTEND_V2, [6], None)]
+    steps += [(M.TARGET_VERIFY, [0, 2, 4, 6], "holes")]
     steps += [(M.DECODE, list(range(7)), None), (M.DRAFT_EXTEND_V2, [0, 1, 2, 3, 4, 5, 6], None)]
     return steps
 
 
-def step_lengths(rng, engine, mode, rids):
+def step_lengths(rng, engine, mode, rids, max_q=MAX_Q):
     prefix = np.array([engine.length[r] for r in rids], np.int64)
     if mode is M.EXTEND:
-        new = np.array([int(rng.integers(1, MAX_Q + 1)) for _ in rids])
+        new = np.array([int(rng.integers(1, max_q + 1)) for _ in rids])
         return contract_lengths(mode, prefix_lens=prefix, new_lens=new)
     if mode is M.MIXED:
-        new = np.array([1 if rng.random() < 0.5 else int(rng.integers(2, MAX_Q + 1)) for _ in rids])
+        new = np.array([1 if rng.random() < 0.5 else int(rng.integers(2, max_q + 1)) for _ in rids])
         return contract_lengths(mode, prefix_lens=prefix, new_lens=new)
     if mode is M.DRAFT_EXTEND:
         accepted = np.array([int(rng.integers(1, N_DRAFT + 2)) for _ in rids])
@@ -105,12 +108,31 @@ def step_lengths(rng, engine, mode, rids):
     return contract_lengths(mode, prefix_lens=prefix, num_draft_tokens=N_DRAFT)
 
 
+# (dtype, head dim, (H_q, H_kv), page size, the runner's max_q_len). The first 16: every dtype, head
+# dim 64 / 128, both head layouts, page sizes 1 and 16, small-q tiles only (max_q_len 16). Then
+# page sizes 3 and 48 (the kernels divide rather than shift), page 64, head dim 256, and runners
+# of max_q_len 40: device-planned EXTEND and MIXED steps of more than 16 tokens (the prefill tile,
+# which the verify steps of those runners run on too).
+ENGINE_CONFIGS = [(dtype, d, heads, page, MAX_Q) for dtype in ("float16", "bfloat16") for d in (64, 128)
+                  for heads in ((32, 8), (8, 1)) for page in (1, 16)] + [
+    ("bfloat16", 128, (32, 8), 3, MAX_Q), ("float16", 64, (8, 1), 3, 40),
+    ("float16", 128, (32, 8), 48, MAX_Q), ("bfloat16", 64, (8, 1), 48, 40),
+    ("bfloat16", 128, (32, 8), 64, MAX_Q), ("float16", 256, (8, 1), 64, 40),
+    ("bfloat16", 256, (32, 8), 16, 40), ("float16", 256, (16, 2), 3, MAX_Q),
+    ("float16", 128, (32, 8), 1, 40), ("bfloat16", 128, (8, 1), 48, 40),
+]
+
+
+def poison(runner):
+    runner.out.fill(POISON)
+    runner.lse.fill(POISON)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size):
+@pytest.mark.parametrize("dtype,head_dim,heads,page_size,max_q", ENGINE_CONFIGS,
+                         ids=lambda c: str(c).replace(" ", "").replace("(", "").replace(")", "").replace(",", "x")
+                         if isinstance(c, tuple) else str(c))
+def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_q):
     import cupy
     import cupyx
     import cupy_fa
@@ -119,7 +141,7 @@ def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size):
     rng, seed = new_rng()
     engine = Engine(rng, dtype, heads, head_dim, page_size, num_pages=(12000 // page_size) + 64)
     max_pages = -(-2600 // page_size)
-    runner = cupy_fa.GraphRunner(heads[0], heads[1], head_dim, dtype, max_batch_size=8, max_q_len=MAX_Q,
+    runner = cupy_fa.GraphRunner(heads[0], heads[1], head_dim, dtype, max_batch_size=8, max_q_len=max_q,
                                  max_pages_per_request=max_pages, page_size=page_size, tree_mask=True)
     for rid in range(7):
         engine.add(rid)
@@ -129,38 +151,45 @@ def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size):
         engine.commit(rids, lens)
     assert max(engine.length.values()) > 512
     for mode, rids, extra in schedule(rng):
-        q_lens, kv_lens = step_lengths(rng, engine, mode, rids)
+        q_lens, kv_lens = step_lengths(rng, engine, mode, rids, max_q)
         new = q_lens
         engine.write(rids, new)  # K/V of this step's tokens are written before attention
         table = engine.table(rids, max_pages)
         total = int(np.sum(q_lens))
         q = cupy.asarray(engine.queries(total))
-        mask = np.concatenate([m.ravel() for m in tree_masks(rng, q_lens)]) if extra == "tree" else None
-        eager = runner.run(mode, q, engine.cache, q_lens, kv_lens, table, custom_mask=mask, use_graph=False).copy()
+        masks = {"tree": tree_masks, "holes": holey_masks}.get(extra)
+        mask = np.concatenate([m.ravel() for m in masks(rng, q_lens)]) if masks else None
+        poison(runner)  # the whole static output: the live rows must be rewritten, the tail left alone
+        runner.run(mode, q, engine.cache, q_lens, kv_lens, table, custom_mask=mask, use_graph=False, return_lse=True)
+        cupy.cuda.get_current_stream().synchronize()
+        eager = runner.out.get(), runner.lse.get()
         # replay: device inputs, no host sync allowed (first use of a bucket captures outside this block)
         args = (mode, q, engine.cache, cupy.asarray(q_lens, np.int32), cupy.asarray(kv_lens, np.int32),
                 cupy.asarray(table))
-        runner.run(*args, custom_mask=None if mask is None else cupy.asarray(mask))
-        runner.out.fill(np.nan)  # poison, then the measured replay must rewrite every row
+        dev_mask = None if mask is None else cupy.asarray(mask)
+        runner.run(*args, custom_mask=dev_mask, return_lse=True)
+        poison(runner)  # then the measured replay must rewrite every live row and leave the tail
         with cupyx.allow_synchronize(False):
-            graph = runner.run(*args, custom_mask=None if mask is None else cupy.asarray(mask))
+            view, lse_view = runner.run(*args, custom_mask=dev_mask, return_lse=True)
         cupy.cuda.get_current_stream().synchronize()
-        graph = graph.get()
-        eager = eager.get()
-        if total == 0:
-            assert mode is M.IDLE and graph.shape[0] == 0
-            report(mode=mode.name, path="eager", err=0.0, dtype=dtype, page=page_size, heads=heads, d=head_dim)
-            report(mode=mode.name, path="graph", err=0.0, dtype=dtype, page=page_size, heads=heads, d=head_dim)
-            continue
-        ref = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), q_lens, kv_lens, table,
-                                        causal=True, custom_mask=mask)
-        for path, out in (("eager", eager), ("graph", graph)):
-            assert np.isfinite(out.astype(np.float32)).all(), f"{mode.name} {path}: unwritten or NaN output"
-            err = reference.relative_error(out.astype(np.float64), ref)
-            report(mode=mode.name + ("_TREE" if mask is not None else ""), path=path, err=err, dtype=dtype,
-                   page=page_size, heads=heads, d=head_dim)
-            assert err < TOL[dtype], f"seed {seed} {mode.name} {path}: error {err:.2e}"
-        assert np.array_equal(eager.view(np.uint16), graph.view(np.uint16)), f"{mode.name}: eager != graph bits"
+        assert view.shape == (total, heads[0], head_dim) and lse_view.shape == (total, heads[0])
+        graph = runner.out.get(), runner.lse.get()
+        name = mode.name + ({"tree": "_TREE", "holes": "_TREE_HOLES"}.get(extra, ""))
+        if total:
+            ref, ref_lse = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), q_lens,
+                                                     kv_lens, table, causal=True, custom_mask=mask, return_lse=True)
+        else:  # IDLE: no rows, nothing may be written
+            assert mode is M.IDLE
+            ref, ref_lse = np.zeros((0, heads[0], head_dim)), np.zeros((0, heads[0]))
+        for path, (out, lse) in (("eager", eager), ("graph", graph)):
+            check = check_attention(out, ref, dtype, q_lens=q_lens, lse=lse, ref_lse=ref_lse, poison=POISON,
+                                    label=f"seed {seed} {name} {path}")
+            print(check.summary())
+            report(mode=name, path=path, err=check.worst.get("request_rel", (0.0,))[0], dtype=dtype, page=page_size,
+                   heads=heads, d=head_dim)
+            check.assert_ok()
+        assert np.array_equal(eager[0].view(np.uint16), graph[0].view(np.uint16)), f"{name}: eager != graph bits"
+        assert np.array_equal(eager[1].view(np.uint32), graph[1].view(np.uint32)), f"{name}: eager != graph LSE"
         engine.commit(rids, new)
     # buckets 1, 2, 4 and 8 were all captured, once per mode
     assert runner.num_graphs >= 8
@@ -193,13 +222,16 @@ def test_draft_extend_v2_prefix_only_extent_is_caught(use_graph):
     q = cupy.asarray(engine.queries(int(right_q.sum())))
     ref = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), right_q, right_kv, table)
     good = runner.run(M.DRAFT_EXTEND_V2, q, engine.cache, right_q, right_kv, table, use_graph=use_graph).get()
-    assert reference.relative_error(good.astype(np.float64), ref) < TOL["bfloat16"]
+    check_attention(good, ref, "bfloat16", q_lens=right_q).assert_ok()
     wrong_kv = prefix  # the seed bug: sglang's TARGET_VERIFY convention applied to DRAFT_EXTEND_V2
     bad = runner.run(M.DRAFT_EXTEND_V2, q, engine.cache, right_q, wrong_kv, table, use_graph=use_graph).get()
     err = reference.relative_error(bad.astype(np.float64), ref)
     report(mode="DRAFT_EXTEND_V2_prefix_only_negative_control", path="graph" if use_graph else "eager", err=err,
            dtype="bfloat16", page=16, heads=(32, 8), d=128)
     assert err > 10 * TOL["bfloat16"], f"the wrong extent went unnoticed (error {err:.2e})"
+    check = check_attention(bad, ref, "bfloat16", q_lens=right_q)
+    caught = {int(line.split()[1]) for line in check.failing("request")}
+    assert caught == set(range(len(rids))), f"every request is wrong, the checker named {sorted(caught)}"
 
 
 @pytest.mark.gpu
@@ -215,11 +247,13 @@ def test_idle_and_fully_padded_bucket():
     assert out.shape == (0, 8, 64)
     # a bucket of padded rows only: the graph launches, reads nothing, writes nothing
     zeros = cupy.zeros(3, np.int32)
-    runner.out.fill(np.nan)
     for use_graph in (False, True):
-        res = runner.run(M.DECODE, cupy.ones((3, 8, 64), np.float16), cache, zeros, zeros,
-                         cupy.zeros((3, 4), np.int32), use_graph=use_graph)
-        assert bool(cupy.isnan(res).all())
+        runner.out.fill(POISON)
+        runner.lse.fill(POISON)
+        res, lse = runner.run(M.DECODE, cupy.ones((3, 8, 64), np.float16), cache, zeros, zeros,
+                              cupy.zeros((3, 4), np.int32), use_graph=use_graph, return_lse=True)
+        assert res.shape == (3, 8, 64) and lse.shape == (3, 8)
+        assert bool((runner.out == POISON).all()) and bool((runner.lse == POISON).all())
 
 
 @pytest.mark.gpu
@@ -232,8 +266,8 @@ def test_inside_torch_cuda_graph():
 
     rng, _ = new_rng()
     page_size, max_batch, max_pages = 16, 4, 40
-    k = torch.randn(200, page_size, 8, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(200, page_size, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch_randn(rng, (200, page_size, 8, 128), torch.bfloat16)
+    v = torch_randn(rng, (200, page_size, 8, 128), torch.bfloat16)
     cache = cupy_fa.PagedKVCache(k, v)
     attn = cupy_fa.BatchAttention(32, 8, 128, "bfloat16", max_batch_size=max_batch, max_num_tokens=max_batch * 4,
                                   max_pages_per_request=max_pages)
@@ -242,10 +276,11 @@ def test_inside_torch_cuda_graph():
     table = torch.zeros(max_batch, max_pages, dtype=torch.int32, device="cuda")
     q = torch.zeros(max_batch * 4, 32, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros_like(q)
+    lse = torch.zeros(max_batch * 4, 32, device="cuda", dtype=torch.float32)
 
     def step():
         attn.plan(q_lens, kv_lens, table, max_q_len=4, max_kv_len=max_pages * page_size)
-        attn.run(q, cache, out=out)
+        attn.run(q, cache, out=out, lse=lse)
 
     def fill(batch):
         ql = np.full(batch, 4)
@@ -256,7 +291,7 @@ def test_inside_torch_cuda_graph():
         q_lens[:batch] = torch.from_numpy(ql).to(torch.int32)
         kv_lens[:batch] = torch.from_numpy(kl).to(torch.int32)
         table[:batch] = torch.from_numpy(pages).to(torch.int32)
-        q.copy_(torch.randn_like(q))
+        q.copy_(torch_randn(rng, tuple(q.shape), torch.bfloat16))
         return ql, kl, pages
 
     fill(max_batch)
@@ -270,11 +305,67 @@ def test_inside_torch_cuda_graph():
         step()
     for batch in (4, 2, 3):  # the engine changes every length and page row between replays
         ql, kl, pages = fill(batch)
-        out.fill_(float("nan"))
+        out.fill_(POISON)  # the rows of the padded requests (past 4 x batch) must stay so
+        lse.fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference.paged_attention(q[:4 * batch].float().cpu().numpy(), k.float().cpu().numpy(),
-                                        v.float().cpu().numpy(), ql, kl, pages)
-        got = out[:4 * batch].float().cpu().numpy()
-        assert np.isfinite(got).all()
-        assert reference.relative_error(got, ref) < TOL["bfloat16"]
+        ref, ref_lse = reference.paged_attention(q[:4 * batch].float().cpu().numpy(), k.float().cpu().numpy(),
+                                                 v.float().cpu().numpy(), ql, kl, pages, return_lse=True)
+        check = check_attention(out.float().cpu().numpy(), ref, "bfloat16", q_lens=ql, lse=lse.cpu().numpy(),
+                                ref_lse=ref_lse, poison=POISON, label=f"torch graph, batch {batch}")
+        print(check.summary())
+        check.assert_ok()
+
+
+def reference_without(refused, q_host, k_host, v_host, q_lens, kv_lens, table):
+    """The float64 reference of every request but the refused ones (their rows: zeros, never compared)."""
+    from cupy_fa import reference
+
+    keep = np.ones(len(q_lens), bool)
+    keep[list(refused)] = False
+    rows = np.repeat(keep, q_lens)
+    out, lse = reference.paged_attention(q_host[rows], k_host, v_host, np.where(keep, q_lens, 0), kv_lens, table,
+                                         return_lse=True)
+    full, full_lse = np.zeros(q_host.shape), np.zeros(q_host.shape[:2])
+    full[rows], full_lse[rows] = out, lse
+    return full, full_lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["device-plan", "runner-eager", "runner-graph"])
+def test_refused_row_writes_nothing(path):
+    """A request with q_len > kv_len reaches the device only through device lengths (the graph path,
+    which the host cannot check): plan.cu refuses it (status 1 + its index), it writes nothing
+    (its rows, and the LSE's, keep the poison) and every other request is right; the tail
+    past the live rows is untouched. Through BatchAttention planned from device arrays and
+    through a GraphRunner, eager and replayed."""
+    import cupy
+    import cupy_fa
+
+    rng, seed = new_rng()
+    q_lens, kv_lens = np.array([3, 5, 2, 1]), np.array([20, 3, 700, 1500])  # request 1: 5 > 3
+    total, heads, d = int(q_lens.sum()), (8, 2), 128
+    table, k_host, v_host, cache, q_host = paged_case(rng, "bfloat16", heads, d, 16, kv_lens, total)
+    lens = [cupy.asarray(x, np.int32) for x in (q_lens, kv_lens, table)]
+    q = cupy.asarray(q_host)
+    if path == "device-plan":
+        attn = cupy_fa.BatchAttention(*heads, d, "bfloat16")
+        out = cupy.full((total + 3, heads[0], d), POISON, q.dtype)
+        lse = cupy.full((total + 3, heads[0]), POISON, np.float32)
+        attn.plan(*lens, max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()))
+        attn.run(q, cache, out=out[:total], lse=lse[:total])
+    else:
+        runner = cupy_fa.GraphRunner(*heads, d, "bfloat16", max_batch_size=4, max_q_len=int(q_lens.max()),
+                                     max_pages_per_request=table.shape[1], page_size=16)
+        attn, out, lse = runner.attn, runner.out, runner.lse
+        if path == "runner-graph":
+            runner.run(M.EXTEND, q, cache, *lens)  # captures (and runs once)
+        out.fill(POISON)
+        lse.fill(POISON)
+        runner.run(M.EXTEND, q, cache, *lens, use_graph=path == "runner-graph", return_lse=True)
+    assert attn.status() == 2, f"status {attn.status()}: plan.cu must flag request 1 (1 + its index)"
+    ref, ref_lse = reference_without([1], q_host, k_host, v_host, q_lens, kv_lens, table)
+    check = check_attention(out.get(), ref, "bfloat16", q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse,
+                            poison=POISON, refused=[1], label=f"seed {seed} {path}")
+    print(check.summary())
+    check.assert_ok()

@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from cases import new_rng
 from cupy_fa import knobs, plan, schedule
 
 
@@ -72,7 +73,7 @@ def random_batch(rng, max_q):
 
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (256, 8)])
 def test_host_bounds_cover_the_schedule(head_dim, group):
-    rng = np.random.default_rng()
+    rng, _ = new_rng()
     for _ in range(200):
         max_q = int(rng.choice([1, 4, 8, 16, 17, 300, 3000]))
         q, kv = random_batch(rng, max_q)
@@ -210,7 +211,7 @@ def test_device_plan_matches_model(head_dim, group, fold, monkeypatch):
 
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)  # two layouts of the partial rows
     knobs.reload()  # knobs are read once: take the new value
-    rng = np.random.default_rng()
+    rng, _ = new_rng()
     attn = cupy_fa.BatchAttention(8 * group, 8, head_dim, "float16")
     for max_q in (1, 8, 16, 300):
         q, kv = random_batch(rng, max_q)
@@ -226,6 +227,69 @@ def test_device_plan_matches_model(head_dim, group, fold, monkeypatch):
         for name in ("num_splits", "split_keys"):
             assert np.array_equal(getattr(bufs, name)[:b].get(), m[name]), name
         assert attn.status() == 0
+
+
+LONG_KV = (131071, 131072, 131073, 131072 + 511, 131072 + 512, 200_000, 1 << 20, (1 << 24) + 7)
+
+
+def long_batch(rng):
+    """Small-q and prefill-tile requests at and past 256 x 512 keys (where splits stop sitting at
+    fixed positions and grow), with short ones and padding between them."""
+    q = np.array([1, 4, 8, 16, 17, 64, 300, 1, 0, 3] * 2)
+    kv = np.array(list(LONG_KV) + [int(x) for x in rng.integers(131000, 1 << 21, size=12)])[:len(q)]
+    kv[8], kv[18] = 20, 7  # padded rows: kv is not read
+    return q, np.maximum(kv, q)
+
+
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (256, 8)])
+def test_model_split_clamp_at_long_lengths(head_dim, group):
+    """At and past MAX_SPLITS x S keys the model (the clamp plan.cu applies) keeps every request at
+    most MAX_SPLITS splits of whole 64-key tiles covering its keys, and the host bounds cover it."""
+    rng, _ = new_rng()
+    S = schedule.split_size()
+    q, kv = long_batch(rng)
+    for max_q in (1, 16, 300):
+        tile = schedule.tile_for(head_dim, max_q, group)
+        m = model(q, kv, group, tile)
+        live = q > 0
+        assert (m["num_splits"][live] <= schedule.MAX_SPLITS).all()
+        assert (m["split_keys"][live] % tile.block_n == 0).all()
+        small = live & (q <= schedule.SMALL_Q_LEN)
+        fixed = small & (kv <= S * schedule.MAX_SPLITS)
+        assert (m["split_keys"][fixed] == S).all() and (m["split_keys"][small & ~fixed] > S).all()
+        assert (m["num_splits"][small & ~fixed] == -(-kv[small & ~fixed] // m["split_keys"][small & ~fixed])).all()
+        assert (m["num_splits"][live] <= schedule.max_splits(q[live], kv[live])).all()
+        assert schedule.work_bound(q, kv, group, tile) >= m["work_indptr"][-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", ["0", "1"])
+def test_device_plan_matches_model_at_long_lengths(fold, monkeypatch):
+    """plan.cu's split clamp against the model where it matters: requests at and past 131072 keys
+    (256 splits of 512, then longer splits), small-q and prefill-tile ones, host and device lengths."""
+    import cupy
+    import cupy_fa
+
+    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
+    knobs.reload()  # knobs are read once: take the new value
+    rng, _ = new_rng()
+    group = 4
+    q, kv = long_batch(rng)
+    table = np.zeros((len(q), 1), np.int32)  # never read: plan only
+    for max_q in (1, 16, 300):
+        sel = q <= max_q
+        qs, kvs = np.where(sel, q, 0), kv
+        attn = cupy_fa.BatchAttention(8 * group, 8, 128, "float16")
+        for lens in ((qs, kvs, table), tuple(cupy.asarray(x, np.int32) for x in (qs, kvs, table))):
+            attn.plan(*lens, max_q_len=max(1, int(qs.max())), max_kv_len=int(kvs.max()))
+            m = model(qs, kvs, group, attn.planned.tile, bufs_rows(attn))
+            bufs = attn._buffers
+            b = len(qs)
+            for name in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr"):
+                assert np.array_equal(getattr(bufs, name)[:b + 1].get(), m[name]), (name, max_q)
+            for name in ("num_splits", "split_keys"):
+                assert np.array_equal(getattr(bufs, name)[:b].get(), m[name]), (name, max_q)
+            assert attn.status() == 0
 
 
 @pytest.mark.gpu

@@ -57,3 +57,40 @@ def test_work_layout_is_the_plans_with_128_rows():
     assert list(schedule.max_splits(q, kv)) == [1, 4, 1, 1]  # q = 17 over 2000 keys: 4 splits of 512
     assert schedule.work_bound(q, kv, 4, tile) == 128 + 4 + 32 + 1
     assert schedule.needs_merge(tile, q, kv)
+
+
+
+# The round-2 traits (warp-uniform warpgroup index, joint two-row softmax, persistent grid)
+# that scripts/probe_prefill_sm90.py times against the default: they must build without
+# spills and agree with the host mirror (kSmemBytes, kConsumerRegs) too.
+ROUND2_TILES = [
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, uniform_wg=True)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, uniform_wg=True, joint_rows=True)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, persistent=True)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, uniform_wg=True, joint_rows=True, persistent=True)),
+    ("float16", s9.Sm90Tile(128, 128, 2, uniform_wg=True, joint_rows=True, persistent=True)),
+    ("bfloat16", s9.Sm90Tile(64, 128, 4, uniform_wg=True, joint_rows=True, persistent=True)),
+]
+
+
+@pytest.mark.parametrize("dtype,tile", ROUND2_TILES, ids=lambda x: x if isinstance(x, str) else x.traits())
+def test_round2_variants_compile_without_spills(dtype, tile):
+    cubin, res = _build.compile_cubin(s9.variant(dtype, tile), "sm_90a")
+    assert res["registers"] == 168 and res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+    assert tile.smem_bytes <= schedule.SMEM_LIMIT
+
+
+def test_persistent_tile_holds_two_q_tiles():
+    one, two = s9.Sm90Tile(128, 128, 2), s9.Sm90Tile(128, 128, 2, persistent=True)
+    assert two.smem_bytes - one.smem_bytes == 128 * 128 * 2 + 3 * 8 + 52
+
+
+@pytest.mark.parametrize("name", ["v1_af55a79", "v3_37ed792"])
+def test_probe_snapshots_of_earlier_versions_compile(name):
+    """scripts/sm90_snapshots/*.cu (the probe's A/B of earlier commits) still build against
+    today's common headers, without spills, at their own kSmemBytes."""
+    spec = importlib.util.spec_from_file_location("probe_prefill_sm90", ROOT / "scripts" / "probe_prefill_sm90.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    cubin, res = _build.compile_cubin(probe.kernel_variant(name), "sm_90a")
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res

@@ -1,26 +1,24 @@
 """CPU tests of cupy_fa.reference against an independent per-query loop.
 
-Inputs are fresh random draws each run; the seed is printed (shown on failure) and can be
-fixed with CUPY_FA_TEST_SEED=<seed>.
+Inputs are fresh random draws each run; the seed is printed (shown on failure) and
+CUPY_FA_SEED=<seed> replays it (tests/cases.py new_rng).
 """
 
 import math
-import os
 import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from cases import new_rng
 from cupy_fa import reference
 from cupy_fa.reference import paged_attention, relative_error
 
 
 @pytest.fixture
 def rng():
-    seed = int(os.environ.get("CUPY_FA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={seed} (rerun with CUPY_FA_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
+    return new_rng()[0]
 
 
 def make_batch(rng, lens, page_size, h_q, h_kv, d, dtype=np.float64):
