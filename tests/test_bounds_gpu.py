@@ -171,9 +171,10 @@ def test_check_raises_naming_the_request(monkeypatch):
     assert s.attn.status().request == 2
 
 
-def test_graph_runner_garbage_then_clean():
+def test_graph_runner_garbage_then_clean(monkeypatch):
     """Through a captured graph: garbage device metadata in one replay, a clean one after; the
-    context survives and the status resets with the next plan."""
+    context survives and the status resets with the next plan; with CUPY_FA_DEBUG=1 the replay
+    raises naming the request."""
     import cupy
     import cupy_fa
     from cupy_fa import ForwardMode
@@ -201,6 +202,16 @@ def test_graph_runner_garbage_then_clean():
                        dev(step["table"])).get()
     assert runner.attn.status() == 0 and np.array_equal(again.view(np.uint16), clean.view(np.uint16))
     assert runner.num_graphs == 1
+    monkeypatch.setenv("CUPY_FA_DEBUG", "1")
+    _reload_knobs()
+    try:
+        with pytest.raises(ValueError, match=r"request 0: a page id it reads is not a page of the cache"):
+            runner.run(ForwardMode.DECODE, step["q"], step["cache"], dev(q_lens), dev(kv_lens), dev(table))
+        runner.run(ForwardMode.DECODE, step["q"], step["cache"], dev(q_lens), dev(kv_lens), dev(step["table"]))
+        assert runner.status().ok
+    finally:
+        monkeypatch.delenv("CUPY_FA_DEBUG")
+        _reload_knobs()
 
 
 def test_append_slots_outside_the_cache():

@@ -233,3 +233,55 @@ def test_one_thread_plans_on_two_streams():
         assert_matches(out1, ref1, DTYPE, first["q_lens"], "stream 1")
         assert_matches(out1b, ref1, DTYPE, first["q_lens"], "stream 1 again")
         assert_matches(out2, reference_of(second), DTYPE, second["q_lens"], "stream 2")
+
+
+def test_graph_runner_from_two_threads_at_once(monkeypatch):
+    """A GraphRunner's static buffers hold one step: while thread A is inside run(), thread B's
+    run() raises, naming the fix; A's step completes and is right."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import ForwardMode, plan as plan_module
+
+    rng, _ = new_rng()
+    step = device_step(rng, DTYPE, HEADS, D, PAGE, [1, 1, 1], [40, 700, 1500])
+    runner = cupy_fa.GraphRunner(*HEADS, D, DTYPE, max_batch_size=4, max_q_len=4,
+                                 max_pages_per_request=step["table"].shape[1], page_size=PAGE)
+    args = (ForwardMode.DECODE, step["q"], step["cache"], step["q_lens"], step["kv_lens"], step["table"])
+    runner.run(*args)  # captured once, outside the race
+    inside, release = threading.Event(), threading.Event()
+    real = plan_module.stage_inputs
+
+    def slow_stage(*a, **k):
+        if threading.current_thread().name == "runner-a":
+            inside.set()
+            release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(plan_module, "stage_inputs", slow_stage)
+    outs, errors, seen = {}, [], []
+
+    def thread_a():
+        try:
+            outs["a"] = runner.run(*args).get()
+        except Exception as exc:
+            errors.append(exc)
+
+    a = threading.Thread(target=thread_a, name="runner-a")
+    a.start()
+    assert inside.wait(30)
+
+    def thread_b():
+        try:
+            runner.run(*args)
+        except RuntimeError as exc:
+            seen.append(str(exc))
+
+    b = threading.Thread(target=thread_b, name="runner-b")
+    b.start()
+    b.join()
+    release.set()
+    a.join()
+    cupy.cuda.Device().synchronize()
+    assert not errors, errors
+    assert seen and "use one GraphRunner per thread" in seen[0] and "'runner-b'" in seen[0], seen
+    assert_matches(outs["a"], reference_of(step), DTYPE, step["q_lens"], "runner thread A")
