@@ -11,7 +11,10 @@ go in as host arrays or as device arrays (the unchecked graph path) at random.
 
 Every ``--check-every`` steps the step is checked: each request against the float64 reference
 (``cupy_fa.reference``), the graph replay against the same step run eagerly (bit for bit), and
-the device status word. Reported: steps, checks, failures, graphs, steps per mode, and device
+the device status word. Every ``--garbage-every`` steps one request of a device-input step gets
+a page id outside the cache (the graph path's unchecked input): the step must not fault, the
+status must name that request, its rows must be NaN and every other request must still match
+the reference; the next steps go on as before. Reported: steps, checks, failures, graphs, steps per mode, and device
 memory (CuPy's pool and the driver's count) at the start, after the warm-up and at the end; the
 run fails on any failure, on fewer steps than asked for within ``--max-seconds``, or on memory
 that grows after the warm-up.
@@ -182,8 +185,9 @@ class Engine:
             masks.append(m)
         return masks
 
-    def step(self, check):
-        """One engine step; returns (mode, failure text or None, checked)."""
+    def step(self, check, garbage=False):
+        """One engine step; returns (mode, failure text or None, checked). ``garbage``: a device-input
+        step with one request's first page id outside the cache (checked too)."""
         cupy = self.cupy
         if self.rng.random() < 0.3:
             self.arrive()
@@ -208,11 +212,20 @@ class Engine:
         flat = np.concatenate([m.ravel() for m in masks]) if tree else None
         q = cupy.random.standard_normal((int(q_lens.sum()),) + (HEADS[0], HEAD_DIM), np.float32).astype(self.dtype)
         lens = (q_lens.astype(np.int32), kv_lens.astype(np.int32), table)
-        if self.rng.random() < 0.5:  # the graph path's device inputs, unchecked by the host
+        bad = None
+        if garbage:  # one request's first page id outside the cache, on the unchecked device path
+            bad = int(self.rng.integers(0, len(reqs)))
+            poisoned = table.copy()
+            poisoned[bad, 0] = self.num_pages + int(self.rng.integers(0, 10**8))
+            lens = tuple(cupy.asarray(x) for x in (lens[0], lens[1], poisoned))
+        elif self.rng.random() < 0.5:  # the graph path's device inputs, unchecked by the host
             lens = tuple(cupy.asarray(x) for x in lens)
         out = self.runner.run(mode, q, self.cache, *lens, custom_mask=flat)
         failure = None
-        if check:
+        if garbage:
+            failure = self.check_garbage(mode, q, out, reqs, q_lens, kv_lens, table, masks, bad)
+            check = True
+        elif check:
             failure = self.check(mode, q, lens, flat, masks, out, reqs, q_lens, kv_lens, table)
         self.advance(mode, reqs, q_lens)
         return mode, failure, check
@@ -223,15 +236,10 @@ class Engine:
         eager = self.runner.run(mode, q, self.cache, *lens, custom_mask=flat, use_graph=False)
         if not bool(cupy.array_equal(graph_bits, eager.view(cupy.uint16))):
             return f"{mode.name}: graph replay and eager step differ"
-        status = self.runner.attn.status()
+        status = self.runner.status()
         if status != 0:
-            return f"{mode.name}: device status {status}"
-        used = sorted({p for r in reqs for p in r.pages})  # the pages of this step, renumbered 0..n-1
-        renumber = {p: i for i, p in enumerate(used)}
-        index = cupy.asarray(np.array(used, np.int64))
-        k, v = self.cache.k[index].get(), self.cache.v[index].get()
-        small = np.vectorize(lambda p: renumber.get(int(p), 0))(table)
-        ref = reference.paged_attention(q.get(), k, v, q_lens, kv_lens, small, custom_mask=masks)
+            return f"{mode.name}: device status {status!r}"
+        ref = self.reference(q, reqs, q_lens, kv_lens, table, masks)
         got = np.asarray(eager.get(), np.float64)
         cu = np.concatenate([[0], np.cumsum(q_lens)])
         tol = reference.TOL[self.args.dtype]
@@ -242,6 +250,32 @@ class Engine:
                 return (f"{mode.name}: request {b} (q_len {q_lens[b]}, kv_len {kv_lens[b]}) relative error "
                         f"{err:.3g} > {tol}")
         return None
+
+    def check_garbage(self, mode, q, out, reqs, q_lens, kv_lens, table, masks, bad):
+        status = self.runner.status()
+        if status.request != bad or status.reason != 6:
+            return f"{mode.name}: a page id outside the cache in request {bad}, status says {status!r}"
+        got = np.asarray(out.get(), np.float64)
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        if not np.isnan(got[cu[bad]:cu[bad + 1]]).all():
+            return f"{mode.name}: request {bad} read a page outside the cache but its rows are not all NaN"
+        ref = self.reference(q, reqs, q_lens, kv_lens, table, masks)
+        tol = reference.TOL[self.args.dtype]
+        for b in range(len(q_lens)):
+            if b != bad:
+                err = reference.relative_error(got[cu[b]:cu[b + 1]], ref[cu[b]:cu[b + 1]])
+                if not err < tol:
+                    return f"{mode.name}: request {b} beside the bad request {bad}: relative error {err:.3g}"
+        return None
+
+    def reference(self, q, reqs, q_lens, kv_lens, table, masks):
+        cupy = self.cupy
+        used = sorted({p for r in reqs for p in r.pages})  # the pages of this step, renumbered 0..n-1
+        renumber = {p: i for i, p in enumerate(used)}
+        index = cupy.asarray(np.array(used, np.int64))
+        k, v = self.cache.k[index].get(), self.cache.v[index].get()
+        small = np.vectorize(lambda p: renumber.get(int(p), 0))(table)
+        return reference.paged_attention(q.get(), k, v, q_lens, kv_lens, small, custom_mask=masks)
 
     def advance(self, mode, reqs, q_lens):
         """What the engine does with the step's tokens: prompts move on, drafts are accepted or
@@ -290,6 +324,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10000)
     parser.add_argument("--check-every", type=int, default=100)
+    parser.add_argument("--garbage-every", type=int, default=1000,
+                        help="a step with a page id outside the cache every this many steps (0: never)")
     parser.add_argument("--max-seconds", type=float, default=170.0, help="stop (and fail) past this wall time")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="bfloat16")
@@ -312,10 +348,12 @@ def main(argv=None):
     for _ in range(200):  # warm-up: every path once, pool blocks of every size in use once
         engine.step(check=False)
     mem_warm, graphs_warm = memory(), engine.runner.num_graphs
-    modes, failures, checks, steps = collections.Counter(), [], 0, 0
+    modes, failures, checks, steps, garbage = collections.Counter(), [], 0, 0, 0
     while steps < args.steps and time.perf_counter() - t0 < args.max_seconds:
         steps += 1
-        mode, failure, checked = engine.step(check=steps % args.check_every == 0)
+        bad = bool(args.garbage_every) and steps % args.garbage_every == args.garbage_every // 2
+        mode, failure, checked = engine.step(check=steps % args.check_every == 0, garbage=bad)
+        garbage += bad and checked
         modes[mode.name] += 1
         checks += checked
         if failure:
@@ -329,13 +367,14 @@ def main(argv=None):
     growth = {k: mem_end[k] - mem_warm[k] for k in mem_end}
     grew = any(growth[k] > MEMORY_SLACK[k] for k in growth)
     ok = not failures and steps >= args.steps and not grew and checks >= args.steps // args.check_every
-    report = dict(seed=seed, steps=steps, checks=checks, failures=len(failures), graphs=engine.runner.num_graphs,
+    report = dict(seed=seed, steps=steps, checks=checks, garbage_steps=garbage, failures=len(failures),
+                  graphs=engine.runner.num_graphs,
                   graphs_after_warmup=graphs_warm, modes=dict(modes), seconds=round(seconds, 1),
                   memory_start=mem_start, memory_after_warmup=mem_warm, memory_end=mem_end,
                   memory_growth_after_warmup=growth, ok=ok)
     mib = lambda m: ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in m.items())  # noqa: E731
-    print(f"soak: {steps} steps in {seconds:.0f} s, {checks} checks, {len(failures)} failures, "
-          f"{engine.runner.num_graphs} graphs ({graphs_warm} after the warm-up)")
+    print(f"soak: {steps} steps in {seconds:.0f} s, {checks} checks ({garbage} of them with a bad page id), "
+          f"{len(failures)} failures, {engine.runner.num_graphs} graphs ({graphs_warm} after the warm-up)")
     print(f"soak: steps per mode {dict(modes)}")
     print(f"soak: memory at start: {mib(mem_start)}")
     print(f"soak: after warm-up:   {mib(mem_warm)}")
