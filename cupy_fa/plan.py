@@ -57,7 +57,8 @@ class PlanBuffers:
         self.page_table = cupy.zeros((b, max(capacity.max_pages_per_request, 1)), i32)
         self.custom_mask = cupy.zeros(max(capacity.max_mask_bytes, 1), np.uint8)
         self.q_indptr = cupy.zeros(b + 1, i32)
-        self.work_indptr = cupy.zeros(b + 1, i32)
+        self.work_indptr = cupy.zeros(b + 1, i32)       # the small-q family's work list
+        self.long_work_indptr = cupy.zeros(b + 1, i32)  # the long family's (requests of more than SMALL_Q_LEN)
         self.partial_indptr = cupy.zeros(b + 1, i32)
         self.mask_indptr = cupy.zeros(b + 1, i32)
         self.num_splits = cupy.zeros(b, i32)
@@ -68,15 +69,21 @@ class PlanBuffers:
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
 
-    def plan_params(self, batch_size, group_size, tile, max_q_len=2**31 - 1, max_kv_len=2**31 - 1):
+    def plan_params(self, batch_size, group_size, tile, long_tile=None, max_q_len=2**31 - 1,
+                    max_kv_len=2**31 - 1):
+        """PlanParams for a step whose small-q requests run on ``tile`` (work_indptr) and whose
+        longer ones on ``long_tile`` (long_work_indptr); without ``long_tile`` every request is
+        laid out for ``tile`` in work_indptr (schedule.plan_constants). Device lengths above
+        ``max_q_len`` / ``max_kv_len`` (the bounds the grids were sized with) are refused."""
         return _params.make(
             "PlanParams", q_lens=self.q_lens.data.ptr, kv_lens=self.kv_lens.data.ptr,
             q_indptr=self.q_indptr.data.ptr, work_indptr=self.work_indptr.data.ptr,
+            long_work_indptr=self.long_work_indptr.data.ptr,
             num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
             max_q_len=int(max_q_len), max_kv_len=int(max_kv_len),
-            partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile))
+            partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile, long_tile))
 
 
 # ---- host-side checks and bounds ----------------------------------------------------
@@ -281,9 +288,11 @@ def stage_inputs(buffers, step, pad_to=None):
         buffers.custom_mask[:step.mask_dev.size] = step.mask_dev
 
 
-def launch_plan(buffers, batch_size, group_size, tile, stream, max_q_len=2**31 - 1, max_kv_len=2**31 - 1):
-    """The plan kernel: the step's metadata from the lengths in the buffers; requests whose
-    lengths break the contract or the bounds (max_q_len, max_kv_len) are refused and recorded in
-    the buffers' status word (kernels/status.cuh)."""
+def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None, max_q_len=2**31 - 1,
+                max_kv_len=2**31 - 1):
+    """The plan kernel on ``stream``: ``tile``'s work list for the small-q requests and, with
+    ``long_tile``, the long family's list for the others (else every request on ``tile``).
+    Requests whose lengths break the contract or the bounds (``max_q_len``, ``max_kv_len``) are
+    refused and recorded in the buffers' status word (kernels/status.cuh)."""
     _build.launch(schedule.PLAN_VARIANT, (1,),
-                  buffers.plan_params(batch_size, group_size, tile, max_q_len, max_kv_len), stream)
+                  buffers.plan_params(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len), stream)
