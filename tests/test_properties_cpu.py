@@ -82,36 +82,49 @@ def mode_batch(draw, max_batch=12, max_prefix=20000):
     return mode, q, kv
 
 
-def plan_on_host(q, kv, head_dim, group, num_kv_heads, capacity_rows):
-    """What BatchAttention.plan chooses for host lengths (cupy_fa.schedule): tile, fold, grid, merge."""
-    sched = schedule.schedule_step(head_dim, group, num_kv_heads, q_lens=q, kv_lens=kv, sm_count=SM_COUNT)
-    return sched.tile, sched.work_grid, sched.needs_merge, capacity_rows
+H200 = dict(sm_count=SM_COUNT, arch="sm_90a")  # two families: the wgmma one for requests over 16 tokens
+
+
+def plan_on_host(q, kv, head_dim, group, num_kv_heads):
+    """What BatchAttention.plan chooses for host lengths (cupy_fa.schedule): launches, fold, grids, merge."""
+    return schedule.schedule_step(head_dim, group, num_kv_heads, q_lens=q, kv_lens=kv, **H200)
 
 
 def plan_on_device(q, kv, head_dim, group, num_kv_heads, bucket, max_q, max_pages, page_size):
     """What a graph step (GraphRunner: device lengths, bounds only) chooses for a bucket."""
-    sched = schedule.schedule_step(head_dim, group, num_kv_heads, max_q_len=max_q, max_kv_len=max_pages * page_size,
-                                   capacity=plan.Capacity(bucket, bucket * max_q, max_pages), batch_size=bucket,
-                                   sm_count=SM_COUNT)
-    return sched.tile, sched.work_grid, sched.needs_merge
+    return schedule.schedule_step(head_dim, group, num_kv_heads, max_q_len=max_q, max_kv_len=max_pages * page_size,
+                                  capacity=plan.Capacity(bucket, bucket * max_q, max_pages), batch_size=bucket, **H200)
 
 
 # ---- the kernels' reads and writes, replayed --------------------------------------------
 
 
-def replay(m, q, kv, group, tile, grid, merge_launched, causal, masked, page_size, width, capacity_rows):
-    """Every CTA of attention_kernel (one KV head: the others are alike) and merge_kernel over
-    the model's metadata ``m``. Returns (out writes per packed row, page-table entries read)
-    and asserts every read and write lies where the request's buffers are."""
-    batch = len(q)
-    bm, per_cta = tile.block_m, tile.splits_per_cta
-    total = int(m["work_indptr"][-1])
-    assert grid >= total, f"the grid ({grid}) does not cover the work ({total})"
-    q_indptr, work_indptr, partial_indptr = m["q_indptr"], m["work_indptr"], m["partial_indptr"]
+def replay(m, q, kv, group, sched, causal, masked, page_size, width, capacity_rows):
+    """Every CTA of each attention launch of ``sched`` (one KV head: the others are alike; the
+    long family's CTAs take the same items, in reverse) and merge_kernel over the model's
+    metadata ``m``. Returns the page-table entries read, and asserts every read and write lies
+    where the request's buffers are and every live row is written once."""
     writes = {}      # (token, head in group) -> times written to out
     partials = set()  # (partial row, packed row in head group) written
     keys_of = {}     # (b, packed row) -> set of keys in the splits its CTAs ran
     table_reads = set()
+    for launch in sched.launches:
+        work_indptr = m["long_work_indptr"] if launch is sched.long else m["work_indptr"]
+        replay_launch(launch.tile, launch.work_grid, work_indptr, m, q, kv, group, causal, masked, page_size,
+                      width, capacity_rows, writes, partials, keys_of, table_reads)
+    # the merge reads group states where the small-q CTAs folded (only in steps without long requests)
+    folded = sched.small is not None and bool(sched.small.tile.fold_splits)
+    merge_and_check(m, q, kv, group, folded, sched.needs_merge, causal, masked, writes, partials, keys_of)
+    return table_reads
+
+
+def replay_launch(tile, grid, work_indptr, m, q, kv, group, causal, masked, page_size, width, capacity_rows,
+                  writes, partials, keys_of, table_reads):
+    batch = len(q)
+    bm, per_cta = tile.block_m, tile.splits_per_cta
+    total = int(work_indptr[-1])
+    assert grid >= total, f"the grid ({grid}) does not cover the work ({total})"
+    q_indptr, partial_indptr = m["q_indptr"], m["partial_indptr"]
     for work in range(grid):
         if work >= total:
             continue  # exits at once
@@ -165,18 +178,23 @@ def replay(m, q, kv, group, tile, grid, merge_launched, causal, masked, page_siz
                     slot = int(partial_indptr[b]) + token * splits + split
                     assert partial_indptr[b] <= slot < partial_indptr[b + 1] <= capacity_rows, "a partial row elsewhere"
                     partials.add((slot, row % group))
+
+
+def merge_and_check(m, q, kv, group, folded, merge_launched, causal, masked, writes, partials, keys_of):
+    batch = len(q)
+    q_indptr, partial_indptr = m["q_indptr"], m["partial_indptr"]
     if merge_launched:  # merge_kernel: one CTA per token; rows with several inputs fold them
         for b in range(batch):
             if q[b] == 0:
                 continue
             splits = int(m["num_splits"][b])
-            inputs = -(-splits // schedule.MERGE_GROUP) if tile.fold_splits else splits
+            inputs = -(-splits // schedule.MERGE_GROUP) if folded else splits
             if inputs <= 1:
                 continue
             for token in range(q[b]):
                 for g in range(group):
                     for i in range(inputs):
-                        if tile.fold_splits:
+                        if folded:
                             row = int(partial_indptr[b]) // 2 + token * inputs + i
                         else:
                             row = int(partial_indptr[b]) + token * splits + i
@@ -200,7 +218,6 @@ def replay(m, q, kv, group, tile, grid, merge_launched, causal, masked, page_siz
                     covered = max(covered, end)
                 assert covered >= visible, f"request {b} token {token}: keys from {covered} on in no split"
     assert sum(writes.values()) == int(q.sum()) * group, "a write outside the live rows"
-    return table_reads
 
 
 def run_schedule(q, kv, head_dim, group, device_bounds, causal, masked, page_size, knob_fold, knob_per_cta,
@@ -209,15 +226,15 @@ def run_schedule(q, kv, head_dim, group, device_bounds, causal, masked, page_siz
     with knobs(CUPY_FA_FOLD_SPLITS=knob_fold, CUPY_FA_SPLITS_PER_CTA=knob_per_cta):
         if device_bounds is None:
             rows = capacity_rows or schedule.partial_rows(len(q), num_kv_heads * group, head_dim)
-            tile, grid, merge, rows = plan_on_host(q, kv, head_dim, group, num_kv_heads, rows)
+            sched = plan_on_host(q, kv, head_dim, group, num_kv_heads)
         else:
             bucket, max_q, max_pages = device_bounds
             rows = schedule.partial_rows(bucket, num_kv_heads * group, head_dim)
-            tile, grid, merge = plan_on_device(q, kv, head_dim, group, num_kv_heads, bucket, max_q, max_pages,
-                                               page_size)
-        m = model(q, kv, group, tile, rows)
+            sched = plan_on_device(q, kv, head_dim, group, num_kv_heads, bucket, max_q, max_pages, page_size)
+        tile, long_tile = sched.plan_tiles()
+        m = model(q, kv, group, tile, rows, long_tile)
         width = max(1, -(-int(kv[q > 0].max()) // page_size)) if (q > 0).any() else 1
-        return replay(m, q, kv, group, tile, grid, merge, causal, masked, page_size, width, rows)
+        return replay(m, q, kv, group, sched, causal, masked, page_size, width, rows)
 
 
 # ---- the properties ---------------------------------------------------------------------------
