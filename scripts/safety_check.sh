@@ -6,7 +6,8 @@
 #   3. compute-sanitizer's memcheck, racecheck, initcheck, synccheck (scripts/sanitize.sh);
 #   4. the bounds checks' cost: decode-like bench cells of the tree before them (exp/base, a copy
 #      of cupy_fa/, kernels/ and bench/ of that revision, made beforehand: see below) beside this
-#      tree, interleaved (scripts/ab_trees.sh), and this tree / base per cell.
+#      tree, interleaved (scripts/ab_trees.sh), and this tree / base per cell;
+#   5. when time is left: the same bits as that tree (scripts/compare_trees.py exp/base).
 # Usage, from the repository root: bash scripts/safety_check.sh
 #   exp/base beforehand, on a machine with the git history:
 #   mkdir -p exp/base && git archive BASE_REV cupy_fa kernels bench | tar -x -C exp/base
@@ -83,5 +84,15 @@ elif [ -d exp/base/cupy_fa ]; then
   row "checks' cost" skip "only $left s left of SAFETY_SECONDS"
 else
   row "checks' cost" skip "exp/base absent: make it beforehand (see this script's header)"
+fi
+# 5. the same bits as the tree before the checks (bench shapes, graphs, a random grid), if time is left
+left=$(( ${SAFETY_SECONDS:-540} - ($(date +%s) - t0) - 10 ))
+if [ -d exp/base/cupy_fa ] && [ "$left" -ge 90 ]; then
+  start=$(date +%s)
+  timeout "$left" python3 scripts/compare_trees.py exp/base --grid 12 > "$OUT/compare_trees.log" 2>&1
+  rc=$?
+  row "same bits" "$([ $rc = 0 ] && echo ok || echo FAIL)" "$(grep -E '^[0-9]+ cases: ' "$OUT/compare_trees.log" | tail -n 1) (exit $rc, $(( $(date +%s) - start )) s)"
+else
+  row "same bits" skip "exp/base absent or only $left s left (scripts/compare_trees.py exp/base does it)"
 fi
 echo; echo "================ safety_check ($(( $(date +%s) - t0 )) s) ================"; cat "$table"
