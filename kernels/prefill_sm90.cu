@@ -72,7 +72,7 @@ struct Sm90PrefillTraits {
   static constexpr bool kPersistent = PERSISTENT;
   static constexpr int kQBufs = PERSISTENT ? 2 : 1;
   // The producer's copy loop at about 9 instructions per 16-byte cp.async instead of 18
-  // (sm90_prefill_load.cuh copy_tile_lean; a D = 128 tile 705 -> 415 instructions a warp): the
+  // (sm90_prefill_load.cuh copy_tile_lean; a D = 128 tile 713 -> 427 instructions a warp): the
   // producer warps share each SM sub-partition's issue slots with the consumers' softmax.
   static constexpr bool kLeanCopy = LEAN_COPY;
   // On tiles that need no mask, POLY_EXP2 of every 4 eight-key blocks take 2^x from a
@@ -124,8 +124,8 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p, cons
   const unsigned q_addr = base;  // kQBufs Q tiles, then the K ring, then the V ring
   const unsigned k_addr = q_addr + Tr::kQBufs * Tr::kQTileBytes;
   const unsigned v_addr = k_addr + ST * Tr::kKVTileBytes;
-  auto& bars = *reinterpret_cast<PipeBarriers<ST, Tr::kQBufs, Tr::kConsumerThreads>*>(smem + Tr::kQBufs * Tr::kQTileBytes +
-                                                                 2 * ST * Tr::kKVTileBytes);
+  typedef PipeBarriers<ST, Tr::kQBufs, Tr::kConsumerThreads> Barriers;
+  auto& bars = *reinterpret_cast<Barriers*>(smem + Tr::kQBufs * Tr::kQTileBytes + 2 * ST * Tr::kKVTileBytes);
   if (threadIdx.x == 0) bars.init(128, Tr::kConsumerThreads);
   __syncthreads();
 
@@ -172,7 +172,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
 
 template <typename QT, typename KVT, typename OT, typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    prefill_sm90_tma_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ sm90::KVTensorMaps maps) {
+    prefill_sm90_tma_kernel(const __grid_constant__ AttentionParams p,
+                            const __grid_constant__ sm90::KVTensorMaps maps) {
   static_assert(Tr::kTmaKV, "prefill_sm90_kernel runs the tiles without TMA");
   prefill_sm90_body<QT, KVT, OT, Tr>(p, &maps);
 }

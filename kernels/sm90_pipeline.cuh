@@ -73,7 +73,7 @@ template <int STAGES, int QBUFS = 1, int CONSUMERS = 256>
 struct PipeBarriers {
   unsigned long long k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
   unsigned long long q_full[QBUFS], q_empty[QBUFS], w_full[QBUFS];
-  float scratch[CONSUMERS];  // one word per consumer thread (sm90_prefill_consumer.cuh: orders the softmax before a wait)
+  float scratch[CONSUMERS];  // a word per consumer thread (sm90_prefill_consumer.cuh: the softmax before a wait)
   PrefillWork work[QBUFS];
 
   // One thread, before the CTA's first __syncthreads.

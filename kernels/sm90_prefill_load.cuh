@@ -158,7 +158,8 @@ struct KVProducer {
       if ((issue_lanes >> lane) & 1u) {
         if (after_generic) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #pragma unroll
-        for (int c = 0; c < D / 64; ++c) tma_load_3d(map, dst + c * (BN * 128) + row * 128, full, c * 64, w.kv_head, slots[0]);
+        for (int c = 0; c < D / 64; ++c)
+          tma_load_3d(map, dst + c * (BN * 128) + row * 128, full, c * 64, w.kv_head, slots[0]);
       }
       if (lane != 0) mbar_arrive(full);
     } else {
