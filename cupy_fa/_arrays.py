@@ -181,7 +181,7 @@ def check_device_array(x, name, *, dtype=None, ndim=None, shape=None, device_id=
     vectors; a misaligned view would fault and kill the CUDA context). Raises
     naming the argument."""
     if dtype is not None and x.dtype != DTYPES.get(dtype, dtype):
-        raise TypeError(f"{name} must have dtype {dtype}, got {dtype_name(x.dtype)}")
+        raise TypeError(f"{name} must have dtype {dtype_name(DTYPES.get(dtype, dtype))}, got {dtype_name(x.dtype)}")
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     if shape is not None:
