@@ -131,6 +131,7 @@ class AttentionAudit:
         self.requests = 0
         self.kinds = collections.Counter()
         self.worst = {"request_rel": (0.0, ""), "max_abs": (0.0, "")}
+        self.bars = (0.0, 0.0)
 
     @property
     def ok(self):
@@ -144,7 +145,9 @@ class AttentionAudit:
 
         ref = reference.paged_attention(_host(q), k_pages, v_pages, q_lens, kv_lens, table, causal=True,
                                         sm_scale=scale)
-        result = reference.check_attention(_host(ours), ref, q_lens=q_lens, label=where, **_bars(dtype))
+        bars = _bars(dtype)
+        result = reference.check_attention(_host(ours), ref, q_lens=q_lens, label=where, **bars)
+        self.bars = (bars.get("tol", reference.TOL[bars["dtype"]]), bars.get("max_abs", reference.MAX_ABS[bars["dtype"]]))
         self.calls += 1
         self.requests += result.counts.get("requests", 0)
         for key in self.worst:
@@ -243,14 +246,15 @@ class AttentionAudit:
 
     def summary(self):
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))
-        rel, where = self.worst["request_rel"]
-        mab = self.worst["max_abs"][0]
-        return (f"attention: {self.calls} calls, {self.requests} request checks ({kinds}); worst request rel "
-                f"{rel:.2e}, worst max-abs/max|ref| {mab:.2e} ({where or '-'}); "
+        tol, max_abs = self.bars
+        return (f"attention: {self.calls} calls, {self.requests} request checks ({kinds}), worst request rel "
+                f"{self.worst['request_rel'][0]:.1e} (bar {tol:.0e}), worst max-abs/max|ref| "
+                f"{self.worst['max_abs'][0]:.1e} (bar {max_abs:.0e}): "
                 f"{'ok' if self.ok else f'{len(self.failures)} FAILING'}")
 
     def report(self, limit=12):
-        return "\n".join([self.summary()] + self.failures[:limit] +
+        where = f"  (worst request rel at {self.worst['request_rel'][1] or '-'}; max-abs at {self.worst['max_abs'][1] or '-'})"
+        return "\n".join([self.summary(), where] + self.failures[:limit] +
                          ([f"... and {len(self.failures) - limit} more"] if len(self.failures) > limit else []))
 
 
@@ -513,11 +517,10 @@ class Judgement:
         parted = [v for v in self.verdicts if v.first_difference is not None]
         ours, theirs = self.medians
         return (f"tokens: {len(self.verdicts)} requests, {len(self.verdicts) - len(parted)} equal over "
-                f"{max(v.tokens for v in self.verdicts)}, {len(parted)} part: worst ours-vs-fp32 logits at the first "
-                f"difference {max((v.ours_rel for v in parted), default=0.0):.2e} (tol {LOGITS_TOL:.0e}), worst fp32 "
-                f"tie {max((v.tie for v in parted), default=0.0):.2e} (tol {TIE_TOL:.0e}); over {len(self.ours_steps)} "
-                f"shared tokens ours-vs-fp32 median {ours:.2e} (theirs {theirs:.2e}, bar {MEDIAN_RATIO:g}x), max "
-                f"{float(np.max(self.ours_steps)):.2e} (theirs {float(np.max(self.theirs_steps)):.2e}); "
+                f"{max(v.tokens for v in self.verdicts)}, {len(parted)} part; at the first difference ours-vs-fp32 "
+                f"logits <= {max((v.ours_rel for v in parted), default=0.0):.1e} (tol {LOGITS_TOL:.0e}), fp32 tie <= "
+                f"{max((v.tie for v in parted), default=0.0):.1e} (tol {TIE_TOL:.0e}); over {len(self.ours_steps)} "
+                f"shared tokens median ours-vs-fp32 {ours:.1e}, theirs {theirs:.1e} (bar {MEDIAN_RATIO:g}x): "
                 f"{'ok' if self.ok else 'FAIL'}")
 
     def report(self, equal_lines=False):

@@ -132,7 +132,7 @@ def _conclude(what, case, prompts, ours, theirs, audit, needed, problems=(), ext
     print(audit.report())
     for line in problems[:10]:
         print(line)
-    line = f"{what:14s} {case.name:28s} {'PASS' if ok else 'FAIL'}: {audit.summary()} | {judgement.line()}{extra}"
+    line = f"{what} {case.name} {'PASS' if ok else 'FAIL'} | {audit.summary()} | {judgement.line()}{extra}"
     print(line)
     path = os.environ.get("CUPY_FA_HF_SUMMARY")
     if path:
@@ -227,10 +227,9 @@ def test_a_wrong_dense_mapping_fails_both_judges(cases, monkeypatch):
 def _mutation_verdict(what, mutation, case, audit, judgement):
     print(audit.report(6))
     print(judgement.report())
-    line = (f"mutation {mutation!r} ({what}) {case.name}: {'PASS' if not audit.ok and not judgement.ok else 'FAIL'}: "
-            f"audit {'FAIL (caught)' if not audit.ok else 'ok (missed)'}, {len(audit.failures)} findings, worst "
-            f"request rel {audit.worst['request_rel'][0]:.2e}; token judge "
-            f"{'FAIL (caught)' if not judgement.ok else 'ok (missed)'}: {judgement.line()}")
+    line = (f"mutation {mutation!r} ({what}) {case.name}: {'PASS' if not audit.ok and not judgement.ok else 'FAIL'} "
+            f"| audit {'caught it' if not audit.ok else 'MISSED it'}: {audit.summary()} | token judge "
+            f"{'caught it' if not judgement.ok else 'MISSED it'}: {judgement.line()}")
     print(line)
     path = os.environ.get("CUPY_FA_HF_SUMMARY")
     if path:
