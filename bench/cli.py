@@ -16,7 +16,8 @@ from . import workloads as W
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="cupy_fa paged attention against its ceilings and peers (bf16, H_q 32, H_kv 8, D 128).",
+        description="cupy_fa paged attention against its ceilings and peers (H_q 32, H_kv 8; bf16, D 128, causal "
+                    "unless the workload says otherwise).",
         epilog="workloads: " + ", ".join(W.BY_NAME) + ". Patterns: exact name, prefix ('decode'), glob.")
     p.add_argument("workloads", nargs="*", help="workloads to run (default: all)")
     p.add_argument("--page-size", type=int, action="append", choices=W.PAGE_SIZES, dest="page_sizes",
@@ -45,15 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_workloads() -> str:
-    head = (f"{'workload':27s} {'B':>3s} {'q_len':>6s} {'kv_len':>7s} {'KV MB':>9s} {'q+o MB':>8s} "
+    head = (f"{'workload':27s} {'shape':17s} {'B':>3s} {'q_len':>6s} {'kv_len':>7s} {'KV MB':>9s} {'q+o MB':>8s} "
             f"{'GFLOP':>9s} {'bytes floor us':>15s} {'flop floor us':>14s}  metric")
     lines = [head]
     for w in W.WORKLOADS:
         fb, ff = w.floors_us()
-        lines.append(f"{w.name:27s} {w.batch:3d} {w.q_len:6d} {w.kv_len:7d} {w.kv_bytes() / 1e6:9.1f} "
+        lengths = (f"{w.q_len:6d} {w.kv_len:7d}" if w.uniform else
+                   f"{'/'.join(str(q) for _, q, _ in w.ragged):>6s} {'/'.join(str(kv) for _, _, kv in w.ragged):>7s}")
+        lines.append(f"{w.name:27s} {w.shape:17s} {w.batch:3d} {lengths} {w.kv_bytes() / 1e6:9.1f} "
                      f"{w.qo_bytes() / 1e6:8.1f} {w.flops() / 1e9:9.1f} {fb:15.1f} {ff:14.1f}  {w.metric}")
     lines.append(f"floors: min bytes (KV + q + out) / {W.REFERENCE_READ_TBPS} TB/s; "
                  f"flops / {W.REFERENCE_GEMM_TFLOPS:.0f} TFLOP/s")
+    lines.append("ragged (mixed) batches list each group's q_len / kv_len: " + "; ".join(
+        f"{w.name} = " + " + ".join(f"{n} x (q {q}, kv {kv})" for n, q, kv in w.ragged)
+        for w in W.WORKLOADS if not w.uniform))
     return "\n".join(lines)
 
 
@@ -74,7 +80,7 @@ def run_cell(w, ps, ctx) -> dict:
     from . import inputs, ours, peers
 
     opts = ctx["opts"]
-    n_launch = ctx["launches"] if w.kind == "memory" else max(4, ctx["launches"] // 4)
+    n_launch = ctx["launches"] if w.kind == "memory" else max(4, ctx["launches"] // 4)  # compute, mixed: > 0.3 ms
     n_sets = W.num_sets(w.min_bytes(), ctx["l2"], n_launch)
     seed = ctx["seed"] + 1000 * W.WORKLOADS.index(w) + ps
     inp = inputs.make_inputs(w, ps, n_sets, seed)
@@ -103,10 +109,12 @@ def run_cell(w, ps, ctx) -> dict:
     row = {
         "workload": w.name, "page_size": ps, "kind": w.kind, "metric": w.metric,
         "batch": w.batch, "q_len": w.q_len, "kv_len": w.kv_len, "note": w.note,
+        "head_dim": w.head_dim, "dtype": w.dtype, "causal": w.causal, "ragged": [list(g) for g in w.ragged],
         "kv_bytes": w.kv_bytes(), "min_bytes": w.min_bytes(), "flops": w.flops(),
         "floor_bytes_us": floor_bytes_us, "floor_flops_us": floor_flops_us,
         "check_windows": windows, "reference_s": ref_s, "impls": impls,
-        "ours_frac_ceiling": (o["value"] / (read_c if w.kind == "memory" else gemm_c)) if o.get("value") else None,
+        "ours_frac_ceiling": (w.floor_fraction(o["time_us"], read_c, gemm_c) if w.kind == "mixed" else
+                              o["value"] / (read_c if w.kind == "memory" else gemm_c)) if o.get("value") else None,
         "ours_over_flashinfer": (fi["time_us"] / o["time_us"])
         if fi.get("status") == "ok" and o.get("time_us") else None,
     }
@@ -174,7 +182,8 @@ def main(argv=None) -> int:
     results = {
         "date": stamp.isoformat(timespec="seconds"), "argv": sys.argv[1:] if argv is None else list(argv),
         "seed": seed, "opts": dict(opts, launches=launches, page_sizes=page_sizes),
-        "shape": {"dtype": W.DTYPE, "H_q": W.H_Q, "H_kv": W.H_KV, "D": W.HEAD_DIM},
+        "shape": {"dtype": W.DTYPE, "H_q": W.H_Q, "H_kv": W.H_KV, "D": W.HEAD_DIM,
+                  "note": "the default; each row has its own head_dim, dtype and causal"},
         "machine": machine, "ceilings": measured, "ceilings_used": ceilings_used,
         "flashinfer": {"version": getattr(fi, "__version__", None) if fi else None, "reason": fi_reason},
         "rows": rows, "skipped": skipped, "failures": [],

@@ -1,7 +1,8 @@
 """Input sets (paged caches, q, out) on the device, and the fp64 reference check.
 
 Values are normal(0, 1) drawn in float32 by cupy.random and rounded to bf16 (nearest even)
-by integer arithmetic on the bits, so nothing here needs CuPy to do bf16 arithmetic.
+by integer arithmetic on the bits, so nothing here needs CuPy to do bf16 arithmetic; fp16 is
+CuPy's own conversion.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .workloads import DTYPE, H_KV, H_Q, HEAD_DIM, Workload
+from .workloads import H_KV, H_Q, Workload
 
 BF16_NAN_BITS = 0x7FC0
+FP16_NAN_BITS = 0x7E00
 _CHUNK = 1 << 26  # elements per random-fill chunk (256 MB of float32)
 
 
@@ -22,16 +24,33 @@ def bf16_dtype():
     return _arrays.DTYPES["bfloat16"]
 
 
+def elem_dtype(name):
+    """The NumPy dtype of a cupy_fa dtype name ("bfloat16", "float16")."""
+    from cupy_fa import _arrays
+
+    return _arrays.DTYPES[name]
+
+
 def empty_bf16(shape):
     import cupy
 
     return cupy.empty(shape, bf16_dtype())
 
 
+def _is_bf16(arr):
+    return arr.dtype == bf16_dtype()
+
+
 def fill_normal(arr):
-    """Fill a bf16 cupy array with normal(0,1) values, in chunks."""
+    """Fill a bf16 or fp16 cupy array with normal(0,1) values, in chunks."""
     import cupy
 
+    if not _is_bf16(arr):
+        flat = arr.reshape(-1)
+        for lo in range(0, flat.size, _CHUNK):
+            hi = min(flat.size, lo + _CHUNK)
+            flat[lo:hi] = cupy.random.standard_normal(hi - lo, dtype=cupy.float32).astype(arr.dtype)
+        return arr
     bits = arr.view(cupy.uint16).reshape(-1)
     for lo in range(0, bits.size, _CHUNK):
         hi = min(bits.size, lo + _CHUNK)
@@ -41,22 +60,22 @@ def fill_normal(arr):
 
 
 def poison(arr):
-    """Set every element of a bf16 cupy array to NaN."""
+    """Set every element of a bf16 or fp16 cupy array to NaN."""
     import cupy
 
-    arr.view(cupy.uint16).fill(BF16_NAN_BITS)
+    arr.view(cupy.uint16).fill(BF16_NAN_BITS if _is_bf16(arr) else FP16_NAN_BITS)
 
 
 def count_nan(arr) -> int:
-    """NaN elements of a bf16 cupy array (an unwritten poisoned element counts)."""
+    """NaN elements of a bf16 or fp16 cupy array (an unwritten poisoned element counts)."""
     import cupy
 
     bits = arr.view(cupy.uint16)
-    return int(((bits & 0x7FFF) > 0x7F80).sum())
+    return int(((bits & 0x7FFF) > (0x7F80 if _is_bf16(arr) else 0x7C00)).sum())
 
 
 def to_host_f64(x) -> np.ndarray:
-    """A device array (cupy bf16 or torch) as a float64 host array."""
+    """A device array (cupy bf16 / fp16 or torch) as a float64 host array."""
     import cupy
 
     if isinstance(x, cupy.ndarray):
@@ -83,8 +102,8 @@ def as_torch(x):
 @dataclass
 class InputSet:
     cache: object  # cupy_fa.PagedKVCache
-    q: object  # cupy bf16 [B * q_len, H_q, D]
-    out: object  # cupy bf16, same shape
+    q: object  # cupy [sum(q_lens), H_q, D] of the workload's dtype
+    out: object  # the same shape and dtype
 
 
 @dataclass
@@ -93,8 +112,8 @@ class Inputs:
     page_size: int
     q_lens: np.ndarray  # int32 [B]
     kv_lens: np.ndarray  # int32 [B]
-    page_table: np.ndarray  # int32 [B, pages per request], a random permutation of the pages
-    sets: list
+    page_table: np.ndarray  # int32 [B, pages of the longest request]: a random permutation of the pages, dealt
+    sets: list              # to the requests in order (a shorter request's row padded with page 0)
 
     @property
     def cu_q(self) -> np.ndarray:
@@ -108,26 +127,35 @@ def make_inputs(w: Workload, page_size: int, n_sets: int, seed: int) -> Inputs:
     rng = np.random.default_rng(seed)
     cupy.random.seed(seed)
     n_pages = w.num_pages(page_size)
-    page_table = rng.permutation(n_pages).astype(np.int32).reshape(w.batch, w.pages_per_request(page_size))
+    perm = rng.permutation(n_pages).astype(np.int32)
+    if w.uniform:
+        page_table = perm.reshape(w.batch, w.pages_per_request(page_size))
+    else:
+        page_table = np.zeros((w.batch, w.pages_per_request(page_size)), np.int32)
+        start = 0
+        for b, n in enumerate(w.pages_of(page_size)):
+            page_table[b, :n] = perm[start:start + n]
+            start += n
+    elem = elem_dtype(w.dtype)
     sets = []
     for _ in range(n_sets):
-        cache = cupy_fa.PagedKVCache.allocate(n_pages, page_size, H_KV, HEAD_DIM, dtype=DTYPE)
+        cache = cupy_fa.PagedKVCache.allocate(n_pages, page_size, H_KV, w.head_dim, dtype=w.dtype)
         fill_normal(cache.k)
         fill_normal(cache.v)
-        q = fill_normal(empty_bf16((w.num_q_rows, H_Q, HEAD_DIM)))
-        out = empty_bf16(q.shape)
+        q = fill_normal(cupy.empty((w.num_q_rows, H_Q, w.head_dim), elem))
+        out = cupy.empty(q.shape, elem)
         poison(out)
         sets.append(InputSet(cache, q, out))
     cupy.cuda.Device().synchronize()
-    return Inputs(w, page_size, np.full(w.batch, w.q_len, np.int32), np.full(w.batch, w.kv_len, np.int32),
-                  page_table, sets)
+    return Inputs(w, page_size, np.array(w.q_lens, np.int32), np.array(w.kv_lens, np.int32), page_table, sets)
 
 
 def reference_windows(inp: Inputs, s: InputSet, windows) -> dict:
     """fp64 reference for each (b, r0, r1) window of set s: rows r0..r1-1 of request b.
 
-    A window is its own request: q_len = r1 - r0 and kv_len = kv_len - q_len + r1 (the
-    keys row r1-1 can see), over b's pages gathered in order (so its page table is 0..n-1).
+    A window is its own request: q_len = r1 - r0 and, causal, kv_len = kv_len - q_len + r1 (the
+    keys row r1-1 can see; non-causal every key), over b's pages gathered in order (so its page
+    table is 0..n-1).
     """
     import cupy
     from cupy_fa import reference
@@ -136,16 +164,27 @@ def reference_windows(inp: Inputs, s: InputSet, windows) -> dict:
     cu = inp.cu_q
     for b, r0, r1 in windows:
         ql, kl = int(inp.q_lens[b]), int(inp.kv_lens[b])
-        kv_eff = kl - ql + r1
+        kv_eff = kl - ql + r1 if inp.workload.causal else kl
         n_pages = -(-kv_eff // inp.page_size)
         pages = cupy.asarray(inp.page_table[b, :n_pages].astype(np.int64))
-        k = to_host_bf16(s.cache.k.view(cupy.uint16)[pages])
-        v = to_host_bf16(s.cache.v.view(cupy.uint16)[pages])
-        q = to_host_bf16(s.q[cu[b] + r0: cu[b] + r1])
+        k = to_host_elems(s.cache.k, pages)
+        v = to_host_elems(s.cache.v, pages)
+        q = to_host_elems(s.q[cu[b] + r0: cu[b] + r1])
         refs[(b, r0, r1)] = reference.paged_attention(
             q, k, v, np.array([r1 - r0], np.int32), np.array([kv_eff], np.int32),
             np.arange(n_pages, dtype=np.int32)[None], causal=inp.workload.causal)
     return refs
+
+
+def to_host_elems(x, rows=None) -> np.ndarray:
+    """A cupy bf16 / fp16 array (its ``rows`` if given) to the host in its own dtype, gathered
+    and copied as 16-bit words."""
+    import cupy
+
+    bits = x.view(cupy.uint16)
+    if rows is not None:
+        bits = bits[rows]
+    return cupy.ascontiguousarray(bits).get().view(x.dtype)
 
 
 def to_host_bf16(x) -> np.ndarray:

@@ -12,12 +12,13 @@ import tempfile
 import time
 import traceback
 
+import numpy as np
+
 from . import timing
 from .inputs import Inputs, as_torch, max_error, to_host_f64
-from .workloads import DTYPE, H_KV, H_Q, HEAD_DIM
+from .workloads import H_KV, H_Q
 from cupy_fa import reference
 
-ERR_LIMIT = reference.TOL[DTYPE]
 DEVICE = "cuda"  # a CPU smoke test may point it elsewhere
 SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
 
@@ -34,8 +35,9 @@ def _failed(e) -> dict:
 def _finish(w, fn_for_set, n_sets, n_launch, rows_of, refs, inp, opts, method_note=""):
     """Check set 0 against the reference, then time n_launch launches rotating the sets."""
     err = max_error(inp, rows_of, refs)
-    if not err <= ERR_LIMIT:
-        return cell("wrong", err=err, note=f"max rel err {err:.3g} > {ERR_LIMIT}: not timed. {method_note}")
+    limit = reference.TOL[w.dtype]
+    if not err <= limit:
+        return cell("wrong", err=err, note=f"max rel err {err:.3g} > {limit}: not timed. {method_note}")
     launches = [lambda i=i: fn_for_set(i % n_sets) for i in range(n_launch)]
     t = timing.torch_graph(launches, warmup=opts["warmup"], reps=opts["reps"])
     return cell("ok", err=err, value=w.figure(t.time_us), note=method_note, sets=n_sets, **t.as_dict())
@@ -53,10 +55,10 @@ def dense_copy(inp: Inputs, s):
 
     def gather(cache_arr):
         paged = as_torch(cache_arr)  # [pages, page_size, H_kv, D]
-        tok = paged[pt].reshape(w.batch, -1, H_KV, HEAD_DIM)[:, : w.kv_len]
+        tok = paged[pt].reshape(w.batch, -1, H_KV, w.head_dim)[:, : w.kv_len]
         return tok.transpose(1, 2).contiguous()
 
-    q = as_torch(s.q).view(w.batch, w.q_len, H_Q, HEAD_DIM).transpose(1, 2).contiguous()
+    q = as_torch(s.q).view(w.batch, w.q_len, H_Q, w.head_dim).transpose(1, 2).contiguous()
     return q, gather(s.cache.k), gather(s.cache.v)
 
 
@@ -71,6 +73,9 @@ def bench_sdpa(inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
         return {name: cell("n/a", error=f"torch SDPA unavailable: {e}") for name in SDPA_BACKENDS}
 
     w = inp.workload
+    if not w.uniform:
+        why = "n/a: a ragged batch (dense SDPA runs one q_len / kv_len per call)"
+        return {name: cell("n/a", error=why) for name in SDPA_BACKENDS}
     dense = [dense_copy(inp, s) for s in inp.sets]
     torch.cuda.synchronize()
     results = {}
@@ -93,7 +98,9 @@ def _sdpa_one(w, inp, refs, opts, n_launch, dense, backend, F, sdpa_kernel, caus
     # otherwise bottom-right causal: flash through CausalBias (lower right), cuDNN through an
     # explicit boolean mask (the CausalBias path would materialise one on every call).
     mask_kw, how = {}, "no mask"
-    if w.q_len == w.kv_len:
+    if not w.causal:
+        how = "no mask (non-causal)"
+    elif w.q_len == w.kv_len:
         mask_kw, how = {"is_causal": True}, "is_causal"
     elif w.q_len > 1:
         if backend.name == "FLASH_ATTENTION":
@@ -123,7 +130,7 @@ def _sdpa_one(w, inp, refs, opts, n_launch, dense, backend, F, sdpa_kernel, caus
             raise RuntimeError(f"with enable_gqa: {first} | with expanded KV heads: "
                                f"{type(e2).__name__}: {str(e2)[:200]}") from e2
     torch.cuda.synchronize()
-    flat = out0.transpose(1, 2).reshape(w.num_q_rows, H_Q, HEAD_DIM)
+    flat = out0.transpose(1, 2).reshape(w.num_q_rows, H_Q, w.head_dim)
     rows_of = lambda lo, hi: to_host_f64(flat[lo:hi])
     return _finish(w, lambda i: call(*sets[i], gqa), len(sets), n_launch, rows_of, refs, inp, opts, note)
 
@@ -146,28 +153,29 @@ def bench_flashinfer(fi, inp: Inputs, refs: dict, opts: dict, n_launch: int) -> 
 
     w, ps = inp.workload, inp.page_size
     try:
-        ppr = w.pages_per_request(ps)
+        pages = w.pages_of(ps)
         dev = dict(dtype=torch.int32, device=DEVICE)
         workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-        kv_indptr = torch.arange(w.batch + 1, **dev) * ppr
-        kv_indices = torch.as_tensor(inp.page_table.reshape(-1), **dev)
-        last_page_len = torch.full((w.batch,), w.kv_len - (ppr - 1) * ps, **dev)
+        kv_indptr = torch.as_tensor([0] + list(np.cumsum(pages)), **dev)
+        kv_indices = torch.as_tensor(np.concatenate([inp.page_table[b, :n] for b, n in enumerate(pages)]), **dev)
+        last_page_len = torch.as_tensor([kv - (n - 1) * ps for kv, n in zip(w.kv_lens, pages)], **dev)
         # [pages, 2, page_size, H_kv, D], same shuffled page order as ours.
         kv_sets = [torch.stack([as_torch(s.cache.k), as_torch(s.cache.v)], dim=1) for s in inp.sets]
         q_sets = [as_torch(s.q) for s in inp.sets]
         outs = [torch.empty_like(q) for q in q_sets]
-        dt = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        elem = {"bfloat16": torch.bfloat16, "float16": torch.float16}[w.dtype]
+        dt = dict(q_data_type=elem, kv_data_type=elem)
         t0 = time.perf_counter()
         if w.q_len == 1:
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-            wrapper.plan(kv_indptr, kv_indices, last_page_len, H_Q, H_KV, HEAD_DIM, ps, **dt)
+            wrapper.plan(kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps, **dt)
             how = "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)"
-        else:
+        else:  # prefill, extend and ragged (mixed) batches: one call, its own schedule
             wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            qo_indptr = torch.arange(w.batch + 1, **dev) * w.q_len
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, HEAD_DIM, ps,
-                         causal=True, **dt)
-            how = "BatchPrefillWithPagedKVCacheWrapper(causal=True)"
+            qo_indptr = torch.as_tensor([0] + list(np.cumsum(w.q_lens)), **dev)
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps,
+                         causal=w.causal, **dt)
+            how = f"BatchPrefillWithPagedKVCacheWrapper(causal={w.causal})"
 
         def call(i):
             return wrapper.run(q_sets[i], kv_sets[i], out=outs[i])

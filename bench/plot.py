@@ -21,7 +21,8 @@ def plot(results: dict, path: str) -> str | None:
     rows = results["rows"]
     ceil = results.get("ceilings_used", {})
     panels = [("memory", "TB/s (K+V bytes once)", ceil.get("read_tbps"), "read ceiling"),
-              ("compute", "TFLOP/s", ceil.get("gemm_tflops"), "GEMM ceiling")]
+              ("compute", "TFLOP/s", ceil.get("gemm_tflops"), "GEMM ceiling"),
+              ("mixed", "us per step (lower is better)", None, "")]
     panels = [p for p in panels if any(r["kind"] == p[0] for r in rows)]
     if not panels:
         print("plot skipped: no rows")
@@ -50,7 +51,8 @@ def plot(results: dict, path: str) -> str | None:
         ax.legend(fontsize=8, ncol=5, loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
         ax.grid(axis="y", alpha=0.3)
     m = results.get("machine", {})
-    fig.suptitle(f"cupy_fa bench, {m.get('gpu', '?')}, {results.get('date', '')}, bf16 H_q 32 / H_kv 8 / D 128")
+    fig.suptitle(f"cupy_fa bench, {m.get('gpu', '?')}, {results.get('date', '')}, H_q 32 / H_kv 8 "
+                 "(bf16 D 128 causal unless the name says)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

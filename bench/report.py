@@ -10,8 +10,6 @@ import sys
 
 from cupy_fa.reference import TOL
 
-from .workloads import DTYPE
-
 IMPLS = ["ours", "sdpa_cudnn", "sdpa_flash", "flashinfer"]
 LABELS = {"ours": "ours", "sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA flash", "flashinfer": "FlashInfer"}
 
@@ -111,10 +109,12 @@ def legend(results) -> str:
          f"GEMM {c.get('gemm_tflops', 0):.0f} TFLOP/s ({c.get('gemm_from')}), "
          f"copy {f'{copy:.2f} TB/s (read+write)' if copy else 'not measured'}"),
         (f"TB/s: K+V bytes of the cache once (H_kv={results['shape']['H_kv']}) for every implementation; "
-         "TFLOP/s: 4*H_q*D*visible keys (causal counted exactly)."),
-        ("cpu us: eager attn.run CPU time per call (decode-like); %ceil: ours over the read (TB/s) or GEMM (TFLOP/s) ceiling; ours/FI: FlashInfer time / ours time; "
-         f"n/a: peer unavailable or failed (JSON has why); wrong: peer over {TOL[DTYPE]:g} rel err; SDPA is dense, "
-         "timed once per workload."),
+         "TFLOP/s: 4*H_q*D*visible keys (causal counted exactly); us: a mixed batch's step time (lower is better)."),
+        ("cpu us: eager attn.run CPU time per call (decode-like); %ceil: ours over the read (TB/s) or GEMM (TFLOP/s) "
+         "ceiling (mixed: the larger floor over the time); ours/FI: FlashInfer time / ours time; "
+         f"n/a: peer unavailable or failed (JSON has why); wrong: peer over its dtype's rel err bar "
+         f"({', '.join(f'{k} {v:g}' for k, v in TOL.items())}); SDPA is dense, timed once per workload "
+         "(n/a on ragged batches)."),
     ]
     return "\n".join(lines)
 

@@ -1,8 +1,10 @@
 """The benchmark workloads and what each must move and compute (pure Python, no GPU).
 
-Every workload is bf16, H_q = 32 query heads, H_kv = 8 KV heads, head dim 128, the same
-q_len / kv_len for every request of the batch, causal (bottom-right aligned,
-docs/design.md "The contract"). Each runs at page size 16 and page size 1 with a shuffled page table.
+Every workload has H_q = 32 query heads and H_kv = 8 KV heads; bf16, head dim 128 and causal
+masking (bottom-right aligned, docs/design.md "The contract") unless it says otherwise. Most give
+every request of the batch the same q_len / kv_len; a ragged one lists its requests (``ragged``:
+groups of (count, q_len, kv_len)). Each runs at page size 16 and page size 1 with a shuffled page
+table.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
 DTYPE, DTYPE_BYTES = "bfloat16", 2
 PAGE_SIZES = (16, 1)
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 
 # The H200's ceilings as measured before v1 (bench/NOTES.md "Floors"): used for the written floors and as fallbacks
 # when a ceiling could not be measured in the run.
@@ -25,63 +28,119 @@ REFERENCE_GEMM_TFLOPS = 812.0
 class Workload:
     name: str
     batch: int
-    q_len: int
-    kv_len: int  # KV tokens per request AFTER this step's write (the contract's kv_len)
+    q_len: int   # the longest request's (every request's, unless ragged)
+    kv_len: int  # KV tokens per request AFTER this step's write (the contract's kv_len); the longest's if ragged
     note: str = ""
     causal: bool = True
+    head_dim: int = HEAD_DIM
+    dtype: str = DTYPE
+    ragged: tuple = ()  # ((count, q_len, kv_len), ...) in batch order: requests of different lengths
+
+    def __post_init__(self):
+        if self.ragged:
+            if sum(n for n, _, _ in self.ragged) != self.batch:
+                raise ValueError(f"{self.name}: the ragged groups hold {sum(n for n, _, _ in self.ragged)} requests, "
+                                 f"batch is {self.batch}")
+            if (max(q for _, q, _ in self.ragged), max(kv for _, _, kv in self.ragged)) != (self.q_len, self.kv_len):
+                raise ValueError(f"{self.name}: q_len / kv_len must be the longest request's")
+
+    def requests(self) -> list[tuple[int, int]]:
+        """(q_len, kv_len) of every request, in batch order."""
+        if not self.ragged:
+            return [(self.q_len, self.kv_len)] * self.batch
+        return [(q, kv) for n, q, kv in self.ragged for _ in range(n)]
+
+    @property
+    def q_lens(self) -> list[int]:
+        return [q for q, _ in self.requests()]
+
+    @property
+    def kv_lens(self) -> list[int]:
+        return [kv for _, kv in self.requests()]
+
+    @property
+    def uniform(self) -> bool:
+        """Every request has the same lengths (what dense SDPA can run in one call)."""
+        return not self.ragged
 
     @property
     def kind(self) -> str:
-        """'memory' (decode-like: reported as TB/s of KV read) or 'compute' (TFLOP/s)."""
-        return "memory" if self.q_len <= 16 else "compute"
+        """'memory' (decode-like: reported as TB/s of KV read), 'compute' (TFLOP/s), or 'mixed'
+        (small-q and long requests in one batch, each bound by its own resource: reported in us)."""
+        if self.q_len <= 16:
+            return "memory"
+        return "mixed" if min(self.q_lens) <= 16 else "compute"
 
     @property
     def metric(self) -> str:
-        return "TB/s" if self.kind == "memory" else "TFLOP/s"
+        return {"memory": "TB/s", "compute": "TFLOP/s", "mixed": "us"}[self.kind]
+
+    @property
+    def elem_bytes(self) -> int:
+        return 2  # bf16 and fp16
+
+    @property
+    def shape(self) -> str:
+        """'bf16 D128 causal' and the like: what the table's rows differ in besides the lengths."""
+        return f"{SHORT_DTYPE[self.dtype]} D{self.head_dim} {'causal' if self.causal else 'full'}"
 
     @property
     def num_q_rows(self) -> int:
-        return self.batch * self.q_len
+        return sum(self.q_lens)
 
     def pages_per_request(self, page_size: int) -> int:
+        """Pages of the longest request (the page table's width)."""
         return -(-self.kv_len // page_size)
 
+    def pages_of(self, page_size: int) -> list[int]:
+        return [-(-kv // page_size) for kv in self.kv_lens]
+
     def num_pages(self, page_size: int) -> int:
-        return self.batch * self.pages_per_request(page_size)
+        return sum(self.pages_of(page_size))
 
     def kv_bytes(self) -> int:
-        """K and V bytes the batch attends, counted once: B * kv_len * H_kv * D * 2 B * 2."""
-        return self.batch * self.kv_len * H_KV * HEAD_DIM * DTYPE_BYTES * 2
+        """K and V bytes the batch attends, counted once: sum_b kv_len * H_kv * D * 2 B * 2."""
+        return sum(self.kv_lens) * H_KV * self.head_dim * self.elem_bytes * 2
 
     def qo_bytes(self) -> int:
         """q read once plus out written once."""
-        return 2 * self.num_q_rows * H_Q * HEAD_DIM * DTYPE_BYTES
+        return 2 * self.num_q_rows * H_Q * self.head_dim * self.elem_bytes
 
     def min_bytes(self) -> int:
         """The fewest bytes through device memory: KV once, q once, out once."""
         return self.kv_bytes() + self.qo_bytes()
 
     def visible_keys(self) -> int:
-        """Sum over one request's queries of the keys each sees (causal counted exactly:
-        query i sees kv_len - q_len + i + 1 keys)."""
-        q, kv = self.q_len, self.kv_len
-        if not self.causal:
-            return q * kv
-        return q * (kv - q) + q * (q + 1) // 2
+        """Sum over the batch's queries of the keys each sees (causal counted exactly: query i of
+        a request sees kv_len - q_len + i + 1 keys). Per request for a uniform batch."""
+        def of(q, kv):
+            return q * kv if not self.causal else q * (kv - q) + q * (q + 1) // 2
+
+        if not self.ragged:
+            return of(self.q_len, self.kv_len)
+        return sum(n * of(q, kv) for n, q, kv in self.ragged)
 
     def flops(self) -> int:
-        """4 * sum_b(H_q * D * visible keys): QK^T and PV, 2 flops per multiply-add each."""
-        return 4 * self.batch * H_Q * HEAD_DIM * self.visible_keys()
+        """4 * H_q * D * sum_b(visible keys of b): QK^T and PV, 2 flops per multiply-add each."""
+        per = self.visible_keys()
+        return 4 * H_Q * self.head_dim * (per * self.batch if not self.ragged else per)
 
     def floors_us(self, read_tbps: float = REFERENCE_READ_TBPS, gemm_tflops: float = REFERENCE_GEMM_TFLOPS):
         """(bytes floor, flops floor) in microseconds."""
         return self.min_bytes() / (read_tbps * 1e6), self.flops() / (gemm_tflops * 1e6)
 
     def figure(self, time_us: float) -> float:
-        """The workload's throughput at time_us: TB/s of KV (memory) or TFLOP/s (compute)."""
+        """The workload's figure at time_us: TB/s of KV (memory), TFLOP/s (compute), the time
+        itself (mixed)."""
         if self.kind == "memory":
             return self.kv_bytes() / (time_us * 1e6)
+        if self.kind == "mixed":
+            return time_us
         return self.flops() / (time_us * 1e6)
+
+    def floor_fraction(self, time_us: float, read_tbps: float, gemm_tflops: float) -> float:
+        """The larger floor (bytes or flops, floors_us) over time_us: how close to its bound."""
+        return max(self.floors_us(read_tbps, gemm_tflops)) / time_us
 
 
 WORKLOADS = [
@@ -97,18 +156,27 @@ WORKLOADS = [
     Workload("prefill_b4_l4096", 4, 4096, 4096),
     Workload("prefill_b2_l8192", 2, 8192, 8192),
     Workload("extend_b4_q1024_l16384", 4, 1024, 16384, "chunk of 1024 over a 15360-token prefix"),
+    Workload("prefill_b2_l8192_d64", 2, 8192, 8192, "head dim 64", head_dim=64),
+    Workload("prefill_b2_l8192_d256", 2, 8192, 8192, "head dim 256", head_dim=256),
+    Workload("prefill_b2_l8192_full", 2, 8192, 8192, "non-causal: every query sees every key", causal=False),
+    Workload("prefill_b2_l8192_fp16", 2, 8192, 8192, "fp16", dtype="float16"),
+    Workload("extend_b8_q512_l8192", 8, 512, 8192, "long-prefix extend: a chunk of 512 over a 7680-token prefix"),
+    Workload("mixed_q2048_d63_l4096", 64, 2048, 4096,
+             "MIXED: one 2048-token chunk (over a 2048-token prefix) and 63 decode rows, all at kv_len 4096",
+             ragged=((1, 2048, 4096), (63, 1, 4096))),
 ]
 BY_NAME = {w.name: w for w in WORKLOADS}
 
 
 def select(patterns) -> list[Workload]:
-    """Workloads whose name matches any pattern: exact, prefix ('decode'), or glob ('*_b64_*').
-    No patterns: all of them, in the table's order."""
+    """Workloads whose name matches any pattern: exact (that one alone, though others start with
+    it), prefix ('decode'), or glob ('*_b64_*'). No patterns: all of them, in the table's order."""
     if not patterns:
         return list(WORKLOADS)
     chosen = []
     for p in patterns:
-        hits = [w for w in WORKLOADS if w.name == p or w.name.startswith(p) or fnmatch.fnmatchcase(w.name, p)]
+        hits = [BY_NAME[p]] if p in BY_NAME else \
+            [w for w in WORKLOADS if w.name.startswith(p) or fnmatch.fnmatchcase(w.name, p)]
         if not hits:
             raise ValueError(f"no workload matches {p!r}; known: {', '.join(BY_NAME)}")
         chosen += [w for w in hits if w not in chosen]
@@ -123,11 +191,19 @@ def num_sets(bytes_per_set: int, l2_bytes: int, launches: int) -> int:
 
 
 def check_windows(w: Workload) -> list[tuple[int, int, int]]:
-    """(request, first row, end row) windows compared with the fp64 reference: the first
-    and last request; all rows when q_len <= 128, else the first 32 and the last 64."""
-    reqs = sorted({0, w.batch - 1})
-    if w.q_len <= 128:
-        rows = [(0, w.q_len)]
-    else:
-        rows = [(0, 32), (w.q_len - 64, w.q_len)]
-    return [(b, r0, r1) for b in reqs for r0, r1 in rows]
+    """(request, first row, end row) windows compared with the fp64 reference: the first and
+    last request (and a ragged batch's first of each group); all rows of a request of up to 128
+    rows, else its first 32 and last 64."""
+    q_lens = w.q_lens
+    reqs = {0, w.batch - 1}
+    if w.ragged:
+        starts = [0]
+        for n, _, _ in w.ragged[:-1]:
+            starts.append(starts[-1] + n)
+        reqs |= set(starts)
+    windows = []
+    for b in sorted(reqs):
+        q = q_lens[b]
+        rows = [(0, q)] if q <= 128 else [(0, 32), (q - 64, q)]
+        windows += [(b, r0, r1) for r0, r1 in rows]
+    return windows

@@ -13,10 +13,11 @@ _PTR = np.uint64
 
 _FIELDS = {
     "PlanParams": [
-        ("q_lens", _PTR), ("kv_lens", _PTR), ("q_indptr", _PTR), ("work_indptr", _PTR),
+        ("q_lens", _PTR), ("kv_lens", _PTR), ("q_indptr", _PTR), ("work_indptr", _PTR), ("long_work_indptr", _PTR),
         ("num_splits", _PTR), ("split_keys", _PTR), ("partial_indptr", _PTR), ("mask_indptr", _PTR),
         ("status", _PTR),
         ("batch_size", np.int32), ("group_size", np.int32), ("block_m", np.int32), ("block_n", np.int32),
+        ("long_q_len", np.int32), ("long_block_m", np.int32), ("long_block_n", np.int32),
         ("split_size", np.int32), ("max_splits", np.int32), ("small_q_len", np.int32),
         ("split_row_budget", np.int32), ("splits_per_cta", np.int32), ("fold_splits", np.int32),
         ("partial_capacity", np.int32),

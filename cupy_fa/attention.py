@@ -34,9 +34,7 @@ def _page_shift(page_size):
 class _PlanState:
     batch_size: int
     num_tokens: int            # sum of q_lens if known on the host, else None
-    tile: _schedule.MmaTile    # the kernel binary and its schedule (cupy_fa.schedule)
-    work_grid: int
-    needs_merge: bool
+    schedule: _schedule.StepSchedule  # the launches (family, tile, grid) and the merge (cupy_fa.schedule)
     mask_mode: int
     sm_scale: float
     host_page_table: object    # numpy, for validation against the cache in run(); None if device-planned
@@ -46,6 +44,24 @@ class _PlanState:
     stream_ptr: int            # stream the metadata was written on
     done: object               # event after the plan kernel (None if planned inside a capture)
     checked_geometry: set = dataclasses.field(default_factory=set)
+
+    # what a decode-like step runs (the small-q launch; a step of long requests only: theirs)
+    @property
+    def tile(self):
+        return self.schedule.tile
+
+    @property
+    def work_grid(self):
+        return self.schedule.work_grid
+
+    @property
+    def needs_merge(self):
+        return self.schedule.needs_merge
+
+    @property
+    def long_tile(self):
+        """The tile of the step's requests of more than SMALL_Q_LEN tokens, None without a long launch."""
+        return self.schedule.long.tile if self.schedule.long is not None else None
 
 
 class BatchAttention:
@@ -176,10 +192,11 @@ class BatchAttention:
             smem_limit=_build.device_smem_limit(), sm_count=_build.device_attribute("MultiProcessorCount"),
             arch=_build.current_arch())
         with stream:
-            _plan.launch_plan(buffers, step.batch, self.group_size, sched.tile, stream)
+            tile, long_tile = sched.plan_tiles()
+            _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile)
         done = None if stream.is_capturing() else stream.record()
-        self._plan = _PlanState(step.batch, step.num_tokens, sched.tile, sched.work_grid, sched.needs_merge, mask_mode,
-                                sm_scale, step.pt_host if step.on_host else None, step.q_host, step.kv_host,
+        self._plan = _PlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale,
+                                step.pt_host if step.on_host else None, step.q_host, step.kv_host,
                                 step.page_columns, stream.ptr, done)
         return self
 
@@ -299,41 +316,51 @@ class BatchAttention:
 
     def _launch(self, state, q_dev, cache, out_dev, lse_dev, num_tokens, stream):
         buffers = self._buffers
-        if state.batch_size == 0 or num_tokens == 0 or state.work_grid == 0:
+        sched = state.schedule
+        launches = [x for x in sched.launches if x.work_grid > 0]
+        if state.batch_size == 0 or num_tokens == 0 or not launches:
             return  # IDLE: nothing to read, nothing to write
         lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
-        params = _params.make(
-            "AttentionParams", q=q_dev.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
+        common = dict(
+            q=q_dev.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
             out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
             partial_lse=buffers.partial_lse.data.ptr, page_table=buffers.page_table.data.ptr,
             custom_mask=buffers.custom_mask.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
-            kv_lens=buffers.kv_lens.data.ptr, work_indptr=buffers.work_indptr.data.ptr,
-            num_splits=buffers.num_splits.data.ptr, split_keys=buffers.split_keys.data.ptr,
-            partial_indptr=buffers.partial_indptr.data.ptr, mask_indptr=buffers.mask_indptr.data.ptr,
-            batch_size=state.batch_size, page_size=cache.page_size,
+            kv_lens=buffers.kv_lens.data.ptr, num_splits=buffers.num_splits.data.ptr,
+            split_keys=buffers.split_keys.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
+            mask_indptr=buffers.mask_indptr.data.ptr, batch_size=state.batch_size, page_size=cache.page_size,
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
             sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size),
-            splits_per_cta=state.tile.splits_per_cta, fold_splits=int(state.tile.fold_splits),
             group_multiplier=self._group_div[0], group_shift=self._group_div[1])
-        # one CTA per (work item, KV head), heads fastest (kernels/attention.cu)
-        _build.launch(_schedule.attention_variant(self.dtype_name, state.tile),
-                      (state.work_grid * self.num_kv_heads,), params, stream)
-        if state.needs_merge:
+        for launch in launches:  # the long family's first (schedule.StepSchedule.launches)
+            # each family reads its own work list of plan_kernel's layout; everything else is shared
+            work = buffers.long_work_indptr if launch is sched.long else buffers.work_indptr
+            params = _params.make("AttentionParams", work_indptr=work.data.ptr,
+                                  splits_per_cta=launch.tile.splits_per_cta,
+                                  fold_splits=int(launch.tile.fold_splits), **common)
+            # one CTA per (work item, KV head), heads fastest (kernels/work.cuh): schedule.launch_grid
+            _build.launch(_schedule.attention_variant(self.dtype_name, launch.tile), (launch.ctas,), params, stream)
+        if sched.needs_merge:
+            # one merge for both classes: the long family never folds, and the small-q CTAs fold
+            # only in steps without long requests (schedule.schedule_step)
+            fold_groups = int(sched.small is not None and sched.small.tile.fold_splits)
             merge = _params.make(
                 "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
                 partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads,
-                fold_groups=int(state.tile.fold_splits))
+                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups)
             shape, grid = _schedule.merge_grid(num_tokens, self.num_qo_heads)
-            # programmatic: its CTAs start in the attention kernel's last wave and wait there
+            # programmatic: its CTAs start in the last attention kernel's last wave and wait there
+            # (an earlier launch in the stream finished before that one began)
             _build.launch(_schedule.merge_variant(self.dtype_name, self.head_dim, shape), grid, merge, stream,
                           programmatic=True)
 
     @property
     def planned(self):
-        """The current plan's host-visible facts (batch size, tile, grid), for logs and tests."""
+        """The current plan's host-visible facts (batch size, its ``schedule``: the launches with
+        their tiles and grids; ``tile`` / ``work_grid`` of the small-q launch, ``long_tile``), for
+        logs and tests."""
         return self._plan
 
     def status(self):

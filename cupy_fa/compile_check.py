@@ -1,5 +1,6 @@
-"""Compiles every kernel variant to an sm_90a cubin with NVRTC alone (no GPU
-needed) and prints registers, spills and stack frames: ``python -m cupy_fa.compile_check``.
+"""Compiles every kernel variant to an sm_90a cubin (``--arch``: another target's variants) with
+NVRTC alone (no GPU needed) and prints registers, spills and stack frames:
+``python -m cupy_fa.compile_check``.
 
 A variant whose ptxas log has no resource line for it ("Used N registers", and the
 "bytes stack frame, ... spill stores, ... spill loads" line) fails the check: the figures
@@ -29,10 +30,11 @@ def check_resources(variant, resources):
 
 
 def compile_all(arch="sm_90a", only=""):
-    """Returns [(variant, resources dict, seconds)]; raises on the first failure, a compile
-    error or a variant whose resource line is missing."""
+    """Every variant an ``arch`` build can launch (the wgmma family only for sm_90a), compiled:
+    returns [(variant, resources dict, seconds)]; raises on the first failure, a compile error
+    or a variant whose resource line is missing."""
     rows = []
-    for variant in schedule.all_variants():
+    for variant in schedule.all_variants(arch):
         if only and only not in variant.expression:
             continue
         start = time.perf_counter()

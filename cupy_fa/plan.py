@@ -56,7 +56,8 @@ class PlanBuffers:
         self.page_table = cupy.zeros((b, max(capacity.max_pages_per_request, 1)), i32)
         self.custom_mask = cupy.zeros(max(capacity.max_mask_bytes, 1), np.uint8)
         self.q_indptr = cupy.zeros(b + 1, i32)
-        self.work_indptr = cupy.zeros(b + 1, i32)
+        self.work_indptr = cupy.zeros(b + 1, i32)       # the small-q family's work list
+        self.long_work_indptr = cupy.zeros(b + 1, i32)  # the long family's (requests of more than SMALL_Q_LEN)
         self.partial_indptr = cupy.zeros(b + 1, i32)
         self.mask_indptr = cupy.zeros(b + 1, i32)
         self.num_splits = cupy.zeros(b, i32)
@@ -67,14 +68,18 @@ class PlanBuffers:
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
 
-    def plan_params(self, batch_size, group_size, tile):
+    def plan_params(self, batch_size, group_size, tile, long_tile=None):
+        """PlanParams for a step whose small-q requests run on ``tile`` (work_indptr) and whose
+        longer ones on ``long_tile`` (long_work_indptr); without ``long_tile`` every request is
+        laid out for ``tile`` in work_indptr (schedule.plan_constants)."""
         return _params.make(
             "PlanParams", q_lens=self.q_lens.data.ptr, kv_lens=self.kv_lens.data.ptr,
             q_indptr=self.q_indptr.data.ptr, work_indptr=self.work_indptr.data.ptr,
+            long_work_indptr=self.long_work_indptr.data.ptr,
             num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
-            partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile))
+            partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile, long_tile))
 
 
 # ---- host-side checks and bounds ----------------------------------------------------
@@ -272,5 +277,7 @@ def stage_inputs(buffers, step, pad_to=None):
         buffers.custom_mask[:step.mask_dev.size] = step.mask_dev
 
 
-def launch_plan(buffers, batch_size, group_size, tile, stream):
-    _build.launch(schedule.PLAN_VARIANT, (1,), buffers.plan_params(batch_size, group_size, tile), stream)
+def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None):
+    """The plan kernel on ``stream``: ``tile``'s work list for the small-q requests and, with
+    ``long_tile``, the long family's list for the others (else every request on ``tile``)."""
+    _build.launch(schedule.PLAN_VARIANT, (1,), buffers.plan_params(batch_size, group_size, tile, long_tile), stream)

@@ -1,23 +1,30 @@
-"""The tiling policy: which kernel runs a batch, with which tile, splits and merge (one file).
+"""The tiling policy: which kernels run a batch, with which tiles, splits and merge (one file).
 
 For a planned step :func:`schedule_step` answers everything the host decides:
 
-1. **The kernel family and tile** (:func:`tile_for`). Today one family, ``MMA_SYNC``
-   (``kernels/attention.cu``, mma.sync m16n8k16, sm_80+), with one tile per batch shape:
-   * small-q batches (every ``q_len <= SMALL_Q_LEN``: decode, verify, draft extend) take the
-     small-q tile, 4 warps over the 64 keys of each KV tile, one row of warps (16 packed rows)
-     or two (32) by the packed rows of the longest request; ``CUPY_FA_DECODE_STAGES`` deep;
-   * longer batches (prefill, extend, mixed) take the prefill tile, 4 warps over 64 query rows.
-   A second family (e.g. wgmma prefill on sm_90a) is one more :class:`KernelFamily` and tile
-   class, chosen in :func:`prefill_tile` by arch; it reads the same work layout and metadata
-   (``kernels/work.cuh``) with its own ``block_m`` / ``block_n``.
+1. **The kernel families and tiles.** A step's requests fall in two classes by their own
+   ``q_len``, each with its own attention launch and work list (``kernels/plan.cu``):
+   * small-q requests (``q_len <= SMALL_Q_LEN``: decode, verify, draft extend, the decode rows
+     of a mixed batch) take the small-q tile of the ``MMA_SYNC`` family (``kernels/attention.cu``,
+     mma.sync m16n8k16, sm_80+; :func:`tile_for`), 4 warps over the 64 keys of each KV tile, one
+     row of warps (16 packed rows) or two (32) by the packed rows of the class's longest request,
+     ``CUPY_FA_DECODE_STAGES`` deep. Their bits are those of a pure decode step whatever else
+     the batch holds (docs/design.md, "Batch invariance");
+   * longer requests (prefill, extend, chunked prefill, the long rows of a mixed batch) take
+     :func:`prefill_tile`: the ``SM90_WGMMA`` family (``kernels/prefill_sm90.cu``, wgmma with a
+     producer warpgroup, sm_90a only) where the target is sm_90a, else the mma.sync prefill
+     tile (4 warps over 64 query rows). One split per CTA, no fold.
+   Both read the same plan metadata (``kernels/work.cuh``, ``kernels/sm90_prefill_work.cuh``),
+   each its own list with its own ``block_m`` / ``block_n``.
 2. **The fold** (:func:`fold_tile`): whether the small-q CTAs fold their splits themselves
-   (whole rows, or groups of ``MERGE_GROUP``) instead of leaving partials for the merge kernel.
+   (whole rows, or groups of ``MERGE_GROUP``) instead of leaving partials for the merge kernel;
+   only in steps without long requests (one merge launch reads one partial layout).
 3. **The splits** (computed on the device by ``kernels/plan.cu``; :func:`max_splits` is the
    host's bound): small-q requests split every ``split_size()`` keys at fixed positions (batch
    invariance), others only while ``q_len x splits <= SPLIT_ROW_BUDGET``; at most ``MAX_SPLITS``.
-4. **The grid and the merge** (:func:`work_bound`, :func:`capacity_work_bound`,
-   :func:`needs_merge`, :func:`merge_shape`).
+4. **The grids and the merge** (:func:`work_bound`, :func:`capacity_work_bound`,
+   :func:`launch_grid`, :func:`needs_merge`, :func:`merge_shape`): one merge after both launches
+   folds the split rows of either class.
 
 None of these choices changes a bit of the results except the split size (docs/design.md,
 "Batch invariance"); the tuning knobs are :mod:`cupy_fa.knobs`. :func:`all_variants` lists every
@@ -84,7 +91,33 @@ class KernelFamily:
 
 
 MMA_SYNC = KernelFamily("mma_sync", "attention.cu", "cupy_fa::attention_kernel", 80)
-FAMILIES = (MMA_SYNC,)
+# wgmma prefill (sm_90a only: the architecture-specific target; its tile is prefill_sm90.Sm90Tile)
+SM90_WGMMA = KernelFamily("sm90_wgmma", "prefill_sm90.cu", "cupy_fa::prefill_sm90_kernel", 90)
+FAMILIES = (MMA_SYNC, SM90_WGMMA)
+
+
+def _sm90():
+    """cupy_fa.prefill_sm90 (Sm90Tile, its default tiles and variants), imported on first use:
+    it imports this module."""
+    from . import prefill_sm90
+
+    return prefill_sm90
+
+
+def is_sm90a(arch):
+    """Whether ``arch`` (e.g. ``sm_90a``, ``compute_90a``) is Hopper's architecture-specific target,
+    the only one the wgmma family compiles for."""
+    return arch is not None and arch.endswith("90a")
+
+
+def family_of(tile):
+    """The :class:`KernelFamily` whose kernel a tile instantiates."""
+    return SM90_WGMMA if isinstance(tile, _sm90().Sm90Tile) else tile.family
+
+
+def is_small_q_tile(tile):
+    """A tile of the small-q class (mma.sync, 4 warps over each KV tile's keys)."""
+    return isinstance(tile, MmaTile) and tile.warps_n > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +247,15 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None):
 
 
 def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None):
-    """The tile of batches with a request of more than SMALL_Q_LEN tokens: 4 warps over query
-    rows (64 packed rows per CTA), one KV split per CTA. A second kernel family for these
-    batches (e.g. wgmma on ``arch == "sm_90a"``) is chosen here."""
-    del smem_limit, arch  # every arch the library runs on takes the mma.sync prefill tile today
+    """The tile of requests of more than SMALL_Q_LEN tokens, one KV split per CTA: on an sm_90a
+    target the wgmma family's default tile for the head dim (``prefill_sm90.DEFAULT_TILES``,
+    128 packed rows per CTA) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
+    ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target
+    named) the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA)."""
+    if is_sm90a(arch):
+        tile = _sm90().DEFAULT_TILES[head_dim]
+        if tile.smem_bytes <= smem_limit:
+            return tile
     return MmaTile(head_dim, 4, 1)
 
 
@@ -298,23 +336,34 @@ def work_bound(q_lens, kv_lens, group_size, tile):
     return int((row_blocks(q_lens[live], group_size, tile) * split_groups).sum())
 
 
-def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len):
+def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len, min_q_len=1):
     """Upper bound on work items for any step that fits the capacity with
-    q_len <= max_q_len and kv_len <= max_kv_len: the fixed grid of a captured
-    graph. CTAs past the real work exit at once, but each still costs a
-    launch slot, so the bound is kept tight for decode-like shapes."""
+    q_len <= max_q_len and kv_len <= max_kv_len, counting the requests of
+    ``min_q_len`` tokens or more (the long family's list: SMALL_Q_LEN + 1): the fixed
+    grid of a captured graph. CTAs past the real work exit at once, but each still
+    costs a launch slot, so the bound is kept tight for decode-like shapes."""
     b, t = capacity.max_batch_size, capacity.max_num_tokens
     max_q_len = max(1, min(max_q_len, t))
-    q = np.arange(1, max_q_len + 1)
+    if min_q_len > max_q_len:
+        return 0
+    q = np.arange(max(1, min_q_len), max_q_len + 1)
     splits = max_splits(q, np.full_like(q, max_kv_len))
     per_request = int((row_blocks(q, group_size, tile) * -(-splits // tile.splits_per_cta)).max())
     # whatever kv_len: small-q requests have few row blocks, longer ones few splits
     # (row_blocks x splits <= SPLIT_ROW_BUDGET x group / block_m + splits); and a
     # batch can't hold more than b requests, nor more tokens than t
-    small = int(row_blocks(min(max_q_len, SMALL_Q_LEN), group_size, tile)) * MAX_SPLITS
+    small = int(row_blocks(min(max_q_len, SMALL_Q_LEN), group_size, tile)) * MAX_SPLITS if min_q_len <= SMALL_Q_LEN \
+        else 0
     large = SPLIT_ROW_BUDGET * group_size // tile.block_m + MAX_SPLITS + 1
     loose = b * max(small, large) + int(row_blocks(min(t, b * max_q_len), group_size, tile)) + b
     return min(b * per_request, loose)
+
+
+def launch_grid(tile, work_grid, num_kv_heads, sm_count):
+    """CTAs of one attention launch: one per (work item, KV head), KV heads fastest; a tile with a
+    persistent grid (``tile.persistent``) at most one per SM, each CTA taking items in turn."""
+    ctas = work_grid * num_kv_heads
+    return min(ctas, sm_count) if getattr(tile, "persistent", False) else ctas
 
 
 # ---- the fold ----------------------------------------------------------------------------------
@@ -362,43 +411,123 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
 
 
 @dataclasses.dataclass(frozen=True)
+class Launch:
+    """One attention launch of a step: a family's tile (the kernel binary and its schedule:
+    splits per CTA, fold), the work items its grid is sized for, its CTAs (:func:`launch_grid`)
+    and the most KV splits a request of the class gets (:func:`max_splits`: small-q requests at
+    fixed positions every split_size() keys, longer ones while q_len x splits <= SPLIT_ROW_BUDGET;
+    kernels/plan.cu computes each request's own on the device)."""
+    tile: object         # MmaTile, or prefill_sm90.Sm90Tile
+    work_grid: int
+    ctas: int
+    max_splits: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StepSchedule:
-    """What the host decided for a planned step."""
-    tile: MmaTile        # the kernel binary (family, traits) and its schedule (splits per CTA, fold)
-    work_grid: int       # work items the attention grid is sized for (x H_kv CTAs)
-    needs_merge: bool    # whether merge_kernel runs after the attention kernel
+    """What the host decided for a planned step: one launch per class of requests it may hold
+    (None where it holds none), then the merge.
+
+    ``small``: requests of up to SMALL_Q_LEN tokens, on the small-q tile (work_indptr);
+    ``long``: longer ones, on :func:`prefill_tile` (long_work_indptr). A host-planned step has
+    the launches of the classes it holds (an empty or all-padding step: ``small``, of no work);
+    a device-planned one those its ``max_q_len`` bound allows."""
+    small: Launch | None
+    long: Launch | None
+    needs_merge: bool    # whether merge_kernel runs after the attention launches
+
+    @property
+    def launches(self):
+        """The attention launches in order: the long family's first, then the small-q kernel,
+        whose CTAs let the merge (a programmatic dependent of it) start in its last wave."""
+        return tuple(x for x in (self.long, self.small) if x is not None)
+
+    @property
+    def tile(self):
+        """The small-q launch's tile, or the long one's in a step without small-q requests (what a
+        decode-like step runs; logs and tests read it)."""
+        return (self.small or self.long).tile
+
+    @property
+    def work_grid(self):
+        """Work items of :attr:`tile`'s launch."""
+        return (self.small or self.long).work_grid
+
+    def plan_tiles(self):
+        """(tile, long_tile) for the plan kernel (:func:`plan_constants`): one work list when the
+        step has no long launch, two when it has."""
+        if self.long is None:
+            return self.small.tile, None
+        return (self.small or self.long).tile, self.long.tile
 
 
 def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=None, max_q_len=None,
                   max_kv_len=None, capacity=None, batch_size=None, smem_limit=SMEM_LIMIT, sm_count=132, arch=None):
-    """The tile, grid and merge of one step.
+    """The launches, tiles, grids and merge of one step, on a device with ``smem_limit`` bytes of
+    shared memory per CTA, ``sm_count`` SMs and target ``arch`` (None: the mma.sync family only).
 
-    With host lengths (``q_lens``, ``kv_lens``) the choice is exact. With device lengths the host
-    sees only bounds: ``max_q_len`` (required), ``max_kv_len`` (None: any), the ``capacity`` the
-    grid must cover and ``batch_size``; the fold is then by groups only, where even the shortest
-    such batch (every request max_q_len tokens, one split) fills the GPU. The bits never depend
-    on any of it."""
+    With host lengths (``q_lens``, ``kv_lens``) the choice is exact: a launch per class of
+    requests present; the small-q CTAs may fold their splits (:func:`fold_tile`) when the step
+    has no long request. With device lengths the host sees only bounds: ``max_q_len``
+    (required), ``max_kv_len`` (None: any), the ``capacity`` the grids must cover and
+    ``batch_size``. Up to SMALL_Q_LEN the step is small-q only and the fold is by groups, where
+    even the shortest such batch (every request max_q_len tokens, one split) fills the GPU;
+    above it both launches are planned (either may find no work; no fold). The bits never
+    depend on any of it."""
+    long_tile = prefill_tile(head_dim, smem_limit, arch)
+
+    def launch(tile, work_grid, q, kv):  # q, kv: the class's lengths, or the bounds it plans for
+        live = np.asarray(q) > 0
+        splits = int(max_splits(np.asarray(q)[live], np.asarray(kv)[live]).max()) if live.any() else 0
+        return Launch(tile, work_grid, launch_grid(tile, work_grid, num_kv_heads, sm_count), splits)
+
     if q_lens is not None:
         q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
-        max_q = int(q_lens.max()) if q_lens.size else 0
-        tile = tile_for(head_dim, max_q, group_size, smem_limit, arch)
-        tile = fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
-        return StepSchedule(tile, work_bound(q_lens, kv_lens, group_size, tile), needs_merge(tile, q_lens, kv_lens))
+        is_long = q_lens > SMALL_Q_LEN
+        is_small = ~is_long  # padding (q_len = 0) too: it has no work in either list
+        small = long = None
+        merge = False
+        if is_long.any():
+            q, kv = q_lens[is_long], kv_lens[is_long]
+            long = launch(long_tile, work_bound(q, kv, group_size, long_tile), q, kv)
+            merge = needs_merge(long_tile, q, kv)
+        if not is_long.any() or (q_lens[is_small] > 0).any():
+            q, kv = q_lens[is_small], kv_lens[is_small]
+            tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch)
+            if long is None:  # one merge reads one partial layout: no CTA folds beside a long launch
+                tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
+            small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
+            merge = merge or needs_merge(tile, q, kv)
+        return StepSchedule(small, long, merge)
     max_q = int(max_q_len)
-    tile = tile_for(head_dim, max_q, group_size, smem_limit, arch)
-    shortest = np.full(batch_size, max_q)
-    tile = fold_tile(tile, shortest, shortest, group_size, num_kv_heads, sm_count, exact=False, smem_limit=smem_limit)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
-    return StepSchedule(tile, capacity_work_bound(capacity, group_size, tile, max_q, kv_bound),
-                        needs_merge(tile, [1], [kv_bound]))
+    tile = tile_for(head_dim, min(max_q, SMALL_Q_LEN), group_size, smem_limit, arch)
+    if max_q <= SMALL_Q_LEN:
+        shortest = np.full(batch_size, max_q)
+        tile = fold_tile(tile, shortest, shortest, group_size, num_kv_heads, sm_count, exact=False,
+                         smem_limit=smem_limit)
+        grid = capacity_work_bound(capacity, group_size, tile, max_q, kv_bound)
+        return StepSchedule(launch(tile, grid, [1], [kv_bound]), None, needs_merge(tile, [1], [kv_bound]))
+    small = launch(tile, capacity_work_bound(capacity, group_size, tile, SMALL_Q_LEN, kv_bound), [1], [kv_bound])
+    long = launch(long_tile, capacity_work_bound(capacity, group_size, long_tile, max_q, kv_bound,
+                                                 min_q_len=SMALL_Q_LEN + 1), [SMALL_Q_LEN + 1], [kv_bound])
+    merge = needs_merge(tile, [1], [kv_bound]) or needs_merge(long_tile, [SMALL_Q_LEN + 1], [kv_bound])
+    return StepSchedule(small, long, merge)
 
 
-def plan_constants(tile):
-    """PlanParams' policy fields for a tile (kernels/plan.cu reads them)."""
+def plan_constants(tile, long_tile=None):
+    """PlanParams' policy fields (kernels/plan.cu reads them): the small-q requests laid out for
+    ``tile`` in work_indptr and, with ``long_tile``, the longer ones for it in long_work_indptr;
+    without it every request is laid out for ``tile`` (one family)."""
     s = split_size()
-    if getattr(tile, "whole_tiles_per_split", False) and s % tile.block_n:
-        raise ValueError(f"CUPY_FA_SPLIT_SIZE={s} is not a multiple of the tile's {tile.block_n} keys per KV tile")
-    return dict(block_m=tile.block_m, block_n=tile.block_n, split_size=s, max_splits=MAX_SPLITS,
+    for t in (tile, long_tile):
+        if t is not None and getattr(t, "whole_tiles_per_split", False) and s % t.block_n:
+            raise ValueError(f"CUPY_FA_SPLIT_SIZE={s} is not a multiple of the tile's {t.block_n} keys per KV tile")
+    if long_tile is not None and (long_tile.splits_per_cta != 1 or long_tile.fold_splits):
+        raise ValueError(f"internal: the long family runs one split per CTA and never folds, got {long_tile}")
+    other = long_tile or tile
+    return dict(block_m=tile.block_m, block_n=tile.block_n, long_q_len=SMALL_Q_LEN + 1 if long_tile else 2**31 - 1,
+                long_block_m=other.block_m, long_block_n=other.block_n, split_size=s, max_splits=MAX_SPLITS,
                 small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=tile.splits_per_cta,
                 fold_splits=int(tile.fold_splits))
 
@@ -432,8 +561,14 @@ def merge_grid(num_tokens, num_qo_heads):
 @functools.lru_cache(maxsize=None)
 def attention_variant(dtype, tile):
     """The attention kernel binary of a tile (its family's template) for element types
-    ``dtype`` (a dtype name, or :class:`ElementTypes`)."""
-    q, kv, out = ElementTypes.of(dtype).ctypes()
+    ``dtype`` (a dtype name, or :class:`ElementTypes`; the wgmma family takes one element
+    type for Q, KV and O)."""
+    types = ElementTypes.of(dtype)
+    if family_of(tile) is SM90_WGMMA:
+        if not types.q == types.kv == types.out:
+            raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")
+        return _sm90().variant(types.q, tile)  # its own mirrors of Sm90PrefillTraits as checks
+    q, kv, out = types.ctypes()
     expr = f"{tile.family.kernel}<{q}, {kv}, {out}, {tile.traits()}>"
     return Variant(tile.family.source, expr, tile.threads, tile.smem_bytes, tile.checks())
 
@@ -460,14 +595,17 @@ def _common_variants(dtype_name, head_dim):
     return [merge_variant(dtype_name, head_dim, shape) for _, shape in MERGE_SHAPES]
 
 
-def all_variants():
-    """Every kernel the library can launch, on Hopper or on an A100, under any knob values
-    (what CI compiles)."""
+def all_variants(arch=None):
+    """Every kernel the library can launch, on Hopper or on an A100, under any knob values (what
+    CI compiles): with ``arch`` those an ``arch`` build can run (the wgmma family only for sm_90a);
+    None: every one (they all compile for sm_90a)."""
     out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in _build.CTYPES:
         for head_dim in HEAD_DIMS:
             out += _common_variants(dtype_name, head_dim)
-            tiles = [prefill_tile(head_dim)]
+            tiles = [MmaTile(head_dim, 4, 1)]  # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
+            if arch is None or is_sm90a(arch):
+                tiles.append(prefill_tile(head_dim, SMEM_LIMIT, "sm_90a"))
             for warps_m in (1, 2):
                 for stages in STAGE_CHOICES:
                     for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
@@ -480,14 +618,15 @@ def all_variants():
 
 def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None):
     """Every variant that plans with these dtypes and head dims can select under the knobs in
-    force, on a device with ``smem_limit`` and ``arch``."""
+    force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
+    prefill family of the arch, the merges, plan and append)."""
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in dtypes:
         for head_dim in head_dims:
             wanted += _common_variants(dtype_name, head_dim)
             for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
                 tile = tile_for(head_dim, max_q_len, group, smem_limit, arch)
-                folded = tile.folding(smem_limit=smem_limit)  # what fold_tile may switch to
+                folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
                 wanted += [attention_variant(dtype_name, t) for t in (tile, folded) if t is not None]
     return wanted
 

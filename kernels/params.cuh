@@ -23,16 +23,22 @@ struct PlanParams {
   const int* q_lens;          // [B]   new query tokens per request (0 = padded row)
   const int* kv_lens;         // [B]   valid keys AFTER this step's write
   int* q_indptr;              // [B+1] exclusive scan of q_lens
-  int* work_indptr;           // [B+1] exclusive scan of (row blocks x splits)
+  int* work_indptr;           // [B+1] exclusive scan of (row blocks x split groups): the small-q family's work
+  int* long_work_indptr;      // [B+1] the same for requests with q_len >= long_q_len: the long family's work
   int* num_splits;            // [B]   KV splits of request b (0 for padded rows)
-  int* split_keys;            // [B]   keys per split of request b (multiple of block_n)
+  int* split_keys;            // [B]   keys per split of request b (S, or a multiple of its family's block_n)
   int* partial_indptr;        // [B+1] exclusive scan of q_len x num_splits when num_splits > 1
   int* mask_indptr;           // [B+1] exclusive scan of q_len^2 (custom-mask offsets)
   int* status;                // [1]   0 = ok, else 1 + index of the first request with q_len > kv_len
   int batch_size;
   int group_size;             // H_q / H_kv
-  int block_m;                // packed (token, head) rows per tile
-  int block_n;                // keys per KV tile
+  int block_m;                // packed (token, head) rows per tile (of work_indptr's family)
+  int block_n;                // keys per KV tile (of work_indptr's family)
+  int long_q_len;             // requests of at least this many tokens are laid out in long_work_indptr (the
+                              // long family: one split per CTA, no fold), the others in work_indptr;
+                              // INT_MAX: one family, every request in work_indptr
+  int long_block_m;           // the long family's packed rows per tile
+  int long_block_n;           // and keys per KV tile (its splits are multiples of it when they grow)
   int split_size;             // S: small-q requests split at keys 0, S, 2S, ... (multiple of block_n)
   int max_splits;             // no request gets more splits than this (then splits grow past S)
   int small_q_len;            // q_len <= this: split at fixed positions (decode, verify, draft extend)

@@ -2,6 +2,12 @@
 // into offsets and the tile/split schedule. Eager plan() launches it outside
 // a graph, a CUDA-graph replay launches the same kernel inside one, so the two
 // can never disagree.
+//
+// Two work lists, one per kernel family of the step (cupy_fa/schedule.py): requests
+// of up to small_q_len tokens in work_indptr (the small-q tiles), longer ones in
+// long_work_indptr (the prefill family: the sm_90a wgmma kernel on Hopper, the
+// mma.sync prefill tile elsewhere). Each request's work is in exactly one list; the
+// offsets of tokens, split partials and mask are shared, so one merge covers both.
 #include "common.cuh"
 #include "params.cuh"
 
@@ -9,17 +15,24 @@ namespace cupy_fa {
 
 constexpr int kPlanThreads = 1024;
 
+// What a request adds to each offset array: its tokens, its work items in either family's list
+// (one of the two is 0), its split-partial rows and its custom-mask entries.
 struct Counts {
-  int q, work, partial, mask;
+  int q, work, long_work, partial, mask;
 };
 
 __device__ __forceinline__ Counts operator+(Counts a, Counts b) {
-  return Counts{a.q + b.q, a.work + b.work, a.partial + b.partial, a.mask + b.mask};
+  return Counts{a.q + b.q, a.work + b.work, a.long_work + b.long_work, a.partial + b.partial, a.mask + b.mask};
+}
+
+__device__ __forceinline__ Counts operator-(Counts a, Counts b) {
+  return Counts{a.q - b.q, a.work - b.work, a.long_work - b.long_work, a.partial - b.partial, a.mask - b.mask};
 }
 
 __device__ __forceinline__ Counts shfl_up(Counts c, int d) {
   return Counts{__shfl_up_sync(0xffffffffu, c.q, d), __shfl_up_sync(0xffffffffu, c.work, d),
-                __shfl_up_sync(0xffffffffu, c.partial, d), __shfl_up_sync(0xffffffffu, c.mask, d)};
+                __shfl_up_sync(0xffffffffu, c.long_work, d), __shfl_up_sync(0xffffffffu, c.partial, d),
+                __shfl_up_sync(0xffffffffu, c.mask, d)};
 }
 
 // Inclusive scan across the block; returns this thread's inclusive sum and
@@ -34,7 +47,7 @@ __device__ Counts block_inclusive_scan(Counts v, Counts& total) {
   if (lane == 31) warp_sums[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    Counts w = lane < kPlanThreads / 32 ? warp_sums[lane] : Counts{0, 0, 0, 0};
+    Counts w = lane < kPlanThreads / 32 ? warp_sums[lane] : Counts{0, 0, 0, 0, 0};
     for (int d = 1; d < 32; d <<= 1) {
       Counts o = shfl_up(w, d);
       if (lane >= d) w = w + o;
@@ -61,10 +74,18 @@ __device__ __forceinline__ int wanted_splits(const PlanParams& p, int q_len, int
   return max(1, min(splits, p.max_splits));
 }
 
+// Which family's work list a request's items go to: the long family's (long_work_indptr, the
+// prefill tile) from long_q_len tokens on, else the small-q family's (work_indptr). A request's
+// work is in exactly one of the two lists, decided by its own q_len alone.
+__device__ __forceinline__ bool is_long(const PlanParams& p, int q_len) { return q_len >= p.long_q_len; }
+
 // Keys per split for at most `cap` splits: S when the cap allows S-sized
-// splits, else the smallest multiple of block_n that needs no more than `cap`.
-__device__ __forceinline__ void split_schedule(const PlanParams& p, int kv_len, int cap, int& splits, int& keys) {
-  keys = max(p.split_size, ((kv_len + cap - 1) / cap + p.block_n - 1) / p.block_n * p.block_n);
+// splits, else the smallest multiple of block_n (of the request's family) that
+// needs no more than `cap`.
+__device__ __forceinline__ void split_schedule(const PlanParams& p, int q_len, int kv_len, int cap, int& splits,
+                                               int& keys) {
+  const int block_n = is_long(p, q_len) ? p.long_block_n : p.block_n;
+  keys = max(p.split_size, ((kv_len + cap - 1) / cap + block_n - 1) / block_n * block_n);
   splits = max(1, (kv_len + keys - 1) / keys);
 }
 
@@ -74,9 +95,10 @@ __device__ __forceinline__ int partial_rows(int q_len, int splits) { return spli
 // The rows it takes where CTAs fold their groups of splits (fold_splits): those of a
 // group state per group when it has several groups, else none. Never more than
 // partial_rows, which decides an overflow in either case, so whether CTAs fold never
-// changes the schedule.
+// changes the schedule. The long family never folds (the host plans a fold only for
+// steps without long requests; merge_kernel reads one layout per launch).
 __device__ __forceinline__ int laid_out_rows(const PlanParams& p, int q_len, int splits) {
-  if (!p.fold_splits) return partial_rows(q_len, splits);
+  if (!p.fold_splits || is_long(p, q_len)) return partial_rows(q_len, splits);
   const int groups = (splits + p.splits_per_cta - 1) / p.splits_per_cta;
   return groups > 1 ? kPartialRowsPerGroupState * q_len * groups : 0;
 }
@@ -116,7 +138,7 @@ __device__ __forceinline__ Row request_schedule(const PlanParams& p, int b, bool
   if (row == Row::kLive) {
     int cap = wanted_splits(p, q_len, kv_len);
     if (overflow) cap = min(cap, max(1, share / q_len));
-    split_schedule(p, kv_len, cap, splits, keys);
+    split_schedule(p, q_len, kv_len, cap, splits, keys);
   }
   return row;
 }
@@ -137,10 +159,10 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
   const int share = max(p.partial_capacity / max(p.batch_size, 1), 1);
 
   // Pass 2: the schedule and the offsets, 1024 requests at a time.
-  Counts carry{0, 0, 0, 0};
+  Counts carry{0, 0, 0, 0, 0};
   for (int base = 0; base < p.batch_size; base += kPlanThreads) {
     const int b = base + threadIdx.x;
-    Counts mine{0, 0, 0, 0};
+    Counts mine{0, 0, 0, 0, 0};
     int splits = 0, keys = 0;
     if (b < p.batch_size) {
       int q_len;
@@ -154,18 +176,22 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
         // launch): record it and give the row no work rather than read outside it.
         atomicMin(p.status, b + 1);
       } else if (row == Row::kLive) {
-        const int row_blocks = (q_len * p.group_size + p.block_m - 1) / p.block_m;
-        mine.work = row_blocks * ((splits + p.splits_per_cta - 1) / p.splits_per_cta);  // CTAs run split groups
+        if (is_long(p, q_len)) {  // one split per CTA
+          mine.long_work = (q_len * p.group_size + p.long_block_m - 1) / p.long_block_m * splits;
+        } else {
+          const int row_blocks = (q_len * p.group_size + p.block_m - 1) / p.block_m;
+          mine.work = row_blocks * ((splits + p.splits_per_cta - 1) / p.splits_per_cta);  // CTAs run split groups
+        }
         mine.partial = laid_out_rows(p, q_len, splits);
       }
     }
     Counts total;
     Counts incl = block_inclusive_scan(mine, total);
-    Counts excl = carry + Counts{incl.q - mine.q, incl.work - mine.work, incl.partial - mine.partial,
-                                 incl.mask - mine.mask};
+    Counts excl = carry + (incl - mine);
     if (b < p.batch_size) {
       p.q_indptr[b] = excl.q;
       p.work_indptr[b] = excl.work;
+      p.long_work_indptr[b] = excl.long_work;
       p.partial_indptr[b] = excl.partial;
       p.mask_indptr[b] = excl.mask;
       p.num_splits[b] = splits;
@@ -178,6 +204,7 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
     atomicCAS(p.status, kNoError, 0);
     p.q_indptr[p.batch_size] = carry.q;
     p.work_indptr[p.batch_size] = carry.work;
+    p.long_work_indptr[p.batch_size] = carry.long_work;
     p.partial_indptr[p.batch_size] = carry.partial;
     p.mask_indptr[p.batch_size] = carry.mask;
   }

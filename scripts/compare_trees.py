@@ -10,17 +10,23 @@ own (its ``cupy_fa`` first on PYTHONPATH, so its kernels compile under their own
 the same cases, and writes every case's ``out`` (as bits) and ``lse`` to .npy files; the parent
 compares them and prints one line per case:
 
-* every bench shape (``bench/workloads.py``) at page sizes 16 and 1, bf16, eager ``BatchAttention``
-  (prefill and extend at batch 1), with the same inputs in both trees (``bench.inputs.make_inputs``
-  from one seed);
+* every bench shape (``bench/workloads.py``) at page sizes 16 and 1, eager ``BatchAttention``
+  (uniform prefill and extend at batch 1), with the same inputs in both trees
+  (``bench.inputs.make_inputs`` from one seed);
 * the decode-like bench shapes through ``GraphRunner`` (capture, then a replay);
 * a random grid from ``tests/cases.py``: ragged batches of decode, prefill, extend, verify and
   padding rows, fp16 and bf16, head dims 64 / 128 / 256, page sizes 1, 3, 16, 64, causal or not,
   tree masks for verify-like batches; shuffled, interleaved page tables, NaN in unused slots.
 
-It also records each case's planned tile (family fields, splits per CTA, fold), grid and merge, so
-a schedule that changed shows even where the bits agree. Exit status 0 when every case has the
-same bits, the same schedule, and no NaN; 1 otherwise.
+It also records each case's planned tile (family fields, splits per CTA, fold), grid and merge (and
+the long launch's tile and grid where the tree has one), so a schedule that changed shows even
+where the bits agree. Exit status 0 when every case has the same bits, the same schedule, and no
+NaN; 1 otherwise.
+
+``--small-q`` keeps the cases whose every request has at most 16 tokens (the decode-like bench
+shapes and graph cases, and the grid with its q_lens cut to 16): what must keep its bits when
+the prefill family changes (a change of the long requests' kernel changes the bits of every case
+that holds one, by design).
 """
 
 import argparse
@@ -48,14 +54,16 @@ GRAPH_MODES = {"decode_b64_l4096": ("DECODE", 1), "decode_b1_l4096": ("DECODE", 
 # ---- the cases (the same list in both workers) ----------------------------------------------
 
 
-def case_list(grid, seed):
+def case_list(grid, seed, small_q=False):
     from bench import workloads
 
     cases = []
     for w in workloads.WORKLOADS:
+        if small_q and w.kind != "memory":
+            continue
         for ps in workloads.PAGE_SIZES:
             cases.append({"kind": "bench", "workload": w.name, "page_size": ps,
-                          "batch": w.batch if w.kind == "memory" else 1, "seed": seed})
+                          "batch": w.batch if w.kind == "memory" or not w.uniform else 1, "seed": seed})
     for name in GRAPH_MODES:
         cases.append({"kind": "graph", "workload": name, "page_size": 16, "seed": seed})
     rng = np.random.default_rng(seed)
@@ -64,7 +72,7 @@ def case_list(grid, seed):
                       "head_dim": int(rng.choice([64, 128, 256])),
                       "heads": [int(h) for h in [(32, 8), (8, 8), (16, 2), (32, 4)][int(rng.integers(4))]],
                       "page_size": int(rng.choice([1, 3, 16, 64])), "causal": bool(rng.random() < 0.8),
-                      "tree": bool(rng.random() < 0.25)})
+                      "tree": bool(rng.random() < 0.25), "small_q": small_q})
     for i, c in enumerate(cases):
         c["id"] = i
     return cases
@@ -75,7 +83,8 @@ def describe(case):
         return f"{case['kind']:5s} {case['workload']} ps{case['page_size']}" + \
             (f" B={case['batch']}" if case["kind"] == "bench" else "")
     return (f"grid  seed {case['seed']} {case['dtype']} D{case['head_dim']} {case['heads'][0]}/{case['heads'][1]} "
-            f"ps{case['page_size']} {'causal' if case['causal'] else 'full'}{' tree' if case['tree'] else ''}")
+            f"ps{case['page_size']} {'causal' if case['causal'] else 'full'}{' tree' if case['tree'] else ''}"
+            f"{' q<=16' if case.get('small_q') else ''}")
 
 
 # ---- the worker: one tree, every case --------------------------------------------------------
@@ -84,8 +93,10 @@ def describe(case):
 def planned_facts(attn):
     state = attn.planned
     tile = state.tile
+    long = getattr(getattr(state, "schedule", None), "long", None)  # trees with a launch per family
     return {"tile": {f: getattr(tile, f, None) for f in TILE_FIELDS}, "work_grid": int(state.work_grid),
-            "needs_merge": bool(state.needs_merge)}
+            "needs_merge": bool(state.needs_merge),
+            "long": None if long is None else {"tile": repr(long.tile), "work_grid": int(long.work_grid)}}
 
 
 def save(out_dir, case, out, lse, facts):
@@ -104,10 +115,13 @@ def run_bench_case(case, out_dir):
     import cupy_fa
     from bench import inputs, workloads
 
-    w = dataclasses.replace(workloads.BY_NAME[case["workload"]], batch=case["batch"])
+    w = workloads.BY_NAME[case["workload"]]
+    if case["batch"] != w.batch:
+        w = dataclasses.replace(w, batch=case["batch"])
     inp = inputs.make_inputs(w, case["page_size"], 1, case["seed"] + case["id"])
     s = inp.sets[0]
-    attn = cupy_fa.BatchAttention(workloads.H_Q, workloads.H_KV, workloads.HEAD_DIM, dtype=workloads.DTYPE)
+    attn = cupy_fa.BatchAttention(workloads.H_Q, workloads.H_KV, getattr(w, "head_dim", workloads.HEAD_DIM),
+                                  dtype=getattr(w, "dtype", workloads.DTYPE))
     attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=w.causal)
     inputs.poison(s.out)
     lse = cupy.full((s.q.shape[0], workloads.H_Q), np.nan, np.float32)
@@ -147,6 +161,8 @@ def grid_inputs(case):
     if case["tree"]:  # verify-like: every live request a few drafts
         q_lens = np.where(q_lens > 0, np.minimum(q_lens, int(rng.integers(2, 9))), 0)
         kv_lens = np.maximum(kv_lens, q_lens)
+    elif case.get("small_q"):  # decode-like only: the same draws, q_len cut to 16
+        q_lens = np.minimum(q_lens, 16)
     table, num_pages = gen.paged_layout(rng, kv_lens, case["page_size"])
     dtype = gen.np_dtype(case["dtype"])
     k, v = gen.fill_cache(rng, (num_pages, case["page_size"], h_kv, case["head_dim"]), dtype, table, kv_lens,
@@ -197,14 +213,14 @@ def run_grid_case(case, out_dir, inputs_dir):
     return save(out_dir, case, out, lse, planned_facts(attn))
 
 
-def worker(out_dir, grid, seed, inputs_dir):
+def worker(out_dir, grid, seed, inputs_dir, small_q=False):
     import cupy
 
     out_dir = pathlib.Path(out_dir)
     results = {}
     runners = {"bench": run_bench_case, "graph": run_graph_case,
                "grid": lambda case, out: run_grid_case(case, out, inputs_dir)}
-    for case in case_list(grid, seed):
+    for case in case_list(grid, seed, small_q):
         start = time.perf_counter()
         try:
             results[case["id"]] = dict(runners[case["kind"]](case, out_dir), seconds=time.perf_counter() - start)
@@ -235,12 +251,12 @@ def tree_dir(spec, scratch):
 def launch(tree, out_dir, args, log):
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{REPO}", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", str(out_dir), "--grid", str(args.grid),
-           "--seed", str(args.seed), "--inputs", str(args.inputs)]
+           "--seed", str(args.seed), "--inputs", str(args.inputs)] + (["--small-q"] if args.small_q else [])
     return subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT)
 
 
-def compare(old_dir, new_dir, grid, seed):
-    cases = case_list(grid, seed)
+def compare(old_dir, new_dir, grid, seed, small_q=False):
+    cases = case_list(grid, seed, small_q)
     old = json.loads((old_dir / "results.json").read_text())
     new = json.loads((new_dir / "results.json").read_text())
     bad = 0
@@ -258,7 +274,8 @@ def compare(old_dir, new_dir, grid, seed):
             y = np.load(new_dir / f"{key}_{part}.npy")
             differ = int((x != y).sum()) if x.shape == y.shape else -1
             verdicts.append("identical" if differ == 0 else ("shape!" if differ < 0 else f"{differ} differ"))
-        same_schedule = (a["tile"], a["work_grid"], a["needs_merge"]) == (b["tile"], b["work_grid"], b["needs_merge"])
+        same_schedule = (a["tile"], a["work_grid"], a["needs_merge"], a.get("long")) == \
+            (b["tile"], b["work_grid"], b["needs_merge"], b.get("long"))
         t = b["tile"]
         schedule = (f"{t['warps_m']}x{t['warps_n']} st{t['stages']} fold{int(bool(t['fold_splits']))} "
                     f"c{t['splits_per_cta']} grid {b['work_grid']} merge {int(b['needs_merge'])}")
@@ -280,13 +297,15 @@ def main(argv=None):
     parser.add_argument("--out", help="keep the workers' files and logs here (default: a temporary directory)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--inputs", help=argparse.SUPPRESS)
+    parser.add_argument("--small-q", action="store_true",
+                        help="only cases whose requests all have q_len <= 16 (decode-like: their bits must not move)")
     parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.grid, args.seed, args.inputs)
+        worker(args.worker, args.grid, args.seed, args.inputs, args.small_q)
         return 0
     if args.list:
-        for case in case_list(args.grid, args.seed):
+        for case in case_list(args.grid, args.seed, args.small_q):
             print(describe(case))
         return 0
     if not args.old:
@@ -295,7 +314,7 @@ def main(argv=None):
     scratch.mkdir(parents=True, exist_ok=True)
     trees = {"old": tree_dir(args.old, scratch), "new": pathlib.Path(args.new).resolve()}
     args.inputs = scratch / "inputs"
-    save_grid_inputs(case_list(args.grid, args.seed), args.inputs)
+    save_grid_inputs(case_list(args.grid, args.seed, args.small_q), args.inputs)
     dirs = {side: scratch / side for side in trees}
     procs = {}
     for side, tree in trees.items():
@@ -308,7 +327,7 @@ def main(argv=None):
             print(f"worker {side} ({trees[side]}) exited {proc.returncode}: {scratch / (side + '.log')}")
     for side in trees:
         print(f"{side}: {(dirs[side] / 'tree.txt').read_text() if (dirs[side] / 'tree.txt').exists() else '?'}")
-    bad = compare(dirs["old"], dirs["new"], args.grid, args.seed)
+    bad = compare(dirs["old"], dirs["new"], args.grid, args.seed, args.small_q)
     if not args.out:
         shutil.rmtree(scratch, ignore_errors=True)
     return 1 if bad else 0

@@ -8,11 +8,41 @@ from bench import workloads as W
 
 def test_workload_set():
     names = [w.name for w in W.WORKLOADS]
-    assert len(names) == len(set(names)) == 11
+    assert len(names) == len(set(names)) == 17
     for w in W.WORKLOADS:
-        assert 1 <= w.q_len <= w.kv_len and w.causal
+        assert all(1 <= q <= kv for q, kv in w.requests()) and len(w.requests()) == w.batch
+        assert w.head_dim in (64, 128, 256) and w.dtype in ("bfloat16", "float16")
     assert [w.name for w in W.WORKLOADS if w.kind == "compute"] == [
-        "prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384"]
+        "prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384", "prefill_b2_l8192_d64",
+        "prefill_b2_l8192_d256", "prefill_b2_l8192_full", "prefill_b2_l8192_fp16", "extend_b8_q512_l8192"]
+    assert [w.name for w in W.WORKLOADS if not w.causal] == ["prefill_b2_l8192_full"]
+    assert [w.name for w in W.WORKLOADS if w.kind == "mixed"] == ["mixed_q2048_d63_l4096"]
+
+
+def test_the_issue_18_workloads():
+    """Head dims 64 and 256, non-causal, fp16, a ragged mixed batch (one 2048-token chunk and 63
+    decodes at L = 4096) and a long-prefix extend (B = 8, q 512 over 8192)."""
+    assert {W.BY_NAME[n].head_dim for n in ("prefill_b2_l8192_d64", "prefill_b2_l8192_d256")} == {64, 256}
+    assert W.BY_NAME["prefill_b2_l8192_fp16"].dtype == "float16"
+    full = W.BY_NAME["prefill_b2_l8192_full"]
+    assert full.visible_keys() == 8192 * 8192 and full.flops() == 4 * 2 * 32 * 128 * 8192 * 8192
+    mixed = W.BY_NAME["mixed_q2048_d63_l4096"]
+    assert mixed.q_lens == [2048] + [1] * 63 and mixed.kv_lens == [4096] * 64 and not mixed.uniform
+    assert mixed.num_q_rows == 2048 + 63 and mixed.metric == "us" and mixed.figure(123.0) == 123.0
+    # the chunk sees a 2048-key prefix plus its causal triangle; each decode all 4096 keys
+    assert mixed.visible_keys() == 2048 * 2048 + 2048 * 2049 // 2 + 63 * 4096
+    assert mixed.kv_bytes() == 64 * 4096 * 8 * 128 * 2 * 2
+    assert mixed.num_pages(16) == 64 * 256 and mixed.pages_of(1)[0] == 4096
+    assert W.check_windows(mixed) == [(0, 0, 32), (0, 1984, 2048), (1, 0, 1), (63, 0, 1)]
+    fb, ff = mixed.floors_us()
+    assert mixed.floor_fraction(2 * max(fb, ff), 4.56, 812.0) == pytest.approx(0.5)
+    extend = W.BY_NAME["extend_b8_q512_l8192"]
+    assert (extend.batch, extend.q_len, extend.kv_len) == (8, 512, 8192)
+    assert extend.visible_keys() == sum(7680 + i + 1 for i in range(512))
+    d256 = W.BY_NAME["prefill_b2_l8192_d256"]
+    assert d256.kv_bytes() == 2 * 8192 * 8 * 256 * 2 * 2 and d256.flops() == 2 * W.BY_NAME["prefill_b2_l8192"].flops()
+    with pytest.raises(ValueError, match="ragged groups hold"):
+        W.Workload("bad", 3, 2048, 4096, ragged=((1, 2048, 4096), (1, 1, 4096)))
 
 
 def test_kv_bytes_counts_k_and_v_once():
@@ -61,7 +91,11 @@ def test_select_and_windows():
     assert [w.name for w in W.select(["decode"])][:2] == ["decode_b64_l4096", "decode_b16_l32768"]
     assert [w.name for w in W.select(["*_b64_*"])] == [
         "decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "draft_extend_q4_b64_l4096"]
-    assert len(W.select([])) == 11
+    assert len(W.select([])) == 17
+    assert [w.name for w in W.select(["prefill_b2_l8192*"])] == [
+        "prefill_b2_l8192", "prefill_b2_l8192_d64", "prefill_b2_l8192_d256", "prefill_b2_l8192_full",
+        "prefill_b2_l8192_fp16"]
+    assert [w.name for w in W.select(["prefill_b2_l8192"])] == ["prefill_b2_l8192"]  # an exact name: that one
     with pytest.raises(ValueError):
         W.select(["nope"])
     assert W.check_windows(W.BY_NAME["decode_b1_l4096"]) == [(0, 0, 1)]

@@ -10,12 +10,19 @@ from cases import new_rng
 from cupy_fa import knobs, plan, schedule
 
 
-def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
-    """What plan_kernel must write, computed the slow obvious way."""
+def model(q_lens, kv_lens, group, tile, partial_capacity=10**9, long_tile=None):
+    """What plan_kernel must write, computed the slow obvious way. With ``long_tile`` (a step of
+    two families) requests of more than SMALL_Q_LEN tokens are laid out for it in
+    long_work_indptr (one split per CTA, never folded), the others for ``tile`` in work_indptr;
+    without it every request for ``tile`` in work_indptr."""
     S = schedule.split_size()
 
+    def is_long(q):
+        return long_tile is not None and q > schedule.SMALL_Q_LEN
+
     def split_of(q, kv, cap):
-        keys = max(S, -(-(-(-kv // cap)) // tile.block_n) * tile.block_n)
+        block_n = (long_tile if is_long(q) else tile).block_n
+        keys = max(S, -(-(-(-kv // cap)) // block_n) * block_n)
         return -(-kv // keys), keys
 
     def wanted(q, kv):
@@ -32,19 +39,22 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
             want_rows += q * splits if splits > 1 else 0
     share = max(partial_capacity // len(q_lens), 1) if want_rows > partial_capacity else None
 
-    out = {k: [0] for k in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr")}
+    out = {k: [0] for k in ("q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr")}
     splits_all, keys_all = [], []
     for q, kv in zip(q_lens, kv_lens):
-        splits = keys = work = partial = 0
+        splits = keys = work = long_work = partial = 0
         if q > 0:
             cap = wanted(q, kv)
             if share is not None:
                 cap = min(cap, max(1, share // q))
             splits, keys = split_of(q, kv, cap)
             assert splits <= cap
-            work = -(-(q * group) // tile.block_m) * -(-splits // tile.splits_per_cta)  # CTAs run split groups
+            if is_long(q):
+                long_work = -(-(q * group) // long_tile.block_m) * splits
+            else:
+                work = -(-(q * group) // tile.block_m) * -(-splits // tile.splits_per_cta)  # CTAs run split groups
             partial = q * splits if splits > 1 else 0
-            if tile.fold_splits:  # CTAs fold their groups: two rows per group state, if several
+            if tile.fold_splits and not is_long(q):  # CTAs fold their groups: two rows per group state, if several
                 groups = -(-splits // tile.splits_per_cta)
                 assert 2 * q * groups <= max(partial, 2 * q)  # never more than the overflow test counted
                 partial = 2 * q * groups if groups > 1 else 0
@@ -53,6 +63,7 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9):
                 assert keys == S  # fixed split positions: the batch-invariant regime
         out["q_indptr"].append(out["q_indptr"][-1] + q)
         out["work_indptr"].append(out["work_indptr"][-1] + work)
+        out["long_work_indptr"].append(out["long_work_indptr"][-1] + long_work)
         out["partial_indptr"].append(out["partial_indptr"][-1] + partial)
         out["mask_indptr"].append(out["mask_indptr"][-1] + q * q)
         splits_all.append(splits)
@@ -217,12 +228,14 @@ def test_device_plan_matches_model(head_dim, group, fold, monkeypatch):
         q, kv = random_batch(rng, max_q)
         table = np.zeros((len(q), -(-int(kv.max()) // 16) + 1), np.int32)
         attn.plan(q, kv, table)
-        can_fold = attn.planned.tile.folding() is not None and (q > 0).any()
-        assert attn.planned.tile.fold_splits == (fold == "1" and can_fold)
-        m = model(q, kv, group, attn.planned.tile, bufs_rows(attn))
+        planned = attn.planned  # a step with long requests folds nothing (one merge, one layout)
+        can_fold = planned.long_tile is None and planned.tile.folding() is not None and (q > 0).any()
+        assert planned.tile.fold_splits == (fold == "1" and can_fold)
+        tile, long_tile = planned.schedule.plan_tiles()
+        m = model(q, kv, group, tile, bufs_rows(attn), long_tile)
         bufs = attn._buffers
         b = len(q)
-        for name in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr"):
+        for name in ("q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr"):
             assert np.array_equal(getattr(bufs, name)[:b + 1].get(), m[name]), name
         for name in ("num_splits", "split_keys"):
             assert np.array_equal(getattr(bufs, name)[:b].get(), m[name]), name
@@ -282,10 +295,11 @@ def test_device_plan_matches_model_at_long_lengths(fold, monkeypatch):
         attn = cupy_fa.BatchAttention(8 * group, 8, 128, "float16")
         for lens in ((qs, kvs, table), tuple(cupy.asarray(x, np.int32) for x in (qs, kvs, table))):
             attn.plan(*lens, max_q_len=max(1, int(qs.max())), max_kv_len=int(kvs.max()))
-            m = model(qs, kvs, group, attn.planned.tile, bufs_rows(attn))
+            tile, long_tile = attn.planned.schedule.plan_tiles()  # a list per family where q_len > 16 may come
+            m = model(qs, kvs, group, tile, bufs_rows(attn), long_tile)
             bufs = attn._buffers
             b = len(qs)
-            for name in ("q_indptr", "work_indptr", "partial_indptr", "mask_indptr"):
+            for name in ("q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr"):
                 assert np.array_equal(getattr(bufs, name)[:b + 1].get(), m[name]), (name, max_q)
             for name in ("num_splits", "split_keys"):
                 assert np.array_equal(getattr(bufs, name)[:b].get(), m[name]), (name, max_q)
