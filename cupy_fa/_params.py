@@ -20,7 +20,7 @@ _FIELDS = {
         ("long_q_len", np.int32), ("long_block_m", np.int32), ("long_block_n", np.int32),
         ("split_size", np.int32), ("max_splits", np.int32), ("small_q_len", np.int32),
         ("split_row_budget", np.int32), ("splits_per_cta", np.int32), ("fold_splits", np.int32),
-        ("partial_capacity", np.int32),
+        ("partial_capacity", np.int32), ("max_q_len", np.int32), ("max_kv_len", np.int32),
     ],
     "AttentionParams": [
         ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("out", _PTR), ("lse", _PTR),
@@ -32,6 +32,8 @@ _FIELDS = {
         ("sm_scale_log2", np.float32), ("page_shift", np.int32), ("splits_per_cta", np.int32),
         ("group_multiplier", np.uint32), ("group_shift", np.int32),
         ("fold_splits", np.int32),
+        ("status", _PTR), ("num_pages", np.int32), ("page_table_columns", np.int32), ("num_tokens", np.int32),
+        ("mask_entries", np.int32),
     ],
     "MergeParams": [
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),
@@ -40,7 +42,7 @@ _FIELDS = {
     ],
     "AppendParams": [
         ("k_new", _PTR), ("v_new", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("slots", _PTR),
-        ("num_slots", np.int64), ("num_tokens", np.int32), ("row_chunks", np.int32),
+        ("num_slots", np.int64), ("num_tokens", np.int32), ("row_chunks", np.int32), ("status", _PTR),
     ],
 }
 

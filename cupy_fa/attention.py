@@ -16,13 +16,20 @@ reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_k
 
 import dataclasses
 import math
+import threading
 
 import numpy as np
 
-from . import _arrays, _build, _params, plan as _plan, schedule as _schedule
+from . import _arrays, _build, _params, knobs as _knobs, plan as _plan, schedule as _schedule, status as _status
 from .kv_cache import PagedKVCache
 
 _LOG2E = 1.4426950408889634
+
+
+def _check_count(name, value, least):
+    """A capacity argument: an int of at least ``least`` (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
 def _page_shift(page_size):
@@ -43,7 +50,11 @@ class _PlanState:
     page_table_columns: int
     stream_ptr: int            # stream the metadata was written on
     done: object               # event after the plan kernel (None if planned inside a capture)
+    stream: object = None      # that stream (a later plan on another one waits for it)
+    mask_entries: int = 0      # custom-mask entries the buffers hold for this plan (the kernels' bound)
+    check: bool = False        # plan(check=True) or CUPY_FA_DEBUG=1: sync and raise on a bad request
     checked_geometry: set = dataclasses.field(default_factory=set)
+    other_streams: dict = dataclasses.field(default_factory=dict)  # ptr -> stream of runs on other streams
 
     # what a decode-like step runs (the small-q launch; a step of long requests only: theirs)
     @property
@@ -79,10 +90,22 @@ class BatchAttention:
             by eager plans as needed.
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
-            head dim, some but not all of the capacities. TypeError: a dtype other than float16
-            / bfloat16.
+            head dim, some but not all of the capacities, a capacity that is not a positive int
+            (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16.
+        RuntimeError: capacities given on a machine without a usable CUDA device.
 
-    One instance owns one set of buffers: plan and run it on one stream at a time.
+    Threads and streams: one instance owns one set of metadata buffers. Its calls may come from
+    any thread and any stream, one call at a time: a plan waits for the work already queued
+    with the instance's previous plan and runs on other streams (no host sync), and a run on
+    another stream than its plan waits for the plan. Two threads inside ``plan`` / ``run`` of one
+    instance at once, or a thread running a plan that another thread's ``plan`` replaced since
+    its own, raise ``RuntimeError``: use one instance per thread (instances are independent and
+    may share a cache and run on different streams at the same time).
+
+    Device metadata (lengths and page tables in device arrays, which the host cannot read
+    without a sync) is checked by the kernels: a request that breaks the contract reads and
+    writes nothing outside its buffers, its rows of ``out`` are NaN, the others are computed as
+    without it, and :meth:`status` names the first such request (docs/errors.md).
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
@@ -102,9 +125,16 @@ class BatchAttention:
         self._fixed_capacity = all(v is not None for v in given)
         if any(v is not None for v in given) and not self._fixed_capacity:
             raise ValueError("give all of max_batch_size, max_num_tokens, max_pages_per_request, or none")
+        if self._fixed_capacity:
+            for name, value in zip(("max_batch_size", "max_num_tokens", "max_pages_per_request"), given):
+                _check_count(name, value, 1)
+        _check_count("max_mask_bytes", max_mask_bytes, 0)
         self._buffers = None
         self._retired = []  # outgrown buffers, kept alive (see _ensure_capacity)
         self._plan = None
+        self._busy = threading.Lock()  # held by the thread inside plan() or run() (see the class docstring)
+        self._busy_with = None
+        self._mine = threading.local()  # .plan: the last plan this thread made
         if self._fixed_capacity:
             self._buffers = _plan.PlanBuffers(
                 _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
@@ -113,7 +143,7 @@ class BatchAttention:
     # ---- plan ------------------------------------------------------------------------
 
     def plan(self, q_lens, kv_lens, page_table, *, causal=True, sm_scale=None, custom_mask=None,
-             max_q_len=None, max_kv_len=None):
+             max_q_len=None, max_kv_len=None, check=None):
         """Plans one step's batch: checks it and computes its metadata on the device.
 
         Plan once per step, then :meth:`run` once per layer (the layers of a step share its
@@ -135,13 +165,19 @@ class BatchAttention:
                 q_len`` block row-major at offset ``sum_{c<b} q_len[c]**2``; or a list of blocks.
             max_q_len, max_kv_len: host upper bounds of device lengths (``max_q_len`` is
                 required for them; ``max_kv_len`` keeps the grid tight). Ignored for host lengths.
+            check: True: after the plan kernel (and after each :meth:`run` of this plan) sync and
+                raise ``ValueError`` naming the first request whose device metadata broke the
+                contract. Default: ``CUPY_FA_DEBUG=1``. A debugging aid: it syncs, so not inside
+                a CUDA-graph capture (there it is skipped; read :meth:`status` after a replay).
 
         Every input may be a host value (list, NumPy, CPU torch) or a device array (CuPy, torch
         CUDA, any DLPack producer); ``q_lens`` and ``kv_lens`` must be the same kind. Host
         inputs are checked before anything touches the device. Device inputs are copied
         device-to-device into the preallocated buffers with no host sync (what a CUDA-graph
-        capture needs): their values are trusted within the bounds, and a row with ``q_len >
-        kv_len`` is refused on the device (:meth:`status`).
+        capture needs) and checked by the kernels: a request with a negative ``q_len``, ``q_len >
+        kv_len``, ``q_len > max_q_len`` or ``kv_len > max_kv_len`` is refused on the device (its
+        rows of ``out`` NaN, :meth:`status` names it); its tokens keep their place in q and out
+        (at most ``max_q_len`` of them).
 
         The page ids are not checked here but in :meth:`run`, against the cache the step runs
         on (its ``num_pages`` and ``page_size``), once per cache geometry.
@@ -156,12 +192,50 @@ class BatchAttention:
                 buffers already allocated).
             TypeError: non-integer lengths or page table, ``q_lens`` and ``kv_lens`` of different
                 kinds, a custom mask that is not bool / uint8.
-            RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words.
+            RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words; another
+                thread inside ``plan`` / ``run`` of this instance at the same time.
+            ValueError (``check``): a request whose device metadata broke the contract, after a sync.
         """
+        self._enter("plan")
+        try:
+            self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check)
+        finally:
+            self._leave()
+        if self._plan.check and self._plan.done is not None:
+            self._raise_on_bad("plan")
+        return self
+
+    def _enter(self, call):
+        """One call at a time per instance: a second thread raises instead of racing on the buffers."""
+        if not self._busy.acquire(blocking=False):
+            holder = self._busy_with or ("another thread", "plan() or run")  # it may just have left
+            raise RuntimeError(
+                f"BatchAttention.{call}() on thread {threading.current_thread().name!r} while thread "
+                f"{holder[0]!r} is inside {holder[1]}() of the same instance: one instance's metadata buffers "
+                f"serve one call at a time; use one BatchAttention per thread")
+        self._busy_with = (threading.current_thread().name, call)
+
+    def _leave(self):
+        self._busy_with = None
+        self._busy.release()
+
+    def _order_after_previous(self, stream):
+        """A plan on another stream than the previous plan (or its runs) first waits for the work
+        queued there: it rewrites the metadata those kernels read. An event per stream that
+        changed, no host sync; inside a capture the capturing code orders the capture itself."""
+        previous = self._plan
+        if previous is None or stream.is_capturing():
+            return
+        for other in (previous.stream, *previous.other_streams.values()):
+            if other is not None and other.ptr != stream.ptr and not other.is_capturing():
+                stream.wait_event(other.record())
+
+    def _plan_step(self, q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check):
         step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len)
         sm_scale = self._checked_sm_scale(sm_scale)
         stream = step.stream if step.stream is not None else _arrays.caller_stream()
         capturing = stream.is_capturing()
+        self._order_after_previous(stream)
         if step.num_tokens is not None:
             tokens_needed = step.num_tokens
         else:  # device lengths: an auto-sized instance grows to the bound; a fixed one checks q in run()
@@ -171,7 +245,7 @@ class BatchAttention:
                                   capturing)
             _plan.stage_inputs(self._buffers, step)
         mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
-        return self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream)
+        return self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check)
 
     def _checked_sm_scale(self, sm_scale):
         if sm_scale is None:
@@ -180,11 +254,18 @@ class BatchAttention:
             raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
         return float(sm_scale)
 
-    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream):
+    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check=None):
         """The plan of a step whose inputs are in the buffers already (:func:`cupy_fa.plan.stage_inputs`):
         its schedule (cupy_fa.schedule) and the plan kernel on ``stream``. GraphRunner captures
         this (and run) while staging outside the graph."""
         buffers = self._buffers
+        # the bounds the plan kernel holds device lengths to (host lengths were checked already)
+        if step.on_host:
+            max_q = step.max_q_len
+            kv_bound = int(step.kv_host.max()) if step.batch else 0
+        else:
+            max_q = step.max_q_len
+            kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
         sched = _schedule.schedule_step(
             self.head_dim, self.group_size, self.num_kv_heads,
             q_lens=step.q_host if step.on_host else None, kv_lens=step.kv_host if step.on_host else None,
@@ -193,11 +274,15 @@ class BatchAttention:
             arch=_build.current_arch())
         with stream:
             tile, long_tile = sched.plan_tiles()
-            _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile)
+            _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=max_q,
+                              max_kv_len=min(kv_bound, 2**31 - 1))
         done = None if stream.is_capturing() else stream.record()
         self._plan = _PlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale,
                                 step.pt_host if step.on_host else None, step.q_host, step.kv_host,
-                                step.page_columns, stream.ptr, done)
+                                step.page_columns, stream.ptr, done, stream,
+                                mask_entries=step.mask_bytes if step.has_mask else 0,
+                                check=_knobs.knobs().debug if check is None else bool(check))
+        self._mine.plan = self._plan
         return self
 
     def _ensure_capacity(self, batch, tokens, pages, mask_bytes, capturing):
@@ -238,7 +323,9 @@ class BatchAttention:
             ``out``, or ``(out, lse)`` with ``return_lse``. Arrays allocated here come back in
             q's framework, zero copy (torch in, torch out; JAX in, JAX out; else CuPy).
         Raises:
-            RuntimeError: ``run`` before ``plan``; no usable CUDA device.
+            RuntimeError: ``run`` before ``plan``; no usable CUDA device; another thread inside
+                ``plan`` / ``run`` of this instance at the same time, or another thread's ``plan``
+                since this thread's own (this thread would run that thread's batch).
             TypeError: ``cache`` not a PagedKVCache; q, out or the cache of another dtype; a NumPy
                 array for q, out or lse.
             ValueError: shapes that do not fit the plan or this instance (``T != sum(q_lens)``,
@@ -247,13 +334,42 @@ class BatchAttention:
                 checks of a host-planned step, made here against ``cache`` once per cache geometry:
                 every page id the step reads must be a page of the cache and every live row wide
                 enough for ``ceil(kv_len / page_size)`` pages (a device page table: widths only).
-        Nothing is launched when it raises.
+            ValueError (a plan with ``check``): a request whose device metadata broke the
+                contract (a page id outside ``cache``, ...), after the launch and a sync.
+        Nothing is launched when it raises (but for ``check``'s, raised after the run).
+
+        Device page ids are checked by the kernel against ``cache.num_pages``: a request that
+        reads one outside the cache reads page 0 instead, its rows that depend on it are NaN and
+        :meth:`status` names it; the others are computed exactly as without it.
         """
+        self._enter("run")
+        try:
+            result = self._run_step(q, cache, out, lse, return_lse)
+        finally:
+            self._leave()
+        state = self._plan
+        if state.check and not _arrays.caller_stream(q).is_capturing():
+            self._raise_on_bad("run")
+        return result
+
+    def _raise_on_bad(self, call):
+        found = self.status()
+        if not found.ok:
+            raise ValueError(f"{call}(check=True): {found}: the device metadata breaks the contract "
+                             f"(its rows of out are NaN; docs/errors.md)")
+
+    def _run_step(self, q, cache, out, lse, return_lse):
         import cupy
 
         state = self._plan
         if state is None:
             raise RuntimeError("run() before plan(): plan the step's batch first")
+        mine = getattr(self._mine, "plan", None)
+        if mine is not None and mine is not state:
+            raise RuntimeError(
+                f"run() on thread {threading.current_thread().name!r}: another thread planned this BatchAttention "
+                f"after this thread's own plan, so this run would compute that thread's batch; use one "
+                f"BatchAttention per thread")
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
         stream = _arrays.caller_stream(q, out, lse)
@@ -274,8 +390,10 @@ class BatchAttention:
                 if capturing:
                     raise ValueError("lse must be given to return it inside a CUDA-graph capture")
                 lse_dev = cupy.empty((num_tokens, self.num_qo_heads), np.float32)
-            if state.done is not None and stream.ptr != state.stream_ptr and not capturing:
-                stream.wait_event(state.done)  # planned on another stream: order after its metadata
+            if stream.ptr != state.stream_ptr and not capturing:
+                if state.done is not None:
+                    stream.wait_event(state.done)  # planned on another stream: order after its metadata
+                state.other_streams.setdefault(stream.ptr, stream)  # the next plan waits for it
             self._launch(state, q_dev, cache, out_dev, lse_dev, num_tokens, stream)
 
         result = out if out is not None else _arrays.to_caller(out_dev, q)
@@ -332,7 +450,10 @@ class BatchAttention:
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
             sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size),
-            group_multiplier=self._group_div[0], group_shift=self._group_div[1])
+            group_multiplier=self._group_div[0], group_shift=self._group_div[1],
+            # the device metadata's bounds (kernels/status.cuh)
+            status=buffers.status.data.ptr, num_pages=cache.num_pages, page_table_columns=state.page_table_columns,
+            num_tokens=num_tokens, mask_entries=state.mask_entries)
         for launch in launches:  # the long family's first (schedule.StepSchedule.launches)
             # each family reads its own work list of plan_kernel's layout; everything else is shared
             work = buffers.long_work_indptr if launch is sched.long else buffers.work_indptr
@@ -364,14 +485,21 @@ class BatchAttention:
         return self._plan
 
     def status(self):
-        """Reads the device status word (syncs): 0 if the last plan's device-side
-        lengths were valid, else 1 + index of a request with q_len > kv_len."""
-        if self._buffers is None:
-            return 0
-        if self._plan is not None and self._plan.done is not None:
-            self._plan.done.synchronize()  # the plan kernel may have run on another stream
-        else:
+        """The device status word of the current plan and its runs so far (syncs on their streams):
+        a :class:`cupy_fa.status.Status`, an ``int`` that is 0 when every request was within the
+        contract, else 1 + the first bad request's index, with ``.request``, ``.reason`` and
+        ``.what`` and a sentence for ``str()``: e.g. ``request 3: a page id it reads is not a page
+        of the cache``. The plan kernel records refused lengths (negative q_len, q_len > kv_len,
+        q_len > max_q_len, kv_len > max_kv_len), the attention kernel the rest (page ids outside
+        the cache, kv_len past the page table's columns, rows past q, a custom mask too short)."""
+        if self._buffers is None or self._plan is None:
+            return _status.Status(_status.OK)
+        state = self._plan
+        if state.done is None:  # planned inside a capture: its replays run on streams unknown here
             import cupy
 
             cupy.cuda.Device().synchronize()
-        return int(self._buffers.status.get()[0])
+        for stream in (state.stream, *state.other_streams.values()):
+            if stream is not None and not stream.is_capturing():
+                stream.synchronize()
+        return _status.read(self._buffers.status)

@@ -20,9 +20,11 @@ happens automatically) or, better, captures its whole forward with
 which works too (our kernels launch on torch's capture stream).
 """
 
+import threading
+
 import numpy as np
 
-from . import _arrays, plan as _plan
+from . import _arrays, knobs as _knobs, plan as _plan
 from .attention import BatchAttention
 from .kv_cache import PagedKVCache
 from .modes import ForwardMode
@@ -49,8 +51,9 @@ class GraphRunner:
         buckets: batch sizes to capture (default powers of two up to max_batch_size).
         tree_mask: reserve space for TARGET_VERIFY custom masks (tree speculation).
     Raises:
-        ValueError: buckets that do not reach max_batch_size; what :class:`BatchAttention` raises
-            for the heads, head dim and dtype.
+        ValueError: a size that is not a positive int, buckets that are not positive ints or do
+            not reach max_batch_size; what :class:`BatchAttention` raises for the heads, head dim
+            and dtype. RuntimeError: no usable CUDA device.
 
     It allocates its static buffers at construction: q, out, lse for ``max_batch_size x max_q_len``
     tokens here, the lengths, page table and mask in its :class:`BatchAttention`'s plan buffers
@@ -62,6 +65,14 @@ class GraphRunner:
                  max_pages_per_request, page_size, buckets=None, tree_mask=False):
         import cupy
 
+        from .attention import _check_count
+
+        for name, value in (("max_batch_size", max_batch_size), ("max_q_len", max_q_len),
+                            ("max_pages_per_request", max_pages_per_request), ("page_size", page_size)):
+            _check_count(name, value, 1)
+        if buckets is not None and (not len(buckets) or any(isinstance(b, bool) or not isinstance(b, (int, np.integer))
+                                                            or b < 1 for b in buckets)):
+            raise ValueError(f"buckets must be positive ints, got {buckets!r}")
         self.max_batch_size, self.max_q_len = int(max_batch_size), int(max_q_len)
         self.max_pages_per_request, self.page_size = int(max_pages_per_request), int(page_size)
         self.buckets = tuple(sorted(buckets or default_buckets(self.max_batch_size)))
@@ -78,6 +89,8 @@ class GraphRunner:
         self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
         self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
         self._graphs = {}
+        self._busy = threading.Lock()  # one run() at a time: the static buffers hold one step
+        self._last_stream = None       # the stream of the last step (a step on another waits for it)
 
     # ---- public --------------------------------------------------------------------
 
@@ -101,7 +114,8 @@ class GraphRunner:
             q_lens, kv_lens: ``[B]`` contract lengths, ``B <= max_batch_size``; q_len at most 1 for
                 DECODE and ``max_q_len`` otherwise. page_table: ``[B, <= max_pages_per_request]``.
                 Host or device values; host ones are checked here (lengths, ``sum(q_lens)``, page
-                ids against the cache), device ones are trusted within the bounds.
+                ids against the cache), device ones by the kernels: a request that breaks the
+                contract gets NaN rows and :meth:`status` names it (the others are unaffected).
             custom_mask: TARGET_VERIFY tree mask, flat bool of ``sum(q_len**2)`` (a runner built
                 with ``tree_mask=True``).
             use_graph: False runs the same step eagerly (bit-identical results).
@@ -113,8 +127,10 @@ class GraphRunner:
             ValueError: a batch beyond ``max_batch_size``, q_lens above the mode's bound, more
                 page-table columns than ``max_pages_per_request``, a cache of another page size,
                 a custom mask outside tree TARGET_VERIFY, and what :meth:`BatchAttention.plan`
-                raises for host inputs. TypeError: cache not a PagedKVCache. RuntimeError: called
-                inside another capture, no usable CUDA device.
+                raises for host inputs; with ``CUPY_FA_DEBUG=1``, a request whose device
+                metadata broke the contract (after a sync). TypeError: cache not a PagedKVCache.
+                RuntimeError: called inside another capture, no usable CUDA device, from a second
+                thread while another is inside ``run`` (one runner serves one call at a time).
         """
         mode = ForwardMode(mode)
         if not isinstance(cache, PagedKVCache):
@@ -125,6 +141,33 @@ class GraphRunner:
         if tree and not (self.tree_mask and mode is ForwardMode.TARGET_VERIFY):
             raise ValueError("custom_mask is for TARGET_VERIFY on a runner built with tree_mask=True")
         stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table)
+        if stream.is_capturing():  # before anything is staged: none of it may land in the caller's graph
+            raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
+                               "(or use BatchAttention directly inside torch.cuda.graph)")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"GraphRunner.run() on thread {threading.current_thread().name!r} while another "
+                               f"thread is inside run() of the same runner: its static buffers serve one step at "
+                               f"a time; use one GraphRunner per thread")
+        try:
+            result = self._run_step(mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph,
+                                    return_lse, stream)
+        finally:
+            self._busy.release()
+        if _knobs.knobs().debug and mode is not ForwardMode.IDLE:
+            found = self.status()
+            if not found.ok:
+                raise ValueError(f"GraphRunner.run (CUPY_FA_DEBUG=1): {found}: the device metadata breaks the "
+                                 f"contract (its rows of out are NaN; docs/errors.md)")
+        return result
+
+    def status(self):
+        """The status word of the last step (syncs): see :meth:`BatchAttention.status`."""
+        if self._last_stream is not None:
+            self._last_stream.synchronize()
+        return self.attn.status()
+
+    def _run_step(self, mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph, return_lse,
+                  stream):
         with stream:
             q_dev = _arrays.to_cupy(q, "q")
         step = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask)
@@ -132,6 +175,9 @@ class GraphRunner:
         if step is None or step.batch == 0 or num_tokens == 0:  # IDLE, or an all-padding step: nothing to launch
             return self._result(num_tokens, q, return_lse)
         bucket = self.bucket_for(step.batch)
+        if self._last_stream is not None and self._last_stream.ptr != stream.ptr:
+            stream.wait_event(self._last_stream.record())  # the last step's kernels read what is staged next
+        self._last_stream = stream
         with stream:
             _plan.stage_inputs(self.attn._buffers, step, pad_to=bucket)  # once, straight into the plan buffers
             self.q[:num_tokens] = q_dev
@@ -201,9 +247,6 @@ class GraphRunner:
     def _capture(self, mode, bucket, cache, tree, stream):
         import cupy
 
-        if stream.is_capturing():
-            raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
-                               "(or use BatchAttention directly inside torch.cuda.graph)")
         self._step(mode, bucket, cache, tree, stream)  # warm-up: compiles kernels and sets smem limits first
         capture = cupy.cuda.Stream(non_blocking=True)
         capture.wait_event(stream.record())

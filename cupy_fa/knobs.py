@@ -36,6 +36,7 @@ class Knobs:
     fold_splits: str = "auto"        # CUPY_FA_FOLD_SPLITS: "auto", "0" or "1"
     pdl: bool = True                 # CUPY_FA_PDL: programmatic launch of the merge kernel (sm_90+)
     trace: bool = False              # CUPY_FA_TRACE: compile the timeline stamps in (diagnosis)
+    debug: bool = False              # CUPY_FA_DEBUG: plans check the device status word (syncs) and raise
 
     def __post_init__(self):
         _check(self.decode_stages in STAGE_CHOICES, "CUPY_FA_DECODE_STAGES",
@@ -75,7 +76,8 @@ class Knobs:
                    splits_per_cta=integer("CUPY_FA_SPLITS_PER_CTA", cls.splits_per_cta),
                    fold_splits=get("CUPY_FA_FOLD_SPLITS") or "auto",
                    pdl=(get("CUPY_FA_PDL") or "1") != "0",
-                   trace=get("CUPY_FA_TRACE") == "1")
+                   trace=get("CUPY_FA_TRACE") == "1",
+                   debug=(get("CUPY_FA_DEBUG") or "0") not in ("0", "false", "no"))
 
 
 def _check(ok, name, expected, value):

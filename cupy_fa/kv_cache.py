@@ -42,6 +42,10 @@ class PagedKVCache:
         self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = (int(s) for s in k_dev.shape)
         if self.page_size < 1 or self.num_pages < 1:
             raise ValueError(f"k must have at least one page of at least one token, got shape {tuple(k_dev.shape)}")
+        import cupy
+
+        with cupy.cuda.Device(k_dev.device.id):  # the append kernel's status word (status.cuh)
+            self._status = cupy.full(1, (1 << 64) - 1, np.uint64)
 
     @classmethod
     def allocate(cls, num_pages, page_size, num_kv_heads, head_dim, dtype="bfloat16"):
@@ -58,6 +62,7 @@ class PagedKVCache:
         shape = (int(num_pages), int(page_size), int(num_kv_heads), int(head_dim))
         if min(shape) < 1:
             raise ValueError(f"cache dimensions must be positive, got {shape}")
+        _arrays.require_cuda()
         return cls(cupy.zeros(shape, np_dtype), cupy.zeros(shape, np_dtype))
 
     @property
@@ -78,7 +83,7 @@ class PagedKVCache:
             slots: ``[T]`` ints, ``page * page_size + offset``; host (list, NumPy, CPU torch) or
                 device (int32 or int64). Host slots are range-checked before anything is
                 written; on a device array (graph replay) negative slots mean "skip" (padding),
-                and other values are trusted.
+                and slots past the cache are skipped too and reported by :meth:`status`.
         Raises:
             TypeError: NumPy K/V, another dtype, non-integer slots (device: not int32 / int64).
             ValueError: shapes that do not match the cache or each other, a host slot outside
@@ -119,10 +124,25 @@ class PagedKVCache:
         params = _params.make(
             "AppendParams", k_new=k_dev.data.ptr, v_new=v_dev.data.ptr, k_cache=self.k.data.ptr,
             v_cache=self.v.data.ptr, slots=dev.data.ptr, num_slots=self.num_slots,
-            num_tokens=num_tokens, row_chunks=row_chunks)
+            num_tokens=num_tokens, row_chunks=row_chunks, status=self._status.data.ptr)
         variant = schedule.append_variant(dev.dtype)
         blocks = min((num_tokens * row_chunks + variant.threads - 1) // variant.threads, 65535)
         _build.launch(variant, (blocks,), params, stream)
+
+    def status(self):
+        """The first device slot the appends since the last ``status()`` skipped because it lies
+        past the cache (negative slots are padding, not errors), then clears it; syncs the
+        device. A :class:`cupy_fa.status.Status` (``int``): 0 when none, else 1 + the token's
+        index in its ``append`` call, ``str()`` e.g. ``token 2: its slot is outside the cache``."""
+        import cupy
+
+        from . import status as _status
+
+        cupy.cuda.Device().synchronize()
+        found = _status.read(self._status, "token")
+        self._status.fill((1 << 64) - 1)
+        cupy.cuda.Device().synchronize()
+        return found
 
     def __repr__(self):
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "

@@ -48,6 +48,7 @@ class PlanBuffers:
 
         from . import _arrays
 
+        _arrays.require_cuda()  # a plain sentence, not CuPy's, where there is no usable device
         self.capacity = capacity
         b = capacity.max_batch_size
         i32 = np.int32
@@ -62,16 +63,18 @@ class PlanBuffers:
         self.mask_indptr = cupy.zeros(b + 1, i32)
         self.num_splits = cupy.zeros(b, i32)
         self.split_keys = cupy.zeros(b, i32)
-        self.status = cupy.zeros(1, i32)
+        self.status = cupy.full(1, (1 << 64) - 1, np.uint64)  # kernels/status.cuh: no bad request
         dtype = _arrays.DTYPES[dtype_name]
         rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
 
-    def plan_params(self, batch_size, group_size, tile, long_tile=None):
+    def plan_params(self, batch_size, group_size, tile, long_tile=None, max_q_len=2**31 - 1,
+                    max_kv_len=2**31 - 1):
         """PlanParams for a step whose small-q requests run on ``tile`` (work_indptr) and whose
         longer ones on ``long_tile`` (long_work_indptr); without ``long_tile`` every request is
-        laid out for ``tile`` in work_indptr (schedule.plan_constants)."""
+        laid out for ``tile`` in work_indptr (schedule.plan_constants). Device lengths above
+        ``max_q_len`` / ``max_kv_len`` (the bounds the grids were sized with) are refused."""
         return _params.make(
             "PlanParams", q_lens=self.q_lens.data.ptr, kv_lens=self.kv_lens.data.ptr,
             q_indptr=self.q_indptr.data.ptr, work_indptr=self.work_indptr.data.ptr,
@@ -79,6 +82,7 @@ class PlanBuffers:
             num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
+            max_q_len=int(max_q_len), max_kv_len=int(max_kv_len),
             partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile, long_tile))
 
 
@@ -103,11 +107,14 @@ def validate_lengths(q_lens, kv_lens):
 
 
 def validate_batch_shapes(batch, kv_entries, page_table_rows):
-    """One kv_len and one page-table row per request (q_lens has `batch` entries)."""
+    """One kv_len and one page-table row per request (q_lens has `batch` entries). The lengths
+    are compared first: when q_lens and kv_lens disagree, the batch size itself is in doubt,
+    and a message about page-table rows would point at the wrong argument."""
+    if kv_entries != batch:
+        raise ValueError(f"q_lens and kv_lens differ in length ({batch} and {kv_entries}): "
+                         f"give one q_len and one kv_len per request")
     if page_table_rows != batch:
         raise ValueError(f"page_table has {page_table_rows} rows, expected one per request ({batch})")
-    if kv_entries != batch:
-        raise ValueError(f"kv_lens has {kv_entries} entries, q_lens has {batch}")
 
 
 def validate_page_table_width(columns, kv_lens, q_lens, page_size):
@@ -271,13 +278,21 @@ def stage_inputs(buffers, step, pad_to=None):
         buffers.page_table[:batch, :pages] = cupy.asarray(step.pt_host.astype(np.int32))
     else:
         buffers.page_table[:batch, :pages] = step.pt_dev
+    if pad_to is not None and pages < buffers.page_table.shape[1]:
+        # a graph plan sees the buffer's whole width: columns the caller's table lacks read as
+        # no page (-1), so a kv_len past the caller's table is caught (status.cuh), never stale
+        buffers.page_table[:batch, pages:] = -1
     if step.mask_host is not None and step.mask_host.size:
         buffers.custom_mask[:step.mask_host.size].set(step.mask_host)
     elif step.mask_dev is not None and step.mask_dev.size:
         buffers.custom_mask[:step.mask_dev.size] = step.mask_dev
 
 
-def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None):
+def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None, max_q_len=2**31 - 1,
+                max_kv_len=2**31 - 1):
     """The plan kernel on ``stream``: ``tile``'s work list for the small-q requests and, with
-    ``long_tile``, the long family's list for the others (else every request on ``tile``)."""
-    _build.launch(schedule.PLAN_VARIANT, (1,), buffers.plan_params(batch_size, group_size, tile, long_tile), stream)
+    ``long_tile``, the long family's list for the others (else every request on ``tile``).
+    Requests whose lengths break the contract or the bounds (``max_q_len``, ``max_kv_len``) are
+    refused and recorded in the buffers' status word (kernels/status.cuh)."""
+    _build.launch(schedule.PLAN_VARIANT, (1,),
+                  buffers.plan_params(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len), stream)

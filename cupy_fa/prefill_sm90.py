@@ -176,7 +176,8 @@ class Sm90Prefill:
             batch_size=st["batch"], page_size=page_size, page_table_stride=buffers.page_table.shape[1],
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, mask_mode=st["mode"],
             sm_scale_log2=st["scale"] * _LOG2E, page_shift=shift, splits_per_cta=1, fold_splits=0,
-            group_multiplier=div[0], group_shift=div[1])
+            group_multiplier=div[0], group_shift=div[1], status=buffers.status.data.ptr, num_pages=cache.num_pages,
+            page_table_columns=st["pt"].shape[1], num_tokens=int(q.shape[0]), mask_entries=int(buffers.custom_mask.size))
         stream = cupy.cuda.get_current_stream()
         ctas = st["work"] * self.num_kv_heads
         if self.tile.persistent:  # one CTA per SM at most (the kernel's launch bounds), each taking items in turn

@@ -637,6 +637,9 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
     inside a step or a graph capture. Returns how many."""
     import cupy
 
+    from . import _arrays
+
+    _arrays.require_cuda()
     wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(), _build.device_arch(cupy.cuda.Device()))
     for variant in wanted:
         _build.get_function(variant)

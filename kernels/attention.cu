@@ -43,6 +43,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ float s_factor[BM][Traits::kWarpsN];
   __shared__ float4 s_row[BM];
   __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1][2];
+  __shared__ int s_request, s_reason;    // for the status word at the CTA's end (no register held to it)
+  __shared__ int s_bad;                  // a page id outside the cache was fetched (paged_kv.cuh)
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -65,7 +67,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int split_keys = __ldg(p.split_keys + w.request);
   const int tiles_per_split = split_keys / BN;
   const int kv_begin = w.split_first * split_keys;
-  const int kv_end = variant.key_stop(min(w.kv_len, w.split_stop * split_keys), w.row0 + BM, rows);
+  // a bad request (w.bad: status.cuh) reads no K/V at all: its splits end empty, written NaN
+  const int kv_end = w.bad ? kv_begin : variant.key_stop(min(w.kv_len, w.split_stop * split_keys), w.row0 + BM, rows);
   const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -74,9 +77,13 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // a warp whose 16 rows are all padding (decode in a 2-row-warp tile) only loads
   const bool warp_has_rows = w.row0 + wm * 16 < rows;
 
+  if (tid == 0) s_request = w.request, s_reason = w.bad, s_bad = w.bad != 0;
+  __syncthreads();  // s_bad is set before any thread may set it
+
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
   load_q_block<Traits>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group, row_in_pass, chunk);
-  PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, row_in_pass, chunk);
+  PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, row_in_pass, chunk,
+                                  s_bad);
   kv.fetch_pages(0);
 #pragma unroll
   for (int t = 0; t < STAGES - 1; ++t) {
@@ -124,8 +131,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     if (tiles_left == 1 || tile + 1 == num_tiles) epilogue.publish(state);
     __syncthreads();  // the next iteration's loads overwrite this stage
     if (--tiles_left == 0 || tile + 1 == num_tiles) {
+      const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
       const unsigned long long epilogue_from = trace_now();
-      epilogue.finish(split_now++, stage, state.acc);
+      epilogue.finish(split_now++, stage, state.acc, bad);
       traced_epilogue += trace_now() - epilogue_from;
       state.reset();
       tiles_left = tiles_per_split;
@@ -136,8 +144,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   for (; split_now < w.split_stop; ++split_now) {
     epilogue.publish(state);
     __syncthreads();
-    epilogue.finish(split_now, 0, state.acc);
+    epilogue.finish(split_now, 0, state.acc, s_bad != 0);
   }
+  // a bad request is recorded once the CTA is done (status.cuh), off the loop's registers
+  if (tid == 0 && s_bad) record_bad(p.status, s_request, s_reason ? s_reason : kPageOutOfRange);
   trace_stamp(kTraceDone);
   trace_store(kTraceEpilogueNs, traced_epilogue);
   trace_store(kTraceWaitNs, traced_wait);

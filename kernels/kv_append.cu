@@ -1,8 +1,9 @@
 // Writes this step's new K/V rows into the paged cache at caller-given slots
 // (slot = page * page_size + offset). Pure 16-byte copies: the element type
 // does not matter, only the slot index type (int32 or int64, as engines hold
-// them). Negative or out-of-range slots are skipped, which lets a CUDA-graph
-// bucket pad its token list with slot -1.
+// them). Negative slots are skipped (a CUDA-graph bucket pads its token list with
+// slot -1); slots past the cache are skipped too, and the first such token is
+// recorded in the cache's status word (status.cuh).
 #include "common.cuh"
 #include "params.cuh"
 
@@ -19,7 +20,10 @@ __global__ void __launch_bounds__(256) append_kernel(const __grid_constant__ App
   for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
     const i64 token = idx / p.row_chunks, chunk = idx % p.row_chunks;
     const i64 slot = static_cast<i64>(slots[token]);
-    if (slot < 0 || slot >= p.num_slots) continue;
+    if (slot < 0 || slot >= p.num_slots) {
+      if (slot >= p.num_slots && chunk == 0) record_bad(p.status, token, kSlotOutOfRange);
+      continue;
+    }
     k_dst[slot * p.row_chunks + chunk] = k_src[idx];
     v_dst[slot * p.row_chunks + chunk] = v_src[idx];
   }

@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
   if (!live) return;
   const float merged[4] = {total.o.x, total.o.y, total.o.z, total.o.w};
   const i64 o_off = ((i64)token * p.num_qo_heads + head) * (4 * LANES) + c4 * 4;
-  store_scaled4(static_cast<T*>(p.out) + o_off, merged, total.l > 0.f ? 1.f / total.l : 0.f);
+  store_scaled4(static_cast<T*>(p.out) + o_off, merged, inverse_sum(total.l));  // NaN stays NaN
   if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(total.m, total.l);
 }
 

@@ -9,6 +9,14 @@
 // the previous tile's compute; copies of rows past kv_end zero-fill, so masked keys never carry
 // NaN garbage into P V.
 //
+// Page ids are device metadata the host cannot check: each one fetched is compared with the
+// cache's num_pages as it arrives (one unsigned compare and a select per key row, no branch in
+// the unrolled loops): one outside the cache is replaced by page 0, so nothing is read outside
+// the cache, and the CTA's flag in shared memory is set (one predicated atomic per fetch, at a
+// constant address: no register is held across the loop for it); after the barrier that ends a
+// split's last tile the CTA writes its rows NaN (split_epilogue.cuh), and it records the request
+// when it is done (status.cuh).
+//
 // Loops run a constant number of times so they unroll: every row's address is ready before the
 // first cp.async issues, instead of one dependent page-id load per row in a loop. The page-size
 // test is made once per tile, outside the unrolled row loops (the pow2 and general paths are each
@@ -61,9 +69,11 @@ struct PagedKVProducer {
   int kv_begin, kv_end, num_tiles;
   int row_in_pass, chunk;
   int pages[kRows];  // page ids of the next tile to issue (fetch_pages), one tile ahead
+  int& bad;          // the CTA's flag (shared): set when a page id fetched was outside the cache
 
   __device__ __forceinline__ PagedKVProducer(const AttentionParams& p, int request, int kv_head, KVT* sK, KVT* sV,
-                                             int kv_begin, int kv_end, int num_tiles, int row_in_pass, int chunk)
+                                             int kv_begin, int kv_end, int num_tiles, int row_in_pass, int chunk,
+                                             int& bad)
       : p(p),
         page_row(p.page_table + (i64)request * p.page_table_stride),
         slot_bytes(p.num_kv_heads * D * (int)sizeof(KVT)),
@@ -75,15 +85,21 @@ struct PagedKVProducer {
         kv_end(kv_end),
         num_tiles(num_tiles),
         row_in_pass(row_in_pass),
-        chunk(chunk) {}
+        chunk(chunk),
+        bad(bad) {}
 
   template <typename PageOf>
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
+    const unsigned last = static_cast<unsigned>(p.num_pages - 1);
+    unsigned highest = 0;  // the largest id fetched, as unsigned (a negative one is huge)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
-      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+      const unsigned page = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+      highest = max(highest, page);
+      pages[i] = static_cast<int>(min(page, last));  // inside the cache, whatever was fetched
     }
+    if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }
 
   // Page ids of tile `tile` (0 past the last tile), for the issue() that follows.

@@ -9,6 +9,8 @@
 // froze this struct stays valid when the buffers are refilled.
 #pragma once
 
+#include "status.cuh"
+
 namespace cupy_fa {
 
 // Where CTAs fold their splits (fold_splits) and a row has several groups of them, each
@@ -29,7 +31,7 @@ struct PlanParams {
   int* split_keys;            // [B]   keys per split of request b (S, or a multiple of its family's block_n)
   int* partial_indptr;        // [B+1] exclusive scan of q_len x num_splits when num_splits > 1
   int* mask_indptr;           // [B+1] exclusive scan of q_len^2 (custom-mask offsets)
-  int* status;                // [1]   0 = ok, else 1 + index of the first request with q_len > kv_len
+  StatusWord* status;         // [1]   the first bad request (status.cuh); reset here, added to by the runs
   int batch_size;
   int group_size;             // H_q / H_kv
   int block_m;                // packed (token, head) rows per tile (of work_indptr's family)
@@ -48,6 +50,8 @@ struct PlanParams {
                               // a request that several CTAs share (a group state each), none otherwise
   int partial_capacity;       // rows of the split-partial buffers; a batch that would need more
                               // caps every request at partial_capacity / batch_size rows
+  int max_q_len;              // the bounds the host sized the grid with: a request above either is
+  int max_kv_len;             // refused (its rows NaN, status.cuh), never given more work than them
 };
 
 struct AttentionParams {
@@ -81,6 +85,12 @@ struct AttentionParams {
   int fold_splits;            // 1: every CTA folds its splits_per_cta (a multiple of kMergeGroup) splits as
                               // merge_kernel would: a whole row (its result) or one group of a longer
                               // row (the group's state, fp32, for merge_kernel)
+  // The device metadata's bounds (status.cuh): what a request may read and write.
+  StatusWord* status;         // [1]   the plan's status word: the first bad request, and how
+  int num_pages;              // of the cache: page ids outside 0 .. num_pages - 1 read page 0 and flag
+  int page_table_columns;     // of the caller's page table: a kv_len that needs more pages is refused
+  int num_tokens;             // rows of q and out: a request's rows past them are refused
+  int mask_entries;           // of the custom mask (mask_mode 2): a request's block past them is refused
 };
 
 struct MergeParams {
@@ -105,6 +115,7 @@ struct AppendParams {
   long long num_slots;        // num_pages x page_size, slots >= this are skipped
   int num_tokens;
   int row_chunks;             // H_kv x D / 8: 16-byte chunks per token
+  StatusWord* status;         // [1]   the cache's status word: the first token whose slot is past the cache
 };
 
 }  // namespace cupy_fa

@@ -105,14 +105,21 @@ __device__ __forceinline__ int laid_out_rows(const PlanParams& p, int q_len, int
 
 enum class Row { kPadding, kLive, kRefused };
 
-// What request b is, read once: padding (q_len = 0), live, or refused because it
-// breaks the contract (q_len < 0 or q_len > kv_len: possible on the device path,
-// whose lengths the host cannot check). q_len comes back clamped at 0.
-__device__ __forceinline__ Row classify(const PlanParams& p, int b, int& q_len, int& kv_len) {
+// What request b is, read once: padding (q_len = 0), live, or refused because it breaks the
+// contract or the bounds the host sized the grid with (possible on the device path, whose lengths
+// the host cannot check); `reason` says why (status.cuh). q_len comes back clamped to
+// 0 .. max_q_len: a refused request's tokens keep that place in q and out, so the requests after
+// it still find theirs, and no request gets more work than the grid holds.
+__device__ __forceinline__ Row classify(const PlanParams& p, int b, int& q_len, int& kv_len, unsigned& reason) {
   const int given = p.q_lens[b];
-  q_len = max(given, 0);
+  q_len = min(max(given, 0), p.max_q_len);
   kv_len = p.kv_lens[b];
-  if (given < 0 || q_len > kv_len) return Row::kRefused;
+  reason = given < 0              ? kQLenNegative
+           : given > p.max_q_len  ? kQLenAboveBound
+           : given > kv_len       ? kQLenAboveKvLen
+           : kv_len > p.max_kv_len ? kKvLenAboveBound
+                                  : 0u;
+  if (reason != 0) return Row::kRefused;
   return q_len > 0 ? Row::kLive : Row::kPadding;
 }
 
@@ -131,9 +138,9 @@ __device__ int block_sum(int v) {
 // equal share of the partial buffer when the batch overflows it. Both passes below ask
 // this one function, so the rows pass 1 counts are the rows pass 2 lays out.
 __device__ __forceinline__ Row request_schedule(const PlanParams& p, int b, bool overflow, int share, int& q_len,
-                                                int& splits, int& keys) {
+                                                int& splits, int& keys, unsigned& reason) {
   int kv_len;
-  const Row row = classify(p, b, q_len, kv_len);
+  const Row row = classify(p, b, q_len, kv_len, reason);
   splits = keys = 0;
   if (row == Row::kLive) {
     int cap = wanted_splits(p, q_len, kv_len);
@@ -143,17 +150,20 @@ __device__ __forceinline__ Row request_schedule(const PlanParams& p, int b, bool
   return row;
 }
 
-constexpr int kNoError = 0x7fffffff;  // status while no bad row was seen (atomicMin keeps the first)
-
 extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __grid_constant__ PlanParams p) {
-  if (threadIdx.x == 0) p.status[0] = kNoError;
+  // a new plan: no bad request yet (this plan's runs add theirs, status.cuh); the barriers of
+  // pass 1 order this before any record_bad below
+  if (threadIdx.x == 0) p.status[0] = kStatusOk;
 
   // Pass 1: partial rows the batch wants. Only when they overflow the buffer is
   // every request capped at an equal share (results then depend on the batch).
   int wanted_rows = 0;
   for (int b = threadIdx.x; b < p.batch_size; b += kPlanThreads) {
     int q_len, splits, keys;
-    if (request_schedule(p, b, false, 0, q_len, splits, keys) == Row::kLive) wanted_rows += partial_rows(q_len, splits);
+    unsigned reason;
+    if (request_schedule(p, b, false, 0, q_len, splits, keys, reason) == Row::kLive) {
+      wanted_rows += partial_rows(q_len, splits);
+    }
   }
   const bool overflow = block_sum(wanted_rows) > p.partial_capacity;
   const int share = max(p.partial_capacity / max(p.batch_size, 1), 1);
@@ -166,15 +176,25 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
     int splits = 0, keys = 0;
     if (b < p.batch_size) {
       int q_len;
-      const Row row = request_schedule(p, b, overflow, share, q_len, splits, keys);
+      unsigned reason;
+      const Row row = request_schedule(p, b, overflow, share, q_len, splits, keys, reason);
       // The caller laid out q, out and the mask with these tokens: they keep their
       // place in the offsets even when the row itself is refused below.
       mine.q = q_len;
       mine.mask = q_len * q_len;
       if (row == Row::kRefused) {
-        // Contract broken on the device path (host inputs are validated before
-        // launch): record it and give the row no work rather than read outside it.
-        atomicMin(p.status, b + 1);
+        // Contract broken on the device path (host inputs are validated before launch): record
+        // it, and give the row one CTA per row block, in its (clamped) q_len's family's list, that
+        // reads nothing and writes its rows NaN (num_splits = -reason marks it for the attention
+        // kernels, work.cuh and sm90_prefill_work.cuh; no partials). Within the family's bound.
+        record_bad(p.status, b, reason);
+        if (is_long(p, q_len)) {
+          mine.long_work = (q_len * p.group_size + p.long_block_m - 1) / p.long_block_m;
+        } else {
+          mine.work = (q_len * p.group_size + p.block_m - 1) / p.block_m;
+        }
+        splits = -static_cast<int>(reason);
+        keys = 0;
       } else if (row == Row::kLive) {
         if (is_long(p, q_len)) {  // one split per CTA
           mine.long_work = (q_len * p.group_size + p.long_block_m - 1) / p.long_block_m * splits;
@@ -199,9 +219,7 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
     }
     carry = carry + total;
   }
-  __syncthreads();  // every atomicMin above is done
   if (threadIdx.x == 0) {
-    atomicCAS(p.status, kNoError, 0);
     p.q_indptr[p.batch_size] = carry.q;
     p.work_indptr[p.batch_size] = carry.work;
     p.long_work_indptr[p.batch_size] = carry.long_work;

@@ -54,7 +54,12 @@ struct KVProducer {
   }
 
   // Page ids of the keys this lane looks up in tile `tile` (0 past the range), into pages_next.
+  // Device metadata: each id is clamped into the cache (an unsigned min), so nothing is read
+  // outside it, and one outside it records the request in the status word (status.cuh; the
+  // rows that read it are not made NaN in this family yet).
   __device__ __forceinline__ void fetch_pages(int tile) {
+    const unsigned last = static_cast<unsigned>(p.num_pages - 1);
+    unsigned highest = 0;
 #pragma unroll
     for (int j = 0; j < LOOKUPS; ++j) {
       const int li = lane + 32 * j;
@@ -62,8 +67,11 @@ struct KVProducer {
       const bool valid = tile >= 0 && li < KEYS_PER_WARP && key < w.kv_end;
       int page = 0;
       if (valid) page = p.page_shift >= 0 ? (key >> p.page_shift) : key / p.page_size;
-      pages_next[j] = valid ? __ldg(page_row + page) : 0;
+      const unsigned id = valid ? __ldg(page_row + page) : 0;
+      highest = max(highest, id);
+      pages_next[j] = static_cast<int>(min(id, last));
     }
+    if (highest > last) record_bad(p.status, w.b, kPageOutOfRange);
   }
 
   // The slots of tile `tile` from the page ids fetched for it (-1 for keys past the range).

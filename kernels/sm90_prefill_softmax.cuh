@@ -183,6 +183,8 @@ __device__ __forceinline__ void store_rows(const AttentionParams& p, const Prefi
                                            const FastDiv& by_group, const float (&o)[D / 2], RowState& st,
                                            int first_row, int quad) {
   const int partial_base = w.splits > 1 ? __ldg(p.partial_indptr + w.b) : 0;
+  const bool bad = w.masked_tiles < 0;  // a request that breaks the contract: its rows NaN (status.cuh)
+  const float nan = __int_as_float(0x7fc00000);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = st.l[h];
@@ -191,16 +193,16 @@ __device__ __forceinline__ void store_rows(const AttentionParams& p, const Prefi
     if (!ri.real[h]) continue;
     const int row = first_row + 8 * h;
     const int head = w.kv_head * by_group.divisor + by_group.mod(row);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = bad ? nan : inverse_sum(l);
     OT* dst;
     if (w.splits == 1) {
       const i64 slot = (i64)(w.q_start + ri.token[h]) * p.num_qo_heads + head;
       dst = static_cast<OT*>(p.out) + slot * D;
-      if (quad == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(st.m[h], l);
+      if (quad == 0 && p.lse != nullptr) p.lse[slot] = bad ? nan : natural_lse(st.m[h], l);
     } else {
       const i64 slot = ((i64)partial_base + (i64)ri.token[h] * w.splits + w.split) * p.num_qo_heads + head;
       dst = static_cast<OT*>(p.partial_out) + slot * D;
-      if (quad == 0) p.partial_lse[slot] = split_lse2(st.m[h], l);
+      if (quad == 0) p.partial_lse[slot] = bad ? nan : split_lse2(st.m[h], l);
     }
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {

@@ -19,7 +19,8 @@ struct PrefillWork {
   int split, splits;
   int kv_begin, kv_end;            // keys this CTA reads: [kv_begin, kv_end)
   int num_tiles;                   // key tiles of BLOCK_N from kv_begin, processed last to first
-  int masked_tiles;                // the first this many tiles processed (the last ones by key) need a mask
+  int masked_tiles;                // the first this many tiles processed (the last ones by key) need a mask;
+                                   // -1: the request breaks the contract (status.cuh), no tiles, rows NaN
 };
 
 // The work item of CTA index `cta` (blockIdx.x, or in a persistent grid each index a CTA
@@ -38,7 +39,16 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDi
   w.q_start = __ldg(p.q_indptr + w.b);
   w.q_len = __ldg(p.q_indptr + w.b + 1) - w.q_start;
   const int kv_len = __ldg(p.kv_lens + w.b);
-  w.splits = __ldg(p.num_splits + w.b);
+  // The device metadata's bounds (status.cuh), a few compares per CTA: refused by plan_kernel
+  // (num_splits = -reason, one split), a kv_len past the page table's columns, rows past q's, a
+  // custom-mask block past the mask. A bad item reads no K/V and writes its rows NaN.
+  const int planned_splits = __ldg(p.num_splits + w.b);
+  unsigned bad = planned_splits < 0 ? static_cast<unsigned>(-planned_splits) : 0u;
+  if (bad == 0 && (i64)kv_len > (i64)p.page_table_columns * p.page_size) bad = kKvLenAboveTable;
+  if (bad == 0 && w.q_start + w.q_len > p.num_tokens) bad = kRowsBeyondQ;
+  if (bad == 0 && p.mask_mode == 2 && __ldg(p.mask_indptr + w.b + 1) > p.mask_entries) bad = kMaskTooSmall;
+  w.q_len = max(min(w.q_len, p.num_tokens - w.q_start), 0);  // only rows of q are read, only rows of out written
+  w.splits = max(planned_splits, 1);
   const int local = work - __ldg(p.work_indptr + w.b);
   w.split = local % w.splits;
   w.row0 = (local / w.splits) * BLOCK_M;
@@ -58,6 +68,12 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDi
   // tile t (keys kv_begin + t BLOCK_N ..) needs the mask iff its last key reaches mask_from
   const int unmasked = max(0, mask_from - w.kv_begin) / BLOCK_N;
   w.masked_tiles = max(0, w.num_tiles - unmasked);
+  if (bad != 0) {
+    w.kv_end = w.kv_begin;
+    w.num_tiles = 0;
+    w.masked_tiles = -1;
+    if (threadIdx.x == 0) record_bad(p.status, w.b, bad);
+  }
   return true;
 }
 

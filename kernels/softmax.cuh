@@ -32,13 +32,19 @@ __device__ __forceinline__ float rescale_factor(float m, float m_common) {
 // m = -inf but offsets by 0, so 2^(-inf - 0) = 0 instead of NaN.
 __device__ __forceinline__ float safe_offset(float m) { return m == -INFINITY ? 0.f : m; }
 
+// The tests below are written `!(l <= 0)`, not `l > 0`: the same for every real sum, but a NaN
+// sum (a bad request's, status.cuh) passes on as NaN instead of reading as "no keys" (-inf, 0).
+
 // Natural-log LSE of a finished row; -inf for a row that saw no keys.
 __device__ __forceinline__ float natural_lse(float m, float l) {
-  return l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+  return !(l <= 0.f) ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
 
 // Base-2 LSE of a split's state, as its partial carries it; -inf for a split that saw no key.
-__device__ __forceinline__ float split_lse2(float m, float l) { return l > 0.f ? m + log2f(l) : -INFINITY; }
+__device__ __forceinline__ float split_lse2(float m, float l) { return !(l <= 0.f) ? m + log2f(l) : -INFINITY; }
+
+// 1 / l for a row's output; 0 for a row that saw no keys (its o is 0 too).
+__device__ __forceinline__ float inverse_sum(float l) { return !(l <= 0.f) ? 1.f / l : 0.f; }
 
 // Splits are merged in groups of this many consecutive splits, in order, then the groups in
 // order: merge_kernel (whatever its shape) and an attention CTA that folds its own splits

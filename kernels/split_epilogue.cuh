@@ -138,7 +138,10 @@ struct SplitEpilogue {
   // over the warps, each warp's factor onto that max, and with fold_splits the split's steps
   // in merge_kernel's order: into the open group (empty at a group's first split), and at a
   // group's last split the group into the total (empty at the CTA's first group).
-  __device__ __forceinline__ void row_phase(int split) {
+  // A bad CTA (a page id outside the cache, or a request refused: status.cuh) gives every row
+  // a NaN sum: its out, partials, fold states and LSE all come out NaN (the 1 / sum below and
+  // natural_lse / split_lse2 pass NaN on), and merge_kernel folds a NaN partial into NaN.
+  __device__ __forceinline__ void row_phase(int split, bool bad) {
     const int row = w.row0 + tid;
     if (tid >= BM || row >= rows) return;
     const int rwm = tid >> 4, rl = tid & 15;
@@ -151,6 +154,7 @@ struct SplitEpilogue {
       s_factor[tid][wi] = f;
       l_all += s_sum[rwm * Traits::kWarpsN + wi][rl] * f;
     }
+    if (bad) l_all = __int_as_float(0x7fc00000);  // NaN
     float total_inv = 0.f;
     if (Traits::kFoldInCta && p.fold_splits && w.splits > 1) {
       float4 ml = split != w.split_first ? fold_ml[tid] : make_float4(-INFINITY, 0.f, -INFINITY, 0.f);
@@ -161,13 +165,14 @@ struct SplitEpilogue {
       fold_ml[tid] = make_float4(into_group.m, into_group.l, into_total.m, into_total.l);
       s_step[tid][0] = into_group;
       s_step[tid][1] = into_total;
-      total_inv = into_total.l > 0.f ? 1.f / into_total.l : 0.f;
+      total_inv = inverse_sum(into_total.l);
     }
-    s_row[tid] = make_float4(m_all, l_all, l_all > 0.f ? 1.f / l_all : 0.f, total_inv);
+    s_row[tid] = make_float4(m_all, l_all, inverse_sum(l_all), total_inv);
   }
 
-  // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`).
-  __device__ __forceinline__ void finish(int split, int stage, const float (&acc)[D_BLOCKS][4]) {
+  // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`); a bad
+  // CTA (`bad`: a page id outside the cache, or a refused request) writes its rows NaN (row_phase).
+  __device__ __forceinline__ void finish(int split, int stage, const float (&acc)[D_BLOCKS][4], bool bad) {
     if constexpr (!Traits::kEpilogueInStage) cp_async_wait<0>();  // it stages over every K/V stage
     // One pass, or (fold tile) two passes of half of D each: a pass's accumulators are dead
     // once staged, which keeps the second pass's live registers down.
@@ -189,7 +194,7 @@ struct SplitEpilogue {
         if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
       }
       // after the staging (this pass's accumulators are dead), published by the barrier below
-      if (pass == 0) row_phase(split);
+      if (pass == 0) row_phase(split, bad);
       __syncthreads();
 
       for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {

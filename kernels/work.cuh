@@ -23,7 +23,9 @@ namespace cupy_fa {
 struct WorkItem {
   int request;      // b
   int q_start;      // its first query token (q_indptr[b])
-  int q_len, kv_len;
+  int q_len, kv_len;  // q_len: its tokens inside q's rows (all of them unless `bad` says otherwise)
+  unsigned bad;     // 0, or why the request breaks the contract (status.cuh): the CTA reads no K/V,
+                    // writes its rows NaN and records the request at its end
   int splits;       // KV splits of the request
   int groups;       // runs of splits_per_cta splits, so CTAs per row block
   int split_first;  // this CTA runs splits [split_first, split_stop) of its row block
@@ -49,7 +51,16 @@ __device__ __forceinline__ WorkItem locate_work(const AttentionParams& p, int wo
   w.q_start = __ldg(p.q_indptr + b);
   w.q_len = __ldg(p.q_indptr + b + 1) - w.q_start;
   w.kv_len = __ldg(p.kv_lens + b);
-  w.splits = __ldg(p.num_splits + b);
+  const int planned_splits = __ldg(p.num_splits + b);
+  // The device metadata's bounds, a few compares per CTA (status.cuh): refused by plan_kernel
+  // (num_splits = -reason, one split), a kv_len past the page table's columns, rows past q's,
+  // a custom-mask block past the mask.
+  w.splits = max(planned_splits, 1);
+  w.bad = planned_splits < 0 ? static_cast<unsigned>(-planned_splits) : 0u;
+  if (w.bad == 0 && (i64)w.kv_len > (i64)p.page_table_columns * p.page_size) w.bad = kKvLenAboveTable;
+  if (w.bad == 0 && w.q_start + w.q_len > p.num_tokens) w.bad = kRowsBeyondQ;
+  if (w.bad == 0 && p.mask_mode == 2 && __ldg(p.mask_indptr + b + 1) > p.mask_entries) w.bad = kMaskTooSmall;
+  w.q_len = max(min(w.q_len, p.num_tokens - w.q_start), 0);  // only rows of q are read, only rows of out written
   // Each split of the run still ends in its own result (out, a partial for merge_kernel, or a
   // fold of merge_kernel's steps), so how splits are grouped into CTAs never changes a bit.
   const int per_cta = p.splits_per_cta;

@@ -3,8 +3,10 @@
 # Usage on the device machine, from the repo root:
 #   bash scripts/device_check.sh [STAGES] [pytest -k expr]
 # STAGES: "all" (tests demo engine bench; the default) or a quoted list of tests, demo, engine,
-# ab (knob A/B, tuning only), ncu (hardware counters, diagnosis only), bench. After "ab" the
-# bench runs with the best knobs it found.
+# ab (knob A/B, tuning only), ncu (hardware counters, diagnosis only), sanitizer (compute-sanitizer's
+# four tools over scripts/sanitize_cases.py and the example engine, about 2-3 minutes), soak (10,000
+# engine steps through graphs, scripts/soak.py, about 2 minutes), bench. After "ab" the bench runs
+# with the best knobs it found.
 # Knobs: CHECK_SECONDS (whole call, default 560), TEST_SECONDS (pytest, default 300), BENCH_ARGS,
 # AB_SETTINGS, AB_WORKLOADS, AB_ARGS (scripts/ab_decode.sh), AB_APPLY (0: the bench after "ab" runs
 # at the defaults, not at the A/B's pick), EXPECT_TESTS (the number of GPU tests the run must
@@ -18,7 +20,7 @@ OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
 stages=${1:-all}; kexpr=${2:-}
-want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [[ " ab ncu " != *" $1 "* ]]; }; }
+want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [[ " ab ncu sanitizer soak " != *" $1 "* ]]; }; }
 t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
 summary=$OUT/summary.txt; : > "$summary"
 check_failed=0  # 1 once a stage that checks something (the GPU tests) found a problem
@@ -86,6 +88,17 @@ fi
 if want engine; then
   python3 examples/engine.py 2>&1 | tee "$OUT/engine.log"
   echo "engine (examples/engine.py, exit $?):" >> "$summary"; tail -n 25 "$OUT/engine.log" >> "$summary"
+fi
+if want sanitizer; then  # memcheck, racecheck, initcheck, synccheck: one line each in the summary
+  start=$(date +%s)
+  bash scripts/sanitize.sh "$OUT" > "$OUT/sanitizer.log" 2>&1; rc=$?
+  { echo "sanitizer (exit $rc, $(( $(date +%s) - start )) s):"; grep -E "^sanitizer|^    " "$OUT/sanitizer.log"; } >> "$summary"
+  [ "$rc" = 0 ] || check_failed=1
+fi
+if want soak; then  # a simulated engine through graphs, checked against float64 every 100 steps
+  python3 scripts/soak.py --json "$OUT/soak.json" > "$OUT/soak.log" 2>&1; rc=$?
+  { echo "soak (exit $rc):"; grep -E "^soak:" "$OUT/soak.log"; } >> "$summary"
+  [ "$rc" = 0 ] || check_failed=1
 fi
 if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
   IFS=';' read -ra ab_settings <<< "${AB_SETTINGS:-}"  # "stages split warps_m per_cta pdl fold;..." (or its defaults)

@@ -273,7 +273,7 @@ def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target)
     calls = []
     monkeypatch.setattr(_build, "launch", lambda variant, grid, params, stream, programmatic=False:
                         calls.append((variant, tuple(grid), params, programmatic)))
-    cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16)
+    cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16, num_pages=1000)
     attn._launch(state, _Buf(), cache, _Buf(), _Buf(), int(np.sum(q_lens)), None)
     return attn, sched, calls
 

@@ -333,12 +333,12 @@ def reference_without(refused, q_host, k_host, v_host, q_lens, kv_lens, table):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["device-plan", "runner-eager", "runner-graph"])
-def test_refused_row_writes_nothing(path):
+def test_refused_row_writes_nan(path):
     """A request with q_len > kv_len reaches the device only through device lengths (the graph path,
-    which the host cannot check): plan.cu refuses it (status 1 + its index), it writes nothing
-    (its rows, and the LSE's, keep the poison) and every other request is right; the tail
-    past the live rows is untouched. Through BatchAttention planned from device arrays and
-    through a GraphRunner, eager and replayed."""
+    which the host cannot check): plan.cu refuses it (status 1 + its index, reason q_len > kv_len),
+    its rows of out and of the LSE are written NaN (never left stale; docs/errors.md) and every
+    other request is right; the tail past the live rows is untouched. Through BatchAttention
+    planned from device arrays and through a GraphRunner, eager and replayed."""
     import cupy
     import cupy_fa
 
@@ -363,9 +363,15 @@ def test_refused_row_writes_nothing(path):
         out.fill(POISON)
         lse.fill(POISON)
         runner.run(M.EXTEND, q, cache, *lens, use_graph=path == "runner-graph", return_lse=True)
-    assert attn.status() == 2, f"status {attn.status()}: plan.cu must flag request 1 (1 + its index)"
+    status = attn.status()
+    assert status == 2 and status.reason == 2, f"status {status!r}: plan.cu must flag request 1 (1 + its index)"
     ref, ref_lse = reference_without([1], q_host, k_host, v_host, q_lens, kv_lens, table)
-    check = check_attention(out.get(), ref, "bfloat16", q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse,
+    got_out, got_lse = out.get(), lse.get()
+    rows = slice(int(q_lens[0]), int(q_lens[:2].sum()))  # request 1's rows
+    assert np.isnan(got_out[rows].astype(np.float32)).all() and np.isnan(got_lse[rows]).all(), \
+        "the refused request's rows (out and lse) must be NaN"
+    got_out[rows], got_lse[rows] = POISON, POISON  # then the checker holds everything else as before
+    check = check_attention(got_out, ref, "bfloat16", q_lens=q_lens, lse=got_lse, ref_lse=ref_lse,
                             poison=POISON, refused=[1], label=f"seed {seed} {path}")
     print(check.summary())
     check.assert_ok()

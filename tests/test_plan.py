@@ -308,21 +308,27 @@ def test_device_plan_matches_model_at_long_lengths(fold, monkeypatch):
 
 @pytest.mark.gpu
 def test_device_plan_flags_broken_contract():
-    """On the device path (no host validation) q_len > kv_len is flagged and the row skipped."""
+    """On the device path (no host validation) q_len > kv_len is flagged and the row refused: one
+    work item per row block that reads nothing and writes its rows NaN (num_splits = -reason)."""
     import cupy
     import cupy_fa
 
     attn = cupy_fa.BatchAttention(8, 8, 64, "float16", max_batch_size=4, max_num_tokens=16, max_pages_per_request=4)
     attn.plan(cupy.array([2, 5], np.int32), cupy.array([9, 3], np.int32), cupy.zeros((2, 4), np.int32), max_q_len=8)
-    assert attn.status() == 2
-    assert attn._buffers.work_indptr[2].get() == attn._buffers.work_indptr[1].get()
+    assert attn.status() == 2 and attn.status().reason == 2
+    work = attn._buffers.work_indptr[:3].get()
+    assert work[2] - work[1] == 1  # 5 rows x group 1 fit one row block of the tile
+    assert attn._buffers.num_splits[1].get() == -2 and attn._buffers.partial_indptr[2].get() == 0
     # a refused row keeps its tokens in the offsets: the rows after it still find their q and out
     attn.plan(cupy.array([5, 2, 1, 3], np.int32), cupy.array([3, 9, 0, 3], np.int32), cupy.zeros((4, 4), np.int32),
               max_q_len=8)
     assert attn.status() == 1  # the first bad row, even with two
     assert attn._buffers.q_indptr[:5].get().tolist() == [0, 5, 7, 8, 11]
     work = attn._buffers.work_indptr[:5].get()
-    assert work[1] == 0 and work[2] > 0 and work[3] == work[2] and work[4] > work[3]
+    # requests 0 (5 > 3) and 2 (1 > 0) refused: a NaN row block each; 1 and 3 live
+    assert work[1] == 1 and work[2] > work[1] and work[3] == work[2] + 1 and work[4] > work[3]
+    splits = attn._buffers.num_splits[:4].get().tolist()
+    assert splits[0] == splits[2] == -2 and splits[1] > 0 and splits[3] > 0
 
 
 def test_warp_segment_search_model():

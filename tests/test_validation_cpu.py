@@ -24,7 +24,10 @@ def test_constructor_rejects(args, kwargs, exc, text):
     ([1, 2], [1, 3], [[0], [1], [2]], ValueError, "page_table has 3 rows"),
     ([1], [1.5], [[0]], TypeError, "kv_lens must hold integers"),
     ([-1], [3], [[0]], ValueError, r"q_lens\[0\] = -1 is negative"),
-    ([1, 1], [1], [[0], [1]], ValueError, "kv_lens has 1 entries"),
+    ([1, 1], [1], [[0], [1]], ValueError, r"q_lens and kv_lens differ in length \(2 and 1\)"),
+    # lengths of different sizes are named as such, whatever the page table's rows
+    ([1, 2], [1], [[0]], ValueError, r"q_lens and kv_lens differ in length \(2 and 1\)"),
+    ([1], [1, 2, 3], [[0], [1], [2]], ValueError, r"q_lens and kv_lens differ in length \(1 and 3\)"),
     ([[1]], [1], [[0]], ValueError, "q_lens must have 1 dimension"),
     ([1], [1], [0], ValueError, "page_table must have 2 dimension"),
 ])
