@@ -90,16 +90,13 @@ struct PagedKVProducer {
 
   template <typename PageOf>
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
-    const unsigned last = static_cast<unsigned>(p.num_pages - 1);
-    unsigned highest = 0;  // the largest id fetched, as unsigned (a negative one is huge)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
-      const unsigned page = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
-      highest = max(highest, page);
-      pages[i] = static_cast<int>(min(page, last));  // inside the cache, whatever was fetched
+      // as fetched: checked where issue_rows uses them, a tile later, so the load stays in flight
+      // behind this tile's math (a test here would wait for it at once)
+      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
     }
-    if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }
 
   // Page ids of tile `tile` (0 past the last tile), for the issue() that follows.
@@ -115,14 +112,20 @@ struct PagedKVProducer {
   __device__ __forceinline__ void issue_rows(int tile, int stage, SlotOf slot_of) {
     KVT* dk = sK + stage * BN * D;
     KVT* dv = sV + stage * BN * D;
+    const unsigned last = static_cast<unsigned>(p.num_pages - 1);
+    unsigned highest = 0;  // the largest id fetched, as unsigned (a negative one is huge)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
       const bool valid = key < kv_end;
-      const i64 offset = (i64)(valid ? slot_of(pages[i], key) : 0) * slot_bytes;  // < 2^31 cache slots
+      const unsigned fetched = static_cast<unsigned>(pages[i]);
+      highest = max(highest, fetched);
+      const int page = static_cast<int>(min(fetched, last));  // inside the cache, whatever was fetched
+      const i64 offset = (i64)(valid ? slot_of(page, key) : 0) * slot_bytes;  // < 2^31 cache slots
       cp_async_16(dk + swizzled<D>(r, chunk), k_chunk + offset, valid);
       cp_async_16(dv + swizzled<D>(r, chunk), v_chunk + offset, valid);
     }
+    if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }
 
   // The cp.async copies of tile `tile` into stage `stage`, from the page ids fetched for it.

@@ -58,8 +58,6 @@ struct KVProducer {
   // outside it, and one outside it records the request in the status word (status.cuh; the
   // rows that read it are not made NaN in this family yet).
   __device__ __forceinline__ void fetch_pages(int tile) {
-    const unsigned last = static_cast<unsigned>(p.num_pages - 1);
-    unsigned highest = 0;
 #pragma unroll
     for (int j = 0; j < LOOKUPS; ++j) {
       const int li = lane + 32 * j;
@@ -67,23 +65,27 @@ struct KVProducer {
       const bool valid = tile >= 0 && li < KEYS_PER_WARP && key < w.kv_end;
       int page = 0;
       if (valid) page = p.page_shift >= 0 ? (key >> p.page_shift) : key / p.page_size;
-      const unsigned id = valid ? __ldg(page_row + page) : 0;
-      highest = max(highest, id);
-      pages_next[j] = static_cast<int>(min(id, last));
+      // as fetched: clamped and checked in slots_of, where they are used, so the load stays in
+      // flight until then (a test here would wait for it at once)
+      pages_next[j] = valid ? __ldg(page_row + page) : 0;
     }
-    if (highest > last) record_bad(p.status, w.b, kPageOutOfRange);
   }
 
   // The slots of tile `tile` from the page ids fetched for it (-1 for keys past the range).
   __device__ __forceinline__ void slots_of(int tile, int (&slots)[LOOKUPS]) const {
+    const unsigned last = static_cast<unsigned>(p.num_pages - 1);
+    unsigned highest = 0;
 #pragma unroll
     for (int j = 0; j < LOOKUPS; ++j) {
       const int li = lane + 32 * j;
       const int key = key_of(tile, li);
       const bool valid = li < KEYS_PER_WARP && key < w.kv_end;
       const int in_page = p.page_shift >= 0 ? (key & (p.page_size - 1)) : key % p.page_size;
-      slots[j] = valid ? pages_next[j] * p.page_size + in_page : -1;
+      const unsigned fetched = static_cast<unsigned>(pages_next[j]);
+      highest = max(highest, fetched);
+      slots[j] = valid ? static_cast<int>(min(fetched, last)) * p.page_size + in_page : -1;
     }
+    if (highest > last) record_bad(p.status, w.b, kPageOutOfRange);
   }
 
   // cp.async of one K or V tile (cache `base`) into the stage at shared address `dst`.

@@ -220,7 +220,8 @@ def worker(out_dir, grid, seed, inputs_dir, small_q=False):
     results = {}
     runners = {"bench": run_bench_case, "graph": run_graph_case,
                "grid": lambda case, out: run_grid_case(case, out, inputs_dir)}
-    for case in case_list(grid, seed, small_q):
+    # the parent's case list (its bench workloads), not this tree's: an old tree's bench may lack fields
+    for case in json.loads((pathlib.Path(inputs_dir) / "cases.json").read_text()):
         start = time.perf_counter()
         try:
             results[case["id"]] = dict(runners[case["kind"]](case, out_dir), seconds=time.perf_counter() - start)
@@ -255,8 +256,8 @@ def launch(tree, out_dir, args, log):
     return subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT)
 
 
-def compare(old_dir, new_dir, grid, seed, small_q=False):
-    cases = case_list(grid, seed, small_q)
+def compare(old_dir, new_dir, grid, seed, small_q=False, only=None):
+    cases = [c for c in case_list(grid, seed, small_q) if not only or c["kind"] in only]
     old = json.loads((old_dir / "results.json").read_text())
     new = json.loads((new_dir / "results.json").read_text())
     bad = 0
@@ -297,6 +298,8 @@ def main(argv=None):
     parser.add_argument("--out", help="keep the workers' files and logs here (default: a temporary directory)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--inputs", help=argparse.SUPPRESS)
+    parser.add_argument("--only", type=lambda v: v.split(","), default=None,
+                        help="comma list of case kinds to run (bench, graph, grid; default: all)")
     parser.add_argument("--small-q", action="store_true",
                         help="only cases whose requests all have q_len <= 16 (decode-like: their bits must not move)")
     parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
@@ -314,7 +317,9 @@ def main(argv=None):
     scratch.mkdir(parents=True, exist_ok=True)
     trees = {"old": tree_dir(args.old, scratch), "new": pathlib.Path(args.new).resolve()}
     args.inputs = scratch / "inputs"
-    save_grid_inputs(case_list(args.grid, args.seed, args.small_q), args.inputs)
+    cases = [c for c in case_list(args.grid, args.seed, args.small_q) if not args.only or c["kind"] in args.only]
+    save_grid_inputs(cases, args.inputs)
+    (args.inputs / "cases.json").write_text(json.dumps(cases))
     dirs = {side: scratch / side for side in trees}
     procs = {}
     for side, tree in trees.items():
@@ -327,7 +332,7 @@ def main(argv=None):
             print(f"worker {side} ({trees[side]}) exited {proc.returncode}: {scratch / (side + '.log')}")
     for side in trees:
         print(f"{side}: {(dirs[side] / 'tree.txt').read_text() if (dirs[side] / 'tree.txt').exists() else '?'}")
-    bad = compare(dirs["old"], dirs["new"], args.grid, args.seed, args.small_q)
+    bad = compare(dirs["old"], dirs["new"], args.grid, args.seed, args.small_q, args.only)
     if not args.out:
         shutil.rmtree(scratch, ignore_errors=True)
     return 1 if bad else 0

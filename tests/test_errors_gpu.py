@@ -60,7 +60,7 @@ def test_run_rejects_bad_inputs(world):
         (lambda: attn.run(q, cache, out=out.astype(np.float32)), TypeError, "out must have dtype float16"),
         (lambda: attn.run(q, cache, out=misaligned), ValueError, "out must start on a 8-byte boundary"),
         (lambda: attn.run(q, cache, out=out, lse=lse[:, :2]), ValueError, "lse has shape"),
-        (lambda: attn.run(q, cache, out=out, lse=lse.astype(np.float16)), TypeError, "lse must have dtype .*float32.*, got float16"),
+        (lambda: attn.run(q, cache, out=out, lse=lse.astype(np.float16)), TypeError, "lse must have dtype float32, got float16"),
         (lambda: attn.run(q.get(), cache, out=out), TypeError, "q must be a CUDA device array"),
         (lambda: attn.run(cupy.zeros((5, H_Q, 2 * D), np.float16)[:, :, :D], cache, out=out), ValueError,
          "q must be C-contiguous"),

@@ -5,7 +5,11 @@ zero-copy page views) is checked against hand-built arguments, and then end to e
 pure-torch stand-in for the kernels, which reads exactly what cupy_fa's kernels read (the
 page views, the lengths and the page table of each Step, rows packed by q_len), replaces
 the backend, and transformers' generate_batch with "paged|cupy_fa" and generate with
-"cupy_fa" must give the tokens of its own "paged|sdpa" and "sdpa".
+"cupy_fa" must give the tokens of its own "paged|sdpa" and "sdpa". The GPU test's two
+instruments (tests/hf_compare.py) run here on the stand-in too: the attention audit passes on
+the mapping and fails on a deliberately wrong one (a kv_len one short, a dropped page), and the
+token judge, in bfloat16 where runs part at near ties, passes on the mapping and fails on a
+wrong one.
 """
 
 import psutil  # noqa: F401  (transformers sizes its CPU paged cache from it)
@@ -14,6 +18,7 @@ import torch
 import transformers
 
 import cupy_fa.integrations.transformers as hf
+import hf_compare as C
 
 pytestmark = pytest.mark.cpu_torch
 
@@ -264,3 +269,108 @@ def test_generate_gives_sdpa_tokens(stand_in, padded):
     assert len(stand_in.steps) == 16 * 3  # every layer of every forward ran the stand-in
     assert len({id(s) for s in stand_in.steps}) == 16  # one Step per forward, shared by its 3 layers
     assert all((s.rows is not None) == padded for s in stand_in.steps)
+
+
+# ---- the GPU test's instruments, on the stand-in -----------------------------------------------
+
+
+def _generate_batch(model, prompts, implementation, new_tokens, monkeypatch, audit=None, block_size=8,
+                    max_batch_tokens=32):
+    probe = C.BatchProbe(model.config.num_hidden_layers, audit).install(
+        monkeypatch, implementation, hf.paged_attention_forward if audit is not None else None)
+    model.set_attn_implementation(implementation)
+    gen = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = transformers.ContinuousBatchingConfig(block_size=block_size, num_blocks=256, max_batch_tokens=max_batch_tokens)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
+    assert [o.error for o in out.values()] == [None] * len(prompts)
+    tokens = [o.generated_tokens for o in out.values()]
+    assert not probe.failures, probe.failures[:5]
+    lookup = probe.lookup(list(out.keys()), prompts)
+    assert C.logits_match_tokens(tokens, lookup, implementation) == []  # the probe's bookkeeping holds
+    return tokens, lookup, probe
+
+
+@pytest.mark.parametrize("mutation", [None, *C.MUTATIONS])
+def test_attention_audit_passes_the_mapping_and_fails_a_wrong_one(stand_in, monkeypatch, mutation):
+    """Continuous batching (chunked prefill, mixed and decode steps, blocks of 8): every call
+    checked against the float64 reference over transformers' read_index, and the step's K/V at
+    its write_index. The mapping passes with rounding-only error; a wrong one fails."""
+    model = tiny_model("qwen2", seed=5)
+    if mutation is not None:
+        C.mutate(monkeypatch, hf, mutation)
+    audit = C.AttentionAudit(f"stand-in, {mutation}")
+    _generate_batch(model, random_prompts(6, (5, 23, 1, 40, 17, 8)), "paged|cupy_fa", 6, monkeypatch, audit)
+    print(audit.report(4))
+    assert audit.calls == len(stand_in.steps) and audit.calls > 0
+    for kind in ("prefill", "chunked prefill", "mixed", "decode"):
+        assert audit.kinds[kind] > 0, (kind, audit.kinds)
+    if mutation is None:
+        assert audit.ok, audit.report()
+        assert audit.worst["request_rel"][0] < 1e-6  # float64 rounded to float32: rounding only
+    else:
+        assert not audit.ok and audit.worst["request_rel"][0] > 1e-2, audit.report()
+
+
+def test_attention_audit_sees_a_wrong_write(stand_in, monkeypatch):
+    """K/V written one slot late: the write check names it (and the reads go wrong)."""
+    real = stand_in.append
+
+    def late(key, k_pages, v_pages, k_new, v_new, slots):
+        return real(key, k_pages, v_pages, k_new, v_new, slots + 1)
+
+    monkeypatch.setattr(stand_in, "append", late)
+    audit = C.AttentionAudit("stand-in, late writes")
+    _generate_batch(tiny_model("llama", seed=6), random_prompts(7, (5, 23, 9, 30)), "paged|cupy_fa", 3, monkeypatch,
+                    audit)
+    assert any("not at transformers' write_index" in f for f in audit.failures), audit.report()
+
+
+@pytest.mark.parametrize("mutation", [None, "kv_len - 1"])
+def test_dense_audit_passes_the_mapping_and_fails_a_wrong_one(stand_in, monkeypatch, mutation):
+    """generate of a left-padded batch: every call checked over the keys past each row's padding."""
+    model = tiny_model("llama", seed=3)
+    prompts = random_prompts(4, (5, 23, 1, 40, 17, 8))
+    longest = max(map(len, prompts))
+    pad = [longest - len(p) for p in prompts]
+    if mutation is not None:
+        C.mutate(monkeypatch, hf, mutation)
+    audit = C.AttentionAudit(f"stand-in, {mutation}")
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, hf.ATTENTION,
+                        C.audited_dense(audit, hf.attention_forward, pad))
+    ids = torch.tensor([[0] * n + p for n, p in zip(pad, prompts)])
+    mask = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(pad, prompts)])
+    model.set_attn_implementation("cupy_fa")
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    print(audit.report(4))
+    assert audit.calls == 6 * model.config.num_hidden_layers
+    assert audit.ok == (mutation is None), audit.report()
+
+
+@pytest.fixture(scope="module")
+def bf16_case():
+    """A tiny model of the GPU test's kind (2 layers, D 64, 16/4 heads) in bfloat16, its float32
+    twin, and transformers' own paged|sdpa on 5 prompts (chunked in 64-token batches)."""
+    hf.register()
+    config = C.tiny_config("llama", 64, 16, 4)
+    model = C.build_model(config, "cpu", torch.bfloat16, seed=11)
+    prompts = C.random_prompts(12, (1, 33, 90, 129), config.vocab_size)
+    with pytest.MonkeyPatch.context() as mp:
+        theirs = _generate_batch(model, prompts, "paged|sdpa", 24, mp, block_size=32, max_batch_tokens=64)
+    return model, C.Float32Twin(model), prompts, theirs
+
+
+@pytest.mark.parametrize("mutation", [None, "kv_len - 1"])
+def test_token_judge_passes_bf16_ties_and_fails_a_wrong_mapping(bf16_case, stand_in, monkeypatch, mutation):
+    """bf16 runs of a correct mapping (the stand-in rounded to bf16) part from transformers' own at
+    near ties, and the judge says ok; with a kv_len one short it says FAIL."""
+    model, twin, prompts, (theirs, theirs_logits, _) = bf16_case
+    if mutation is not None:
+        C.mutate(monkeypatch, hf, mutation)
+    ours, ours_logits, _ = _generate_batch(model, prompts, "paged|cupy_fa", 24, monkeypatch, block_size=32,
+                                           max_batch_tokens=64)
+    judgement = C.judge(prompts, ours, theirs, ours_logits, theirs_logits, twin)
+    print(judgement.report(equal_lines=True))
+    assert judgement.ok == (mutation is None), judgement.report()
+    if mutation is None:
+        ours_median, theirs_median = judgement.medians
+        assert 5e-3 < ours_median < C.LOGITS_TOL and 5e-3 < theirs_median  # bf16 noise: real, and under the bar

@@ -77,3 +77,17 @@ def test_page_table_width_and_split_knob(monkeypatch):
         monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", bad)
         with pytest.raises(ValueError, match="CUPY_FA_SPLIT_SIZE"):
             cupy_fa.knobs.reload()
+
+
+@pytest.mark.parametrize("want,array,text", [
+    (np.float32, np.zeros((2, 3), np.float16), "lse must have dtype float32, got float16$"),
+    ("bfloat16", np.zeros((2, 3), np.float32), "lse must have dtype bfloat16, got float32$"),
+    (np.dtype(np.float16), np.zeros((2, 3), np.float32), "lse must have dtype float16, got float32$"),
+])
+def test_dtype_message_names_the_expected_dtype(want, array, text):
+    """The expected dtype is written by name (not as a NumPy type's repr); the dtype check comes
+    first, so a host array stands in for a device one."""
+    from cupy_fa import _arrays
+
+    with pytest.raises(TypeError, match=text):
+        _arrays.check_device_array(array, "lse", dtype=want)

@@ -54,8 +54,10 @@ Not supported (raises ``NotImplementedError`` before anything is written): slidi
 layers, attention sinks, logit soft-capping, dropout, a value head dim other than the query's.
 cupy_fa's own limits apply (float16 / bfloat16, head dim 64, 128 or 256, sm_80+).
 
-Versions: written against transformers 5.17, whose ``paged|sdpa`` and ``sdpa`` give the same
-tokens (``tests/test_hf_integration_gpu.py``); 5.18 does not have the check described next either (not run). From
+Versions: written against transformers 5.17 (``tests/test_hf_integration_gpu.py`` checks every
+attention call of its ``generate_batch`` and ``generate`` against the float64 reference, and the
+tokens against its ``paged|sdpa`` and ``sdpa``); 5.18 does not have the check described next
+either (not run). From
 5.19 on, transformers' continuous batching accepts only its own implementations (``paged|eager``,
 ``sdpa``, flash attention) and refuses any other with a ValueError, so ``generate_batch`` cannot
 use ``"paged|cupy_fa"`` there; ``"cupy_fa"`` for ``generate`` still works (its mapping test
