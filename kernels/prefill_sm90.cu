@@ -72,7 +72,7 @@ struct Sm90PrefillTraits {
   static constexpr bool kPersistent = PERSISTENT;
   static constexpr int kQBufs = PERSISTENT ? 2 : 1;
   // The producer's copy loop at about 9 instructions per 16-byte cp.async instead of 18
-  // (sm90_prefill_load.cuh copy_tile_lean; a D = 128 tile 713 -> 427 instructions a warp): the
+  // (sm90_prefill_load.cuh copy_tile_lean; a D = 128 tile 713 -> 424 instructions a warp): the
   // producer warps share each SM sub-partition's issue slots with the consumers' softmax.
   static constexpr bool kLeanCopy = LEAN_COPY;
   // On tiles that need no mask, POLY_EXP2 of every 4 eight-key blocks take 2^x from a
