@@ -23,6 +23,7 @@ import hashlib
 import os
 import pathlib
 import re
+import struct
 import threading
 
 import numpy as np
@@ -218,7 +219,8 @@ def trace_buffer(variant):
 
 
 def launch(variant, grid, params, stream, programmatic=False):
-    """Launches one variant with its params struct on ``stream`` (a cupy Stream).
+    """Launches one variant with its params struct on ``stream`` (a cupy Stream); a
+    tuple of structs for a kernel of several parameters.
 
     ``programmatic=True`` launches it as a programmatic dependent of the kernel
     before it in the stream (sm_90+; kernels/common.cuh wait_for_prior_grid): its
@@ -227,10 +229,53 @@ def launch(variant, grid, params, stream, programmatic=False):
     driver entry point, the knob ``CUPY_FA_PDL=0``) it is an ordinary launch."""
     fn = get_function(variant)
     if programmatic and _programmatic_launch_enabled():
+        if isinstance(params, tuple):
+            raise ValueError("a programmatic launch takes one params struct")
         _launch_programmatic(fn, grid, variant.threads, variant.smem_bytes, stream.ptr, params)
         return
     with stream:
-        fn(tuple(grid), (variant.threads,), (params,), shared_mem=variant.smem_bytes)
+        fn(tuple(grid), (variant.threads,), params if isinstance(params, tuple) else (params,),
+           shared_mem=variant.smem_bytes)
+
+
+# ---- TMA tensor maps through the driver (cuda.h cuTensorMapEncodeTiled) -----------------------
+
+_TENSOR_MAP_DTYPES = {"float16": 6, "bfloat16": 9}  # CUtensorMapDataType
+_SWIZZLE_128B, _L2_PROMOTION_128B = 3, 2             # CUtensorMapSwizzle, CUtensorMapL2promotion
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_tiled():
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError) as exc:
+        raise RuntimeError("TMA tiles need a CUDA 12+ driver (cuTensorMapEncodeTiled)") from exc
+    fn.restype = ctypes.c_int
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def tensor_map_tiled(dtype_name, address, dims, strides_bytes, box):
+    """A CUtensorMap (128 bytes) of a tensor of 16-bit elements at device ``address``: ``dims``
+    innermost first, ``strides_bytes`` of dims 1.. (multiples of 16), boxes of ``box`` elements,
+    written to shared memory in the 128-byte swizzle, promoted to L2 in 128-byte lines, nothing
+    out of bounds filled (the kernels read only whole boxes)."""
+    rank = len(dims)
+    if len(strides_bytes) != rank - 1 or len(box) != rank:
+        raise ValueError(f"tensor map: {rank} dims need {rank - 1} strides and {rank} box sizes")
+    out = ctypes.create_string_buffer(128 + 64)  # 64-byte aligned inside
+    at = (ctypes.addressof(out) + 63) & ~63
+    status = _encode_tiled()(
+        ctypes.c_void_p(at), _TENSOR_MAP_DTYPES[dtype_name], rank, ctypes.c_void_p(int(address)),
+        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * max(rank - 1, 1))(*strides_bytes),
+        (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _SWIZZLE_128B,
+        _L2_PROMOTION_128B, 0)
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} (dims {dims}, strides "
+                           f"{strides_bytes}, box {box})")
+    return ctypes.string_at(at, 128)
 
 
 # ---- programmatic dependent launch through the driver (CuPy has no launch attributes) ----
@@ -323,10 +368,22 @@ def compile_cubin(variant, arch="sm_90a"):
             raise RuntimeError(f"NVRTC failed on {variant.expression}:\n{nvrtc.getProgramLog(prog)}") from exc
         lowered = nvrtc.getLoweredName(prog, variant.expression)
         log = nvrtc.getProgramLog(prog)
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = whole_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
     return cubin, _resources_of(log, lowered)
+
+
+def whole_elf(image):
+    """An ELF image padded with zeros to the end its own headers give. CuPy's ``nvrtc.getCUBIN``
+    strips a trailing NUL byte, as for PTX text, so the cubin it returns is one byte short of its
+    program-header table, and cuobjdump / nvdisasm refuse it ("does not contain device code")."""
+    if len(image) < 64 or image[:4] != b"\x7fELF" or image[4] != 2:  # not a 64-bit ELF: as it is
+        return image
+    phoff, shoff = struct.unpack_from("<QQ", image, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 54)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return image + bytes(max(0, end - len(image)))
 
 
 def _resources_of(log, lowered):

@@ -2,11 +2,12 @@
 // FlashAttention-3's structure, in inline PTX (no CUTLASS: NVRTC compiles a variant in about
 // 1.3 s, and the package needs no headers beyond the CUDA runtime's).
 //
-// One CTA = one work item of plan_kernel (kernels/plan.cu with block_m = 128): 128 packed
-// (token, head in group) rows of one request and KV head, over one split of its keys
-// (sm90_prefill_work.cuh). Three warpgroups: a producer (sm90_prefill_load.cuh) that copies Q
-// once and the paged K / V tiles into a ring of kStages stages guarded by mbarriers
-// (sm90_pipeline.cuh), and two consumers of 64 rows each (sm90_prefill_consumer.cuh) that run
+// One CTA = one work item of plan_kernel (kernels/plan.cu with block_m = 128, or 192): 128
+// packed (token, head in group) rows of one request and KV head, over one split of its keys
+// (sm90_prefill_work.cuh). Three warpgroups (four with 192 rows): a producer
+// (sm90_prefill_load.cuh) that copies Q once and the paged K / V tiles into a ring of kStages
+// stages guarded by mbarriers (sm90_pipeline.cuh), and two (three) consumers of 64 rows each
+// (sm90_prefill_consumer.cuh) that run
 // S = Q K^T and O += P V on wgmma (sm90_wgmma.cuh) around the mask and online softmax in
 // registers (sm90_prefill_softmax.cuh), then write O / l. The producer gives registers back
 // (setmaxnreg) to the consumers. Key tiles are taken last to first: the tiles that need a mask
@@ -25,6 +26,7 @@
 #include "sm90_wgmma.cuh"
 #include "sm90_prefill_work.cuh"
 #include "sm90_pipeline.cuh"
+#include "sm90_tma.cuh"
 #include "sm90_prefill_load.cuh"
 #include "sm90_prefill_softmax.cuh"
 #include "sm90_prefill_consumer.cuh"
@@ -34,10 +36,18 @@ namespace cupy_fa {
 // One instance per (head dim, keys per tile, pipeline depth, overlap, ping-pong, producer
 // registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS,
-          bool UNIFORM_WG = false, bool JOINT_ROWS = false, bool PERSISTENT = false>
+          bool UNIFORM_WG = false, bool JOINT_ROWS = false, bool PERSISTENT = false, bool LEAN_COPY = false,
+          int POLY_EXP2 = 0, int CONSUMER_WGS = 2, bool TMA_KV = false>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
-  static constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
+  // consumer warpgroups of 64 packed rows each: 2 (128 rows), or 3 (192 rows: each
+  // warpgroup's softmax then has two others' GEMMs to hide behind, and the producer's
+  // K / V tiles serve 3 x 64 rows; 512 threads start at 128 registers, so only tiles whose
+  // consumers fit 160 with the producer at 32: D = 64, or D = 128 with 64 / 80 keys a tile)
+  static constexpr int kConsumerWgs = CONSUMER_WGS;
+  static_assert(CONSUMER_WGS == 2 || CONSUMER_WGS == 3, "2 or 3 consumer warpgroups");
+  static constexpr int kConsumerThreads = 128 * CONSUMER_WGS;
+  static constexpr int kBlockM = 64 * CONSUMER_WGS;  // packed rows per CTA: 64 per consumer warpgroup
   static constexpr int kBlockN = BLOCK_N;
   static constexpr int kStages = STAGES;
   // S of tile i issued with P V of tile i - 1, the softmax between their waits (else S,
@@ -61,27 +71,43 @@ struct Sm90PrefillTraits {
   // set-up and pipeline fill per item.
   static constexpr bool kPersistent = PERSISTENT;
   static constexpr int kQBufs = PERSISTENT ? 2 : 1;
-  static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-  // setmaxnreg: the CTA starts at 168 registers a thread (64 K / 384 rounded down to 8, the
-  // launch bounds), and the producer gives back what the consumers take:
-  // 128 x PRODUCER_REGS + 256 x kConsumerRegs <= 384 x 168
+  // The producer's copy loop at about 9 instructions per 16-byte cp.async instead of 18
+  // (sm90_prefill_load.cuh copy_tile_lean; a D = 128 tile 713 -> 424 instructions a warp): the
+  // producer warps share each SM sub-partition's issue slots with the consumers' softmax.
+  static constexpr bool kLeanCopy = LEAN_COPY;
+  // On tiles that need no mask, POLY_EXP2 of every 4 eight-key blocks take 2^x from a
+  // polynomial on the FMA pipe instead of the special-function unit (MUFU, a quarter of the
+  // FMA pipe's rate: at D = 64 the exp2s take as long as the GEMMs), sm90_prefill_softmax.cuh.
+  static constexpr int kPolyExp2 = POLY_EXP2;
+  static_assert(POLY_EXP2 >= 0 && POLY_EXP2 <= 4, "0 to 4 of every 4 eight-key blocks");
+  // K / V tiles of whole pages by TMA (sm90_tma.cuh; the kernel prefill_sm90_tma_kernel, whose
+  // second parameter holds the caches' tensor maps), the others by cp.async
+  static constexpr bool kTmaKV = TMA_KV;
+  static constexpr int kThreads = 128 + kConsumerThreads;  // producer warpgroup + the consumers
+  // setmaxnreg: the CTA starts at 64 K / kThreads registers a thread rounded down to 8 (the
+  // launch bounds: 168 at 384 threads, 128 at 512), and the producer gives back what the
+  // consumers take: 128 x PRODUCER_REGS + kConsumerThreads x kConsumerRegs <= kThreads x kEntryRegs
+  static constexpr int kEntryRegs = 65536 / kThreads / 8 * 8;
   static constexpr int kProducerRegs = PRODUCER_REGS;
-  static constexpr int kConsumerRegs = (3 * 168 - PRODUCER_REGS) / 2 / 8 * 8;
-  static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= 168, "setmaxnreg range");
+  static constexpr int kConsumerRegs = ((kThreads / 128) * kEntryRegs - PRODUCER_REGS) / CONSUMER_WGS / 8 * 8;
+  static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= kEntryRegs, "setmaxnreg range");
+  static_assert(kConsumerRegs <= 256, "setmaxnreg range");
   static constexpr int kQTileBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;
   // sm90_pipeline.cuh PipeBarriers (PrefillWork: 13 ints)
-  static constexpr int kBarrierBytes = (4 * STAGES + 3 * kQBufs) * 8 + 256 * 4 + kQBufs * 52;
+  static constexpr int kBarrierBytes = (4 * STAGES + 3 * kQBufs) * 8 + kConsumerThreads * 4 + kQBufs * 52;
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
   static constexpr int kSmemBytes = 1024 + kQBufs * kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes;
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 64-column swizzle blocks, one wgmma N");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "whole k-steps of P V, one wgmma N");
   static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
   static_assert(sizeof(sm90::PrefillWork) == 52, "kBarrierBytes counts PrefillWork as 13 ints");
+  static_assert(!(PERSISTENT && CONSUMER_WGS != 2), "the persistent grid's item hand-over is written for 2 consumers");
 };
 
+// The kernel's body: `maps` is the TMA kernel's second parameter (null for the other).
 template <typename QT, typename KVT, typename OT, typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ AttentionParams p) {
+__device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p, const sm90::KVTensorMaps* maps) {
   static_assert(sizeof(QT) == 2 && sizeof(KVT) == 2 && sizeof(OT) == 2, "16-bit elements");
   static_assert(sm90::SameType<QT, KVT>::value, "one wgmma element type for Q, K and V");
   using namespace sm90;
@@ -98,9 +124,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
   const unsigned q_addr = base;  // kQBufs Q tiles, then the K ring, then the V ring
   const unsigned k_addr = q_addr + Tr::kQBufs * Tr::kQTileBytes;
   const unsigned v_addr = k_addr + ST * Tr::kKVTileBytes;
-  auto& bars = *reinterpret_cast<PipeBarriers<ST, Tr::kQBufs>*>(smem + Tr::kQBufs * Tr::kQTileBytes +
-                                                                 2 * ST * Tr::kKVTileBytes);
-  if (threadIdx.x == 0) bars.init(128, 256);
+  typedef PipeBarriers<ST, Tr::kQBufs, Tr::kConsumerThreads> Barriers;
+  auto& bars = *reinterpret_cast<Barriers*>(smem + Tr::kQBufs * Tr::kQTileBytes + 2 * ST * Tr::kKVTileBytes);
+  if (threadIdx.x == 0) bars.init(128, Tr::kConsumerThreads);
   __syncthreads();
 
   // Each role runs the CTA's work items in turn: `first`, then (persistent) those of CTA
@@ -111,7 +137,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
   if (warpgroup == 0) {
     regs_release<Tr::kProducerRegs>();
     for (int cta = blockIdx.x;;) {
-      produce<QT, KVT, Tr>(p, w, by_group, bars, pos, q_addr, k_addr, v_addr, threadIdx.x);
+      produce<QT, KVT, Tr>(p, w, by_group, bars, pos, q_addr, k_addr, v_addr, threadIdx.x, maps);
       if (!Tr::kPersistent) break;
       if (!find_work<BM, BN>(p, by_group, w, cta += gridDim.x)) {
         end_of_work<Tr>(bars, pos, threadIdx.x);
@@ -129,13 +155,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __g
         if (w.num_tiles < 0) break;
         // the two consumers start each item together: the ping-pong turns of one item (named
         // barriers 1, 2) are all taken before either warpgroup gives the next item's first
-        if (Tr::kPingPong && later) named_sync(3, 256);
+        if (Tr::kPingPong && later) named_sync(Tr::kConsumerWgs + 1, Tr::kConsumerThreads);
         consume<QT, OT, Tr>(p, w, by_group, bars, pos, smem, q_addr, k_addr, v_addr, warpgroup - 1, threadIdx.x % 128);
       }
     } else {
       consume<QT, OT, Tr>(p, w, by_group, bars, pos, smem, q_addr, k_addr, v_addr, warpgroup - 1, threadIdx.x % 128);
     }
   }
+}
+
+template <typename QT, typename KVT, typename OT, typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ AttentionParams p) {
+  static_assert(!Tr::kTmaKV, "a TMA tile runs prefill_sm90_tma_kernel (its tensor maps)");
+  prefill_sm90_body<QT, KVT, OT, Tr>(p, nullptr);
+}
+
+template <typename QT, typename KVT, typename OT, typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    prefill_sm90_tma_kernel(const __grid_constant__ AttentionParams p,
+                            const __grid_constant__ sm90::KVTensorMaps maps) {
+  static_assert(Tr::kTmaKV, "prefill_sm90_kernel runs the tiles without TMA");
+  prefill_sm90_body<QT, KVT, OT, Tr>(p, &maps);
 }
 
 }  // namespace cupy_fa

@@ -68,12 +68,12 @@ struct PipeState {
 // next item's Q while the consumers finish this one; q_empty[b] (every consumer thread) frees
 // Q tile b, and the producer hands each item's decoded work to the consumers in work[b]
 // (w_full[b]: one arrival, after the producer's thread 0 wrote it). One Q tile (QBUFS = 1) is
-// written once; q_empty, w_full and work are then not used.
-template <int STAGES, int QBUFS = 1>
+// written once; q_empty, w_full and work are then not used. CONSUMERS: consumer threads.
+template <int STAGES, int QBUFS = 1, int CONSUMERS = 256>
 struct PipeBarriers {
   unsigned long long k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
   unsigned long long q_full[QBUFS], q_empty[QBUFS], w_full[QBUFS];
-  float scratch[256];  // one word per consumer thread (prefill_sm90.cu: orders the softmax before a wait)
+  float scratch[CONSUMERS];  // a word per consumer thread (sm90_prefill_consumer.cuh: the softmax before a wait)
   PrefillWork work[QBUFS];
 
   // One thread, before the CTA's first __syncthreads.
@@ -102,6 +102,7 @@ template <int STAGES, int QBUFS>
 struct RingPos {
   PipeState<STAGES> ks, vs;
   PipeState<QBUFS> qs;
+  unsigned generic = 0;  // the producer's: a bit per K stage, then per V stage, last written by cp.async (TMA tiles)
 };
 
 }  // namespace sm90

@@ -16,7 +16,7 @@ namespace sm90 {
 
 template <typename QT, typename OT, typename Tr>
 __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
-                                        PipeBarriers<Tr::kStages, Tr::kQBufs>& bars,
+                                        PipeBarriers<Tr::kStages, Tr::kQBufs, Tr::kConsumerThreads>& bars,
                                         RingPos<Tr::kStages, Tr::kQBufs>& pos, unsigned char* smem,
                                         unsigned q_addr, unsigned k_addr, unsigned v_addr, int wg, int wtid) {
   constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
@@ -75,10 +75,18 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     wgmma_commit();
   };
   // mask (the tiles that need it) and fold tile `tile`'s scores into the state
+  // (kPolyExp2: masked tiles take every exp2 from the special-function unit, so a masked key's
+  // 2^-inf stays an exact 0; the polynomial's share is for the tiles with every key visible)
+  auto fold = [&](auto poly, float (&factor)[2]) {
+    if constexpr (Tr::kJointRows) return st.template fold_joint<BN, decltype(poly)::value>(s, p.sm_scale_log2, factor);
+    else return st.template fold<BN, decltype(poly)::value>(s, p.sm_scale_log2, factor);
+  };
   auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
-    if (masked) mask_tile<BN>(s, p, w, ri, w.kv_begin + tile * BN, quad);
-    if constexpr (Tr::kJointRows) return st.fold_joint<BN>(s, p.sm_scale_log2, factor);
-    else return st.fold<BN>(s, p.sm_scale_log2, factor);
+    if (Tr::kPolyExp2 == 0 || masked) {
+      if (masked) mask_tile<BN>(s, p, w, ri, w.kv_begin + tile * BN, quad);
+      return fold(IntConst<0>{}, factor);
+    }
+    return fold(IntConst<Tr::kPolyExp2>{}, factor);
   };
 
   const int T = w.num_tiles;
@@ -91,8 +99,12 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   if (T > 0) {
     PipeState<ST>& ks = pos.ks;  // K runs one tile ahead of V
     PipeState<ST>& vs = pos.vs;
-    // ping-pong: warpgroup 0 takes the first turn; every turn taken is one given (the last
-    // turn of warpgroup 1 is given to no one), so no barrier is left half-arrived
+    // ping-pong: the consumer warpgroups take turns in order (warpgroup wg syncs on named
+    // barrier 1 + wg, then gives the turn to the next one's); warpgroup 0 takes the first
+    // turn; every turn taken is one given (the last turn of the last warpgroup is given to no
+    // one), so no barrier is left half-arrived
+    constexpr int NWG = Tr::kConsumerWgs;
+    const int next_wg = NWG == 2 ? 1 - wg : (wg + 1 == NWG ? 0 : wg + 1);
     if (Tr::kPingPong && wg == 0 && T > 1) named_arrive(1, 256);
 
     // the first tile (the last keys): S, softmax, P
@@ -119,7 +131,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
       if constexpr (Tr::kOverlap) {
         mbar_wait(&bars.v_full[vs.stage], vs.phase);
         issue_pv(vs.stage);
-        if (Tr::kPingPong && !(wg == 1 && i == T - 1)) named_arrive(2 - wg, 256);
+        if (Tr::kPingPong && !(wg == NWG - 1 && i == T - 1)) named_arrive(1 + next_wg, 256);
         wgmma_wait<1>();  // S is ready, P V still runs
         pin(s);
         mbar_arrive(&bars.k_empty[ks.stage]);
@@ -130,7 +142,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
         asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(st.l[0] + st.l[1]) : "memory");
         wgmma_wait<0>();
       } else {
-        if (Tr::kPingPong && !(wg == 1 && i == T - 1)) named_arrive(2 - wg, 256);
+        if (Tr::kPingPong && !(wg == NWG - 1 && i == T - 1)) named_arrive(1 + next_wg, 256);
         wgmma_wait<0>();
         pin(s);
         mbar_arrive(&bars.k_empty[ks.stage]);

@@ -110,6 +110,65 @@ struct KVProducer {
     }
   }
 
+  // copy_tile with fewer instructions per 16-byte copy (Traits::kLeanCopy): the row's slot
+  // shuffled as before, then its source by one 32 x 32 -> 64-bit multiply-add (slots and slot
+  // bytes are non-negative: no sign extension, no 64 x 64 product), the zero fill by the
+  // copy's ignore-src predicate (one compare instead of a size register ptxas turns back into
+  // a predicate) and the shared address stepped by a constant (the row's swizzle phase
+  // row % 8 is the same for every pass when a pass covers a multiple of 8 rows).
+  __device__ __forceinline__ void copy_tile_lean(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
+    constexpr unsigned PASS_BYTES = RP * 128;  // a pass's rows in one 64-column block
+    const unsigned dst0 = dst + swizzled_offset<BN>(row_in_pass, chunk);
+#pragma unroll 4
+    for (int i = 0; i < BN / RP; ++i) {
+      const int reg = (i * WARP_ROWS) / 32;
+      int mine = slots[0];
+#pragma unroll
+      for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
+      const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CH);
+      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)slot_bytes;
+      const unsigned to = RP % 8 == 0 ? dst0 + i * PASS_BYTES : dst + swizzled_offset<BN>(row_in_pass + RP * i, chunk);
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
+          "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to),
+          "l"(src), "r"(slot)
+          : "memory");
+    }
+  }
+
+  __device__ __forceinline__ void copy(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
+    if constexpr (Tr::kLeanCopy) copy_tile_lean(base, dst, slots);
+    else copy_tile(base, dst, slots);
+  }
+
+  // A whole tile (every key before kv_end, pages of maps.page_size rows tiling BLOCK_N) by TMA
+  // (sm90_tma.cuh), completing `full`: thread 0 arrives with the tile's bytes, every other
+  // producer thread arrives plainly (the 128 arrivals of a cp.async tile), and the lanes of
+  // warp 0 that looked up the first key of a page (`issue_lanes`, from the host: lane l looks
+  // up row RP x (l / WARP_ROWS) when l % WARP_ROWS = 0, and a page starts at a multiple of RP
+  // rows since page_size is one of RP) issue that page's D / 64 boxes at the slot they hold
+  // (page x page_size).
+  // `after_generic`: the stage was last written by cp.async (the generic proxy), so the issuing
+  // lanes fence that before the unit's writes (the async proxy) first.
+  __device__ __forceinline__ void tma_tile(const TensorMap* map, unsigned issue_lanes, unsigned dst,
+                                           const int (&slots)[LOOKUPS], unsigned long long* full,
+                                           bool after_generic) const {
+    static_assert(LOOKUPS == 1, "a lane per looked-up key: tiles of at most 128 keys");
+    if (warp == 0) {
+      if (lane == 0) mbar_arrive_expect_tx(full, BN * D * (unsigned)sizeof(KVT));
+      const int row = RP * (lane / WARP_ROWS);
+      if ((issue_lanes >> lane) & 1u) {
+        if (after_generic) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c)
+          tma_load_3d(map, dst + c * (BN * 128) + row * 128, full, c * 64, w.kv_head, slots[0]);
+      }
+      if (lane != 0) mbar_arrive(full);
+    } else {
+      mbar_arrive(full);
+    }
+  }
+
   // Q's BLOCK_M packed rows (zero past the request's rows) into the Q tile at `dst`.
   template <typename QT>
   __device__ __forceinline__ void copy_q(unsigned dst, const FastDiv& by_group) const {
@@ -138,13 +197,31 @@ struct KVProducer {
 // (cp.async.wait_all) before the thread exits.
 template <typename QT, typename KVT, typename Tr>
 __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
-                                        PipeBarriers<Tr::kStages, Tr::kQBufs>& bars,
+                                        PipeBarriers<Tr::kStages, Tr::kQBufs, Tr::kConsumerThreads>& bars,
                                         RingPos<Tr::kStages, Tr::kQBufs>& pos, unsigned q_addr, unsigned k_addr,
-                                        unsigned v_addr, int tid) {
+                                        unsigned v_addr, int tid, const KVTensorMaps* maps) {
   constexpr int STAGE_BYTES = Tr::kKVTileBytes;
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;
+  // K or V of tile `tile` into the stage at `dst`, completing `full`: by TMA when the tile's
+  // keys are all before kv_end and whole pages (kTmaKV), else by cp.async (the partial tile at
+  // the end of the keys: its past-the-end V rows must be zeros, not whatever the page holds)
+  unsigned& generic = pos.generic;  // a bit per K / V stage last written by cp.async
+  auto load = [&](bool is_k, int stage, int tile, unsigned dst, const int (&slots)[P::LOOKUPS],
+                  unsigned long long* full) {
+    const unsigned bit = 1u << (stage + (is_k ? 0 : Tr::kStages));
+    if constexpr (Tr::kTmaKV) {
+      if (maps->page_size > 0 && w.kv_begin + (tile + 1) * Tr::kBlockN <= w.kv_end) {
+        prod.tma_tile(is_k ? &maps->k : &maps->v, maps->issue_lanes, dst, slots, full, generic & bit);
+        generic &= ~bit;
+        return;
+      }
+    }
+    prod.copy(is_k ? prod.k_base : prod.v_base, dst, slots);
+    cp_async_arrive(full);
+    generic |= bit;
+  };
   prod.fetch_pages(T - 1);
   if (Tr::kQBufs > 1) mbar_wait(&bars.q_empty[pos.qs.stage], pos.qs.phase ^ 1);
   if (Tr::kPersistent && tid == 0) {  // the item, for the consumers
@@ -161,8 +238,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     prod.slots_of(T - 1, slots_k);
     prod.fetch_pages(T - 2);
     mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-    prod.copy_tile(prod.k_base, k_addr + ks.stage * STAGE_BYTES, slots_k);
-    cp_async_arrive(&bars.k_full[ks.stage]);
+    load(true, ks.stage, T - 1, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
     ks.advance();
     for (int i = 1; i < T; ++i) {
       const int tile = T - 1 - i;
@@ -171,17 +247,14 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
       prod.slots_of(tile, slots_k);
       prod.fetch_pages(tile - 1);
       mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-      prod.copy_tile(prod.k_base, k_addr + ks.stage * STAGE_BYTES, slots_k);
-      cp_async_arrive(&bars.k_full[ks.stage]);
+      load(true, ks.stage, tile, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
       ks.advance();
       mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-      prod.copy_tile(prod.v_base, v_addr + vs.stage * STAGE_BYTES, slots_v);
-      cp_async_arrive(&bars.v_full[vs.stage]);
+      load(false, vs.stage, tile + 1, v_addr + vs.stage * STAGE_BYTES, slots_v, &bars.v_full[vs.stage]);
       vs.advance();
     }
     mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-    prod.copy_tile(prod.v_base, v_addr + vs.stage * STAGE_BYTES, slots_k);
-    cp_async_arrive(&bars.v_full[vs.stage]);
+    load(false, vs.stage, 0, v_addr + vs.stage * STAGE_BYTES, slots_k, &bars.v_full[vs.stage]);
     vs.advance();
   }
 }
@@ -189,7 +262,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
 // A persistent CTA's producer after its last item: a work record of -1 tiles in the next
 // slot tells the consumers there is no more.
 template <typename Tr>
-__device__ __forceinline__ void end_of_work(PipeBarriers<Tr::kStages, Tr::kQBufs>& bars,
+__device__ __forceinline__ void end_of_work(PipeBarriers<Tr::kStages, Tr::kQBufs, Tr::kConsumerThreads>& bars,
                                             RingPos<Tr::kStages, Tr::kQBufs>& pos, int tid) {
   mbar_wait(&bars.q_empty[pos.qs.stage], pos.qs.phase ^ 1);
   if (tid == 0) {

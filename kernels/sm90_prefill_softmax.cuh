@@ -46,6 +46,17 @@ __device__ __forceinline__ void mask_tile(float (&s)[BN / 2], const AttentionPar
   }
 }
 
+// 2^x of a score in 8-key block j: POLY of every 4 blocks on the FMA pipe (fma_exp2), the
+// rest on the special-function unit (fast_exp2). The polynomial's blocks are spread out
+// (j % 4 < POLY after a reversal of the two low bits: POLY 1 takes blocks 0, 4, ...; 2 takes
+// 0, 2, 4, ...), so both kinds are in flight at once.
+template <int POLY>
+__device__ __forceinline__ float exp2_of(int j, float x) {
+  const int k = ((j & 1) << 1) | ((j >> 1) & 1);
+  if (k < POLY) return fma_exp2(x);
+  return fast_exp2(x);
+}
+
 // The online-softmax state of the thread's two rows: the offset m (base 2, at most
 // kLazyRescale below the row's max, softmax.cuh) and this thread's part of the sum l (its
 // quad's four parts add up to the row's at the end).
@@ -63,7 +74,7 @@ struct RowState {
   // Folds a tile's raw scores s (in place: they become 2^(s scale - m), P in fp32) into the
   // state; returns each row's factor for the accumulators (1 unless its m moved) and whether
   // any row of this thread moved (then O must be rescaled by `factor`).
-  template <int BN>
+  template <int BN, int POLY = 0>
   __device__ __forceinline__ bool fold(float (&s)[BN / 2], float scale_log2, float (&factor)[2]) {
     bool moved = false;
 #pragma unroll
@@ -90,7 +101,7 @@ struct RowState {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
-          x = fast_exp2(fmaf(x, scale_log2, -offset));
+          x = exp2_of<POLY>(j, fmaf(x, scale_log2, -offset));
           sums[(2 * j + e) % 4] += x;
         }
       }
@@ -104,7 +115,7 @@ struct RowState {
   // ex2.approx as exp2f here), in one scheduling region, so ptxas interleaves the two rows'
   // max chains, shuffles and exp2s; each row's max chains start from its first pairs (no
   // -inf seeds).
-  template <int BN>
+  template <int BN, int POLY = 0>
   __device__ __forceinline__ bool fold_joint(float (&s)[BN / 2], float scale_log2, float (&factor)[2]) {
     constexpr int J = BN / 8, C = J < 4 ? J : 4;  // 8-column blocks; max / sum chains per row
     float mx[2];
@@ -144,7 +155,7 @@ struct RowState {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
-          x = fast_exp2(fmaf(x, scale_log2, -offset[h]));
+          x = exp2_of<POLY>(j, fmaf(x, scale_log2, -offset[h]));
           sums[h][(2 * j + e) % 4] += x;
         }
       }

@@ -1,13 +1,16 @@
 """The sm_90a prefill family (kernels/prefill_sm90.cu) on an H200, in one call.
 
-    python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...] [--ab [--rounds N]]
+    python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...]
+                                          [--ab [--rounds N] [--ab-impls NAME,...]]
 
 (from the repository root, PYTHONPATH at it, CUPY_CACHE_DIR empty for cold compile times;
 about 80 s on an H200, 90 s with one --ncu variant.)
 
-1. compile: every variant through cupy.RawModule on an empty cache (cold NVRTC seconds), the
-   first prefill call cold (compile + plan + run), and each variant's SASS through the
-   device's NVRTC and cuobjdump (HGMMA count, local memory);
+1. compile: the first prefill call cold (compile + plan + run), the shipped variants one by
+   one through cupy.RawModule on an empty cache (cold NVRTC seconds), then every variant's
+   cubin from the device's NVRTC (registers, spills) disassembled by cuobjdump (or nvdisasm):
+   HGMMA count, local memory, and the instructions of one consumer step and one producer
+   tile (scripts/sass_steps.py);
 2. correct: each variant on ragged batches (odd lengths, extends over prefixes, splits merged
    by merge_kernel, causal / non-causal / custom mask, page sizes 1, 16, 64, 48, shuffled page
    tables, G = 1, 4, 5, 8), outputs and lse poisoned with NaN, every element compared with
@@ -20,17 +23,22 @@ about 80 s on an H200, 90 s with one --ncu variant.)
    fp64 reference on two windows of rows, then timed as CUDA-graph replays of 5 launches over
    input sets rotated past the L2 (median); TFLOP/s = 4 H_q D x visible keys.
 
-With --ab, stage 3 is instead an interleaved A/B of AB_NAMES (earlier commits' kernels from
-scripts/sm90_snapshots/, this tree's default and the round-2 traits) and SDPA cuDNN on the three
-bench workloads at page sizes 16 and 1: every implementation's graph captured once, replayed in
-turn for --rounds rounds (order rotated); median, min-max and the median per-round ratio to
-d128 and to cuDNN. Stages 1-2 then cover AB_NAMES + AB_CORRECT_EXTRA only (about 150 s).
+With --ab, stage 3 is instead the interleaved A/B of AB_CELLS: per cell (the three bench
+workloads at page sizes 16 and 1 with AB_D128, prefill_b2_l8192_d64 at page 16 with AB_D64) the
+implementations that passed stage 2 and SDPA cuDNN, every graph captured once and replayed in
+turn for --rounds rounds (order rotated); median, min-max and the median per-round ratios to
+the round-2 default, to this tree's default and to cuDNN. A CUDA error names its implementation
+and the remaining cells run without it (in a new child); a round under the 800 TFLOP/s floor
+is an error, not a figure; each graph's output is checked again after its rounds. Stages 1-2
+then cover the A/B's variants, AB_CORRECT_EXTRA and the shipped defaults (about 150 s in all:
+see bench/NOTES.md for the command and what it should print).
 
 Each stage runs in a child process with a time limit (a hung kernel costs its stage only);
 the parent prints the correctness and timing tables last. Logs and JSON go under $OUT.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -52,36 +60,63 @@ WORK = "/tmp/probe18"
 TOL = {"bfloat16": 1e-2, "float16": 3e-3}
 T = s9.Sm90Tile
 
-# name -> (dtype, tile). The first D=128 bf16 one is the default; the others are tuning variants.
-# Round-2 traits (uniform_wg, joint_rows, persistent; cupy_fa/prefill_sm90.py Sm90Tile):
-UJ = dict(uniform_wg=True, joint_rows=True)
+# name -> (dtype, tile). "d128", "d64", ... are the shipped defaults (DEFAULT_TILES); the others
+# are tuning variants, named by what they add to their head dim's default: _r2 the round-2
+# default (no uniform_wg / joint_rows), _l lean_copy, _x1 / _x2 poly_exp2 1 / 2, _p persistent.
+D128, D64, D256 = (s9.DEFAULT_TILES[d] for d in (128, 64, 256))
+R = dataclasses.replace
 VARIANTS = {
-    "d128": ("bfloat16", s9.DEFAULT_TILES[128]),
+    "d128": ("bfloat16", D128),
+    "d128_r2": ("bfloat16", T(128, 128, 2)),  # the round-2 default (2026-12-01's A/B yardstick)
+    "d128_l": ("bfloat16", R(D128, lean_copy=True)),
+    "d128_lx1": ("bfloat16", R(D128, lean_copy=True, poly_exp2=1)),
+    "d128_lx2": ("bfloat16", R(D128, lean_copy=True, poly_exp2=2)),
+    "d128_lp": ("bfloat16", R(D128, lean_copy=True, persistent=True)),
+    "d128_lt": ("bfloat16", R(D128, lean_copy=True, tma_kv=True)),  # whole-page tiles by TMA (page >= 16)
+    "d128_lt_f16": ("float16", R(D128, lean_copy=True, tma_kv=True)),
+    "d128_l_f16": ("float16", R(D128, lean_copy=True)),
+    # 3 consumer warpgroups (192 rows) at 160 registers: S, O and P fit with tiles of 64 / 80 keys
+    "d128_lw3n64": ("bfloat16", R(D128, block_n=64, lean_copy=True, consumer_wgs=3, producer_regs=32)),
+    "d128_lw3n80": ("bfloat16", R(D128, block_n=80, lean_copy=True, consumer_wgs=3, producer_regs=32)),
+    "d128_lw3n80_f16": ("float16", R(D128, block_n=80, lean_copy=True, consumer_wgs=3, producer_regs=32)),
+    "d128_lx2_f16": ("float16", R(D128, lean_copy=True, poly_exp2=2)),
     # earlier versions of the kernel (scripts/sm90_snapshots/<commit>.cu, see SNAPSHOTS) with
-    # the default D = 128 tile, timed beside the current tree in one process (--ab)
-    "v1_af55a79": ("bfloat16", s9.DEFAULT_TILES[128]),
-    "v3_37ed792": ("bfloat16", s9.DEFAULT_TILES[128]),
+    # that commit's default D = 128 tile, behind today's launcher (--ab-names to time them)
+    "v1_af55a79": ("bfloat16", T(128, 128, 2)),
+    "v3_37ed792": ("bfloat16", T(128, 128, 2)),
     "d128_uw": ("bfloat16", T(128, 128, 2, uniform_wg=True)),
-    "d128_uj": ("bfloat16", T(128, 128, 2, **UJ)),
-    "d128_p": ("bfloat16", T(128, 128, 2, persistent=True)),
-    "d128_ujp": ("bfloat16", T(128, 128, 2, persistent=True, **UJ)),
-    "d128_ujp_f16": ("float16", T(128, 128, 2, persistent=True, **UJ)),
-    "d64_ujp": ("bfloat16", T(64, 128, 4, persistent=True, **UJ)),
+    "d128_p": ("bfloat16", R(D128, persistent=True)),
     "d128_bn176": ("bfloat16", T(128, 176, 2, producer_regs=40)),  # consumers at 232 registers
     "d128_qr": ("bfloat16", T(128, 128, 2, q_in_regs=True)),
-    "d128_nopp": ("bfloat16", T(128, 128, 2, pingpong=False)),
-    "d128_noov": ("bfloat16", T(128, 128, 2, overlap=False)),
-    "d128_f16": ("float16", s9.DEFAULT_TILES[128]),
-    "d64": ("bfloat16", s9.DEFAULT_TILES[64]),
+    "d128_nopp": ("bfloat16", R(D128, pingpong=False)),
+    "d128_noov": ("bfloat16", R(D128, overlap=False)),
+    "d128_f16": ("float16", D128),
+    "d64": ("bfloat16", D64),
+    "d64_r2": ("bfloat16", T(64, 128, 4)),
+    "d64_l": ("bfloat16", R(D64, lean_copy=True)),
+    "d64_lx2": ("bfloat16", R(D64, lean_copy=True, poly_exp2=2)),
     "d64_bn192": ("bfloat16", T(64, 192, 3, producer_regs=40)),
-    "d64_f16": ("float16", s9.DEFAULT_TILES[64]),
-    "d256": ("bfloat16", s9.DEFAULT_TILES[256]),
-    "d256_f16": ("float16", s9.DEFAULT_TILES[256]),
+    # 3 consumer warpgroups (192 rows); with the lean producer at 32 registers the consumers get 160
+    "d64_lw3": ("bfloat16", R(D64, lean_copy=True, consumer_wgs=3, producer_regs=32)),
+    "d64_lt": ("bfloat16", R(D64, lean_copy=True, tma_kv=True)),
+    "d64_f16": ("float16", D64),
+    "d256": ("bfloat16", D256),
+    "d256_l": ("bfloat16", R(D256, lean_copy=True)),
+    "d256_lt": ("bfloat16", R(D256, lean_copy=True, tma_kv=True)),
+    "d256_f16": ("float16", D256),
 }
 DEFAULTS = ("d128", "d128_f16", "d64", "d64_f16", "d256", "d256_f16")  # what ships: cold-compiled one by one
-# the interleaved A/B (--ab): these, on the three bench workloads at page sizes 16 and 1, with SDPA cuDNN
-AB_NAMES = ("v3_37ed792", "v1_af55a79", "d128", "d128_uw", "d128_uj", "d128_p", "d128_ujp")
-AB_CORRECT_EXTRA = ("d128_ujp_f16", "d64_ujp")  # checked for correctness in an --ab run, not timed
+# The interleaved A/B (--ab): per cell (workload, page size) the implementations timed in turn
+# with SDPA cuDNN; AB_D128 on the three bench workloads at page sizes 16 and 1, AB_D64 on
+# prefill_b2_l8192_d64 at page size 16.
+AB_D128 = ("d128_r2", "d128", "d128_l", "d128_lt", "d128_lx1", "d128_lw3n80")
+AB_D64 = ("d64_r2", "d64", "d64_l", "d64_lt", "d64_lx2", "d64_lw3")
+AB_CELLS = [(w, ps, AB_D128) for w in ("prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384")
+            for ps in (16, 1)] + [("prefill_b2_l8192_d64", 16, AB_D64)]
+# checked for correctness in an --ab run besides every timed one and the shipped defaults
+AB_CORRECT_EXTRA = ("d128_lx2", "d128_lp", "d128_l_f16", "d128_lt_f16", "d128_lx2_f16", "d128_lw3n64", "d128_lw3n80_f16",
+                    "d256_l", "d256_lt")
+AB_NAMES = tuple(dict.fromkeys(n for _, _, names in AB_CELLS for n in names))
 # commit -> the traits of its default D = 128 tile and its kernel's shared memory (that
 # version's Sm90Tile.smem_bytes); the source is scripts/sm90_snapshots/<commit>.cu
 SNAPSHOTS = {
@@ -191,30 +226,56 @@ def make_case(args):
 
 # ---- child: compile ------------------------------------------------------------------------
 
+def device_sass(path):
+    """(SASS text, note) of a cubin: cuobjdump --dump-sass, else nvdisasm (both of the device's toolkit)."""
+    notes = []
+    for cmd in (["cuobjdump", "--dump-sass", path], ["nvdisasm", "-c", path]):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            notes.append(f"{cmd[0]}: {type(e).__name__}")
+            continue
+        if proc.returncode == 0 and "HGMMA" in proc.stdout:
+            return proc.stdout, f"{cmd[0]} ok"
+        notes.append(f"{cmd[0]} rc {proc.returncode} {proc.stderr.strip()[:120]}")
+    return "", "; ".join(notes)
+
+
 def compile_one(name):
-    """Cold RawModule compile (the user's path), then the device NVRTC's cubin through cuobjdump."""
+    """Cold RawModule compile (the user's path), then the device NVRTC's cubin (the binary the
+    RawModule loads) disassembled: HGMMA, local memory, the instructions of one consumer step
+    and of one producer tile (scripts/sass_steps.py)."""
     import cupy
 
     from cupy_fa import _build
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import sass_steps
 
     v = kernel_variant(name)
     t0 = time.perf_counter()
     _build.get_function(v)
     cold = time.perf_counter() - t0
     t0 = time.perf_counter()
-    cubin, resources = _build.compile_cubin(v, _build.device_arch(cupy.cuda.Device()))
+    cubin, resources = _build.compile_cubin(v, _build.device_arch(cupy.cuda.Device()))  # padded to its whole ELF
     nvrtc_s = time.perf_counter() - t0
     path = os.path.join(WORK, f"{name}.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
-    note = ""
-    try:
-        proc = subprocess.run(["cuobjdump", "--dump-sass", path], capture_output=True, text=True)
-        sass, note = proc.stdout, f"cuobjdump rc {proc.returncode} {proc.stderr.strip()[:160]}"
-    except OSError as e:
-        sass, note = "", f"cuobjdump: {e}"
+    sass, note = device_sass(path)
+    step = prod = None
+    if sass:
+        tile = VARIANTS[name][1]
+        ins, labels = sass_steps.parse(sass)
+        path_ = sass_steps.step_path(ins, labels, tile.head_dim // 16 + tile.block_n // 16)
+        if path_:
+            summary = sass_steps.summarise(path_)
+            step = dict(instructions=summary["instructions"], mufu=summary["mufu"][0] + summary["mufu"][1],
+                        ops=dict(summary["ops"].most_common(8)))
+        prod = sass_steps.producer_tile(ins, labels, tile.block_n * tile.head_dim // 8 // 128)
     return name, dict(cold_s=cold, nvrtc_s=nvrtc_s, hgmma=sass.count("HGMMA"), local=sass.count("LDL") + sass.count("STL"),
-                      setmaxreg=sass.count("SETMAXREG"), sass_lines=sass.count("\n"), note=note, **resources)
+                      setmaxreg=sass.count("SETMAXREG"), sass_lines=sass.count("\n"), note=note, step=step,
+                      producer=prod, **resources)
 
 
 def child_compile(names):
@@ -232,21 +293,30 @@ def child_compile(names):
     cupy.cuda.Device().synchronize()
     res["first_call_s"] = time.perf_counter() - t0
     log(f"first prefill call, cold (plan + prefill kernel compiled, run): {res['first_call_s']:.2f} s")
-    # the shipped variants one after another (cold compile times as a user sees them), then the
-    # tuning variants in processes of their own at once (the machine has 16 cores)
-    res["variants"] = dict(compile_one(n) for n in names if n in DEFAULTS)
+    # the shipped variants one after another (cold compile times as a user sees them: the
+    # RawModule path), then every variant's NVRTC cubin, SASS and step counts, and the tuning
+    # variants' cold RawModule compiles, in processes of their own at once (16 cores)
+    from cupy_fa import _build
+
+    cold = {}
+    for n in names:
+        if n in DEFAULTS:
+            t0 = time.perf_counter()
+            _build.get_function(kernel_variant(n))
+            cold[n] = time.perf_counter() - t0
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
-    rest = [n for n in names if n not in DEFAULTS]
-    if rest:
-        with ProcessPoolExecutor(min(len(rest), 12), mp_context=multiprocessing.get_context("spawn")) as pool:
-            res["variants"].update(pool.map(compile_one, rest))
+    with ProcessPoolExecutor(min(len(names), 12), mp_context=multiprocessing.get_context("spawn")) as pool:
+        res["variants"] = dict(pool.map(compile_one, names))
+    for n, t in cold.items():
+        res["variants"][n]["cold_s"] = t  # (the worker's RawModule was a cache hit)
     for name, info in res["variants"].items():
         log(f"compile {name:12s} cold {info['cold_s']:5.2f} s (RawModule{'; compiled by the first call' if name == 'd128' else ''}"
             f"{'' if name in DEFAULTS else '; in parallel'}), NVRTC {info['nvrtc_s']:4.2f} s, regs {info['registers']}, "
             f"spills {info['spill_stores']}/{info['spill_loads']}, HGMMA {info['hgmma']}, LDL/STL {info['local']}, "
-            f"setmaxreg {info['setmaxreg']} ({info['note']})")
+            f"setmaxreg {info['setmaxreg']}, step {(info['step'] or {}).get('instructions')} instructions, "
+            f"producer tile {(info['producer'] or {}).get('instructions')} ({info['note']})")
     return res
 
 
@@ -605,13 +675,45 @@ def capture_cupy(launches):
     return lambda: graph.launch(stream), stream
 
 
-def child_ab(passed, rounds, replays):
-    """The A/B variants and SDPA cuDNN on each bench cell: every implementation's graph (5
-    launches over rotated input sets) captured once, then `rounds` rounds in which each is
-    replayed `replays` times in turn (the order rotated every round), so drift in clocks or
-    temperature falls on all of them alike. Per implementation: the per-launch time of each
-    round; the parent reports the median, the spread and the median of the per-round ratio
-    to the default (d128)."""
+AB_FLOOR_TFLOPS = 800.0  # above any H200's bf16 dense GEMM rate (748-796 measured): a time under it is an error
+
+
+def ab_floor_us(flops):
+    """The shortest time a launch of `flops` can take: under it, a timing is an error, not a figure."""
+    return flops / (AB_FLOOR_TFLOPS * 1e12) * 1e6
+
+
+def ab_cells(d128_impls=""):
+    """AB_CELLS, with AB_D128 replaced by the names in `d128_impls` (a comma list) if given."""
+    if not d128_impls:
+        return AB_CELLS
+    chosen = tuple(n for n in d128_impls.split(",") if n)
+    unknown = [n for n in chosen if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--ab-impls: unknown variants {unknown} (see VARIANTS)")
+    return [(w, ps, chosen if names == AB_D128 else names) for w, ps, names in AB_CELLS]
+
+
+def _save(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def child_ab(cells, rounds, replays, skip):
+    """The interleaved A/B of AB_CELLS' implementations and SDPA cuDNN, cell by cell: every
+    implementation's graph (5 launches over rotated input sets) captured once, then `rounds`
+    rounds in which each is replayed `replays` times in turn (the order rotated every round), so
+    drift in clocks or temperature falls on all of them alike.
+
+    Each implementation keeps its Sm90Prefill (the plan buffers its graph reads) alive for as long
+    as its graph is replayed. Every turn ends with a synchronize: a CUDA error there is charged to
+    that implementation; the child then saves what it has (the finished cells, the failure) and
+    exits, and the parent starts another child for the remaining cells without it (the context is
+    lost after a kernel fault). The turn about to run is written to ab_progress.json first, so a
+    child that dies without a word still names its culprit. After the rounds each graph is
+    replayed once more over poisoned outputs and checked against the fp64 windows again."""
     import cupy
 
     from bench.workloads import num_sets
@@ -627,155 +729,262 @@ def child_ab(passed, rounds, replays):
     except Exception as e:  # noqa: BLE001
         torch = None
         log(f"sdpa unavailable: {e}")
-    l2 = cupy.cuda.Device().attributes["L2CacheSize"]
-    out = {}
     import ml_dtypes
 
-    hdt = ml_dtypes.bfloat16
-    for wname, B, ql, kl, causal, D, dtype, page_sizes, _ in WORKLOADS[:3]:
+    out_path, progress_path = os.path.join(WORK, "ab_out.json"), os.path.join(WORK, "ab_progress.json")
+    result = dict(cells={}, failure=None)
+    workloads = {w[0]: w for w in WORKLOADS}
+    l2 = cupy.cuda.Device().attributes["L2CacheSize"]
+
+    def fail(key, label, where, exc):
+        result["failure"] = dict(cell=key, impl=label, where=where, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        log(f"ab {key} {label}: CUDA ERROR in {where}: {result['failure']['error']} -- this child stops; the parent "
+            f"runs the remaining cells without {label}")
+        _save(out_path, result)
+        os._exit(3)
+
+    def context_alive():
+        try:
+            cupy.cuda.runtime.deviceSynchronize()
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    for wname, ps, names in cells:
+        key = f"{wname}|{ps}"
+        _, B, ql, kl, causal, D, dtype, _, _ = workloads[wname]
         flops = 4 * B * H_Q * D * visible_keys(ql, kl, causal)
+        floor_us = ab_floor_us(flops)
         dt = _arrays.DTYPES[dtype]
-        for ps in page_sizes:
-            t_cell = time.perf_counter()
-            ppr = -(-kl // ps)
-            n_sets = num_sets(2 * B * ppr * ps * H_KV * D * 2 + 2 * B * ql * H_Q * D * 2, l2, 5)
-            rng = np.random.default_rng(4321 + ps)
-            cupy.random.seed(4321 + ps)
-            page_table = rng.permutation(B * ppr).astype(np.int32).reshape(B, ppr)
-            sets = []
-            for _ in range(n_sets):
-                k = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), dtype)
-                v = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), dtype)
-                q = fill_random(cupy.empty((B * ql, H_Q, D), dt), dtype)
-                sets.append((q, PagedKVCache(k, v), cupy.empty_like(q)))
-            cupy.cuda.Device().synchronize()
-            # fp64 reference windows of set 0 (first 32 rows of request 0, last 32 of request B-1)
-            q0, c0, _ = sets[0]
-            windows = {}
-            for b, r0, r1 in ((0, 0, 32), (B - 1, ql - 32, ql)):
-                kv_eff = kl - ql + r1 if causal else kl
-                n_pages = -(-kv_eff // ps)
-                pages = cupy.asarray(page_table[b, :n_pages].astype(np.int64))
-                kk = cupy.asnumpy(c0.k.view(cupy.uint16)[pages]).view(hdt)
-                vv = cupy.asnumpy(c0.v.view(cupy.uint16)[pages]).view(hdt)
-                qq = cupy.asnumpy(q0.view(cupy.uint16)[b * ql + r0: b * ql + r1]).view(hdt)
-                windows[(b, r0, r1)] = reference.paged_attention(
-                    qq, kk, vv, np.array([r1 - r0]), np.array([kv_eff]), np.arange(n_pages)[None], causal=causal)
+        hdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+        poison = 0x7FC0 if dtype == "bfloat16" else 0x7E00
+        t_cell = time.perf_counter()
+        ppr = -(-kl // ps)
+        n_sets = num_sets(2 * B * ppr * ps * H_KV * D * 2 + 2 * B * ql * H_Q * D * 2, l2, 5)
+        rng = np.random.default_rng(4321 + ps)
+        cupy.random.seed(4321 + ps)
+        page_table = rng.permutation(B * ppr).astype(np.int32).reshape(B, ppr)
+        sets = []
+        for _ in range(n_sets):
+            k = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), dtype)
+            v = fill_random(cupy.empty((B * ppr, ps, H_KV, D), dt), dtype)
+            q = fill_random(cupy.empty((B * ql, H_Q, D), dt), dtype)
+            sets.append((q, PagedKVCache(k, v), cupy.empty_like(q)))
+        cupy.cuda.Device().synchronize()
+        # fp64 reference windows of set 0 (first 32 rows of request 0, last 32 of request B-1)
+        q0, c0, o0 = sets[0]
+        windows = {}
+        for b, r0, r1 in ((0, 0, 32), (B - 1, ql - 32, ql)):
+            kv_eff = kl - ql + r1 if causal else kl
+            n_pages = -(-kv_eff // ps)
+            pages = cupy.asarray(page_table[b, :n_pages].astype(np.int64))
+            kk = cupy.asnumpy(c0.k.view(cupy.uint16)[pages]).view(hdt)
+            vv = cupy.asnumpy(c0.v.view(cupy.uint16)[pages]).view(hdt)
+            qq = cupy.asnumpy(q0.view(cupy.uint16)[b * ql + r0: b * ql + r1]).view(hdt)
+            windows[(b, r0, r1)] = reference.paged_attention(
+                qq, kk, vv, np.array([r1 - r0]), np.array([kv_eff]), np.arange(n_pages)[None], causal=causal)
 
-            def check(rows_of):
-                return max(reference.relative_error(rows_of(b * ql + r0, b * ql + r1), ref)
-                           for (b, r0, r1), ref in windows.items())
+        def check(rows_of):
+            return max(reference.relative_error(rows_of(b * ql + r0, b * ql + r1), ref)
+                       for (b, r0, r1), ref in windows.items())
 
-            impls = {}  # label -> (replay, stream-sync, err)
-            q_lens, kv_lens = np.full(B, ql), np.full(B, kl)
-            for name in passed:
-                try:
-                    pf = prefill_for(name, H_Q, H_KV, D).plan(q_lens, kv_lens, page_table, causal=causal)
-                    q, c, o = sets[0]
-                    o.view(cupy.uint16).fill(0x7FC0)
-                    pf.run(q, c, o)
-                    cupy.cuda.Device().synchronize()
-                    err = check(lambda lo, hi, o=o: cupy.asnumpy(o.view(cupy.uint16)[lo:hi]).view(hdt).astype(np.float64))
-                    replay, stream = capture_cupy([lambda i=i, pf=pf: pf.run(*sets[i % n_sets])
-                                                   for i in range(5)])
-                    impls[name] = (replay, stream, err)
-                except Exception as e:  # noqa: BLE001
-                    log(f"ab {wname} ps {ps} {name}: ERROR {type(e).__name__}: {str(e)[:200]}")
-            if torch is not None:
-                try:
-                    pt = torch.as_tensor(page_table, dtype=torch.long, device="cuda")
-                    dense = []
-                    for q, c, _ in sets:
-                        gather = lambda arr: as_torch(arr)[pt].reshape(B, -1, H_KV, D)[:, :kl].transpose(1, 2).contiguous()
-                        dense.append((as_torch(q).view(B, ql, H_Q, D).transpose(1, 2).contiguous(), gather(c.k),
-                                      gather(c.v)))
-                    kw = {"is_causal": True} if causal and ql == kl else (
-                        {"attn_mask": torch.ones(ql, kl, dtype=torch.bool, device="cuda").tril(kl - ql)} if causal else {})
+        def rows_of_set0(lo, hi):
+            return cupy.asnumpy(o0.view(cupy.uint16)[lo:hi]).view(hdt).astype(np.float64)
 
-                    def sdpa(i, kw=kw):
-                        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                            return F.scaled_dot_product_attention(*dense[i % len(dense)], enable_gqa=True, **kw)
-                    o = sdpa(0)
-                    torch.cuda.synchronize()
-                    flat = o.transpose(1, 2).reshape(B * ql, H_Q, D)
-                    err = check(lambda lo, hi: flat[lo:hi].double().cpu().numpy())
-                    ts = torch.cuda.Stream()
-                    ts.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(ts):
-                        for i in range(5):
-                            sdpa(i)
-                    torch.cuda.current_stream().wait_stream(ts)
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        for i in range(5):
-                            sdpa(i)
-                    impls["sdpa_cudnn"] = (g.replay, None, err)
-                except Exception as e:  # noqa: BLE001
-                    log(f"ab {wname} ps {ps} sdpa_cudnn: ERROR {type(e).__name__}: {str(e)[:200]}")
-            labels = list(impls)
-            per_round = {k: [] for k in labels}
-            for label in labels:  # warm-up: two replays each
-                replay, stream, _ = impls[label]
-                for _ in range(2):
-                    replay()
+        impls = {}  # label -> dict(replay, stream, err, keep): keep holds what the graph reads
+        q_lens, kv_lens = np.full(B, ql), np.full(B, kl)
+        for name in names:
+            if name in skip:
+                log(f"ab {key} {name}: skipped (a CUDA error in an earlier child)")
+                continue
+            _save(progress_path, dict(cell=key, impl=name, where="plan, eager run, capture"))
+            try:
+                pf = prefill_for(name, H_Q, H_KV, D).plan(q_lens, kv_lens, page_table, causal=causal)
+                o0.view(cupy.uint16).fill(poison)
+                pf.run(q0, c0, o0)
                 cupy.cuda.Device().synchronize()
-            for r in range(rounds):
-                order = labels[r % len(labels):] + labels[:r % len(labels)]
-                for label in order:
-                    replay, stream, _ = impls[label]
-                    if stream is None:  # torch graph on torch's current stream
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        for _ in range(replays):
-                            replay()
-                        b.record()
-                        b.synchronize()
-                        ms = a.elapsed_time(b)
-                    else:
-                        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-                        a.record(stream)
-                        for _ in range(replays):
-                            replay()
-                        b.record(stream)
-                        b.synchronize()
-                        ms = cupy.cuda.get_elapsed_time(a, b)
-                    per_round[label].append(1e3 * ms / (5 * replays))
-            cell = {}
-            for label in labels:
-                us = per_round[label]
-                cell[label] = dict(us=us, err=impls[label][2], tflops=flops / float(np.median(us)) / 1e6,
-                                   ok=impls[label][2] < TOL[dtype])
-                log(f"ab {wname:24s} ps {ps:2d} {label:12s} median {np.median(us):8.1f} us "
-                    f"({min(us):.1f}-{max(us):.1f}) {cell[label]['tflops']:6.1f} TFLOP/s err {impls[label][2]:.2e}")
-            out[f"{wname}|{ps}"] = dict(flops=flops, impls=cell)
-            log(f"ab cell {wname} ps {ps}: {time.perf_counter() - t_cell:.1f} s")
-            del sets, impls
-            if torch is not None:
-                dense = None
-                torch.cuda.empty_cache()
-            cupy.get_default_memory_pool().free_all_blocks()
-    return dict(cells=out)
+                err = check(rows_of_set0)
+                replay, stream = capture_cupy([lambda i=i, pf=pf: pf.run(*sets[i % n_sets]) for i in range(5)])
+                impls[name] = dict(replay=replay, stream=stream, err=err, keep=pf)
+            except Exception as e:  # noqa: BLE001
+                if not context_alive():
+                    fail(key, name, "plan, eager run or capture", e)
+                log(f"ab {key} {name}: ERROR {type(e).__name__}: {str(e)[:200]}")
+        if torch is not None:
+            _save(progress_path, dict(cell=key, impl="sdpa_cudnn", where="capture"))
+            try:
+                pt = torch.as_tensor(page_table, dtype=torch.long, device="cuda")
+                tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+
+                def tv(x):
+                    t = as_torch(x) if dtype == "bfloat16" else torch.from_dlpack(x)
+                    return t.view(tdt) if t.dtype != tdt else t
+                dense = []
+                for q, c, _ in sets:
+                    gather = lambda arr: tv(arr)[pt].reshape(B, -1, H_KV, D)[:, :kl].transpose(1, 2).contiguous()
+                    dense.append((tv(q).view(B, ql, H_Q, D).transpose(1, 2).contiguous(), gather(c.k), gather(c.v)))
+                kw = {"is_causal": True} if causal and ql == kl else (
+                    {"attn_mask": torch.ones(ql, kl, dtype=torch.bool, device="cuda").tril(kl - ql)} if causal else {})
+
+                def sdpa(i, kw=kw):
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        return F.scaled_dot_product_attention(*dense[i % len(dense)], enable_gqa=True, **kw)
+                o = sdpa(0)
+                torch.cuda.synchronize()
+                flat = o.transpose(1, 2).reshape(B * ql, H_Q, D)
+                err = check(lambda lo, hi: flat[lo:hi].double().cpu().numpy())
+                ts = torch.cuda.Stream()
+                ts.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(ts):
+                    for i in range(5):
+                        sdpa(i)
+                torch.cuda.current_stream().wait_stream(ts)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for i in range(5):
+                        sdpa(i)
+                impls["sdpa_cudnn"] = dict(replay=g.replay, stream=None, err=err, keep=(g, dense))
+            except Exception as e:  # noqa: BLE001
+                if not context_alive():
+                    fail(key, "sdpa_cudnn", "capture", e)
+                log(f"ab {key} sdpa_cudnn: ERROR {type(e).__name__}: {str(e)[:200]}")
+
+        def turn(label, times):
+            """`times` replays of one implementation's graph, synchronised: ms."""
+            it = impls[label]
+            if it["stream"] is None:  # torch graph on torch's current stream
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(times):
+                    it["replay"]()
+                b.record()
+                b.synchronize()
+                return a.elapsed_time(b)
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(it["stream"])
+            for _ in range(times):
+                it["replay"]()
+            b.record(it["stream"])
+            b.synchronize()
+            return cupy.cuda.get_elapsed_time(a, b)
+
+        labels = list(impls)
+        per_round = {k: [] for k in labels}
+        for label in labels:  # warm-up: two replays each
+            _save(progress_path, dict(cell=key, impl=label, where="warm-up replays"))
+            try:
+                turn(label, 2)
+            except Exception as e:  # noqa: BLE001
+                fail(key, label, "warm-up replays", e)
+        for r in range(rounds):
+            order = labels[r % len(labels):] + labels[:r % len(labels)]
+            for label in order:
+                _save(progress_path, dict(cell=key, impl=label, where=f"round {r}"))
+                try:
+                    per_round[label].append(1e3 * turn(label, replays) / (5 * replays))
+                except Exception as e:  # noqa: BLE001
+                    fail(key, label, f"round {r}", e)
+        cell = {}
+        for label in labels:
+            it, us = impls[label], per_round[label]
+            err_graph = None
+            if it["stream"] is not None:  # the graph's own output, after all its replays
+                _save(progress_path, dict(cell=key, impl=label, where="graph output check"))
+                try:
+                    o0.view(cupy.uint16).fill(poison)
+                    turn(label, 1)
+                    err_graph = check(rows_of_set0)
+                except Exception as e:  # noqa: BLE001
+                    fail(key, label, "graph output check", e)
+            below = sum(u < floor_us for u in us)
+            ok = it["err"] < TOL[dtype] and (err_graph is None or err_graph < TOL[dtype]) and below == 0
+            cell[label] = dict(us=us, err=it["err"], err_graph=err_graph, below_floor=below, ok=ok,
+                               tflops=flops / float(np.median(us)) / 1e6 if us else float("nan"))
+            log(f"ab {wname:24s} ps {ps:2d} {label:12s} median {np.median(us):8.1f} us ({min(us):.1f}-{max(us):.1f}) "
+                f"{cell[label]['tflops']:6.1f} TFLOP/s err {it['err']:.2e}"
+                + ("" if err_graph is None else f" / graph {err_graph:.2e}")
+                + (f"  {below} ROUNDS BELOW THE {AB_FLOOR_TFLOPS:.0f} TFLOP/s FLOOR ({floor_us:.1f} us)" if below else ""))
+        result["cells"][key] = dict(flops=flops, floor_us=floor_us, impls=cell, order=labels)
+        _save(out_path, result)
+        log(f"ab cell {wname} ps {ps}: {time.perf_counter() - t_cell:.1f} s")
+        sets = impls = o0 = None  # the cell's inputs, graphs and plans go before the next cell's
+        if torch is not None:
+            torch.cuda.empty_cache()
+        cupy.get_default_memory_pool().free_all_blocks()
+    return result
+
+
+def run_ab(cells, rounds, replays, timeout):
+    """child_ab over `cells`, again without an implementation that raised a CUDA error (or was
+    the turn in flight when a child died), until every cell is done or the time is up."""
+    done, failures, skip = {}, [], []
+    t_end = time.perf_counter() + timeout
+    status = "not run"
+    progress_path = os.path.join(WORK, "ab_progress.json")
+    while True:
+        remaining = [c for c in cells if f"{c[0]}|{c[1]}" not in done]
+        left = t_end - time.perf_counter()
+        if not remaining or left < 15:
+            break
+        if os.path.exists(progress_path):
+            os.remove(progress_path)
+        res, status = run_child("ab", {"cells": remaining, "rounds": rounds, "replays": replays, "skip": list(skip)},
+                                int(left))
+        res = res or {}
+        done.update(res.get("cells", {}))
+        failure = res.get("failure")
+        if failure is None and status != "exit 0" and os.path.exists(progress_path):
+            with open(progress_path) as f:
+                last = json.load(f)
+            failure = dict(cell=last["cell"], impl=last["impl"], where=last["where"],
+                           error=f"the child died ({status}) during this turn")
+        if failure is None:
+            break
+        failures.append(failure)
+        if failure["impl"] in skip:  # the same culprit twice: stop rather than loop
+            break
+        skip.append(failure["impl"])
+    return dict(cells=done, failures=failures), status
 
 
 def ab_table(ab):
     """The A/B summary, one line per cell and implementation: median TFLOP/s over the rounds,
     its spread (min-max of the per-round TFLOP/s), and the medians over rounds of its speed
-    ratio to d128 (this tree's round-1 default) and to SDPA cuDNN measured in the same round."""
-    lines = [f"  {'cell':24s} {'ps':>2s} {'impl':12s} {'TFLOP/s':>7s} {'[min - max]':>15s} {'/d128':>6s} {'/cudnn':>6s}"]
+    ratio to the cell's first implementation (the round-2 default), to this tree's default
+    (d128 / d64) and to SDPA cuDNN measured in the same round. A failed check or a time under
+    the floor prints instead of a figure."""
+    lines = [f"  {'cell':24s} {'ps':>2s} {'impl':12s} {'TFLOP/s':>7s} {'[min - max]':>15s} {'/base':>6s} {'/dflt':>6s} "
+             f"{'/cudnn':>6s}"]
 
     def ratio(r, other):
-        if other is None:
+        if other is None or not other["us"]:
             return float("nan")
         return float(np.median([b / u for u, b in zip(r["us"], other["us"])]))
 
     for key, c in ab["cells"].items():
         wname, ps = key.split("|")
-        base, cudnn = c["impls"].get("d128"), c["impls"].get("sdpa_cudnn")
-        for label, r in c["impls"].items():
+        order = c.get("order") or list(c["impls"])
+        impls = c["impls"]
+        base = impls.get(order[0]) if order else None
+        dflt = next((impls[n] for n in order if n in DEFAULTS), None)
+        cudnn = impls.get("sdpa_cudnn")
+        for label in order:
+            r = impls[label]
+            if not r["us"]:
+                lines.append(f"  {wname:24s} {ps:>2s} {label:12s} (no rounds)")
+                continue
+            if r.get("below_floor"):
+                lines.append(f"  {wname:24s} {ps:>2s} {label:12s} ERROR: {r['below_floor']} rounds under the "
+                             f"{AB_FLOOR_TFLOPS:.0f} TFLOP/s floor ({c['floor_us']:.1f} us): not a measurement")
+                continue
             tf = [c["flops"] / u / 1e6 for u in r["us"]]
+            note = "" if r["ok"] else (f"  FAILED fp64 window check (eager {r['err']:.2e}"
+                                       + ("" if r.get("err_graph") is None else f", graph {r['err_graph']:.2e}") + ")")
             lines.append(f"  {wname:24s} {ps:>2s} {label:12s} {np.median(tf):7.1f} [{min(tf):6.1f} - {max(tf):6.1f}] "
-                         f"{ratio(r, base):6.3f} {ratio(r, cudnn):6.3f}{'' if r['ok'] else '  FAILED fp64 window check'}")
+                         f"{ratio(r, base):6.3f} {ratio(r, dflt):6.3f} {ratio(r, cudnn):6.3f}{note}")
+    for f in ab.get("failures", []):
+        lines.append(f"  CUDA ERROR: {f['impl']} on {f['cell']} ({f['where']}): {f['error']}; later cells ran without it")
     return lines
 
 
@@ -874,7 +1083,7 @@ def child_main(stage):
     elif stage == "ncu":
         res = child_ncu(payload["names"])
     elif stage == "ab":
-        res = child_ab(payload["passed"], payload["rounds"], payload["replays"])
+        res = child_ab(payload["cells"], payload["rounds"], payload["replays"], payload["skip"])
     else:
         res = child_time(payload["passed"], payload["quick"])
     with open(os.path.join(WORK, f"{stage}_out.json"), "w") as f:
@@ -889,9 +1098,12 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ncu", default="", help="comma list of variants to profile once each on prefill_b2_l8192")
     ap.add_argument("--ab", action="store_true",
-                    help="interleaved A/B of AB_NAMES (snapshots of earlier commits, this tree's default and the "
-                         "round-2 variants) and SDPA cuDNN on the three bench workloads, page sizes 16 and 1, "
-                         "after compiling them and checking them (and AB_CORRECT_EXTRA) for correctness")
+                    help="interleaved A/B of AB_CELLS (the round-2 default, this tree's default and the new traits "
+                         "beside SDPA cuDNN on the three bench workloads at page sizes 16 and 1, and D = 64), after "
+                         "compiling and checking them, AB_CORRECT_EXTRA and the shipped defaults for correctness")
+    ap.add_argument("--ab-impls", default="", help="--ab: comma list replacing AB_D128 (e.g. with v1_af55a79, "
+                    "v3_37ed792: earlier commits' kernels)")
+    ap.add_argument("--ab-timeout", type=int, default=150, help="--ab: seconds for all the A/B cells")
     ap.add_argument("--rounds", type=int, default=21, help="--ab: rounds of alternation per cell")
     ap.add_argument("--replays", type=int, default=3, help="--ab: graph replays (of 5 launches) per turn")
     args = ap.parse_args()
@@ -900,7 +1112,8 @@ def main():
     os.makedirs(WORK, exist_ok=True)
     os.makedirs(OUT, exist_ok=True)
     if args.ab:
-        names = [n for n in VARIANTS if n in AB_NAMES + AB_CORRECT_EXTRA]
+        wanted = {n for _, _, ns in ab_cells(args.ab_impls) for n in ns} | set(AB_CORRECT_EXTRA) | set(DEFAULTS)
+        names = [n for n in VARIANTS if n in wanted]
     else:
         names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
@@ -945,8 +1158,8 @@ def main():
             passed.append(n)
     timed, t_status, ab, ab_status = None, "skipped (--ab)", None, "not run"
     if args.ab:
-        ab, ab_status = run_child("ab", {"passed": [n for n in AB_NAMES if n in passed], "rounds": args.rounds,
-                                         "replays": args.replays}, 170)
+        cells = [(w, ps, [n for n in names_ if n in passed]) for w, ps, names_ in ab_cells(args.ab_impls)]
+        ab, ab_status = run_ab(cells, args.rounds, args.replays, args.ab_timeout)
     else:
         timed, t_status = run_child("time", {"passed": passed, "quick": args.quick}, 240 if not args.quick else 120)
     ncu_names = [n for n in args.ncu.split(",") if n in passed] if args.ncu else []
@@ -957,12 +1170,14 @@ def main():
                        statuses=dict(correct=c_status, time=t_status, ab=ab_status)), f, indent=1)
 
     # ---- the tables, last -------------------------------------------------------------------
-    log("\n==== compile (cold RawModule s / NVRTC s / regs / spills / HGMMA / LDL+STL)")
+    log("\n==== compile (cold RawModule s / NVRTC s / regs / spills / HGMMA / LDL+STL / SASS of a consumer step, "
+        "of a producer tile)")
     if compiled:
         log(f"first prefill call cold: {compiled['first_call_s']:.2f} s")
         for n, r in compiled["variants"].items():
             log(f"  {n:12s} {r['cold_s']:5.2f} {r['nvrtc_s']:5.2f} {r['registers']} {r['spill_stores']}/{r['spill_loads']} "
-                f"{r['hgmma']} {r['local']}")
+                f"{r['hgmma']} {r['local']} {(r.get('step') or {}).get('instructions')} "
+                f"{(r.get('producer') or {}).get('instructions')}")
     log(f"\n==== correctness ({c_status}; seed {seed}): variant: cases ok / run, worst out err, worst lse err")
     for n in names:
         cells = {k.split("|")[1]: r for k, r in (correct or {}).items() if k.startswith(n + "|")}

@@ -6,6 +6,7 @@ plan's work layout."""
 
 import importlib.util
 import pathlib
+import struct
 
 import numpy as np
 import pytest
@@ -19,9 +20,24 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_variant_compiles_for_sm90a_without_spills(variant):
     cubin, res = _build.compile_cubin(variant, "sm_90a")  # also checks kSmemBytes / kConsumerRegs mirrors
     assert cubin[:4] == b"\x7fELF"
+    assert len(cubin) == elf_end(cubin), "compile_cubin returns the whole ELF image (cuobjdump reads it)"
     # 384 threads at one CTA per SM start at 168 registers; setmaxnreg moves them between roles
     assert res["registers"] == 168, res
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+
+
+def elf_end(image):
+    phoff, shoff = struct.unpack_from("<QQ", image, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 54)
+    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+
+
+def test_whole_elf_pads_a_short_image_and_leaves_others():
+    cubin, _ = _build.compile_cubin(s9.variant("bfloat16", s9.DEFAULT_TILES[64]), "sm_90a")
+    short = cubin[:-1]  # what cupy's getCUBIN hands back
+    assert _build.whole_elf(short) == cubin[:-1] + b"\0" and len(_build.whole_elf(short)) == elf_end(cubin)
+    assert _build.whole_elf(cubin) == cubin
+    assert _build.whole_elf(b"not an elf") == b"not an elf"
 
 
 def test_wgmma_header_matches_its_generator():
@@ -43,8 +59,28 @@ def test_default_tiles_fit_and_split_registers(head_dim):
     tile = s9.DEFAULT_TILES[head_dim]
     assert tile.head_dim == head_dim and tile.block_n % 16 == 0
     assert tile.smem_bytes <= schedule.SMEM_LIMIT
+    assert (tile.threads, tile.block_m, tile.entry_regs) == (384, 128, 168)
     assert 128 * tile.producer_regs + 256 * tile.consumer_regs <= 384 * 168
     assert tile.consumer_regs % 8 == 0 and tile.consumer_regs >= 216
+
+
+def test_defaults_take_the_uniform_warpgroup_and_joint_softmax_where_they_do_not_spill():
+    """D 64 / 128 ship uniform_wg + joint_rows (2026-12-01 A/B: +4-6% at D = 128); D = 256 does
+    not (uniform_wg costs it 64 bytes of spills). The opt-in traits stay off."""
+    for d, on in ((64, True), (128, True), (256, False)):
+        t = s9.DEFAULT_TILES[d]
+        assert (t.uniform_wg, t.joint_rows) == (on, on), d
+        assert not (t.persistent or t.lean_copy or t.poly_exp2 or t.q_in_regs) and t.consumer_wgs == 2, d
+
+
+def test_three_consumer_tile_mirrors_the_traits():
+    """consumer_wgs = 3: 192 rows, 512 threads starting at 128 registers; with the producer at 32
+    the consumers get (4 x 128 - 32) / 3 rounded down to 8 = 160."""
+    t = s9.Sm90Tile(64, 128, 4, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3, producer_regs=32)
+    assert (t.block_m, t.threads, t.entry_regs, t.consumer_regs) == (192, 512, 128, 160)
+    assert 128 * t.producer_regs + 384 * t.consumer_regs <= 512 * 128
+    assert t.smem_bytes == 1024 + 192 * 64 * 2 + 2 * 4 * 128 * 64 * 2 + (4 * 4 + 3) * 8 + 384 * 4 + 52
+    assert list(schedule.row_blocks(np.array([4096, 17]), 4, t)) == [86, 1]  # plan_kernel's count, 192 rows a block
 
 
 def test_work_layout_is_the_plans_with_128_rows():
@@ -59,24 +95,71 @@ def test_work_layout_is_the_plans_with_128_rows():
     assert schedule.needs_merge(tile, q, kv)
 
 
+def test_fma_exp2_matches_exp2_to_1e4():
+    """kernels/sm90_wgmma.cuh fma_exp2, op by op in float32 (fmaf as a float64 product rounded
+    once): within 1e-4 of 2^x (relative) over [-125, 8] (the softmax's x is at most 8 and a key
+    2^-125 below its row's max adds nothing), one tiny positive value at and below -126, whole x
+    within 1e-4 too (j goes into the exponent field)."""
+    f32 = np.float32
 
-# The round-2 traits (warp-uniform warpgroup index, joint two-row softmax, persistent grid)
-# that scripts/probe_prefill_sm90.py times against the default: they must build without
-# spills and agree with the host mirror (kSmemBytes, kConsumerRegs) too.
-ROUND2_TILES = [
+    def fmaf(a, b, c):
+        return (a.astype(np.float64) * b + c).astype(f32)
+
+    def fma_exp2(x):
+        x = np.maximum(x.astype(f32), f32(-126))
+        t = (x + f32(12582912)).astype(f32)
+        f = (x - (t - f32(12582912))).astype(f32)
+        p = fmaf(np.full_like(f, 0.05517166), f, f32(0.24261112))
+        p = fmaf(p, f, f32(0.69326099))
+        p = fmaf(p, f, f32(0.99992807))
+        return (p.view(np.int32) + (t.view(np.int32) << 23)).view(f32)
+
+    x = np.concatenate([np.linspace(-125, 8, 2_000_001, dtype=f32), np.arange(-125, 8, dtype=f32) + f32(0.5)])
+    got = fma_exp2(x).astype(np.float64)
+    assert np.abs(got / np.exp2(x.astype(np.float64)) - 1).max() < 1e-4
+    # at -126 and below (clamped): one tiny positive value (the fp32 sums it meets flush it to 0)
+    floor = fma_exp2(np.array([-126], f32))
+    assert 0 < floor[0] < 2.0 ** -125
+    assert (fma_exp2(np.array([-126.4, -200, -1e30, -np.inf], f32)) == floor).all()
+    assert np.abs(fma_exp2(np.arange(-125, 9, dtype=f32)) / np.exp2(np.arange(-125, 9.0)) - 1).max() < 1e-4
+
+
+
+# The opt-in traits that scripts/probe_prefill_sm90.py times against the default (round 2:
+# warp-uniform warpgroup index, joint two-row softmax, persistent grid; round 3: lean producer
+# copies, a polynomial share of the exp2s, 3 consumer warpgroups): they must build without spills
+# and agree with the host mirror (kSmemBytes, kConsumerRegs, kBlockM, kThreads) too.
+UJ = dict(uniform_wg=True, joint_rows=True)
+OPT_IN_TILES = [
     ("bfloat16", s9.Sm90Tile(128, 128, 2, uniform_wg=True)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, uniform_wg=True, joint_rows=True)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, persistent=True)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, uniform_wg=True, joint_rows=True, persistent=True)),
-    ("float16", s9.Sm90Tile(128, 128, 2, uniform_wg=True, joint_rows=True, persistent=True)),
-    ("bfloat16", s9.Sm90Tile(64, 128, 4, uniform_wg=True, joint_rows=True, persistent=True)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, persistent=True, **UJ)),
+    ("float16", s9.Sm90Tile(128, 128, 2, persistent=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(64, 128, 4, persistent=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, **UJ)),
+    ("float16", s9.Sm90Tile(128, 128, 2, lean_copy=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(256, 80, 2, pingpong=False, lean_copy=True)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, persistent=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, poly_exp2=1, **UJ)),
+    ("float16", s9.Sm90Tile(128, 128, 2, lean_copy=True, poly_exp2=2, **UJ)),
+    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, poly_exp2=2, **UJ)),
+    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
+    ("bfloat16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
+    ("float16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
+    ("bfloat16", s9.Sm90Tile(128, 64, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
+    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, tma_kv=True, **UJ)),
+    ("float16", s9.Sm90Tile(128, 128, 2, lean_copy=True, tma_kv=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, tma_kv=True, **UJ)),
+    ("bfloat16", s9.Sm90Tile(256, 80, 2, pingpong=False, lean_copy=True, tma_kv=True)),
 ]
 
 
-@pytest.mark.parametrize("dtype,tile", ROUND2_TILES, ids=lambda x: x if isinstance(x, str) else x.traits())
-def test_round2_variants_compile_without_spills(dtype, tile):
+@pytest.mark.parametrize("dtype,tile", OPT_IN_TILES, ids=lambda x: x if isinstance(x, str) else x.traits())
+def test_opt_in_variants_compile_without_spills(dtype, tile):
     cubin, res = _build.compile_cubin(s9.variant(dtype, tile), "sm_90a")
-    assert res["registers"] == 168 and res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+    assert res["registers"] == tile.entry_regs, res
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
     assert tile.smem_bytes <= schedule.SMEM_LIMIT
 
 
@@ -94,3 +177,26 @@ def test_probe_snapshots_of_earlier_versions_compile(name):
     spec.loader.exec_module(probe)
     cubin, res = _build.compile_cubin(probe.kernel_variant(name), "sm_90a")
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+
+
+def test_tma_tiles_take_the_pages_that_tile_them():
+    """Sm90Tile.tma_page_size / tma_issue_lanes (the TMA kernel's KVTensorMaps fields): pages of
+    at least 16 keys that divide block_n, each page's first row looked up by one lane of the
+    producer's warp 0 (kernels/sm90_prefill_load.cuh KVProducer::key_of with warp 0)."""
+    t128 = s9.Sm90Tile(128, 128, 2, tma_kv=True)
+    assert [t128.tma_page_size(ps) for ps in (1, 8, 16, 32, 48, 64, 128, 256)] == [0, 0, 16, 32, 0, 64, 128, 0]
+    for tile in (t128, s9.Sm90Tile(64, 128, 4, tma_kv=True), s9.Sm90Tile(256, 80, 2, tma_kv=True)):
+        d, bn = tile.head_dim, tile.block_n
+        rp, wr = 1024 // d, 256 // d
+        for ps in (16, 32, 64, 80, 128):
+            rows = tile.tma_page_size(ps)
+            mask = s9.tma_issue_lanes(tile, rows)
+            if not rows:
+                assert mask == 0
+                continue
+            # the rows warp 0's lanes look up (key_of), and the lanes whose row starts a page
+            looked_up = {lane: lane % wr + rp * (lane // wr) for lane in range(min(32, bn // 4))}
+            starts = sorted(row for lane, row in looked_up.items() if mask >> lane & 1)
+            assert starts == list(range(0, bn, ps)), (d, ps)
+    assert s9.KV_MAPS_DTYPE.itemsize == 320 and s9.KV_MAPS_DTYPE.fields["issue_lanes"][1] == 260
+

@@ -93,3 +93,80 @@ def test_round2_persistent_variant_matches_the_reference(dtype, head_dim, page_s
                             label=f"seed {seed} sm90 prefill, persistent")
     print(check.summary())
     check.assert_ok()
+
+
+# The opt-in traits scripts/probe_prefill_sm90.py times against the default: the lean producer
+# copies (zero fill by the copy's ignore-src predicate), a polynomial share of the exp2s on the
+# unmasked tiles, 3 consumer warpgroups (192 rows, ping-pong in turn over three).
+def _opt_in_tiles():
+    from cupy_fa import prefill_sm90 as s9
+
+    uj = dict(uniform_wg=True, joint_rows=True)
+    return [
+        ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, **uj)),
+        ("float16", s9.Sm90Tile(256, 80, 2, pingpong=False, lean_copy=True)),
+        ("float16", s9.Sm90Tile(128, 128, 2, lean_copy=True, poly_exp2=2, **uj)),
+        ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, poly_exp2=1, **uj)),
+        ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, consumer_wgs=3, producer_regs=32, **uj)),
+        ("float16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **uj)),
+    ]
+
+
+@pytest.mark.parametrize("which", range(6), ids=["lean", "lean_d256_f16", "poly2_f16", "poly1_d64", "w3_d64",
+                                                  "w3_bn80_f16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_opt_in_variant_matches_the_reference(which, page_size, causal):
+    dtype, tile = _opt_in_tiles()[which]
+    rng, seed = new_rng()
+    q_lens, kv_lens = random_lengths(rng, max_requests=9, max_q=700, max_kv=4000, work_budget=1_500_000)
+    got, got_lse, ref, ref_lse = run(dtype, (16, 4), tile.head_dim, page_size, causal, q_lens, kv_lens, rng, tile)
+    check = check_attention(got, ref, dtype, q_lens=q_lens, lse=got_lse, ref_lse=ref_lse, poison=POISON,
+                            label=f"seed {seed} sm90 prefill, {tile.traits()}")
+    print(check.summary())
+    check.assert_ok()
+
+
+def test_three_consumer_variant_keeps_a_requests_bits_in_any_batch():
+    """Batch invariance holds with 192-row tiles too (a request alone and in a batch)."""
+    import cupy
+
+    from cupy_fa import prefill_sm90 as s9
+
+    _, tile = _opt_in_tiles()[5]
+    rng, _ = new_rng()
+    dtype, (h_q, h_kv), d, ps = "float16", (32, 8), 128, 16
+    q_lens, kv_lens = np.array([300, 20, 777, 1]), np.array([300, 3000, 1500, 60])
+    total = int(q_lens.sum())
+    table, _, _, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), d, ps, kv_lens, total)
+    q = cupy.asarray(q_host)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    out = cupy.empty((total, h_q, d), np_dtype(dtype))
+    s9.Sm90Prefill(h_q, h_kv, d, dtype, tile).plan(q_lens, kv_lens, table).run(q, cache, out)
+    for b in range(len(q_lens)):
+        one = cupy.empty((int(q_lens[b]), h_q, d), np_dtype(dtype))
+        s9.Sm90Prefill(h_q, h_kv, d, dtype, tile).plan(q_lens[b:b + 1], kv_lens[b:b + 1], table[b:b + 1]).run(
+            q[cu[b]:cu[b + 1]], cache, one)
+        assert (out[cu[b]:cu[b + 1]].view(cupy.uint16) == one.view(cupy.uint16)).all(), f"request {b} out"
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_n,page_size", [
+    ("bfloat16", 128, 128, 16), ("bfloat16", 128, 128, 32), ("float16", 128, 128, 64), ("bfloat16", 128, 128, 128),
+    ("bfloat16", 64, 128, 16), ("float16", 256, 80, 16), ("bfloat16", 256, 80, 80), ("bfloat16", 128, 128, 48)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_tma_variant_matches_the_reference(dtype, head_dim, block_n, page_size, causal):
+    """K / V tiles of whole pages by TMA, the partial tile at the end of each CTA's keys by
+    cp.async (its V rows past the end zero, with NaN in every slot no request may read); page
+    size 48 does not tile 128 keys, so every tile there goes by cp.async behind the TMA kernel."""
+    from cupy_fa import prefill_sm90 as s9
+
+    uj = dict(uniform_wg=True, joint_rows=True) if head_dim < 256 else dict(pingpong=False)
+    tile = s9.Sm90Tile(head_dim, block_n, 4 if head_dim == 64 else 2, lean_copy=True, tma_kv=True, **uj)
+    rng, seed = new_rng()
+    q_lens, kv_lens = random_lengths(rng, max_requests=9, max_q=700, max_kv=4000, work_budget=1_500_000)
+    got, got_lse, ref, ref_lse = run(dtype, (16, 4), head_dim, page_size, causal, q_lens, kv_lens, rng, tile)
+    check = check_attention(got, ref, dtype, q_lens=q_lens, lse=got_lse, ref_lse=ref_lse, poison=POISON,
+                            label=f"seed {seed} sm90 prefill, TMA, page {page_size}")
+    print(check.summary())
+    check.assert_ok()
+
