@@ -95,9 +95,11 @@ class Sm90Tile:
 # the warp-uniform warpgroup index and the joint two-row softmax (+4-6% at D = 128 in the
 # 2026-12-01 interleaved A/B; 0 spills for both element types); D = 256 does not (with
 # uniform_wg it spills 64 bytes).
+# D 64 / 128: the producer's lean copies (lean_copy) measured +13-18% over the same tiles without
+# (interleaved A/B on an H200, 2026-12-01, bench/NOTES.md sm90 round 3), correct in every probe case.
 DEFAULT_TILES = {
-    64: Sm90Tile(64, 128, stages=4, uniform_wg=True, joint_rows=True),
-    128: Sm90Tile(128, 128, stages=2, uniform_wg=True, joint_rows=True),
+    64: Sm90Tile(64, 128, stages=4, uniform_wg=True, joint_rows=True, lean_copy=True),
+    128: Sm90Tile(128, 128, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True),
     256: Sm90Tile(256, 80, stages=2, pingpong=False),
 }
 

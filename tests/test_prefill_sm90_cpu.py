@@ -64,13 +64,14 @@ def test_default_tiles_fit_and_split_registers(head_dim):
     assert tile.consumer_regs % 8 == 0 and tile.consumer_regs >= 216
 
 
-def test_defaults_take_the_uniform_warpgroup_and_joint_softmax_where_they_do_not_spill():
-    """D 64 / 128 ship uniform_wg + joint_rows (2026-12-01 A/B: +4-6% at D = 128); D = 256 does
-    not (uniform_wg costs it 64 bytes of spills). The opt-in traits stay off."""
+def test_defaults_take_the_uniform_warpgroup_joint_softmax_and_lean_copies_where_they_do_not_spill():
+    """D 64 / 128 ship uniform_wg + joint_rows (2026-12-01 A/B: +4-6% at D = 128) and the lean
+    producer copies (+13-18% on top, same A/B method); D = 256 takes none of them (uniform_wg costs
+    it 64 bytes of spills; the rest is untimed there). The other opt-in traits stay off."""
     for d, on in ((64, True), (128, True), (256, False)):
         t = s9.DEFAULT_TILES[d]
-        assert (t.uniform_wg, t.joint_rows) == (on, on), d
-        assert not (t.persistent or t.lean_copy or t.poly_exp2 or t.q_in_regs) and t.consumer_wgs == 2, d
+        assert (t.uniform_wg, t.joint_rows, t.lean_copy) == (on, on, on), d
+        assert not (t.persistent or t.poly_exp2 or t.q_in_regs or t.tma_kv) and t.consumer_wgs == 2, d
 
 
 def test_three_consumer_tile_mirrors_the_traits():
