@@ -352,10 +352,13 @@ def main(argv=None):
         engine.step(check=False)
     mem_warm, graphs_warm = memory(), engine.runner.num_graphs
     modes, failures, checks, steps, garbage = collections.Counter(), [], 0, 0, 0
-    while steps < args.steps and time.perf_counter() - t0 < args.max_seconds:
+    check_due = False  # a check falls due every check_every steps and waits for a step with rows (not IDLE)
+    while (steps < args.steps or check_due) and time.perf_counter() - t0 < args.max_seconds:
         steps += 1
         bad = bool(args.garbage_every) and steps % args.garbage_every == args.garbage_every // 2
-        mode, failure, checked = engine.step(check=steps % args.check_every == 0, garbage=bad)
+        check_due = check_due or steps % args.check_every == 0
+        mode, failure, checked = engine.step(check=check_due, garbage=bad)
+        check_due = check_due and not checked
         garbage += bad and checked
         modes[mode.name] += 1
         checks += checked
