@@ -397,8 +397,8 @@ def _resources_of(log, lowered):
             stack = _STACK.search(block)
             return {
                 "registers": int(regs.group(1)) if regs else None,
-                "spill_stores": int(spill.group(1)) if spill else 0,
-                "spill_loads": int(spill.group(2)) if spill else 0,
-                "stack": int(stack.group(1)) if stack else 0,
+                "spill_stores": int(spill.group(1)) if spill else None,
+                "spill_loads": int(spill.group(2)) if spill else None,
+                "stack": int(stack.group(1)) if stack else None,
             }
     return {"registers": None, "spill_stores": None, "spill_loads": None, "stack": None}

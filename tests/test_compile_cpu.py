@@ -136,10 +136,18 @@ def test_compile_check_fails_without_a_resource_line(monkeypatch, capsys):
     first = schedule.all_variants()[0]
     monkeypatch.setattr(_build, "compile_cubin", lambda variant, arch="sm_90a": (b"\x7fELF", _build._resources_of(
         log, "_Z3fooPf")))
-    with pytest.raises(compile_check.MissingResources, match="no registers for " + re.escape(first.expression)):
+    with pytest.raises(compile_check.MissingResources, match="no registers, .* for " + re.escape(first.expression)):
         compile_check.compile_all(only=first.expression)
     assert compile_check.main(["--only", first.expression]) == 1
     assert "resource line is missing" in capsys.readouterr().err
+    # the registers line without the stack / spill line: the spills were never measured, not zero
+    half = log + "ptxas info    : Used 128 registers, used 1 barriers, 400 bytes cmem[0]\n"
+    assert _build._resources_of(half, "_Z3fooPf") == {"registers": 128, "spill_stores": None, "spill_loads": None,
+                                                       "stack": None}
+    monkeypatch.setattr(_build, "compile_cubin", lambda variant, arch="sm_90a": (b"\x7fELF", _build._resources_of(
+        half, "_Z3fooPf")))
+    with pytest.raises(compile_check.MissingResources, match="no spill_stores, spill_loads, stack for"):
+        compile_check.compile_all(only=first.expression)
 
 
 def test_compile_check_reports_stack_frames(monkeypatch, capsys):
