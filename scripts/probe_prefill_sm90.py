@@ -118,13 +118,18 @@ AB_CORRECT_EXTRA = ("d128_lx2", "d128_lp", "d128_l_f16", "d128_lt_f16", "d128_lx
                     "d256_l", "d256_lt")
 AB_NAMES = tuple(dict.fromkeys(n for _, _, names in AB_CELLS for n in names))
 # commit -> the traits of its default D = 128 tile and its kernel's shared memory (that
-# version's Sm90Tile.smem_bytes); the source is scripts/sm90_snapshots/<commit>.cu
+# version's Sm90Tile.smem_bytes); the source is scripts/sm90_snapshots/<commit>.cu, which the
+# tree does not keep (the A/B of 2026-12-01 found v1 = v3 = today's d128 within 1%): make it with
+# `sh scripts/sm90_snapshots/make_snapshot.sh <commit>` to time that version again
 SNAPSHOTS = {
     "v1_af55a79": ("af55a79", "cupy_fa::Sm90PrefillTraits<128, 128, 2, true, true, 56>",
                    1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (4 * 2 + 1) * 8),
     "v3_37ed792": ("37ed792", "cupy_fa::Sm90PrefillTraits<128, 128, 2, true, true, 56, false>",
                    1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (4 * 2 + 1) * 8 + 256 * 4),
 }
+for _name, (_commit, _, _) in SNAPSHOTS.items():  # a snapshot is a variant only where its file was made
+    if not os.path.exists(os.path.join(ROOT, "scripts", "sm90_snapshots", f"{_commit}.cu")):
+        VARIANTS.pop(_name, None)
 
 
 def kernel_variant(name):
@@ -1102,7 +1107,7 @@ def main():
                          "beside SDPA cuDNN on the three bench workloads at page sizes 16 and 1, and D = 64), after "
                          "compiling and checking them, AB_CORRECT_EXTRA and the shipped defaults for correctness")
     ap.add_argument("--ab-impls", default="", help="--ab: comma list replacing AB_D128 (e.g. with v1_af55a79, "
-                    "v3_37ed792: earlier commits' kernels)")
+                    "v3_37ed792: earlier commits' kernels, once scripts/sm90_snapshots/make_snapshot.sh made them)")
     ap.add_argument("--ab-timeout", type=int, default=150, help="--ab: seconds for all the A/B cells")
     ap.add_argument("--rounds", type=int, default=21, help="--ab: rounds of alternation per cell")
     ap.add_argument("--replays", type=int, default=3, help="--ab: graph replays (of 5 launches) per turn")

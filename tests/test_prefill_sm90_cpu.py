@@ -169,17 +169,6 @@ def test_persistent_tile_holds_two_q_tiles():
     assert two.smem_bytes - one.smem_bytes == 128 * 128 * 2 + 3 * 8 + 52
 
 
-@pytest.mark.parametrize("name", ["v1_af55a79", "v3_37ed792"])
-def test_probe_snapshots_of_earlier_versions_compile(name):
-    """scripts/sm90_snapshots/*.cu (the probe's A/B of earlier commits) still build against
-    today's common headers, without spills, at their own kSmemBytes."""
-    spec = importlib.util.spec_from_file_location("probe_prefill_sm90", ROOT / "scripts" / "probe_prefill_sm90.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    cubin, res = _build.compile_cubin(probe.kernel_variant(name), "sm_90a")
-    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
-
-
 def test_tma_tiles_take_the_pages_that_tile_them():
     """Sm90Tile.tma_page_size / tma_issue_lanes (the TMA kernel's KVTensorMaps fields): pages of
     at least 16 keys that divide block_n, each page's first row looked up by one lane of the
