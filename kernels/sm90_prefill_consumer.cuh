@@ -169,9 +169,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     mbar_arrive(&bars.v_empty[vs.stage]);
     vs.advance();
   }
+  // A page id outside the cache in this item: the producer set the Q tile's flag before its
+  // last arrival, which the waits above saw. With one Q tile (one item per CTA) it is read
+  // where the rows are stored; with two it is read before the Q tile is freed (after that the
+  // producer clears it for the tile's next item).
+  const unsigned page_flag = bars.page_flag(smem_addr(bars.k_full), qb);
+  const bool page_bad_early = Tr::kQBufs > 1 && shared_load(page_flag) != 0;
   if (Tr::kQBufs > 1) mbar_arrive(&bars.q_empty[qb]);  // this item's last Q K^T has completed
   pos.qs.advance();
-  store_rows<OT, D>(p, w, ri, by_group, o, st, w.row0 + first_row, quad);
+  store_rows<OT, D>(p, w, ri, by_group, o, st, w.row0 + first_row, quad,
+                    Tr::kQBufs > 1 ? page_bad_early : shared_load(page_flag) != 0);
 }
 
 }  // namespace sm90

@@ -192,9 +192,11 @@ __device__ __forceinline__ void to_fragments(const float (&s)[BN / 2], unsigned 
 template <typename OT, int D>
 __device__ __forceinline__ void store_rows(const AttentionParams& p, const PrefillWork& w, const RowInfo& ri,
                                            const FastDiv& by_group, const float (&o)[D / 2], RowState& st,
-                                           int first_row, int quad) {
+                                           int first_row, int quad, bool page_bad) {
   const int partial_base = w.splits > 1 ? __ldg(p.partial_indptr + w.b) : 0;
-  const bool bad = w.masked_tiles < 0;  // a request that breaks the contract: its rows NaN (status.cuh)
+  // a request that breaks the contract, or an item that fetched a page id outside the cache:
+  // its rows NaN (status.cuh)
+  const bool bad = w.masked_tiles < 0 || page_bad;
   const float nan = __int_as_float(0x7fc00000);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
