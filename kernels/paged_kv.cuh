@@ -53,15 +53,16 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
 // pipeline stages of sK and sV.
 template <typename Traits, typename KVT>
 struct PagedKVProducer {
-  static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kRowStep;
+  static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kKVRowStep;
   static constexpr int kRows = BN / STEP;  // key rows this thread copies per tile
-  static_assert(sizeof(KVT) == 2, "16-byte chunks of 8 elements (Traits::kChunks): fp8 KV needs its own count");
+  static constexpr int kPerChunk = 16 / sizeof(KVT);  // elements per 16-byte chunk: 8, or 16 for fp8
+  static_assert(sizeof(KVT) == Traits::kKVBytes, "the tile's K/V element size");
 
   const AttentionParams& p;
   const int* page_row;  // the request's page-table row
   int slot_bytes;       // bytes from one cache slot to the next
-  // Byte addresses of this thread's 16-byte chunk of the head in cache slot 0; a key's chunk is
-  // one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(KVT) < 2^31).
+  // Byte addresses of this thread's 16-byte chunk (of Traits::kKVChunks per row) of the head in
+  // cache slot 0; a key's chunk is one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(KVT) < 2^31).
   const char* k_chunk;
   const char* v_chunk;
   KVT* sK;
@@ -77,8 +78,8 @@ struct PagedKVProducer {
       : p(p),
         page_row(p.page_table + (i64)request * p.page_table_stride),
         slot_bytes(p.num_kv_heads * D * (int)sizeof(KVT)),
-        k_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + kv_head * D + chunk * 8)),
-        v_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + kv_head * D + chunk * 8)),
+        k_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + kv_head * D + chunk * kPerChunk)),
+        v_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + kv_head * D + chunk * kPerChunk)),
         sK(sK),
         sV(sV),
         kv_begin(kv_begin),
@@ -122,8 +123,8 @@ struct PagedKVProducer {
       highest = max(highest, fetched);
       const int page = static_cast<int>(min(fetched, last));  // inside the cache, whatever was fetched
       const i64 offset = (i64)(valid ? slot_of(page, key) : 0) * slot_bytes;  // < 2^31 cache slots
-      cp_async_16(dk + swizzled<D>(r, chunk), k_chunk + offset, valid);
-      cp_async_16(dv + swizzled<D>(r, chunk), v_chunk + offset, valid);
+      cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
+      cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
     }
     if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }

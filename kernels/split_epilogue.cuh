@@ -70,6 +70,11 @@ struct SplitEpilogue {
   float (&s_factor)[BM][Traits::kWarpsN];           // each warp's factor onto the row's max
   float4 (&s_row)[BM];                              // the row's max, sum, 1 / sum, 1 / its folded total's sum
   FoldStep (&s_step)[Traits::kFoldInCta ? BM : 1][2];  // fold_splits: into the group, into the total
+  // An fp8 cache: the KV head's v_scale, which the accumulators are multiplied by as they are
+  // staged (so every result below, partials and fold states too, is in V's units), and the
+  // accumulator layout of warp_mma.cuh's fp8 P V (a chunk's even and odd columns in two blocks).
+  static constexpr bool kFp8 = KVBytes<KVT>::value == 1;
+  float v_scale = 1.f;
 
   __device__ __forceinline__ SplitEpilogue(const AttentionParams& p, const WorkItem& w, int rows, int kv_head,
                                            int group, FastDiv by_group, int tid, int warp, int wm, KVT* sK, KVT* sV,
@@ -102,7 +107,7 @@ struct SplitEpilogue {
   // warp w's [16][W] fp32 slice of the staging area
   __device__ __forceinline__ float* staged(int wi, int stage) const {
     if constexpr (Traits::kEpilogueInStage) {
-      constexpr int kPerTile = BN * D / (32 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
+      constexpr int kPerTile = BN * D * (int)sizeof(KVT) / (64 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
       KVT* tile_base = (wi < kPerTile ? sK : sV) + stage * BN * D;
       return reinterpret_cast<float*>(tile_base) + (wi % kPerTile) * 16 * W;
     } else {
@@ -186,12 +191,32 @@ struct SplitEpilogue {
       // staged_pair<W>(g, 4 j + tq) = g W + 2 tq + 8 (j ^ g % 8), and row g + 8 has the same swizzle.
       float2* mine = reinterpret_cast<float2*>(staged(warp, stage) + g * W) + tq;
       const int first_real = w.row0 + wm * 16 + g;
+      if constexpr (kFp8) {
+        // chunk j / 2 of the pass: acc[db] its even columns, acc[db + 1] its odd ones; the thread's
+        // columns 4 tq .. 4 tq + 3 of it are the column pairs 8 (j / 2) + 2 tq and + 1
+        float* base = staged(warp, stage);
 #pragma unroll
-      for (int j = 0; j < kPassBlocks; ++j) {
-        const int db = pass * kPassBlocks + j;
-        float2* o = mine + 4 * (j ^ (g & 7));
-        if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
-        if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
+        for (int j = 0; j < kPassBlocks; j += 2) {
+          const int db = pass * kPassBlocks + j, pair = 4 * j + 2 * tq;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+            if (first_real + 8 * h < rows) {
+              const int row = g + 8 * h;
+              *reinterpret_cast<float2*>(base + staged_pair<W>(row, pair)) =
+                  make_float2(acc[db][2 * h] * v_scale, acc[db + 1][2 * h] * v_scale);
+              *reinterpret_cast<float2*>(base + staged_pair<W>(row, pair + 1)) =
+                  make_float2(acc[db][2 * h + 1] * v_scale, acc[db + 1][2 * h + 1] * v_scale);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kPassBlocks; ++j) {
+          const int db = pass * kPassBlocks + j;
+          float2* o = mine + 4 * (j ^ (g & 7));
+          if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
+          if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
+        }
       }
       // after the staging (this pass's accumulators are dead), published by the barrier below
       if (pass == 0) row_phase(split, bad);
