@@ -84,7 +84,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __syncthreads();  // s_bad is set before any thread may set it
 
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
-  load_q_block<Traits>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group, row_in_pass, chunk);
+  load_q_block<Traits, QT, KVBytes<KVT>::value == 1>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group,
+                                                    row_in_pass, chunk);
   PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, kv_row_in_pass,
                                   kv_chunk, s_bad);
   kv.fetch_pages(0);
@@ -103,13 +104,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   SplitEpilogue<Traits, KVT, OT> epilogue(p, w, rows, kv_head, group, by_group, tid, warp, wm, sK, sV, s_max, s_sum,
                                           s_factor, s_row, s_step);
   Mma mma{lane, wm, wn};
-  // an fp8 cache's scales (KV head kv_head's): k's multiplies every score, v's the split's
-  // accumulators as the epilogue stages them
-  float k_scale = 1.f;
-  if constexpr (KVBytes<KVT>::value == 1) {
-    k_scale = __ldg(p.k_scale + kv_head);
-    epilogue.v_scale = __ldg(p.v_scale + kv_head);
-  }
+  const float k_scale = KVBytes<KVT>::value == 1 ? __ldg(p.k_scale + kv_head) : 1.f;  // an fp8 cache's
 
   // ---- the main loop: one KV tile per iteration, each split's epilogue after its last tile
   int split_now = w.split_first, tiles_left = tiles_per_split;
@@ -131,6 +126,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     if (warp_has_rows) {
       float s[Mma::S_BLOCKS][4];
       mma.scores(s, sQ, sK + stage * BN * D, tile == 0);
+      // an fp8 cache: the scores times KV head kv_head's k_scale (v_scale is the epilogue's)
       if constexpr (KVBytes<KVT>::value == 1) mma.scale_scores(s, k_scale);
       const int tile_key0 = kv_begin + tile * BN;
       mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows, tile_key0 + BN - 1 >= mask_from);

@@ -158,6 +158,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
 }
+// 4 bytes global -> shared (zero-filled when `valid` is false), through L1.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
+  int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -169,6 +175,10 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem) {
   u32 a = static_cast<u32>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* smem) {  // lanes 0-15 give the addresses
+  u32 a = static_cast<u32>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem) {
   u32 a = static_cast<u32>(__cvta_generic_to_shared(smem));

@@ -31,7 +31,10 @@ namespace cupy_fa {
 
 // Copies Q's row block [row0, row0 + BLOCK_M) of packed rows (rows past `rows` zero-filled) into
 // sQ (swizzled). It rides in the first cp.async group of the K/V pipeline.
-template <typename Traits, typename QT>
+// PAIRS_PERMUTED (over an fp8 cache): each 16-element group of a row is stored in the k order of
+// the fp8 K fragments (warp_mma.cuh): chunk 2c + h of the row holds its element pairs 8c + 2t + h,
+// t = 0..3 (the even pairs of the group, then the odd ones), copied 4 bytes at a time.
+template <typename Traits, typename QT, bool PAIRS_PERMUTED = false>
 __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, int q_start, int row0, int rows,
                                              int kv_head, int group, FastDiv by_group, int row_in_pass, int chunk) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, STEP = Traits::kRowStep;
@@ -45,7 +48,13 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
       const int token = q_start + by_group.div(row), head = kv_head * group + by_group.mod(row);
       src = q + ((i64)token * p.num_qo_heads + head) * D + chunk * 8;
     }
-    cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
+    if constexpr (PAIRS_PERMUTED) {
+      const QT* group_src = valid ? src - chunk * 8 + (chunk >> 1) * 16 + (chunk & 1) * 2 : q;  // the group's pair h
+#pragma unroll
+      for (int t = 0; t < 4; ++t) cp_async_4(sQ + swizzled<D>(r, chunk) + 2 * t, group_src + 4 * t, valid);
+    } else {
+      cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
+    }
   }
 }
 

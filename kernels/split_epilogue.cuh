@@ -70,11 +70,10 @@ struct SplitEpilogue {
   float (&s_factor)[BM][Traits::kWarpsN];           // each warp's factor onto the row's max
   float4 (&s_row)[BM];                              // the row's max, sum, 1 / sum, 1 / its folded total's sum
   FoldStep (&s_step)[Traits::kFoldInCta ? BM : 1][2];  // fold_splits: into the group, into the total
-  // An fp8 cache: the KV head's v_scale, which the accumulators are multiplied by as they are
-  // staged (so every result below, partials and fold states too, is in V's units), and the
-  // accumulator layout of warp_mma.cuh's fp8 P V (a chunk's even and odd columns in two blocks).
+  // An fp8 cache: the accumulators have the layout of warp_mma.cuh's fp8 P V (a chunk's even and
+  // odd columns in two blocks), and the KV head's v_scale joins the row's 1 / sum (row_phase), so
+  // every result below, split partials and fold states too, is in V's units.
   static constexpr bool kFp8 = KVBytes<KVT>::value == 1;
-  float v_scale = 1.f;
 
   __device__ __forceinline__ SplitEpilogue(const AttentionParams& p, const WorkItem& w, int rows, int kv_head,
                                            int group, FastDiv by_group, int tid, int warp, int wm, KVT* sK, KVT* sV,
@@ -172,7 +171,9 @@ struct SplitEpilogue {
       s_step[tid][1] = into_total;
       total_inv = inverse_sum(into_total.l);
     }
-    s_row[tid] = make_float4(m_all, l_all, inverse_sum(l_all), total_inv);
+    float inv = inverse_sum(l_all);
+    if constexpr (kFp8) inv *= __ldg(p.v_scale + kv_head);  // out = o * v_scale / l
+    s_row[tid] = make_float4(m_all, l_all, inv, total_inv);
   }
 
   // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`); a bad
@@ -193,21 +194,15 @@ struct SplitEpilogue {
       const int first_real = w.row0 + wm * 16 + g;
       if constexpr (kFp8) {
         // chunk j / 2 of the pass: acc[db] its even columns, acc[db + 1] its odd ones; the thread's
-        // columns 4 tq .. 4 tq + 3 of it are the column pairs 8 (j / 2) + 2 tq and + 1
-        float* base = staged(warp, stage);
+        // columns 4 tq .. 4 tq + 3 of it are the column pairs 4 j + 2 tq and + 1, which
+        // staged_pair<W>(g, .) puts at g W + 8 ((j + tq / 2) ^ g) + 4 (tq % 2) (+ 2): one float4
+        float* mine4 = staged(warp, stage) + g * W + 4 * (tq & 1);
 #pragma unroll
         for (int j = 0; j < kPassBlocks; j += 2) {
-          const int db = pass * kPassBlocks + j, pair = 4 * j + 2 * tq;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {  // rows g and g + 8
-            if (first_real + 8 * h < rows) {
-              const int row = g + 8 * h;
-              *reinterpret_cast<float2*>(base + staged_pair<W>(row, pair)) =
-                  make_float2(acc[db][2 * h] * v_scale, acc[db + 1][2 * h] * v_scale);
-              *reinterpret_cast<float2*>(base + staged_pair<W>(row, pair + 1)) =
-                  make_float2(acc[db][2 * h + 1] * v_scale, acc[db + 1][2 * h + 1] * v_scale);
-            }
-          }
+          const int db = pass * kPassBlocks + j;
+          float4* o = reinterpret_cast<float4*>(mine4 + 8 * ((j + (tq >> 1)) ^ (g & 7)));
+          if (first_real < rows) o[0] = make_float4(acc[db][0], acc[db + 1][0], acc[db][1], acc[db + 1][1]);
+          if (first_real + 8 < rows) o[2 * W] = make_float4(acc[db][2], acc[db + 1][2], acc[db][3], acc[db + 1][3]);
         }
       } else {
 #pragma unroll

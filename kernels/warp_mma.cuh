@@ -13,8 +13,9 @@
 // a time (common.cuh Fp8Widen), after an ldmatrix of its bytes as 16-bit pairs:
 // * S = Q K^T: a thread's ldmatrix word holds head-dim elements 4 tq .. 4 tq + 3 of its key, not
 //   the 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 of the mma's k order. A dot product does not care
-//   in which order its k run, as long as Q's fragment takes the same one: Q's A fragment is read
-//   with that order (load_q, two 8-byte reads), and K needs no shuffle. One x4 ldmatrix feeds 4
+//   in which order its k run, as long as Q's fragment takes the same one: Q's rows are stored
+//   in shared memory in that order (paged_kv.cuh load_q_block, PAIRS_PERMUTED), so load_q's
+//   ldmatrix reads the fragment as it is, and K needs no shuffle. One x4 ldmatrix of K feeds 4
 //   mma (2 for fp16 / bf16), the widening is to Q's type.
 // * O += P V: a thread's transposed ldmatrix word holds two keys x two head-dim columns; a byte
 //   permute makes the even and the odd columns of a 16-column chunk two mma B operands, so the
@@ -42,32 +43,10 @@ struct WarpMma {
   // the KV tiles (32 registers at D = 128)
   u32 q_frag[Traits::kQInRegisters ? K_STEPS : 1][4];
 
+  // (fp8: sQ holds each row's 16-element groups in the k order of the fp8 K words, load_q_block's
+  // PAIRS_PERMUTED, so the same ldmatrix gives the fragment in that order)
   __device__ __forceinline__ void load_q(const QT* sQ, int kk, u32 (&a)[4]) const {
-    if constexpr (kFp8) {  // k order 4 tq .. 4 tq + 3 (see the top): 8 bytes of rows g and g + 8
-      const int g = lane >> 2, tq = lane & 3, chunk = kk * 2 + (tq >> 1), within = (tq & 1) * 4;
-      const uint2 lo = *reinterpret_cast<const uint2*>(sQ + swizzled<D>(wm * 16 + g, chunk) + within);
-      const uint2 hi = *reinterpret_cast<const uint2*>(sQ + swizzled<D>(wm * 16 + g + 8, chunk) + within);
-      a[0] = lo.x, a[1] = hi.x, a[2] = lo.y, a[3] = hi.y;
-    } else {
-      ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-    }
-  }
-
-  // an fp8 K tile's ldmatrix words (keys of 8-key blocks nb and nb + 1 x chunks kk and kk + 1),
-  // widened to Q's type, into the scores of those two blocks
-  __device__ __forceinline__ void scores_fp8(float (&s)[S_BLOCKS][4], const u32 (&a0)[4], const u32 (&a1)[4],
-                                             const KVT* tK, int kk, int nb) const {
-    const int i = lane >> 3;  // the matrix this lane's row address is for
-    u32 kb[4], b[2];
-    ldmatrix_x4(kb, tK + swizzled_bytes<D>(wn * KW + (nb + (i & 1)) * 8 + (lane & 7), kk + (i >> 1)));
-    Fp8Widen<QT>::run(kb[0], b);
-    Mma<QT>::run(s[nb], a0, b[0], b[1]);
-    Fp8Widen<QT>::run(kb[1], b);
-    Mma<QT>::run(s[nb + 1], a0, b[0], b[1]);
-    Fp8Widen<QT>::run(kb[2], b);
-    Mma<QT>::run(s[nb], a1, b[0], b[1]);
-    Fp8Widen<QT>::run(kb[3], b);
-    Mma<QT>::run(s[nb + 1], a1, b[0], b[1]);
+    ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
   }
 
   // an fp8 cache: the scores times the KV head's k_scale
@@ -91,17 +70,37 @@ struct WarpMma {
     }
     if constexpr (kFp8) {
 #pragma unroll
-      for (int kk = 0; kk < K_STEPS; kk += 2) {
-        u32 a0[4], a1[4];
+      for (int kk = 0; kk < K_STEPS; ++kk) {
+        u32 a[4];
         if constexpr (Traits::kQInRegisters) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) a0[e] = q_frag[kk][e], a1[e] = q_frag[kk + 1][e];
+          for (int e = 0; e < 4; ++e) a[e] = q_frag[kk][e];
         } else {
-          load_q(sQ, kk, a0);
-          load_q(sQ, kk + 1, a1);
+          load_q(sQ, kk, a);
         }
+        const int i = lane >> 3;  // the matrix this lane's row address is for: 8-key block nb + i
 #pragma unroll
-        for (int nb = 0; nb < S_BLOCKS; nb += 2) scores_fp8(s, a0, a1, tK, kk, nb);
+        for (int nb = 0; nb < S_BLOCKS; nb += 4) {
+          if constexpr (S_BLOCKS % 4 == 0) {
+            u32 kb[4];
+            ldmatrix_x4(kb, tK + swizzled_bytes<D>(wn * KW + (nb + i) * 8 + (lane & 7), kk));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              u32 b[2];
+              Fp8Widen<QT>::run(kb[j], b);
+              Mma<QT>::run(s[nb + j], a, b[0], b[1]);
+            }
+          } else {
+            u32 kb[2];
+            ldmatrix_x2(kb, tK + swizzled_bytes<D>(wn * KW + (nb + (i & 1)) * 8 + (lane & 7), kk));
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              u32 b[2];
+              Fp8Widen<QT>::run(kb[j], b);
+              Mma<QT>::run(s[nb + j], a, b[0], b[1]);
+            }
+          }
+        }
       }
     } else {
 #pragma unroll
@@ -192,15 +191,14 @@ struct WarpMma {
       a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
       for (int c = 0; c < D / 16; c += 2) {  // two 16-byte chunks of 16 columns per x4
-        u32 vb[4], b[2];
+        u32 vb[4];
         // matrices: keys 0-7 then 8-15 of the k16 step, of chunk c, then of chunk c + 1
         ldmatrix_x4_trans(vb, tV + swizzled_bytes<D>(wn * KW + kk * 16 + (i & 1) * 8 + (lane & 7), c + (i >> 1)));
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          Fp8Widen<__half>::run(__byte_perm(vb[2 * h], vb[2 * h + 1], 0x6420u), b);  // even columns
-          Mma<__half>::run(acc[2 * (c + h)], a, b[0], b[1]);
-          Fp8Widen<__half>::run(__byte_perm(vb[2 * h], vb[2 * h + 1], 0x7531u), b);  // odd columns
-          Mma<__half>::run(acc[2 * (c + h) + 1], a, b[0], b[1]);
+        for (int h = 0; h < 4; ++h) {  // chunk c + h / 2, its even (h even) or odd columns
+          u32 b[2];
+          Fp8Widen<__half>::run(__byte_perm(vb[h & 2], vb[(h & 2) + 1], (h & 1) ? 0x7531u : 0x6420u), b);
+          Mma<__half>::run(acc[2 * c + h], a, b[0], b[1]);
         }
       }
     }
