@@ -240,7 +240,8 @@ def checked_scales(value, name, num_kv_heads):
         raise ValueError(f"{name} must be one scale (a float, 0-d or 1-element array) or one per KV head "
                          f"(shape ({num_kv_heads},)), got shape {arr.shape} (per token-head scales are not "
                          f"supported)")
-    scales = arr.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scales = arr.astype(np.float32)
     bad = np.flatnonzero(~(np.isfinite(scales) & (scales >= SMALLEST_SCALE)) | ~np.isfinite(arr.astype(np.float64)))
     if bad.size:
         raise ValueError(f"{name}[{bad[0]}] = {arr.reshape(-1)[bad[0]]!r}: scales must be positive, finite, normal "
