@@ -452,6 +452,7 @@ class BatchAttention:
         if state.batch_size == 0 or num_tokens == 0 or not launches:
             return  # IDLE: nothing to read, nothing to write
         lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
+        fp8 = self.kv_dtype_name == _arrays.FP8
         common = dict(
             q=q_dev.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
             out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
@@ -467,9 +468,8 @@ class BatchAttention:
             # the device metadata's bounds (kernels/status.cuh)
             status=buffers.status.data.ptr, num_pages=cache.num_pages, page_table_columns=state.page_table_columns,
             num_tokens=num_tokens, mask_entries=state.mask_entries,
-            # an fp8 cache's scales (per KV head, float32)
-            k_scale=cache.k_scale_device.data.ptr if cache.is_fp8 else 0,
-            v_scale=cache.v_scale_device.data.ptr if cache.is_fp8 else 0)
+            # an fp8 cache's scales (per KV head, float32; run checked the cache is of kv_dtype)
+            k_scale=cache.k_scale_device.data.ptr if fp8 else 0, v_scale=cache.v_scale_device.data.ptr if fp8 else 0)
         for launch in launches:  # the long family's first (schedule.StepSchedule.launches)
             # each family reads its own work list of plan_kernel's layout; everything else is shared
             work = buffers.long_work_indptr if launch is sched.long else buffers.work_indptr

@@ -137,13 +137,13 @@ def test_fp8_random_ragged_batch(dtype, page_size, scale_kind):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("shape", ["decode_b64_l4096", "verify_tree", "prefill_full"])
+@pytest.mark.parametrize("shape", ["decode_b64_l1024", "verify_tree", "prefill_full"])
 def test_fp8_named_shapes(dtype, shape):
-    """The bench's decode shape (where the small-q CTAs fold their splits), tree verify with the
-    custom mask, a non-causal prefill with odd lengths."""
+    """A bench-like decode batch (whose small-q CTAs fold whole rows), tree verify with the custom
+    mask, a non-causal prefill with odd lengths."""
     rng, seed = new_rng()
-    if shape == "decode_b64_l4096":
-        lengths = (np.ones(64, int), np.full(64, 4096))
+    if shape == "decode_b64_l1024":
+        lengths = (np.ones(64, int), np.full(64, 1024))
         run_fp8_case(rng, dtype, (32, 8), 128, 16, lengths, "head", label=shape)
     elif shape == "verify_tree":
         q_lens = np.array([5, 8, 3, 6, 1])
@@ -154,6 +154,36 @@ def test_fp8_named_shapes(dtype, shape):
     else:
         lengths = (np.array([300, 77, 17]), np.array([300, 77, 1030]))
         run_fp8_case(rng, dtype, (16, 4), 128, 1, lengths, "head", causal=False, label=shape)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_subnormal_bytes_read_exactly(dtype):
+    """K and V of e4m3 subnormals only (m x 2^-9, m = 1..7) and of the smallest normals: widened
+    exactly (a flush to zero would leave every score 0 and the output 0), with per-head scales of
+    1 and 2^-4, against float64 on the same bytes."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import reference
+
+    rng, seed = new_rng()
+    h_q, h_kv, d, page_size = 8, 2, 128, 16
+    kv_lens = np.array([64, 37, 200])
+    table, pages = paged_layout(rng, kv_lens, page_size)
+    shape = (pages, page_size, h_kv, d)
+    small = np.array([0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x81, 0x83, 0x86], np.uint8)
+    k = small[rng.integers(0, small.size, shape)]
+    v = small[rng.integers(0, small.size, shape)]
+    scales = np.array([1.0, 2.0**-4], np.float32)
+    cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype=FP8, k_scale=scales, v_scale=scales)
+    q_host = (64 * rng.standard_normal((3, h_q, d), dtype=np.float32)).astype(np_dtype(dtype))
+    attn = cupy_fa.BatchAttention(h_q, h_kv, d, dtype, kv_dtype=FP8).plan([1, 1, 1], kv_lens, table)
+    out, lse = attn.run(cupy.asarray(q_host), cache, return_lse=True)
+    ref, ref_lse = reference.paged_attention(q_host, k, v, [1, 1, 1], kv_lens, table, return_lse=True,
+                                             k_scale=scales, v_scale=scales)
+    # the case depends on the subnormals' values: the scores are not all 0 (LSE = log kv_len), nor the outputs
+    assert np.abs(ref).max() > 1e-3 and np.abs(ref_lse - np.log(kv_lens)[:, None]).max() > 0.05
+    check_attention(out.get(), ref, dtype, q_lens=[1, 1, 1], lse=lse.get(), ref_lse=ref_lse,
+                    label=f"seed {seed} fp8 subnormals").assert_ok()
 
 
 # ---- every serving mode, eager and graph; fp8 against the 16-bit cache -------------------------
@@ -386,14 +416,14 @@ def test_fp8_torch_tensors():
     from cupy_fa import reference
 
     rng, seed = new_rng()
-    pages, page_size, h_kv, d = 64, 16, 8, 128
+    page_size, h_kv, d = 16, 8, 128
+    kv_lens = np.array([300, 17, 999])
+    table, pages = paged_layout(rng, kv_lens, page_size)
     k = torch.zeros(pages, page_size, h_kv, d, dtype=torch.float8_e4m3fn, device="cuda")
     v = torch.zeros_like(k)
     k_scale = rng.uniform(0.005, 0.02, h_kv).astype(np.float32)
     cache = cupy_fa.PagedKVCache(k, v, k_scale=torch.from_numpy(k_scale).cuda(), v_scale=0.0125)
     assert cache.is_fp8 and cache.k.data.ptr == k.data_ptr()
-    kv_lens = np.array([300, 17, 999])
-    table, _ = paged_layout(rng, kv_lens, page_size)
     slots = np.concatenate([table[b, np.arange(n) // page_size] * page_size + np.arange(n) % page_size
                             for b, n in enumerate(kv_lens)])
     k_new = torch.from_numpy(2 * rng.standard_normal((len(slots), h_kv, d), dtype=np.float32)).to("cuda", torch.bfloat16)
