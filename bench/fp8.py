@@ -161,14 +161,11 @@ def flashinfer_decode(fi, kind, table, sets, q_lens, kv_lens, windows, n_launch,
     kv_indices = torch.as_tensor(np.concatenate([table[b, :n] for b, n in enumerate(pages)]), **dev)
     last = torch.as_tensor([int(kv) - (n - 1) * PAGE for kv, n in zip(kv_lens, pages)], **dev)
 
-    def kv_of(s):
+    def kv_of(s):  # [pages, 2, page_size, H_kv, D], the pages in our order
         c = s["caches"][kind]
-        if fp8:
-            k = torch.from_dlpack(c.k).view(torch.float8_e4m3fn)
-            v = torch.from_dlpack(c.v).view(torch.float8_e4m3fn)
-        else:
-            k, v = as_torch(c.k), as_torch(c.v)
-        return torch.stack([k, v], dim=1)  # [pages, 2, page_size, H_kv, D]
+        if fp8:  # stacked as bytes, then viewed as e4m3fn
+            return torch.stack([torch.from_dlpack(c.k), torch.from_dlpack(c.v)], dim=1).view(torch.float8_e4m3fn)
+        return torch.stack([as_torch(c.k), as_torch(c.v)], dim=1)
 
     cell, last_error = {}, None
     for tensor_cores in (True, False):
@@ -217,6 +214,7 @@ def main(argv=None):
     parser.add_argument("--peers-only", action="store_true", help="FlashInfer's cells only (with the ceiling)")
     parser.add_argument("--warm-peers", action="store_true", help="run FlashInfer's decode wrappers once (JIT) and exit")
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--ab", action="store_true", help="also time the fp8 decode tile at each depth, folded or not")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -283,6 +281,27 @@ def main(argv=None):
                 decode[f"ours {kind}"]["err_vs_bf16_cache"] = reference.relative_error(
                     to_host_elems(outs[kind][0]).astype(np.float64), to_host_elems(outs["bf16"][0]).astype(np.float64))
     results["cells"]["decode B=64 L=4096"] = decode
+    ab = {}
+    if args.ab and not args.peers_only:  # the fp8 tile's depth and the fold, ours alone (tuning only)
+        import dataclasses
+
+        from cupy_fa import knobs, schedule
+
+        before, depth = knobs.knobs(), schedule.FP8_STAGES
+        try:
+            for stages in (2, 3, 4):
+                for fold in ("auto", "0"):
+                    schedule.FP8_STAGES = stages
+                    knobs.use(dataclasses.replace(before, fold_splits=fold))
+                    cell, _ = time_ours("fp8 per-head", table, sets, q_lens, kv_lens, windows[:1], n_launch=20,
+                                        reps=args.reps)
+                    if "us" in cell:
+                        cell["tbps"] = (kv_bytes(batch, kv_len, 1) + qo_bytes(batch)) / (cell["us"] * 1e-6) / 1e12
+                    ab[f"stages {stages}, fold {fold}"] = cell
+        finally:
+            schedule.FP8_STAGES = depth
+            knobs.use(before)
+        results["cells"]["decode B=64 L=4096 fp8 A/B"] = ab
     del sets
     cupy.get_default_memory_pool().free_all_blocks()
 
@@ -297,6 +316,12 @@ def main(argv=None):
                          f"{cell['err']:8.1e}  {extra}")
         else:
             lines.append(f"  {name:28s} {cell.get('status', '?')}")
+    for name, cell in ab.items():
+        tile = cell.get("families", ["?"])[-1].split("MmaTile(")[-1][:90]
+        lines.append(f"  A/B fp8 per-head {name:18s} " + (f"{cell['us']:8.1f} us {cell['tbps']:5.2f} TB/s  {tile}"
+                                                        if "us" in cell else cell.get("status", "?")))
+    print("\n".join(lines), flush=True)
+    printed = len(lines)
 
     if not args.no_prefill and not args.peers_only:
         batch, kv_len = 4, 4096
@@ -322,7 +347,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
-    print("\n".join(lines))
+    print("\n".join(lines[printed:]), flush=True)
     return 0
 
 

@@ -10,7 +10,8 @@
 #    refusals, torch fp8 tensors), and the table of fp8's error against the 16-bit cache per mode;
 # 3. python -m bench.fp8: decode B=64 L=4096 (ours bf16, ours fp8 per-head / per-tensor scales,
 #    FlashInfer bf16 and fp8 when it imports) against the read ceiling it measures, and prefill
-#    B=4 L=4096 over the fp8 cache beside the bf16 one.
+#    B=4 L=4096 over the fp8 cache beside the bf16 one; then (--ab) the fp8 decode tile at pipeline
+#    depths 2, 3, 4, folded or not (tuning only).
 # It keeps within FP8_CHECK_SECONDS (default 195; pytest gets TEST_SECONDS, default 110), writes its
 # logs under $OUT (or ./device_out) and prints the summary last. Exit 1 when a test failed, errored
 # or skipped (on a GPU machine a skip is a broken setup) or when the counts are missing.
@@ -88,7 +89,7 @@ if [ -n "$fi_pid" ]; then  # the JIT compile must be done (or given up) before a
 fi
 left=$(( limit - $(elapsed) - 5 ))
 if [ "$left" -gt 20 ]; then
-  timeout "$left" python3 -m bench.fp8 $peers --json "$OUT/fp8_bench.json" > "$OUT/fp8_bench.log" 2>&1
+  timeout "$left" python3 -m bench.fp8 $peers --ab --json "$OUT/fp8_bench.json" > "$OUT/fp8_bench.log" 2>&1
   bench_rc=$?
   { echo "bench.fp8 (exit $bench_rc, $(elapsed) s in):"; grep -E "^read ceiling|^decode|^prefill|^  " "$OUT/fp8_bench.log"
     [ "$bench_rc" = 0 ] || tail -n 15 "$OUT/fp8_bench.log"; } >> "$summary"
