@@ -212,7 +212,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-peers", action="store_true", help="ours only")
     parser.add_argument("--peers-only", action="store_true", help="FlashInfer's cells only (with the ceiling)")
-    parser.add_argument("--warm-peers", action="store_true", help="run FlashInfer's decode wrappers once (JIT) and exit")
+    parser.add_argument("--warm-peers", action="store_true",
+                        help="run FlashInfer's decode wrappers once (JIT) and exit")
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--ab", action="store_true", help="also time the fp8 decode tile at each depth, folded or not")
     parser.add_argument("--reps", type=int, default=20)

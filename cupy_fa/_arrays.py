@@ -49,7 +49,7 @@ def resolve_kv_dtype(dtype, name="dtype"):
     """A KV cache dtype: what :func:`resolve_dtype` accepts, or float8_e4m3fn ("float8_e4m3fn",
     "fp8_e4m3", ml_dtypes.float8_e4m3fn, torch.float8_e4m3fn)."""
     text = str(dtype).replace("torch.", "")
-    if text in (FP8, "fp8_e4m3", "fp8_e4m3fn", "e4m3") or (FLOAT8_E4M3FN is not None and _is_dtype(dtype, FLOAT8_E4M3FN)):
+    if text in (FP8, "fp8_e4m3", "fp8_e4m3fn", "e4m3") or _is_dtype(dtype, FLOAT8_E4M3FN):
         return FP8
     try:
         return resolve_dtype(dtype, name)

@@ -603,7 +603,8 @@ def attention_variant(dtype, tile):
     type for Q, KV and O; a tile's ``kv_bytes`` must be the KV type's)."""
     types = ElementTypes.of(dtype)
     if getattr(tile, "kv_bytes", 2) != types.kv_bytes:
-        raise ValueError(f"internal: tile {tile} is for {getattr(tile, 'kv_bytes', 2)}-byte K/V, the KV type is {types.kv}")
+        raise ValueError(f"internal: tile {tile} is for {getattr(tile, 'kv_bytes', 2)}-byte K/V, "
+                         f"the KV type is {types.kv}")
     if family_of(tile) is SM90_WGMMA:
         if not types.q == types.kv == types.out:
             raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")

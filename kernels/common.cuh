@@ -88,13 +88,15 @@ template <typename T> struct Fp8Widen;
 template <> struct Fp8Widen<__half> {
   static __device__ __forceinline__ void run(u32 x, u32 (&out)[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
-        : "=r"(out[0]), "=r"(out[1]) : "r"(x));
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n"
+        " cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(out[0]), "=r"(out[1])
+        : "r"(x));
 #else
     const __half2 bias = __halves2half2(__ushort_as_half(0x5c00), __ushort_as_half(0x5c00));  // 2^8
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const u32 r = __byte_perm(x, 0u, i ? 0x3424u : 0x1404u);  // byte 2i, 2i + 1 in the high byte of each half
+      const u32 r = __byte_perm(x, 0u, i ? 0x3424u : 0x1404u);  // bytes 2i, 2i + 1 in the halves' high bytes
       u32 h = ((r & 0x7fff7fffu) >> 1) | (r & 0x80008000u);
       __half2 v = __hmul2(*reinterpret_cast<__half2*>(&h), bias);
       out[i] = *reinterpret_cast<u32*>(&v);
@@ -104,7 +106,8 @@ template <> struct Fp8Widen<__half> {
 };
 template <> struct Fp8Widen<__nv_bfloat16> {
   static __device__ __forceinline__ void run(u32 x, u32 (&out)[2]) {
-    const __nv_bfloat162 bias = __halves2bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80));  // 2^120
+    const __nv_bfloat16 two_120 = __ushort_as_bfloat16(0x7b80);  // 2^120
+    const __nv_bfloat162 bias = __halves2bfloat162(two_120, two_120);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const u32 r = __byte_perm(x, 0u, i ? 0x3424u : 0x1404u);

@@ -49,7 +49,8 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
       src = q + ((i64)token * p.num_qo_heads + head) * D + chunk * 8;
     }
     if constexpr (PAIRS_PERMUTED) {
-      const QT* group_src = valid ? src - chunk * 8 + (chunk >> 1) * 16 + (chunk & 1) * 2 : q;  // the group's pair h
+      // the row's pairs 8c + h, + 2, + 4, + 6 (c = chunk / 2, h = chunk % 2)
+      const QT* group_src = valid ? src - chunk * 8 + (chunk >> 1) * 16 + (chunk & 1) * 2 : q;
 #pragma unroll
       for (int t = 0; t < 4; ++t) cp_async_4(sQ + swizzled<D>(r, chunk) + 2 * t, group_src + 4 * t, valid);
     } else {

@@ -202,7 +202,9 @@ struct SplitEpilogue {
           const int db = pass * kPassBlocks + j;
           float4* o = reinterpret_cast<float4*>(mine4 + 8 * ((j + (tq >> 1)) ^ (g & 7)));
           if (first_real < rows) o[0] = make_float4(acc[db][0], acc[db + 1][0], acc[db][1], acc[db + 1][1]);
-          if (first_real + 8 < rows) o[2 * W] = make_float4(acc[db][2], acc[db + 1][2], acc[db][3], acc[db + 1][3]);
+          if (first_real + 8 < rows) {
+            o[2 * W] = make_float4(acc[db][2], acc[db + 1][2], acc[db][3], acc[db + 1][3]);  // row g + 8
+          }
         }
       } else {
 #pragma unroll

@@ -15,16 +15,17 @@
 //   the 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 of the mma's k order. A dot product does not care
 //   in which order its k run, as long as Q's fragment takes the same one: Q's rows are stored
 //   in shared memory in that order (paged_kv.cuh load_q_block, PAIRS_PERMUTED), so load_q's
-//   ldmatrix reads the fragment as it is, and K needs no shuffle. One x4 ldmatrix of K feeds 4
-//   mma (2 for fp16 / bf16), the widening is to Q's type.
+//   ldmatrix reads the fragment as it is, and K needs no shuffle. Each ldmatrix word of K feeds
+//   one mma (x4 over four 8-key blocks, x2 over a decode warp's two), twice the keys per byte
+//   loaded of fp16 / bf16 tiles; the widening is to Q's type.
 // * O += P V: a thread's transposed ldmatrix word holds two keys x two head-dim columns; a byte
 //   permute makes the even and the odd columns of a 16-column chunk two mma B operands, so the
 //   accumulator blocks of the chunk hold its even (acc[2c]) and odd (acc[2c + 1]) columns: the
 //   thread's four columns of the chunk's row are 16 c + 4 tq .. 4 tq + 3, which the epilogue
 //   stages in place (split_epilogue.cuh). P and V are fp16 there whatever Q's type (P <= 2^8 and
 //   every e4m3 value is exact in fp16).
-// * The scales: k_scale multiplies each score (scale_scores), v_scale the split's accumulators
-//   as the epilogue stages them; the mma sees the bytes' own e4m3 values.
+// * The scales: k_scale multiplies each score (scale_scores), v_scale joins each row's 1 / sum in
+//   the epilogue; the mma sees the bytes' own e4m3 values.
 #pragma once
 
 #include "common.cuh"
@@ -193,7 +194,8 @@ struct WarpMma {
       for (int c = 0; c < D / 16; c += 2) {  // two 16-byte chunks of 16 columns per x4
         u32 vb[4];
         // matrices: keys 0-7 then 8-15 of the k16 step, of chunk c, then of chunk c + 1
-        ldmatrix_x4_trans(vb, tV + swizzled_bytes<D>(wn * KW + kk * 16 + (i & 1) * 8 + (lane & 7), c + (i >> 1)));
+        const int key = wn * KW + kk * 16 + (i & 1) * 8 + (lane & 7);
+        ldmatrix_x4_trans(vb, tV + swizzled_bytes<D>(key, c + (i >> 1)));
 #pragma unroll
         for (int h = 0; h < 4; ++h) {  // chunk c + h / 2, its even (h even) or odd columns
           u32 b[2];

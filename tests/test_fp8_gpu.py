@@ -369,7 +369,8 @@ def test_fp8_refusals_write_nothing():
     with pytest.raises(TypeError, match="dtype='float8_e4m3fn'"):
         cupy_fa.PagedKVCache(raw, raw.copy())
     for bad, kind in ((0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
-                      (1e-40, ValueError), ([1.0, 2.0, 3.0], ValueError), (np.ones((8, 16, h_kv), np.float32), ValueError),
+                      (1e-40, ValueError), ([1.0, 2.0, 3.0], ValueError),
+                      (np.ones((8, 16, h_kv), np.float32), ValueError),
                       ("a", TypeError)):
         with pytest.raises(kind, match="k_scale"):
             cupy_fa.PagedKVCache(raw, raw.copy(), dtype=FP8, k_scale=bad)
@@ -426,8 +427,9 @@ def test_fp8_torch_tensors():
     assert cache.is_fp8 and cache.k.data.ptr == k.data_ptr()
     slots = np.concatenate([table[b, np.arange(n) // page_size] * page_size + np.arange(n) % page_size
                             for b, n in enumerate(kv_lens)])
-    k_new = torch.from_numpy(2 * rng.standard_normal((len(slots), h_kv, d), dtype=np.float32)).to("cuda", torch.bfloat16)
-    v_new = torch.from_numpy(2 * rng.standard_normal((len(slots), h_kv, d), dtype=np.float32)).to("cuda", torch.bfloat16)
+    new = (len(slots), h_kv, d)
+    k_new = torch.from_numpy(2 * rng.standard_normal(new, dtype=np.float32)).to("cuda", torch.bfloat16)
+    v_new = torch.from_numpy(2 * rng.standard_normal(new, dtype=np.float32)).to("cuda", torch.bfloat16)
     cache.append(k_new, v_new, torch.from_numpy(slots))
     q = torch.from_numpy(rng.standard_normal((3, 32, d), dtype=np.float32)).to("cuda", torch.bfloat16)
     attn = cupy_fa.BatchAttention(32, h_kv, d, "bfloat16", kv_dtype=torch.float8_e4m3fn)
