@@ -50,6 +50,8 @@ def source_hash():
 # ---- variants ---------------------------------------------------------------------
 
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+# K/V element types: Q's and O's, and an fp8 (e4m3fn) cache's bytes (kernels/common.cuh)
+KV_CTYPES = {**CTYPES, "float8_e4m3fn": "cupy_fa::fp8_e4m3"}
 TRACE_SHAPE = (1 << 15, 6)  # kernels/trace.cuh (kTraceCtas, kTraceStamps): trace_buffer's shape
 
 

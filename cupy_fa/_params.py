@@ -33,7 +33,7 @@ _FIELDS = {
         ("group_multiplier", np.uint32), ("group_shift", np.int32),
         ("fold_splits", np.int32),
         ("status", _PTR), ("num_pages", np.int32), ("page_table_columns", np.int32), ("num_tokens", np.int32),
-        ("mask_entries", np.int32),
+        ("mask_entries", np.int32), ("k_scale", _PTR), ("v_scale", _PTR),
     ],
     "MergeParams": [
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),
@@ -43,6 +43,7 @@ _FIELDS = {
     "AppendParams": [
         ("k_new", _PTR), ("v_new", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("slots", _PTR),
         ("num_slots", np.int64), ("num_tokens", np.int32), ("row_chunks", np.int32), ("status", _PTR),
+        ("k_scale", _PTR), ("v_scale", _PTR), ("head_chunks", np.int32),
     ],
 }
 

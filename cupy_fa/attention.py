@@ -83,6 +83,9 @@ class BatchAttention:
         num_qo_heads, num_kv_heads: query and KV head counts (GQA/MQA: the first a multiple of the second).
         head_dim: 64, 128 or 256.
         dtype: "bfloat16" or "float16" (also NumPy / ml_dtypes / torch dtypes); q, cache and out share it.
+        kv_dtype: the cache's dtype: None (``dtype``), or "float8_e4m3fn" for an fp8 cache
+            (:class:`PagedKVCache` with its scales) beside ``dtype`` queries and outputs; the
+            plan's tiles depend on it (every class of requests on the mma.sync family).
         max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes: capacity of the
             preallocated metadata buffers (requests, sum of q_len, page-table columns, custom-mask
             bytes). Give the first three (all or none) to allocate everything up front (needed
@@ -91,7 +94,8 @@ class BatchAttention:
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
             head dim, some but not all of the capacities, a capacity that is not a positive int
-            (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16.
+            (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16, a
+            kv_dtype other than ``dtype`` or float8_e4m3fn.
         RuntimeError: capacities given on a machine without a usable CUDA device.
 
     Threads and streams: one instance owns one set of metadata buffers. Its calls may come from
@@ -109,7 +113,7 @@ class BatchAttention:
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
-                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0):
+                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None):
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -121,6 +125,10 @@ class BatchAttention:
         self.group_size = self.num_qo_heads // self.num_kv_heads
         self._group_div = _params.fast_divisor(self.group_size)  # AttentionParams group_multiplier, _shift
         self.dtype_name = _arrays.resolve_dtype(dtype)
+        self.kv_dtype_name = self.dtype_name if kv_dtype is None else _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
+        if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
+            raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
+        self._types = _schedule.ElementTypes(self.dtype_name, self.kv_dtype_name, self.dtype_name)
         given = (max_batch_size, max_num_tokens, max_pages_per_request)
         self._fixed_capacity = all(v is not None for v in given)
         if any(v is not None for v in given) and not self._fixed_capacity:
@@ -271,7 +279,7 @@ class BatchAttention:
             q_lens=step.q_host if step.on_host else None, kv_lens=step.kv_host if step.on_host else None,
             max_q_len=step.max_q_len, max_kv_len=max_kv_len, capacity=buffers.capacity, batch_size=step.batch,
             smem_limit=_build.device_smem_limit(), sm_count=_build.device_attribute("MultiProcessorCount"),
-            arch=_build.current_arch())
+            arch=_build.current_arch(), kv_bytes=self._types.kv_bytes)
         with stream:
             tile, long_tile = sched.plan_tiles()
             _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=max_q,
@@ -408,8 +416,13 @@ class BatchAttention:
         if (cache.num_kv_heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"cache has num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}; this "
                              f"BatchAttention expects {self.num_kv_heads} and {self.head_dim}")
-        if cache.dtype_name != self.dtype_name:
-            raise TypeError(f"cache dtype is {cache.dtype_name}, q dtype is {self.dtype_name}")
+        if cache.dtype_name != self.kv_dtype_name:
+            if self.kv_dtype_name == self.dtype_name:
+                raise TypeError(f"cache dtype is {cache.dtype_name}, q dtype is {self.dtype_name}"
+                                + (" (an fp8 cache needs BatchAttention(..., kv_dtype='float8_e4m3fn'))"
+                                   if cache.dtype_name == _arrays.FP8 else ""))
+            raise TypeError(f"cache dtype is {cache.dtype_name}, this BatchAttention was built for kv_dtype "
+                            f"{self.kv_dtype_name}")
         if cache.k.device.id != device:
             raise ValueError(f"cache is on device {cache.k.device.id}, q on device {device}")
         if q_dev.shape[0] > self._buffers.capacity.max_num_tokens and state.num_tokens is None:
@@ -439,6 +452,7 @@ class BatchAttention:
         if state.batch_size == 0 or num_tokens == 0 or not launches:
             return  # IDLE: nothing to read, nothing to write
         lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
+        fp8 = self.kv_dtype_name == _arrays.FP8
         common = dict(
             q=q_dev.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
             out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
@@ -453,7 +467,9 @@ class BatchAttention:
             group_multiplier=self._group_div[0], group_shift=self._group_div[1],
             # the device metadata's bounds (kernels/status.cuh)
             status=buffers.status.data.ptr, num_pages=cache.num_pages, page_table_columns=state.page_table_columns,
-            num_tokens=num_tokens, mask_entries=state.mask_entries)
+            num_tokens=num_tokens, mask_entries=state.mask_entries,
+            # an fp8 cache's scales (per KV head, float32; run checked the cache is of kv_dtype)
+            k_scale=cache.k_scale_device.data.ptr if fp8 else 0, v_scale=cache.v_scale_device.data.ptr if fp8 else 0)
         for launch in launches:  # the long family's first (schedule.StepSchedule.launches)
             # each family reads its own work list of plan_kernel's layout; everything else is shared
             work = buffers.long_work_indptr if launch is sched.long else buffers.work_indptr
@@ -461,7 +477,7 @@ class BatchAttention:
                                   splits_per_cta=launch.tile.splits_per_cta,
                                   fold_splits=int(launch.tile.fold_splits), **common)
             # one CTA per (work item, KV head), heads fastest (kernels/work.cuh): schedule.launch_grid
-            _build.launch(_schedule.attention_variant(self.dtype_name, launch.tile), (launch.ctas,), params, stream)
+            _build.launch(_schedule.attention_variant(self._types, launch.tile), (launch.ctas,), params, stream)
         if sched.needs_merge:
             # one merge for both classes: the long family never folds, and the small-q CTAs fold
             # only in steps without long requests (schedule.schedule_step)

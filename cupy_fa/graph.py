@@ -42,7 +42,8 @@ class GraphRunner:
     """Replays one captured attention step per (mode, batch bucket, cache).
 
     Args:
-        num_qo_heads, num_kv_heads, head_dim, dtype: as for :class:`BatchAttention`.
+        num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype: as for :class:`BatchAttention`
+            (``kv_dtype="float8_e4m3fn"``: the caches are fp8).
         max_batch_size: largest batch (the largest bucket).
         max_q_len: largest q_len of any request in a non-DECODE mode (N for verify /
             draft-extend, the chunk for EXTEND / MIXED).
@@ -62,7 +63,7 @@ class GraphRunner:
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size, max_q_len,
-                 max_pages_per_request, page_size, buckets=None, tree_mask=False):
+                 max_pages_per_request, page_size, buckets=None, tree_mask=False, kv_dtype=None):
         import cupy
 
         from .attention import _check_count
@@ -82,7 +83,7 @@ class GraphRunner:
         mask_bytes = self.max_batch_size * self.max_q_len ** 2 if tree_mask else 0
         self.attn = BatchAttention(num_qo_heads, num_kv_heads, head_dim, dtype, max_batch_size=self.max_batch_size,
                                    max_num_tokens=tokens, max_pages_per_request=self.max_pages_per_request,
-                                   max_mask_bytes=mask_bytes)
+                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype)
         self.tree_mask = tree_mask
         elem = _arrays.DTYPES[self.attn.dtype_name]
         self.q = cupy.zeros((tokens, num_qo_heads, head_dim), elem)

@@ -23,7 +23,8 @@ import math
 
 import numpy as np
 
-__all__ = ["paged_attention", "relative_error", "check_attention", "AttentionCheck", "TOL", "MAX_ABS", "LSE_TOL"]
+__all__ = ["paged_attention", "relative_error", "check_attention", "AttentionCheck", "TOL", "MAX_ABS", "LSE_TOL",
+           "quantize_e4m3", "dequantize_e4m3", "E4M3_MAX"]
 
 # Upper bound on the elements of one score block [H_q, rows, kv_len] (float64).
 _SCORE_BUDGET = 1 << 24
@@ -79,6 +80,8 @@ def paged_attention(
     custom_mask=None,
     return_lse: bool = False,
     p_dtype=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Reference paged attention in float64.
 
@@ -95,6 +98,9 @@ def paged_attention(
             prefix ``0 .. kv_len - q_len - 1`` and draft key ``kv_len - q_len + j`` iff
             ``mask[i, j]``. Overrides ``causal``.
         return_lse: also return the log-sum-exp of the scaled scores.
+        k_scale, v_scale: an fp8 cache's scales (a float or ``[H_kv]``): the keys are
+            ``k_cache * k_scale[head]`` in float64, the values likewise (k_cache / v_cache of
+            ml_dtypes' float8_e4m3fn, or uint8 e4m3fn bytes). None: 1.
         p_dtype: ``None`` (exact), or a dtype (``np.float16``, ``ml_dtypes.bfloat16``) to round
             the softmax weights to before they multiply V, as the kernels' P.V product does
             (the denominator and the LSE stay exact). Models a kernel's rounding, for CPU tests
@@ -108,6 +114,9 @@ def paged_attention(
     q = _to_numpy(q)
     k_cache = _to_numpy(k_cache)
     v_cache = _to_numpy(v_cache)
+    if k_scale is not None or v_scale is not None or k_cache.dtype == np.uint8:
+        k_cache = dequantize_e4m3(k_cache, 1.0 if k_scale is None else k_scale)
+        v_cache = dequantize_e4m3(v_cache, 1.0 if v_scale is None else v_scale)
     q_lens = _to_numpy(q_lens).astype(np.int64).reshape(-1)
     kv_lens = _to_numpy(kv_lens).astype(np.int64).reshape(-1)
     page_table = _to_numpy(page_table).astype(np.int64)
@@ -195,6 +204,60 @@ def paged_attention(
             out[cu[b] + r0 : cu[b] + r1] = o.transpose(1, 0, 2)
             lse[cu[b] + r0 : cu[b] + r1] = l.T
     return (out, lse) if return_lse else out
+
+
+# ---- fp8 (e4m3fn) KV: the quantiser the append kernel implements, and the dequantisation ----
+
+E4M3_MAX = 448.0  # the largest finite e4m3fn value: quantisation saturates here
+
+
+def _e4m3_dtype():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def quantize_e4m3(x, scale):
+    """The bytes (uint8, e4m3fn) ``PagedKVCache.append`` stores for new rows ``x`` (``[..., H_kv,
+    D]`` of any float dtype: what the kernel reads as float32) with scales ``scale`` (a float or
+    ``[H_kv]``): ``q = e4m3(float32(x) / float32(scale))``, the division in float32 (IEEE,
+    correctly rounded, float32 subnormals flushed to zero of their sign as the kernels' -ftz
+    build does), then rounded to the nearest e4m3fn value, ties to even; ``|q| >= 448`` (and
+    +-inf) saturate to +-448, NaN stays NaN (0x7F, or 0xFF for a negative NaN). A float64
+    re-implementation of kernels/common.cuh e4m3_from_float, checked against ml_dtypes' own
+    rounding (tests/test_fp8_cpu.py)."""
+    x32 = np.asarray(_to_numpy(x)).astype(np.float32)
+    s32 = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1, 1), x32.shape[-2:]) \
+        if np.ndim(scale) else np.float32(scale)
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    x32 = np.where(np.abs(x32) < tiny, np.copysign(np.float32(0), x32), x32)  # -ftz on the input
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        quotient = (x32 / s32).astype(np.float32)
+    quotient = np.where(np.abs(quotient) < tiny, np.copysign(np.float32(0), quotient), quotient)
+    bits = quotient.view(np.uint32).astype(np.int64)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    with np.errstate(invalid="ignore"):
+        sub = np.rint(np.abs(quotient.astype(np.float64)) * 512.0)  # rint: ties to even
+    sub = np.where(np.isfinite(sub), np.minimum(sub, 8), 0).astype(np.int64)
+    out = np.where(a >= 0x3C800000, normal, sub)
+    out = np.where(a >= 0x43E00000, 0x7E, out)
+    out = np.where(a > 0x7F800000, 0x7F, out)
+    return (sign | out).astype(np.uint8)
+
+
+def dequantize_e4m3(fp8, scale):
+    """float64 values of an fp8 cache: e4m3fn bytes (uint8, or ml_dtypes' float8_e4m3fn) ``[...,
+    H_kv, D]`` times ``scale`` (a float or ``[H_kv]``)."""
+    arr = np.asarray(_to_numpy(fp8))
+    if arr.dtype == np.uint8:
+        arr = arr.view(_e4m3_dtype())
+    values = arr.astype(np.float64)
+    scale = np.asarray(_to_numpy(scale), np.float64)
+    if scale.ndim and scale.size > 1:
+        return values * scale.reshape(-1, 1)
+    return values * float(scale.reshape(()))
 
 
 # The accuracy bar for every kernel result against this reference (relative_error):

@@ -74,6 +74,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
   const int chunk = tid % CH, row_in_pass = tid / CH;
+  // the K/V copies' chunk column and first row (the Q copies' for fp16 / bf16 K/V; an fp8 row has
+  // half the chunks)
+  const int kv_chunk = tid % Traits::kKVChunks, kv_row_in_pass = tid / Traits::kKVChunks;
   // a warp whose 16 rows are all padding (decode in a 2-row-warp tile) only loads
   const bool warp_has_rows = w.row0 + wm * 16 < rows;
 
@@ -81,9 +84,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __syncthreads();  // s_bad is set before any thread may set it
 
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
-  load_q_block<Traits>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group, row_in_pass, chunk);
-  PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, row_in_pass, chunk,
-                                  s_bad);
+  load_q_block<Traits, QT, KVBytes<KVT>::value == 1>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group,
+                                                    row_in_pass, chunk);
+  PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, kv_row_in_pass,
+                                  kv_chunk, s_bad);
   kv.fetch_pages(0);
 #pragma unroll
   for (int t = 0; t < STAGES - 1; ++t) {
@@ -100,6 +104,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   SplitEpilogue<Traits, KVT, OT> epilogue(p, w, rows, kv_head, group, by_group, tid, warp, wm, sK, sV, s_max, s_sum,
                                           s_factor, s_row, s_step);
   Mma mma{lane, wm, wn};
+  const float k_scale = KVBytes<KVT>::value == 1 ? __ldg(p.k_scale + kv_head) : 1.f;  // an fp8 cache's
 
   // ---- the main loop: one KV tile per iteration, each split's epilogue after its last tile
   int split_now = w.split_first, tiles_left = tiles_per_split;
@@ -121,6 +126,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     if (warp_has_rows) {
       float s[Mma::S_BLOCKS][4];
       mma.scores(s, sQ, sK + stage * BN * D, tile == 0);
+      // an fp8 cache: the scores times KV head kv_head's k_scale (v_scale is the epilogue's)
+      if constexpr (KVBytes<KVT>::value == 1) mma.scale_scores(s, k_scale);
       const int tile_key0 = kv_begin + tile * BN;
       mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows, tile_key0 + BN - 1 >= mask_from);
       state.update(s);

@@ -91,6 +91,10 @@ struct AttentionParams {
   int page_table_columns;     // of the caller's page table: a kv_len that needs more pages is refused
   int num_tokens;             // rows of q and out: a request's rows past them are refused
   int mask_entries;           // of the custom mask (mask_mode 2): a request's block past them is refused
+  // An fp8 cache's dequantisation scales, float32 [H_kv] each (k = e4m3 * k_scale[head]); unused
+  // (null) for fp16 / bf16 K/V.
+  const float* k_scale;
+  const float* v_scale;
 };
 
 struct MergeParams {
@@ -116,6 +120,10 @@ struct AppendParams {
   int num_tokens;
   int row_chunks;             // H_kv x D / 8: 16-byte chunks per token
   StatusWord* status;         // [1]   the cache's status word: the first token whose slot is past the cache
+  // append_quantize_kernel (an fp8 cache): each element stored as e4m3(x / scale[its KV head])
+  const float* k_scale;       // [H_kv] float32
+  const float* v_scale;       // [H_kv] float32
+  int head_chunks;            // D / 8: 16-byte input chunks per KV head (row_chunks / H_kv)
 };
 
 }  // namespace cupy_fa

@@ -70,6 +70,10 @@ struct SplitEpilogue {
   float (&s_factor)[BM][Traits::kWarpsN];           // each warp's factor onto the row's max
   float4 (&s_row)[BM];                              // the row's max, sum, 1 / sum, 1 / its folded total's sum
   FoldStep (&s_step)[Traits::kFoldInCta ? BM : 1][2];  // fold_splits: into the group, into the total
+  // An fp8 cache: the accumulators have the layout of warp_mma.cuh's fp8 P V (a chunk's even and
+  // odd columns in two blocks), and the KV head's v_scale joins the row's 1 / sum (row_phase), so
+  // every result below, split partials and fold states too, is in V's units.
+  static constexpr bool kFp8 = KVBytes<KVT>::value == 1;
 
   __device__ __forceinline__ SplitEpilogue(const AttentionParams& p, const WorkItem& w, int rows, int kv_head,
                                            int group, FastDiv by_group, int tid, int warp, int wm, KVT* sK, KVT* sV,
@@ -102,7 +106,7 @@ struct SplitEpilogue {
   // warp w's [16][W] fp32 slice of the staging area
   __device__ __forceinline__ float* staged(int wi, int stage) const {
     if constexpr (Traits::kEpilogueInStage) {
-      constexpr int kPerTile = BN * D / (32 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
+      constexpr int kPerTile = BN * D * (int)sizeof(KVT) / (64 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
       KVT* tile_base = (wi < kPerTile ? sK : sV) + stage * BN * D;
       return reinterpret_cast<float*>(tile_base) + (wi % kPerTile) * 16 * W;
     } else {
@@ -167,7 +171,9 @@ struct SplitEpilogue {
       s_step[tid][1] = into_total;
       total_inv = inverse_sum(into_total.l);
     }
-    s_row[tid] = make_float4(m_all, l_all, inverse_sum(l_all), total_inv);
+    float inv = inverse_sum(l_all);
+    if constexpr (kFp8) inv *= __ldg(p.v_scale + kv_head);  // out = o * v_scale / l
+    s_row[tid] = make_float4(m_all, l_all, inv, total_inv);
   }
 
   // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`); a bad
@@ -186,12 +192,28 @@ struct SplitEpilogue {
       // staged_pair<W>(g, 4 j + tq) = g W + 2 tq + 8 (j ^ g % 8), and row g + 8 has the same swizzle.
       float2* mine = reinterpret_cast<float2*>(staged(warp, stage) + g * W) + tq;
       const int first_real = w.row0 + wm * 16 + g;
+      if constexpr (kFp8) {
+        // chunk j / 2 of the pass: acc[db] its even columns, acc[db + 1] its odd ones; the thread's
+        // columns 4 tq .. 4 tq + 3 of it are the column pairs 4 j + 2 tq and + 1, which
+        // staged_pair<W>(g, .) puts at g W + 8 ((j + tq / 2) ^ g) + 4 (tq % 2) (+ 2): one float4
+        float* mine4 = staged(warp, stage) + g * W + 4 * (tq & 1);
 #pragma unroll
-      for (int j = 0; j < kPassBlocks; ++j) {
-        const int db = pass * kPassBlocks + j;
-        float2* o = mine + 4 * (j ^ (g & 7));
-        if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
-        if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
+        for (int j = 0; j < kPassBlocks; j += 2) {
+          const int db = pass * kPassBlocks + j;
+          float4* o = reinterpret_cast<float4*>(mine4 + 8 * ((j + (tq >> 1)) ^ (g & 7)));
+          if (first_real < rows) o[0] = make_float4(acc[db][0], acc[db + 1][0], acc[db][1], acc[db + 1][1]);
+          if (first_real + 8 < rows) {
+            o[2 * W] = make_float4(acc[db][2], acc[db + 1][2], acc[db][3], acc[db + 1][3]);  // row g + 8
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kPassBlocks; ++j) {
+          const int db = pass * kPassBlocks + j;
+          float2* o = mine + 4 * (j ^ (g & 7));
+          if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
+          if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
+        }
       }
       // after the staging (this pass's accumulators are dead), published by the barrier below
       if (pass == 0) row_phase(split, bad);

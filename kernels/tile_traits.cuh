@@ -4,7 +4,8 @@
 // variant) to size the launch, the shared memory and the plan's work layout.
 //
 // Element types are the kernel's own template parameters (attention_kernel<Q, KV, O, Traits>),
-// not the tile's: the sizes below assume 2-byte elements (fp16 / bf16), as Q and KV are today.
+// not the tile's; the tile knows the bytes of a K/V element (KV_BYTES: 2 for fp16 / bf16, 1 for
+// an fp8 cache), which size the K/V stages and their 16-byte chunks. Q and O are 2-byte.
 #pragma once
 
 #include "common.cuh"
@@ -15,7 +16,7 @@ namespace cupy_fa {
 // Tile constants per (head dim, warp layout, keys per tile, pipeline depth, fold state).
 // The host picks the instance (cupy_fa/schedule.py MmaTile) and sizes the
 // dynamic shared memory from the same numbers.
-template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD>
+template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD, int KV_BYTES = 2>
 struct TileTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kWarpsM = WARPS_M;
@@ -29,7 +30,7 @@ struct TileTraits {
   static constexpr int kChunks = HEAD_DIM / 8;                                   // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;                            // rows one pass of the CTA loads
   static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
-  static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
+  static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * KV_BYTES;        // K, and again V
   static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
   // FOLD: the CTA carries a fold state and may run a whole row, or one group of kMergeGroup
   // splits of it, and fold them itself (AttentionParams::fold_splits): merge_kernel's steps,
@@ -38,7 +39,31 @@ struct TileTraits {
   static constexpr bool kFoldInCta = FOLD;
   // the fold state: merge_kernel's open group and total, o per element and (m, l) per row
   static constexpr int kSmemFold = kFoldInCta ? kBlockM * (2 * HEAD_DIM * 4 + 16) : 0;
-  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemKV + kSmemFold;
+  // K/V rows in 16-byte chunks (16 fp8 or 8 fp16 / bf16 elements each), and the rows one pass
+  // of the CTA copies
+  static constexpr int kKVBytes = KV_BYTES;
+  static constexpr int kKVChunks = HEAD_DIM * KV_BYTES / 16;
+  static constexpr int kKVRowStep = kThreads / kKVChunks;
+  static constexpr int kStageBytes = 2 * kBlockN * HEAD_DIM * KV_BYTES;          // one stage's K and V tiles
+
+  // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
+  // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
+  // for a two-row fold tile), it uses only the stage just consumed, so the pipeline keeps
+  // running: a CTA may then run several consecutive splits (splits_per_cta) without a
+  // new start-up per split.
+  // (An fp8 stage holds half the bytes: one pass where it fits, else two where D >= 128.)
+  static constexpr int kEpiloguePasses =
+      KV_BYTES == 2 ? (kWarps <= BLOCK_N / 16 ? 1 : (kFoldInCta ? 2 : 0))
+                    : (kWarps * 16 * HEAD_DIM * 4 <= kStageBytes
+                           ? 1
+                           : (HEAD_DIM >= 128 && kWarps * 16 * (HEAD_DIM / 2) * 4 <= kStageBytes ? 2 : 0));
+  static constexpr bool kEpilogueInStage = kEpiloguePasses > 0;
+  static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM / kEpiloguePasses : HEAD_DIM;  // per pass
+  // The K/V stages, and where the epilogue stages over all of them and they are too small (an
+  // fp8 tile), the room it needs; then the fold state.
+  static constexpr int kSmemKVRegion =
+      (kEpilogueInStage || kSmemEpilogue <= 2 * kSmemKV) ? 2 * kSmemKV : kSmemEpilogue;
+  static constexpr int kSmemBytes = kSmemQ + kSmemKVRegion + kSmemFold;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
   // flight, so hold the compiler to the CTAs per SM that shared memory allows,
   // as far as 128 registers per thread can feed them. Prefill tiles keep their
@@ -52,26 +77,21 @@ struct TileTraits {
   // threads per SM: the one-row folding tile): a third of a tile's ldmatrix reads fewer.
   static constexpr bool kQInRegisters = WARPS_N > 1 && HEAD_DIM <= 128 && kThreads * kMinCtasPerSm <= 256;
 
-  // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
-  // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
-  // for a two-row fold tile), it uses only the stage just consumed, so the pipeline keeps
-  // running: a CTA may then run several consecutive splits (splits_per_cta) without a
-  // new start-up per split.
-  static constexpr int kEpiloguePasses = kWarps <= BLOCK_N / 16 ? 1 : (kFoldInCta ? 2 : 0);
-  static constexpr bool kEpilogueInStage = kEpiloguePasses > 0;
-  static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM / kEpiloguePasses : HEAD_DIM;  // per pass
-
   static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
-  static_assert(!kEpilogueInStage || kWarps * 16 * kStagedCols * 4 <= 4 * BLOCK_N * HEAD_DIM,
+  static_assert(!kEpilogueInStage || kWarps * 16 * kStagedCols * 4 <= kStageBytes,
                 "a pass's fp32 slices fit one stage's K and V tiles");
-  static_assert(!kEpilogueInStage || (BLOCK_N * HEAD_DIM) % (32 * kStagedCols) == 0,
+  static_assert(!kEpilogueInStage || (BLOCK_N * HEAD_DIM * KV_BYTES / 4) % (16 * kStagedCols) == 0,
                 "whole slices per K (or V) tile");
   static_assert(kStagedCols >= 64 || kEpiloguePasses <= 1, "staged_pair's swizzle needs 64 columns");
   static_assert(!FOLD || WARPS_N > 1, "a fold is for small-q tiles, whose requests split");
   static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
                 "loads must tile the CTA evenly");
-  static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
+  static_assert(KV_BYTES == 1 || kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
+  static_assert(KV_BYTES == 1 || KV_BYTES == 2, "fp8, or fp16 / bf16 K/V elements");
+  static_assert(kThreads % kKVChunks == 0 && kBlockN % kKVRowStep == 0, "K/V loads must tile the CTA evenly");
+  static_assert(KV_BYTES == 2 || (kKeysPerWarp % 16 == 0 && HEAD_DIM % 32 == 0),
+                "fp8 fragments: pairs of 8-key blocks and of 16-byte chunks (warp_mma.cuh)");
 };
 
 }  // namespace cupy_fa
