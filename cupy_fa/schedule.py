@@ -131,6 +131,7 @@ class MmaTile:
     fold_capable: bool = False  # carries a fold state (TileTraits FOLD): its own kernel binary
     splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
     fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
+    variants: bool = False  # the variant hooks compiled in (window, soft-cap, sinks; TileTraits VARIANTS)
 
     family = MMA_SYNC
     whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
@@ -211,8 +212,9 @@ class MmaTile:
 
     def traits(self):
         """The C++ traits type of this tile's kernel binary."""
+        hooks = ", true" if self.variants else ""  # the plain kernels keep their names (and code)
         return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
-                f"{self.stages}, {str(self.fold_capable).lower()}>")
+                f"{self.stages}, {str(self.fold_capable).lower()}{hooks}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -301,6 +303,34 @@ def max_splits(q_lens, kv_lens):
     splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size())
     splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
     return np.maximum(1, np.minimum(splits, MAX_SPLITS))
+
+
+def key_base(q_lens, kv_lens, window):
+    """kernels/plan.cu window_key_base: with a sliding ``window`` (keys a query sees, itself
+    included; 0 / None: none) the keys before each request's first split, its first query's first
+    visible key ``kv_len - q_len - window + 1`` rounded down to a multiple of MERGE_GROUP x
+    split_size() (so small-q splits and their merge groups stay at fixed positions); 0 without."""
+    q, kv = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
+    if not window:
+        return np.zeros(np.broadcast(q, kv).shape, np.int64)
+    unit = MERGE_GROUP * split_size()
+    first = kv - q - int(window) + 1
+    return np.where(first > 0, first // unit * unit, 0)
+
+
+def window_spans(q_lens, kv_lens, window):
+    """The keys each request's splits cut (``kv_len - key_base``): what every split count of the
+    policy is computed from (all of ``kv_len`` without a window)."""
+    return np.asarray(kv_lens, np.int64) - key_base(q_lens, kv_lens, window)
+
+
+def window_span_bound(max_q_len, max_kv_len, window):
+    """The most keys a request of at most ``max_q_len`` tokens and ``max_kv_len`` keys splits under
+    ``window``: its queries' windows, ``max_q_len + window - 1`` keys, plus the rounding of its
+    key_base (MERGE_GROUP x split_size() - 1 keys); ``max_kv_len`` without a window."""
+    if not window:
+        return max_kv_len
+    return min(max_kv_len, max_q_len + int(window) - 1 + MERGE_GROUP * split_size() - 1)
 
 
 # ---- the grid ----------------------------------------------------------------------------------
@@ -462,7 +492,8 @@ class StepSchedule:
 
 
 def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=None, max_q_len=None,
-                  max_kv_len=None, capacity=None, batch_size=None, smem_limit=SMEM_LIMIT, sm_count=132, arch=None):
+                  max_kv_len=None, capacity=None, batch_size=None, smem_limit=SMEM_LIMIT, sm_count=132, arch=None,
+                  window=0):
     """The launches, tiles, grids and merge of one step, on a device with ``smem_limit`` bytes of
     shared memory per CTA, ``sm_count`` SMs and target ``arch`` (None: the mma.sync family only).
 
@@ -473,8 +504,17 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     ``batch_size``. Up to SMALL_Q_LEN the step is small-q only and the fold is by groups, where
     even the shortest such batch (every request max_q_len tokens, one split) fills the GPU;
     above it both launches are planned (either may find no work; no fold). The bits never
-    depend on any of it."""
+    depend on any of it.
+
+    With a sliding ``window`` (> 0) a request's splits cut only the keys from its key_base on
+    (:func:`window_spans`; kernels/plan.cu), and every split count, grid and merge below is that of
+    those keys (with device lengths: of :func:`window_span_bound`)."""
     long_tile = prefill_tile(head_dim, smem_limit, arch)
+    if window and q_lens is not None:
+        kv_lens = window_spans(q_lens, kv_lens, window)  # what the splits cut: every count below follows
+    elif window:
+        max_kv_len = window_span_bound(int(max_q_len), int(max_kv_len) if max_kv_len is not None else 2**31 - 1,
+                                       window)
 
     def launch(tile, work_grid, q, kv):  # q, kv: the class's lengths, or the bounds it plans for
         live = np.asarray(q) > 0
@@ -556,6 +596,13 @@ def merge_grid(num_tokens, num_qo_heads):
 
 
 # ---- variants ----------------------------------------------------------------------------------
+
+
+def with_variants(tile):
+    """``tile``'s kernel with the variant hooks compiled in (kernels/variant.cuh: sliding window,
+    logits soft-cap, attention sinks; each on at run time by its AttentionParams field). The same
+    schedule and work layout as ``tile``: only the binary differs."""
+    return dataclasses.replace(tile, variants=True)
 
 
 @functools.lru_cache(maxsize=None)

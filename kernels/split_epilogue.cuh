@@ -166,8 +166,28 @@ struct SplitEpilogue {
       s_step[tid][0] = into_group;
       s_step[tid][1] = into_total;
       total_inv = inverse_sum(into_total.l);
+      if constexpr (Traits::kVariants) {  // only the row's last fold uses it: its final sum takes the sink
+        if (p.sinks != nullptr) total_inv = with_sink(into_total.m, into_total.l, sink_of(row)).inv;
+      }
     }
-    s_row[tid] = make_float4(m_all, l_all, inverse_sum(l_all), total_inv);
+    float inv = inverse_sum(l_all);
+    if constexpr (Traits::kVariants) {  // a row of one split is final here: its sum takes the sink
+      if (p.sinks != nullptr && w.splits == 1) inv = with_sink(m_all, l_all, sink_of(row)).inv;
+    }
+    s_row[tid] = make_float4(m_all, l_all, inv, total_inv);
+  }
+
+  // The attention sink of packed row `row`'s query head, in base 2 (AttentionParams::sinks).
+  __device__ __forceinline__ float sink_of(int row) const {
+    return __ldg(p.sinks + kv_head * group + by_group.mod(row)) * kLog2e;
+  }
+
+  // A final row's natural-log LSE from its state (m, l), the sink included where there is one.
+  __device__ __forceinline__ float final_lse(float m, float l, int row) const {
+    if constexpr (Traits::kVariants) {
+      if (p.sinks != nullptr) return with_sink(m, l, sink_of(row)).lse;
+    }
+    return natural_lse(m, l);
   }
 
   // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`); a bad
@@ -233,7 +253,7 @@ struct SplitEpilogue {
     if (w.splits == 1) {
       const i64 out_slot = out_slot_of();
       store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, o, rv.z);
-      if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
+      if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(rv.x, rv.y, row);
     } else if (Traits::kFoldInCta && p.fold_splits) {
       // merge_kernel's steps (row_phase) on the partial it would have read, rounded to OT
       const int item = r * (D / 4) + c4;
@@ -254,7 +274,7 @@ struct SplitEpilogue {
           const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
           const i64 out_slot = out_slot_of();
           store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
-          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(into_total.m, into_total.l, row);
         } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
           const int head = head_of();
           const i64 group_row =
