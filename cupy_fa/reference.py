@@ -104,7 +104,7 @@ def paged_attention(
             of the checker; never the truth.
         window: a sliding window of W keys (FlashAttention's convention): query i of b, at
             position ``p = kv_len - q_len + i``, sees only keys ``p - W + 1 ..`` (on top of the
-            causal or custom mask, or of none). None, 0 or -1: no window.
+            causal or custom mask, or of none). None or -1: no window.
         soft_cap: ``cap``: each scaled score s becomes ``cap * tanh(s / cap)`` before the mask
             (Gemma 2). None or 0: none.
         sinks: ``[H_q]`` attention sinks (gpt-oss): one logit per query head, in the units of the
@@ -143,10 +143,10 @@ def paged_attention(
     if np.any(-(-kv_lens[live] // page_size) > page_table.shape[1]):
         raise ValueError("page_table has fewer columns than a request's kv_len needs")
 
-    if window in (None, 0, -1):
+    if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
         window = None
     elif isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"window must be an int >= 1 (or None / 0 / -1 for none), got {window!r}")
+        raise ValueError(f"window must be an int >= 1 (or None / -1 for none), got {window!r}")
     if soft_cap in (None, 0):
         soft_cap = None
     elif not (math.isfinite(float(soft_cap)) and float(soft_cap) > 0):

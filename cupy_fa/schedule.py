@@ -658,15 +658,19 @@ def all_variants(arch=None):
                     for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
                         tile = small_q_tile(head_dim, warps_m, stages, limit)
                         tiles += [tile, tile.folding(smem_limit=limit)]
-            variants = (attention_variant(dtype_name, t) for t in tiles if t is not None)
+            tiles = [t for t in tiles if t is not None]
+            tiles += [with_variants(t) for t in tiles]  # each with the variant hooks (window, soft-cap, sinks)
+            variants = (attention_variant(dtype_name, t) for t in tiles)
             out += list({v.expression: v for v in variants}.values())  # one per kernel binary
     return out
 
 
-def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None):
+def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None,
+                    variants=False):
     """Every variant that plans with these dtypes and head dims can select under the knobs in
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
-    prefill family of the arch, the merges, plan and append)."""
+    prefill family of the arch, the merges, plan and append); with ``variants`` each attention
+    kernel with the variant hooks too (what steps with a window, a soft-cap or sinks run)."""
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in dtypes:
         for head_dim in head_dims:
@@ -674,20 +678,24 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
             for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
                 tile = tile_for(head_dim, max_q_len, group, smem_limit, arch)
                 folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
-                wanted += [attention_variant(dtype_name, t) for t in (tile, folded) if t is not None]
+                picked = [t for t in (tile, folded) if t is not None]
+                picked += [with_variants(t) for t in picked] if variants else []
+                wanted += [attention_variant(dtype_name, t) for t in picked]
     return wanted
 
 
-def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
+def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, variants=False):
     """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
     head dims can select under the current knobs, on the current device, so no compile happens
-    inside a step or a graph capture. Returns how many."""
+    inside a step or a graph capture; ``variants=True`` adds the kernels with the variant hooks
+    (steps with a sliding window, a logits soft-cap or attention sinks). Returns how many."""
     import cupy
 
     from . import _arrays
 
     _arrays.require_cuda()
-    wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(), _build.device_arch(cupy.cuda.Device()))
+    wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(), _build.device_arch(cupy.cuda.Device()),
+                             variants)
     for variant in wanted:
         _build.get_function(variant)
     return len(wanted)
