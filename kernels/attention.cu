@@ -175,9 +175,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   cp_async_wait<0>();
   // splits the causal clip left without a tile still write their (empty) result; so do, without a
   // fold, those a window's skip passed whole (`run`: split_first .. run.split_first - 1), after them
-  // (one call site: a second costs the two-row fold tile, at its register cap, a spill)
+  // (one call site: a second costs the two-row fold tile, at its register cap, a spill). A tile whose
+  // epilogue spans every stage runs one split per CTA: a skip that passes it leaves no tile, so none.
   int passed = 0;
-  if constexpr (Traits::kVariants) passed = p.fold_splits ? 0 : run.split_first - w.split_first;
+  if constexpr (Traits::kVariants && Traits::kEpilogueInStage) passed = p.fold_splits ? 0 : run.split_first - w.split_first;
   for (; split_now < w.split_stop + passed; ++split_now) {
     const int split = split_now < w.split_stop ? split_now : split_now - w.split_stop + w.split_first;
     epilogue.publish(state);

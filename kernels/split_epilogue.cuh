@@ -170,11 +170,14 @@ struct SplitEpilogue {
         if (p.sinks != nullptr) total_inv = with_sink(into_total.m, into_total.l, sink_of(row)).inv;
       }
     }
-    float inv = inverse_sum(l_all);
-    if constexpr (Traits::kVariants) {  // a row of one split is final here: its sum takes the sink
-      if (p.sinks != nullptr && w.splits == 1) inv = with_sink(m_all, l_all, sink_of(row)).inv;
+    if constexpr (Traits::kVariants) {
+      // A row of one split is final here; with a sink it ends as merge_kernel ends a row whose only
+      // real split is this one (the partial, rounded to OT, then the sink: with_sink of its
+      // (lse2, 1)), so a row keeps its bits whether verify splits it in two and decode does not
+      // (write_item; .w is free for it: the fold's total is for rows of several splits).
+      if (p.sinks != nullptr && w.splits == 1) total_inv = with_sink(split_lse2(m_all, l_all), 1.f, sink_of(row)).inv;
     }
-    s_row[tid] = make_float4(m_all, l_all, inv, total_inv);
+    s_row[tid] = make_float4(m_all, l_all, inverse_sum(l_all), total_inv);
   }
 
   // The attention sink of packed row `row`'s query head, in base 2 (AttentionParams::sinks).
@@ -182,7 +185,8 @@ struct SplitEpilogue {
     return __ldg(p.sinks + kv_head * group + by_group.mod(row)) * kLog2e;
   }
 
-  // A final row's natural-log LSE from its state (m, l), the sink included where there is one.
+  // A final row's natural-log LSE from its state (m, l) as merge_kernel holds it, the sink included
+  // where there is one.
   __device__ __forceinline__ float final_lse(float m, float l, int row) const {
     if constexpr (Traits::kVariants) {
       if (p.sinks != nullptr) return with_sink(m, l, sink_of(row)).lse;
@@ -252,8 +256,18 @@ struct SplitEpilogue {
     // contract above).
     if (w.splits == 1) {
       const i64 out_slot = out_slot_of();
+      if constexpr (Traits::kVariants) {
+        if (p.sinks != nullptr) {  // merge_kernel's end of a row of one real split (row_phase)
+          const uint2 packed = scaled4<OT>(o, rv.z);
+          const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
+          const float partial[4] = {lo.x, lo.y, hi.x, hi.y};
+          store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, partial, rv.w);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(split_lse2(rv.x, rv.y), 1.f, row);
+          return;
+        }
+      }
       store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, o, rv.z);
-      if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(rv.x, rv.y, row);
+      if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
     } else if (Traits::kFoldInCta && p.fold_splits) {
       // merge_kernel's steps (row_phase) on the partial it would have read, rounded to OT
       const int item = r * (D / 4) + c4;
