@@ -43,6 +43,7 @@ class Sm90Tile:
     lean_copy: bool = False     # the producer's cp.async loop at ~9 instructions a copy instead of ~18
     poly_exp2: int = 0          # of every 4 eight-key blocks of an unmasked tile, this many take 2^x on the FMA pipe
     consumer_wgs: int = 2       # consumer warpgroups of 64 rows: 2 (block_m 128) or 3 (block_m 192, 512 threads)
+    variants: bool = False      # the variant hooks compiled in (window, soft-cap, sinks; Sm90PrefillTraits VARIANTS)
 
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
     fold_splits = False
@@ -78,7 +79,7 @@ class Sm90Tile:
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
                 f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}, {b(self.uniform_wg)}, "
                 f"{b(self.joint_rows)}, {b(self.persistent)}, {b(self.lean_copy)}, {int(self.poly_exp2)}, "
-                f"{int(self.consumer_wgs)}>")
+                f"{int(self.consumer_wgs)}{', true' if self.variants else ''}>")
 
 
 # The default tile per head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at
@@ -201,7 +202,8 @@ class Sm90Prefill:
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, mask_mode=st["mode"],
             sm_scale_log2=st["scale"] * _LOG2E, page_shift=shift, splits_per_cta=1, fold_splits=0,
             group_multiplier=div[0], group_shift=div[1], status=buffers.status.data.ptr, num_pages=cache.num_pages,
-            page_table_columns=st["pt"].shape[1], num_tokens=int(q.shape[0]), mask_entries=int(buffers.custom_mask.size))
+            page_table_columns=st["pt"].shape[1], num_tokens=int(q.shape[0]), mask_entries=int(buffers.custom_mask.size),
+            key_base=buffers.key_base.data.ptr, sinks=0, window=0, soft_cap_scale=0.0, soft_cap_log2=0.0)
         stream = cupy.cuda.get_current_stream()
         ctas = st["work"] * self.num_kv_heads
         if self.tile.persistent:  # one CTA per SM at most (the kernel's launch bounds), each taking items in turn
@@ -212,7 +214,7 @@ class Sm90Prefill:
                 "MergeParams", out=out.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
                 partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-                batch_size=st["batch"], num_qo_heads=self.num_qo_heads, fold_groups=0)
+                batch_size=st["batch"], num_qo_heads=self.num_qo_heads, fold_groups=0, sinks=0)
             shape = schedule.merge_shape(st["tokens"], self.num_qo_heads)
             _build.launch(schedule.merge_variant(self.dtype_name, self.head_dim, shape),
                           (st["tokens"], -(-self.num_qo_heads // shape[0])), merge, stream, programmatic=True)

@@ -23,6 +23,7 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
+#include "variant.cuh"
 #include "sm90_wgmma.cuh"
 #include "sm90_prefill_work.cuh"
 #include "sm90_pipeline.cuh"
@@ -36,9 +37,11 @@ namespace cupy_fa {
 // registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS,
           bool UNIFORM_WG = false, bool JOINT_ROWS = false, bool PERSISTENT = false, bool LEAN_COPY = false,
-          int POLY_EXP2 = 0, int CONSUMER_WGS = 2>
+          int POLY_EXP2 = 0, int CONSUMER_WGS = 2, bool VARIANTS = false>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
+  // the variant hooks compiled in (variant.cuh: sliding window, soft-cap, sinks; each on at run time)
+  static constexpr bool kVariants = VARIANTS;
   // consumer warpgroups of 64 packed rows each: 2 (128 rows), or 3 (192 rows: each
   // warpgroup's softmax then has two others' GEMMs to hide behind, and the producer's
   // K / V tiles serve 3 x 64 rows; 512 threads start at 128 registers, so only tiles whose
@@ -111,7 +114,7 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p) {
 
   const FastDiv by_group{p.group_multiplier, p.group_shift, p.num_qo_heads / p.num_kv_heads};
   PrefillWork first;
-  if (!find_work<BM, BN>(p, by_group, first, blockIdx.x)) return;  // the whole CTA, before any barrier
+  if (!find_work<BM, BN, Tr::kVariants>(p, by_group, first, blockIdx.x)) return;  // the whole CTA, before any barrier
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_addr(smem_raw);
@@ -137,7 +140,7 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p) {
     for (int cta = blockIdx.x;;) {
       produce<QT, KVT, Tr>(p, w, by_group, bars, pos, q_addr, k_addr, v_addr, threadIdx.x);
       if (!Tr::kPersistent) break;
-      if (!find_work<BM, BN>(p, by_group, w, cta += gridDim.x)) {
+      if (!find_work<BM, BN, Tr::kVariants>(p, by_group, w, cta += gridDim.x)) {
         end_of_work<Tr>(bars, pos, threadIdx.x);
         break;
       }

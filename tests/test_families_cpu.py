@@ -265,7 +265,7 @@ def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target)
 
     attn = attention.BatchAttention(h_q, h_kv, head_dim, "bfloat16")
     names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
-             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse")
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
     attn._buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
     sched = schedule.schedule_step(head_dim, h_q // h_kv, h_kv, q_lens=q_lens, kv_lens=kv_lens, **target)
     state = attention._PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,
