@@ -112,7 +112,7 @@ def run_fp8_case(rng, dtype, heads, head_dim, page_size, lengths, scale_kind, ca
     if device_plan:  # the graph path's plan (device lengths, host bounds): the same bits
         dev = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8)
         dev.plan(cupy.asarray(q_lens, np.int32), cupy.asarray(kv_lens, np.int32), cupy.asarray(table), causal=causal,
-                 max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()))
+                 custom_mask=custom_mask, max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()))
         dev_out = poisoned((total, h_q, head_dim), np_dtype(dtype), TAIL)
         dev.run(q, cache, out=dev_out[:total])
         assert dev.status() == 0
