@@ -57,6 +57,12 @@ FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/common.cuh fp8_e4m3): 
 # bytes of a 16-bit one, and the deeper pipeline keeps about the bytes in flight per SM of the
 # 16-bit tiles at their default depth (docs/design.md, "fp8 KV cache").
 FP8_STAGES = 4
+# Keys per KV tile of an fp8 cache's small-q tiles: 64 like the 16-bit tiles (a stage then holds
+# half their bytes; 128 would hold as many, at twice the keys). Every fp8 small-q tile shares
+# it, so decode and verify reduce a split's keys alike (docs/design.md, "Batch invariance"). (A
+# program that changes it, as `python -m bench.fp8 --ab` does, clears attention_variant's cache:
+# it caches by tile, and block_n is not a field.)
+FP8_BLOCK_N = 64
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (the kernels' occupancy math)
 SM80_SMEM_LIMIT = 163 * 1024  # and on sm_80: tiles are chosen for the device's own limit
 FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
@@ -165,7 +171,10 @@ class MmaTile:
 
     @property
     def block_n(self):
-        """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it)."""
+        """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it); an fp8 cache's
+        small-q tiles take FP8_BLOCK_N (all of them alike: decode and verify share it)."""
+        if self.kv_bytes == 1 and self.warps_n > 1:
+            return FP8_BLOCK_N
         return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
 
     @property
