@@ -39,7 +39,7 @@ import functools
 
 import numpy as np
 
-from . import _build
+from . import _arrays, _build
 from .knobs import STAGE_CHOICES, knobs
 from ._build import Variant
 
@@ -704,7 +704,7 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
         for head_dim in head_dims:
             wanted += _common_variants(dtype_name, head_dim)
             for kv in (kv_dtypes or (dtype_name,)):
-                kv = dtype_name if kv != FP8 else FP8
+                kv = FP8 if _arrays.resolve_kv_dtype(kv, "kv_dtypes") == FP8 else dtype_name
                 types = ElementTypes(dtype_name, kv, dtype_name)
                 if kv == FP8:
                     wanted += [append_variant(np.int32, dtype_name), append_variant(np.int64, dtype_name)]
@@ -718,7 +718,8 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
 def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None):
     """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
     head dims can select under the current knobs, on the current device, so no compile happens
-    inside a step or a graph capture. Returns how many."""
+    inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
+    too). Returns how many."""
     import cupy
 
     from . import _arrays
