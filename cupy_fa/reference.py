@@ -82,6 +82,9 @@ def paged_attention(
     p_dtype=None,
     k_scale=None,
     v_scale=None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks=None,
 ):
     """Reference paged attention in float64.
 
@@ -105,6 +108,15 @@ def paged_attention(
             the softmax weights to before they multiply V, as the kernels' P.V product does
             (the denominator and the LSE stay exact). Models a kernel's rounding, for CPU tests
             of the checker; never the truth.
+        window: a sliding window of W keys (FlashAttention's convention): query i of b, at
+            position ``p = kv_len - q_len + i``, sees only keys ``p - W + 1 ..`` (on top of the
+            causal or custom mask, or of none). None or -1: no window.
+        soft_cap: ``cap``: each scaled score s becomes ``cap * tanh(s / cap)`` before the mask
+            (Gemma 2). None or 0: none.
+        sinks: ``[H_q]`` attention sinks (gpt-oss): one logit per query head, in the units of the
+            scaled (and capped) scores, added to each row's softmax denominator with a zero
+            value; the LSE includes it, and a row that sees no key gets ``out = 0``, ``lse =
+            sinks[h]``. None: none.
 
     Returns:
         ``out`` float64 ``[sum(q_lens), H_q, D]``, and with ``return_lse`` also ``lse``
@@ -140,6 +152,19 @@ def paged_attention(
     if np.any(-(-kv_lens[live] // page_size) > page_table.shape[1]):
         raise ValueError("page_table has fewer columns than a request's kv_len needs")
 
+    if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
+        window = None
+    elif isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (or None / -1 for none), got {window!r}")
+    if soft_cap in (None, 0):
+        soft_cap = None
+    elif not (math.isfinite(float(soft_cap)) and float(soft_cap) > 0):
+        raise ValueError(f"soft_cap must be a positive finite number (or None / 0 for none), got {soft_cap!r}")
+    if sinks is not None:
+        sinks = _to_numpy(sinks).astype(np.float64).reshape(-1)
+        if sinks.shape != (num_qo_heads,):
+            raise ValueError(f"sinks must hold one logit per query head ({num_qo_heads}), got shape {sinks.shape}")
+        sinks = sinks[:, None, None]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     group = num_qo_heads // num_kv_heads
     masks = None if custom_mask is None else _masks_per_request(custom_mask, q_lens)
@@ -180,6 +205,9 @@ def paged_attention(
             s = np.matmul(qb, kt, out=s_buf[: num_qo_heads * nr * hi].reshape(num_kv_heads, group * nr, hi))
             s *= scale
             s = s.reshape(num_qo_heads, nr, hi)
+            if soft_cap is not None:
+                np.tanh(np.divide(s, soft_cap, out=s), out=s)
+                s *= soft_cap
 
             if masks is not None:
                 visible = np.ones((nr, hi), bool)
@@ -188,13 +216,20 @@ def paged_attention(
                 visible = np.arange(hi)[None, :] <= (prefix + np.arange(r0, r1))[:, None]
             else:
                 visible = None
+            if window is not None:  # key >= p - W + 1 for query position p = prefix + row
+                seen = np.arange(hi)[None, :] >= (prefix + np.arange(r0, r1) - window + 1)[:, None]
+                visible = seen if visible is None else visible & seen
             if visible is not None:
                 np.copyto(s, -np.inf, where=~visible[None])
 
             m = s.max(axis=-1, keepdims=True)  # [H_q, nr, 1]
+            if sinks is not None:
+                m = np.maximum(m, sinks)
             m[~np.isfinite(m)] = 0.0
             p = np.exp(np.subtract(s, m, out=s), out=s)  # in place, like s_buf below
             denom = p.sum(axis=-1, keepdims=True)
+            if sinks is not None:  # the sink's term (its value is zero)
+                denom = denom + np.exp(sinks - m)
             if p_dtype is not None:  # the kernels multiply V by P rounded to q's dtype
                 p = p.astype(p_dtype).astype(np.float64)
             o = (p.reshape(num_kv_heads, group * nr, hi) @ vt).reshape(num_qo_heads, nr, head_dim)

@@ -149,6 +149,7 @@ class MmaTile:
     splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
     fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
     kv_bytes: int = 2  # bytes of a K/V element: 2 (fp16 / bf16), 1 (an fp8 cache; TileTraits KV_BYTES)
+    variants: bool = False  # the variant hooks compiled in (window, soft-cap, sinks; TileTraits VARIANTS)
 
     family = MMA_SYNC
     whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
@@ -249,9 +250,12 @@ class MmaTile:
 
     def traits(self):
         """The C++ traits type of this tile's kernel binary."""
-        kv = "" if self.kv_bytes == 2 else f", {self.kv_bytes}"
+        # the plain 16-bit kernels keep their names (and code): KV_BYTES only when not 2 or when
+        # VARIANTS (a later template argument) follows
+        kv = f", {self.kv_bytes}" if self.kv_bytes != 2 or self.variants else ""
+        hooks = ", true" if self.variants else ""
         return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
-                f"{self.stages}, {str(self.fold_capable).lower()}{kv}>")
+                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -346,6 +350,34 @@ def max_splits(q_lens, kv_lens):
     splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size())
     splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
     return np.maximum(1, np.minimum(splits, MAX_SPLITS))
+
+
+def key_base(q_lens, kv_lens, window):
+    """kernels/plan.cu window_key_base: with a sliding ``window`` (keys a query sees, itself
+    included; 0 / None: none) the keys before each request's first split, its first query's first
+    visible key ``kv_len - q_len - window + 1`` rounded down to a multiple of MERGE_GROUP x
+    split_size() (so small-q splits and their merge groups stay at fixed positions); 0 without."""
+    q, kv = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
+    if not window:
+        return np.zeros(np.broadcast(q, kv).shape, np.int64)
+    unit = MERGE_GROUP * split_size()
+    first = kv - q - int(window) + 1
+    return np.where(first > 0, first // unit * unit, 0)
+
+
+def window_spans(q_lens, kv_lens, window):
+    """The keys each request's splits cut (``kv_len - key_base``): what every split count of the
+    policy is computed from (all of ``kv_len`` without a window)."""
+    return np.asarray(kv_lens, np.int64) - key_base(q_lens, kv_lens, window)
+
+
+def window_span_bound(max_q_len, max_kv_len, window):
+    """The most keys a request of at most ``max_q_len`` tokens and ``max_kv_len`` keys splits under
+    ``window``: its queries' windows, ``max_q_len + window - 1`` keys, plus the rounding of its
+    key_base (MERGE_GROUP x split_size() - 1 keys); ``max_kv_len`` without a window."""
+    if not window:
+        return max_kv_len
+    return min(max_kv_len, max_q_len + int(window) - 1 + MERGE_GROUP * split_size() - 1)
 
 
 # ---- the grid ----------------------------------------------------------------------------------
@@ -508,7 +540,7 @@ class StepSchedule:
 
 def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=None, max_q_len=None,
                   max_kv_len=None, capacity=None, batch_size=None, smem_limit=SMEM_LIMIT, sm_count=132, arch=None,
-                  kv_bytes=2):
+                  kv_bytes=2, window=0):
     """The launches, tiles, grids and merge of one step, on a device with ``smem_limit`` bytes of
     shared memory per CTA, ``sm_count`` SMs and target ``arch`` (None: the mma.sync family only).
 
@@ -520,8 +552,17 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     even the shortest such batch (every request max_q_len tokens, one split) fills the GPU;
     above it both launches are planned (either may find no work; no fold). The bits never
     depend on any of it. ``kv_bytes=1``: an fp8 cache's tiles (both classes on the mma.sync
-    family)."""
+    family).
+
+    With a sliding ``window`` (> 0) a request's splits cut only the keys from its key_base on
+    (:func:`window_spans`; kernels/plan.cu), and every split count, grid and merge below is that of
+    those keys (with device lengths: of :func:`window_span_bound`)."""
     long_tile = prefill_tile(head_dim, smem_limit, arch, kv_bytes)
+    if window and q_lens is not None:
+        kv_lens = window_spans(q_lens, kv_lens, window)  # what the splits cut: every count below follows
+    elif window:
+        max_kv_len = window_span_bound(int(max_q_len), int(max_kv_len) if max_kv_len is not None else 2**31 - 1,
+                                       window)
 
     def launch(tile, work_grid, q, kv):  # q, kv: the class's lengths, or the bounds it plans for
         live = np.asarray(q) > 0
@@ -605,6 +646,13 @@ def merge_grid(num_tokens, num_qo_heads):
 # ---- variants ----------------------------------------------------------------------------------
 
 
+def with_variants(tile):
+    """``tile``'s kernel with the variant hooks compiled in (kernels/variant.cuh: sliding window,
+    logits soft-cap, attention sinks; each on at run time by its AttentionParams field). The same
+    schedule and work layout as ``tile``: only the binary differs."""
+    return dataclasses.replace(tile, variants=True)
+
+
 @functools.lru_cache(maxsize=None)
 def attention_variant(dtype, tile):
     """The attention kernel binary of a tile (its family's template) for element types
@@ -666,7 +714,9 @@ def all_variants(arch=None):
                     for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
                         tile = small_q_tile(head_dim, warps_m, stages, limit)
                         tiles += [tile, tile.folding(smem_limit=limit)]
-            variants = (attention_variant(dtype_name, t) for t in tiles if t is not None)
+            tiles = [t for t in tiles if t is not None]
+            tiles += [with_variants(t) for t in tiles]  # each with the variant hooks (window, soft-cap, sinks)
+            variants = (attention_variant(dtype_name, t) for t in tiles)
             out += list({v.expression: v for v in variants}.values())  # one per kernel binary
             out += fp8_variants(dtype_name, head_dim)
     return out
@@ -694,11 +744,13 @@ def fp8_variants(dtype_name, head_dim, tiles=None):
 
 
 def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None,
-                    kv_dtypes=None):
+                    kv_dtypes=None, variants=False):
     """Every variant that plans with these dtypes and head dims can select under the knobs in
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
     prefill family of the arch, the merges, plan and append). ``kv_dtypes``: the cache dtypes
-    (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache)."""
+    (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache); with
+    ``variants`` each attention kernel with the variant hooks too (what steps with a window, a
+    soft-cap or sinks run)."""
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     for dtype_name in dtypes:
         for head_dim in head_dims:
@@ -711,22 +763,25 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
                 for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
                     tile = tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
                     folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
-                    wanted += [attention_variant(types, t) for t in (tile, folded) if t is not None]
+                    picked = [t for t in (tile, folded) if t is not None]
+                    picked += [with_variants(t) for t in picked] if variants else []
+                    wanted += [attention_variant(types, t) for t in picked]
     return list({v: None for v in wanted})
 
 
-def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None):
+def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False):
     """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
     head dims can select under the current knobs, on the current device, so no compile happens
     inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
-    too). Returns how many."""
+    too); ``variants=True`` adds the kernels with the variant hooks (steps with a sliding window,
+    a logits soft-cap or attention sinks). Returns how many."""
     import cupy
 
     from . import _arrays
 
     _arrays.require_cuda()
     wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(), _build.device_arch(cupy.cuda.Device()),
-                             kv_dtypes)
+                             kv_dtypes, variants)
     for variant in wanted:
         _build.get_function(variant)
     return len(wanted)

@@ -52,6 +52,10 @@ struct PlanParams {
                               // caps every request at partial_capacity / batch_size rows
   int max_q_len;              // the bounds the host sized the grid with: a request above either is
   int max_kv_len;             // refused (its rows NaN, status.cuh), never given more work than them
+  // A sliding window (variant.cuh): query i sees keys prefix + i - window + 1 .. on; 0 = none. A request's
+  // splits then cover only its queries' windows, from key_base (plan.cu window_key_base).
+  int* key_base;              // [B]   keys before a request's first split (0 without a window)
+  int window;
 };
 
 struct AttentionParams {
@@ -95,6 +99,12 @@ struct AttentionParams {
   // (null) for fp16 / bf16 K/V.
   const float* k_scale;
   const float* v_scale;
+  // The variant hooks (variant.cuh), read only by the kernels compiled with them (Traits::kVariants):
+  const int* key_base;        // [B]   keys before a request's first split (PlanParams::key_base)
+  const float* sinks;         // [H_q] attention sinks, natural-log logits; null = none
+  int window;                 // sliding window W (query at p sees keys p - W + 1 .. ); 0 = none
+  float soft_cap_scale;       // sm_scale / cap: a score's argument of tanh
+  float soft_cap_log2;        // cap x log2(e); 0 = no soft-cap
 };
 
 struct MergeParams {
@@ -108,6 +118,7 @@ struct MergeParams {
   int batch_size;
   int num_qo_heads;
   int fold_groups;            // 1: the partials are group states (AttentionParams::fold_splits)
+  const float* sinks;         // [H_q] attention sinks added to each row's final sum (AttentionParams); null = none
 };
 
 struct AppendParams {

@@ -170,10 +170,34 @@ struct SplitEpilogue {
       s_step[tid][0] = into_group;
       s_step[tid][1] = into_total;
       total_inv = inverse_sum(into_total.l);
+      if constexpr (Traits::kVariants) {  // only the row's last fold uses it: its final sum takes the sink
+        if (p.sinks != nullptr) total_inv = with_sink(into_total.m, into_total.l, sink_of(row)).inv;
+      }
+    }
+    if constexpr (Traits::kVariants) {
+      // A row of one split is final here; with a sink it ends as merge_kernel ends a row whose only
+      // real split is this one (the partial, rounded to OT, then the sink: with_sink of its
+      // (lse2, 1)), so a row keeps its bits whether verify splits it in two and decode does not
+      // (write_item; .w is free for it: the fold's total is for rows of several splits).
+      if (p.sinks != nullptr && w.splits == 1) total_inv = with_sink(split_lse2(m_all, l_all), 1.f, sink_of(row)).inv;
     }
     float inv = inverse_sum(l_all);
     if constexpr (kFp8) inv *= __ldg(p.v_scale + kv_head);  // out = o * v_scale / l
     s_row[tid] = make_float4(m_all, l_all, inv, total_inv);
+  }
+
+  // The attention sink of packed row `row`'s query head, in base 2 (AttentionParams::sinks).
+  __device__ __forceinline__ float sink_of(int row) const {
+    return __ldg(p.sinks + kv_head * group + by_group.mod(row)) * kLog2e;
+  }
+
+  // A final row's natural-log LSE from its state (m, l) as merge_kernel holds it, the sink included
+  // where there is one.
+  __device__ __forceinline__ float final_lse(float m, float l, int row) const {
+    if constexpr (Traits::kVariants) {
+      if (p.sinks != nullptr) return with_sink(m, l, sink_of(row)).lse;
+    }
+    return natural_lse(m, l);
   }
 
   // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`); a bad
@@ -254,6 +278,16 @@ struct SplitEpilogue {
     // contract above).
     if (w.splits == 1) {
       const i64 out_slot = out_slot_of();
+      if constexpr (Traits::kVariants) {
+        if (p.sinks != nullptr) {  // merge_kernel's end of a row of one real split (row_phase)
+          const uint2 packed = scaled4<OT>(o, rv.z);
+          const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
+          const float partial[4] = {lo.x, lo.y, hi.x, hi.y};
+          store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, partial, rv.w);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(split_lse2(rv.x, rv.y), 1.f, row);
+          return;
+        }
+      }
       store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, o, rv.z);
       if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
     } else if (Traits::kFoldInCta && p.fold_splits) {
@@ -276,7 +310,7 @@ struct SplitEpilogue {
           const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
           const i64 out_slot = out_slot_of();
           store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
-          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(into_total.m, into_total.l, row);
         } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
           const int head = head_of();
           const i64 group_row =

@@ -13,12 +13,15 @@
 
 namespace cupy_fa {
 
-// Tile constants per (head dim, warp layout, keys per tile, pipeline depth, fold state).
+// Tile constants per (head dim, warp layout, keys per tile, pipeline depth, fold state, variant hooks).
 // The host picks the instance (cupy_fa/schedule.py MmaTile) and sizes the
 // dynamic shared memory from the same numbers.
-template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD, int KV_BYTES = 2>
+template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD, int KV_BYTES = 2,
+          bool VARIANTS = false>
 struct TileTraits {
   static constexpr int kHeadDim = HEAD_DIM;
+  // the variant hooks compiled in (variant.cuh: sliding window, soft-cap, sinks; each on at run time)
+  static constexpr bool kVariants = VARIANTS;
   static constexpr int kWarpsM = WARPS_M;
   static constexpr int kWarpsN = WARPS_N;
   static constexpr int kWarps = WARPS_M * WARPS_N;

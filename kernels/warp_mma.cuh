@@ -3,7 +3,7 @@
 // shared-memory tiles of paged_kv.cuh.
 //
 //   scores()         S = Q K^T, S_BLOCKS blocks of 8 keys in the accumulator layout
-//   apply_variant()  the variant's logits on every score, its mask on tiles that need one
+//   apply_variant()  the variant's logits (or soft-capped logits) on every score, its mask on tiles that need one
 //   accumulate()     O += P V (the S accumulator layout is exactly P's A-operand layout)
 //
 // Fragment element (nb, e) of a thread (lane = 4 g + tq) is row wm * 16 + g + 8 (e >> 1) of the
@@ -131,10 +131,18 @@ struct WarpMma {
   __device__ __forceinline__ void apply_variant(float (&s)[S_BLOCKS][4], const Variant& variant, int tile_key0,
                                                 int row0, int kv_end, int rows, bool need_mask) const {
     const int g = lane >> 2, tq = lane & 3;
+    if (variant.soft_capping()) {  // constant false in a kernel without the variant hooks
 #pragma unroll
-    for (int nb = 0; nb < S_BLOCKS; ++nb) {
+      for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] = variant.logits(s[nb][e]);
+        for (int e = 0; e < 4; ++e) s[nb][e] = variant.capped_logits(s[nb][e]);
+      }
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < S_BLOCKS; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nb][e] = variant.logits(s[nb][e]);
+      }
     }
     if (need_mask) {
 #pragma unroll
