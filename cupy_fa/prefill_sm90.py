@@ -203,7 +203,8 @@ class Sm90Prefill:
             sm_scale_log2=st["scale"] * _LOG2E, page_shift=shift, splits_per_cta=1, fold_splits=0,
             group_multiplier=div[0], group_shift=div[1], status=buffers.status.data.ptr, num_pages=cache.num_pages,
             page_table_columns=st["pt"].shape[1], num_tokens=int(q.shape[0]), mask_entries=int(buffers.custom_mask.size),
-            key_base=buffers.key_base.data.ptr, sinks=0, window=0, soft_cap_scale=0.0, soft_cap_log2=0.0)
+            key_base=buffers.key_base.data.ptr, sinks=0, window=0, soft_cap_scale=0.0, soft_cap_log2=0.0,
+            k_scale=0, v_scale=0)  # 16-bit K/V only (an fp8 cache never takes this family)
         stream = cupy.cuda.get_current_stream()
         ctas = st["work"] * self.num_kv_heads
         if self.tile.persistent:  # one CTA per SM at most (the kernel's launch bounds), each taking items in turn
