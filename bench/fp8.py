@@ -20,7 +20,10 @@ bf16 cache's values quantised by ``PagedKVCache.append`` (so the fp8 cells' erro
 bf16 ones is printed too).
 
 ``--warm-peers`` only runs FlashInfer's two decode wrappers once on a tiny batch (its JIT
-compiles them), so a script can overlap that with other work; ``--no-peers`` times ours alone.
+compiles them), so a script can overlap that with other work; ``--no-peers`` times ours alone;
+``--ab`` (tuning only) times the fp8 decode cell at 64 and 128 keys per KV tile, pipeline
+depths 2 to 4, with and without the CTAs folding their splits (``schedule.FP8_BLOCK_N``,
+``FP8_STAGES``, ``CUPY_FA_FOLD_SPLITS``), each checked against float64 first.
 """
 
 from __future__ import annotations
@@ -215,7 +218,8 @@ def main(argv=None):
     parser.add_argument("--warm-peers", action="store_true",
                         help="run FlashInfer's decode wrappers once (JIT) and exit")
     parser.add_argument("--no-prefill", action="store_true")
-    parser.add_argument("--ab", action="store_true", help="also time the fp8 decode tile at each depth, folded or not")
+    parser.add_argument("--ab", action="store_true",
+                        help="also time the fp8 decode tile at 64 / 128 keys per tile, each depth, folded or not")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -282,29 +286,7 @@ def main(argv=None):
                 decode[f"ours {kind}"]["err_vs_bf16_cache"] = reference.relative_error(
                     to_host_elems(outs[kind][0]).astype(np.float64), to_host_elems(outs["bf16"][0]).astype(np.float64))
     results["cells"]["decode B=64 L=4096"] = decode
-    ab = {}
-    if args.ab and not args.peers_only:  # the fp8 tile's depth and the fold, ours alone (tuning only)
-        import dataclasses
-
-        from cupy_fa import knobs, schedule
-
-        before, depth = knobs.knobs(), schedule.FP8_STAGES
-        try:
-            for stages in (2, 3, 4):
-                for fold in ("auto", "0"):
-                    schedule.FP8_STAGES = stages
-                    knobs.use(dataclasses.replace(before, fold_splits=fold))
-                    cell, _ = time_ours("fp8 per-head", table, sets, q_lens, kv_lens, windows[:1], n_launch=20,
-                                        reps=args.reps)
-                    if "us" in cell:
-                        cell["tbps"] = (kv_bytes(batch, kv_len, 1) + qo_bytes(batch)) / (cell["us"] * 1e-6) / 1e12
-                    ab[f"stages {stages}, fold {fold}"] = cell
-        finally:
-            schedule.FP8_STAGES = depth
-            knobs.use(before)
-        results["cells"]["decode B=64 L=4096 fp8 A/B"] = ab
-    del sets
-    cupy.get_default_memory_pool().free_all_blocks()
+    decode_case = (table, sets, q_lens, kv_lens, windows, batch, kv_len)
 
     lines.append(f"decode B=64 L=4096, H 32/8, D 128, bf16 q/out, page 16 (read ceiling {ceiling:.2f} TB/s):")
     lines.append(f"  {'cell':28s} {'us':>8s} {'tokens/s':>10s} {'TB/s':>6s} {'of ceil':>8s} {'x bf16':>7s} "
@@ -317,12 +299,7 @@ def main(argv=None):
                          f"{cell['err']:8.1e}  {extra}")
         else:
             lines.append(f"  {name:28s} {cell.get('status', '?')}")
-    for name, cell in ab.items():
-        tile = cell.get("families", ["?"])[-1].split("MmaTile(")[-1][:90]
-        lines.append(f"  A/B fp8 per-head {name:18s} " + (f"{cell['us']:8.1f} us {cell['tbps']:5.2f} TB/s  {tile}"
-                                                        if "us" in cell else cell.get("status", "?")))
-    print("\n".join(lines), flush=True)
-    printed = len(lines)
+    flush(lines)
 
     if not args.no_prefill and not args.peers_only:
         batch, kv_len = 4, 4096
@@ -345,11 +322,58 @@ def main(argv=None):
             else:
                 lines.append(f"  {name:28s} {cell.get('status', '?')}")
         del sets
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-    print("\n".join(lines[printed:]), flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+        flush(lines)
+    write_json(args.json, results)
+
+    if args.ab and not args.peers_only:  # the fp8 decode tile's keys per tile, depth and fold (tuning only)
+        table, sets, q_lens, kv_lens, windows, batch, kv_len = decode_case
+        results["cells"]["decode B=64 L=4096 fp8 A/B"] = ab = {}
+        lines.append("A/B, decode B=64 L=4096 over the fp8 cache (per-head scales), ours only:")
+        import dataclasses
+
+        from cupy_fa import knobs, schedule
+
+        before, depth, keys = knobs.knobs(), schedule.FP8_STAGES, schedule.FP8_BLOCK_N
+        try:
+            for block_n, stages in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3)):
+                for fold in ("auto", "0"):
+                    schedule.FP8_BLOCK_N, schedule.FP8_STAGES = block_n, stages
+                    schedule.attention_variant.cache_clear()  # it caches by tile, whose block_n just changed
+                    knobs.use(dataclasses.replace(before, fold_splits=fold))
+                    cell, _ = time_ours("fp8 per-head", table, sets, q_lens, kv_lens, windows[:1], n_launch=20,
+                                        reps=args.reps)
+                    name = f"block_n {block_n}, stages {stages}, fold {fold}"
+                    ab[name] = cell
+                    if "us" in cell:
+                        cell["tbps"] = (kv_bytes(batch, kv_len, 1) + qo_bytes(batch)) / (cell["us"] * 1e-6) / 1e12
+                        tile = cell["families"][-1].split("MmaTile(")[-1][:100]
+                        lines.append(f"  {name:34s} {cell['us']:8.1f} us {cell['tbps']:5.2f} TB/s "
+                                     f"{cell['tbps'] / ceiling:6.1%}  {tile}")
+                    else:
+                        lines.append(f"  {name:34s} {cell.get('status', '?')}")
+                    flush(lines)
+        finally:
+            schedule.FP8_STAGES, schedule.FP8_BLOCK_N = depth, keys
+            schedule.attention_variant.cache_clear()
+            knobs.use(before)
+        write_json(args.json, results)
     return 0
+
+
+_printed = [0]
+
+
+def flush(lines):
+    """Prints the lines not printed yet (a run cut short keeps what it measured)."""
+    print("\n".join(lines[_printed[0]:]), flush=True)
+    _printed[0] = len(lines)
+
+
+def write_json(path, results):
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

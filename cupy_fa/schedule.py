@@ -39,7 +39,7 @@ import functools
 
 import numpy as np
 
-from . import _build
+from . import _arrays, _build
 from .knobs import STAGE_CHOICES, knobs
 from ._build import Variant
 
@@ -57,6 +57,12 @@ FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/common.cuh fp8_e4m3): 
 # bytes of a 16-bit one, and the deeper pipeline keeps about the bytes in flight per SM of the
 # 16-bit tiles at their default depth (docs/design.md, "fp8 KV cache").
 FP8_STAGES = 4
+# Keys per KV tile of an fp8 cache's small-q tiles: 64 like the 16-bit tiles (a stage then holds
+# half their bytes; 128 would hold as many, at twice the keys). Every fp8 small-q tile shares
+# it, so decode and verify reduce a split's keys alike (docs/design.md, "Batch invariance"). (A
+# program that changes it, as `python -m bench.fp8 --ab` does, clears attention_variant's cache:
+# it caches by tile, and block_n is not a field.)
+FP8_BLOCK_N = 64
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (the kernels' occupancy math)
 SM80_SMEM_LIMIT = 163 * 1024  # and on sm_80: tiles are chosen for the device's own limit
 FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
@@ -166,7 +172,10 @@ class MmaTile:
 
     @property
     def block_n(self):
-        """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it)."""
+        """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it); an fp8 cache's
+        small-q tiles take FP8_BLOCK_N (all of them alike: decode and verify share it)."""
+        if self.kv_bytes == 1 and self.warps_n > 1:
+            return FP8_BLOCK_N
         return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
 
     @property
@@ -747,7 +756,7 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
         for head_dim in head_dims:
             wanted += _common_variants(dtype_name, head_dim)
             for kv in (kv_dtypes or (dtype_name,)):
-                kv = dtype_name if kv != FP8 else FP8
+                kv = FP8 if _arrays.resolve_kv_dtype(kv, "kv_dtypes") == FP8 else dtype_name
                 types = ElementTypes(dtype_name, kv, dtype_name)
                 if kv == FP8:
                     wanted += [append_variant(np.int32, dtype_name), append_variant(np.int64, dtype_name)]
@@ -763,8 +772,9 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
 def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False):
     """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
     head dims can select under the current knobs, on the current device, so no compile happens
-    inside a step or a graph capture; ``variants=True`` adds the kernels with the variant hooks
-    (steps with a sliding window, a logits soft-cap or attention sinks). Returns how many."""
+    inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
+    too); ``variants=True`` adds the kernels with the variant hooks (steps with a sliding window,
+    a logits soft-cap or attention sinks). Returns how many."""
     import cupy
 
     from . import _arrays

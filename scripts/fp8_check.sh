@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The fp8 (e4m3fn) KV cache's GPU check in one call, on a GPU machine, from the repository root:
 #   bash scripts/fp8_check.sh
-# 1. every kernel variant into the disk cache (scripts/warm_cache.py, 16 processes); with
+# 1. the kernels a step over an fp8 or a 16-bit cache can select into the disk cache
+#    (scripts/warm_fp8.py, 16 processes; the rest compile at first use); with
 #    .fi/flashinfer.tar.xz present (scripts/pack_flashinfer.sh) FlashInfer is unpacked as in
 #    scripts/device_check.sh and its bf16 and fp8 decode wrappers JIT-compile in the background
 #    (python -m bench.fp8 --warm-peers) while the tests run;
 # 2. the fp8 GPU tests, tests/test_fp8_gpu.py, 8 workers (append bit for bit, attention against
 #    float64 on the dequantised cache in every mode eager and replayed, decode == verify, the
 #    refusals, torch fp8 tensors), and the table of fp8's error against the 16-bit cache per mode;
-# 3. python -m bench.fp8: decode B=64 L=4096 (ours bf16, ours fp8 per-head / per-tensor scales,
+# 3. python -m bench.fp8 --ab: decode B=64 L=4096 (ours bf16, ours fp8 per-head / per-tensor scales,
 #    FlashInfer bf16 and fp8 when it imports) against the read ceiling it measures, and prefill
-#    B=4 L=4096 over the fp8 cache beside the bf16 one; then (--ab) the fp8 decode tile at pipeline
-#    depths 2, 3, 4, folded or not (tuning only).
+#    B=4 L=4096 over the fp8 cache beside the bf16 one; then (--ab, tuning only, last so a cut
+#    keeps the rest) the fp8 decode tile at 64 / 128 keys per KV tile, depths 2 to 4, folded or not.
 # It keeps within FP8_CHECK_SECONDS (default 195; pytest gets TEST_SECONDS, default 110), writes its
 # logs under $OUT (or ./device_out) and prints the summary last. Exit 1 when a test failed, errored
 # or skipped (on a GPU machine a skip is a broken setup) or when the counts are missing.
@@ -36,7 +37,7 @@ fi
   git log -1 --format='tree: %h %s' 2>/dev/null | cut -c1-120
 } 2>&1 | tee -a "$summary"
 
-timeout 60 python3 scripts/warm_cache.py 16 2>&1 | tail -n 1 | sed "s/^/warm: /" >> "$summary"
+timeout 60 python3 scripts/warm_fp8.py 16 2>&1 | tail -n 1 | sed "s/^/warm: /" >> "$summary"
 echo "warm done at $(elapsed) s" >> "$summary"
 fi_pid=
 if [ -z "$peers" ]; then  # FlashInfer's JIT compile of its two decode wrappers, beside the tests
@@ -91,8 +92,9 @@ left=$(( limit - $(elapsed) - 5 ))
 if [ "$left" -gt 20 ]; then
   timeout "$left" python3 -m bench.fp8 $peers --ab --json "$OUT/fp8_bench.json" > "$OUT/fp8_bench.log" 2>&1
   bench_rc=$?
-  { echo "bench.fp8 (exit $bench_rc, $(elapsed) s in):"; grep -E "^read ceiling|^decode|^prefill|^  " "$OUT/fp8_bench.log"
+  { echo "bench.fp8 (exit $bench_rc, $(elapsed) s in):"; grep -E "^read ceiling|^decode|^prefill|^A/B|^  " "$OUT/fp8_bench.log"
     [ "$bench_rc" = 0 ] || tail -n 15 "$OUT/fp8_bench.log"; } >> "$summary"
+  [ "$bench_rc" = 124 ] && echo "bench.fp8: cut at the time limit (the lines above are what it measured)" >> "$summary"
 else
   echo "bench.fp8: skipped, only $left s left" >> "$summary"
 fi
