@@ -296,14 +296,22 @@ struct SplitEpilogue {
       const uint2 packed = scaled4<OT>(o, rv.z);
       const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
       const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-      const float4 group_o = s_step[r][0].apply(split % kMergeGroup != 0 ? fold_group_o[item] : zero,
+      // The open group and the total exist once the CTA has folded a split into them. A folding
+      // CTA's run starts at a group boundary (locate_work), except where a window's skip moved its
+      // start into a group (attention.cu `run`, the variant hooks): then the group is open from
+      // that split on, and the total from the CTA's first group on (its first split's group).
+      const bool group_open = Traits::kVariants ? split % kMergeGroup != 0 && split != w.split_first
+                                                : split % kMergeGroup != 0;
+      const bool total_open = Traits::kVariants ? split / kMergeGroup != w.split_first / kMergeGroup
+                                                : split >= w.split_first + kMergeGroup;
+      const float4 group_o = s_step[r][0].apply(group_open ? fold_group_o[item] : zero,
                                                 make_float4(lo.x, lo.y, hi.x, hi.y));
       if (!group_closes(split)) {  // the group goes on
         fold_group_o[item] = group_o;
       } else {
         const FoldStep& into_total = s_step[r][1];
         const float4 total_o =
-            into_total.apply(split >= w.split_first + kMergeGroup ? fold_total_o[item] : zero, group_o);
+            into_total.apply(total_open ? fold_total_o[item] : zero, group_o);
         if (split + 1 < w.split_stop) {
           fold_total_o[item] = total_o;
         } else if (w.groups == 1) {  // the CTA ran the whole row: the final result
