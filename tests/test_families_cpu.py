@@ -216,11 +216,12 @@ def test_launch_grid_of_a_persistent_tile():
 def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     everything = set(schedule.all_variants())
     sm80 = set(schedule.all_variants("sm_80"))
-    wgmma = {schedule.attention_variant(dt, t) for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
+    wgmma = {schedule.attention_variant(dt, t) for dt in _build.CTYPES for tile in s9.DEFAULT_TILES.values()
+             for t in (tile, schedule.with_variants(tile))}  # each plain and with the variant hooks
     assert wgmma <= everything and not wgmma & sm80 and everything - sm80 == wgmma
     assert set(schedule.all_variants("sm_90a")) == everything
-    hopper = schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a")
-    ampere = schedule.warmup_variants(smem_limit=schedule.SM80_SMEM_LIMIT, arch="sm_80")
+    hopper = schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a", variants=True)
+    ampere = schedule.warmup_variants(smem_limit=schedule.SM80_SMEM_LIMIT, arch="sm_80", variants=True)
     assert wgmma <= set(hopper) <= everything and set(ampere) <= sm80
     mma_prefill = {schedule.attention_variant(dt, schedule.MmaTile(d, 4, 1)) for dt in _build.CTYPES
                    for d in schedule.HEAD_DIMS}
@@ -240,7 +241,7 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
     rows = compile_check.compile_all("sm_80", only="prefill_sm90")
     assert rows == [] and seen == []  # no wgmma variant in an sm_80 build
     rows = compile_check.compile_all("sm_90a", only="prefill_sm90")
-    assert len(rows) == 2 * len(s9.DEFAULT_TILES) and {a for _, a in seen} == {"sm_90a"}
+    assert len(rows) == 2 * 2 * len(s9.DEFAULT_TILES) and {a for _, a in seen} == {"sm_90a"}  # plain, hooked
 
 
 # ---- what BatchAttention launches for a step (no GPU: the launches recorded) ---------------------
