@@ -38,13 +38,15 @@ def _page_shift(page_size):
 
 
 def checked_window(window):
-    """``plan(window=...)`` as the kernels take it: W >= 1 keys, or 0 for none (None, -1)."""
+    """``plan(window=...)`` as the kernels take it: W >= 1 keys, or 0 for none (None, -1). A window
+    above 2^30 keys is 2^30 (the same for every kv_len a cache can hold; the kernels add it to key
+    positions in int32)."""
     if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
         return 0
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 1 <= window < 2**31:
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
         raise ValueError(f"window must be an int >= 1 (the keys a query sees, itself included; FlashAttention's "
                          f"convention) or None / -1 for no window, got {window!r}")
-    return int(window)
+    return int(min(window, 2**30))
 
 
 def checked_soft_cap(cap):

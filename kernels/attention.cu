@@ -184,13 +184,20 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // fold, those a window's skip passed whole (`run`: split_first .. run.split_first - 1), after them
   // (one call site: a second costs the two-row fold tile, at its register cap, a spill). A tile whose
   // epilogue spans every stage runs one split per CTA: a skip that passes it leaves no tile, so none.
-  int passed = 0;
-  if constexpr (Traits::kVariants && Traits::kEpilogueInStage) passed = p.fold_splits ? 0 : run.split_first - w.split_first;
-  for (; split_now < w.split_stop + passed; ++split_now) {
-    const int split = split_now < w.split_stop ? split_now : split_now - w.split_stop + w.split_first;
-    epilogue.publish(state);
-    __syncthreads();
-    epilogue.finish(split, 0, state.acc, s_bad != 0);
+  if constexpr (Traits::kVariants && Traits::kEpilogueInStage) {
+    const int passed = p.fold_splits ? 0 : run.split_first - w.split_first;
+    for (; split_now < w.split_stop + passed; ++split_now) {
+      const int split = split_now < w.split_stop ? split_now : split_now - w.split_stop + w.split_first;
+      epilogue.publish(state);
+      __syncthreads();
+      epilogue.finish(split, 0, state.acc, s_bad != 0);
+    }
+  } else {
+    for (; split_now < w.split_stop; ++split_now) {
+      epilogue.publish(state);
+      __syncthreads();
+      epilogue.finish(split_now, 0, state.acc, s_bad != 0);
+    }
   }
   // a bad request is recorded once the CTA is done (status.cuh), off the loop's registers
   if (tid == 0 && s_bad) record_bad(p.status, s_request, s_reason ? s_reason : kPageOutOfRange);

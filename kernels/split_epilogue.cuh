@@ -318,7 +318,13 @@ struct SplitEpilogue {
           const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
           const i64 out_slot = out_slot_of();
           store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
-          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(into_total.m, into_total.l, row);
+          if (c4 == 0 && p.lse != nullptr) {
+            if constexpr (Traits::kVariants) {
+              p.lse[out_slot] = final_lse(into_total.m, into_total.l, row);
+            } else {
+              p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
+            }
+          }
         } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
           const int head = head_of();
           const i64 group_row =

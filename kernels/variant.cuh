@@ -114,7 +114,7 @@ struct DefaultVariant {
       visible = __ldg(p.custom_mask + __ldg(p.mask_indptr + request) + i * q_len + (key - prefix)) != 0;
     }
     if constexpr (VARIANTS) {
-      if (p.window > 0 && key <= prefix + i - p.window) visible = false;
+      if (p.window > 0 && key + p.window <= prefix + i) visible = false;  // window <= 2^30 (the host's clamp)
     }
   }
 

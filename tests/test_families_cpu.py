@@ -222,8 +222,8 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     assert (wgmma | hooked) <= everything and not (wgmma | hooked) & sm80 and everything - sm80 == wgmma | hooked
     assert hooked <= set(schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a", variants=True))
     assert set(schedule.all_variants("sm_90a")) == everything
-    hopper = schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a")
-    ampere = schedule.warmup_variants(smem_limit=schedule.SM80_SMEM_LIMIT, arch="sm_80")
+    hopper = schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a", variants=True)
+    ampere = schedule.warmup_variants(smem_limit=schedule.SM80_SMEM_LIMIT, arch="sm_80", variants=True)
     assert wgmma <= set(hopper) <= everything and set(ampere) <= sm80
     mma_prefill = {schedule.attention_variant(dt, schedule.MmaTile(d, 4, 1)) for dt in _build.CTYPES
                    for d in schedule.HEAD_DIMS}

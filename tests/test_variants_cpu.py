@@ -106,7 +106,7 @@ def test_reference_sink_of_a_row_that_sees_nothing():
 # ---- the API's checks (before anything touches a device) ------------------------------------------
 
 
-@pytest.mark.parametrize("window", [0, -2, True, 2.5, "4", 2**31])
+@pytest.mark.parametrize("window", [0, -2, True, 2.5, "4"])
 def test_plan_refuses_a_bad_window(window):
     with pytest.raises(ValueError, match="window must be an int >= 1"):
         attention.BatchAttention(8, 2, 64).plan([1], [4], [[0]], window=window)
@@ -120,7 +120,7 @@ def test_plan_refuses_a_bad_soft_cap(cap):
 
 def test_the_none_values():
     assert attention.checked_window(None) == attention.checked_window(-1) == 0
-    assert attention.checked_window(np.int64(4096)) == 4096
+    assert attention.checked_window(np.int64(4096)) == 4096 and attention.checked_window(2**40) == 2**30
     assert attention.checked_soft_cap(None) == attention.checked_soft_cap(0) == 0.0
     assert attention.checked_soft_cap(np.float32(30)) == 30.0
 

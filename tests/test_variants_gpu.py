@@ -108,6 +108,28 @@ def test_variant_mixed_batch(variant, dtype, page_size):
                       cap, sm_scale, sinks, f"{label} {part}")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_variant_on_the_mma_sync_prefill_tile(dtype, monkeypatch):
+    """The A100 build (CUPY_FA_ARCH=sm_80, run on this GPU): requests of more than 16 tokens on the
+    mma.sync prefill tile, with every hook on, beside decode-like ones."""
+    import cupy_fa
+    from cupy_fa import schedule
+
+    monkeypatch.setenv("CUPY_FA_ARCH", "sm_80")
+    cupy_fa.knobs.reload()
+    rng, seed = new_rng()
+    heads, d, page_size = (16, 4), 128, 16
+    q_lens = np.array([1, 8, 17, 200, 64])
+    kv_lens = q_lens + rng.integers(0, 2000, len(q_lens))
+    window, cap, sm_scale, sinks = draw(rng, "all", heads[0], windows=(5, 300, 900))
+    table, k_host, v_host, _, q_host = paged_case(rng, dtype, heads, d, page_size, kv_lens, int(q_lens.sum()))
+    cache = device_cache(*nan_before_windows(k_host, v_host, table, q_lens, kv_lens, window, page_size))
+    attn = cupy_fa.BatchAttention(*heads, d, dtype)
+    run_and_check(attn, dtype, q_host, k_host, v_host, cache, q_lens, kv_lens, table, window, cap, sm_scale, sinks,
+                  f"seed {seed} sm_80 build window={window} cap={cap}")
+    assert isinstance(attn.planned.long_tile, schedule.MmaTile) and attn.planned.long_tile.warps_n == 1
+
+
 @pytest.mark.parametrize("mask", ["none", "tree", "holes"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_window_with_every_mask(mask, dtype):
