@@ -164,6 +164,12 @@ WORKLOADS = [
     Workload("mixed_q2048_d63_l4096", 64, 2048, 4096,
              "MIXED: one 2048-token chunk (over a 2048-token prefix) and 63 decode rows, all at kv_len 4096",
              ragged=((1, 2048, 4096), (63, 1, 4096))),
+    Workload("decode_b64_l4096_d96", 64, 1, 4096, "head dim 96", head_dim=96),
+    Workload("decode_b64_l4096_d192", 64, 1, 4096, "head dim 192", head_dim=192),
+    Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96 (the mma.sync prefill tile on sm_90a too)",
+             head_dim=96),
+    Workload("prefill_b4_l4096_d192", 4, 4096, 4096, "head dim 192 (the mma.sync prefill tile on sm_90a too)",
+             head_dim=192),
 ]
 BY_NAME = {w.name: w for w in WORKLOADS}
 

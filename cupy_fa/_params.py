@@ -44,6 +44,10 @@ _FIELDS = {
         ("k_new", _PTR), ("v_new", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("slots", _PTR),
         ("num_slots", np.int64), ("num_tokens", np.int32), ("row_chunks", np.int32), ("status", _PTR),
     ],
+    "MergeStatesParams": [
+        ("out_a", _PTR), ("lse_a", _PTR), ("out_b", _PTR), ("lse_b", _PTR), ("out", _PTR), ("lse", _PTR),
+        ("rows", np.int64), ("head_dim", np.int32), ("rows_per_cta", np.int32),
+    ],
 }
 
 DTYPES = {name: np.dtype(fields, align=True) for name, fields in _FIELDS.items()}

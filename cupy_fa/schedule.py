@@ -583,6 +583,17 @@ def merge_variant(dtype_name, head_dim, shape):
     return Variant("merge.cu", expr, head_dim // 4 * heads_per_cta * ways)
 
 
+MERGE_STATES_THREADS = 256  # kernels/merge_states.cu's launch bounds: head_dim / 4 threads a row
+
+
+@functools.lru_cache(maxsize=None)
+def merge_states_variant(dtype_name):
+    """cupy_fa.merge_states' kernel (kernels/merge_states.cu) for one output type; any head dim
+    that is a multiple of 4 up to 4 x MERGE_STATES_THREADS."""
+    return Variant("merge_states.cu", f"cupy_fa::merge_states_kernel<{_build.CTYPES[dtype_name]}>",
+                   MERGE_STATES_THREADS)
+
+
 def append_variant(index_dtype):
     index = {"int32": "int", "int64": "long long"}[np.dtype(index_dtype).name]
     return Variant("kv_append.cu", f"cupy_fa::append_kernel<{index}>", 256)
@@ -600,6 +611,7 @@ def all_variants(arch=None):
     CI compiles): with ``arch`` those an ``arch`` build can run (the wgmma family only for sm_90a);
     None: every one (they all compile for sm_90a)."""
     out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
+    out += [merge_states_variant(dtype_name) for dtype_name in _build.CTYPES]
     for dtype_name in _build.CTYPES:
         for head_dim in HEAD_DIMS:
             out += _common_variants(dtype_name, head_dim)
@@ -619,8 +631,9 @@ def all_variants(arch=None):
 def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None):
     """Every variant that plans with these dtypes and head dims can select under the knobs in
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
-    prefill family of the arch, the merges, plan and append)."""
+    prefill family of the arch, the merges, plan and append, and merge_states')."""
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
+    wanted += [merge_states_variant(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
         for head_dim in head_dims:
             wanted += _common_variants(dtype_name, head_dim)

@@ -1,7 +1,10 @@
 """Compiles every kernel variant of the cupy_fa on the path into CuPy's disk cache, several
 processes at once (the parent never touches CUDA, so forked workers each get a clean context).
+`python3 scripts/warm_cache.py [PROCESSES] [--head-dims 96,192]`: only the variants of those head
+dims (and those of none: plan, append, merge_states).
 Works for an older tree too (`PYTHONPATH=exp/base python3 scripts/warm_cache.py`), whose variant
 list lived in cupy_fa._build."""
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -29,8 +32,20 @@ def compile_one(i):
     return i
 
 
+def head_dim_of(variant):
+    """The head dim a variant's traits name (TileTraits<96, ...>, MergeTraits<96, ...>), or None."""
+    found = re.search(r"Traits<(\d+),", variant.expression)
+    return int(found.group(1)) if found else None
+
+
 if __name__ == "__main__":
     start = time.perf_counter()
-    with ProcessPoolExecutor(int(sys.argv[1]) if len(sys.argv) > 1 else 8) as pool:
+    args = sys.argv[1:]
+    if "--head-dims" in args:
+        at = args.index("--head-dims")
+        keep = {int(x) for x in args[at + 1].split(",")}
+        VARIANTS = [v for v in VARIANTS if head_dim_of(v) in keep or head_dim_of(v) is None]
+        del args[at:at + 2]
+    with ProcessPoolExecutor(int(args[0]) if args else 8) as pool:
         done = [i for i in pool.map(compile_one, range(len(VARIANTS))) if i is not None]
     print(f"compiled {len(done)} kernel variants of {_build.KERNEL_DIR} in {time.perf_counter() - start:.1f} s")
