@@ -81,7 +81,9 @@ class BatchAttention:
 
     Args:
         num_qo_heads, num_kv_heads: query and KV head counts (GQA/MQA: the first a multiple of the second).
-        head_dim: 64, 128 or 256.
+        head_dim: 64, 96, 128, 192 or 256, of q, K, V and out alike (separate qk / vo head dims, such
+            as DeepSeek's 192 / 128, are not supported). On sm_90a, requests of more than 16 tokens
+            take the wgmma family at 64, 128 and 256, the mma.sync prefill tile at 96 and 192.
         dtype: "bfloat16" or "float16" (also NumPy / ml_dtypes / torch dtypes); q, cache and out share it.
         max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes: capacity of the
             preallocated metadata buffers (requests, sum of q_len, page-table columns, custom-mask
@@ -90,7 +92,7 @@ class BatchAttention:
             by eager plans as needed.
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
-            head dim, some but not all of the capacities, a capacity that is not a positive int
+            head dim (or a pair of them), some but not all of the capacities, a capacity that is not a positive int
             (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16.
         RuntimeError: capacities given on a machine without a usable CUDA device.
 
@@ -115,6 +117,9 @@ class BatchAttention:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if isinstance(head_dim, (tuple, list)):
+            raise ValueError(f"separate qk / vo head dims {tuple(head_dim)} are not supported: q, K, V and out share "
+                             f"one head_dim, one of {_schedule.HEAD_DIMS} (docs/design.md, \"Head dims\")")
         if head_dim not in _schedule.HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {_schedule.HEAD_DIMS}, got {head_dim!r}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)

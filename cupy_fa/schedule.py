@@ -45,7 +45,7 @@ from ._build import Variant
 
 # ---- the policy's constants ------------------------------------------------------------
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)  # 96 and 192: the mma.sync family only (prefill_tile)
 WARP_LAYOUTS = ((1, 4), (2, 4), (4, 1))  # mma.sync tiles: (warps over query rows, warps over keys)
 SMALL_Q_LEN = 16  # batches with q_len <= this are decode-like: the small-q tile and fixed-position splits
 MAX_SPLITS = 256  # KV splits of one request at most (sizes the merge's shared memory)
@@ -252,7 +252,7 @@ def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None):
     128 packed rows per CTA) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
     ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target
     named) the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA)."""
-    if is_sm90a(arch):
+    if is_sm90a(arch) and head_dim in _sm90().DEFAULT_TILES:
         tile = _sm90().DEFAULT_TILES[head_dim]
         if tile.smem_bytes <= smem_limit:
             return tile
@@ -577,7 +577,10 @@ def attention_variant(dtype, tile):
 def merge_variant(dtype_name, head_dim, shape):
     heads_per_cta, ways = shape
     if ways == 0:  # a way per group of splits, up to 1024 threads (32 ways at D=128: one group each)
-        ways = min(1024 // (head_dim // 4 * heads_per_cta), MAX_SPLITS // MERGE_GROUP)
+        lanes = head_dim // 4 * heads_per_cta
+        ways = min(1024 // lanes, MAX_SPLITS // MERGE_GROUP)
+        while lanes * ways % 32:  # whole warps (D = 192: 20 ways of 48 lanes): its warp-wide search
+            ways -= 1
     expr = (f"cupy_fa::merge_kernel<{_build.CTYPES[dtype_name]}, "
             f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {MAX_SPLITS}>>")
     return Variant("merge.cu", expr, head_dim // 4 * heads_per_cta * ways)

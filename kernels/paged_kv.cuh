@@ -37,8 +37,9 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, STEP = Traits::kRowStep;
   const QT* q = static_cast<const QT*>(p.q);
 #pragma unroll
-  for (int i = 0; i < BM / STEP; ++i) {
+  for (int i = 0; i < Traits::passes(BM); ++i) {
     const int r = row_in_pass + i * STEP, row = row0 + r;
+    if (!Traits::loads_row(row_in_pass, r, BM)) continue;  // past the tile (D = 96, 192 only)
     const bool valid = row < rows;
     const QT* src = q;
     if (valid) {
@@ -54,7 +55,7 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
 template <typename Traits, typename KVT>
 struct PagedKVProducer {
   static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kRowStep;
-  static constexpr int kRows = BN / STEP;  // key rows this thread copies per tile
+  static constexpr int kRows = Traits::passes(BN);  // key rows this thread copies per tile (at most)
   static_assert(sizeof(KVT) == 2, "16-byte chunks of 8 elements (Traits::kChunks): fp8 KV needs its own count");
 
   const AttentionParams& p;
@@ -95,7 +96,8 @@ struct PagedKVProducer {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
       // as fetched: checked where issue_rows uses them, a tile later, so the load stays in flight
       // behind this tile's math (a test here would wait for it at once)
-      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+      const bool mine = Traits::loads_row(row_in_pass, row_in_pass + i * STEP, BN);
+      pages[i] = (mine && tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
     }
   }
 
@@ -117,6 +119,7 @@ struct PagedKVProducer {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
+      if (!Traits::loads_row(row_in_pass, r, BN)) continue;  // past the tile (D = 96, 192 only)
       const bool valid = key < kv_end;
       const unsigned fetched = static_cast<unsigned>(pages[i]);
       highest = max(highest, fetched);

@@ -28,6 +28,16 @@ struct TileTraits {
   static constexpr int kStages = STAGES;                                         // cp.async pipeline depth
   static constexpr int kChunks = HEAD_DIM / 8;                                   // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;                            // rows one pass of the CTA loads
+  // Thread t loads chunk t % kChunks of rows t / kChunks, + kRowStep, ... of a tile. Where the
+  // chunks do not divide the threads or a pass's rows a tile's (D = 96: 12 chunks; 192: 24), the
+  // last kThreads % kChunks threads load nothing and the last pass is partial: the loads test
+  // each row (loads_row), at the other head dims the test compiles away.
+  static constexpr bool kEvenLoads = kThreads % kChunks == 0 && (16 * WARPS_M) % kRowStep == 0 &&
+                                     BLOCK_N % kRowStep == 0;
+  static constexpr int passes(int tile_rows) { return (tile_rows + kRowStep - 1) / kRowStep; }
+  static __device__ __forceinline__ bool loads_row(int row_in_pass, int r, int tile_rows) {
+    return kEvenLoads || (row_in_pass < kRowStep && r < tile_rows);
+  }
   static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
   static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * 2;               // K, and again V
   static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
@@ -69,8 +79,7 @@ struct TileTraits {
                 "whole slices per K (or V) tile");
   static_assert(kStagedCols >= 64 || kEpiloguePasses <= 1, "staged_pair's swizzle needs 64 columns");
   static_assert(!FOLD || WARPS_N > 1, "a fold is for small-q tiles, whose requests split");
-  static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
-                "loads must tile the CTA evenly");
+  static_assert(kRowStep >= 1 && HEAD_DIM % 16 == 0, "a pass loads whole rows of whole k16 steps");
   static_assert(kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
 };
 

@@ -100,7 +100,12 @@ def _(ctx):
 
 @case("attn-head-dim")
 def _(ctx):
-    return lambda: cupy_fa.BatchAttention(8, 2, 96), []
+    return lambda: cupy_fa.BatchAttention(8, 2, 80), []
+
+
+@case("attn-head-dim-pair")
+def _(ctx):
+    return lambda: cupy_fa.BatchAttention(8, 2, (192, 128)), []
 
 
 @case("attn-dtype")

@@ -101,7 +101,7 @@ def test_merge_states_torch_in_torch_out():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128, 96])
 def test_merge_equals_attention_over_concatenated_keys(dtype, page_size, head_dim):
     """Each request's keys cut at a random point k (0 < k <= kv_len - q_len: every query sees every
     key before it): the keys before k attended without a mask, the rest causally (their own
@@ -238,7 +238,7 @@ def test_merge_states_errors_before_any_launch():
 
 def test_cascade_example():
     """examples/cascade_shared_prefix.py: a prefix not on a page boundary, decodes and extend
-    chunks, at page sizes 1 and 16, both dtypes, D 128 and 64; every request, row and LSE within
+    chunks, at page sizes 1 and 16, both dtypes, D 128 and 192; every request, row and LSE within
     the bar of the float64 attention over the whole."""
     from examples import cascade_shared_prefix as example
 
@@ -247,7 +247,7 @@ def test_cascade_example():
                               ["--dtype", "fp16", "--page-size", "1", "--prefix", "77", "--requests", "12",
                                "--max-suffix", "120"],
                               ["--dtype", "bf16", "--page-size", "16", "--prefix", "600", "--requests", "5",
-                               "--head-dim", "64", "--heads", "8", "1"])):
+                               "--head-dim", "192", "--heads", "8", "1"])):
         result = example.run(example.parse(argv + ["--seed", str(seed + i)]))
         result["check"].assert_ok()
         assert result["ok"], result
