@@ -92,8 +92,8 @@ class BatchAttention:
             by eager plans as needed.
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
-            head dim (or a pair of them), some but not all of the capacities, a capacity that is not a positive int
-            (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16.
+            head dim (or a pair of them), some but not all of the capacities, a capacity that is
+            not a positive int (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16.
         RuntimeError: capacities given on a machine without a usable CUDA device.
 
     Threads and streams: one instance owns one set of metadata buffers. Its calls may come from

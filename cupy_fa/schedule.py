@@ -12,8 +12,8 @@ For a planned step :func:`schedule_step` answers everything the host decides:
      the batch holds (docs/design.md, "Batch invariance");
    * longer requests (prefill, extend, chunked prefill, the long rows of a mixed batch) take
      :func:`prefill_tile`: the ``SM90_WGMMA`` family (``kernels/prefill_sm90.cu``, wgmma with a
-     producer warpgroup, sm_90a only) where the target is sm_90a, else the mma.sync prefill
-     tile (4 warps over 64 query rows). One split per CTA, no fold.
+     producer warpgroup, sm_90a only) where the target is sm_90a and the head dim 64, 128 or
+     256, else the mma.sync prefill tile (4 warps over 64 query rows). One split per CTA, no fold.
    Both read the same plan metadata (``kernels/work.cuh``, ``kernels/sm90_prefill_work.cuh``),
    each its own list with its own ``block_m`` / ``block_n``.
 2. **The fold** (:func:`fold_tile`): whether the small-q CTAs fold their splits themselves
@@ -251,7 +251,8 @@ def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None):
     target the wgmma family's default tile for the head dim (``prefill_sm90.DEFAULT_TILES``,
     128 packed rows per CTA) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
     ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target
-    named) the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA)."""
+    named), and at the head dims the wgmma family lacks (96, 192: docs/design.md "Head dims"),
+    the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA)."""
     if is_sm90a(arch) and head_dim in _sm90().DEFAULT_TILES:
         tile = _sm90().DEFAULT_TILES[head_dim]
         if tile.smem_bytes <= smem_limit:

@@ -27,7 +27,8 @@ Run from the repository root on a GPU machine:
     PYTHONPATH=. python examples/cascade_shared_prefix.py --dtype fp16 --page-size 1 --prefix 3000 --requests 32
 
 It prints the relative error of the merged result (and of its LSE) against the float64 reference
-of the whole batch, and exits 1 if it is above the library's bar (fp16 3e-3, bf16 1e-2).
+of the whole batch, and exits 1 if it is above the library's bar (fp16 3e-3, bf16 1e-2), 2 on a
+machine without a usable GPU.
 """
 
 import argparse
@@ -139,7 +140,14 @@ def run(args):
 
 
 def main(argv=None):
-    result = run(parse(argv))
+    from cupy_fa import _arrays
+
+    args = parse(argv)
+    problem = _arrays.cuda_problem()
+    if problem is not None:
+        print(f"cascade_shared_prefix.py needs a GPU: {problem}", file=sys.stderr)
+        return 2
+    result = run(args)
     return 0 if result["ok"] else 1
 
 

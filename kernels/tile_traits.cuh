@@ -32,8 +32,8 @@ struct TileTraits {
   // chunks do not divide the threads or a pass's rows a tile's (D = 96: 12 chunks; 192: 24), the
   // last kThreads % kChunks threads load nothing and the last pass is partial: the loads test
   // each row (loads_row), at the other head dims the test compiles away.
-  static constexpr bool kEvenLoads = kThreads % kChunks == 0 && (16 * WARPS_M) % kRowStep == 0 &&
-                                     BLOCK_N % kRowStep == 0;
+  static constexpr bool kEvenLoads = kThreads % kChunks == 0 && kBlockM % kRowStep == 0 &&
+                                     kBlockN % kRowStep == 0;
   static constexpr int passes(int tile_rows) { return (tile_rows + kRowStep - 1) / kRowStep; }
   static __device__ __forceinline__ bool loads_row(int row_in_pass, int r, int tile_rows) {
     return kEvenLoads || (row_in_pass < kRowStep && r < tile_rows);
