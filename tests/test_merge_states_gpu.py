@@ -180,6 +180,7 @@ def test_merge_states_in_a_cuda_graph(dtype):
     out = cupy.empty_like(bufs[0])
     lse = cupy.empty((n, h), np.float32)
     cupy_fa.merge_states(*bufs, out=out, lse_out=lse)  # compiled before the capture
+    cupy.cuda.get_current_stream().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
@@ -192,10 +193,11 @@ def test_merge_states_in_a_cuda_graph(dtype):
             finally:
                 stream.end_capture()
     fresh = random_states(rng, dtype, n, h, d)
-    for buf, x in zip(bufs, fresh[:4]):
-        buf.set(x)
-    out.fill(POISON)
-    graph.launch(stream)
+    with stream:  # the new states and the poison ordered before the replay, on its stream
+        for buf, x in zip(bufs, fresh[:4]):
+            buf.set(x, stream=stream)
+        out.fill(POISON)
+        graph.launch(stream)
     stream.synchronize()
     ref, _ = reference.merge_states(*fresh[:4])
     assert reference.relative_error(out.get().astype(np.float64), ref) < reference.TOL[dtype] / 4
