@@ -8,10 +8,11 @@
 #    example) and tests/test_headdims_gpu.py (head dims 96 / 192 in every mode, eager and graph,
 #    page sizes 1 and 16, decode == verify bits); any failure, error or skip fails the call;
 # 3. examples/cascade_shared_prefix.py as a user runs it;
-# 4. the bench cells at head dims 96 / 192 (decode B=64 L=4096, prefill B=4 L=4096, page size 16)
-#    beside FlashInfer when .fi/flashinfer.tar.xz is carried (scripts/pack_flashinfer.sh), in the
-#    time left (FlashInfer compiles each new head dim's kernel on first use: a cell over the time
-#    left is named as skipped).
+# 4. the bench cells at head dims 96 / 192 (decode B=64 L=4096, prefill B=4 L=4096, page size 16):
+#    ours beside SDPA, then beside FlashInfer too when .fi/flashinfer.tar.xz is carried
+#    (scripts/pack_flashinfer.sh), in the time left (FlashInfer compiles each new head dim's
+#    kernel on first use: cells past the time left are named as skipped; BENCH_WORKLOADS picks
+#    the cells, CHECK_SECONDS=400 gives them all their time).
 # Logs go under $OUT (or ./device_out); the summary is printed last; exit 1 when a check failed.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -75,19 +76,21 @@ for args in "" "--dtype fp16 --page-size 1 --prefix 3000 --requests 32"; do
 done
 echo "example: $(( $(date +%s) - start )) s" >> "$summary"
 
-# 4. the bench cells at the new head dims, beside FlashInfer, in the time left
-budget=$(( $(left) - 10 ))
-if [ "$budget" -gt 20 ]; then
-  timeout $budget python3 -m bench decode_b64_l4096_d96 decode_b64_l4096_d192 prefill_b4_l4096_d96 \
-    prefill_b4_l4096_d192 --page-size 16 --quick --no-ceilings --no-plot --budget $(( budget - 15 )) \
-    --out "$OUT" > "$OUT/bench.log" 2>&1
-  rc=$?
-  { echo "bench (exit $rc; budget $budget s):"; grep -E "ps=16: |^skipped|^FAIL|flashinfer:" "$OUT/bench.log" \
+# 4. the bench cells at the new head dims: ours and SDPA first (every cell), then beside FlashInfer in
+# the time left (it compiles a kernel per new head dim on first use, tens of seconds each)
+cells=${BENCH_WORKLOADS:-decode_b64_l4096_d96 decode_b64_l4096_d192 prefill_b4_l4096_d96 prefill_b4_l4096_d192}
+bench_stage() {  # $1: a title, $2: extra bench flags; the cell lines into the summary
+  local budget=$(( $(left) - 8 ))
+  if [ "$budget" -le 15 ]; then echo "bench $1: no time left ($budget s)" >> "$summary"; return; fi
+  timeout $budget python3 -m bench $cells --page-size 16 --quick --no-ceilings --no-plot $2 \
+    --budget $(( budget - 12 )) --out "$OUT" > "$OUT/bench_$1.log" 2>&1
+  local rc=$?
+  { echo "bench $1 (exit $rc; $budget s):"; grep -E "ps=16: |^skipped|^FAIL|flashinfer:" "$OUT/bench_$1.log" \
       | sed -E 's/^\[[0-9:]+\] //'; } >> "$summary"
   [ "$rc" = 0 ] || [ "$rc" = 124 ] || failed=1  # 124: cut at the call's limit (the cells done are listed)
-else
-  echo "bench: no time left ($budget s)" >> "$summary"
-fi
+}
+bench_stage ours_sdpa --no-flashinfer
+if [ -f .fi/flashinfer.tar.xz ]; then bench_stage flashinfer ""; fi
 
 echo "total: $(( $(date +%s) - t0 )) s of $limit" >> "$summary"
 echo; echo "================ merge_headdim_check summary ================"; cat "$summary"
