@@ -37,7 +37,7 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, STEP = Traits::kRowStep;
   const QT* q = static_cast<const QT*>(p.q);
 #pragma unroll
-  for (int i = 0; i < Traits::passes(BM); ++i) {
+  for (int i = 0; i < Traits::kPassesM; ++i) {
     const int r = row_in_pass + i * STEP, row = row0 + r;
     if (!Traits::loads_row(row_in_pass, r, BM)) continue;  // past the tile (D = 96, 192 only)
     const bool valid = row < rows;
@@ -55,7 +55,7 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
 template <typename Traits, typename KVT>
 struct PagedKVProducer {
   static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kRowStep;
-  static constexpr int kRows = Traits::passes(BN);  // key rows this thread copies per tile (at most)
+  static constexpr int kRows = Traits::kPassesN;  // key rows this thread copies per tile (at most)
   static_assert(sizeof(KVT) == 2, "16-byte chunks of 8 elements (Traits::kChunks): fp8 KV needs its own count");
 
   const AttentionParams& p;

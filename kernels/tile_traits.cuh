@@ -34,7 +34,8 @@ struct TileTraits {
   // each row (loads_row), at the other head dims the test compiles away.
   static constexpr bool kEvenLoads = kThreads % kChunks == 0 && kBlockM % kRowStep == 0 &&
                                      kBlockN % kRowStep == 0;
-  static constexpr int passes(int tile_rows) { return (tile_rows + kRowStep - 1) / kRowStep; }
+  static constexpr int kPassesM = (kBlockM + kRowStep - 1) / kRowStep;  // passes over Q's rows
+  static constexpr int kPassesN = (kBlockN + kRowStep - 1) / kRowStep;  // over a K or V tile's
   static __device__ __forceinline__ bool loads_row(int row_in_pass, int r, int tile_rows) {
     return kEvenLoads || (row_in_pass < kRowStep && r < tile_rows);
   }
