@@ -114,6 +114,8 @@ class Inputs:
     kv_lens: np.ndarray  # int32 [B]
     page_table: np.ndarray  # int32 [B, pages of the longest request]: a random permutation of the pages, dealt
     sets: list              # to the requests in order (a shorter request's row padded with page 0)
+    sinks: object = None    # float32 [H_q] host attention sinks (workload.sinks), and on the device:
+    sinks_dev: object = None
 
     @property
     def cu_q(self) -> np.ndarray:
@@ -146,8 +148,10 @@ def make_inputs(w: Workload, page_size: int, n_sets: int, seed: int) -> Inputs:
         out = cupy.empty(q.shape, elem)
         poison(out)
         sets.append(InputSet(cache, q, out))
+    sinks = rng.normal(1.0, 1.5, H_Q).astype(np.float32) if w.sinks else None  # logits that weigh in
     cupy.cuda.Device().synchronize()
-    return Inputs(w, page_size, np.array(w.q_lens, np.int32), np.array(w.kv_lens, np.int32), page_table, sets)
+    return Inputs(w, page_size, np.array(w.q_lens, np.int32), np.array(w.kv_lens, np.int32), page_table, sets,
+                  sinks, None if sinks is None else cupy.asarray(sinks))
 
 
 def reference_windows(inp: Inputs, s: InputSet, windows) -> dict:
@@ -155,7 +159,8 @@ def reference_windows(inp: Inputs, s: InputSet, windows) -> dict:
 
     A window is its own request: q_len = r1 - r0 and, causal, kv_len = kv_len - q_len + r1 (the
     keys row r1-1 can see; non-causal every key), over b's pages gathered in order (so its page
-    table is 0..n-1).
+    table is 0..n-1); its rows keep their positions, so the workload's sliding window, soft-cap and
+    sinks apply as they are.
     """
     import cupy
     from cupy_fa import reference
@@ -172,7 +177,8 @@ def reference_windows(inp: Inputs, s: InputSet, windows) -> dict:
         q = to_host_elems(s.q[cu[b] + r0: cu[b] + r1])
         refs[(b, r0, r1)] = reference.paged_attention(
             q, k, v, np.array([r1 - r0], np.int32), np.array([kv_eff], np.int32),
-            np.arange(n_pages, dtype=np.int32)[None], causal=inp.workload.causal)
+            np.arange(n_pages, dtype=np.int32)[None], causal=inp.workload.causal,
+            window=inp.workload.window or None, soft_cap=inp.workload.soft_cap or None, sinks=inp.sinks)
     return refs
 
 

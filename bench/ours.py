@@ -21,14 +21,16 @@ def bench_ours(inp: Inputs, refs_by_set: dict, opts: dict, n_launch: int) -> dic
     res = {"status": "FAIL"}
     try:
         attn = cupy_fa.BatchAttention(H_Q, H_KV, w.head_dim, dtype=w.dtype)
-        attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=w.causal)
+        attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=w.causal, window=w.window or None,
+                  logits_soft_cap=w.soft_cap or None)
+        sinks = inp.sinks_dev  # the attention variants (a plan's window and soft-cap, a run's sinks)
         res["families"] = [f"{schedule.family_of(x.tile).name} {x.work_grid} items"
                            for x in attn.planned.schedule.launches]  # what ran (cupy_fa.schedule)
         errs, unwritten = {}, 0
         for i, refs in refs_by_set.items():  # several input sets against one plan
             s = sets[i]
             poison(s.out)
-            attn.run(s.q, s.cache, out=s.out)
+            attn.run(s.q, s.cache, out=s.out, sinks=sinks)
             cupy.cuda.Device().synchronize()
             unwritten += count_nan(s.out)
             errs[i] = max_error(inp, lambda lo, hi, s=s: to_host_f64(s.out[lo:hi]), refs)
@@ -39,13 +41,13 @@ def bench_ours(inp: Inputs, refs_by_set: dict, opts: dict, n_launch: int) -> dic
             res["error"] = f"max rel err {err:.3g} (limit {limit}), {unwritten} NaN/unwritten outputs"
 
         n = len(sets)
-        launches = [lambda i=i: attn.run(sets[i % n].q, sets[i % n].cache, out=sets[i % n].out)
+        launches = [lambda i=i: attn.run(sets[i % n].q, sets[i % n].cache, out=sets[i % n].out, sinks=sinks)
                     for i in range(n_launch)]
         t = timing.cupy_graph(launches, warmup=opts["warmup"], reps=opts["reps"])
         res.update(t.as_dict(), value=w.figure(t.time_us), sets=n)
         if w.kind == "memory":
             s = sets[0]
-            res["launch"] = timing.cpu_launch_overhead(attn.run, (s.q, s.cache), {"out": s.out},
+            res["launch"] = timing.cpu_launch_overhead(attn.run, (s.q, s.cache), {"out": s.out, "sinks": sinks},
                                                        n_repeat=opts["cpu_repeat"])
         res["status"] = "ok" if ok else "FAIL"
     except Exception as e:  # noqa: BLE001 - recorded as FAIL, the bench goes on

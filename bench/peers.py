@@ -76,6 +76,9 @@ def bench_sdpa(inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
     if not w.uniform:
         why = "n/a: a ragged batch (dense SDPA runs one q_len / kv_len per call)"
         return {name: cell("n/a", error=why) for name in SDPA_BACKENDS}
+    if w.variant:
+        why = "n/a: SDPA's flash and cuDNN backends take no soft-cap, sinks or sliding window (only a dense mask)"
+        return {name: cell("n/a", error=why) for name in SDPA_BACKENDS}
     dense = [dense_copy(inp, s) for s in inp.sets]
     torch.cuda.synchronize()
     results = {}
@@ -165,8 +168,23 @@ def bench_flashinfer(fi, inp: Inputs, refs: dict, opts: dict, n_launch: int) -> 
         outs = [torch.empty_like(q) for q in q_sets]
         elem = {"bfloat16": torch.bfloat16, "float16": torch.float16}[w.dtype]
         dt = dict(q_data_type=elem, kv_data_type=elem)
+        # the variants: FlashInfer's window_left is W - 1 (a query sees itself and W - 1 keys before it)
+        if w.window:
+            dt["window_left"] = w.window - 1
+        if w.soft_cap:
+            dt["logits_soft_cap"] = w.soft_cap
+        extra = ()
         t0 = time.perf_counter()
-        if w.q_len == 1:
+        if w.sinks:  # its attention-sink variant (a JIT module of its own), prefill and decode alike
+            wrapper = fi.BatchAttentionWithAttentionSinkWrapper(
+                workspace, "NHD", q_data_type=elem, kv_data_type=elem, head_dim_qk=w.head_dim, head_dim_vo=w.head_dim,
+                window_left=dt.get("window_left", -1))
+            qo_indptr = torch.as_tensor([0] + list(np.cumsum(w.q_lens)), **dev)
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps,
+                         causal=w.causal, **dt)
+            extra = (torch.as_tensor(inp.sinks, device=DEVICE), 1.0 / np.sqrt(w.head_dim))
+            how = f"BatchAttentionWithAttentionSinkWrapper(causal={w.causal}) run(q, kv, sinks, sm_scale)"
+        elif w.q_len == 1:
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
             wrapper.plan(kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps, **dt)
             how = "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)"
@@ -177,7 +195,12 @@ def bench_flashinfer(fi, inp: Inputs, refs: dict, opts: dict, n_launch: int) -> 
                          causal=w.causal, **dt)
             how = f"BatchPrefillWithPagedKVCacheWrapper(causal={w.causal})"
 
+        knobs = [f"{k}={v}" for k, v in dt.items() if k in ("window_left", "logits_soft_cap")]
+        how += f" with {', '.join(knobs)}" if knobs else ""
+
         def call(i):
+            if extra:  # the sink variant's run takes its extra tensor and scalar positionally
+                return wrapper.run(q_sets[i], kv_sets[i], *extra, out=outs[i])
             return wrapper.run(q_sets[i], kv_sets[i], out=outs[i])
 
         call(0)

@@ -35,6 +35,11 @@ class Workload:
     head_dim: int = HEAD_DIM
     dtype: str = DTYPE
     ragged: tuple = ()  # ((count, q_len, kv_len), ...) in batch order: requests of different lengths
+    # the attention variants (cupy_fa plan / run): a sliding window of W keys (0: none), a logits
+    # soft-cap (0: none), attention sinks (one random logit per query head)
+    window: int = 0
+    soft_cap: float = 0.0
+    sinks: bool = False
 
     def __post_init__(self):
         if self.ragged:
@@ -82,7 +87,18 @@ class Workload:
     @property
     def shape(self) -> str:
         """'bf16 D128 causal' and the like: what the table's rows differ in besides the lengths."""
-        return f"{SHORT_DTYPE[self.dtype]} D{self.head_dim} {'causal' if self.causal else 'full'}"
+        return f"{SHORT_DTYPE[self.dtype]} D{self.head_dim} {'causal' if self.causal else 'full'}" + self.variant
+
+    @property
+    def variant(self) -> str:
+        """' w4096', ' cap30', ' sinks' (each the workload has), or ''."""
+        return ((f" w{self.window}" if self.window else "") + (f" cap{self.soft_cap:g}" if self.soft_cap else "")
+                + (" sinks" if self.sinks else ""))
+
+    def window_keys(self, q: int, kv: int) -> int:
+        """Keys the queries of a request of (q, kv) see at all: all kv, or with a window of W only
+        the last W + q - 1 (causal: query i sees kv - q + i - W + 1 .. kv - q + i)."""
+        return min(kv, self.window + q - 1) if self.window else kv
 
     @property
     def num_q_rows(self) -> int:
@@ -99,8 +115,10 @@ class Workload:
         return sum(self.pages_of(page_size))
 
     def kv_bytes(self) -> int:
-        """K and V bytes the batch attends, counted once: sum_b kv_len * H_kv * D * 2 B * 2."""
-        return sum(self.kv_lens) * H_KV * self.head_dim * self.elem_bytes * 2
+        """K and V bytes the batch attends, counted once: sum_b kv_len * H_kv * D * 2 B * 2 (with a
+        window only the keys inside some query's window: window_keys)."""
+        keys = sum(self.window_keys(q, kv) for q, kv in self.requests())
+        return keys * H_KV * self.head_dim * self.elem_bytes * 2
 
     def qo_bytes(self) -> int:
         """q read once plus out written once."""
@@ -114,6 +132,10 @@ class Workload:
         """Sum over the batch's queries of the keys each sees (causal counted exactly: query i of
         a request sees kv_len - q_len + i + 1 keys). Per request for a uniform batch."""
         def of(q, kv):
+            if self.window:  # query i sees min(W, its causal keys) (or, full, min(W + keys after it, kv))
+                prefix = kv - q
+                return sum(min(self.window, prefix + i + 1) if self.causal else
+                           min(kv, kv - max(0, prefix + i - self.window + 1)) for i in range(q))
             return q * kv if not self.causal else q * (kv - q) + q * (q + 1) // 2
 
         if not self.ragged:
@@ -164,6 +186,16 @@ WORKLOADS = [
     Workload("mixed_q2048_d63_l4096", 64, 2048, 4096,
              "MIXED: one 2048-token chunk (over a 2048-token prefix) and 63 decode rows, all at kv_len 4096",
              ragged=((1, 2048, 4096), (63, 1, 4096))),
+    # the attention variants (issue 21): a window of 1024 (Mistral-like; a quarter of L), Gemma 2's
+    # soft-cap of 50, gpt-oss's sinks; and a window of 4096 over 131072 keys, whose read is the window's
+    Workload("decode_b64_l4096_w1024", 64, 1, 4096, "sliding window of 1024 keys", window=1024),
+    Workload("decode_b64_l4096_cap50", 64, 1, 4096, "logits soft-cap 50", soft_cap=50.0),
+    Workload("decode_b64_l4096_sinks", 64, 1, 4096, "attention sinks", sinks=True),
+    Workload("prefill_b4_l4096_w1024", 4, 4096, 4096, "sliding window of 1024 keys", window=1024),
+    Workload("prefill_b4_l4096_cap50", 4, 4096, 4096, "logits soft-cap 50", soft_cap=50.0),
+    Workload("prefill_b4_l4096_sinks", 4, 4096, 4096, "attention sinks", sinks=True),
+    Workload("decode_b1_l131072_w4096", 1, 1, 131072, "window of 4096 over 131072 keys: it reads the window",
+             window=4096),
     Workload("decode_b64_l4096_d96", 64, 1, 4096, "head dim 96", head_dim=96),
     Workload("decode_b64_l4096_d192", 64, 1, 4096, "head dim 192", head_dim=192),
     Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96 (the mma.sync prefill tile on sm_90a too)",

@@ -1,7 +1,8 @@
 """cupy_fa: paged-KV attention for LLM inference on CuPy/NVRTC.
 
 Public API:
-    PagedKVCache      K/V pages [num_pages, page_size, H_kv, D]; ``append`` writes new tokens at slots.
+    PagedKVCache      K/V pages [num_pages, page_size, H_kv, D] (fp16 / bf16, or fp8 e4m3fn with scales);
+                      ``append`` writes new tokens at slots.
     BatchAttention    ``plan(q_lens, kv_lens, page_table, ...)`` then ``run(q, cache, out=None)``.
     ForwardMode, contract_lengths   serving modes -> the contract's q_len / kv_len (cupy_fa.modes).
     GraphRunner       CUDA-graph capture and replay per (mode, batch bucket) (cupy_fa.graph).

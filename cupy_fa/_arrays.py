@@ -16,6 +16,10 @@ except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency
     BFLOAT16 = None
 
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}
+# An fp8 KV cache's element type (e4m3fn: no infinity, NaN = S.1111.111, largest finite 448).
+FLOAT8_E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn) if BFLOAT16 is not None else None
+FP8 = "float8_e4m3fn"
+KV_DTYPES = {**DTYPES, FP8: FLOAT8_E4M3FN}
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 
 
@@ -39,6 +43,41 @@ def resolve_dtype(dtype, name="dtype"):
     if text not in DTYPES:
         raise TypeError(f"{name} must be float16 or bfloat16, got {dtype!r}")
     return text
+
+
+def resolve_kv_dtype(dtype, name="dtype"):
+    """A KV cache dtype: what :func:`resolve_dtype` accepts, or float8_e4m3fn ("float8_e4m3fn",
+    "fp8_e4m3", ml_dtypes.float8_e4m3fn, torch.float8_e4m3fn)."""
+    text = str(dtype).replace("torch.", "")
+    if text in (FP8, "fp8_e4m3", "fp8_e4m3fn", "e4m3") or _is_dtype(dtype, FLOAT8_E4M3FN):
+        return FP8
+    try:
+        return resolve_dtype(dtype, name)
+    except TypeError:
+        raise TypeError(f"{name} must be float16, bfloat16 or float8_e4m3fn, got {dtype!r}") from None
+
+
+def _is_dtype(dtype, want):
+    try:
+        return np.dtype(dtype) == want
+    except TypeError:
+        return False
+
+
+def fp8_bytes(x, name):
+    """An fp8 (e4m3fn) device array as a zero-copy CuPy uint8 view of its bytes: torch
+    float8_e4m3fn tensors go through DLPack as uint8 (CuPy 14's DLPack has no fp8 codes), CuPy
+    arrays of ml_dtypes' float8_e4m3fn are viewed as uint8. Returns None for anything else (the
+    caller decides whether a uint8 array may be one)."""
+    if is_torch(x) and str(x.dtype) == "torch.float8_e4m3fn":
+        import torch
+
+        return to_cupy(x.view(torch.uint8), name)
+    if hasattr(x, "__dlpack__") or hasattr(x, "dtype"):
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and FLOAT8_E4M3FN is not None and _is_dtype(dtype, FLOAT8_E4M3FN):
+            return to_cupy(x, name).view(np.uint8)
+    return None
 
 
 def is_torch(x):

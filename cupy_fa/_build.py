@@ -26,7 +26,6 @@ import re
 import struct
 import threading
 
-import numpy as np
 
 from . import _params
 from .knobs import knobs
@@ -51,6 +50,8 @@ def source_hash():
 # ---- variants ---------------------------------------------------------------------
 
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+# K/V element types: Q's and O's, and an fp8 (e4m3fn) cache's bytes (kernels/common.cuh)
+KV_CTYPES = {**CTYPES, "float8_e4m3fn": "cupy_fa::fp8_e4m3"}
 TRACE_SHAPE = (1 << 15, 6)  # kernels/trace.cuh (kTraceCtas, kTraceStamps): trace_buffer's shape
 
 
@@ -190,7 +191,10 @@ def get_function(variant):
                 name_expressions=[variant.expression],
             )
             fn = module.get_function(variant.expression)
-            if variant.smem_bytes > 48 * 1024:
+            # the opt-in for more than 48 KiB counts static and dynamic shared memory together: a
+            # kernel at exactly 48 KiB dynamic (the fp8 prefill tile) with any static bytes needs
+            # it too, so it is set for every kernel that takes dynamic shared memory
+            if variant.smem_bytes > 0:
                 fn.max_dynamic_shared_size_bytes = variant.smem_bytes
             _modules[key] = module
             _functions[key] = fn
@@ -236,46 +240,6 @@ def launch(variant, grid, params, stream, programmatic=False):
     with stream:
         fn(tuple(grid), (variant.threads,), params if isinstance(params, tuple) else (params,),
            shared_mem=variant.smem_bytes)
-
-
-# ---- TMA tensor maps through the driver (cuda.h cuTensorMapEncodeTiled) -----------------------
-
-_TENSOR_MAP_DTYPES = {"float16": 6, "bfloat16": 9}  # CUtensorMapDataType
-_SWIZZLE_128B, _L2_PROMOTION_128B = 3, 2             # CUtensorMapSwizzle, CUtensorMapL2promotion
-
-
-@functools.lru_cache(maxsize=None)
-def _encode_tiled():
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    except (OSError, AttributeError) as exc:
-        raise RuntimeError("TMA tiles need a CUDA 12+ driver (cuTensorMapEncodeTiled)") from exc
-    fn.restype = ctypes.c_int
-    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    return fn
-
-
-def tensor_map_tiled(dtype_name, address, dims, strides_bytes, box):
-    """A CUtensorMap (128 bytes) of a tensor of 16-bit elements at device ``address``: ``dims``
-    innermost first, ``strides_bytes`` of dims 1.. (multiples of 16), boxes of ``box`` elements,
-    written to shared memory in the 128-byte swizzle, promoted to L2 in 128-byte lines, nothing
-    out of bounds filled (the kernels read only whole boxes)."""
-    rank = len(dims)
-    if len(strides_bytes) != rank - 1 or len(box) != rank:
-        raise ValueError(f"tensor map: {rank} dims need {rank - 1} strides and {rank} box sizes")
-    out = ctypes.create_string_buffer(128 + 64)  # 64-byte aligned inside
-    at = (ctypes.addressof(out) + 63) & ~63
-    status = _encode_tiled()(
-        ctypes.c_void_p(at), _TENSOR_MAP_DTYPES[dtype_name], rank, ctypes.c_void_p(int(address)),
-        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * max(rank - 1, 1))(*strides_bytes),
-        (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _SWIZZLE_128B,
-        _L2_PROMOTION_128B, 0)
-    if status != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} (dims {dims}, strides "
-                           f"{strides_bytes}, box {box})")
-    return ctypes.string_at(at, 128)
 
 
 # ---- programmatic dependent launch through the driver (CuPy has no launch attributes) ----

@@ -21,6 +21,7 @@ _FIELDS = {
         ("split_size", np.int32), ("max_splits", np.int32), ("small_q_len", np.int32),
         ("split_row_budget", np.int32), ("splits_per_cta", np.int32), ("fold_splits", np.int32),
         ("partial_capacity", np.int32), ("max_q_len", np.int32), ("max_kv_len", np.int32),
+        ("key_base", _PTR), ("window", np.int32),
     ],
     "AttentionParams": [
         ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("out", _PTR), ("lse", _PTR),
@@ -33,16 +34,20 @@ _FIELDS = {
         ("group_multiplier", np.uint32), ("group_shift", np.int32),
         ("fold_splits", np.int32),
         ("status", _PTR), ("num_pages", np.int32), ("page_table_columns", np.int32), ("num_tokens", np.int32),
-        ("mask_entries", np.int32),
+        ("mask_entries", np.int32), ("k_scale", _PTR), ("v_scale", _PTR),
+        ("key_base", _PTR), ("sinks", _PTR), ("window", np.int32), ("soft_cap_scale", np.float32),
+        ("soft_cap_log2", np.float32),
     ],
     "MergeParams": [
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),
         ("q_indptr", _PTR), ("num_splits", _PTR), ("partial_indptr", _PTR),
         ("batch_size", np.int32), ("num_qo_heads", np.int32), ("fold_groups", np.int32),
+        ("sinks", _PTR),
     ],
     "AppendParams": [
         ("k_new", _PTR), ("v_new", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("slots", _PTR),
         ("num_slots", np.int64), ("num_tokens", np.int32), ("row_chunks", np.int32), ("status", _PTR),
+        ("k_scale", _PTR), ("v_scale", _PTR), ("head_chunks", np.int32),
     ],
     "MergeStatesParams": [
         ("out_a", _PTR), ("lse_a", _PTR), ("out_b", _PTR), ("lse_b", _PTR), ("out", _PTR), ("lse", _PTR),

@@ -37,6 +37,28 @@ def _page_shift(page_size):
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
+def checked_window(window):
+    """``plan(window=...)`` as the kernels take it: W >= 1 keys, or 0 for none (None, -1)."""
+    if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
+        return 0
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 1 <= window < 2**31:
+        raise ValueError(f"window must be an int >= 1 (the keys a query sees, itself included; FlashAttention's "
+                         f"convention) or None / -1 for no window, got {window!r}")
+    return int(window)
+
+
+def checked_soft_cap(cap):
+    """``plan(logits_soft_cap=...)``: a positive finite float, or 0.0 for none (None, 0)."""
+    if cap is None or (isinstance(cap, (int, float, np.integer, np.floating)) and not isinstance(cap, bool)
+                       and cap == 0):
+        return 0.0
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"logits_soft_cap must be a positive finite number (cap * tanh(score * sm_scale / cap)) "
+                         f"or None / 0 for none, got {cap!r}")
+    return float(cap)
+
+
 @dataclasses.dataclass
 class _PlanState:
     batch_size: int
@@ -55,6 +77,8 @@ class _PlanState:
     check: bool = False        # plan(check=True) or CUPY_FA_DEBUG=1: sync and raise on a bad request
     checked_geometry: set = dataclasses.field(default_factory=set)
     other_streams: dict = dataclasses.field(default_factory=dict)  # ptr -> stream of runs on other streams
+    window: int = 0            # sliding window W (keys a query sees, itself included); 0 = none
+    soft_cap: float = 0.0      # logits soft-cap; 0 = none
 
     # what a decode-like step runs (the small-q launch; a step of long requests only: theirs)
     @property
@@ -85,6 +109,9 @@ class BatchAttention:
             as DeepSeek's 192 / 128, are not supported). On sm_90a, requests of more than 16 tokens
             take the wgmma family at 64, 128 and 256, the mma.sync prefill tile at 96 and 192.
         dtype: "bfloat16" or "float16" (also NumPy / ml_dtypes / torch dtypes); q, cache and out share it.
+        kv_dtype: the cache's dtype: None (``dtype``), or "float8_e4m3fn" for an fp8 cache
+            (:class:`PagedKVCache` with its scales) beside ``dtype`` queries and outputs; the
+            plan's tiles depend on it (every class of requests on the mma.sync family).
         max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes: capacity of the
             preallocated metadata buffers (requests, sum of q_len, page-table columns, custom-mask
             bytes). Give the first three (all or none) to allocate everything up front (needed
@@ -93,7 +120,9 @@ class BatchAttention:
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
             head dim (or a pair of them), some but not all of the capacities, a capacity that is
-            not a positive int (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16.
+            not a positive int (``max_mask_bytes``: not negative); an fp8 ``kv_dtype`` at head dim 96
+            or 192. TypeError: a dtype other than float16 / bfloat16, a kv_dtype other than
+            ``dtype`` or float8_e4m3fn.
         RuntimeError: capacities given on a machine without a usable CUDA device.
 
     Threads and streams: one instance owns one set of metadata buffers. Its calls may come from
@@ -111,7 +140,7 @@ class BatchAttention:
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
-                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0):
+                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None):
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -126,6 +155,13 @@ class BatchAttention:
         self.group_size = self.num_qo_heads // self.num_kv_heads
         self._group_div = _params.fast_divisor(self.group_size)  # AttentionParams group_multiplier, _shift
         self.dtype_name = _arrays.resolve_dtype(dtype)
+        self.kv_dtype_name = self.dtype_name if kv_dtype is None else _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
+        if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
+            raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
+        if self.kv_dtype_name == _arrays.FP8 and self.head_dim not in _schedule.FP8_HEAD_DIMS:
+            raise ValueError(f"an fp8 KV cache takes head_dim {_schedule.FP8_HEAD_DIMS}, got {self.head_dim} "
+                             f"(docs/design.md, \"Head dims\")")
+        self._types = _schedule.ElementTypes(self.dtype_name, self.kv_dtype_name, self.dtype_name)
         given = (max_batch_size, max_num_tokens, max_pages_per_request)
         self._fixed_capacity = all(v is not None for v in given)
         if any(v is not None for v in given) and not self._fixed_capacity:
@@ -148,7 +184,7 @@ class BatchAttention:
     # ---- plan ------------------------------------------------------------------------
 
     def plan(self, q_lens, kv_lens, page_table, *, causal=True, sm_scale=None, custom_mask=None,
-             max_q_len=None, max_kv_len=None, check=None):
+             max_q_len=None, max_kv_len=None, check=None, window=None, logits_soft_cap=None):
         """Plans one step's batch: checks it and computes its metadata on the device.
 
         Plan once per step, then :meth:`run` once per layer (the layers of a step share its
@@ -174,6 +210,17 @@ class BatchAttention:
                 raise ``ValueError`` naming the first request whose device metadata broke the
                 contract. Default: ``CUPY_FA_DEBUG=1``. A debugging aid: it syncs, so not inside
                 a CUDA-graph capture (there it is skipped; read :meth:`status` after a replay).
+            window: a sliding window of ``W`` keys, FlashAttention's convention: query i of a
+                request, at position ``p = kv_len - q_len + i``, sees only keys ``p - W + 1 ..``
+                (with the causal mask ``p - W + 1 .. p``: W keys, itself included; FlashInfer's
+                ``window_left`` is ``W - 1``). For every mask: with a custom mask a draft's
+                position is its row's, ``p``. An int >= 1; None or -1: no window. The splits and
+                the paged loads cover only the windows: a window of 4096 over 131072 keys reads
+                about 4096 keys per query block. Layers with different windows need a plan each
+                (one BatchAttention per kind of layer).
+            logits_soft_cap: ``cap``: each score becomes ``cap * tanh(score * sm_scale / cap)``
+                before the mask and the softmax (Gemma 2's soft-capping). A positive finite
+                float; None or 0: none.
 
         Every input may be a host value (list, NumPy, CPU torch) or a device array (CuPy, torch
         CUDA, any DLPack producer); ``q_lens`` and ``kv_lens`` must be the same kind. Host
@@ -192,7 +239,9 @@ class BatchAttention:
         Raises:
             ValueError: lengths or page-table rows of different batch sizes, a negative length,
                 ``q_len > kv_len`` (host), a custom mask whose size is not ``sum(q_len**2)``, a
-                bad ``sm_scale``, device lengths without ``max_q_len``, a step beyond the
+                bad ``sm_scale``, a ``window`` that is not an int >= 1 (or None / -1), a
+                ``logits_soft_cap`` that is not a positive finite number (or None / 0), device
+                lengths without ``max_q_len``, a step beyond the
                 capacity given to the constructor (or, inside a CUDA-graph capture, beyond the
                 buffers already allocated).
             TypeError: non-integer lengths or page table, ``q_lens`` and ``kv_lens`` of different
@@ -201,9 +250,11 @@ class BatchAttention:
                 thread inside ``plan`` / ``run`` of this instance at the same time.
             ValueError (``check``): a request whose device metadata broke the contract, after a sync.
         """
+        window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         self._enter("plan")
         try:
-            self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check)
+            self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check,
+                            window, soft_cap)
         finally:
             self._leave()
         if self._plan.check and self._plan.done is not None:
@@ -235,7 +286,8 @@ class BatchAttention:
             if other is not None and other.ptr != stream.ptr and not other.is_capturing():
                 stream.wait_event(other.record())
 
-    def _plan_step(self, q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check):
+    def _plan_step(self, q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check,
+                   window=0, soft_cap=0.0):
         step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len)
         sm_scale = self._checked_sm_scale(sm_scale)
         stream = step.stream if step.stream is not None else _arrays.caller_stream()
@@ -250,7 +302,7 @@ class BatchAttention:
                                   capturing)
             _plan.stage_inputs(self._buffers, step)
         mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
-        return self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check)
+        return self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, window, soft_cap)
 
     def _checked_sm_scale(self, sm_scale):
         if sm_scale is None:
@@ -259,7 +311,7 @@ class BatchAttention:
             raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
         return float(sm_scale)
 
-    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check=None):
+    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check=None, window=0, soft_cap=0.0):
         """The plan of a step whose inputs are in the buffers already (:func:`cupy_fa.plan.stage_inputs`):
         its schedule (cupy_fa.schedule) and the plan kernel on ``stream``. GraphRunner captures
         this (and run) while staging outside the graph."""
@@ -276,17 +328,18 @@ class BatchAttention:
             q_lens=step.q_host if step.on_host else None, kv_lens=step.kv_host if step.on_host else None,
             max_q_len=step.max_q_len, max_kv_len=max_kv_len, capacity=buffers.capacity, batch_size=step.batch,
             smem_limit=_build.device_smem_limit(), sm_count=_build.device_attribute("MultiProcessorCount"),
-            arch=_build.current_arch())
+            arch=_build.current_arch(), kv_bytes=self._types.kv_bytes, window=window)
         with stream:
             tile, long_tile = sched.plan_tiles()
             _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=max_q,
-                              max_kv_len=min(kv_bound, 2**31 - 1))
+                              max_kv_len=min(kv_bound, 2**31 - 1), window=window)
         done = None if stream.is_capturing() else stream.record()
         self._plan = _PlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale,
                                 step.pt_host if step.on_host else None, step.q_host, step.kv_host,
                                 step.page_columns, stream.ptr, done, stream,
                                 mask_entries=step.mask_bytes if step.has_mask else 0,
-                                check=_knobs.knobs().debug if check is None else bool(check))
+                                check=_knobs.knobs().debug if check is None else bool(check),
+                                window=window, soft_cap=soft_cap)
         self._mine.plan = self._plan
         return self
 
@@ -308,7 +361,7 @@ class BatchAttention:
 
     # ---- run --------------------------------------------------------------------------
 
-    def run(self, q, cache, out=None, *, lse=None, return_lse=False):
+    def run(self, q, cache, out=None, *, lse=None, return_lse=False, sinks=None):
         """Attention of the planned batch over ``cache``, on the caller's stream (torch's
         current stream for torch tensors, else CuPy's).
 
@@ -324,6 +377,12 @@ class BatchAttention:
                 aligned); a new array otherwise. Rows of padded requests are not written.
             lse: optional float32 ``[T, num_qo_heads]`` destination of the natural-log LSE.
             return_lse: also return the LSE (allocated when ``lse`` is not given).
+            sinks: attention sinks (gpt-oss): a float32 ``[num_qo_heads]`` device array, one
+                logit per query head in the units of the scaled (and soft-capped) scores, added to
+                each row's softmax denominator with a zero value: ``out = sum_j e^{s_j} v_j /
+                (sum_j e^{s_j} + e^{sinks[h]})``; the LSE then includes it. Per run, so each
+                layer passes its own; inside a CUDA-graph capture the array is read at each
+                replay (keep it alive, update it in place). None: no sinks.
         Returns:
             ``out``, or ``(out, lse)`` with ``return_lse``. Arrays allocated here come back in
             q's framework, zero copy (torch in, torch out; JAX in, JAX out; else CuPy).
@@ -332,10 +391,11 @@ class BatchAttention:
                 ``plan`` / ``run`` of this instance at the same time, or another thread's ``plan``
                 since this thread's own (this thread would run that thread's batch).
             TypeError: ``cache`` not a PagedKVCache; q, out or the cache of another dtype; a NumPy
-                array for q, out or lse.
+                array for q, out, lse or sinks; ``sinks`` not float32.
             ValueError: shapes that do not fit the plan or this instance (``T != sum(q_lens)``,
                 head count, head dim), arrays that are not C-contiguous, misaligned, on the CPU or
-                on another device, ``out`` / ``lse`` not given inside a CUDA-graph capture; and the page-table
+                on another device, ``out`` / ``lse`` not given inside a CUDA-graph capture, ``sinks`` not of
+                shape ``[num_qo_heads]``; and the page-table
                 checks of a host-planned step, made here against ``cache`` once per cache geometry:
                 every page id the step reads must be a page of the cache and every live row wide
                 enough for ``ceil(kv_len / page_size)`` pages (a device page table: widths only).
@@ -349,7 +409,7 @@ class BatchAttention:
         """
         self._enter("run")
         try:
-            result = self._run_step(q, cache, out, lse, return_lse)
+            result = self._run_step(q, cache, out, lse, return_lse, sinks)
         finally:
             self._leave()
         state = self._plan
@@ -363,7 +423,7 @@ class BatchAttention:
             raise ValueError(f"{call}(check=True): {found}: the device metadata breaks the contract "
                              f"(its rows of out are NaN; docs/errors.md)")
 
-    def _run_step(self, q, cache, out, lse, return_lse):
+    def _run_step(self, q, cache, out, lse, return_lse, sinks=None):
         import cupy
 
         state = self._plan
@@ -382,7 +442,11 @@ class BatchAttention:
             q_dev = _arrays.to_cupy(q, "q")
             out_dev = _arrays.to_cupy(out, "out") if out is not None else None
             lse_dev = _arrays.to_cupy(lse, "lse") if lse is not None else None
+            sinks_dev = _arrays.to_cupy(sinks, "sinks") if sinks is not None else None
         self._check_run_inputs(state, q_dev, cache, out_dev, lse_dev)
+        if sinks_dev is not None:
+            _arrays.check_device_array(sinks_dev, "sinks", dtype=np.float32, ndim=1, shape=(self.num_qo_heads,),
+                                       device_id=q_dev.device.id, align=4)
         num_tokens = int(q_dev.shape[0])
 
         capturing = stream.is_capturing()
@@ -399,7 +463,7 @@ class BatchAttention:
                 if state.done is not None:
                     stream.wait_event(state.done)  # planned on another stream: order after its metadata
                 state.other_streams.setdefault(stream.ptr, stream)  # the next plan waits for it
-            self._launch(state, q_dev, cache, out_dev, lse_dev, num_tokens, stream)
+            self._launch(state, q_dev, cache, out_dev, lse_dev, num_tokens, stream, sinks_dev)
 
         result = out if out is not None else _arrays.to_caller(out_dev, q)
         if return_lse:
@@ -413,8 +477,13 @@ class BatchAttention:
         if (cache.num_kv_heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"cache has num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}; this "
                              f"BatchAttention expects {self.num_kv_heads} and {self.head_dim}")
-        if cache.dtype_name != self.dtype_name:
-            raise TypeError(f"cache dtype is {cache.dtype_name}, q dtype is {self.dtype_name}")
+        if cache.dtype_name != self.kv_dtype_name:
+            if self.kv_dtype_name == self.dtype_name:
+                raise TypeError(f"cache dtype is {cache.dtype_name}, q dtype is {self.dtype_name}"
+                                + (" (an fp8 cache needs BatchAttention(..., kv_dtype='float8_e4m3fn'))"
+                                   if cache.dtype_name == _arrays.FP8 else ""))
+            raise TypeError(f"cache dtype is {cache.dtype_name}, this BatchAttention was built for kv_dtype "
+                            f"{self.kv_dtype_name}")
         if cache.k.device.id != device:
             raise ValueError(f"cache is on device {cache.k.device.id}, q on device {device}")
         if q_dev.shape[0] > self._buffers.capacity.max_num_tokens and state.num_tokens is None:
@@ -437,13 +506,15 @@ class BatchAttention:
                                                 cache.page_size)
             state.checked_geometry.add(geometry)
 
-    def _launch(self, state, q_dev, cache, out_dev, lse_dev, num_tokens, stream):
+    def _launch(self, state, q_dev, cache, out_dev, lse_dev, num_tokens, stream, sinks_dev=None):
         buffers = self._buffers
         sched = state.schedule
         launches = [x for x in sched.launches if x.work_grid > 0]
         if state.batch_size == 0 or num_tokens == 0 or not launches:
             return  # IDLE: nothing to read, nothing to write
         lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
+        fp8 = self.kv_dtype_name == _arrays.FP8
+        sinks_ptr = sinks_dev.data.ptr if sinks_dev is not None else 0
         common = dict(
             q=q_dev.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
             out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
@@ -458,7 +529,16 @@ class BatchAttention:
             group_multiplier=self._group_div[0], group_shift=self._group_div[1],
             # the device metadata's bounds (kernels/status.cuh)
             status=buffers.status.data.ptr, num_pages=cache.num_pages, page_table_columns=state.page_table_columns,
-            num_tokens=num_tokens, mask_entries=state.mask_entries)
+            num_tokens=num_tokens, mask_entries=state.mask_entries,
+            # an fp8 cache's scales (per KV head, float32; run checked the cache is of kv_dtype)
+            k_scale=cache.k_scale_device.data.ptr if fp8 else 0, v_scale=cache.v_scale_device.data.ptr if fp8 else 0,
+            # the variant hooks (kernels/variant.cuh), read only by the kernels built with them
+            key_base=buffers.key_base.data.ptr, sinks=sinks_ptr, window=state.window,
+            soft_cap_scale=state.sm_scale / state.soft_cap if state.soft_cap else 0.0,
+            soft_cap_log2=state.soft_cap * _LOG2E)
+        # a window, a soft-cap or sinks: each tile's kernel with the hooks compiled in (the plain
+        # kernels otherwise, unchanged)
+        hooks = bool(state.window or state.soft_cap or sinks_ptr)
         for launch in launches:  # the long family's first (schedule.StepSchedule.launches)
             # each family reads its own work list of plan_kernel's layout; everything else is shared
             work = buffers.long_work_indptr if launch is sched.long else buffers.work_indptr
@@ -466,7 +546,8 @@ class BatchAttention:
                                   splits_per_cta=launch.tile.splits_per_cta,
                                   fold_splits=int(launch.tile.fold_splits), **common)
             # one CTA per (work item, KV head), heads fastest (kernels/work.cuh): schedule.launch_grid
-            _build.launch(_schedule.attention_variant(self.dtype_name, launch.tile), (launch.ctas,), params, stream)
+            tile = _schedule.with_variants(launch.tile) if hooks else launch.tile
+            _build.launch(_schedule.attention_variant(self._types, tile), (launch.ctas,), params, stream)
         if sched.needs_merge:
             # one merge for both classes: the long family never folds, and the small-q CTAs fold
             # only in steps without long requests (schedule.schedule_step)
@@ -475,7 +556,8 @@ class BatchAttention:
                 "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
                 partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups)
+                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups,
+                sinks=sinks_ptr)
             shape, grid = _schedule.merge_grid(num_tokens, self.num_qo_heads)
             # programmatic: its CTAs start in the last attention kernel's last wave and wait there
             # (an earlier launch in the stream finished before that one began)

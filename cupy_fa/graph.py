@@ -42,7 +42,8 @@ class GraphRunner:
     """Replays one captured attention step per (mode, batch bucket, cache).
 
     Args:
-        num_qo_heads, num_kv_heads, head_dim, dtype: as for :class:`BatchAttention`.
+        num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype: as for :class:`BatchAttention`
+            (``kv_dtype="float8_e4m3fn"``: the caches are fp8).
         max_batch_size: largest batch (the largest bucket).
         max_q_len: largest q_len of any request in a non-DECODE mode (N for verify /
             draft-extend, the chunk for EXTEND / MIXED).
@@ -50,10 +51,13 @@ class GraphRunner:
         page_size: page size of the caches the runner will be used with.
         buckets: batch sizes to capture (default powers of two up to max_batch_size).
         tree_mask: reserve space for TARGET_VERIFY custom masks (tree speculation).
+        window, logits_soft_cap: the sliding window and logits soft-cap of every step it runs (as
+            :meth:`BatchAttention.plan` takes them; a runner per kind of layer).
     Raises:
         ValueError: a size that is not a positive int, buckets that are not positive ints or do
-            not reach max_batch_size; what :class:`BatchAttention` raises for the heads, head dim
-            and dtype. RuntimeError: no usable CUDA device.
+            not reach max_batch_size, a bad ``window`` or ``logits_soft_cap`` (as
+            :meth:`BatchAttention.plan`); what :class:`BatchAttention` raises for the heads, head
+            dim and dtype. RuntimeError: no usable CUDA device.
 
     It allocates its static buffers at construction: q, out, lse for ``max_batch_size x max_q_len``
     tokens here, the lengths, page table and mask in its :class:`BatchAttention`'s plan buffers
@@ -62,10 +66,13 @@ class GraphRunner:
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size, max_q_len,
-                 max_pages_per_request, page_size, buckets=None, tree_mask=False):
+                 max_pages_per_request, page_size, buckets=None, tree_mask=False, kv_dtype=None, window=None,
+                 logits_soft_cap=None):
         import cupy
 
-        from .attention import _check_count
+        from .attention import _check_count, checked_soft_cap, checked_window
+
+        self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
 
         for name, value in (("max_batch_size", max_batch_size), ("max_q_len", max_q_len),
                             ("max_pages_per_request", max_pages_per_request), ("page_size", page_size)):
@@ -82,12 +89,13 @@ class GraphRunner:
         mask_bytes = self.max_batch_size * self.max_q_len ** 2 if tree_mask else 0
         self.attn = BatchAttention(num_qo_heads, num_kv_heads, head_dim, dtype, max_batch_size=self.max_batch_size,
                                    max_num_tokens=tokens, max_pages_per_request=self.max_pages_per_request,
-                                   max_mask_bytes=mask_bytes)
+                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype)
         self.tree_mask = tree_mask
         elem = _arrays.DTYPES[self.attn.dtype_name]
         self.q = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
         self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
         self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
+        self.sinks = cupy.zeros(num_qo_heads, np.float32)  # run(sinks=...) is copied here: the graphs read it
         self._graphs = {}
         self._busy = threading.Lock()  # one run() at a time: the static buffers hold one step
         self._last_stream = None       # the stream of the last step (a step on another waits for it)
@@ -101,7 +109,7 @@ class GraphRunner:
         raise ValueError(f"batch of {batch_size} requests exceeds max_batch_size {self.max_batch_size}")
 
     def run(self, mode, q, cache, q_lens, kv_lens, page_table, *, custom_mask=None, use_graph=True,
-            return_lse=False):
+            return_lse=False, sinks=None):
         """One attention step of ``mode`` in contract terms (see :mod:`cupy_fa.modes`): captured
         on first use of each (mode, batch bucket, cache), replayed after.
 
@@ -120,14 +128,17 @@ class GraphRunner:
                 with ``tree_mask=True``).
             use_graph: False runs the same step eagerly (bit-identical results).
             return_lse: also return the LSE view.
+            sinks: attention sinks, float32 ``[H_q]`` device array (:meth:`BatchAttention.run`),
+                copied into a static buffer each step (steps with and without sinks are graphs of
+                their own).
         Returns:
             A view ``[sum(q_lens), H_q, D]`` of the runner's static output, valid until the next
             ``run``, in q's framework; with ``return_lse`` also the ``[sum(q_lens), H_q]`` LSE view.
         Raises:
             ValueError: a batch beyond ``max_batch_size``, q_lens above the mode's bound, more
                 page-table columns than ``max_pages_per_request``, a cache of another page size,
-                a custom mask outside tree TARGET_VERIFY, and what :meth:`BatchAttention.plan`
-                raises for host inputs; with ``CUPY_FA_DEBUG=1``, a request whose device
+                a custom mask outside tree TARGET_VERIFY, ``sinks`` not of shape ``[H_q]``, and what
+                :meth:`BatchAttention.plan` raises for host inputs; with ``CUPY_FA_DEBUG=1``, a request whose device
                 metadata broke the contract (after a sync). TypeError: cache not a PagedKVCache.
                 RuntimeError: called inside another capture, no usable CUDA device, from a second
                 thread while another is inside ``run`` (one runner serves one call at a time).
@@ -150,7 +161,7 @@ class GraphRunner:
                                f"a time; use one GraphRunner per thread")
         try:
             result = self._run_step(mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph,
-                                    return_lse, stream)
+                                    return_lse, stream, sinks)
         finally:
             self._busy.release()
         if _knobs.knobs().debug and mode is not ForwardMode.IDLE:
@@ -167,9 +178,13 @@ class GraphRunner:
         return self.attn.status()
 
     def _run_step(self, mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph, return_lse,
-                  stream):
+                  stream, sinks=None):
         with stream:
             q_dev = _arrays.to_cupy(q, "q")
+            sinks_dev = _arrays.to_cupy(sinks, "sinks") if sinks is not None else None
+        if sinks_dev is not None:
+            _arrays.check_device_array(sinks_dev, "sinks", dtype=np.float32, ndim=1, shape=self.sinks.shape,
+                                       device_id=q_dev.device.id, align=0)  # copied: any alignment
         step = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask)
         num_tokens = int(q_dev.shape[0])
         if step is None or step.batch == 0 or num_tokens == 0:  # IDLE, or an all-padding step: nothing to launch
@@ -181,14 +196,17 @@ class GraphRunner:
         with stream:
             _plan.stage_inputs(self.attn._buffers, step, pad_to=bucket)  # once, straight into the plan buffers
             self.q[:num_tokens] = q_dev
+            sunk = sinks_dev is not None
+            if sunk:
+                self.sinks[...] = sinks_dev
             if use_graph:
-                key = (mode, bucket, tree, cache.k.data.ptr, cache.v.data.ptr)
+                key = (mode, bucket, tree, cache.k.data.ptr, cache.v.data.ptr, sunk)
                 graph = self._graphs.get(key)
                 if graph is None:
-                    graph = self._graphs[key] = self._capture(mode, bucket, cache, tree, stream)
+                    graph = self._graphs[key] = self._capture(mode, bucket, cache, tree, stream, sunk)
                 graph.launch(stream)
             else:
-                self._step(mode, bucket, cache, tree, stream)
+                self._step(mode, bucket, cache, tree, stream, sunk)
         return self._result(num_tokens, q, return_lse)
 
     @property
@@ -229,7 +247,7 @@ class GraphRunner:
             _plan.check_page_table(step, cache.page_size, cache.num_pages)
         return step
 
-    def _step(self, mode, bucket, cache, tree, stream):
+    def _step(self, mode, bucket, cache, tree, stream, sunk=False):
         """The captured work, on inputs already staged: the plan kernel, then attention."""
         max_q = self._max_q(mode)
         tokens = bucket * max_q
@@ -241,19 +259,21 @@ class GraphRunner:
             mask_dev=buffers.custom_mask[:bucket * max_q * max_q] if tree else None, num_tokens=None,
             max_q_len=max_q, mask_bytes=bucket * max_q * max_q, stream=stream)
         attn._plan_staged(staged, _plan.MASK_CUSTOM if tree else _plan.MASK_CAUSAL, attn._checked_sm_scale(None),
-                          self.max_pages_per_request * self.page_size, stream)
-        attn.run(self.q[:tokens], cache, out=self.out[:tokens], lse=self.lse[:tokens])
+                          self.max_pages_per_request * self.page_size, stream, window=self.window,
+                          soft_cap=self.soft_cap)
+        attn.run(self.q[:tokens], cache, out=self.out[:tokens], lse=self.lse[:tokens],
+                 sinks=self.sinks if sunk else None)
 
-    def _capture(self, mode, bucket, cache, tree, stream):
+    def _capture(self, mode, bucket, cache, tree, stream, sunk=False):
         import cupy
 
-        self._step(mode, bucket, cache, tree, stream)  # warm-up: compiles kernels and sets smem limits first
+        self._step(mode, bucket, cache, tree, stream, sunk)  # warm-up: compiles kernels and sets smem limits first
         capture = cupy.cuda.Stream(non_blocking=True)
         capture.wait_event(stream.record())
         with capture:
             capture.begin_capture()
             try:
-                self._step(mode, bucket, cache, tree, capture)
+                self._step(mode, bucket, cache, tree, capture, sunk)
             finally:
                 graph = capture.end_capture()
         stream.wait_event(capture.record())

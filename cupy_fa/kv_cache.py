@@ -2,6 +2,9 @@
 
 Token j of a request lives in page ``page_table[b, j // page_size]`` at offset
 ``j % page_size``; its *slot* is ``page * page_size + offset``.
+
+An fp8 cache (dtype ``float8_e4m3fn``) holds e4m3fn bytes and a scale per KV head for K and
+one for V: a key's value is ``e4m3(byte) * k_scale[head]`` (docs/design.md, "fp8 KV cache").
 """
 
 import numpy as np
@@ -15,59 +18,108 @@ class PagedKVCache:
     Args:
         k, v: device arrays ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD: a page
             holds ``page_size`` consecutive tokens of one request, each ``num_kv_heads x
-            head_dim``), float16 or bfloat16, C-contiguous, 16-byte aligned, same shape, dtype
-            and device; ``head_dim`` a multiple of 8. Any page size (powers of two shift, others
-            divide). The caller's objects are kept alive and written in place.
+            head_dim``), float16, bfloat16 or float8_e4m3fn, C-contiguous, 16-byte aligned, same
+            shape, dtype and device; ``head_dim`` a multiple of 8 (of 16 for fp8). Any page size
+            (powers of two shift, others divide). The caller's objects are kept alive and
+            written in place. fp8: torch ``float8_e4m3fn`` tensors (passed to CuPy as uint8
+            bytes, zero copy: CuPy 14's DLPack carries no fp8 type), CuPy arrays of ml_dtypes'
+            ``float8_e4m3fn``, or uint8 arrays of e4m3fn bytes with ``dtype="float8_e4m3fn"``
+            (how a JAX array or any producer whose fp8 DLPack cannot cross comes in: a uint8
+            bitcast of it).
+        dtype: None (the arrays' own), or ``"float8_e4m3fn"`` to read uint8 arrays as e4m3fn bytes.
+        k_scale, v_scale: an fp8 cache's dequantisation scales (``k = e4m3(byte) * k_scale``):
+            a Python float or a 0-d / 1-element array (one per tensor), or a float32 ``[num_kv_heads]``
+            array (one per KV head), host or device; positive, finite, normal float32 values.
+            Default 1.0. Per token-head scales are not supported.
     Attributes:
-        k, v: the CuPy views; num_pages, page_size, num_kv_heads, head_dim; dtype_name.
+        k, v: the CuPy views (uint8 bytes for fp8); num_pages, page_size, num_kv_heads, head_dim;
+        dtype_name; k_scale, v_scale: float32 ``[num_kv_heads]`` NumPy copies (fp8; else None),
+        k_scale_device, v_scale_device: the same on the device, which the kernels read.
     Raises:
-        TypeError: a NumPy array, an unsupported dtype, v of another dtype.
+        TypeError: a NumPy array, an unsupported dtype, v of another dtype, a uint8 array without
+            ``dtype="float8_e4m3fn"``, ``dtype`` other than the arrays' own.
         ValueError: a CPU tensor, not 4-dimensional, v of another shape or device, not
-            C-contiguous or misaligned, a head dim that is not a multiple of 8, an empty cache.
+            C-contiguous or misaligned, a head dim that is not a multiple of 8 (16 for fp8), an
+            empty cache; a scale of another shape (e.g. per token-head), not positive, not finite
+            or not a normal float32; a scale given for a float16 / bfloat16 cache.
     """
 
-    def __init__(self, k, v):
+    def __init__(self, k, v, *, dtype=None, k_scale=None, v_scale=None):
         self.k_source, self.v_source = k, v  # the caller's objects, kept alive
-        k_dev = _arrays.to_cupy(k, "k")
-        v_dev = _arrays.to_cupy(v, "v")
+        want = None if dtype is None else _arrays.resolve_kv_dtype(dtype)
+        k_fp8, v_fp8 = _arrays.fp8_bytes(k, "k"), _arrays.fp8_bytes(v, "v")
+        k_dev = k_fp8 if k_fp8 is not None else _arrays.to_cupy(k, "k")
+        v_dev = v_fp8 if v_fp8 is not None else _arrays.to_cupy(v, "v")
         if k_dev.ndim != 4:
             raise ValueError(f"k must be [num_pages, page_size, num_kv_heads, head_dim], "
                              f"got shape {tuple(k_dev.shape)}")
-        self.dtype_name = _arrays.resolve_dtype(k_dev.dtype, "k.dtype")
+        if k_fp8 is not None or (k_dev.dtype == np.uint8 and want == _arrays.FP8):
+            self.dtype_name = _arrays.FP8
+        elif k_dev.dtype == np.uint8:
+            raise TypeError("k is uint8: a uint8 array is read as an fp8 cache's e4m3fn bytes only with "
+                            "dtype='float8_e4m3fn'")
+        else:
+            self.dtype_name = _arrays.resolve_dtype(k_dev.dtype, "k.dtype")
+        if want is not None and want != self.dtype_name:
+            raise TypeError(f"dtype={want!r} but k holds {self.dtype_name}")
+        fp8 = self.dtype_name == _arrays.FP8
+        if fp8 and v_fp8 is None and v_dev.dtype != np.uint8:
+            raise TypeError(f"v must have dtype float8_e4m3fn like k, got {_arrays.dtype_name(v_dev.dtype)}")
         _arrays.check_device_array(k_dev, "k")
-        _arrays.check_device_array(v_dev, "v", dtype=self.dtype_name, shape=k_dev.shape, device_id=k_dev.device.id)
-        if k_dev.shape[3] % 8:
-            raise ValueError(f"head_dim (k.shape[3]) must be a multiple of 8, got {k_dev.shape[3]}")
+        _arrays.check_device_array(v_dev, "v", dtype=np.uint8 if fp8 else self.dtype_name, shape=k_dev.shape,
+                                   device_id=k_dev.device.id)
+        multiple = 16 if fp8 else 8  # 16-byte chunks of the kernels' copies
+        if k_dev.shape[3] % multiple:
+            raise ValueError(f"head_dim (k.shape[3]) must be a multiple of {multiple} for a {self.dtype_name} "
+                             f"cache, got {k_dev.shape[3]}")
         self.k, self.v = k_dev, v_dev
         self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = (int(s) for s in k_dev.shape)
         if self.page_size < 1 or self.num_pages < 1:
             raise ValueError(f"k must have at least one page of at least one token, got shape {tuple(k_dev.shape)}")
+        if not fp8 and (k_scale is not None or v_scale is not None):
+            raise ValueError(f"k_scale / v_scale are for an fp8 (float8_e4m3fn) cache; this one is {self.dtype_name}")
+        self.k_scale = self.v_scale = self.k_scale_device = self.v_scale_device = None
+        if fp8:
+            self.k_scale = checked_scales(k_scale, "k_scale", self.num_kv_heads)
+            self.v_scale = checked_scales(v_scale, "v_scale", self.num_kv_heads)
         import cupy
 
         with cupy.cuda.Device(k_dev.device.id):  # the append kernel's status word (status.cuh)
             self._status = cupy.full(1, (1 << 64) - 1, np.uint64)
+            if fp8:
+                self.k_scale_device = cupy.asarray(self.k_scale)
+                self.v_scale_device = cupy.asarray(self.v_scale)
 
     @classmethod
-    def allocate(cls, num_pages, page_size, num_kv_heads, head_dim, dtype="bfloat16"):
+    def allocate(cls, num_pages, page_size, num_kv_heads, head_dim, dtype="bfloat16", *, k_scale=None,
+                 v_scale=None):
         """A zero-filled cache ``[num_pages, page_size, num_kv_heads, head_dim]`` of ``dtype``
-        ("bfloat16" / "float16") on the current CuPy device.
+        ("bfloat16" / "float16" / "float8_e4m3fn", with its scales) on the current CuPy device.
 
         Raises:
-            ValueError: a dimension below 1 (or a head dim that is not a multiple of 8).
+            ValueError: a dimension below 1 (or a head dim that is not a multiple of 8, of 16 for
+                fp8); bad scales (see the class).
             TypeError: another dtype.
         """
         import cupy
 
-        np_dtype = _arrays.DTYPES[_arrays.resolve_dtype(dtype)]
+        name = _arrays.resolve_kv_dtype(dtype)
+        np_dtype = np.uint8 if name == _arrays.FP8 else _arrays.DTYPES[name]
         shape = (int(num_pages), int(page_size), int(num_kv_heads), int(head_dim))
         if min(shape) < 1:
             raise ValueError(f"cache dimensions must be positive, got {shape}")
         _arrays.require_cuda()
-        return cls(cupy.zeros(shape, np_dtype), cupy.zeros(shape, np_dtype))
+        return cls(cupy.zeros(shape, np_dtype), cupy.zeros(shape, np_dtype), dtype=name, k_scale=k_scale,
+                   v_scale=v_scale)
 
     @property
     def dtype(self):
-        return _arrays.DTYPES[self.dtype_name]
+        """The element type as a NumPy dtype (ml_dtypes' float8_e4m3fn for fp8: ``cache.k.get().view(cache.dtype)``)."""
+        return _arrays.KV_DTYPES[self.dtype_name]
+
+    @property
+    def is_fp8(self):
+        return self.dtype_name == _arrays.FP8
 
     @property
     def num_slots(self):
@@ -78,8 +130,10 @@ class PagedKVCache:
         for torch tensors, else CuPy's).
 
         Args:
-            k_new, v_new: device arrays ``[T, num_kv_heads, head_dim]`` of the cache dtype,
-                C-contiguous, 16-byte aligned.
+            k_new, v_new: device arrays ``[T, num_kv_heads, head_dim]`` of the cache dtype (an
+                fp8 cache: float16 or bfloat16, both the same, quantised on the fly to
+                ``e4m3(x / scale)`` of their KV head: round to nearest even, saturating at
+                +-448, NaN kept as NaN), C-contiguous, 16-byte aligned.
             slots: ``[T]`` ints, ``page * page_size + offset``; host (list, NumPy, CPU torch) or
                 device (int32 or int64). Host slots are range-checked before anything is
                 written; on a device array (graph replay) negative slots mean "skip" (padding),
@@ -98,8 +152,15 @@ class PagedKVCache:
             v_dev = _arrays.to_cupy(v_new, "v_new")
             host, dev = _arrays.host_or_device_ints(slots, "slots", 1)
         row = (None, self.num_kv_heads, self.head_dim)
-        _arrays.check_device_array(k_dev, "k_new", dtype=self.dtype_name, ndim=3, shape=row, device_id=self.k.device.id)
-        _arrays.check_device_array(v_dev, "v_new", dtype=self.dtype_name, shape=k_dev.shape, device_id=self.k.device.id)
+        new_dtype = self.dtype_name
+        if self.is_fp8:  # the new rows' own 16-bit type, quantised by the kernel
+            try:
+                new_dtype = _arrays.resolve_dtype(k_dev.dtype, "k_new.dtype")
+            except TypeError:
+                raise TypeError(f"k_new must be float16 or bfloat16 to append to a float8_e4m3fn cache (quantised "
+                                f"on the fly), got {_arrays.dtype_name(k_dev.dtype)}") from None
+        _arrays.check_device_array(k_dev, "k_new", dtype=new_dtype, ndim=3, shape=row, device_id=self.k.device.id)
+        _arrays.check_device_array(v_dev, "v_new", dtype=new_dtype, shape=k_dev.shape, device_id=self.k.device.id)
         num_tokens = int(k_dev.shape[0])
         if host is not None:
             if host.shape[0] != num_tokens:
@@ -120,12 +181,15 @@ class PagedKVCache:
             _arrays.check_device_array(dev, "slots", device_id=self.k.device.id, align=dev.itemsize)
         if num_tokens == 0:
             return
-        row_chunks = self.num_kv_heads * self.head_dim // 8
+        row_chunks = self.num_kv_heads * self.head_dim // 8  # 16-byte chunks of a new row
+        fp8 = self.is_fp8
         params = _params.make(
             "AppendParams", k_new=k_dev.data.ptr, v_new=v_dev.data.ptr, k_cache=self.k.data.ptr,
             v_cache=self.v.data.ptr, slots=dev.data.ptr, num_slots=self.num_slots,
-            num_tokens=num_tokens, row_chunks=row_chunks, status=self._status.data.ptr)
-        variant = schedule.append_variant(dev.dtype)
+            num_tokens=num_tokens, row_chunks=row_chunks, status=self._status.data.ptr,
+            k_scale=self.k_scale_device.data.ptr if fp8 else 0, v_scale=self.v_scale_device.data.ptr if fp8 else 0,
+            head_chunks=self.head_dim // 8)
+        variant = schedule.append_variant(dev.dtype, new_dtype if fp8 else None)
         blocks = min((num_tokens * row_chunks + variant.threads - 1) // variant.threads, 65535)
         _build.launch(variant, (blocks,), params, stream)
 
@@ -147,3 +211,39 @@ class PagedKVCache:
     def __repr__(self):
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype_name})")
+
+
+SMALLEST_SCALE = float(np.finfo(np.float32).tiny)  # the kernels flush float32 subnormals (-ftz)
+
+
+def checked_scales(value, name, num_kv_heads):
+    """An fp8 cache's scales as float32 ``[num_kv_heads]`` (NumPy): None -> 1.0; a Python float
+    or a 0-d / 1-element array (host or device) -> one per tensor; a ``[num_kv_heads]`` array
+    -> one per KV head. Raises ValueError naming ``name`` for another shape or a value that is
+    not a positive, finite, normal float32; TypeError for a non-numeric value. No GPU needed
+    for host values."""
+    if value is None:
+        return np.ones(num_kv_heads, np.float32)
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a float or a float32 array, got {value!r}")
+    host = value
+    if not _arrays.is_host(value) and hasattr(value, "__dlpack__"):
+        host = _arrays.to_cupy(value, name).get()  # a device array: read once, here
+    elif _arrays.is_torch(value):
+        host = value.numpy()
+    arr = np.asarray(host)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be a float or a float32 array, got dtype {arr.dtype}")
+    if arr.size == 1 and arr.ndim <= 1:
+        arr = np.full(num_kv_heads, arr.reshape(()), np.float64)
+    elif arr.shape != (num_kv_heads,):
+        raise ValueError(f"{name} must be one scale (a float, 0-d or 1-element array) or one per KV head "
+                         f"(shape ({num_kv_heads},)), got shape {arr.shape} (per token-head scales are not "
+                         f"supported)")
+    with np.errstate(over="ignore", invalid="ignore"):
+        scales = arr.astype(np.float32)
+    bad = np.flatnonzero(~(np.isfinite(scales) & (scales >= SMALLEST_SCALE)) | ~np.isfinite(arr.astype(np.float64)))
+    if bad.size:
+        raise ValueError(f"{name}[{bad[0]}] = {arr.reshape(-1)[bad[0]]!r}: scales must be positive, finite, normal "
+                         f"float32 values (>= {SMALLEST_SCALE:.3g})")
+    return scales

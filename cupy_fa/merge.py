@@ -12,7 +12,9 @@ rows over disjoint key sets merge into the state over their union:
 
 computed in fp32 by the same fold the library's own split merge runs (kernels/merge_states.cu,
 softmax.cuh), rounded to the output type once. ``cupy_fa.reference.merge_states`` is the float64
-version.
+version. With attention sinks (``run(..., sinks=)``), give the sinks to one part's run only: a sink
+is one more key with a zero value in its part's state (its LSE includes it), so two parts that both
+carry it would count it twice.
 """
 
 import numpy as np

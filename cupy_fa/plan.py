@@ -63,6 +63,7 @@ class PlanBuffers:
         self.mask_indptr = cupy.zeros(b + 1, i32)
         self.num_splits = cupy.zeros(b, i32)
         self.split_keys = cupy.zeros(b, i32)
+        self.key_base = cupy.zeros(b, i32)              # keys before each request's first split (a window's)
         self.status = cupy.full(1, (1 << 64) - 1, np.uint64)  # kernels/status.cuh: no bad request
         dtype = _arrays.DTYPES[dtype_name]
         rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
@@ -70,11 +71,13 @@ class PlanBuffers:
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
 
     def plan_params(self, batch_size, group_size, tile, long_tile=None, max_q_len=2**31 - 1,
-                    max_kv_len=2**31 - 1):
+                    max_kv_len=2**31 - 1, window=0):
         """PlanParams for a step whose small-q requests run on ``tile`` (work_indptr) and whose
         longer ones on ``long_tile`` (long_work_indptr); without ``long_tile`` every request is
         laid out for ``tile`` in work_indptr (schedule.plan_constants). Device lengths above
-        ``max_q_len`` / ``max_kv_len`` (the bounds the grids were sized with) are refused."""
+        ``max_q_len`` / ``max_kv_len`` (the bounds the grids were sized with) are refused. With a
+        sliding ``window`` (> 0) each request's splits cover only its queries' windows, from its
+        ``key_base`` (kernels/plan.cu window_key_base)."""
         return _params.make(
             "PlanParams", q_lens=self.q_lens.data.ptr, kv_lens=self.kv_lens.data.ptr,
             q_indptr=self.q_indptr.data.ptr, work_indptr=self.work_indptr.data.ptr,
@@ -83,7 +86,8 @@ class PlanBuffers:
             partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
             status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
             max_q_len=int(max_q_len), max_kv_len=int(max_kv_len),
-            partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile, long_tile))
+            partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile, long_tile),
+            key_base=self.key_base.data.ptr, window=int(window))
 
 
 # ---- host-side checks and bounds ----------------------------------------------------
@@ -289,10 +293,10 @@ def stage_inputs(buffers, step, pad_to=None):
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None, max_q_len=2**31 - 1,
-                max_kv_len=2**31 - 1):
+                max_kv_len=2**31 - 1, window=0):
     """The plan kernel on ``stream``: ``tile``'s work list for the small-q requests and, with
     ``long_tile``, the long family's list for the others (else every request on ``tile``).
     Requests whose lengths break the contract or the bounds (``max_q_len``, ``max_kv_len``) are
     refused and recorded in the buffers' status word (kernels/status.cuh)."""
     _build.launch(schedule.PLAN_VARIANT, (1,),
-                  buffers.plan_params(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len), stream)
+                  buffers.plan_params(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len, window), stream)

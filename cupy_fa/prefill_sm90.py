@@ -43,7 +43,7 @@ class Sm90Tile:
     lean_copy: bool = False     # the producer's cp.async loop at ~9 instructions a copy instead of ~18
     poly_exp2: int = 0          # of every 4 eight-key blocks of an unmasked tile, this many take 2^x on the FMA pipe
     consumer_wgs: int = 2       # consumer warpgroups of 64 rows: 2 (block_m 128) or 3 (block_m 192, 512 threads)
-    tma_kv: bool = False        # K / V tiles of whole pages (page size >= 16 dividing block_n) by TMA
+    variants: bool = False      # the variant hooks compiled in (window, soft-cap, sinks; Sm90PrefillTraits VARIANTS)
 
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
     fold_splits = False
@@ -72,22 +72,14 @@ class Sm90Tile:
         """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, K and V rings, barriers, scratch."""
         d, q_bufs = self.head_dim, 2 if self.persistent else 1
         return (1024 + q_bufs * self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2
-                + (4 * self.stages + 3 * q_bufs) * 8 + 128 * self.consumer_wgs * 4 + q_bufs * 52)
+                + (4 * self.stages + 3 * q_bufs) * 8 + 128 * self.consumer_wgs * 4 + q_bufs * 56)
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
                 f"{b(self.pingpong)}, {self.producer_regs}, {b(self.q_in_regs)}, {b(self.uniform_wg)}, "
                 f"{b(self.joint_rows)}, {b(self.persistent)}, {b(self.lean_copy)}, {int(self.poly_exp2)}, "
-                f"{int(self.consumer_wgs)}, {b(self.tma_kv)}>")
-
-    def tma_page_size(self, page_size):
-        """The box rows the TMA kernel gets for a cache of ``page_size``: the page size where its
-        pages tile a K / V tile and start at rows the producer's warp 0 looked up (a multiple of
-        the 1024 / head_dim rows a pass of its copies covers), else 0 (every tile by cp.async)."""
-        rows_per_pass = 1024 // self.head_dim
-        ok = page_size >= 16 and self.block_n % page_size == 0 and page_size % rows_per_pass == 0
-        return page_size if ok else 0
+                f"{int(self.consumer_wgs)}{', true' if self.variants else ''}>")
 
 
 # The default tile per head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at
@@ -104,21 +96,13 @@ DEFAULT_TILES = {
 }
 
 
-# kernels/sm90_tma.cuh KVTensorMaps: the TMA kernel's second parameter
-KV_MAPS_DTYPE = np.dtype({"names": ["k", "v", "page_size", "issue_lanes"],
-                          "formats": [("u1", 128), ("u1", 128), np.int32, np.uint32],
-                          "offsets": [0, 128, 256, 260], "itemsize": 320})
-
-
 def variant(dtype_name, tile):
     """The compiled kernel of one element type and tile: Q, K, V and O all ``dtype_name``."""
     ctype = _build.CTYPES[dtype_name]
-    kernel = "prefill_sm90_tma_kernel" if tile.tma_kv else "prefill_sm90_kernel"
-    expr = f"cupy_fa::{kernel}<{ctype}, {ctype}, {ctype}, {tile.traits()}>"
+    expr = f"cupy_fa::prefill_sm90_kernel<{ctype}, {ctype}, {ctype}, {tile.traits()}>"
     checks = (f"{tile.traits()}::kSmemBytes == {tile.smem_bytes}",
               f"{tile.traits()}::kConsumerRegs == {tile.consumer_regs}",
-              f"{tile.traits()}::kBlockM == {tile.block_m} && {tile.traits()}::kThreads == {tile.threads}",
-              f"sizeof(cupy_fa::sm90::KVTensorMaps) == {KV_MAPS_DTYPE.itemsize}")
+              f"{tile.traits()}::kBlockM == {tile.block_m} && {tile.traits()}::kThreads == {tile.threads}")
     return _build.Variant("prefill_sm90.cu", expr, tile.threads, tile.smem_bytes, checks)
 
 
@@ -218,55 +202,21 @@ class Sm90Prefill:
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, mask_mode=st["mode"],
             sm_scale_log2=st["scale"] * _LOG2E, page_shift=shift, splits_per_cta=1, fold_splits=0,
             group_multiplier=div[0], group_shift=div[1], status=buffers.status.data.ptr, num_pages=cache.num_pages,
-            page_table_columns=st["pt"].shape[1], num_tokens=int(q.shape[0]), mask_entries=int(buffers.custom_mask.size))
+            page_table_columns=st["pt"].shape[1], num_tokens=int(q.shape[0]), mask_entries=int(buffers.custom_mask.size),
+            key_base=buffers.key_base.data.ptr, sinks=0, window=0, soft_cap_scale=0.0, soft_cap_log2=0.0,
+            k_scale=0, v_scale=0)  # 16-bit K/V only (an fp8 cache never takes this family)
         stream = cupy.cuda.get_current_stream()
         ctas = st["work"] * self.num_kv_heads
         if self.tile.persistent:  # one CTA per SM at most (the kernel's launch bounds), each taking items in turn
             ctas = min(ctas, _build.device_attribute("MultiProcessorCount"))
-        if self.tile.tma_kv:
-            params = (params, kv_tensor_maps(cache, self.tile))
         _build.launch(self.variant, (ctas,), params, stream)
         if st["merge"]:
             merge = _params.make(
                 "MergeParams", out=out.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
                 partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
                 num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-                batch_size=st["batch"], num_qo_heads=self.num_qo_heads, fold_groups=0)
+                batch_size=st["batch"], num_qo_heads=self.num_qo_heads, fold_groups=0, sinks=0)
             shape = schedule.merge_shape(st["tokens"], self.num_qo_heads)
             _build.launch(schedule.merge_variant(self.dtype_name, self.head_dim, shape),
                           (st["tokens"], -(-self.num_qo_heads // shape[0])), merge, stream, programmatic=True)
         return out
-
-
-def tma_issue_lanes(tile, page_size):
-    """The lanes of producer warp 0 that issue a page's boxes (kernels/sm90_prefill_load.cuh
-    tma_tile): lane l looks up tile row 1024 / D x (l / (256 / D)) when l is a multiple of 256 / D
-    (KVProducer's copy order); it issues when that row starts a page."""
-    if not page_size:
-        return 0
-    rows_per_pass, warp_rows = 1024 // tile.head_dim, 256 // tile.head_dim
-    mask = 0
-    for lane in range(min(32, tile.block_n // 4)):
-        row = rows_per_pass * (lane // warp_rows)
-        if lane % warp_rows == 0 and row < tile.block_n and row % page_size == 0:
-            mask |= 1 << lane
-    return mask
-
-
-def kv_tensor_maps(cache, tile):
-    """The TMA kernel's KVTensorMaps for ``cache`` (a PagedKVCache): K and V each a 3-d tensor
-    [slots, H_kv, D] (D innermost), boxes of 64 elements x 1 head x the page size, or page_size 0
-    where the cache's pages do not tile ``tile``'s K / V tiles (Sm90Tile.tma_page_size)."""
-    maps = np.zeros((), KV_MAPS_DTYPE)
-    rows = tile.tma_page_size(cache.page_size)
-    maps["page_size"] = rows
-    maps["issue_lanes"] = tma_issue_lanes(tile, rows)
-    if rows:
-        d, h = cache.head_dim, cache.num_kv_heads
-        dims = (d, h, cache.num_pages * cache.page_size)
-        strides = (d * 2, h * d * 2)
-        for name, arr in (("k", cache.k), ("v", cache.v)):
-            raw = _build.tensor_map_tiled(cache.dtype_name, arr.data.ptr, dims, strides, (64, 1, rows))
-            maps[name] = np.frombuffer(raw, np.uint8)
-    return maps[()]
-

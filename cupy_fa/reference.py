@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 __all__ = ["paged_attention", "merge_states", "relative_error", "check_attention", "AttentionCheck", "TOL", "MAX_ABS",
-           "LSE_TOL"]
+           "LSE_TOL", "quantize_e4m3", "dequantize_e4m3", "E4M3_MAX"]
 
 # Upper bound on the elements of one score block [H_q, rows, kv_len] (float64).
 _SCORE_BUDGET = 1 << 24
@@ -80,6 +80,11 @@ def paged_attention(
     custom_mask=None,
     return_lse: bool = False,
     p_dtype=None,
+    k_scale=None,
+    v_scale=None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks=None,
 ):
     """Reference paged attention in float64.
 
@@ -96,10 +101,22 @@ def paged_attention(
             prefix ``0 .. kv_len - q_len - 1`` and draft key ``kv_len - q_len + j`` iff
             ``mask[i, j]``. Overrides ``causal``.
         return_lse: also return the log-sum-exp of the scaled scores.
+        k_scale, v_scale: an fp8 cache's scales (a float or ``[H_kv]``): the keys are
+            ``k_cache * k_scale[head]`` in float64, the values likewise (k_cache / v_cache of
+            ml_dtypes' float8_e4m3fn, or uint8 e4m3fn bytes). None: 1.
         p_dtype: ``None`` (exact), or a dtype (``np.float16``, ``ml_dtypes.bfloat16``) to round
             the softmax weights to before they multiply V, as the kernels' P.V product does
             (the denominator and the LSE stay exact). Models a kernel's rounding, for CPU tests
             of the checker; never the truth.
+        window: a sliding window of W keys (FlashAttention's convention): query i of b, at
+            position ``p = kv_len - q_len + i``, sees only keys ``p - W + 1 ..`` (on top of the
+            causal or custom mask, or of none). None or -1: no window.
+        soft_cap: ``cap``: each scaled score s becomes ``cap * tanh(s / cap)`` before the mask
+            (Gemma 2). None or 0: none.
+        sinks: ``[H_q]`` attention sinks (gpt-oss): one logit per query head, in the units of the
+            scaled (and capped) scores, added to each row's softmax denominator with a zero
+            value; the LSE includes it, and a row that sees no key gets ``out = 0``, ``lse =
+            sinks[h]``. None: none.
 
     Returns:
         ``out`` float64 ``[sum(q_lens), H_q, D]``, and with ``return_lse`` also ``lse``
@@ -109,6 +126,9 @@ def paged_attention(
     q = _to_numpy(q)
     k_cache = _to_numpy(k_cache)
     v_cache = _to_numpy(v_cache)
+    if k_scale is not None or v_scale is not None or k_cache.dtype == np.uint8:
+        k_cache = dequantize_e4m3(k_cache, 1.0 if k_scale is None else k_scale)
+        v_cache = dequantize_e4m3(v_cache, 1.0 if v_scale is None else v_scale)
     q_lens = _to_numpy(q_lens).astype(np.int64).reshape(-1)
     kv_lens = _to_numpy(kv_lens).astype(np.int64).reshape(-1)
     page_table = _to_numpy(page_table).astype(np.int64)
@@ -132,6 +152,19 @@ def paged_attention(
     if np.any(-(-kv_lens[live] // page_size) > page_table.shape[1]):
         raise ValueError("page_table has fewer columns than a request's kv_len needs")
 
+    if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
+        window = None
+    elif isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (or None / -1 for none), got {window!r}")
+    if soft_cap in (None, 0):
+        soft_cap = None
+    elif not (math.isfinite(float(soft_cap)) and float(soft_cap) > 0):
+        raise ValueError(f"soft_cap must be a positive finite number (or None / 0 for none), got {soft_cap!r}")
+    if sinks is not None:
+        sinks = _to_numpy(sinks).astype(np.float64).reshape(-1)
+        if sinks.shape != (num_qo_heads,):
+            raise ValueError(f"sinks must hold one logit per query head ({num_qo_heads}), got shape {sinks.shape}")
+        sinks = sinks[:, None, None]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     group = num_qo_heads // num_kv_heads
     masks = None if custom_mask is None else _masks_per_request(custom_mask, q_lens)
@@ -172,6 +205,9 @@ def paged_attention(
             s = np.matmul(qb, kt, out=s_buf[: num_qo_heads * nr * hi].reshape(num_kv_heads, group * nr, hi))
             s *= scale
             s = s.reshape(num_qo_heads, nr, hi)
+            if soft_cap is not None:
+                np.tanh(np.divide(s, soft_cap, out=s), out=s)
+                s *= soft_cap
 
             if masks is not None:
                 visible = np.ones((nr, hi), bool)
@@ -180,13 +216,20 @@ def paged_attention(
                 visible = np.arange(hi)[None, :] <= (prefix + np.arange(r0, r1))[:, None]
             else:
                 visible = None
+            if window is not None:  # key >= p - W + 1 for query position p = prefix + row
+                seen = np.arange(hi)[None, :] >= (prefix + np.arange(r0, r1) - window + 1)[:, None]
+                visible = seen if visible is None else visible & seen
             if visible is not None:
                 np.copyto(s, -np.inf, where=~visible[None])
 
             m = s.max(axis=-1, keepdims=True)  # [H_q, nr, 1]
+            if sinks is not None:
+                m = np.maximum(m, sinks)
             m[~np.isfinite(m)] = 0.0
             p = np.exp(np.subtract(s, m, out=s), out=s)  # in place, like s_buf below
             denom = p.sum(axis=-1, keepdims=True)
+            if sinks is not None:  # the sink's term (its value is zero)
+                denom = denom + np.exp(sinks - m)
             if p_dtype is not None:  # the kernels multiply V by P rounded to q's dtype
                 p = p.astype(p_dtype).astype(np.float64)
             o = (p.reshape(num_kv_heads, group * nr, hi) @ vt).reshape(num_qo_heads, nr, head_dim)
@@ -235,6 +278,60 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     out[nan] = np.nan
     lse[nan] = np.nan
     return out, lse
+
+
+# ---- fp8 (e4m3fn) KV: the quantiser the append kernel implements, and the dequantisation ----
+
+E4M3_MAX = 448.0  # the largest finite e4m3fn value: quantisation saturates here
+
+
+def _e4m3_dtype():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def quantize_e4m3(x, scale):
+    """The bytes (uint8, e4m3fn) ``PagedKVCache.append`` stores for new rows ``x`` (``[..., H_kv,
+    D]`` of any float dtype: what the kernel reads as float32) with scales ``scale`` (a float or
+    ``[H_kv]``): ``q = e4m3(float32(x) / float32(scale))``, the division in float32 (IEEE,
+    correctly rounded, float32 subnormals flushed to zero of their sign as the kernels' -ftz
+    build does), then rounded to the nearest e4m3fn value, ties to even; ``|q| >= 448`` (and
+    +-inf) saturate to +-448, NaN stays NaN (0x7F, or 0xFF for a negative NaN). A float64
+    re-implementation of kernels/common.cuh e4m3_from_float, checked against ml_dtypes' own
+    rounding (tests/test_fp8_cpu.py)."""
+    x32 = np.asarray(_to_numpy(x)).astype(np.float32)
+    s32 = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1, 1), x32.shape[-2:]) \
+        if np.ndim(scale) else np.float32(scale)
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    x32 = np.where(np.abs(x32) < tiny, np.copysign(np.float32(0), x32), x32)  # -ftz on the input
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        quotient = (x32 / s32).astype(np.float32)
+    quotient = np.where(np.abs(quotient) < tiny, np.copysign(np.float32(0), quotient), quotient)
+    bits = quotient.view(np.uint32).astype(np.int64)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    with np.errstate(invalid="ignore"):
+        sub = np.rint(np.abs(quotient.astype(np.float64)) * 512.0)  # rint: ties to even
+    sub = np.where(np.isfinite(sub), np.minimum(sub, 8), 0).astype(np.int64)
+    out = np.where(a >= 0x3C800000, normal, sub)
+    out = np.where(a >= 0x43E00000, 0x7E, out)
+    out = np.where(a > 0x7F800000, 0x7F, out)
+    return (sign | out).astype(np.uint8)
+
+
+def dequantize_e4m3(fp8, scale):
+    """float64 values of an fp8 cache: e4m3fn bytes (uint8, or ml_dtypes' float8_e4m3fn) ``[...,
+    H_kv, D]`` times ``scale`` (a float or ``[H_kv]``)."""
+    arr = np.asarray(_to_numpy(fp8))
+    if arr.dtype == np.uint8:
+        arr = arr.view(_e4m3_dtype())
+    values = arr.astype(np.float64)
+    scale = np.asarray(_to_numpy(scale), np.float64)
+    if scale.ndim and scale.size > 1:
+        return values * scale.reshape(-1, 1)
+    return values * float(scale.reshape(()))
 
 
 # The accuracy bar for every kernel result against this reference (relative_error):

@@ -39,7 +39,7 @@ import functools
 
 import numpy as np
 
-from . import _build
+from . import _arrays, _build
 from .knobs import STAGE_CHOICES, knobs
 from ._build import Variant
 
@@ -52,6 +52,20 @@ MAX_SPLITS = 256  # KV splits of one request at most (sizes the merge's shared m
 SPLIT_ROW_BUDGET = 128  # larger q_len: splits only while q_len x splits <= this
 PARTIAL_WORKSPACE_BYTES = 128 << 20  # split partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
 MERGE_GROUP = 8  # splits folded in order before the groups are (kernels/softmax.cuh kMergeGroup)
+FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/common.cuh fp8_e4m3): its tiles have kv_bytes=1
+# Head dims an fp8 cache takes: its rows are D / 16 chunks of 16 bytes (6 at D = 96, 12 at 192),
+# which its loads and byte swizzle need to tile the CTA evenly (docs/design.md, "Head dims")
+FP8_HEAD_DIMS = (64, 128, 256)
+# Pipeline depth of an fp8 cache's small-q tiles (the deepest that fits): a stage holds half the
+# bytes of a 16-bit one, and the deeper pipeline keeps about the bytes in flight per SM of the
+# 16-bit tiles at their default depth (docs/design.md, "fp8 KV cache").
+FP8_STAGES = 4
+# Keys per KV tile of an fp8 cache's small-q tiles: 64 like the 16-bit tiles (a stage then holds
+# half their bytes; 128 would hold as many, at twice the keys). Every fp8 small-q tile shares
+# it, so decode and verify reduce a split's keys alike (docs/design.md, "Batch invariance"). (A
+# program that changes it, as `python -m bench.fp8 --ab` does, clears attention_variant's cache:
+# it caches by tile, and block_n is not a field.)
+FP8_BLOCK_N = 64
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (the kernels' occupancy math)
 SM80_SMEM_LIMIT = 163 * 1024  # and on sm_80: tiles are chosen for the device's own limit
 FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
@@ -64,7 +78,8 @@ WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most thi
 @dataclasses.dataclass(frozen=True)
 class ElementTypes:
     """The element types of a kernel's Q, KV and O (separate template parameters of the
-    attention kernel; equal today, a future fp8 KV cache differs in ``kv``)."""
+    attention kernel): equal, or an fp8 cache's ``kv = "float8_e4m3fn"`` beside fp16 / bf16
+    Q and O (the mma.sync family only)."""
     q: str
     kv: str
     out: str
@@ -73,8 +88,13 @@ class ElementTypes:
     def of(cls, dtype):
         return dtype if isinstance(dtype, cls) else cls(dtype, dtype, dtype)
 
+    @property
+    def kv_bytes(self):
+        """Bytes of a K/V element: 1 for an fp8 cache, else 2."""
+        return 1 if self.kv == FP8 else 2
+
     def ctypes(self):
-        return tuple(_build.CTYPES[name] for name in (self.q, self.kv, self.out))
+        return _build.CTYPES[self.q], _build.KV_CTYPES[self.kv], _build.CTYPES[self.out]
 
 
 # ---- kernel families and their tiles -------------------------------------------------------
@@ -131,6 +151,8 @@ class MmaTile:
     fold_capable: bool = False  # carries a fold state (TileTraits FOLD): its own kernel binary
     splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
     fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
+    kv_bytes: int = 2  # bytes of a K/V element: 2 (fp16 / bf16), 1 (an fp8 cache; TileTraits KV_BYTES)
+    variants: bool = False  # the variant hooks compiled in (window, soft-cap, sinks; TileTraits VARIANTS)
 
     family = MMA_SYNC
     whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
@@ -153,7 +175,10 @@ class MmaTile:
 
     @property
     def block_n(self):
-        """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it)."""
+        """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it); an fp8 cache's
+        small-q tiles take FP8_BLOCK_N (all of them alike: decode and verify share it)."""
+        if self.kv_bytes == 1 and self.warps_n > 1:
+            return FP8_BLOCK_N
         return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
 
     @property
@@ -163,18 +188,35 @@ class MmaTile:
     @property
     def fold_layout(self):
         """Whether this warp layout can carry a fold state: a small-q tile whose epilogue fits
-        one stage (one row of warps, or two at D >= 128, half of D per pass)."""
+        one stage (one row of warps, or two at D >= 128, half of D per pass; an fp8 tile's
+        stage holds half the bytes: one row of warps at D >= 128)."""
+        if self.kv_bytes == 1:
+            return self.warps_n > 1 and self._fp8_epilogue_passes() > 0
         return self.warps_n > 1 and (self.warps_m == 1 or self.head_dim >= 128)
+
+    def _fp8_epilogue_passes(self):
+        """TileTraits::kEpiloguePasses of an fp8 tile: the warps' fp32 accumulators in one stage
+        (2 x block_n x D bytes) at once, else in two halves of D (D >= 128), else 0 (not in a stage)."""
+        stage = 2 * self.block_n * self.head_dim
+        staged = self.warps_m * self.warps_n * 16 * self.head_dim * 4
+        return 1 if staged <= stage else (2 if self.head_dim >= 128 and staged // 2 <= stage else 0)
 
     @property
     def smem_bytes(self):
         fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
+        if self.kv_bytes == 1:  # TileTraits::kSmemKVRegion: room for an epilogue staged over every stage
+            kv = 2 * self.stages * self.block_n * self.head_dim
+            if not self.epilogue_in_stage:
+                kv = max(kv, self.warps_m * self.warps_n * 16 * self.head_dim * 4)
+            return 2 * self.head_dim * self.block_m + kv + fold
         return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold
 
     @property
     def epilogue_in_stage(self):
         """The end-of-split epilogue fits in one pipeline stage, at once or in two passes
         (TileTraits::kEpilogueInStage): only then may a CTA run several splits."""
+        if self.kv_bytes == 1:
+            return self._fp8_epilogue_passes() > 0
         return self.warps_m * self.warps_n <= self.block_n // 16 or self.fold_capable
 
     @property
@@ -183,7 +225,9 @@ class MmaTile:
         (as many as shared memory allows, up to what 128 registers a thread can feed)."""
         by_smem = SMEM_LIMIT // (self.smem_bytes + 1024)
         by_registers = 65536 // (self.threads * 128)
-        return 1 if self.warps_n == 1 or by_smem < 1 else min(by_smem, by_registers)
+        # TileTraits::kOneCtaForRegisters: a 96-column two-row tile with the variant hooks
+        one_for_registers = self.variants and self.warps_m > 1 and self.head_dim % 64 != 0
+        return 1 if self.warps_n == 1 or by_smem < 1 or one_for_registers else min(by_smem, by_registers)
 
     @property
     def fits(self):
@@ -211,8 +255,12 @@ class MmaTile:
 
     def traits(self):
         """The C++ traits type of this tile's kernel binary."""
+        # the plain 16-bit kernels keep their names (and code): KV_BYTES only when not 2 or when
+        # VARIANTS (a later template argument) follows
+        kv = f", {self.kv_bytes}" if self.kv_bytes != 2 or self.variants else ""
+        hooks = ", true" if self.variants else ""
         return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
-                f"{self.stages}, {str(self.fold_capable).lower()}>")
+                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -226,7 +274,7 @@ class MmaTile:
 # ---- which tile for a batch ------------------------------------------------------------------
 
 
-def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None):
+def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
     """Tile for a batch whose longest request has ``max_q_len`` query tokens, on a device with
     ``smem_limit`` bytes of dynamic shared memory per CTA and target ``arch`` (e.g. ``sm_90a``;
     None: any).
@@ -235,24 +283,30 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None):
     64-key tile (memory-bound: few rows, many keys; may pipeline deeper), with a second row of
     warps when a request packs more than 16 (token x head-in-group) rows; they all share
     (BLOCK_N, WARPS_N), which with the fixed split positions keeps decode and verify of a token
-    bit-identical. Prefill-like batches take :func:`prefill_tile`."""
+    bit-identical. Prefill-like batches take :func:`prefill_tile`. ``kv_bytes=1`` (an fp8
+    cache): the same layouts with fp8 K/V stages, FP8_STAGES deep (as deep as fits)."""
     k = knobs()
     if max_q_len > SMALL_Q_LEN:
-        return prefill_tile(head_dim, smem_limit, arch)
+        return prefill_tile(head_dim, smem_limit, arch, kv_bytes)
     warps_m = k.decode_warps_m or (1 if max(max_q_len, 1) * group_size <= 16 else 2)
-    tile = small_q_tile(head_dim, warps_m, k.decode_stages, smem_limit)
+    stages = FP8_STAGES if kv_bytes == 1 else k.decode_stages
+    tile = small_q_tile(head_dim, warps_m, stages, smem_limit, kv_bytes)
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=k.splits_per_cta)
     return tile
 
 
-def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None):
+def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
     """The tile of requests of more than SMALL_Q_LEN tokens, one KV split per CTA: on an sm_90a
     target the wgmma family's default tile for the head dim (``prefill_sm90.DEFAULT_TILES``,
     128 packed rows per CTA) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
     ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target
     named), and at the head dims the wgmma family lacks (96, 192: docs/design.md "Head dims"),
-    the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA)."""
+    the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA). An fp8
+    cache (``kv_bytes=1``) takes the mma.sync prefill tile with fp8 K/V stages on every target,
+    sm_90a included (the wgmma family reads 16-bit K/V only)."""
+    if kv_bytes == 1:
+        return MmaTile(head_dim, 4, 1, kv_bytes=1)
     if is_sm90a(arch) and head_dim in _sm90().DEFAULT_TILES:
         tile = _sm90().DEFAULT_TILES[head_dim]
         if tile.smem_bytes <= smem_limit:
@@ -260,14 +314,14 @@ def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None):
     return MmaTile(head_dim, 4, 1)
 
 
-def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT):
+def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT, kv_bytes=2):
     """The small-q tile with the deepest pipeline up to ``stages`` that fits this head dim
     and ``smem_limit``. The two-row tile carries a fold state (where its layout can, at
     D >= 128) when it fits: registers already hold it at 2 CTAs per SM, which the state
     keeps (at D = 256 only Hopper's shared memory has room; elsewhere it runs without, one
     split per CTA). The one-row tile gets one per batch (its ``folding()``, chosen by
     :func:`fold_tile`), as it costs it a CTA per SM."""
-    base = MmaTile(head_dim, warps_m, 4, stages)
+    base = MmaTile(head_dim, warps_m, 4, stages, kv_bytes=kv_bytes)
     for fold in ((True, False) if warps_m == 2 and base.fold_layout else (False,)):
         tile = dataclasses.replace(base, fold_capable=fold).deepest_fit(smem_limit)
         if tile is not None:
@@ -302,6 +356,34 @@ def max_splits(q_lens, kv_lens):
     splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size())
     splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
     return np.maximum(1, np.minimum(splits, MAX_SPLITS))
+
+
+def key_base(q_lens, kv_lens, window):
+    """kernels/plan.cu window_key_base: with a sliding ``window`` (keys a query sees, itself
+    included; 0 / None: none) the keys before each request's first split, its first query's first
+    visible key ``kv_len - q_len - window + 1`` rounded down to a multiple of MERGE_GROUP x
+    split_size() (so small-q splits and their merge groups stay at fixed positions); 0 without."""
+    q, kv = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
+    if not window:
+        return np.zeros(np.broadcast(q, kv).shape, np.int64)
+    unit = MERGE_GROUP * split_size()
+    first = kv - q - int(window) + 1
+    return np.where(first > 0, first // unit * unit, 0)
+
+
+def window_spans(q_lens, kv_lens, window):
+    """The keys each request's splits cut (``kv_len - key_base``): what every split count of the
+    policy is computed from (all of ``kv_len`` without a window)."""
+    return np.asarray(kv_lens, np.int64) - key_base(q_lens, kv_lens, window)
+
+
+def window_span_bound(max_q_len, max_kv_len, window):
+    """The most keys a request of at most ``max_q_len`` tokens and ``max_kv_len`` keys splits under
+    ``window``: its queries' windows, ``max_q_len + window - 1`` keys, plus the rounding of its
+    key_base (MERGE_GROUP x split_size() - 1 keys); ``max_kv_len`` without a window."""
+    if not window:
+        return max_kv_len
+    return min(max_kv_len, max_q_len + int(window) - 1 + MERGE_GROUP * split_size() - 1)
 
 
 # ---- the grid ----------------------------------------------------------------------------------
@@ -463,7 +545,8 @@ class StepSchedule:
 
 
 def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=None, max_q_len=None,
-                  max_kv_len=None, capacity=None, batch_size=None, smem_limit=SMEM_LIMIT, sm_count=132, arch=None):
+                  max_kv_len=None, capacity=None, batch_size=None, smem_limit=SMEM_LIMIT, sm_count=132, arch=None,
+                  kv_bytes=2, window=0):
     """The launches, tiles, grids and merge of one step, on a device with ``smem_limit`` bytes of
     shared memory per CTA, ``sm_count`` SMs and target ``arch`` (None: the mma.sync family only).
 
@@ -474,8 +557,18 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     ``batch_size``. Up to SMALL_Q_LEN the step is small-q only and the fold is by groups, where
     even the shortest such batch (every request max_q_len tokens, one split) fills the GPU;
     above it both launches are planned (either may find no work; no fold). The bits never
-    depend on any of it."""
-    long_tile = prefill_tile(head_dim, smem_limit, arch)
+    depend on any of it. ``kv_bytes=1``: an fp8 cache's tiles (both classes on the mma.sync
+    family).
+
+    With a sliding ``window`` (> 0) a request's splits cut only the keys from its key_base on
+    (:func:`window_spans`; kernels/plan.cu), and every split count, grid and merge below is that of
+    those keys (with device lengths: of :func:`window_span_bound`)."""
+    long_tile = prefill_tile(head_dim, smem_limit, arch, kv_bytes)
+    if window and q_lens is not None:
+        kv_lens = window_spans(q_lens, kv_lens, window)  # what the splits cut: every count below follows
+    elif window:
+        max_kv_len = window_span_bound(int(max_q_len), int(max_kv_len) if max_kv_len is not None else 2**31 - 1,
+                                       window)
 
     def launch(tile, work_grid, q, kv):  # q, kv: the class's lengths, or the bounds it plans for
         live = np.asarray(q) > 0
@@ -494,7 +587,7 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
             merge = needs_merge(long_tile, q, kv)
         if not is_long.any() or (q_lens[is_small] > 0).any():
             q, kv = q_lens[is_small], kv_lens[is_small]
-            tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch)
+            tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch, kv_bytes)
             if long is None:  # one merge reads one partial layout: no CTA folds beside a long launch
                 tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
             small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
@@ -502,7 +595,7 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
         return StepSchedule(small, long, merge)
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
-    tile = tile_for(head_dim, min(max_q, SMALL_Q_LEN), group_size, smem_limit, arch)
+    tile = tile_for(head_dim, min(max_q, SMALL_Q_LEN), group_size, smem_limit, arch, kv_bytes)
     if max_q <= SMALL_Q_LEN:
         shortest = np.full(batch_size, max_q)
         tile = fold_tile(tile, shortest, shortest, group_size, num_kv_heads, sm_count, exact=False,
@@ -559,12 +652,22 @@ def merge_grid(num_tokens, num_qo_heads):
 # ---- variants ----------------------------------------------------------------------------------
 
 
+def with_variants(tile):
+    """``tile``'s kernel with the variant hooks compiled in (kernels/variant.cuh: sliding window,
+    logits soft-cap, attention sinks; each on at run time by its AttentionParams field). The same
+    schedule and work layout as ``tile``: only the binary differs."""
+    return dataclasses.replace(tile, variants=True)
+
+
 @functools.lru_cache(maxsize=None)
 def attention_variant(dtype, tile):
     """The attention kernel binary of a tile (its family's template) for element types
     ``dtype`` (a dtype name, or :class:`ElementTypes`; the wgmma family takes one element
-    type for Q, KV and O)."""
+    type for Q, KV and O; a tile's ``kv_bytes`` must be the KV type's)."""
     types = ElementTypes.of(dtype)
+    if getattr(tile, "kv_bytes", 2) != types.kv_bytes:
+        raise ValueError(f"internal: tile {tile} is for {getattr(tile, 'kv_bytes', 2)}-byte K/V, "
+                         f"the KV type is {types.kv}")
     if family_of(tile) is SM90_WGMMA:
         if not types.q == types.kv == types.out:
             raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")
@@ -598,8 +701,12 @@ def merge_states_variant(dtype_name):
                    MERGE_STATES_THREADS)
 
 
-def append_variant(index_dtype):
+def append_variant(index_dtype, quantize_from=None):
+    """The append kernel for slots of ``index_dtype``: a copy, or (``quantize_from``: the new
+    rows' dtype name) the fp8 cache's quantising one."""
     index = {"int32": "int", "int64": "long long"}[np.dtype(index_dtype).name]
+    if quantize_from is not None:
+        return Variant("kv_append.cu", f"cupy_fa::append_quantize_kernel<{index}, {_build.CTYPES[quantize_from]}>", 256)
     return Variant("kv_append.cu", f"cupy_fa::append_kernel<{index}>", 256)
 
 
@@ -616,6 +723,7 @@ def all_variants(arch=None):
     None: every one (they all compile for sm_90a)."""
     out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     out += [merge_states_variant(dtype_name) for dtype_name in _build.CTYPES]
+    out += [append_variant(i, d) for d in _build.CTYPES for i in (np.int32, np.int64)]
     for dtype_name in _build.CTYPES:
         for head_dim in HEAD_DIMS:
             out += _common_variants(dtype_name, head_dim)
@@ -627,37 +735,78 @@ def all_variants(arch=None):
                     for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
                         tile = small_q_tile(head_dim, warps_m, stages, limit)
                         tiles += [tile, tile.folding(smem_limit=limit)]
-            variants = (attention_variant(dtype_name, t) for t in tiles if t is not None)
+            tiles = [t for t in tiles if t is not None]
+            tiles += [with_variants(t) for t in tiles]  # each with the variant hooks (window, soft-cap, sinks)
+            variants = (attention_variant(dtype_name, t) for t in tiles)
             out += list({v.expression: v for v in variants}.values())  # one per kernel binary
+            if head_dim in FP8_HEAD_DIMS:
+                out += fp8_variants(dtype_name, head_dim)
     return out
 
 
-def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None):
+def fp8_tiles(head_dim, stage_choices=(FP8_STAGES,), limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)):
+    """The tiles of an fp8 cache the policy can select at a head dim: the mma.sync prefill tile
+    and the small-q tiles (both row layouts, each depth, Hopper's and an A100's shared memory)
+    with their folding variants."""
+    tiles = [prefill_tile(head_dim, kv_bytes=1)]
+    for warps_m in (1, 2):
+        for stages in stage_choices:
+            for limit in limits:
+                tile = small_q_tile(head_dim, warps_m, stages, limit, kv_bytes=1)
+                tiles += [tile, tile.folding(smem_limit=limit)]
+    return [t for t in tiles if t is not None]
+
+
+def fp8_variants(dtype_name, head_dim, tiles=None):
+    """The attention kernels over an fp8 cache with ``dtype_name`` queries and outputs, one per
+    kernel binary (the merge, plan and append kernels are the 16-bit ones')."""
+    types = ElementTypes(dtype_name, FP8, dtype_name)
+    variants = (attention_variant(types, t) for t in (fp8_tiles(head_dim) if tiles is None else tiles))
+    return list({v.expression: v for v in variants}.values())
+
+
+def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None,
+                    kv_dtypes=None, variants=False):
     """Every variant that plans with these dtypes and head dims can select under the knobs in
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
-    prefill family of the arch, the merges, plan and append, and merge_states')."""
+    prefill family of the arch, the merges, plan and append, and merge_states'). ``kv_dtypes``: the
+    cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
+    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each attention kernel with the
+    variant hooks too (what steps with a window, a soft-cap or sinks run)."""
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     wanted += [merge_states_variant(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
         for head_dim in head_dims:
             wanted += _common_variants(dtype_name, head_dim)
-            for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
-                tile = tile_for(head_dim, max_q_len, group, smem_limit, arch)
-                folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
-                wanted += [attention_variant(dtype_name, t) for t in (tile, folded) if t is not None]
-    return wanted
+            for kv in (kv_dtypes or (dtype_name,)):
+                kv = FP8 if _arrays.resolve_kv_dtype(kv, "kv_dtypes") == FP8 else dtype_name
+                if kv == FP8 and head_dim not in FP8_HEAD_DIMS:
+                    continue  # no fp8 tile at this head dim (BatchAttention refuses it)
+                types = ElementTypes(dtype_name, kv, dtype_name)
+                if kv == FP8:
+                    wanted += [append_variant(np.int32, dtype_name), append_variant(np.int64, dtype_name)]
+                for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
+                    tile = tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
+                    folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
+                    picked = [t for t in (tile, folded) if t is not None]
+                    picked += [with_variants(t) for t in picked] if variants else []
+                    wanted += [attention_variant(types, t) for t in picked]
+    return list({v: None for v in wanted})
 
 
-def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS):
+def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False):
     """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
     head dims can select under the current knobs, on the current device, so no compile happens
-    inside a step or a graph capture. Returns how many."""
+    inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
+    too); ``variants=True`` adds the kernels with the variant hooks (steps with a sliding window,
+    a logits soft-cap or attention sinks). Returns how many."""
     import cupy
 
     from . import _arrays
 
     _arrays.require_cuda()
-    wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(), _build.device_arch(cupy.cuda.Device()))
+    wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(), _build.device_arch(cupy.cuda.Device()),
+                             kv_dtypes, variants)
     for variant in wanted:
         _build.get_function(variant)
     return len(wanted)

@@ -45,6 +45,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ FoldStep s_step[Traits::kFoldInCta ? BM : 1][2];
   __shared__ int s_request, s_reason;    // for the status word at the CTA's end (no register held to it)
   __shared__ int s_bad;                  // a page id outside the cache was fetched (paged_kv.cuh)
+  __shared__ int s_window_to;            // variant hooks: tiles starting before it take the window's mask
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -60,30 +61,49 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int group = p.num_qo_heads / p.num_kv_heads;
   const FastDiv by_group{p.group_multiplier, p.group_shift, group};  // packed rows -> (token, head)
   const int rows = w.q_len * group;
-  const DefaultVariant variant{p, w.request, w.q_len, w.kv_len - w.q_len, by_group};
+  const DefaultVariant<Traits::kVariants> variant{p, w.request, w.q_len, w.kv_len - w.q_len, by_group};
 
   // the splits' keys are contiguous: one range, cut into splits every split_keys (a multiple
   // of BN, so no tile straddles two splits)
   const int split_keys = __ldg(p.split_keys + w.request);
   const int tiles_per_split = split_keys / BN;
-  const int kv_begin = w.split_first * split_keys;
+  int kv_begin = w.split_first * split_keys;
   // a bad request (w.bad: status.cuh) reads no K/V at all: its splits end empty, written NaN
-  const int kv_end = w.bad ? kv_begin : variant.key_stop(min(w.kv_len, w.split_stop * split_keys), w.row0 + BM, rows);
+  int kv_end = w.bad ? kv_begin : variant.key_stop(min(w.kv_len, w.split_stop * split_keys), w.row0 + BM, rows);
+  // With a sliding window (the variant hooks): the splits start at the request's key_base, and the
+  // tiles before the row block's window are skipped (`skipped`, whole tiles from the run's first key,
+  // so every tile read sits where it would unskipped; whole splits among them end empty below).
+  int skipped = 0;
+  if constexpr (Traits::kVariants) {
+    const int key_base = variant.key_base();
+    kv_begin += key_base;
+    kv_end = w.bad ? kv_begin : variant.key_stop(min(w.kv_len, key_base + w.split_stop * split_keys), w.row0 + BM, rows);
+    skipped = min((variant.window_first(kv_begin, w.row0) - kv_begin) / BN, (w.split_stop - w.split_first) * tiles_per_split);
+    if (w.bad) skipped = 0;
+    kv_begin += skipped * BN;
+  }
   const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
   const int chunk = tid % CH, row_in_pass = tid / CH;
+  // the K/V copies' chunk column and first row (the Q copies' for fp16 / bf16 K/V; an fp8 row has
+  // half the chunks)
+  const int kv_chunk = tid % Traits::kKVChunks, kv_row_in_pass = tid / Traits::kKVChunks;
   // a warp whose 16 rows are all padding (decode in a 2-row-warp tile) only loads
   const bool warp_has_rows = w.row0 + wm * 16 < rows;
 
   if (tid == 0) s_request = w.request, s_reason = w.bad, s_bad = w.bad != 0;
+  if constexpr (Traits::kVariants) {  // (in shared memory: no register held across the tile loop for it)
+    if (tid == 0) s_window_to = variant.window_mask_to(w.row0 + BM, rows);
+  }
   __syncthreads();  // s_bad is set before any thread may set it
 
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
-  load_q_block<Traits>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group, row_in_pass, chunk);
-  PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, row_in_pass, chunk,
-                                  s_bad);
+  load_q_block<Traits, QT, KVBytes<KVT>::value == 1>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group,
+                                                    row_in_pass, chunk);
+  PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, kv_row_in_pass,
+                                  kv_chunk, s_bad);
   kv.fetch_pages(0);
 #pragma unroll
   for (int t = 0; t < STAGES - 1; ++t) {
@@ -97,12 +117,29 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   OnlineSoftmaxRows<D / 8> state;
   state.reset();
   const int mask_from = variant.mask_from(kv_end, w.row0);
-  SplitEpilogue<Traits, KVT, OT> epilogue(p, w, rows, kv_head, group, by_group, tid, warp, wm, sK, sV, s_max, s_sum,
-                                          s_factor, s_row, s_step);
+  // With a window's skip, whole splits before the first tile left are empty for every row of the
+  // block: a fold (the identity on empty splits) starts at the first split with a tile, as if the
+  // CTA's run began there (same group: a folding CTA runs one group, or a whole row that writes
+  // only its end); without a fold each still writes its empty partial after the loop.
+  WorkItem run = w;
+  if constexpr (Traits::kVariants) {
+    if (num_tiles > 0) run.split_first += skipped / tiles_per_split;
+  }
+  SplitEpilogue<Traits, KVT, OT> epilogue(p, Traits::kVariants ? run : w, rows, kv_head, group, by_group, tid, warp,
+                                          wm, sK, sV, s_max, s_sum, s_factor, s_row, s_step);
   Mma mma{lane, wm, wn};
+  const float k_scale = KVBytes<KVT>::value == 1 ? __ldg(p.k_scale + kv_head) : 1.f;  // an fp8 cache's
 
   // ---- the main loop: one KV tile per iteration, each split's epilogue after its last tile
   int split_now = w.split_first, tiles_left = tiles_per_split;
+  if constexpr (Traits::kVariants) {
+    // the loop starts in the split of the first tile left after the window's skip (with no tile
+    // left, the loop after it writes every split)
+    if (num_tiles > 0) {
+      split_now += skipped / tiles_per_split;
+      tiles_left -= skipped % tiles_per_split;
+    }
+  }
   unsigned long long traced_wait = 0, traced_epilogue = 0;  // trace.cuh: 0 unless CUPY_FA_TRACE
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int stage = tile % STAGES;
@@ -121,8 +158,11 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     if (warp_has_rows) {
       float s[Mma::S_BLOCKS][4];
       mma.scores(s, sQ, sK + stage * BN * D, tile == 0);
+      // an fp8 cache: the scores times KV head kv_head's k_scale (v_scale is the epilogue's)
+      if constexpr (KVBytes<KVT>::value == 1) mma.scale_scores(s, k_scale);
       const int tile_key0 = kv_begin + tile * BN;
-      mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows, tile_key0 + BN - 1 >= mask_from);
+      mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows,
+                        tile_key0 + BN - 1 >= mask_from || (Traits::kVariants && tile_key0 < s_window_to));
       state.update(s);
       mma.accumulate(state.acc, s, sV + stage * BN * D);
     }
@@ -140,11 +180,17 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     }
   }
   cp_async_wait<0>();
-  // splits the causal clip left without a tile still write their (empty) result
-  for (; split_now < w.split_stop; ++split_now) {
+  // splits the causal clip left without a tile still write their (empty) result; so do, without a
+  // fold, those a window's skip passed whole (`run`: split_first .. run.split_first - 1), after them
+  // (one call site: a second costs the two-row fold tile, at its register cap, a spill). A tile whose
+  // epilogue spans every stage runs one split per CTA: a skip that passes it leaves no tile, so none.
+  int passed = 0;
+  if constexpr (Traits::kVariants && Traits::kEpilogueInStage) passed = p.fold_splits ? 0 : run.split_first - w.split_first;
+  for (; split_now < w.split_stop + passed; ++split_now) {
+    const int split = split_now < w.split_stop ? split_now : split_now - w.split_stop + w.split_first;
     epilogue.publish(state);
     __syncthreads();
-    epilogue.finish(split_now, 0, state.acc, s_bad != 0);
+    epilogue.finish(split, 0, state.acc, s_bad != 0);
   }
   // a bad request is recorded once the CTA is done (status.cuh), off the loop's registers
   if (tid == 0 && s_bad) record_bad(p.status, s_request, s_reason ? s_reason : kPageOutOfRange);

@@ -63,6 +63,79 @@ __device__ __forceinline__ void store_scaled4(T* dst, const float (&o)[4], float
   *reinterpret_cast<uint2*>(dst) = scaled4<T>(o, scale);
 }
 
+// ---- fp8 (e4m3fn) K/V elements ------------------------------------------------
+//
+// An fp8 KV cache holds e4m3fn bytes (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no
+// infinity, S.1111.111 is NaN, largest finite 448) and a scale per KV head: the value of a byte
+// is e4m3(byte) * scale. The attention kernels copy the bytes into shared memory as they are and
+// widen them to the mma's 16-bit type in registers, exactly (every e4m3 value is an fp16 and a
+// bf16 value), four bytes at a time.
+struct fp8_e4m3 {
+  unsigned char bits;
+};
+
+// Bytes per element of a K/V element type (fp8: 1, fp16 / bf16: 2).
+template <typename T> struct KVBytes { static constexpr int value = sizeof(T); };
+
+// Four e4m3 bytes (x, byte 0 first) as four exact 16-bit values of T, in mma operand pairs:
+// out[0] = (byte 0, byte 1), out[1] = (byte 2, byte 3), the lower byte in the lower half.
+// fp16 on sm_89+: the hardware conversion (NaN stays NaN). Elsewhere the bytes are placed into
+// T's sign, exponent and mantissa fields (which reads e4m3 as itself times 2^-8 in fp16, 2^-120
+// in bf16, subnormals included) and multiplied by that power of two in T (exact; bf16 and fp16
+// multiplies keep subnormals). There a NaN byte reads as +-480 (the encoding's value were it
+// finite): append never writes one from a finite input (docs/design.md, "fp8 KV cache").
+template <typename T> struct Fp8Widen;
+template <> struct Fp8Widen<__half> {
+  static __device__ __forceinline__ void run(u32 x, u32 (&out)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n"
+        " cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(out[0]), "=r"(out[1])
+        : "r"(x));
+#else
+    const __half2 bias = __halves2half2(__ushort_as_half(0x5c00), __ushort_as_half(0x5c00));  // 2^8
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const u32 r = __byte_perm(x, 0u, i ? 0x3424u : 0x1404u);  // bytes 2i, 2i + 1 in the halves' high bytes
+      u32 h = ((r & 0x7fff7fffu) >> 1) | (r & 0x80008000u);
+      __half2 v = __hmul2(*reinterpret_cast<__half2*>(&h), bias);
+      out[i] = *reinterpret_cast<u32*>(&v);
+    }
+#endif
+  }
+};
+template <> struct Fp8Widen<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(u32 x, u32 (&out)[2]) {
+    const __nv_bfloat16 two_120 = __ushort_as_bfloat16(0x7b80);  // 2^120
+    const __nv_bfloat162 bias = __halves2bfloat162(two_120, two_120);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const u32 r = __byte_perm(x, 0u, i ? 0x3424u : 0x1404u);
+      u32 h = ((r & 0x7fff7fffu) >> 4) | (r & 0x80008000u);
+      __nv_bfloat162 v = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&h), bias);
+      out[i] = *reinterpret_cast<u32*>(&v);
+    }
+  }
+};
+
+// float -> e4m3fn byte, round to nearest even, saturating: |x| >= 448 (and +-inf) give +-448,
+// NaN gives NaN (0x7f, with x's sign), values below half the smallest subnormal (2^-10) give a
+// zero of x's sign. Integer arithmetic only, so every arch rounds alike (the host's
+// cupy_fa.reference.quantize_e4m3 is the same function).
+__device__ __forceinline__ unsigned char e4m3_from_float(float x) {
+  const u32 b = __float_as_uint(x);
+  const u32 sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<unsigned char>(sign | 0x7fu);  // NaN
+  if (a >= 0x43e00000u) return static_cast<unsigned char>(sign | 0x7eu);  // >= 448: saturate
+  if (a >= 0x3c800000u) {  // >= 2^-6: a normal e4m3, 23 mantissa bits rounded to 3 (even on ties)
+    const u32 r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;  // exponent << 3 | mantissa, rounded
+    return static_cast<unsigned char>(sign | (r - (120u << 3)));
+  }
+  // a subnormal (or zero): m * 2^-9, m = |x| * 2^9 rounded to even (m = 8 is the smallest normal)
+  const u32 m = static_cast<u32>(__float2int_rn(__uint_as_float(a) * 512.f));
+  return static_cast<unsigned char>(sign | m);
+}
+
 // ---- division by a divisor fixed per launch ------------------------------------
 
 // n / d and n % d for 0 <= n < 2^31 by a multiply-high and a shift (Granlund and
@@ -88,6 +161,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
 }
+// 4 bytes global -> shared (zero-filled when `valid` is false), through L1.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
+  int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -99,6 +178,10 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem) {
   u32 a = static_cast<u32>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* smem) {  // lanes 0-15 give the addresses
+  u32 a = static_cast<u32>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem) {
   u32 a = static_cast<u32>(__cvta_generic_to_shared(smem));
@@ -154,6 +237,26 @@ __device__ __forceinline__ int staged_pair_xor(int row, int pair) {
     return (row & 7) << 2;
   } else {
     return pair < W / 2 - 16 ? (row & 7) << 2 : (row & 3) << 2;
+  }
+}
+
+// The same swizzle for a [rows][D] tile of one-byte elements (an fp8 K/V tile): 16-byte chunks
+// of 16 elements; with fewer than 8 chunks a row (D = 64: two rows per 128 bytes) the XOR takes
+// the row pair, so the 8 rows one ldmatrix reads still hit 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swizzled_bytes(int row, int chunk) {
+  constexpr int kChunks = D / 16;
+  const int x = kChunks >= 8 ? (row & 7) : ((row >> 1) & (kChunks - 1));
+  return row * D + ((chunk ^ x) << 4);
+}
+
+// Element index of 16-byte chunk `chunk` of row `row` in a K/V tile of T (fp16 / bf16 or fp8).
+template <int D, typename T>
+__device__ __forceinline__ int swizzled_kv(int row, int chunk) {
+  if constexpr (sizeof(T) == 1) {
+    return swizzled_bytes<D>(row, chunk);
+  } else {
+    return swizzled<D>(row, chunk);
   }
 }
 

@@ -106,6 +106,12 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
   if (!live) return;
   const float merged[4] = {total.o.x, total.o.y, total.o.z, total.o.w};
   const i64 o_off = ((i64)token * p.num_qo_heads + head) * (4 * LANES) + c4 * 4;
+  if (p.sinks != nullptr) {  // attention sinks: one more term of the row's final sum (softmax.cuh with_sink)
+    const SinkedRow sunk = with_sink(total.m, total.l, __ldg(p.sinks + head) * kLog2e);
+    store_scaled4(static_cast<T*>(p.out) + o_off, merged, sunk.inv);
+    if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = sunk.lse;
+    return;
+  }
   store_scaled4(static_cast<T*>(p.out) + o_off, merged, inverse_sum(total.l));  // NaN stays NaN
   if (c4 == 0 && p.lse != nullptr) p.lse[(i64)token * p.num_qo_heads + head] = natural_lse(total.m, total.l);
 }

@@ -31,22 +31,32 @@ namespace cupy_fa {
 
 // Copies Q's row block [row0, row0 + BLOCK_M) of packed rows (rows past `rows` zero-filled) into
 // sQ (swizzled). It rides in the first cp.async group of the K/V pipeline.
-template <typename Traits, typename QT>
+// PAIRS_PERMUTED (over an fp8 cache): each 16-element group of a row is stored in the k order of
+// the fp8 K fragments (warp_mma.cuh): chunk 2c + h of the row holds its element pairs 8c + 2t + h,
+// t = 0..3 (the even pairs of the group, then the odd ones), copied 4 bytes at a time.
+template <typename Traits, typename QT, bool PAIRS_PERMUTED = false>
 __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, int q_start, int row0, int rows,
                                              int kv_head, int group, FastDiv by_group, int row_in_pass, int chunk) {
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, STEP = Traits::kRowStep;
+  constexpr int D = Traits::kHeadDim, STEP = Traits::kRowStep;
   const QT* q = static_cast<const QT*>(p.q);
 #pragma unroll
   for (int i = 0; i < Traits::kPassesM; ++i) {
     const int r = row_in_pass + i * STEP, row = row0 + r;
-    if (!Traits::loads_row(row_in_pass, r, BM)) continue;  // past the tile (D = 96, 192 only)
+    if (!Traits::loads_row(row_in_pass, r)) continue;  // past the tile (D = 96, 192 only)
     const bool valid = row < rows;
     const QT* src = q;
     if (valid) {
       const int token = q_start + by_group.div(row), head = kv_head * group + by_group.mod(row);
       src = q + ((i64)token * p.num_qo_heads + head) * D + chunk * 8;
     }
-    cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
+    if constexpr (PAIRS_PERMUTED) {
+      // the row's pairs 8c + h, + 2, + 4, + 6 (c = chunk / 2, h = chunk % 2)
+      const QT* group_src = valid ? src - chunk * 8 + (chunk >> 1) * 16 + (chunk & 1) * 2 : q;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) cp_async_4(sQ + swizzled<D>(r, chunk) + 2 * t, group_src + 4 * t, valid);
+    } else {
+      cp_async_16(sQ + swizzled<D>(r, chunk), src, valid);
+    }
   }
 }
 
@@ -54,15 +64,16 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
 // pipeline stages of sK and sV.
 template <typename Traits, typename KVT>
 struct PagedKVProducer {
-  static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kRowStep;
+  static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kKVRowStep;
   static constexpr int kRows = Traits::kPassesN;  // key rows this thread copies per tile (at most)
-  static_assert(sizeof(KVT) == 2, "16-byte chunks of 8 elements (Traits::kChunks): fp8 KV needs its own count");
+  static constexpr int kPerChunk = 16 / sizeof(KVT);  // elements per 16-byte chunk: 8, or 16 for fp8
+  static_assert(sizeof(KVT) == Traits::kKVBytes, "the tile's K/V element size");
 
   const AttentionParams& p;
   const int* page_row;  // the request's page-table row
   int slot_bytes;       // bytes from one cache slot to the next
-  // Byte addresses of this thread's 16-byte chunk of the head in cache slot 0; a key's chunk is
-  // one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(KVT) < 2^31).
+  // Byte addresses of this thread's 16-byte chunk (of Traits::kKVChunks per row) of the head in
+  // cache slot 0; a key's chunk is one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(KVT) < 2^31).
   const char* k_chunk;
   const char* v_chunk;
   KVT* sK;
@@ -78,8 +89,8 @@ struct PagedKVProducer {
       : p(p),
         page_row(p.page_table + (i64)request * p.page_table_stride),
         slot_bytes(p.num_kv_heads * D * (int)sizeof(KVT)),
-        k_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + kv_head * D + chunk * 8)),
-        v_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + kv_head * D + chunk * 8)),
+        k_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + kv_head * D + chunk * kPerChunk)),
+        v_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + kv_head * D + chunk * kPerChunk)),
         sK(sK),
         sV(sV),
         kv_begin(kv_begin),
@@ -96,7 +107,7 @@ struct PagedKVProducer {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
       // as fetched: checked where issue_rows uses them, a tile later, so the load stays in flight
       // behind this tile's math (a test here would wait for it at once)
-      const bool mine = Traits::loads_row(row_in_pass, row_in_pass + i * STEP, BN);
+      const bool mine = Traits::loads_kv_row(row_in_pass, row_in_pass + i * STEP);
       pages[i] = (mine && tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
     }
   }
@@ -119,14 +130,14 @@ struct PagedKVProducer {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
-      if (!Traits::loads_row(row_in_pass, r, BN)) continue;  // past the tile (D = 96, 192 only)
+      if (!Traits::loads_kv_row(row_in_pass, r)) continue;  // past the tile (D = 96, 192 only)
       const bool valid = key < kv_end;
       const unsigned fetched = static_cast<unsigned>(pages[i]);
       highest = max(highest, fetched);
       const int page = static_cast<int>(min(fetched, last));  // inside the cache, whatever was fetched
       const i64 offset = (i64)(valid ? slot_of(page, key) : 0) * slot_bytes;  // < 2^31 cache slots
-      cp_async_16(dk + swizzled<D>(r, chunk), k_chunk + offset, valid);
-      cp_async_16(dv + swizzled<D>(r, chunk), v_chunk + offset, valid);
+      cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
+      cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
     }
     if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }

@@ -52,6 +52,10 @@ struct PlanParams {
                               // caps every request at partial_capacity / batch_size rows
   int max_q_len;              // the bounds the host sized the grid with: a request above either is
   int max_kv_len;             // refused (its rows NaN, status.cuh), never given more work than them
+  // A sliding window (variant.cuh): query i sees keys prefix + i - window + 1 .. on; 0 = none. A request's
+  // splits then cover only its queries' windows, from key_base (plan.cu window_key_base).
+  int* key_base;              // [B]   keys before a request's first split (0 without a window)
+  int window;
 };
 
 struct AttentionParams {
@@ -91,6 +95,16 @@ struct AttentionParams {
   int page_table_columns;     // of the caller's page table: a kv_len that needs more pages is refused
   int num_tokens;             // rows of q and out: a request's rows past them are refused
   int mask_entries;           // of the custom mask (mask_mode 2): a request's block past them is refused
+  // An fp8 cache's dequantisation scales, float32 [H_kv] each (k = e4m3 * k_scale[head]); unused
+  // (null) for fp16 / bf16 K/V.
+  const float* k_scale;
+  const float* v_scale;
+  // The variant hooks (variant.cuh), read only by the kernels compiled with them (Traits::kVariants):
+  const int* key_base;        // [B]   keys before a request's first split (PlanParams::key_base)
+  const float* sinks;         // [H_q] attention sinks, natural-log logits; null = none
+  int window;                 // sliding window W (query at p sees keys p - W + 1 .. ); 0 = none
+  float soft_cap_scale;       // sm_scale / cap: a score's argument of tanh
+  float soft_cap_log2;        // cap x log2(e); 0 = no soft-cap
 };
 
 struct MergeParams {
@@ -104,6 +118,7 @@ struct MergeParams {
   int batch_size;
   int num_qo_heads;
   int fold_groups;            // 1: the partials are group states (AttentionParams::fold_splits)
+  const float* sinks;         // [H_q] attention sinks added to each row's final sum (AttentionParams); null = none
 };
 
 struct AppendParams {
@@ -116,6 +131,10 @@ struct AppendParams {
   int num_tokens;
   int row_chunks;             // H_kv x D / 8: 16-byte chunks per token
   StatusWord* status;         // [1]   the cache's status word: the first token whose slot is past the cache
+  // append_quantize_kernel (an fp8 cache): each element stored as e4m3(x / scale[its KV head])
+  const float* k_scale;       // [H_kv] float32
+  const float* v_scale;       // [H_kv] float32
+  int head_chunks;            // D / 8: 16-byte input chunks per KV head (row_chunks / H_kv)
 };
 
 // cupy_fa.merge_states (kernels/merge_states.cu): two attention states of the same queries over

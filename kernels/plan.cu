@@ -10,6 +10,7 @@
 // offsets of tokens, split partials and mask are shared, so one merge covers both.
 #include "common.cuh"
 #include "params.cuh"
+#include "softmax.cuh"
 
 namespace cupy_fa {
 
@@ -103,6 +104,21 @@ __device__ __forceinline__ int laid_out_rows(const PlanParams& p, int q_len, int
   return groups > 1 ? kPartialRowsPerGroupState * q_len * groups : 0;
 }
 
+// With a sliding window (window > 0) a request's splits cover only the keys its queries can see:
+// from key_base, its first query's first key (prefix - window + 1) rounded down to a multiple of
+// kMergeGroup x S. Rounded so: a small-q request's splits still sit at the fixed positions
+// 0, S, 2S, ... and its groups of kMergeGroup splits at fixed positions too (merge_kernel and the
+// folding CTAs group splits by their index from key_base), whatever its q_len; splits before
+// key_base would be empty for every query (the identity of every merge), so decode and verify of a
+// token keep their bits. A window of W over L keys then reads about W keys, in at most
+// ceil((W + q_len - 1) / S) + kMergeGroup - 1 splits, not L.
+__device__ __forceinline__ int window_key_base(const PlanParams& p, int q_len, int kv_len) {
+  if (p.window <= 0) return 0;
+  const int first = kv_len - q_len - p.window + 1;
+  const int unit = kMergeGroup * p.split_size;
+  return first > 0 ? first / unit * unit : 0;
+}
+
 enum class Row { kPadding, kLive, kRefused };
 
 // What request b is, read once: padding (q_len = 0), live, or refused because it breaks the
@@ -137,15 +153,19 @@ __device__ int block_sum(int v) {
 // Request b's class and, for a live request, its splits and keys per split, capped at an
 // equal share of the partial buffer when the batch overflows it. Both passes below ask
 // this one function, so the rows pass 1 counts are the rows pass 2 lays out.
+// `base`: the request's key_base (window_key_base; 0 without a window): its splits cut keys base ..
+// kv_len - 1.
 __device__ __forceinline__ Row request_schedule(const PlanParams& p, int b, bool overflow, int share, int& q_len,
-                                                int& splits, int& keys, unsigned& reason) {
+                                                int& splits, int& keys, unsigned& reason, int& base) {
   int kv_len;
   const Row row = classify(p, b, q_len, kv_len, reason);
-  splits = keys = 0;
+  splits = keys = base = 0;
   if (row == Row::kLive) {
-    int cap = wanted_splits(p, q_len, kv_len);
+    base = window_key_base(p, q_len, kv_len);
+    const int span = kv_len - base;
+    int cap = wanted_splits(p, q_len, span);
     if (overflow) cap = min(cap, max(1, share / q_len));
-    split_schedule(p, q_len, kv_len, cap, splits, keys);
+    split_schedule(p, q_len, span, cap, splits, keys);
   }
   return row;
 }
@@ -159,9 +179,9 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
   // every request capped at an equal share (results then depend on the batch).
   int wanted_rows = 0;
   for (int b = threadIdx.x; b < p.batch_size; b += kPlanThreads) {
-    int q_len, splits, keys;
+    int q_len, splits, keys, key_base;
     unsigned reason;
-    if (request_schedule(p, b, false, 0, q_len, splits, keys, reason) == Row::kLive) {
+    if (request_schedule(p, b, false, 0, q_len, splits, keys, reason, key_base) == Row::kLive) {
       wanted_rows += partial_rows(q_len, splits);
     }
   }
@@ -173,11 +193,11 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
   for (int base = 0; base < p.batch_size; base += kPlanThreads) {
     const int b = base + threadIdx.x;
     Counts mine{0, 0, 0, 0, 0};
-    int splits = 0, keys = 0;
+    int splits = 0, keys = 0, key_base = 0;
     if (b < p.batch_size) {
       int q_len;
       unsigned reason;
-      const Row row = request_schedule(p, b, overflow, share, q_len, splits, keys, reason);
+      const Row row = request_schedule(p, b, overflow, share, q_len, splits, keys, reason, key_base);
       // The caller laid out q, out and the mask with these tokens: they keep their
       // place in the offsets even when the row itself is refused below.
       mine.q = q_len;
@@ -216,6 +236,7 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const __g
       p.mask_indptr[b] = excl.mask;
       p.num_splits[b] = splits;
       p.split_keys[b] = keys;
+      p.key_base[b] = key_base;
     }
     carry = carry + total;
   }

@@ -23,10 +23,10 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
+#include "variant.cuh"
 #include "sm90_wgmma.cuh"
 #include "sm90_prefill_work.cuh"
 #include "sm90_pipeline.cuh"
-#include "sm90_tma.cuh"
 #include "sm90_prefill_load.cuh"
 #include "sm90_prefill_softmax.cuh"
 #include "sm90_prefill_consumer.cuh"
@@ -37,9 +37,11 @@ namespace cupy_fa {
 // registers, Q in registers); the host mirror is cupy_fa/prefill_sm90.py Sm90Tile.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool OVERLAP, bool PINGPONG, int PRODUCER_REGS, bool Q_IN_REGS,
           bool UNIFORM_WG = false, bool JOINT_ROWS = false, bool PERSISTENT = false, bool LEAN_COPY = false,
-          int POLY_EXP2 = 0, int CONSUMER_WGS = 2, bool TMA_KV = false>
+          int POLY_EXP2 = 0, int CONSUMER_WGS = 2, bool VARIANTS = false>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
+  // the variant hooks compiled in (variant.cuh: sliding window, soft-cap, sinks; each on at run time)
+  static constexpr bool kVariants = VARIANTS;
   // consumer warpgroups of 64 packed rows each: 2 (128 rows), or 3 (192 rows: each
   // warpgroup's softmax then has two others' GEMMs to hide behind, and the producer's
   // K / V tiles serve 3 x 64 rows; 512 threads start at 128 registers, so only tiles whose
@@ -80,9 +82,6 @@ struct Sm90PrefillTraits {
   // FMA pipe's rate: at D = 64 the exp2s take as long as the GEMMs), sm90_prefill_softmax.cuh.
   static constexpr int kPolyExp2 = POLY_EXP2;
   static_assert(POLY_EXP2 >= 0 && POLY_EXP2 <= 4, "0 to 4 of every 4 eight-key blocks");
-  // K / V tiles of whole pages by TMA (sm90_tma.cuh; the kernel prefill_sm90_tma_kernel, whose
-  // second parameter holds the caches' tensor maps), the others by cp.async
-  static constexpr bool kTmaKV = TMA_KV;
   static constexpr int kThreads = 128 + kConsumerThreads;  // producer warpgroup + the consumers
   // setmaxnreg: the CTA starts at 64 K / kThreads registers a thread rounded down to 8 (the
   // launch bounds: 168 at 384 threads, 128 at 512), and the producer gives back what the
@@ -94,8 +93,8 @@ struct Sm90PrefillTraits {
   static_assert(kConsumerRegs <= 256, "setmaxnreg range");
   static constexpr int kQTileBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;
-  // sm90_pipeline.cuh PipeBarriers (PrefillWork: 13 ints)
-  static constexpr int kBarrierBytes = (4 * STAGES + 3 * kQBufs) * 8 + kConsumerThreads * 4 + kQBufs * 52;
+  // sm90_pipeline.cuh PipeBarriers (PrefillWork: 13 ints, and a page flag per Q tile)
+  static constexpr int kBarrierBytes = (4 * STAGES + 3 * kQBufs) * 8 + kConsumerThreads * 4 + kQBufs * 56;
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
   static constexpr int kSmemBytes = 1024 + kQBufs * kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes;
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 64-column swizzle blocks, one wgmma N");
@@ -105,9 +104,9 @@ struct Sm90PrefillTraits {
   static_assert(!(PERSISTENT && CONSUMER_WGS != 2), "the persistent grid's item hand-over is written for 2 consumers");
 };
 
-// The kernel's body: `maps` is the TMA kernel's second parameter (null for the other).
+// The kernel's body.
 template <typename QT, typename KVT, typename OT, typename Tr>
-__device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p, const sm90::KVTensorMaps* maps) {
+__device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p) {
   static_assert(sizeof(QT) == 2 && sizeof(KVT) == 2 && sizeof(OT) == 2, "16-bit elements");
   static_assert(sm90::SameType<QT, KVT>::value, "one wgmma element type for Q, K and V");
   using namespace sm90;
@@ -115,7 +114,7 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p, cons
 
   const FastDiv by_group{p.group_multiplier, p.group_shift, p.num_qo_heads / p.num_kv_heads};
   PrefillWork first;
-  if (!find_work<BM, BN>(p, by_group, first, blockIdx.x)) return;  // the whole CTA, before any barrier
+  if (!find_work<BM, BN, Tr::kVariants>(p, by_group, first, blockIdx.x)) return;  // the whole CTA, before any barrier
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_addr(smem_raw);
@@ -125,6 +124,8 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p, cons
   const unsigned k_addr = q_addr + Tr::kQBufs * Tr::kQTileBytes;
   const unsigned v_addr = k_addr + ST * Tr::kKVTileBytes;
   typedef PipeBarriers<ST, Tr::kQBufs, Tr::kConsumerThreads> Barriers;
+  static_assert(sizeof(Barriers) == Tr::kBarrierBytes, "kBarrierBytes (and the host's smem_bytes) count every barrier byte");
+  static_assert(sizeof(Barriers) == Barriers::kPageBadOffset + 4 * Tr::kQBufs, "page_bad: the last member, at kPageBadOffset");
   auto& bars = *reinterpret_cast<Barriers*>(smem + Tr::kQBufs * Tr::kQTileBytes + 2 * ST * Tr::kKVTileBytes);
   if (threadIdx.x == 0) bars.init(128, Tr::kConsumerThreads);
   __syncthreads();
@@ -137,9 +138,9 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p, cons
   if (warpgroup == 0) {
     regs_release<Tr::kProducerRegs>();
     for (int cta = blockIdx.x;;) {
-      produce<QT, KVT, Tr>(p, w, by_group, bars, pos, q_addr, k_addr, v_addr, threadIdx.x, maps);
+      produce<QT, KVT, Tr>(p, w, by_group, bars, pos, q_addr, k_addr, v_addr, threadIdx.x);
       if (!Tr::kPersistent) break;
-      if (!find_work<BM, BN>(p, by_group, w, cta += gridDim.x)) {
+      if (!find_work<BM, BN, Tr::kVariants>(p, by_group, w, cta += gridDim.x)) {
         end_of_work<Tr>(bars, pos, threadIdx.x);
         break;
       }
@@ -166,16 +167,7 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p, cons
 
 template <typename QT, typename KVT, typename OT, typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ AttentionParams p) {
-  static_assert(!Tr::kTmaKV, "a TMA tile runs prefill_sm90_tma_kernel (its tensor maps)");
-  prefill_sm90_body<QT, KVT, OT, Tr>(p, nullptr);
-}
-
-template <typename QT, typename KVT, typename OT, typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    prefill_sm90_tma_kernel(const __grid_constant__ AttentionParams p,
-                            const __grid_constant__ sm90::KVTensorMaps maps) {
-  static_assert(Tr::kTmaKV, "prefill_sm90_kernel runs the tiles without TMA");
-  prefill_sm90_body<QT, KVT, OT, Tr>(p, &maps);
+  prefill_sm90_body<QT, KVT, OT, Tr>(p);
 }
 
 }  // namespace cupy_fa

@@ -51,6 +51,17 @@ __device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// A word of shared memory by its 32-bit shared address (st / ld.shared: no 64-bit generic
+// pointer for the compiler to keep live where registers are few), ordered as volatile.
+__device__ __forceinline__ void shared_store(unsigned addr, int value) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
+}
+__device__ __forceinline__ int shared_load(unsigned addr) {
+  int value;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+  return value;
+}
+
 // Position in a ring of STAGES stages: the stage index and the parity of its current use.
 template <int STAGES>
 struct PipeState {
@@ -75,6 +86,17 @@ struct PipeBarriers {
   unsigned long long q_full[QBUFS], q_empty[QBUFS], w_full[QBUFS];
   float scratch[CONSUMERS];  // a word per consumer thread (sm90_prefill_consumer.cuh: the softmax before a wait)
   PrefillWork work[QBUFS];
+  // per Q tile: set by the producer when a page id of the item it is loading was outside the
+  // cache (sm90_prefill_load.cuh slots_of), read by the consumers before they free the Q tile,
+  // so the item's rows are written NaN (status.cuh); cleared by the producer per item
+  int page_bad[QBUFS];
+
+  // The shared address of page_bad[qbuf] from that of k_full (the struct's first member), whose
+  // address the loops hold anyway: no register more where the producer has few.
+  static constexpr unsigned kPageBadOffset = (4 * STAGES + 3 * QBUFS) * 8 + CONSUMERS * 4 + QBUFS * sizeof(PrefillWork);
+  __device__ __forceinline__ static unsigned page_flag(unsigned k_full_addr, int qbuf) {
+    return k_full_addr + kPageBadOffset + 4u * qbuf;
+  }
 
   // One thread, before the CTA's first __syncthreads.
   __device__ __forceinline__ void init(int producer_threads, int consumer_threads) {
@@ -90,6 +112,7 @@ struct PipeBarriers {
       mbar_init(&q_full[b], producer_threads);
       mbar_init(&q_empty[b], consumer_threads);
       mbar_init(&w_full[b], 1);
+      page_bad[b] = 0;
     }
     mbar_init_fence();
   }
@@ -102,7 +125,6 @@ template <int STAGES, int QBUFS>
 struct RingPos {
   PipeState<STAGES> ks, vs;
   PipeState<QBUFS> qs;
-  unsigned generic = 0;  // the producer's: a bit per K stage, then per V stage, last written by cp.async (TMA tiles)
 };
 
 }  // namespace sm90

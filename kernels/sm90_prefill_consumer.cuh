@@ -77,19 +77,34 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // mask (the tiles that need it) and fold tile `tile`'s scores into the state
   // (kPolyExp2: masked tiles take every exp2 from the special-function unit, so a masked key's
   // 2^-inf stays an exact 0; the polynomial's share is for the tiles with every key visible)
+  // (the variant hooks' soft-cap: scores capped in base 2 before the mask, then taken with scale 1)
+  const bool capped = Tr::kVariants && p.soft_cap_log2 > 0.f;
+  const float scale_log2 = capped ? 1.f : p.sm_scale_log2;
   auto fold = [&](auto poly, float (&factor)[2]) {
-    if constexpr (Tr::kJointRows) return st.template fold_joint<BN, decltype(poly)::value>(s, p.sm_scale_log2, factor);
-    else return st.template fold<BN, decltype(poly)::value>(s, p.sm_scale_log2, factor);
+    if constexpr (Tr::kJointRows) return st.template fold_joint<BN, decltype(poly)::value>(s, scale_log2, factor);
+    else return st.template fold<BN, decltype(poly)::value>(s, scale_log2, factor);
   };
   auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
+    if constexpr (Tr::kVariants) {
+      if (capped) soft_cap_tile<BN>(s, p);
+    }
     if (Tr::kPolyExp2 == 0 || masked) {
-      if (masked) mask_tile<BN>(s, p, w, ri, w.kv_begin + tile * BN, quad);
+      if (masked) mask_tile<BN, Tr::kVariants>(s, p, w, ri, w.kv_begin + tile * BN, quad);
       return fold(IntConst<0>{}, factor);
     }
     return fold(IntConst<Tr::kPolyExp2>{}, factor);
   };
 
   const int T = w.num_tiles;
+  // with a sliding window (the variant hooks), tiles (by key order) that start before the window of
+  // the item's last row need the mask too: the first `low_masked`, the last processed
+  int low_masked = 0;
+  if constexpr (Tr::kVariants) {
+    if (p.window > 0 && T > 0) {
+      const int to = window_first_key(p, w.prefix, by_group.div(min(w.row0 + BM, w.rows) - 1));
+      low_masked = max(0, to - w.kv_begin + BN - 1) / BN;
+    }
+  }
   mbar_wait(&bars.q_full[qb], pos.qs.phase);
   if constexpr (Tr::kQInRegs) {  // the mma.sync A layout of this warp's 16 rows
     const int row = wg * 64 + (wtid / 32) * 16 + (lane & 15);
@@ -115,14 +130,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     mbar_arrive(&bars.k_empty[ks.stage]);
     {
       float factor[2];
-      softmax(T - 1, w.masked_tiles > 0, factor);  // o is still zero: nothing to rescale
+      softmax(T - 1, w.masked_tiles > 0 || (Tr::kVariants && T - 1 < low_masked), factor);  // o is still zero
     }
     to_fragments<QT, BN>(s, frag);
     ks.advance();
 
     for (int i = 1; i < T; ++i) {
       const int tile = T - 1 - i;
-      const bool masked = i < w.masked_tiles;
+      const bool masked = i < w.masked_tiles || (Tr::kVariants && tile < low_masked);
       float factor[2];
       bool moved;
       mbar_wait(&bars.k_full[ks.stage], ks.phase);
@@ -169,9 +184,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     mbar_arrive(&bars.v_empty[vs.stage]);
     vs.advance();
   }
+  // A page id outside the cache in this item: the producer set the Q tile's flag before its
+  // last arrival, which the waits above saw. With one Q tile (one item per CTA) it is read
+  // where the rows are stored; with two it is read before the Q tile is freed (after that the
+  // producer clears it for the tile's next item).
+  const unsigned page_flag = bars.page_flag(smem_addr(bars.k_full), qb);
+  const bool page_bad_early = Tr::kQBufs > 1 && shared_load(page_flag) != 0;
   if (Tr::kQBufs > 1) mbar_arrive(&bars.q_empty[qb]);  // this item's last Q K^T has completed
   pos.qs.advance();
-  store_rows<OT, D>(p, w, ri, by_group, o, st, w.row0 + first_row, quad);
+  store_rows<OT, D, Tr::kVariants>(p, w, ri, by_group, o, st, w.row0 + first_row, quad,
+                                   Tr::kQBufs > 1 ? page_bad_early : shared_load(page_flag) != 0);
 }
 
 }  // namespace sm90

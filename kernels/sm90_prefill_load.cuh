@@ -55,8 +55,9 @@ struct KVProducer {
 
   // Page ids of the keys this lane looks up in tile `tile` (0 past the range), into pages_next.
   // Device metadata: each id is clamped into the cache (an unsigned min), so nothing is read
-  // outside it, and one outside it records the request in the status word (status.cuh; the
-  // rows that read it are not made NaN in this family yet).
+  // outside it, and one outside it records the request in the status word (status.cuh) and
+  // makes slots_of return true: its caller sets the item's flag (produce), and the consumers
+  // then write the item's rows NaN.
   __device__ __forceinline__ void fetch_pages(int tile) {
 #pragma unroll
     for (int j = 0; j < LOOKUPS; ++j) {
@@ -71,8 +72,9 @@ struct KVProducer {
     }
   }
 
-  // The slots of tile `tile` from the page ids fetched for it (-1 for keys past the range).
-  __device__ __forceinline__ void slots_of(int tile, int (&slots)[LOOKUPS]) const {
+  // The slots of tile `tile` from the page ids fetched for it (-1 for keys past the range);
+  // true when one of them was outside the cache.
+  __device__ __forceinline__ bool slots_of(int tile, int (&slots)[LOOKUPS]) const {
     const unsigned last = static_cast<unsigned>(p.num_pages - 1);
     unsigned highest = 0;
 #pragma unroll
@@ -86,6 +88,7 @@ struct KVProducer {
       slots[j] = valid ? static_cast<int>(min(fetched, last)) * p.page_size + in_page : -1;
     }
     if (highest > last) record_bad(p.status, w.b, kPageOutOfRange);
+    return highest > last;
   }
 
   // cp.async of one K or V tile (cache `base`) into the stage at shared address `dst`.
@@ -141,34 +144,6 @@ struct KVProducer {
     else copy_tile(base, dst, slots);
   }
 
-  // A whole tile (every key before kv_end, pages of maps.page_size rows tiling BLOCK_N) by TMA
-  // (sm90_tma.cuh), completing `full`: thread 0 arrives with the tile's bytes, every other
-  // producer thread arrives plainly (the 128 arrivals of a cp.async tile), and the lanes of
-  // warp 0 that looked up the first key of a page (`issue_lanes`, from the host: lane l looks
-  // up row RP x (l / WARP_ROWS) when l % WARP_ROWS = 0, and a page starts at a multiple of RP
-  // rows since page_size is one of RP) issue that page's D / 64 boxes at the slot they hold
-  // (page x page_size).
-  // `after_generic`: the stage was last written by cp.async (the generic proxy), so the issuing
-  // lanes fence that before the unit's writes (the async proxy) first.
-  __device__ __forceinline__ void tma_tile(const TensorMap* map, unsigned issue_lanes, unsigned dst,
-                                           const int (&slots)[LOOKUPS], unsigned long long* full,
-                                           bool after_generic) const {
-    static_assert(LOOKUPS == 1, "a lane per looked-up key: tiles of at most 128 keys");
-    if (warp == 0) {
-      if (lane == 0) mbar_arrive_expect_tx(full, BN * D * (unsigned)sizeof(KVT));
-      const int row = RP * (lane / WARP_ROWS);
-      if ((issue_lanes >> lane) & 1u) {
-        if (after_generic) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#pragma unroll
-        for (int c = 0; c < D / 64; ++c)
-          tma_load_3d(map, dst + c * (BN * 128) + row * 128, full, c * 64, w.kv_head, slots[0]);
-      }
-      if (lane != 0) mbar_arrive(full);
-    } else {
-      mbar_arrive(full);
-    }
-  }
-
   // Q's BLOCK_M packed rows (zero past the request's rows) into the Q tile at `dst`.
   template <typename QT>
   __device__ __forceinline__ void copy_q(unsigned dst, const FastDiv& by_group) const {
@@ -199,31 +174,38 @@ template <typename QT, typename KVT, typename Tr>
 __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
                                         PipeBarriers<Tr::kStages, Tr::kQBufs, Tr::kConsumerThreads>& bars,
                                         RingPos<Tr::kStages, Tr::kQBufs>& pos, unsigned q_addr, unsigned k_addr,
-                                        unsigned v_addr, int tid, const KVTensorMaps* maps) {
+                                        unsigned v_addr, int tid) {
   constexpr int STAGE_BYTES = Tr::kKVTileBytes;
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;
-  // K or V of tile `tile` into the stage at `dst`, completing `full`: by TMA when the tile's
-  // keys are all before kv_end and whole pages (kTmaKV), else by cp.async (the partial tile at
-  // the end of the keys: its past-the-end V rows must be zeros, not whatever the page holds)
-  unsigned& generic = pos.generic;  // a bit per K / V stage last written by cp.async
-  auto load = [&](bool is_k, int stage, int tile, unsigned dst, const int (&slots)[P::LOOKUPS],
-                  unsigned long long* full) {
-    const unsigned bit = 1u << (stage + (is_k ? 0 : Tr::kStages));
-    if constexpr (Tr::kTmaKV) {
-      if (maps->page_size > 0 && w.kv_begin + (tile + 1) * Tr::kBlockN <= w.kv_end) {
-        prod.tma_tile(is_k ? &maps->k : &maps->v, maps->issue_lanes, dst, slots, full, generic & bit);
-        generic &= ~bit;
-        return;
-      }
-    }
+  // K or V of a tile into the stage at `dst` by cp.async, completing `full`
+  auto load = [&](bool is_k, unsigned dst, const int (&slots)[P::LOOKUPS], unsigned long long* full) {
     prod.copy(is_k ? prod.k_base : prod.v_base, dst, slots);
     cp_async_arrive(full);
-    generic |= bit;
   };
   prod.fetch_pages(T - 1);
-  if (Tr::kQBufs > 1) mbar_wait(&bars.q_empty[pos.qs.stage], pos.qs.phase ^ 1);
+  if (Tr::kQBufs > 1) {
+    mbar_wait(&bars.q_empty[pos.qs.stage], pos.qs.phase ^ 1);
+    // the consumers read this Q tile's page flag for its previous item before they freed it:
+    // clear it for this one, before any producer thread may set it (a named barrier of the
+    // producer warpgroup; ids 1 .. consumer warpgroups + 1 are the consumers')
+    if (tid == 0) {
+      shared_store(bars.page_flag(smem_addr(bars.k_full), pos.qs.stage), 0);
+      __threadfence_block();
+    }
+    named_sync(Tr::kConsumerWgs + 2, 128);
+  }
+  // A page id outside the cache among the item's: its Q tile's flag (the one before pos.qs
+  // after the Q copy below), set by any producer thread that saw it; the consumers read it
+  // after the item's last full barrier, which this thread arrives on later (rare: recomputed
+  // here rather than held in the producer's few registers).
+  auto slots_of = [&](int tile, int (&slots)[P::LOOKUPS]) {
+    if (prod.slots_of(tile, slots)) {
+      shared_store(bars.page_flag(smem_addr(bars.k_full), (pos.qs.stage + Tr::kQBufs - 1) % Tr::kQBufs), 1);
+      __threadfence_block();
+    }
+  };
   if (Tr::kPersistent && tid == 0) {  // the item, for the consumers
     bars.work[pos.qs.stage] = w;
     mbar_arrive(&bars.w_full[pos.qs.stage]);
@@ -235,26 +217,26 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
   PipeState<Tr::kStages>& vs = pos.vs;
   if (T > 0) {
     int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
-    prod.slots_of(T - 1, slots_k);
+    slots_of(T - 1, slots_k);
     prod.fetch_pages(T - 2);
     mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-    load(true, ks.stage, T - 1, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
+    load(true, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
     ks.advance();
     for (int i = 1; i < T; ++i) {
       const int tile = T - 1 - i;
 #pragma unroll
       for (int j = 0; j < P::LOOKUPS; ++j) slots_v[j] = slots_k[j];
-      prod.slots_of(tile, slots_k);
+      slots_of(tile, slots_k);
       prod.fetch_pages(tile - 1);
       mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-      load(true, ks.stage, tile, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
+      load(true, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
       ks.advance();
       mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-      load(false, vs.stage, tile + 1, v_addr + vs.stage * STAGE_BYTES, slots_v, &bars.v_full[vs.stage]);
+      load(false, v_addr + vs.stage * STAGE_BYTES, slots_v, &bars.v_full[vs.stage]);
       vs.advance();
     }
     mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-    load(false, vs.stage, 0, v_addr + vs.stage * STAGE_BYTES, slots_k, &bars.v_full[vs.stage]);
+    load(false, v_addr + vs.stage * STAGE_BYTES, slots_k, &bars.v_full[vs.stage]);
     vs.advance();
   }
 }

@@ -20,7 +20,9 @@ struct RowInfo {
 // Scores of keys a row may not see -> -inf: past the CTA's keys, after the row's causal
 // diagonal, or cleared in the custom mask (which covers the q_len newest keys). The mode is
 // tested once per tile, outside the element loops.
-template <int BN>
+// With VARIANTS (Traits::kVariants) and a sliding window, also the keys before each row's window
+// (variant.cuh window_first_key).
+template <int BN, bool VARIANTS = false>
 __device__ __forceinline__ void mask_tile(float (&s)[BN / 2], const AttentionParams& p, const PrefillWork& w,
                                           const RowInfo& ri, int key0, int quad) {
   auto apply = [&](auto visible) {
@@ -44,6 +46,20 @@ __device__ __forceinline__ void mask_tile(float (&s)[BN / 2], const AttentionPar
   } else {
     apply([](int, int) { return true; });
   }
+  if constexpr (VARIANTS) {
+    if (p.window > 0) {
+      const int first[2] = {window_first_key(p, w.prefix, ri.token[0]), window_first_key(p, w.prefix, ri.token[1])};
+      apply([&](int h, int key) { return key >= first[h]; });
+    }
+  }
+}
+
+// A tile's raw scores soft-capped in place, in base 2 (variant.cuh soft_capped): the softmax then
+// takes them with scale 1.
+template <int BN>
+__device__ __forceinline__ void soft_cap_tile(float (&s)[BN / 2], const AttentionParams& p) {
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = soft_capped(p, s[i]);
 }
 
 // 2^x of a score in 8-key block j: POLY of every 4 blocks on the FMA pipe (fma_exp2), the
@@ -189,12 +205,14 @@ __device__ __forceinline__ void to_fragments(const float (&s)[BN / 2], unsigned 
 // lse) for a request of one split, else into the split's partial row (normalised the same
 // way, so a row whose only real split is merged x 1.0 keeps these bits) with its base-2 lse,
 // for merge_kernel: the mma.sync family's contract (kernels/attention.cu).
-template <typename OT, int D>
+template <typename OT, int D, bool VARIANTS = false>
 __device__ __forceinline__ void store_rows(const AttentionParams& p, const PrefillWork& w, const RowInfo& ri,
                                            const FastDiv& by_group, const float (&o)[D / 2], RowState& st,
-                                           int first_row, int quad) {
+                                           int first_row, int quad, bool page_bad) {
   const int partial_base = w.splits > 1 ? __ldg(p.partial_indptr + w.b) : 0;
-  const bool bad = w.masked_tiles < 0;  // a request that breaks the contract: its rows NaN (status.cuh)
+  // a request that breaks the contract, or an item that fetched a page id outside the cache:
+  // its rows NaN (status.cuh)
+  const bool bad = w.masked_tiles < 0 || page_bad;
   const float nan = __int_as_float(0x7fc00000);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -204,12 +222,20 @@ __device__ __forceinline__ void store_rows(const AttentionParams& p, const Prefi
     if (!ri.real[h]) continue;
     const int row = first_row + 8 * h;
     const int head = w.kv_head * by_group.divisor + by_group.mod(row);
-    const float inv = bad ? nan : inverse_sum(l);
+    float inv = bad ? nan : inverse_sum(l);
+    bool sunk = false;  // a row of one split is final here: with attention sinks its sum takes the sink
+    float sunk_lse = 0.f;
+    if constexpr (VARIANTS) {
+      if (p.sinks != nullptr && w.splits == 1 && !bad) {
+        const SinkedRow r = with_sink(st.m[h], l, __ldg(p.sinks + head) * kLog2e);
+        inv = r.inv, sunk_lse = r.lse, sunk = true;
+      }
+    }
     OT* dst;
     if (w.splits == 1) {
       const i64 slot = (i64)(w.q_start + ri.token[h]) * p.num_qo_heads + head;
       dst = static_cast<OT*>(p.out) + slot * D;
-      if (quad == 0 && p.lse != nullptr) p.lse[slot] = bad ? nan : natural_lse(st.m[h], l);
+      if (quad == 0 && p.lse != nullptr) p.lse[slot] = bad ? nan : (sunk ? sunk_lse : natural_lse(st.m[h], l));
     } else {
       const i64 slot = ((i64)partial_base + (i64)ri.token[h] * w.splits + w.split) * p.num_qo_heads + head;
       dst = static_cast<OT*>(p.partial_out) + slot * D;

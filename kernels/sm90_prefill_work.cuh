@@ -27,7 +27,7 @@ struct PrefillWork {
 // takes: blockIdx.x, + gridDim.x, ...). Returns false past the real work (grids are sized by
 // a bound). Every thread of the CTA calls it (upper_segment is warp-collective) and gets the
 // same answer.
-template <int BLOCK_M, int BLOCK_N>
+template <int BLOCK_M, int BLOCK_N, bool VARIANTS = false>
 __device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDiv& by_group, PrefillWork& w,
                                           int cta) {
   const int total_work = __ldg(p.work_indptr + p.batch_size);
@@ -57,8 +57,21 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDi
   const int split_keys = __ldg(p.split_keys + w.b);
   w.kv_begin = w.split * split_keys;
   w.kv_end = min(kv_len, (w.split + 1) * split_keys);
+  if constexpr (VARIANTS) {  // a window's splits start at the request's key_base (plan.cu)
+    const int key_base = __ldg(p.key_base + w.b);
+    w.kv_begin += key_base;
+    w.kv_end = min(kv_len, key_base + (w.split + 1) * split_keys);
+  }
   const int first_token = by_group.div(w.row0);
   if (p.mask_mode == 1) w.kv_end = min(w.kv_end, w.prefix + by_group.div(min(w.row0 + BLOCK_M, w.rows) - 1) + 1);
+  if constexpr (VARIANTS) {
+    // the tiles before the window of the tile's first row are skipped: whole tiles, so the rest
+    // keep their offsets from the split's first key
+    if (p.window > 0 && w.kv_end > w.kv_begin) {
+      const int first = window_first_key(p, w.prefix, first_token);
+      if (first > w.kv_begin) w.kv_begin += min(first - w.kv_begin, w.kv_end - w.kv_begin) / BLOCK_N * BLOCK_N;
+    }
+  }
   w.num_tiles = w.kv_end > w.kv_begin ? (w.kv_end - w.kv_begin + BLOCK_N - 1) / BLOCK_N : 0;
   // Keys from mask_from on may be invisible to some row of the tile: the end of the keys, the
   // causal diagonal of the tile's first row, or the custom mask's columns (this step's keys).

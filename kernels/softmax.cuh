@@ -46,6 +46,25 @@ __device__ __forceinline__ float split_lse2(float m, float l) { return !(l <= 0.
 // 1 / l for a row's output; 0 for a row that saw no keys (its o is 0 too).
 __device__ __forceinline__ float inverse_sum(float l) { return !(l <= 0.f) ? 1.f / l : 0.f; }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// A finished row with an attention sink (variant.cuh): one more logit, sink2 (base 2), whose value
+// is zero, in the softmax's denominator. The row's state (m, l) becomes m' = max(m, sink2),
+// l' = l 2^(m - m') + 2^(sink2 - m'); its output is o 2^(m - m') / l' (`inv`, the factor of o) and
+// its natural-log LSE (m' + log2 l') ln 2, the sink included. A row that saw no key (m = -inf) gets
+// out 0 and LSE = the sink; a sink of -inf changes nothing; a NaN sum (a bad row) stays NaN.
+// Applied once, where a row's result is final (the direct out, a fold of the whole row, the merge),
+// to the state every path computes alike, so it keeps decode == verify.
+struct SinkedRow {
+  float inv, lse;
+};
+__device__ __forceinline__ SinkedRow with_sink(float m, float l, float sink2) {
+  const float m_new = fmaxf(m, sink2);
+  const float f = rescale_factor(m, m_new);
+  const float l_new = __fmaf_rn(l, f, sink2 == -INFINITY ? 0.f : exp2f(sink2 - m_new));
+  return SinkedRow{!(l_new <= 0.f) ? f / l_new : 0.f, !(l_new <= 0.f) ? (m_new + log2f(l_new)) * kLn2 : -INFINITY};
+}
+
 // Splits are merged in groups of this many consecutive splits, in order, then the groups in
 // order: merge_kernel (whatever its shape) and an attention CTA that folds its own splits
 // (AttentionParams::fold_splits) take the same steps.

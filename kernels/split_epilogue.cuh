@@ -70,6 +70,10 @@ struct SplitEpilogue {
   float (&s_factor)[BM][Traits::kWarpsN];           // each warp's factor onto the row's max
   float4 (&s_row)[BM];                              // the row's max, sum, 1 / sum, 1 / its folded total's sum
   FoldStep (&s_step)[Traits::kFoldInCta ? BM : 1][2];  // fold_splits: into the group, into the total
+  // An fp8 cache: the accumulators have the layout of warp_mma.cuh's fp8 P V (a chunk's even and
+  // odd columns in two blocks), and the KV head's v_scale joins the row's 1 / sum (row_phase), so
+  // every result below, split partials and fold states too, is in V's units.
+  static constexpr bool kFp8 = KVBytes<KVT>::value == 1;
 
   __device__ __forceinline__ SplitEpilogue(const AttentionParams& p, const WorkItem& w, int rows, int kv_head,
                                            int group, FastDiv by_group, int tid, int warp, int wm, KVT* sK, KVT* sV,
@@ -102,7 +106,7 @@ struct SplitEpilogue {
   // warp w's [16][W] fp32 slice of the staging area
   __device__ __forceinline__ float* staged(int wi, int stage) const {
     if constexpr (Traits::kEpilogueInStage) {
-      constexpr int kPerTile = BN * D / (32 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
+      constexpr int kPerTile = BN * D * (int)sizeof(KVT) / (64 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
       KVT* tile_base = (wi < kPerTile ? sK : sV) + stage * BN * D;
       return reinterpret_cast<float*>(tile_base) + (wi % kPerTile) * 16 * W;
     } else {
@@ -166,8 +170,34 @@ struct SplitEpilogue {
       s_step[tid][0] = into_group;
       s_step[tid][1] = into_total;
       total_inv = inverse_sum(into_total.l);
+      if constexpr (Traits::kVariants) {  // only the row's last fold uses it: its final sum takes the sink
+        if (p.sinks != nullptr) total_inv = with_sink(into_total.m, into_total.l, sink_of(row)).inv;
+      }
     }
-    s_row[tid] = make_float4(m_all, l_all, inverse_sum(l_all), total_inv);
+    if constexpr (Traits::kVariants) {
+      // A row of one split is final here; with a sink it ends as merge_kernel ends a row whose only
+      // real split is this one (the partial, rounded to OT, then the sink: with_sink of its
+      // (lse2, 1)), so a row keeps its bits whether verify splits it in two and decode does not
+      // (write_item; .w is free for it: the fold's total is for rows of several splits).
+      if (p.sinks != nullptr && w.splits == 1) total_inv = with_sink(split_lse2(m_all, l_all), 1.f, sink_of(row)).inv;
+    }
+    float inv = inverse_sum(l_all);
+    if constexpr (kFp8) inv *= __ldg(p.v_scale + kv_head);  // out = o * v_scale / l
+    s_row[tid] = make_float4(m_all, l_all, inv, total_inv);
+  }
+
+  // The attention sink of packed row `row`'s query head, in base 2 (AttentionParams::sinks).
+  __device__ __forceinline__ float sink_of(int row) const {
+    return __ldg(p.sinks + kv_head * group + by_group.mod(row)) * kLog2e;
+  }
+
+  // A final row's natural-log LSE from its state (m, l) as merge_kernel holds it, the sink included
+  // where there is one.
+  __device__ __forceinline__ float final_lse(float m, float l, int row) const {
+    if constexpr (Traits::kVariants) {
+      if (p.sinks != nullptr) return with_sink(m, l, sink_of(row)).lse;
+    }
+    return natural_lse(m, l);
   }
 
   // Split `split` ends: its rows' results from the warps' accumulators (staged in `stage`); a bad
@@ -187,12 +217,28 @@ struct SplitEpilogue {
       // (W = 96: j ^ g % 4 for the last 4 blocks, common.cuh staged_pair_xor).
       float2* mine = reinterpret_cast<float2*>(staged(warp, stage) + g * W) + tq;
       const int first_real = w.row0 + wm * 16 + g;
+      if constexpr (kFp8) {
+        // chunk j / 2 of the pass: acc[db] its even columns, acc[db + 1] its odd ones; the thread's
+        // columns 4 tq .. 4 tq + 3 of it are the column pairs 4 j + 2 tq and + 1, which
+        // staged_pair<W>(g, .) puts at g W + 8 ((j + tq / 2) ^ g) + 4 (tq % 2) (+ 2): one float4
+        float* mine4 = staged(warp, stage) + g * W + 4 * (tq & 1);
 #pragma unroll
-      for (int j = 0; j < kPassBlocks; ++j) {
-        const int db = pass * kPassBlocks + j;
-        float2* o = mine + (W % 64 == 0 ? 4 * (j ^ (g & 7)) : (4 * j) ^ staged_pair_xor<W>(g, 4 * j));
-        if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
-        if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
+        for (int j = 0; j < kPassBlocks; j += 2) {
+          const int db = pass * kPassBlocks + j;
+          float4* o = reinterpret_cast<float4*>(mine4 + 8 * ((j + (tq >> 1)) ^ (g & 7)));
+          if (first_real < rows) o[0] = make_float4(acc[db][0], acc[db + 1][0], acc[db][1], acc[db + 1][1]);
+          if (first_real + 8 < rows) {
+            o[2 * W] = make_float4(acc[db][2], acc[db + 1][2], acc[db][3], acc[db + 1][3]);  // row g + 8
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kPassBlocks; ++j) {
+          const int db = pass * kPassBlocks + j;
+          float2* o = mine + (W % 64 == 0 ? 4 * (j ^ (g & 7)) : (4 * j) ^ staged_pair_xor<W>(g, 4 * j));
+          if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
+          if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
+        }
       }
       // after the staging (this pass's accumulators are dead), published by the barrier below
       if (pass == 0) row_phase(split, bad);
@@ -233,6 +279,16 @@ struct SplitEpilogue {
     // contract above).
     if (w.splits == 1) {
       const i64 out_slot = out_slot_of();
+      if constexpr (Traits::kVariants) {
+        if (p.sinks != nullptr) {  // merge_kernel's end of a row of one real split (row_phase)
+          const uint2 packed = scaled4<OT>(o, rv.z);
+          const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
+          const float partial[4] = {lo.x, lo.y, hi.x, hi.y};
+          store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, partial, rv.w);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(split_lse2(rv.x, rv.y), 1.f, row);
+          return;
+        }
+      }
       store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, o, rv.z);
       if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(rv.x, rv.y);
     } else if (Traits::kFoldInCta && p.fold_splits) {
@@ -241,21 +297,29 @@ struct SplitEpilogue {
       const uint2 packed = scaled4<OT>(o, rv.z);
       const float2 lo = E::unpack(packed.x), hi = E::unpack(packed.y);
       const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-      const float4 group_o = s_step[r][0].apply(split % kMergeGroup != 0 ? fold_group_o[item] : zero,
+      // The open group and the total exist once the CTA has folded a split into them. A folding
+      // CTA's run starts at a group boundary (locate_work), except where a window's skip moved its
+      // start into a group (attention.cu `run`, the variant hooks): then the group is open from
+      // that split on, and the total from the CTA's first group on (its first split's group).
+      const bool group_open = Traits::kVariants ? split % kMergeGroup != 0 && split != w.split_first
+                                                : split % kMergeGroup != 0;
+      const bool total_open = Traits::kVariants ? split / kMergeGroup != w.split_first / kMergeGroup
+                                                : split >= w.split_first + kMergeGroup;
+      const float4 group_o = s_step[r][0].apply(group_open ? fold_group_o[item] : zero,
                                                 make_float4(lo.x, lo.y, hi.x, hi.y));
       if (!group_closes(split)) {  // the group goes on
         fold_group_o[item] = group_o;
       } else {
         const FoldStep& into_total = s_step[r][1];
         const float4 total_o =
-            into_total.apply(split >= w.split_first + kMergeGroup ? fold_total_o[item] : zero, group_o);
+            into_total.apply(total_open ? fold_total_o[item] : zero, group_o);
         if (split + 1 < w.split_stop) {
           fold_total_o[item] = total_o;
         } else if (w.groups == 1) {  // the CTA ran the whole row: the final result
           const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};
           const i64 out_slot = out_slot_of();
           store_scaled4(static_cast<OT*>(p.out) + out_slot * D + c4 * 4, merged, rv.w);
-          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = natural_lse(into_total.m, into_total.l);
+          if (c4 == 0 && p.lse != nullptr) p.lse[out_slot] = final_lse(into_total.m, into_total.l, row);
         } else {  // one group of several: its state (fp32) for merge_kernel to fold in order
           const int head = head_of();
           const i64 group_row =

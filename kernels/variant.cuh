@@ -8,10 +8,24 @@
 //   variant.key_stop(...)      the last key a row block can see, + 1: tiles past it are skipped
 //   variant.mask_from(...)     the first key where visible() may be false for the row block
 //
-// Later variants add a hook or a term here, not a branch in a kernel body: a sliding window is
-// one more condition in visible() plus a first key (the tiles before it skipped like key_stop's),
-// a logits soft-cap is logits(), attention sinks add a term to the softmax state a row starts from
-// (softmax.cuh OnlineSoftmaxRows::reset) and to the final sum.
+// The variant hooks, compiled in only where a kernel's traits ask for them (kVariants: the plain
+// kernels compile exactly as without them), each then on at run time by its AttentionParams field:
+//
+//   sliding window W  (window > 0) query i at position prefix + i sees keys prefix + i - W + 1 ..
+//                     (FlashAttention's convention; with the causal mask: .. prefix + i): one more
+//                     condition in visible(), and a first key, window_first(), before which a row
+//                     block's tiles are skipped as key_stop() skips those past its diagonal; tiles
+//                     that start before the window of the block's last row take the mask
+//                     (window_mask_to). plan.cu starts a request's splits at key_base.
+//   logits soft-cap   (soft_cap_log2 > 0) cap x tanh(score x sm_scale / cap), before the mask:
+//                     capped_logits() in place of logits()
+//   attention sinks   (sinks != null) one logit per query head in each row's final sum
+//                     (softmax.cuh with_sink, where a row's result is final: split_epilogue.cuh,
+//                     merge.cu, sm90_prefill_softmax.cuh)
+//
+// A window skips only whole tiles at fixed offsets from the split's first key, and masked keys add
+// exact zeros, so the bits of a row do not depend on how many of its tiles were skipped: decode ==
+// verify holds with every hook on.
 //
 // Rows are packed (token, head-in-group) rows of one request, row = token * G + head_in_group
 // (kernels/attention.cu); keys are positions in the request's KV, 0 .. kv_len - 1. Query token
@@ -31,18 +45,64 @@ enum class MaskKind : int {
   kCustom = 2,  // every prefix key, and step key prefix + j iff custom_mask[i][j] (a tree)
 };
 
-// The default variant: one of the three masks, scores scaled into base 2. Built once per CTA for
-// its request; it reads the params it needs where it uses them (so a launch that never masks
-// never loads the custom mask's offsets).
+// tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1): within about 2e-7 of tanh (absolute) for every x, on the
+// special-function unit's exp2 and a fast divide (the hardware tanh.approx is 5e-4 off: too coarse for
+// a cap of 30-50 x it); saturates to +-1 (2 / inf = 0).
+__device__ __forceinline__ float tanh_fast(float x) {
+  const float e = exp2f(x * 2.8853900817779268f);
+  return 1.f - __fdividef(2.f, e + 1.f);
+}
+
+// The soft-capped score of raw score s (q . k), in base 2: cap x tanh(s x sm_scale / cap) x log2(e).
+__device__ __forceinline__ float soft_capped(const AttentionParams& p, float s) {
+  return p.soft_cap_log2 * tanh_fast(s * p.soft_cap_scale);
+}
+
+// The first key query i (at position prefix + i) sees through the window, clamped at 0.
+__device__ __forceinline__ int window_first_key(const AttentionParams& p, int prefix, int i) {
+  return max(0, prefix + i - p.window + 1);
+}
+
+// The default variant: one of the three masks, scores scaled into base 2, and with VARIANTS the
+// hooks above. Built once per CTA for its request; it reads the params it needs where it uses them
+// (so a launch that never masks never loads the custom mask's offsets).
+template <bool VARIANTS = false>
 struct DefaultVariant {
+  static constexpr bool kVariants = VARIANTS;
   const AttentionParams& p;
   int request, q_len, prefix;
   FastDiv by_group;  // packed rows -> query tokens
 
   __device__ __forceinline__ MaskKind mask() const { return static_cast<MaskKind>(p.mask_mode); }
+  __device__ __forceinline__ bool windowed() const { return VARIANTS && p.window > 0; }
 
   // The score of a (row, key) as the softmax sees it, in base 2.
   __device__ __forceinline__ float logits(float s) const { return s * p.sm_scale_log2; }
+
+  // Whether the scores take capped_logits() instead (a test per tile, outside the element loops).
+  __device__ __forceinline__ bool soft_capping() const {
+    if constexpr (VARIANTS) return p.soft_cap_log2 > 0.f;
+    return false;
+  }
+  __device__ __forceinline__ float capped_logits(float s) const { return soft_capped(p, s); }
+
+  // Keys before a request's first split (plan.cu window_key_base; 0 without the hooks).
+  __device__ __forceinline__ int key_base() const {
+    if constexpr (VARIANTS) return __ldg(p.key_base + request);
+    return 0;
+  }
+
+  // The first key a row block from packed row `first_row` can see (its first row's window), at
+  // least `from`.
+  __device__ __forceinline__ int window_first(int from, int first_row) const {
+    return windowed() ? max(from, window_first_key(p, prefix, by_group.div(first_row))) : from;
+  }
+
+  // Tiles that start before this need visible() for the window: the first key the block's last row
+  // (min(block_end, rows) - 1) sees; the lowest int without a window.
+  __device__ __forceinline__ int window_mask_to(int block_end, int rows) const {
+    return windowed() ? window_first_key(p, prefix, by_group.div(min(block_end, rows) - 1)) : -0x7fffffff - 1;
+  }
 
   // Whether packed row `row` (< the request's rows) sees key `key` (< kv_end): clears
   // `visible` where the mask hides the key, leaves it as it is elsewhere.
@@ -52,6 +112,9 @@ struct DefaultVariant {
       visible = key <= prefix + i;
     } else if (mask() == MaskKind::kCustom && key >= prefix) {
       visible = __ldg(p.custom_mask + __ldg(p.mask_indptr + request) + i * q_len + (key - prefix)) != 0;
+    }
+    if constexpr (VARIANTS) {
+      if (p.window > 0 && key <= prefix + i - p.window) visible = false;
     }
   }
 

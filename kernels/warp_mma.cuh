@@ -3,11 +3,29 @@
 // shared-memory tiles of paged_kv.cuh.
 //
 //   scores()         S = Q K^T, S_BLOCKS blocks of 8 keys in the accumulator layout
-//   apply_variant()  the variant's logits on every score, its mask on tiles that need one
+//   apply_variant()  the variant's logits (or soft-capped logits) on every score, its mask on tiles that need one
 //   accumulate()     O += P V (the S accumulator layout is exactly P's A-operand layout)
 //
 // Fragment element (nb, e) of a thread (lane = 4 g + tq) is row wm * 16 + g + 8 (e >> 1) of the
 // row block and key wn * KW + 8 nb + 2 tq + (e & 1) of the tile.
+//
+// An fp8 K/V tile (one-byte elements, KVBytes<KVT> = 1) is widened in registers, four bytes at
+// a time (common.cuh Fp8Widen), after an ldmatrix of its bytes as 16-bit pairs:
+// * S = Q K^T: a thread's ldmatrix word holds head-dim elements 4 tq .. 4 tq + 3 of its key, not
+//   the 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 of the mma's k order. A dot product does not care
+//   in which order its k run, as long as Q's fragment takes the same one: Q's rows are stored
+//   in shared memory in that order (paged_kv.cuh load_q_block, PAIRS_PERMUTED), so load_q's
+//   ldmatrix reads the fragment as it is, and K needs no shuffle. Each ldmatrix word of K feeds
+//   one mma (x4 over four 8-key blocks, x2 over a decode warp's two), twice the keys per byte
+//   loaded of fp16 / bf16 tiles; the widening is to Q's type.
+// * O += P V: a thread's transposed ldmatrix word holds two keys x two head-dim columns; a byte
+//   permute makes the even and the odd columns of a 16-column chunk two mma B operands, so the
+//   accumulator blocks of the chunk hold its even (acc[2c]) and odd (acc[2c + 1]) columns: the
+//   thread's four columns of the chunk's row are 16 c + 4 tq .. 4 tq + 3, which the epilogue
+//   stages in place (split_epilogue.cuh). P and V are fp16 there whatever Q's type (P <= 2^8 and
+//   every e4m3 value is exact in fp16).
+// * The scales: k_scale multiplies each score (scale_scores), v_scale joins each row's 1 / sum in
+//   the epilogue; the mma sees the bytes' own e4m3 values.
 #pragma once
 
 #include "common.cuh"
@@ -18,15 +36,27 @@ template <typename Traits, typename QT, typename KVT>
 struct WarpMma {
   static constexpr int D = Traits::kHeadDim, KW = Traits::kKeysPerWarp;
   static constexpr int S_BLOCKS = KW / 8, D_BLOCKS = D / 8, K_STEPS = D / 16;
-  static_assert(SameType<QT, KVT>::value, "mma.sync takes Q and K (and P and V) in one element type");
+  static constexpr bool kFp8 = KVBytes<KVT>::value == 1;
+  static_assert(kFp8 || SameType<QT, KVT>::value, "mma.sync takes Q and K (and P and V) in one element type");
 
   int lane, wm, wn;
   // kQInRegisters: Q's fragments, loaded from shared memory with the first tile and held across
   // the KV tiles (32 registers at D = 128)
   u32 q_frag[Traits::kQInRegisters ? K_STEPS : 1][4];
 
+  // (fp8: sQ holds each row's 16-element groups in the k order of the fp8 K words, load_q_block's
+  // PAIRS_PERMUTED, so the same ldmatrix gives the fragment in that order)
   __device__ __forceinline__ void load_q(const QT* sQ, int kk, u32 (&a)[4]) const {
     ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+  }
+
+  // an fp8 cache: the scores times the KV head's k_scale
+  __device__ __forceinline__ void scale_scores(float (&s)[S_BLOCKS][4], float k_scale) const {
+#pragma unroll
+    for (int nb = 0; nb < S_BLOCKS; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] *= k_scale;
+    }
   }
 
   // S = Q K^T for this warp's 16 rows x KW keys of the tile in tK.
@@ -39,21 +69,57 @@ struct WarpMma {
         for (int kk = 0; kk < K_STEPS; ++kk) load_q(sQ, kk, q_frag[kk]);
       }
     }
+    if constexpr (kFp8) {
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) {
-      u32 a[4];
-      if constexpr (Traits::kQInRegisters) {
-        a[0] = q_frag[kk][0], a[1] = q_frag[kk][1], a[2] = q_frag[kk][2], a[3] = q_frag[kk][3];
-      } else {
-        load_q(sQ, kk, a);
+      for (int kk = 0; kk < K_STEPS; ++kk) {
+        u32 a[4];
+        if constexpr (Traits::kQInRegisters) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[e] = q_frag[kk][e];
+        } else {
+          load_q(sQ, kk, a);
+        }
+        const int i = lane >> 3;  // the matrix this lane's row address is for: 8-key block nb + i
+#pragma unroll
+        for (int nb = 0; nb < S_BLOCKS; nb += 4) {
+          if constexpr (S_BLOCKS % 4 == 0) {
+            u32 kb[4];
+            ldmatrix_x4(kb, tK + swizzled_bytes<D>(wn * KW + (nb + i) * 8 + (lane & 7), kk));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              u32 b[2];
+              Fp8Widen<QT>::run(kb[j], b);
+              Mma<QT>::run(s[nb + j], a, b[0], b[1]);
+            }
+          } else {
+            u32 kb[2];
+            ldmatrix_x2(kb, tK + swizzled_bytes<D>(wn * KW + (nb + (i & 1)) * 8 + (lane & 7), kk));
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              u32 b[2];
+              Fp8Widen<QT>::run(kb[j], b);
+              Mma<QT>::run(s[nb + j], a, b[0], b[1]);
+            }
+          }
+        }
       }
+    } else {
 #pragma unroll
-      for (int nb = 0; nb < S_BLOCKS / 2; ++nb) {
-        u32 kb[4];
-        ldmatrix_x4(kb, tK + swizzled<D>(wn * KW + nb * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                         kk * 2 + ((lane >> 3) & 1)));
-        Mma<QT>::run(s[2 * nb], a, kb[0], kb[1]);
-        Mma<QT>::run(s[2 * nb + 1], a, kb[2], kb[3]);
+      for (int kk = 0; kk < K_STEPS; ++kk) {
+        u32 a[4];
+        if constexpr (Traits::kQInRegisters) {
+          a[0] = q_frag[kk][0], a[1] = q_frag[kk][1], a[2] = q_frag[kk][2], a[3] = q_frag[kk][3];
+        } else {
+          load_q(sQ, kk, a);
+        }
+#pragma unroll
+        for (int nb = 0; nb < S_BLOCKS / 2; ++nb) {
+          u32 kb[4];
+          ldmatrix_x4(kb, tK + swizzled<D>(wn * KW + nb * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                           kk * 2 + ((lane >> 3) & 1)));
+          Mma<QT>::run(s[2 * nb], a, kb[0], kb[1]);
+          Mma<QT>::run(s[2 * nb + 1], a, kb[2], kb[3]);
+        }
       }
     }
   }
@@ -65,10 +131,18 @@ struct WarpMma {
   __device__ __forceinline__ void apply_variant(float (&s)[S_BLOCKS][4], const Variant& variant, int tile_key0,
                                                 int row0, int kv_end, int rows, bool need_mask) const {
     const int g = lane >> 2, tq = lane & 3;
+    if (variant.soft_capping()) {  // constant false in a kernel without the variant hooks
 #pragma unroll
-    for (int nb = 0; nb < S_BLOCKS; ++nb) {
+      for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] = variant.logits(s[nb][e]);
+        for (int e = 0; e < 4; ++e) s[nb][e] = variant.capped_logits(s[nb][e]);
+      }
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < S_BLOCKS; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nb][e] = variant.logits(s[nb][e]);
+      }
     }
     if (need_mask) {
 #pragma unroll
@@ -88,7 +162,35 @@ struct WarpMma {
   // O += P V for this warp's rows and keys, P the scores after OnlineSoftmaxRows::update.
   __device__ __forceinline__ void accumulate(float (&acc)[D_BLOCKS][4], const float (&s)[S_BLOCKS][4],
                                              const KVT* tV) const {
-    typedef ElemTraits<KVT> E;
+    if constexpr (kFp8) {
+      accumulate_fp8(acc, s, tV);
+    } else {
+      typedef ElemTraits<KVT> E;
+#pragma unroll
+      for (int kk = 0; kk < KW / 16; ++kk) {
+        u32 a[4];
+        a[0] = E::pack(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = E::pack(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int db = 0; db < D_BLOCKS / 2; ++db) {
+          u32 vb[4];
+          ldmatrix_x4_trans(vb, tV + swizzled<D>(wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                                 db * 2 + (lane >> 4)));
+          Mma<KVT>::run(acc[2 * db], a, vb[0], vb[1]);
+          Mma<KVT>::run(acc[2 * db + 1], a, vb[2], vb[3]);
+        }
+      }
+    }
+  }
+
+  // O += P V from an fp8 V tile: P and V in fp16; chunk c's even columns into acc[2c], its odd
+  // ones into acc[2c + 1] (see the top)
+  __device__ __forceinline__ void accumulate_fp8(float (&acc)[D_BLOCKS][4], const float (&s)[S_BLOCKS][4],
+                                                 const KVT* tV) const {
+    typedef ElemTraits<__half> E;
+    const int i = lane >> 3;  // the matrix this lane's row address is for
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
       u32 a[4];
@@ -97,12 +199,17 @@ struct WarpMma {
       a[2] = E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
-      for (int db = 0; db < D_BLOCKS / 2; ++db) {
+      for (int c = 0; c < D / 16; c += 2) {  // two 16-byte chunks of 16 columns per x4
         u32 vb[4];
-        ldmatrix_x4_trans(vb, tV + swizzled<D>(wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                               db * 2 + (lane >> 4)));
-        Mma<KVT>::run(acc[2 * db], a, vb[0], vb[1]);
-        Mma<KVT>::run(acc[2 * db + 1], a, vb[2], vb[3]);
+        // matrices: keys 0-7 then 8-15 of the k16 step, of chunk c, then of chunk c + 1
+        const int key = wn * KW + kk * 16 + (i & 1) * 8 + (lane & 7);
+        ldmatrix_x4_trans(vb, tV + swizzled_bytes<D>(key, c + (i >> 1)));
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {  // chunk c + h / 2, its even (h even) or odd columns
+          u32 b[2];
+          Fp8Widen<__half>::run(__byte_perm(vb[h & 2], vb[(h & 2) + 1], (h & 1) ? 0x7531u : 0x6420u), b);
+          Mma<__half>::run(acc[2 * c + h], a, b[0], b[1]);
+        }
       }
     }
   }

@@ -72,8 +72,6 @@ VARIANTS = {
     "d128_lx1": ("bfloat16", R(D128, lean_copy=True, poly_exp2=1)),
     "d128_lx2": ("bfloat16", R(D128, lean_copy=True, poly_exp2=2)),
     "d128_lp": ("bfloat16", R(D128, lean_copy=True, persistent=True)),
-    "d128_lt": ("bfloat16", R(D128, lean_copy=True, tma_kv=True)),  # whole-page tiles by TMA (page >= 16)
-    "d128_lt_f16": ("float16", R(D128, lean_copy=True, tma_kv=True)),
     "d128_l_f16": ("float16", R(D128, lean_copy=True)),
     # 3 consumer warpgroups (192 rows) at 160 registers: S, O and P fit with tiles of 64 / 80 keys
     "d128_lw3n64": ("bfloat16", R(D128, block_n=64, lean_copy=True, consumer_wgs=3, producer_regs=32)),
@@ -98,24 +96,22 @@ VARIANTS = {
     "d64_bn192": ("bfloat16", T(64, 192, 3, producer_regs=40)),
     # 3 consumer warpgroups (192 rows); with the lean producer at 32 registers the consumers get 160
     "d64_lw3": ("bfloat16", R(D64, lean_copy=True, consumer_wgs=3, producer_regs=32)),
-    "d64_lt": ("bfloat16", R(D64, lean_copy=True, tma_kv=True)),
     "d64_f16": ("float16", D64),
     "d256": ("bfloat16", D256),
     "d256_l": ("bfloat16", R(D256, lean_copy=True)),
-    "d256_lt": ("bfloat16", R(D256, lean_copy=True, tma_kv=True)),
     "d256_f16": ("float16", D256),
 }
 DEFAULTS = ("d128", "d128_f16", "d64", "d64_f16", "d256", "d256_f16")  # what ships: cold-compiled one by one
 # The interleaved A/B (--ab): per cell (workload, page size) the implementations timed in turn
 # with SDPA cuDNN; AB_D128 on the three bench workloads at page sizes 16 and 1, AB_D64 on
 # prefill_b2_l8192_d64 at page size 16.
-AB_D128 = ("d128_r2", "d128", "d128_l", "d128_lt", "d128_lx1", "d128_lw3n80")
-AB_D64 = ("d64_r2", "d64", "d64_l", "d64_lt", "d64_lx2", "d64_lw3")
+AB_D128 = ("d128_r2", "d128", "d128_l", "d128_lx1", "d128_lw3n80")
+AB_D64 = ("d64_r2", "d64", "d64_l", "d64_lx2", "d64_lw3")
 AB_CELLS = [(w, ps, AB_D128) for w in ("prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384")
             for ps in (16, 1)] + [("prefill_b2_l8192_d64", 16, AB_D64)]
 # checked for correctness in an --ab run besides every timed one and the shipped defaults
-AB_CORRECT_EXTRA = ("d128_lx2", "d128_lp", "d128_l_f16", "d128_lt_f16", "d128_lx2_f16", "d128_lw3n64", "d128_lw3n80_f16",
-                    "d256_l", "d256_lt")
+AB_CORRECT_EXTRA = ("d128_lx2", "d128_lp", "d128_l_f16", "d128_lx2_f16", "d128_lw3n64", "d128_lw3n80_f16",
+                    "d256_l")
 AB_NAMES = tuple(dict.fromkeys(n for _, _, names in AB_CELLS for n in names))
 # commit -> the traits of its default D = 128 tile and its kernel's shared memory (that
 # version's Sm90Tile.smem_bytes); the source is scripts/sm90_snapshots/<commit>.cu, which the

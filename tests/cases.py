@@ -167,3 +167,53 @@ def holey_masks(rng, q_lens):
             m[q - 1, q - 2] = False
         masks.append(m)
     return masks
+
+
+# ---- an fp8 (e4m3fn) cache ----------------------------------------------------------------
+
+FP8 = "float8_e4m3fn"
+FP8_NAN = 0x7F  # what an fp8 cache's unread slots hold (an e4m3fn NaN)
+
+
+def fp8_scales(rng, kind, num_kv_heads):
+    """(k_scale, v_scale): one Python float each ("tensor") or float32 [num_kv_heads] ("head"),
+    drawn so that some of the N(0, 1) x 2 values the cases quantise saturate at 448 x scale."""
+    if kind == "tensor":
+        return float(rng.uniform(0.004, 0.03)), float(rng.uniform(0.004, 0.03))
+    return (rng.uniform(0.002, 0.05, num_kv_heads).astype(np.float32),
+            rng.uniform(0.002, 0.05, num_kv_heads).astype(np.float32))
+
+
+def fp8_bytes(rng, shape, scale, pool=1 << 16):
+    """e4m3fn bytes of N(0, 1) x 2 values quantised with ``scale`` (a float or [H_kv], the
+    heads being axis -2 of ``shape``): a pool of quantised draws per head, sampled (a large cache
+    in seconds)."""
+    from cupy_fa import reference
+
+    h_kv = shape[-2]
+    table = reference.quantize_e4m3(2 * rng.standard_normal((pool, h_kv, 1), dtype=np.float32), scale)[:, :, 0]
+    index = rng.integers(0, pool, size=shape, dtype=np.uint16 if pool <= 1 << 16 else np.int64)
+    return table[index, np.arange(h_kv)[:, None]]
+
+
+def fp8_paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, num_tokens, scale_kind):
+    """paged_case for an fp8 cache: K/V of N(0, 1) x 2 quantised on the host
+    (cupy_fa.reference.quantize_e4m3) with fresh scales, the bytes of every slot no request may
+    read an e4m3fn NaN. Returns (page_table, k_bytes, v_bytes, (k_scale, v_scale), cache, q_host)."""
+    import cupy
+    import cupy_fa
+
+    h_q, h_kv = heads
+    table, num_pages = paged_layout(rng, kv_lens, page_size)
+    shape = (num_pages, page_size, h_kv, head_dim)
+    k_scale, v_scale = fp8_scales(rng, scale_kind, h_kv)
+    k, v = fp8_bytes(rng, shape, k_scale), fp8_bytes(rng, shape, v_scale)
+    valid = np.zeros(shape[:2], bool)
+    for b, kv in enumerate(kv_lens):
+        tokens = np.arange(int(kv))
+        valid[table[b, tokens // page_size], tokens % page_size] = True
+    k[~valid] = FP8_NAN
+    v[~valid] = FP8_NAN
+    cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype=FP8, k_scale=k_scale, v_scale=v_scale)
+    q_host = rng.standard_normal((num_tokens, h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
+    return table, k, v, (k_scale, v_scale), cache, q_host

@@ -8,16 +8,35 @@ from bench import workloads as W
 
 def test_workload_set():
     names = [w.name for w in W.WORKLOADS]
-    assert len(names) == len(set(names)) == 21
+    assert len(names) == len(set(names)) == 28
     for w in W.WORKLOADS:
         assert all(1 <= q <= kv for q, kv in w.requests()) and len(w.requests()) == w.batch
         assert w.head_dim in (64, 96, 128, 192, 256) and w.dtype in ("bfloat16", "float16")
     assert [w.name for w in W.WORKLOADS if w.kind == "compute"] == [
         "prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384", "prefill_b2_l8192_d64",
         "prefill_b2_l8192_d256", "prefill_b2_l8192_full", "prefill_b2_l8192_fp16", "extend_b8_q512_l8192",
+        "prefill_b4_l4096_w1024", "prefill_b4_l4096_cap50", "prefill_b4_l4096_sinks",
         "prefill_b4_l4096_d96", "prefill_b4_l4096_d192"]
     assert [w.name for w in W.WORKLOADS if not w.causal] == ["prefill_b2_l8192_full"]
     assert [w.name for w in W.WORKLOADS if w.kind == "mixed"] == ["mixed_q2048_d63_l4096"]
+
+
+def test_the_variant_workloads():
+    """Issue 21's cells: decode B=64 and prefill B=4 at L=4096 with a window, a soft-cap or sinks,
+    and a window of 4096 over 131072 keys, whose bytes are the window's."""
+    variants = {w.name: w for w in W.WORKLOADS if w.variant}
+    assert sorted(variants) == sorted([f"{kind}_l4096_{v}" for kind in ("decode_b64", "prefill_b4")
+                                       for v in ("w1024", "cap50", "sinks")] + ["decode_b1_l131072_w4096"])
+    long = variants["decode_b1_l131072_w4096"]
+    assert long.kv_bytes() == 4096 * 8 * 128 * 2 * 2 == W.BY_NAME["decode_b1_l131072"].kv_bytes() // 32
+    assert long.flops() == 4 * 32 * 128 * 4096 and long.shape == "bf16 D128 causal w4096"
+    pw = variants["prefill_b4_l4096_w1024"]
+    # query i sees min(1024, i + 1) keys; every key is some query's
+    assert pw.visible_keys() == 1024 * 1025 // 2 + (4096 - 1024) * 1024 and pw.kv_bytes() == W.BY_NAME[
+        "prefill_b4_l4096"].kv_bytes()
+    assert variants["decode_b64_l4096_w1024"].kv_bytes() == W.BY_NAME["decode_b64_l4096"].kv_bytes() // 4
+    assert variants["decode_b64_l4096_cap50"].kv_bytes() == W.BY_NAME["decode_b64_l4096"].kv_bytes()
+    assert variants["prefill_b4_l4096_sinks"].shape == "bf16 D128 causal sinks"
 
 
 def test_the_issue_18_workloads():
@@ -92,8 +111,9 @@ def test_select_and_windows():
     assert [w.name for w in W.select(["decode"])][:2] == ["decode_b64_l4096", "decode_b16_l32768"]
     assert [w.name for w in W.select(["*_b64_*"])] == [
         "decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "draft_extend_q4_b64_l4096",
+        "decode_b64_l4096_w1024", "decode_b64_l4096_cap50", "decode_b64_l4096_sinks",
         "decode_b64_l4096_d96", "decode_b64_l4096_d192"]
-    assert len(W.select([])) == 21
+    assert len(W.select([])) == 28
     assert [w.name for w in W.select(["prefill_b2_l8192*"])] == [
         "prefill_b2_l8192", "prefill_b2_l8192_d64", "prefill_b2_l8192_d256", "prefill_b2_l8192_full",
         "prefill_b2_l8192_fp16"]

@@ -93,14 +93,16 @@ def test_page_id_outside_the_cache(kind, fold, page, monkeypatch):
 
 def test_page_id_outside_the_cache_long_family():
     """A request of more than 16 tokens (on sm_90a the wgmma family): a page id outside the cache
-    is clamped into it (no fault), the status names the request, the others keep their bits.
-    (Its own rows are not made NaN in that family yet: docs/errors.md.)"""
+    is clamped into it (no fault), the status names the request, the rows of every work item that
+    read it are NaN (the page is in column 2 of 300 keys at page 16: every causal row of its 40
+    reads it, so all of them), the others keep their bits."""
     s = Setup("extend")
     table = s.table.copy()
     table[0, 2] = 10**8  # request 0: 40 tokens over 300 keys
     got = s.run(s.q_lens, s.kv_lens, table)
     status = s.attn.status()
     assert status.request == 0 and status.reason == 6, repr(status)
+    assert np.isnan(got[s.rows_of(0)].astype(np.float32)).all(), "request 0's rows are not all NaN"
     for b in range(1, len(s.q_lens)):
         rows = s.rows_of(b)
         assert np.array_equal(got[rows].view(np.uint16), s.clean[rows].view(np.uint16)), f"request {b} changed bits"

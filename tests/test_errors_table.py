@@ -181,6 +181,16 @@ def _(ctx):
     return _plan([1], [4], [[0]], sm_scale=-1.0), []
 
 
+@case("plan-window")
+def _(ctx):
+    return _plan([1], [4], [[0]], window=0), []
+
+
+@case("plan-soft-cap")
+def _(ctx):
+    return _plan([1], [4], [[0]], logits_soft_cap=float("inf")), []
+
+
 @case("plan-mask-size")
 def _(ctx):
     return _plan([2], [4], [[0]], custom_mask=np.ones(3, bool)), []
@@ -301,6 +311,28 @@ def _(ctx):
 
     s = ctx.gpu_step()
     return lambda: s.attn.run(s.q, s.cache, out=s.out, lse=cupy.zeros((3, 8), np.float16)), s.written
+
+
+@case("run-sinks-host", gpu=True)
+def _(ctx):
+    s = ctx.gpu_step()
+    return lambda: s.attn.run(s.q, s.cache, out=s.out, lse=s.lse, sinks=np.zeros(8, np.float32)), s.written
+
+
+@case("run-sinks-dtype", gpu=True)
+def _(ctx):
+    import cupy
+
+    s = ctx.gpu_step()
+    return lambda: s.attn.run(s.q, s.cache, out=s.out, lse=s.lse, sinks=cupy.zeros(8, np.float16)), s.written
+
+
+@case("run-sinks-shape", gpu=True)
+def _(ctx):
+    import cupy
+
+    s = ctx.gpu_step()
+    return lambda: s.attn.run(s.q, s.cache, out=s.out, lse=s.lse, sinks=cupy.zeros(7, np.float32)), s.written
 
 
 @case("run-page-id", gpu=True)
@@ -481,6 +513,11 @@ def _(ctx):
                                        page_size=16), []
 
 
+@case("runner-window")
+def _(ctx):
+    return lambda: _runner(window=-2), []
+
+
 @case("runner-mode")
 def _(ctx):
     runner = object.__new__(cupy_fa.GraphRunner)  # the mode is read first: no buffers needed
@@ -537,6 +574,13 @@ def _(ctx):
 @case("runner-mask", gpu=True)
 def _(ctx):
     return _runner_step(ctx, mode=ForwardMode.EXTEND, q_lens=(1, 2), custom_mask=np.ones(5, bool), tree_mask=True)
+
+
+@case("runner-sinks-shape", gpu=True)
+def _(ctx):
+    import cupy
+
+    return _runner_step(ctx, sinks=cupy.zeros(3, np.float32))
 
 
 @case("runner-in-capture", gpu=True)
@@ -649,6 +693,21 @@ def _(ctx):
 @case("ref-mask")
 def _(ctx):
     return _ref(2, [2], [2], [[0]], custom_mask=np.ones(3, bool))
+
+
+@case("ref-window")
+def _(ctx):
+    return _ref(1, [1], [1], [[0]], window=0)
+
+
+@case("ref-soft-cap")
+def _(ctx):
+    return _ref(1, [1], [1], [[0]], soft_cap=-3.0)
+
+
+@case("ref-sinks")
+def _(ctx):
+    return _ref(1, [1], [1], [[0]], sinks=np.zeros(2))
 
 
 # ---- the tests ------------------------------------------------------------------------------------

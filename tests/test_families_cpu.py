@@ -220,7 +220,10 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     everything = set(schedule.all_variants())
     sm80 = set(schedule.all_variants("sm_80"))
     wgmma = {schedule.attention_variant(dt, t) for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
-    assert wgmma <= everything and not wgmma & sm80 and everything - sm80 == wgmma
+    hooked = {schedule.attention_variant(dt, schedule.with_variants(t))  # with the variant hooks
+              for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
+    assert (wgmma | hooked) <= everything and not (wgmma | hooked) & sm80 and everything - sm80 == wgmma | hooked
+    assert hooked <= set(schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a", variants=True))
     assert set(schedule.all_variants("sm_90a")) == everything
     hopper = schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a")
     ampere = schedule.warmup_variants(smem_limit=schedule.SM80_SMEM_LIMIT, arch="sm_80")
@@ -245,7 +248,7 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
     rows = compile_check.compile_all("sm_80", only="prefill_sm90")
     assert rows == [] and seen == []  # no wgmma variant in an sm_80 build
     rows = compile_check.compile_all("sm_90a", only="prefill_sm90")
-    assert len(rows) == 2 * len(s9.DEFAULT_TILES) and {a for _, a in seen} == {"sm_90a"}
+    assert len(rows) == 2 * 2 * len(s9.DEFAULT_TILES) and {a for _, a in seen} == {"sm_90a"}  # plain and hooked
 
 
 # ---- what BatchAttention launches for a step (no GPU: the launches recorded) ---------------------
@@ -270,7 +273,7 @@ def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target)
 
     attn = attention.BatchAttention(h_q, h_kv, head_dim, "bfloat16")
     names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
-             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse")
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
     attn._buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
     sched = schedule.schedule_step(head_dim, h_q // h_kv, h_kv, q_lens=q_lens, kv_lens=kv_lens, **target)
     state = attention._PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,

@@ -47,9 +47,15 @@ def test_merges_are_whole_warps():
     assert schedule.merge_variant("bfloat16", 96, schedule.MERGE_DEEPEST).threads == 768
 
 
-def test_separate_qk_vo_head_dims_are_refused():
+def test_separate_qk_vo_head_dims_and_fp8_at_the_new_head_dims_are_refused():
     with pytest.raises(ValueError, match=r"separate qk / vo head dims \(192, 128\) are not supported"):
         BatchAttention(16, 1, (192, 128), "bfloat16")
+    for head_dim in NEW:
+        assert head_dim not in schedule.FP8_HEAD_DIMS
+        with pytest.raises(ValueError, match="an fp8 KV cache takes head_dim"):
+            BatchAttention(16, 1, head_dim, "bfloat16", kv_dtype="float8_e4m3fn")
+    fp8 = schedule.warmup_variants(head_dims=NEW, kv_dtypes=("bfloat16", "float8_e4m3fn"))
+    assert not any("float8" in v.expression or "fp8" in v.expression for v in fp8)
     with pytest.raises(ValueError, match="head_dim must be one of"):
         BatchAttention(16, 1, 160, "bfloat16")
     assert {96, 192} <= set(schedule.HEAD_DIMS)

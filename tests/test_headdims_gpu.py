@@ -1,17 +1,19 @@
 """Head dims 96 and 192 (the mma.sync family: 12 and 24 16-byte chunks a row, loads that do not
 tile a CTA's threads evenly, the swizzles' tails) on the GPU: ragged batches against float64,
 every serving mode eager and under graph replay, decode == verify bit for bit, and the merge's
-shapes never changing a bit. The checks are the suite's own (test_attention_gpu.run_case,
-test_modes_graph_gpu's engine loop, test_invariance_gpu's), run at the new head dims."""
+shapes never changing a bit, and the variant hooks (window, soft-cap, sinks) at these head dims.
+The checks are the suite's own (test_attention_gpu.run_case, test_modes_graph_gpu's engine loop,
+test_invariance_gpu's, test_variants_gpu's), run at the new head dims."""
 
 import numpy as np
 import pytest
 
-from cases import new_rng, random_lengths
+from cases import new_rng, paged_case, random_lengths
 
 import test_attention_gpu as attention_cases
 import test_invariance_gpu as invariance
 import test_modes_graph_gpu as modes
+import test_variants_gpu as variants_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -82,3 +84,30 @@ def test_new_head_dims_route_to_mma_sync_on_sm90a():
         tile = attn.planned.long_tile
         wgmma = schedule.is_sm90a(arch) and head_dim in (64, 128, 256)
         assert (schedule.family_of(tile) is schedule.SM90_WGMMA) == wgmma, (arch, head_dim, tile)
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,page_size", [("bfloat16", 96, (32, 8), 16), ("float16", 192, (8, 1), 1)])
+def test_variants_mixed_batch(dtype, head_dim, heads, page_size):
+    """A sliding window, a soft-cap and sinks at once over a ragged batch of both families (the
+    hooked kernels at these head dims), keys before each window NaN in the device's cache."""
+    import cupy_fa
+
+    rng, seed = new_rng()
+    q_lens = np.array([1, 1, 4, 8, 16, 17, 40, 200, 0, 3])
+    kv_lens = q_lens + rng.integers(0, 2500, len(q_lens))
+    kv_lens[8] = 7  # padding row
+    window, cap, sm_scale, sinks = variants_cases.draw(rng, "all", heads[0])
+    table, k_host, v_host, _, q_host = paged_case(rng, dtype, heads, head_dim, page_size, kv_lens,
+                                                                  int(q_lens.sum()))
+    cache = variants_cases.device_cache(*variants_cases.nan_before_windows(k_host, v_host, table, q_lens, kv_lens,
+                                                                           window, page_size))
+    attn = cupy_fa.BatchAttention(*heads, head_dim, dtype)
+    variants_cases.run_and_check(attn, dtype, q_host, k_host, v_host, cache, q_lens, kv_lens, table, window, cap,
+                                 sm_scale, sinks, f"seed {seed} D={head_dim} window={window} cap={cap}")
+
+
+@pytest.mark.parametrize("dtype,heads,head_dim,page_size", [("bfloat16", (32, 8), 96, 16), ("float16", (8, 1), 192, 1)])
+def test_decode_equals_verify_with_variants(dtype, heads, head_dim, page_size, monkeypatch):
+    """decode == verify bit for bit with a window, a soft-cap and sinks (at D = 96 the verify of 16
+    drafts runs the two-row hooked tile, one CTA per SM: TileTraits::kOneCtaForRegisters)."""
+    variants_cases.check_decode_equals_verify_with("all", dtype, heads, head_dim, page_size, monkeypatch)

@@ -10,12 +10,21 @@ from cases import new_rng
 from cupy_fa import knobs, plan, schedule
 
 
-def model(q_lens, kv_lens, group, tile, partial_capacity=10**9, long_tile=None):
+def model(q_lens, kv_lens, group, tile, partial_capacity=10**9, long_tile=None, window=0):
     """What plan_kernel must write, computed the slow obvious way. With ``long_tile`` (a step of
     two families) requests of more than SMALL_Q_LEN tokens are laid out for it in
     long_work_indptr (one split per CTA, never folded), the others for ``tile`` in work_indptr;
-    without it every request for ``tile`` in work_indptr."""
+    without it every request for ``tile`` in work_indptr. With a sliding ``window`` a request's
+    splits cut its keys from key_base on: its first query's first key (kv - q - window + 1)
+    rounded down to whole groups of MERGE_GROUP splits."""
     S = schedule.split_size()
+
+    def base_of(q, kv):
+        first = kv - q - window + 1
+        return first // (schedule.MERGE_GROUP * S) * (schedule.MERGE_GROUP * S) if window and first > 0 else 0
+
+    bases = [base_of(q, kv) if q > 0 else 0 for q, kv in zip(q_lens, kv_lens)]
+    kv_lens = [kv - base for kv, base in zip(kv_lens, bases)]  # the keys the splits cut
 
     def is_long(q):
         return long_tile is not None and q > schedule.SMALL_Q_LEN
@@ -69,6 +78,7 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9, long_tile=None):
         splits_all.append(splits)
         keys_all.append(keys)
     out["num_splits"], out["split_keys"] = splits_all, keys_all
+    out["key_base"] = bases
     assert out["partial_indptr"][-1] <= partial_capacity
     result = {k: np.array(v) for k, v in out.items()}
     result["overflow"] = share is not None
@@ -117,6 +127,61 @@ def test_small_q_splits_sit_at_fixed_positions():
         verify = model([8], [pos + 8], 4, tile)
         assert decode["split_keys"][0] == verify["split_keys"][0] == S
         assert verify["num_splits"][0] - decode["num_splits"][0] in (0, 1)
+
+
+def test_window_splits_cover_the_window_at_fixed_positions():
+    """With a sliding window, decode (q=1) of position pos and verify (q=8) ending at it cut their
+    keys at the same absolute positions (key_base + s x S, key_base a multiple of MERGE_GROUP x S:
+    the merge's groups sit at fixed positions too), verify's splits start no later than decode's,
+    and a window of W over any kv splits about W keys."""
+    tile = schedule.tile_for(128, 8, 4)
+    S = schedule.split_size()
+    U = schedule.MERGE_GROUP * S
+    for window in (1, 100, S, 3000, 4096):
+        for pos in (0, 5, S - 1, U - 1, U + window - 3, 3 * U + 17, 100 * S, 131071):
+            decode = model([1], [pos + 1], 4, tile, window=window)
+            verify = model([8], [pos + 8], 4, tile, window=window)
+            for m in (decode, verify):
+                assert m["key_base"][0] % U == 0 and m["split_keys"][0] == S
+            assert verify["key_base"][0] <= decode["key_base"][0]
+            assert verify["key_base"][0] + verify["num_splits"][0] * S >= decode["key_base"][0] + decode["num_splits"][0] * S
+            assert decode["num_splits"][0] <= -(-window // S) + schedule.MERGE_GROUP  # the window, not kv
+            # decode's first key of its window sits in its first group of splits
+            assert decode["key_base"][0] <= max(0, pos - window + 1) < decode["key_base"][0] + U
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4)])
+def test_host_bounds_cover_the_schedule_with_a_window(head_dim, group):
+    """The host's grids for a windowed step (window_spans for host lengths, window_span_bound for
+    device bounds) cover what plan_kernel lays out."""
+    rng, _ = new_rng()
+    for _ in range(100):
+        max_q = int(rng.choice([1, 4, 16, 17, 300]))
+        window = int(rng.choice([1, 37, 512, 4096, 20000]))
+        q, kv = random_batch(rng, max_q)
+        tile = schedule.tile_for(head_dim, max(1, q.max()), group)
+        m = model(q, kv, group, tile, window=window)
+        spans = schedule.window_spans(q, kv, window)
+        assert (np.array(m["key_base"]) == np.where(q > 0, schedule.key_base(q, kv, window), 0)).all()
+        assert schedule.work_bound(q, spans, group, tile) >= m["work_indptr"][-1]
+        assert (np.asarray(m["num_splits"])[q > 0] <= schedule.max_splits(q[q > 0], spans[q > 0])).all()
+        cap = plan.Capacity(len(q), int(q.sum()) + 1, 1)
+        bound = schedule.window_span_bound(max_q, int(kv.max()), window)
+        assert bound >= spans[q > 0].max(initial=0)
+        assert schedule.capacity_work_bound(cap, group, tile, max_q, bound) >= m["work_indptr"][-1]
+        sched = schedule.schedule_step(head_dim, group, 8, q_lens=q, kv_lens=kv, window=window)
+        plain = schedule.schedule_step(head_dim, group, 8, q_lens=q, kv_lens=kv)
+        assert all(x.max_splits <= y.max_splits for x, y in zip(sched.launches, plain.launches))
+
+
+def test_a_window_over_a_long_context_plans_the_window():
+    """Decode B=1 over 131072 keys with a window of 4096: 8 splits (the host's grid too), not 256."""
+    sched = schedule.schedule_step(128, 4, 8, q_lens=[1], kv_lens=[131072], window=4096)
+    assert sched.small.max_splits == 8 and sched.small.work_grid == 8
+    assert schedule.schedule_step(128, 4, 8, q_lens=[1], kv_lens=[131072]).small.max_splits == 256
+    device = schedule.schedule_step(128, 4, 8, max_q_len=1, max_kv_len=131072, capacity=plan.Capacity(1, 1, 8192),
+                                    batch_size=1, window=4096)
+    assert device.small.max_splits <= 16
 
 
 def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
@@ -240,6 +305,32 @@ def test_device_plan_matches_model(head_dim, group, fold, monkeypatch):
         for name in ("num_splits", "split_keys"):
             assert np.array_equal(getattr(bufs, name)[:b].get(), m[name]), name
         assert attn.status() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [1, 700, 4096])
+def test_device_plan_matches_model_with_a_window(window):
+    """plan.cu's key_base and the splits of the window against the model, host and device lengths."""
+    import cupy
+    import cupy_fa
+
+    rng, _ = new_rng()
+    group = 4
+    attn = cupy_fa.BatchAttention(8 * group, 8, 128, "float16")
+    for max_q in (1, 16, 300):
+        q, kv = random_batch(rng, max_q)
+        table = np.zeros((len(q), 1), np.int32)  # never read: plan only
+        for lens in ((q, kv, table), tuple(cupy.asarray(x, np.int32) for x in (q, kv, table))):
+            attn.plan(*lens, max_q_len=max(1, int(q.max())), max_kv_len=int(kv.max()), window=window)
+            tile, long_tile = attn.planned.schedule.plan_tiles()
+            m = model(q, kv, group, tile, bufs_rows(attn), long_tile, window=window)
+            bufs = attn._buffers
+            b = len(q)
+            for name in ("q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr"):
+                assert np.array_equal(getattr(bufs, name)[:b + 1].get(), m[name]), (name, max_q)
+            for name in ("num_splits", "split_keys", "key_base"):
+                assert np.array_equal(getattr(bufs, name)[:b].get(), m[name]), (name, max_q)
+            assert attn.status() == 0
 
 
 LONG_KV = (131071, 131072, 131073, 131072 + 511, 131072 + 512, 200_000, 1 << 20, (1 << 24) + 7)

@@ -71,7 +71,7 @@ def test_defaults_take_the_uniform_warpgroup_joint_softmax_and_lean_copies_where
     for d, on in ((64, True), (128, True), (256, False)):
         t = s9.DEFAULT_TILES[d]
         assert (t.uniform_wg, t.joint_rows, t.lean_copy) == (on, on, on), d
-        assert not (t.persistent or t.poly_exp2 or t.q_in_regs or t.tma_kv) and t.consumer_wgs == 2, d
+        assert not (t.persistent or t.poly_exp2 or t.q_in_regs) and t.consumer_wgs == 2, d
 
 
 def test_three_consumer_tile_mirrors_the_traits():
@@ -80,7 +80,7 @@ def test_three_consumer_tile_mirrors_the_traits():
     t = s9.Sm90Tile(64, 128, 4, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3, producer_regs=32)
     assert (t.block_m, t.threads, t.entry_regs, t.consumer_regs) == (192, 512, 128, 160)
     assert 128 * t.producer_regs + 384 * t.consumer_regs <= 512 * 128
-    assert t.smem_bytes == 1024 + 192 * 64 * 2 + 2 * 4 * 128 * 64 * 2 + (4 * 4 + 3) * 8 + 384 * 4 + 52
+    assert t.smem_bytes == 1024 + 192 * 64 * 2 + 2 * 4 * 128 * 64 * 2 + (4 * 4 + 3) * 8 + 384 * 4 + 56  # + a page flag
     assert list(schedule.row_blocks(np.array([4096, 17]), 4, t)) == [86, 1]  # plan_kernel's count, 192 rows a block
 
 
@@ -149,10 +149,6 @@ OPT_IN_TILES = [
     ("bfloat16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
     ("float16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
     ("bfloat16", s9.Sm90Tile(128, 64, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, tma_kv=True, **UJ)),
-    ("float16", s9.Sm90Tile(128, 128, 2, lean_copy=True, tma_kv=True, **UJ)),
-    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, tma_kv=True, **UJ)),
-    ("bfloat16", s9.Sm90Tile(256, 80, 2, pingpong=False, lean_copy=True, tma_kv=True)),
 ]
 
 
@@ -166,27 +162,4 @@ def test_opt_in_variants_compile_without_spills(dtype, tile):
 
 def test_persistent_tile_holds_two_q_tiles():
     one, two = s9.Sm90Tile(128, 128, 2), s9.Sm90Tile(128, 128, 2, persistent=True)
-    assert two.smem_bytes - one.smem_bytes == 128 * 128 * 2 + 3 * 8 + 52
-
-
-def test_tma_tiles_take_the_pages_that_tile_them():
-    """Sm90Tile.tma_page_size / tma_issue_lanes (the TMA kernel's KVTensorMaps fields): pages of
-    at least 16 keys that divide block_n, each page's first row looked up by one lane of the
-    producer's warp 0 (kernels/sm90_prefill_load.cuh KVProducer::key_of with warp 0)."""
-    t128 = s9.Sm90Tile(128, 128, 2, tma_kv=True)
-    assert [t128.tma_page_size(ps) for ps in (1, 8, 16, 32, 48, 64, 128, 256)] == [0, 0, 16, 32, 0, 64, 128, 0]
-    for tile in (t128, s9.Sm90Tile(64, 128, 4, tma_kv=True), s9.Sm90Tile(256, 80, 2, tma_kv=True)):
-        d, bn = tile.head_dim, tile.block_n
-        rp, wr = 1024 // d, 256 // d
-        for ps in (16, 32, 64, 80, 128):
-            rows = tile.tma_page_size(ps)
-            mask = s9.tma_issue_lanes(tile, rows)
-            if not rows:
-                assert mask == 0
-                continue
-            # the rows warp 0's lanes look up (key_of), and the lanes whose row starts a page
-            looked_up = {lane: lane % wr + rp * (lane // wr) for lane in range(min(32, bn // 4))}
-            starts = sorted(row for lane, row in looked_up.items() if mask >> lane & 1)
-            assert starts == list(range(0, bn, ps)), (d, ps)
-    assert s9.KV_MAPS_DTYPE.itemsize == 320 and s9.KV_MAPS_DTYPE.fields["issue_lanes"][1] == 260
-
+    assert two.smem_bytes - one.smem_bytes == 128 * 128 * 2 + 3 * 8 + 56

@@ -150,23 +150,3 @@ def test_three_consumer_variant_keeps_a_requests_bits_in_any_batch():
         assert (out[cu[b]:cu[b + 1]].view(cupy.uint16) == one.view(cupy.uint16)).all(), f"request {b} out"
 
 
-@pytest.mark.parametrize("dtype,head_dim,block_n,page_size", [
-    ("bfloat16", 128, 128, 16), ("bfloat16", 128, 128, 32), ("float16", 128, 128, 64), ("bfloat16", 128, 128, 128),
-    ("bfloat16", 64, 128, 16), ("float16", 256, 80, 16), ("bfloat16", 256, 80, 80), ("bfloat16", 128, 128, 48)])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_tma_variant_matches_the_reference(dtype, head_dim, block_n, page_size, causal):
-    """K / V tiles of whole pages by TMA, the partial tile at the end of each CTA's keys by
-    cp.async (its V rows past the end zero, with NaN in every slot no request may read); page
-    size 48 does not tile 128 keys, so every tile there goes by cp.async behind the TMA kernel."""
-    from cupy_fa import prefill_sm90 as s9
-
-    uj = dict(uniform_wg=True, joint_rows=True) if head_dim < 256 else dict(pingpong=False)
-    tile = s9.Sm90Tile(head_dim, block_n, 4 if head_dim == 64 else 2, lean_copy=True, tma_kv=True, **uj)
-    rng, seed = new_rng()
-    q_lens, kv_lens = random_lengths(rng, max_requests=9, max_q=700, max_kv=4000, work_budget=1_500_000)
-    got, got_lse, ref, ref_lse = run(dtype, (16, 4), head_dim, page_size, causal, q_lens, kv_lens, rng, tile)
-    check = check_attention(got, ref, dtype, q_lens=q_lens, lse=got_lse, ref_lse=ref_lse, poison=POISON,
-                            label=f"seed {seed} sm90 prefill, TMA, page {page_size}")
-    print(check.summary())
-    check.assert_ok()
-

@@ -1,0 +1,32 @@
+"""Compiles into CuPy's disk cache, several processes at once, the kernels the fp8 check needs
+(scripts/fp8_check.sh): every variant a step over an fp8 cache or a 16-bit one can select on
+this device under the knobs in force (cupy_fa.schedule.warmup_variants with both cache dtypes),
+for fp16 and bf16 queries and every head dim. The parent never touches CUDA, so forked workers
+each get a clean context (as scripts/warm_cache.py, which compiles every variant of every target)."""
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from cupy_fa import _build, schedule
+
+VARIANTS = schedule.warmup_variants(("float16", "bfloat16"), schedule.HEAD_DIMS, schedule.SMEM_LIMIT, "sm_90a",
+                                    kv_dtypes=("float16", schedule.FP8))
+
+
+def compile_one(i):
+    variant = VARIANTS[i]
+    if variant.source == "prefill_sm90.cu":
+        import cupy
+
+        if not _build.device_arch(cupy.cuda.Device()).endswith("90a"):
+            return None
+    _build.get_function(variant)
+    return i
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    with ProcessPoolExecutor(int(sys.argv[1]) if len(sys.argv) > 1 else 8) as pool:
+        done = [i for i in pool.map(compile_one, range(len(VARIANTS))) if i is not None]
+    print(f"compiled {len(done)} kernel variants (16-bit and fp8 caches) of {_build.KERNEL_DIR} in "
+          f"{time.perf_counter() - start:.1f} s")

@@ -1,0 +1,186 @@
+"""The fp8 (e4m3fn) KV cache without a GPU: the host quantiser (the append kernel's twin) against
+ml_dtypes' own rounding, saturation and NaN; dequantisation; the float64 reference over an fp8
+cache; the scale and dtype checks; the tiling policy's fp8 tiles and that CI compiles each."""
+
+import math
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupy_fa import _arrays, _build, reference, schedule
+from cupy_fa.kv_cache import checked_scales
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def ml_dtypes_quantize(x, scale):
+    """ml_dtypes' e4m3fn rounding (to nearest, ties to even) of float32(x) / float32(scale),
+    clipped at +-448 first (ml_dtypes gives NaN past the largest finite value)."""
+    q = (np.asarray(x, np.float32) / np.float32(scale)).astype(np.float32)
+    return np.clip(q, -448, 448).astype(E4M3).view(np.uint8)
+
+
+def test_quantize_matches_ml_dtypes_rounding():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(50_000).astype(np.float32) * s for s in (1e-3, 0.02, 0.3, 1, 7, 60, 500)])
+    # every e4m3 value, the midpoints between neighbours (ties), and just off them
+    values = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+    values = np.sort(values[np.isfinite(values)])
+    mids = (values[1:] + values[:-1]) / 2
+    x = np.concatenate([x, values, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf)]).astype(np.float32)
+    got = reference.quantize_e4m3(x.reshape(-1, 1, 1), 1.0).reshape(-1)
+    want = ml_dtypes_quantize(x, 1.0)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} values round differently, e.g. {x[bad[:5]]}: {got[bad[:5]]} vs {want[bad[:5]]}"
+    # the exact values come back as themselves
+    exact = reference.quantize_e4m3(values.reshape(-1, 1, 1), 1.0).reshape(-1)
+    assert np.array_equal(exact.view(E4M3).astype(np.float32), values)
+
+
+def test_quantize_saturates_keeps_nan_and_signed_zero():
+    x = np.array([448, 449, 463.9, 464, 1e6, np.inf, -448.5, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1e-30, -1e-30,
+                  2.0**-10, 2.0**-10 * 1.01, 3 * 2.0**-10, -(2.0**-9)], np.float32)
+    q = reference.quantize_e4m3(x.reshape(-1, 1, 1), 1.0).reshape(-1)
+    assert q[:6].tolist() == [0x7E] * 6, "+448 and beyond (and +inf) saturate to 448"
+    assert q[6:8].tolist() == [0xFE] * 2, "-448 and beyond saturate to -448"
+    assert q[8] == 0x7F and q[9] == 0xFF, "NaN stays NaN, with its sign"
+    assert q[10] == 0x00 and q[11] == 0x80 and q[12] == 0x00 and q[13] == 0x80, "zeros keep their sign"
+    assert q[14] == 0x00, "half the smallest subnormal rounds to even (zero)"
+    assert q[15] == 0x01 and q[16] == 0x02 and q[17] == 0x81, "subnormals round to nearest, ties to even"
+
+
+def test_quantize_per_head_scales_and_division():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((50, 4, 32)).astype(np.float32)
+    scales = np.array([0.01, 0.5, 3.0, 1e-3], np.float32)
+    got = reference.quantize_e4m3(x, scales)
+    for h, s in enumerate(scales):
+        assert np.array_equal(got[:, h], ml_dtypes_quantize(x[:, h], s)), f"head {h}"
+    # the division is float32 x / scale (not x * (1 / scale)): a case where the two round apart
+    y = np.float32(1.4375 * 0.1)  # e4m3 value 1.4375 times a scale of 0.1, off by the division's rounding
+    assert reference.quantize_e4m3(np.array([[[y]]]), 0.1)[0, 0, 0] == ml_dtypes_quantize([y], 0.1)[0]
+
+
+def test_dequantize_every_byte():
+    all_bytes = np.arange(256, dtype=np.uint8).reshape(1, 2, 128)
+    got = reference.dequantize_e4m3(all_bytes, np.array([0.5, 2.0]))
+    want = all_bytes.view(E4M3).astype(np.float64) * np.array([0.5, 2.0])[None, :, None]
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
+    assert np.isnan(got).sum() == 2  # 0x7F and 0xFF: e4m3fn's only NaNs, no infinity
+    assert np.nanmax(np.abs(reference.dequantize_e4m3(all_bytes, 1.0))) == reference.E4M3_MAX
+
+
+def test_reference_over_fp8_cache_is_reference_over_its_values():
+    """paged_attention with e4m3 bytes and scales == paged_attention on the float64 dequantised cache."""
+    rng = np.random.default_rng(2)
+    pages, ps, h_kv, d = 12, 4, 2, 16
+    ks, vs = np.array([0.02, 0.05], np.float32), 0.03
+    k = reference.quantize_e4m3(rng.standard_normal((pages, ps, h_kv, d)).astype(np.float32), ks)
+    v = reference.quantize_e4m3(rng.standard_normal((pages, ps, h_kv, d)).astype(np.float32), vs)
+    q = rng.standard_normal((5, 4, d))
+    q_lens, kv_lens, table = np.array([1, 4]), np.array([9, 20]), rng.permutation(pages)[:10].reshape(2, 5)
+    got, got_lse = reference.paged_attention(q, k, v, q_lens, kv_lens, table, k_scale=ks, v_scale=vs, return_lse=True)
+    want, want_lse = reference.paged_attention(q, reference.dequantize_e4m3(k, ks), reference.dequantize_e4m3(v, vs),
+                                               q_lens, kv_lens, table, return_lse=True)
+    assert np.array_equal(got, want) and np.array_equal(got_lse, want_lse)
+    viewed = reference.paged_attention(q, k.view(E4M3), v.view(E4M3), q_lens, kv_lens, table, k_scale=ks, v_scale=vs)
+    assert np.array_equal(viewed, want)
+
+
+@pytest.mark.parametrize("value,expected", [
+    (None, [1.0, 1.0, 1.0]), (0.25, [0.25] * 3), (np.float32(2), [2.0] * 3), (np.array(0.5), [0.5] * 3),
+    ([0.125], [0.125] * 3), (np.array([1, 2, 4], np.float32), [1.0, 2.0, 4.0]), ([0.5, 1.5, 2.5], [0.5, 1.5, 2.5]),
+])
+def test_scales_accepted(value, expected):
+    got = checked_scales(value, "k_scale", 3)
+    assert got.dtype == np.float32 and got.tolist() == expected
+
+
+@pytest.mark.parametrize("value,error,words", [
+    (0.0, ValueError, "positive"), (-1.0, ValueError, "positive"), (math.nan, ValueError, "finite"),
+    (math.inf, ValueError, "finite"), (1e-39, ValueError, "normal"), (1e39, ValueError, "finite"),
+    ([1.0, 2.0], ValueError, "per KV head"), (np.ones((4, 3)), ValueError, "per token-head"),
+    (np.ones((2, 8, 3)), ValueError, "shape"), ("2", TypeError, "float"), (True, TypeError, "float"),
+    (np.array([1.0, -1.0, 2.0]), ValueError, r"k_scale\[1\]"),
+])
+def test_scales_refused(value, error, words):
+    with pytest.raises(error, match="k_scale") as info:
+        checked_scales(value, "k_scale", 3)
+    assert re.search(words, str(info.value)), str(info.value)
+    if error is ValueError and words in ("positive", "finite", "normal"):
+        assert "scales must be positive, finite, normal float32" in str(info.value)
+
+
+def test_kv_dtype_spellings():
+    for spelling in ("float8_e4m3fn", "fp8_e4m3", "e4m3", ml_dtypes.float8_e4m3fn, E4M3):
+        assert _arrays.resolve_kv_dtype(spelling) == "float8_e4m3fn"
+    assert _arrays.resolve_kv_dtype("bf16") == "bfloat16"
+    for bad in ("float32", np.float32, "float8_e5m2", ml_dtypes.float8_e5m2):
+        with pytest.raises(TypeError, match="float8_e4m3fn"):
+            _arrays.resolve_kv_dtype(bad, "kv_dtype")
+
+
+# ---- the tiling policy's fp8 tiles --------------------------------------------------------------
+
+def test_fp8_tiles_are_mma_sync_everywhere():
+    """An fp8 cache runs both classes of requests on the mma.sync family, sm_90a included (the
+    wgmma family reads 16-bit K/V only), with fp8 K/V stages."""
+    for arch in ("sm_90a", "sm_80", None):
+        sched = schedule.schedule_step(128, 4, 8, q_lens=[1, 4, 300], kv_lens=[5000, 90, 300], arch=arch, kv_bytes=1)
+        assert sched.long is not None and sched.small is not None
+        for launch in sched.launches:
+            assert isinstance(launch.tile, schedule.MmaTile) and launch.tile.kv_bytes == 1, launch.tile
+    assert schedule.prefill_tile(128, arch="sm_90a", kv_bytes=1) == schedule.MmaTile(128, 4, 1, kv_bytes=1)
+    assert not isinstance(schedule.prefill_tile(128, arch="sm_90a"), schedule.MmaTile)  # 16-bit: wgmma
+
+
+def test_fp8_tile_numbers():
+    decode = schedule.tile_for(128, 1, 4, kv_bytes=1)
+    assert (decode.warps_m, decode.warps_n, decode.stages, decode.kv_bytes) == (1, 4, schedule.FP8_STAGES, 1)
+    # Q [16, 128] bf16, 4 stages of fp8 K and V [64, 128]; the epilogue stages in two halves of D
+    assert decode.smem_bytes == 16 * 128 * 2 + 2 * 4 * 64 * 128 and decode.epilogue_in_stage
+    assert decode.min_ctas_per_sm == 3 and decode.fold_layout
+    assert decode.traits().endswith(", false, 1>")
+    two_rows = schedule.tile_for(128, 16, 4, kv_bytes=1)
+    assert two_rows.warps_m == 2 and not two_rows.epilogue_in_stage and not two_rows.fold_layout
+    assert two_rows.smem_bytes == 32 * 128 * 2 + max(2 * 4 * 64 * 128, 8 * 16 * 128 * 4)  # room for the epilogue
+    assert two_rows.folding() is None
+    # the 16-bit tiles are what they were
+    bf16 = schedule.tile_for(128, 1, 4)
+    assert bf16.kv_bytes == 2 and bf16.traits() == "cupy_fa::TileTraits<128, 1, 4, 64, 2, false>"
+    with pytest.raises(ValueError, match="internal"):
+        schedule.attention_variant("bfloat16", decode)  # a 1-byte tile with a 16-bit KV type
+
+
+def test_fp8_variants():
+    types = schedule.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
+    v = schedule.attention_variant(types, schedule.tile_for(128, 1, 4, kv_bytes=1))
+    assert v.expression.startswith("cupy_fa::attention_kernel<__nv_bfloat16, cupy_fa::fp8_e4m3, __nv_bfloat16, ")
+    assert schedule.append_variant(np.int64, "float16").expression == \
+        "cupy_fa::append_quantize_kernel<long long, __half>"
+    with pytest.raises(ValueError, match="2-byte K/V"):  # the wgmma family's tile reads 16-bit K/V only
+        schedule.attention_variant(types, schedule.prefill_tile(128, arch="sm_90a"))
+    warm = schedule.warmup_variants(("bfloat16",), (128,), kv_dtypes=("bfloat16", "float8_e4m3fn"))
+    assert any("fp8_e4m3" in x.expression for x in warm) and any("append_quantize" in x.expression for x in warm)
+    assert len(warm) == len(set(warm))
+
+
+def test_every_selectable_fp8_tile_is_compiled_in_ci():
+    """What the policy can pick for an fp8 cache (either class, Hopper or A100 shared memory, any
+    group, the fold) is among the variants CI compiles (tests/test_compile_cpu.py compiles them all)."""
+    compiled = {v.expression for v in schedule.all_variants()}
+    for dtype in _build.CTYPES:
+        types = schedule.ElementTypes(dtype, "float8_e4m3fn", dtype)
+        for head_dim in schedule.FP8_HEAD_DIMS:  # BatchAttention refuses an fp8 cache at the others
+            for max_q_len in (1, 4, 16, 17, 4096):
+                for group in (1, 4, 8):
+                    for limit in (schedule.SMEM_LIMIT, schedule.SM80_SMEM_LIMIT):
+                        tile = schedule.tile_for(head_dim, max_q_len, group, limit, "sm_90a", kv_bytes=1)
+                        assert tile.fits_in(limit)
+                        for t in (tile, tile.folding(smem_limit=limit) if schedule.is_small_q_tile(tile) else None):
+                            if t is not None:
+                                assert schedule.attention_variant(types, t).expression in compiled, t
+        for index in (np.int32, np.int64):
+            assert schedule.append_variant(index, dtype).expression in compiled

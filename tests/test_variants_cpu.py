@@ -1,0 +1,212 @@
+"""The attention variants (sliding window, logits soft-cap, attention sinks) without a GPU: the
+float64 reference's own semantics (limits that must give the plain result, hand-computed cases),
+the API's checks, which kernel binary and which parameters a step with a variant launches, and
+the variant kernels' place in what CI compiles."""
+
+import math
+import types
+
+import numpy as np
+import pytest
+
+from cases import new_rng
+from cupy_fa import _build, attention, plan, reference, schedule
+from cupy_fa import prefill_sm90 as s9
+
+H200 = dict(smem_limit=schedule.SMEM_LIMIT, sm_count=132, arch="sm_90a")
+
+
+def random_step(rng, q_lens, kv_lens, h_q=4, h_kv=2, d=16, page=4):
+    """A small host step: q, a shuffled paged cache and its table."""
+    q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
+    pages = [-(-int(kv) // page) for kv in kv_lens]
+    order = rng.permutation(sum(pages) + 2)
+    table = np.zeros((len(kv_lens), max(pages)), np.int64)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[at:at + n]
+        at += n
+    k = rng.standard_normal((sum(pages) + 2, page, h_kv, d))
+    v = rng.standard_normal((sum(pages) + 2, page, h_kv, d))
+    q = rng.standard_normal((int(q_lens.sum()), h_q, d))
+    return q, k, v, q_lens, kv_lens, table
+
+
+STEP = dict(q_lens=[1, 4, 7, 0, 3], kv_lens=[9, 30, 7, 5, 64])
+
+
+@pytest.mark.parametrize("causal,mask", [(True, False), (False, False), (True, True)])
+def test_reference_limits_give_the_plain_result(causal, mask):
+    """A window covering every key, a huge soft-cap and sinks of -inf are the plain attention."""
+    rng, _ = new_rng()
+    q, k, v, q_lens, kv_lens, table = random_step(rng, **STEP)
+    custom = np.concatenate([(rng.random((n, n)) < 0.6).ravel() for n in q_lens]) if mask else None
+    plain, plain_lse = reference.paged_attention(q, k, v, q_lens, kv_lens, table, causal=causal, custom_mask=custom,
+                                                 return_lse=True)
+    for kwargs in (dict(window=int(kv_lens.max())), dict(window=10**6), dict(soft_cap=1e7),
+                   dict(sinks=np.full(4, -np.inf)), dict(window=None, soft_cap=None, sinks=None), dict(window=-1)):
+        out, lse = reference.paged_attention(q, k, v, q_lens, kv_lens, table, causal=causal, custom_mask=custom,
+                                             return_lse=True, **kwargs)
+        np.testing.assert_allclose(out, plain, rtol=1e-9, atol=1e-12, err_msg=str(kwargs))
+        np.testing.assert_allclose(lse, plain_lse, rtol=1e-9, atol=1e-12, err_msg=str(kwargs))
+    # and a window that does cut keys changes the result
+    cut = reference.paged_attention(q, k, v, q_lens, kv_lens, table, causal=causal, custom_mask=custom, window=3)
+    assert not np.allclose(cut[:1], plain[:1])
+
+
+def one_query(scores, values, **kwargs):
+    """One query, one head (D = 1 keys of `scores` against q = 1, sm_scale 1), page size 1."""
+    n = len(scores)
+    k = np.asarray(scores, np.float64).reshape(n, 1, 1, 1)
+    v = np.asarray(values, np.float64).reshape(n, 1, 1, 1)
+    out, lse = reference.paged_attention(np.ones((1, 1, 1)), k, v, [1], [n], [list(range(n))], sm_scale=1.0,
+                                         return_lse=True, **kwargs)
+    return float(out[0, 0, 0]), float(lse[0, 0])
+
+
+def test_reference_hand_cases():
+    s, v = [0.5, -1.0, 2.0, 1.0], [3.0, -2.0, 5.0, 7.0]
+    # the window: the last query (position 3) sees keys 3 - W + 1 .. 3
+    out, lse = one_query(s, v, window=2)
+    w = np.exp([2.0, 1.0])
+    assert out == pytest.approx((w[0] * 5 + w[1] * 7) / w.sum()) and lse == pytest.approx(math.log(w.sum()))
+    out, lse = one_query(s, v, window=1)
+    assert out == pytest.approx(7.0) and lse == pytest.approx(1.0)
+    # the soft-cap: cap * tanh(s / cap) before the softmax
+    cap = 1.5
+    c = cap * np.tanh(np.array(s) / cap)
+    out, lse = one_query(s, v, soft_cap=cap)
+    assert out == pytest.approx(float(np.exp(c) @ v / np.exp(c).sum()))
+    assert lse == pytest.approx(float(np.log(np.exp(c).sum())))
+    # a sink: one more term of the denominator, with a zero value
+    out, lse = one_query(s, v, sinks=[0.25])
+    e = np.exp(s)
+    assert out == pytest.approx(float(e @ v / (e.sum() + math.exp(0.25))))
+    assert lse == pytest.approx(math.log(e.sum() + math.exp(0.25)))
+    # all three: window, then cap, then the sink
+    out, lse = one_query(s, v, window=3, soft_cap=cap, sinks=[3.0])
+    e = np.exp(c[1:])
+    assert out == pytest.approx(float(e @ v[1:] / (e.sum() + math.exp(3.0))))
+    assert lse == pytest.approx(math.log(e.sum() + math.exp(3.0)))
+
+
+def test_reference_sink_of_a_row_that_sees_nothing():
+    """A draft that sees no draft key (its mask row empty) and no prefix key (a window of 1 hides
+    it): out 0, lse the sink; without a sink lse -inf."""
+    k = np.ones((1, 4, 1, 2))
+    q = np.ones((2, 1, 2))
+    mask = np.array([[True, False], [False, False]])
+    for sinks, want in ((None, -np.inf), ([1.25], 1.25)):
+        out, lse = reference.paged_attention(q, k, k, [2], [4], [[0]], custom_mask=mask, window=1, sinks=sinks,
+                                             return_lse=True)
+        assert (out[1] == 0).all() and lse[1, 0] == want
+        assert np.isfinite(lse[0, 0])
+
+
+# ---- the API's checks (before anything touches a device) ------------------------------------------
+
+
+@pytest.mark.parametrize("window", [0, -2, True, 2.5, "4", 2**31])
+def test_plan_refuses_a_bad_window(window):
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        attention.BatchAttention(8, 2, 64).plan([1], [4], [[0]], window=window)
+
+
+@pytest.mark.parametrize("cap", [-1.0, float("nan"), float("inf"), True, "30"])
+def test_plan_refuses_a_bad_soft_cap(cap):
+    with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number"):
+        attention.BatchAttention(8, 2, 64).plan([1], [4], [[0]], logits_soft_cap=cap)
+
+
+def test_the_none_values():
+    assert attention.checked_window(None) == attention.checked_window(-1) == 0
+    assert attention.checked_window(np.int64(4096)) == 4096
+    assert attention.checked_soft_cap(None) == attention.checked_soft_cap(0) == 0.0
+    assert attention.checked_soft_cap(np.float32(30)) == 30.0
+
+
+# ---- what a step with a variant launches ---------------------------------------------------------
+
+
+class _Buf:
+    _next = [0x10000]
+
+    def __init__(self, shape=(1,)):
+        self.shape = shape
+        self.data = type("Ptr", (), {"ptr": _Buf._next[0]})()
+        _Buf._next[0] += 0x1000
+
+
+def launches(monkeypatch, q_lens, kv_lens, window=0, soft_cap=0.0, sinks=False, h_q=32, h_kv=8, d=128):
+    attn = attention.BatchAttention(h_q, h_kv, d, "bfloat16")
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    attn._buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
+    sched = schedule.schedule_step(d, h_q // h_kv, h_kv, q_lens=q_lens, kv_lens=kv_lens, window=window, **H200)
+    state = attention._PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,
+                                 300, 0, None, window=window, soft_cap=soft_cap)
+    calls = []
+    monkeypatch.setattr(_build, "launch", lambda variant, grid, params, stream, programmatic=False:
+                        calls.append((variant, params)))
+    cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16, num_pages=1000)
+    sinks_buf = _Buf((h_q,)) if sinks else None
+    attn._launch(state, _Buf(), cache, _Buf(), _Buf(), int(np.sum(q_lens)), None, sinks_buf)
+    return attn, sched, calls, sinks_buf
+
+
+@pytest.mark.parametrize("variant", ["none", "window", "softcap", "sinks"])
+def test_a_step_with_a_variant_launches_the_hooked_kernels(monkeypatch, variant):
+    q, kv = [1, 2048, 1, 4], [4096, 4096, 700, 3000]
+    window = 700 if variant == "window" else 0
+    cap = 30.0 if variant == "softcap" else 0.0
+    attn, sched, calls, sinks = launches(monkeypatch, q, kv, window, cap, variant == "sinks")
+    (long_v, long_p), (small_v, small_p), (merge_v, merge_p) = calls
+    hooked = variant != "none"
+    for v, tile in ((long_v, sched.long.tile), (small_v, sched.small.tile)):
+        assert v == schedule.attention_variant("bfloat16", schedule.with_variants(tile) if hooked else tile)
+    for p in (long_p, small_p):
+        assert p["window"] == window and p["key_base"] == attn._buffers.key_base.data.ptr
+        assert p["soft_cap_log2"] == pytest.approx(cap * 1.4426950408889634)
+        assert p["soft_cap_scale"] == pytest.approx(0.088 / cap if cap else 0.0)
+        assert p["sinks"] == (sinks.data.ptr if sinks else 0)
+    assert merge_v.source == "merge.cu" and merge_p["sinks"] == (sinks.data.ptr if sinks else 0)
+
+
+def test_a_window_shrinks_the_grid(monkeypatch):
+    """Decode B=4 over 131072 keys with a window of 4096: a grid of the window's splits."""
+    q, kv = [1] * 4, [131072] * 4
+    _, plain, _, _ = launches(monkeypatch, q, kv)
+    _, windowed, _, _ = launches(monkeypatch, q, kv, window=4096)
+    assert windowed.small.max_splits == 8 < plain.small.max_splits == 256
+    assert windowed.small.work_grid == 4 * 8 and windowed.small.ctas * 4 <= plain.small.ctas
+
+
+# ---- the variant kernels in what CI compiles and warm-up lists ---------------------------------------------
+
+
+def test_every_attention_kernel_has_a_hooked_twin_and_the_plain_names_stay():
+    """CI compiles each attention kernel twice: plain (its name as before) and with the hooks (the
+    traits' one more template argument, true)."""
+    everything = schedule.all_variants()
+    # the 16-bit kernels (an fp8 cache's, KV_BYTES = 1, have no hooked twin yet)
+    attention_kernels = {v.expression for v in everything if v.source in ("attention.cu", "prefill_sm90.cu")
+                         and "fp8_e4m3" not in v.expression}
+    # the hooked twin: VARIANTS = true after the traits' last argument (the mma.sync traits' KV_BYTES
+    # is then spelled out)
+    twin = {e: e[:-2] + (", 2, true>>" if "TileTraits<" in e else ", true>>") for e in attention_kernels}
+    plain = {e for e in attention_kernels if twin[e] in attention_kernels}
+    hooked = attention_kernels - plain
+    assert plain and len(plain) == len(hooked) and hooked == {twin[e] for e in plain}
+    assert "TileTraits<128, 1, 4, 64, 2, false>>" in schedule.attention_variant(
+        "bfloat16", schedule.small_q_tile(128, 1, 2)).expression  # the plain kernels keep their names
+    assert s9.variant("bfloat16", s9.DEFAULT_TILES[128]).expression.endswith(", 0, 2>>")
+    assert schedule.attention_variant("bfloat16", schedule.with_variants(s9.DEFAULT_TILES[128])).source == \
+        "prefill_sm90.cu"
+
+
+def test_warmup_adds_the_hooked_kernels_only_when_asked():
+    plain = schedule.warmup_variants(arch="sm_90a")
+    both = schedule.warmup_variants(arch="sm_90a", variants=True)
+    attention_kernels = [v for v in plain if v.source in ("attention.cu", "prefill_sm90.cu")]
+    assert len(both) == len(plain) + len(attention_kernels)
+    assert set(both) <= set(schedule.all_variants())
