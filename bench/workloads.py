@@ -196,6 +196,12 @@ WORKLOADS = [
     Workload("prefill_b4_l4096_sinks", 4, 4096, 4096, "attention sinks", sinks=True),
     Workload("decode_b1_l131072_w4096", 1, 1, 131072, "window of 4096 over 131072 keys: it reads the window",
              window=4096),
+    Workload("decode_b64_l4096_d96", 64, 1, 4096, "head dim 96", head_dim=96),
+    Workload("decode_b64_l4096_d192", 64, 1, 4096, "head dim 192", head_dim=192),
+    Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96 (the mma.sync prefill tile on sm_90a too)",
+             head_dim=96),
+    Workload("prefill_b4_l4096_d192", 4, 4096, 4096, "head dim 192 (the mma.sync prefill tile on sm_90a too)",
+             head_dim=192),
 ]
 BY_NAME = {w.name: w for w in WORKLOADS}
 

@@ -6,9 +6,10 @@ Public API:
     BatchAttention    ``plan(q_lens, kv_lens, page_table, ...)`` then ``run(q, cache, out=None)``.
     ForwardMode, contract_lengths   serving modes -> the contract's q_len / kv_len (cupy_fa.modes).
     GraphRunner       CUDA-graph capture and replay per (mode, batch bucket) (cupy_fa.graph).
+    merge_states      two attention states (out, natural-log lse) over disjoint keys into one (cupy_fa.merge).
     warmup            compile kernels ahead of time (cupy_fa.schedule).
     knobs             the CUPY_FA_* environment variables, read once (cupy_fa.knobs).
-    reference         float64 NumPy truth (cupy_fa.reference.paged_attention).
+    reference         float64 NumPy truth (cupy_fa.reference.paged_attention, .merge_states).
 """
 
 from . import knobs, reference
@@ -16,8 +17,9 @@ from .schedule import warmup
 from .attention import BatchAttention
 from .graph import GraphRunner
 from .kv_cache import PagedKVCache
+from .merge import merge_states
 from .modes import ForwardMode, contract_lengths, from_sglang
 
 __all__ = ["BatchAttention", "ForwardMode", "GraphRunner", "PagedKVCache", "contract_lengths", "from_sglang",
-           "knobs", "reference", "warmup"]
+           "knobs", "merge_states", "reference", "warmup"]
 __version__ = "0.1.0"

@@ -49,6 +49,10 @@ _FIELDS = {
         ("num_slots", np.int64), ("num_tokens", np.int32), ("row_chunks", np.int32), ("status", _PTR),
         ("k_scale", _PTR), ("v_scale", _PTR), ("head_chunks", np.int32),
     ],
+    "MergeStatesParams": [
+        ("out_a", _PTR), ("lse_a", _PTR), ("out_b", _PTR), ("lse_b", _PTR), ("out", _PTR), ("lse", _PTR),
+        ("rows", np.int64), ("head_dim", np.int32), ("rows_per_cta", np.int32),
+    ],
 }
 
 DTYPES = {name: np.dtype(fields, align=True) for name, fields in _FIELDS.items()}

@@ -107,7 +107,9 @@ class BatchAttention:
 
     Args:
         num_qo_heads, num_kv_heads: query and KV head counts (GQA/MQA: the first a multiple of the second).
-        head_dim: 64, 128 or 256.
+        head_dim: 64, 96, 128, 192 or 256, of q, K, V and out alike (separate qk / vo head dims, such
+            as DeepSeek's 192 / 128, are not supported). On sm_90a, requests of more than 16 tokens
+            take the wgmma family at 64, 128 and 256, the mma.sync prefill tile at 96 and 192.
         dtype: "bfloat16" or "float16" (also NumPy / ml_dtypes / torch dtypes); q, cache and out share it.
         kv_dtype: the cache's dtype: None (``dtype``), or "float8_e4m3fn" for an fp8 cache
             (:class:`PagedKVCache` with its scales) beside ``dtype`` queries and outputs; the
@@ -119,9 +121,10 @@ class BatchAttention:
             by eager plans as needed.
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
-            head dim, some but not all of the capacities, a capacity that is not a positive int
-            (``max_mask_bytes``: not negative). TypeError: a dtype other than float16 / bfloat16, a
-            kv_dtype other than ``dtype`` or float8_e4m3fn.
+            head dim (or a pair of them), some but not all of the capacities, a capacity that is
+            not a positive int (``max_mask_bytes``: not negative); an fp8 ``kv_dtype`` at head dim 96
+            or 192. TypeError: a dtype other than float16 / bfloat16, a kv_dtype other than
+            ``dtype`` or float8_e4m3fn.
         RuntimeError: capacities given on a machine without a usable CUDA device.
 
     Threads and streams: one instance owns one set of metadata buffers. Its calls may come from
@@ -145,6 +148,9 @@ class BatchAttention:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if isinstance(head_dim, (tuple, list)):
+            raise ValueError(f"separate qk / vo head dims {tuple(head_dim)} are not supported: q, K, V and out share "
+                             f"one head_dim, one of {_schedule.HEAD_DIMS} (docs/design.md, \"Head dims\")")
         if head_dim not in _schedule.HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {_schedule.HEAD_DIMS}, got {head_dim!r}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
@@ -154,6 +160,9 @@ class BatchAttention:
         self.kv_dtype_name = self.dtype_name if kv_dtype is None else _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
         if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
             raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
+        if self.kv_dtype_name == _arrays.FP8 and self.head_dim not in _schedule.FP8_HEAD_DIMS:
+            raise ValueError(f"an fp8 KV cache takes head_dim {_schedule.FP8_HEAD_DIMS}, got {self.head_dim} "
+                             f"(docs/design.md, \"Head dims\")")
         self._types = _schedule.ElementTypes(self.dtype_name, self.kv_dtype_name, self.dtype_name)
         given = (max_batch_size, max_num_tokens, max_pages_per_request)
         self._fixed_capacity = all(v is not None for v in given)

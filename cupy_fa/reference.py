@@ -23,8 +23,8 @@ import math
 
 import numpy as np
 
-__all__ = ["paged_attention", "relative_error", "check_attention", "AttentionCheck", "TOL", "MAX_ABS", "LSE_TOL",
-           "quantize_e4m3", "dequantize_e4m3", "E4M3_MAX"]
+__all__ = ["paged_attention", "merge_states", "relative_error", "check_attention", "AttentionCheck", "TOL", "MAX_ABS",
+           "LSE_TOL", "quantize_e4m3", "dequantize_e4m3", "E4M3_MAX"]
 
 # Upper bound on the elements of one score block [H_q, rows, kv_len] (float64).
 _SCORE_BUDGET = 1 << 24
@@ -239,6 +239,45 @@ def paged_attention(
             out[cu[b] + r0 : cu[b] + r1] = o.transpose(1, 0, 2)
             lse[cu[b] + r0 : cu[b] + r1] = l.T
     return (out, lse) if return_lse else out
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Float64 merge of two attention states over disjoint key sets (what
+    :func:`cupy_fa.merge_states` computes on the device).
+
+    Args:
+        out_a, out_b: ``[N, H, D]`` normalised outputs (any float dtype, NumPy / CuPy / torch).
+        lse_a, lse_b: ``[N, H]`` their natural-log LSEs (-inf: that side saw no key).
+
+    Returns:
+        ``(out, lse)`` float64 ``[N, H, D]`` and ``[N, H]``: ``lse = log(e^lse_a + e^lse_b)``,
+        ``out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b``; a row with both sides empty gets
+        ``out = 0``, ``lse = -inf`` (as :func:`paged_attention` gives a query that sees no key);
+        NaN in either side gives NaN.
+    Raises:
+        ValueError: shapes that do not match.
+    """
+    oa, ob = (np.asarray(_to_numpy(x), np.float64) for x in (out_a, out_b))
+    la, lb = (np.asarray(_to_numpy(x), np.float64) for x in (lse_a, lse_b))
+    if oa.ndim != 3 or ob.shape != oa.shape:
+        raise ValueError(f"out_a {oa.shape} / out_b {ob.shape} must both be [N, H, D]")
+    if la.shape != oa.shape[:2] or lb.shape != oa.shape[:2]:
+        raise ValueError(f"lse_a {la.shape} / lse_b {lb.shape} must be [N, H] = {oa.shape[:2]}")
+    m = np.maximum(la, lb)
+    empty = m == -np.inf
+    m_safe = np.where(empty, 0.0, m)
+    with np.errstate(invalid="ignore"):
+        wa, wb = np.exp(la - m_safe), np.exp(lb - m_safe)  # exp(-inf) = 0: an empty side weighs nothing
+        total = wa + wb
+        lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1.0, total)))
+        scale = np.where(empty, 0.0, 1.0 / np.where(empty, 1.0, total))
+        # an empty side's out is never read (it may hold anything), as in the kernel's fold
+        out = (wa * scale)[..., None] * np.where(la[..., None] == -np.inf, 0.0, oa) + \
+            (wb * scale)[..., None] * np.where(lb[..., None] == -np.inf, 0.0, ob)
+    nan = np.isnan(la) | np.isnan(lb)
+    out[nan] = np.nan
+    lse[nan] = np.nan
+    return out, lse
 
 
 # ---- fp8 (e4m3fn) KV: the quantiser the append kernel implements, and the dequantisation ----

@@ -12,8 +12,8 @@ For a planned step :func:`schedule_step` answers everything the host decides:
      the batch holds (docs/design.md, "Batch invariance");
    * longer requests (prefill, extend, chunked prefill, the long rows of a mixed batch) take
      :func:`prefill_tile`: the ``SM90_WGMMA`` family (``kernels/prefill_sm90.cu``, wgmma with a
-     producer warpgroup, sm_90a only) where the target is sm_90a, else the mma.sync prefill
-     tile (4 warps over 64 query rows). One split per CTA, no fold.
+     producer warpgroup, sm_90a only) where the target is sm_90a and the head dim 64, 128 or
+     256, else the mma.sync prefill tile (4 warps over 64 query rows). One split per CTA, no fold.
    Both read the same plan metadata (``kernels/work.cuh``, ``kernels/sm90_prefill_work.cuh``),
    each its own list with its own ``block_m`` / ``block_n``.
 2. **The fold** (:func:`fold_tile`): whether the small-q CTAs fold their splits themselves
@@ -45,7 +45,7 @@ from ._build import Variant
 
 # ---- the policy's constants ------------------------------------------------------------
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)  # 96 and 192: the mma.sync family only (prefill_tile)
 WARP_LAYOUTS = ((1, 4), (2, 4), (4, 1))  # mma.sync tiles: (warps over query rows, warps over keys)
 SMALL_Q_LEN = 16  # batches with q_len <= this are decode-like: the small-q tile and fixed-position splits
 MAX_SPLITS = 256  # KV splits of one request at most (sizes the merge's shared memory)
@@ -53,6 +53,9 @@ SPLIT_ROW_BUDGET = 128  # larger q_len: splits only while q_len x splits <= this
 PARTIAL_WORKSPACE_BYTES = 128 << 20  # split partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
 MERGE_GROUP = 8  # splits folded in order before the groups are (kernels/softmax.cuh kMergeGroup)
 FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/common.cuh fp8_e4m3): its tiles have kv_bytes=1
+# Head dims an fp8 cache takes: its rows are D / 16 chunks of 16 bytes (6 at D = 96, 12 at 192),
+# which its loads and byte swizzle need to tile the CTA evenly (docs/design.md, "Head dims")
+FP8_HEAD_DIMS = (64, 128, 256)
 # Pipeline depth of an fp8 cache's small-q tiles (the deepest that fits): a stage holds half the
 # bytes of a 16-bit one, and the deeper pipeline keeps about the bytes in flight per SM of the
 # 16-bit tiles at their default depth (docs/design.md, "fp8 KV cache").
@@ -222,7 +225,9 @@ class MmaTile:
         (as many as shared memory allows, up to what 128 registers a thread can feed)."""
         by_smem = SMEM_LIMIT // (self.smem_bytes + 1024)
         by_registers = 65536 // (self.threads * 128)
-        return 1 if self.warps_n == 1 or by_smem < 1 else min(by_smem, by_registers)
+        # TileTraits::kOneCtaForRegisters: a 96-column two-row tile with the variant hooks
+        one_for_registers = self.variants and self.warps_m > 1 and self.head_dim % 64 != 0
+        return 1 if self.warps_n == 1 or by_smem < 1 or one_for_registers else min(by_smem, by_registers)
 
     @property
     def fits(self):
@@ -296,12 +301,13 @@ def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
     target the wgmma family's default tile for the head dim (``prefill_sm90.DEFAULT_TILES``,
     128 packed rows per CTA) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
     ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target
-    named) the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA). An fp8
+    named), and at the head dims the wgmma family lacks (96, 192: docs/design.md "Head dims"),
+    the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA). An fp8
     cache (``kv_bytes=1``) takes the mma.sync prefill tile with fp8 K/V stages on every target,
     sm_90a included (the wgmma family reads 16-bit K/V only)."""
     if kv_bytes == 1:
         return MmaTile(head_dim, 4, 1, kv_bytes=1)
-    if is_sm90a(arch):
+    if is_sm90a(arch) and head_dim in _sm90().DEFAULT_TILES:
         tile = _sm90().DEFAULT_TILES[head_dim]
         if tile.smem_bytes <= smem_limit:
             return tile
@@ -675,10 +681,24 @@ def attention_variant(dtype, tile):
 def merge_variant(dtype_name, head_dim, shape):
     heads_per_cta, ways = shape
     if ways == 0:  # a way per group of splits, up to 1024 threads (32 ways at D=128: one group each)
-        ways = min(1024 // (head_dim // 4 * heads_per_cta), MAX_SPLITS // MERGE_GROUP)
+        lanes = head_dim // 4 * heads_per_cta
+        ways = min(1024 // lanes, MAX_SPLITS // MERGE_GROUP)
+        while lanes * ways % 32:  # whole warps (D = 192: 20 ways of 48 lanes): its warp-wide search
+            ways -= 1
     expr = (f"cupy_fa::merge_kernel<{_build.CTYPES[dtype_name]}, "
             f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {MAX_SPLITS}>>")
     return Variant("merge.cu", expr, head_dim // 4 * heads_per_cta * ways)
+
+
+MERGE_STATES_THREADS = 256  # kernels/merge_states.cu's launch bounds: head_dim / 4 threads a row
+
+
+@functools.lru_cache(maxsize=None)
+def merge_states_variant(dtype_name):
+    """cupy_fa.merge_states' kernel (kernels/merge_states.cu) for one output type; any head dim
+    that is a multiple of 4 up to 4 x MERGE_STATES_THREADS."""
+    return Variant("merge_states.cu", f"cupy_fa::merge_states_kernel<{_build.CTYPES[dtype_name]}>",
+                   MERGE_STATES_THREADS)
 
 
 def append_variant(index_dtype, quantize_from=None):
@@ -702,6 +722,7 @@ def all_variants(arch=None):
     CI compiles): with ``arch`` those an ``arch`` build can run (the wgmma family only for sm_90a);
     None: every one (they all compile for sm_90a)."""
     out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
+    out += [merge_states_variant(dtype_name) for dtype_name in _build.CTYPES]
     out += [append_variant(i, d) for d in _build.CTYPES for i in (np.int32, np.int64)]
     for dtype_name in _build.CTYPES:
         for head_dim in HEAD_DIMS:
@@ -718,7 +739,8 @@ def all_variants(arch=None):
             tiles += [with_variants(t) for t in tiles]  # each with the variant hooks (window, soft-cap, sinks)
             variants = (attention_variant(dtype_name, t) for t in tiles)
             out += list({v.expression: v for v in variants}.values())  # one per kernel binary
-            out += fp8_variants(dtype_name, head_dim)
+            if head_dim in FP8_HEAD_DIMS:
+                out += fp8_variants(dtype_name, head_dim)
     return out
 
 
@@ -747,16 +769,19 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
                     kv_dtypes=None, variants=False):
     """Every variant that plans with these dtypes and head dims can select under the knobs in
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
-    prefill family of the arch, the merges, plan and append). ``kv_dtypes``: the cache dtypes
-    (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache); with
-    ``variants`` each attention kernel with the variant hooks too (what steps with a window, a
-    soft-cap or sinks run)."""
+    prefill family of the arch, the merges, plan and append, and merge_states'). ``kv_dtypes``: the
+    cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
+    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each attention kernel with the
+    variant hooks too (what steps with a window, a soft-cap or sinks run)."""
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
+    wanted += [merge_states_variant(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
         for head_dim in head_dims:
             wanted += _common_variants(dtype_name, head_dim)
             for kv in (kv_dtypes or (dtype_name,)):
                 kv = FP8 if _arrays.resolve_kv_dtype(kv, "kv_dtypes") == FP8 else dtype_name
+                if kv == FP8 and head_dim not in FP8_HEAD_DIMS:
+                    continue  # no fp8 tile at this head dim (BatchAttention refuses it)
                 types = ElementTypes(dtype_name, kv, dtype_name)
                 if kv == FP8:
                     wanted += [append_variant(np.int32, dtype_name), append_variant(np.int64, dtype_name)]

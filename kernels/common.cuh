@@ -213,9 +213,31 @@ template <> struct Mma<__nv_bfloat16> {
 
 // Row-major [rows][D] tile of 16-byte chunks, chunk index XOR-ed with (row % 8):
 // the 8 rows one ldmatrix reads then hit 8 different bank groups.
+// D / 8 = 8k + 4 chunks (D = 96: 12): the chunks of whole groups of 8 as above (a row is 4 bank
+// groups off the one before it, and (4 row + (c ^ row)) % 8 still differs for the 8 rows), the
+// last 4 XOR-ed with (row / 2) % 4 (they cover 4 bank groups, the even rows one half, the odd
+// rows the other), so the XOR never leaves the row.
 template <int D>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
+  if constexpr ((D / 8) % 8 == 0) {
+    return row * D + ((chunk ^ (row & 7)) << 3);
+  } else {
+    static_assert((D / 8) % 8 == 4, "head dims of 8k or 8k + 4 16-byte chunks");
+    return row * D + ((chunk ^ (chunk < D / 8 - 4 ? (row & 7) : ((row >> 1) & 3))) << 3);
+  }
+}
+
+// The XOR staged_pair applies to pair `pair` of row `row` of a W-column fp32 staging tile:
+// 4 x (row % 8), which stays inside the pair's aligned block of 32; where W = 64k + 32 (96),
+// the last 16 pairs have no such block, and take 4 x (row % 4) inside their own 16.
+template <int W>
+__device__ __forceinline__ int staged_pair_xor(int row, int pair) {
+  static_assert(W % 64 == 0 || W % 64 == 32, "whole blocks of 16 pairs");
+  if constexpr (W % 64 == 0) {
+    return (row & 7) << 2;
+  } else {
+    return pair < W / 2 - 16 ? (row & 7) << 2 : (row & 3) << 2;
+  }
 }
 
 // The same swizzle for a [rows][D] tile of one-byte elements (an fp8 K/V tile): 16-byte chunks
@@ -245,7 +267,7 @@ __device__ __forceinline__ int swizzled_kv(int row, int chunk) {
 template <int D>
 __device__ __forceinline__ int staged_pair(int row, int pair) {
   static_assert(D >= 64, "the XOR reaches pair 31");
-  return row * D + ((pair ^ ((row & 7) << 2)) << 1);
+  return row * D + ((pair ^ staged_pair_xor<D>(row, pair)) << 1);
 }
 
 // Index of the last entry of a non-decreasing `indptr[0..n]` that is <= x, i.e.

@@ -37,11 +37,12 @@ namespace cupy_fa {
 template <typename Traits, typename QT, bool PAIRS_PERMUTED = false>
 __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, int q_start, int row0, int rows,
                                              int kv_head, int group, FastDiv by_group, int row_in_pass, int chunk) {
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, STEP = Traits::kRowStep;
+  constexpr int D = Traits::kHeadDim, STEP = Traits::kRowStep;
   const QT* q = static_cast<const QT*>(p.q);
 #pragma unroll
-  for (int i = 0; i < BM / STEP; ++i) {
+  for (int i = 0; i < Traits::kPassesM; ++i) {
     const int r = row_in_pass + i * STEP, row = row0 + r;
+    if (!Traits::loads_row(row_in_pass, r)) continue;  // past the tile (D = 96, 192 only)
     const bool valid = row < rows;
     const QT* src = q;
     if (valid) {
@@ -64,7 +65,7 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
 template <typename Traits, typename KVT>
 struct PagedKVProducer {
   static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kKVRowStep;
-  static constexpr int kRows = BN / STEP;  // key rows this thread copies per tile
+  static constexpr int kRows = Traits::kPassesN;  // key rows this thread copies per tile (at most)
   static constexpr int kPerChunk = 16 / sizeof(KVT);  // elements per 16-byte chunk: 8, or 16 for fp8
   static_assert(sizeof(KVT) == Traits::kKVBytes, "the tile's K/V element size");
 
@@ -106,7 +107,8 @@ struct PagedKVProducer {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
       // as fetched: checked where issue_rows uses them, a tile later, so the load stays in flight
       // behind this tile's math (a test here would wait for it at once)
-      pages[i] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
+      const bool mine = Traits::loads_kv_row(row_in_pass, row_in_pass + i * STEP);
+      pages[i] = (mine && tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
     }
   }
 
@@ -128,6 +130,7 @@ struct PagedKVProducer {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
+      if (!Traits::loads_kv_row(row_in_pass, r)) continue;  // past the tile (D = 96, 192 only)
       const bool valid = key < kv_end;
       const unsigned fetched = static_cast<unsigned>(pages[i]);
       highest = max(highest, fetched);

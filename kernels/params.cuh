@@ -137,4 +137,18 @@ struct AppendParams {
   int head_chunks;            // D / 8: 16-byte input chunks per KV head (row_chunks / H_kv)
 };
 
+// cupy_fa.merge_states (kernels/merge_states.cu): two attention states of the same queries over
+// disjoint key sets, each a normalised output and its natural-log LSE, into one.
+struct MergeStatesParams {
+  const void* out_a;          // [rows, D] (rows = tokens x heads), the output type
+  const float* lse_a;         // [rows] natural log; -inf: side a saw no key
+  const void* out_b;
+  const float* lse_b;
+  void* out;                  // [rows, D]; may be out_a or out_b itself (in place)
+  float* lse;                 // [rows]; may be lse_a or lse_b itself; null: not written
+  long long rows;
+  int head_dim;               // a multiple of 4, at most 4 x 256
+  int rows_per_cta;           // blockDim.x / (head_dim / 4): the rows one pass of a CTA merges
+};
+
 }  // namespace cupy_fa

@@ -213,7 +213,8 @@ struct SplitEpilogue {
       // Only real rows are staged (a decode tile has group_size of its 16), each (row, column
       // pair) as one float2 at a swizzled pair: lanes with the same tq would otherwise hit the
       // same bank 8 ways.
-      // staged_pair<W>(g, 4 j + tq) = g W + 2 tq + 8 (j ^ g % 8), and row g + 8 has the same swizzle.
+      // staged_pair<W>(g, 4 j + tq) = g W + 2 tq + 8 (j ^ g % 8), and row g + 8 has the same swizzle
+      // (W = 96: j ^ g % 4 for the last 4 blocks, common.cuh staged_pair_xor).
       float2* mine = reinterpret_cast<float2*>(staged(warp, stage) + g * W) + tq;
       const int first_real = w.row0 + wm * 16 + g;
       if constexpr (kFp8) {
@@ -234,7 +235,7 @@ struct SplitEpilogue {
 #pragma unroll
         for (int j = 0; j < kPassBlocks; ++j) {
           const int db = pass * kPassBlocks + j;
-          float2* o = mine + 4 * (j ^ (g & 7));
+          float2* o = mine + (W % 64 == 0 ? 4 * (j ^ (g & 7)) : (4 * j) ^ staged_pair_xor<W>(g, 4 * j));
           if (first_real < rows) o[0] = {acc[db][0], acc[db][1]};
           if (first_real + 8 < rows) o[4 * W] = {acc[db][2], acc[db][3]};
         }

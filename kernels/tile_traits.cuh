@@ -47,6 +47,21 @@ struct TileTraits {
   static constexpr int kKVBytes = KV_BYTES;
   static constexpr int kKVChunks = HEAD_DIM * KV_BYTES / 16;
   static constexpr int kKVRowStep = kThreads / kKVChunks;
+  // Thread t loads chunk t % kChunks of Q's rows t / kChunks, + kRowStep, ... (and chunk
+  // t % kKVChunks of a K or V tile's rows t / kKVChunks, + kKVRowStep, ...). Where the chunks do
+  // not divide the threads or a pass's rows a tile's (16-bit K/V at D = 96: 12 chunks; 192: 24),
+  // the last threads load nothing and the last pass is partial: the loads test each row
+  // (loads_row, loads_kv_row); at the other head dims the tests compile away.
+  static constexpr bool kEvenLoads = kThreads % kChunks == 0 && kBlockM % kRowStep == 0;
+  static constexpr bool kEvenKVLoads = kThreads % kKVChunks == 0 && kBlockN % kKVRowStep == 0;
+  static constexpr int kPassesM = (kBlockM + kRowStep - 1) / kRowStep;        // passes over Q's rows
+  static constexpr int kPassesN = (kBlockN + kKVRowStep - 1) / kKVRowStep;    // over a K or V tile's
+  static __device__ __forceinline__ bool loads_row(int row_in_pass, int r) {
+    return kEvenLoads || (row_in_pass < kRowStep && r < kBlockM);
+  }
+  static __device__ __forceinline__ bool loads_kv_row(int row_in_pass, int r) {
+    return kEvenKVLoads || (row_in_pass < kKVRowStep && r < kBlockN);
+  }
   static constexpr int kStageBytes = 2 * kBlockN * HEAD_DIM * KV_BYTES;          // one stage's K and V tiles
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
@@ -73,8 +88,13 @@ struct TileTraits {
   // registers (compute-bound, 2 CTAs per SM by shared memory anyway).
   static constexpr int kCtasBySmem = (227 * 1024) / (kSmemBytes + 1024);
   static constexpr int kCtasBy128Regs = 65536 / (kThreads * 128);
+  // (The two-row tile of a 96-column head dim with the variant hooks needs a register past 128:
+  // it is held to one CTA per SM, as a prefill tile is.)
+  static constexpr bool kOneCtaForRegisters = VARIANTS && WARPS_M > 1 && HEAD_DIM % 64 != 0;
   static constexpr int kMinCtasPerSm =
-      (WARPS_N == 1 || kCtasBySmem < 1) ? 1 : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
+      (WARPS_N == 1 || kCtasBySmem < 1 || kOneCtaForRegisters)
+          ? 1
+          : (kCtasBySmem < kCtasBy128Regs ? kCtasBySmem : kCtasBy128Regs);
   // Q's mma fragments (32 registers at D = 128) held across the KV tiles, loaded from shared
   // memory once, where the register file gives every thread 255 (decode-like tiles at 256
   // threads per SM: the one-row folding tile): a third of a tile's ldmatrix reads fewer.
@@ -88,11 +108,11 @@ struct TileTraits {
                 "whole slices per K (or V) tile");
   static_assert(kStagedCols >= 64 || kEpiloguePasses <= 1, "staged_pair's swizzle needs 64 columns");
   static_assert(!FOLD || WARPS_N > 1, "a fold is for small-q tiles, whose requests split");
-  static_assert(kThreads % kChunks == 0 && kBlockM % kRowStep == 0 && kBlockN % kRowStep == 0,
-                "loads must tile the CTA evenly");
+  static_assert(kRowStep >= 1 && HEAD_DIM % 16 == 0, "a pass loads whole rows of whole k16 steps");
   static_assert(KV_BYTES == 1 || kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
   static_assert(KV_BYTES == 1 || KV_BYTES == 2, "fp8, or fp16 / bf16 K/V elements");
-  static_assert(kThreads % kKVChunks == 0 && kBlockN % kKVRowStep == 0, "K/V loads must tile the CTA evenly");
+  static_assert(KV_BYTES == 2 || (kThreads % kKVChunks == 0 && kBlockN % kKVRowStep == 0),
+                "fp8 K/V loads must tile the CTA evenly (head dims 64, 128, 256)");
   static_assert(KV_BYTES == 2 || (kKeysPerWarp % 16 == 0 && HEAD_DIM % 32 == 0),
                 "fp8 fragments: pairs of 8-key blocks and of 16-byte chunks (warp_mma.cuh)");
 };

@@ -8,14 +8,15 @@ from bench import workloads as W
 
 def test_workload_set():
     names = [w.name for w in W.WORKLOADS]
-    assert len(names) == len(set(names)) == 24
+    assert len(names) == len(set(names)) == 28
     for w in W.WORKLOADS:
         assert all(1 <= q <= kv for q, kv in w.requests()) and len(w.requests()) == w.batch
-        assert w.head_dim in (64, 128, 256) and w.dtype in ("bfloat16", "float16")
+        assert w.head_dim in (64, 96, 128, 192, 256) and w.dtype in ("bfloat16", "float16")
     assert [w.name for w in W.WORKLOADS if w.kind == "compute"] == [
         "prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384", "prefill_b2_l8192_d64",
         "prefill_b2_l8192_d256", "prefill_b2_l8192_full", "prefill_b2_l8192_fp16", "extend_b8_q512_l8192",
-        "prefill_b4_l4096_w1024", "prefill_b4_l4096_cap50", "prefill_b4_l4096_sinks"]
+        "prefill_b4_l4096_w1024", "prefill_b4_l4096_cap50", "prefill_b4_l4096_sinks",
+        "prefill_b4_l4096_d96", "prefill_b4_l4096_d192"]
     assert [w.name for w in W.WORKLOADS if not w.causal] == ["prefill_b2_l8192_full"]
     assert [w.name for w in W.WORKLOADS if w.kind == "mixed"] == ["mixed_q2048_d63_l4096"]
 
@@ -110,8 +111,9 @@ def test_select_and_windows():
     assert [w.name for w in W.select(["decode"])][:2] == ["decode_b64_l4096", "decode_b16_l32768"]
     assert [w.name for w in W.select(["*_b64_*"])] == [
         "decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "draft_extend_q4_b64_l4096",
-        "decode_b64_l4096_w1024", "decode_b64_l4096_cap50", "decode_b64_l4096_sinks"]
-    assert len(W.select([])) == 24
+        "decode_b64_l4096_w1024", "decode_b64_l4096_cap50", "decode_b64_l4096_sinks",
+        "decode_b64_l4096_d96", "decode_b64_l4096_d192"]
+    assert len(W.select([])) == 28
     assert [w.name for w in W.select(["prefill_b2_l8192*"])] == [
         "prefill_b2_l8192", "prefill_b2_l8192_d64", "prefill_b2_l8192_d256", "prefill_b2_l8192_full",
         "prefill_b2_l8192_fp16"]

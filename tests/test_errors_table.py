@@ -100,7 +100,12 @@ def _(ctx):
 
 @case("attn-head-dim")
 def _(ctx):
-    return lambda: cupy_fa.BatchAttention(8, 2, 96), []
+    return lambda: cupy_fa.BatchAttention(8, 2, 80), []
+
+
+@case("attn-head-dim-pair")
+def _(ctx):
+    return lambda: cupy_fa.BatchAttention(8, 2, (192, 128)), []
 
 
 @case("attn-dtype")
@@ -772,8 +777,10 @@ def test_every_public_entry_point_has_rows():
     entries = {r["entry"].split("`")[1] if "`" in r["entry"] else r["entry"] for r in ROWS}
     for name in ("BatchAttention(...)", "BatchAttention.plan", "BatchAttention.run", "PagedKVCache(k, v)",
                  "PagedKVCache.allocate", "PagedKVCache.append", "GraphRunner(...)", "GraphRunner.run",
-                 "contract_lengths", "from_sglang", "warmup", "reference.paged_attention", "knobs.use"):
+                 "contract_lengths", "from_sglang", "warmup", "reference.paged_attention", "knobs.use",
+                 "merge_states", "reference.merge_states"):
         assert name in entries, f"docs/errors.md has no row for {name}"
     public = set(cupy_fa.__all__)
     assert public <= {"BatchAttention", "ForwardMode", "GraphRunner", "PagedKVCache", "contract_lengths",
-                      "from_sglang", "knobs", "reference", "warmup"}, f"a new public name needs its rows: {public}"
+                      "from_sglang", "knobs", "merge_states", "reference", "warmup"}, \
+        f"a new public name needs its rows: {public}"

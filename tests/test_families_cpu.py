@@ -21,9 +21,12 @@ def test_long_requests_take_the_wgmma_family_on_sm90a_only():
     q, kv = [4096, 1024], [4096, 16384]
     for head_dim in schedule.HEAD_DIMS:
         long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **H200).long
-        assert schedule.family_of(long.tile) is schedule.SM90_WGMMA
-        assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == 128
-        assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == (4096 * 4 + 1024 * 4) // 128
+        if head_dim in s9.DEFAULT_TILES:
+            assert schedule.family_of(long.tile) is schedule.SM90_WGMMA
+            assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == 128
+            assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == (4096 * 4 + 1024 * 4) // 128
+        else:  # 96, 192: no wgmma tile, the mma.sync prefill tile on sm_90a too
+            assert head_dim in (96, 192) and long.tile == schedule.MmaTile(head_dim, 4, 1)
         for target in (A100, dict(H200, arch="sm_90"), dict(H200, arch=None)):  # sm_80, a plain sm_90 build, none
             long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **target).long
             assert schedule.family_of(long.tile) is schedule.MMA_SYNC
@@ -226,8 +229,10 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     ampere = schedule.warmup_variants(smem_limit=schedule.SM80_SMEM_LIMIT, arch="sm_80", variants=True)
     assert wgmma <= set(hopper) <= everything and set(ampere) <= sm80
     mma_prefill = {schedule.attention_variant(dt, schedule.MmaTile(d, 4, 1)) for dt in _build.CTYPES
-                   for d in schedule.HEAD_DIMS}
+                   for d in s9.DEFAULT_TILES}
     assert mma_prefill <= set(ampere) and not mma_prefill & set(hopper)  # Hopper never selects it
+    no_wgmma = {schedule.attention_variant(dt, schedule.MmaTile(d, 4, 1)) for dt in _build.CTYPES for d in (96, 192)}
+    assert no_wgmma <= set(ampere) and no_wgmma <= set(hopper)  # head dims without a wgmma tile: everywhere
     variant = schedule.attention_variant("bfloat16", s9.DEFAULT_TILES[128])
     assert variant == s9.variant("bfloat16", s9.DEFAULT_TILES[128]) and variant.source == "prefill_sm90.cu"
     with pytest.raises(ValueError, match="one element type"):

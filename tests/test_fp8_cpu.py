@@ -173,7 +173,7 @@ def test_every_selectable_fp8_tile_is_compiled_in_ci():
     compiled = {v.expression for v in schedule.all_variants()}
     for dtype in _build.CTYPES:
         types = schedule.ElementTypes(dtype, "float8_e4m3fn", dtype)
-        for head_dim in schedule.HEAD_DIMS:
+        for head_dim in schedule.FP8_HEAD_DIMS:  # BatchAttention refuses an fp8 cache at the others
             for max_q_len in (1, 4, 16, 17, 4096):
                 for group in (1, 4, 8):
                     for limit in (schedule.SMEM_LIMIT, schedule.SM80_SMEM_LIMIT):

@@ -9,7 +9,8 @@ import cupy_fa
 
 @pytest.mark.parametrize("args,kwargs,exc,text", [
     ((6, 4, 64), {}, ValueError, "multiple of num_kv_heads"),
-    ((8, 2, 96), {}, ValueError, "head_dim"),
+    ((8, 2, 80), {}, ValueError, "head_dim"),
+    ((8, 2, (192, 128)), {}, ValueError, "separate qk / vo head dims"),
     ((0, 2, 64), {}, ValueError, "num_qo_heads"),
     ((8, 2, 64), {"dtype": "float32"}, TypeError, "float16 or bfloat16"),
     ((8, 2, 64), {"max_batch_size": 4}, ValueError, "give all"),
