@@ -213,6 +213,8 @@ def test_merge_states_errors_before_any_launch():
     A, LA, B, LB = (cupy.asarray(x) for x in (a, la, b, lb))
     out = cupy.full(A.shape, POISON, A.dtype)
     lse = cupy.full(LA.shape, POISON, np.float32)
+    strided = cupy.empty((6, 64, 4), A.dtype).transpose(0, 2, 1)  # [6, 4, 64], not C-contiguous
+    strided[...] = A
     cases = [
         ((a, LA, B, LB), TypeError, "out_a must be a CUDA device array"),
         ((A, LA, B[:5], LB), ValueError, "out_b has shape"),
@@ -221,7 +223,7 @@ def test_merge_states_errors_before_any_launch():
         ((A, LA, B, LB[:, :3]), ValueError, r"lse_b has shape"),
         ((A.astype(np.float32), LA, B.astype(np.float32), LB), TypeError, "float16 or bfloat16"),
         ((A[:, :, :62], LA, B[:, :, :62], LB), ValueError, "multiple of 4"),
-        ((A[:, :, 4:], LA, B[:, :, 4:], LB), ValueError, "out_a must be C-contiguous"),
+        ((strided, LA, B, LB), ValueError, "out_a must be C-contiguous"),  # the right shape, strided
         ((cupy.empty(A.size + 2, A.dtype)[2:].reshape(A.shape), LA, B, LB), ValueError,
          "out_a must start on an 8-byte"),
     ]
