@@ -61,6 +61,20 @@ def checked_soft_cap(cap):
     return float(cap)
 
 
+def refuse_fp8_variants(kv_dtype_name, window=0, soft_cap=0.0, sinks=None):
+    """An fp8 KV cache with a sliding window, a logits soft-cap or attention sinks raises
+    NotImplementedError naming them, before anything is staged or launched: the fp8 kernels have
+    no build with the variant hooks (none is compiled in CI or tested on a GPU yet)."""
+    if kv_dtype_name != _arrays.FP8:
+        return
+    given = [name for name, on in (("window", window), ("logits_soft_cap", soft_cap), ("sinks", sinks is not None))
+             if on]
+    if given:
+        raise NotImplementedError(f"{' / '.join(given)} with an fp8 KV cache (kv_dtype='float8_e4m3fn') is not "
+                                  f"supported: the fp8 kernels have no build with the variant hooks yet; use a "
+                                  f"float16 / bfloat16 cache for such layers (docs/design.md, \"Attention variants\")")
+
+
 @dataclasses.dataclass
 class _PlanState:
     batch_size: int
@@ -113,7 +127,8 @@ class BatchAttention:
         dtype: "bfloat16" or "float16" (also NumPy / ml_dtypes / torch dtypes); q, cache and out share it.
         kv_dtype: the cache's dtype: None (``dtype``), or "float8_e4m3fn" for an fp8 cache
             (:class:`PagedKVCache` with its scales) beside ``dtype`` queries and outputs; the
-            plan's tiles depend on it (every class of requests on the mma.sync family).
+            plan's tiles depend on it (every class of requests on the mma.sync family). An fp8
+            cache takes no attention variant (window, soft-cap, sinks) yet.
         max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes: capacity of the
             preallocated metadata buffers (requests, sum of q_len, page-table columns, custom-mask
             bytes). Give the first three (all or none) to allocate everything up front (needed
@@ -251,8 +266,11 @@ class BatchAttention:
             RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words; another
                 thread inside ``plan`` / ``run`` of this instance at the same time.
             ValueError (``check``): a request whose device metadata broke the contract, after a sync.
+            NotImplementedError: a ``window`` or a ``logits_soft_cap`` on an instance built with an
+                fp8 ``kv_dtype`` (the fp8 kernels have no build with the variant hooks yet).
         """
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
+        refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
         self._enter("plan")
         try:
             self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check,
@@ -403,12 +421,14 @@ class BatchAttention:
                 enough for ``ceil(kv_len / page_size)`` pages (a device page table: widths only).
             ValueError (a plan with ``check``): a request whose device metadata broke the
                 contract (a page id outside ``cache``, ...), after the launch and a sync.
+            NotImplementedError: ``sinks`` on an instance built with an fp8 ``kv_dtype``.
         Nothing is launched when it raises (but for ``check``'s, raised after the run).
 
         Device page ids are checked by the kernel against ``cache.num_pages``: a request that
         reads one outside the cache reads page 0 instead, its rows that depend on it are NaN and
         :meth:`status` names it; the others are computed exactly as without it.
         """
+        refuse_fp8_variants(self.kv_dtype_name, sinks=sinks)
         self._enter("run")
         try:
             result = self._run_step(q, cache, out, lse, return_lse, sinks)

@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from . import _arrays, knobs as _knobs, plan as _plan
-from .attention import BatchAttention
+from .attention import BatchAttention, refuse_fp8_variants
 from .kv_cache import PagedKVCache
 from .modes import ForwardMode
 
@@ -57,7 +57,8 @@ class GraphRunner:
         ValueError: a size that is not a positive int, buckets that are not positive ints or do
             not reach max_batch_size, a bad ``window`` or ``logits_soft_cap`` (as
             :meth:`BatchAttention.plan`); what :class:`BatchAttention` raises for the heads, head
-            dim and dtype. RuntimeError: no usable CUDA device.
+            dim and dtype. RuntimeError: no usable CUDA device. NotImplementedError: a ``window``
+            or ``logits_soft_cap`` with an fp8 ``kv_dtype``.
 
     It allocates its static buffers at construction: q, out, lse for ``max_batch_size x max_q_len``
     tokens here, the lengths, page table and mask in its :class:`BatchAttention`'s plan buffers
@@ -73,6 +74,8 @@ class GraphRunner:
         from .attention import _check_count, checked_soft_cap, checked_window
 
         self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
+        if kv_dtype is not None:  # before anything is allocated
+            refuse_fp8_variants(_arrays.resolve_kv_dtype(kv_dtype, "kv_dtype"), self.window, self.soft_cap)
 
         for name, value in (("max_batch_size", max_batch_size), ("max_q_len", max_q_len),
                             ("max_pages_per_request", max_pages_per_request), ("page_size", page_size)):
@@ -142,8 +145,10 @@ class GraphRunner:
                 metadata broke the contract (after a sync). TypeError: cache not a PagedKVCache.
                 RuntimeError: called inside another capture, no usable CUDA device, from a second
                 thread while another is inside ``run`` (one runner serves one call at a time).
+                NotImplementedError: ``sinks`` on a runner of an fp8 ``kv_dtype``.
         """
         mode = ForwardMode(mode)
+        refuse_fp8_variants(self.attn.kv_dtype_name, sinks=sinks)
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
         if cache.page_size != self.page_size:

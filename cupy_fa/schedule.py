@@ -668,6 +668,9 @@ def attention_variant(dtype, tile):
     if getattr(tile, "kv_bytes", 2) != types.kv_bytes:
         raise ValueError(f"internal: tile {tile} is for {getattr(tile, 'kv_bytes', 2)}-byte K/V, "
                          f"the KV type is {types.kv}")
+    if types.kv_bytes == 1 and tile.variants:
+        raise ValueError(f"internal: an fp8 cache's kernels have no build with the variant hooks (tile {tile}; "
+                         f"attention.refuse_fp8_variants refuses the step)")
     if family_of(tile) is SM90_WGMMA:
         if not types.q == types.kv == types.out:
             raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")
@@ -771,8 +774,9 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
     prefill family of the arch, the merges, plan and append, and merge_states'). ``kv_dtypes``: the
     cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
-    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each attention kernel with the
-    variant hooks too (what steps with a window, a soft-cap or sinks run)."""
+    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each 16-bit cache's attention
+    kernel with the variant hooks too (what steps with a window, a soft-cap or sinks run; an fp8
+    cache has none)."""
     wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
     wanted += [merge_states_variant(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
@@ -789,7 +793,8 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
                     tile = tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
                     folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
                     picked = [t for t in (tile, folded) if t is not None]
-                    picked += [with_variants(t) for t in picked] if variants else []
+                    # (an fp8 cache's kernels have no hooked build: BatchAttention refuses the variants there)
+                    picked += [with_variants(t) for t in picked] if variants and kv != FP8 else []
                     wanted += [attention_variant(types, t) for t in picked]
     return list({v: None for v in wanted})
 

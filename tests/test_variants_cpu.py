@@ -125,6 +125,53 @@ def test_the_none_values():
     assert attention.checked_soft_cap(np.float32(30)) == 30.0
 
 
+@pytest.mark.parametrize("variant", ["window", "logits_soft_cap", "sinks"])
+def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, variant):
+    """The fp8 kernels have no build with the variant hooks: each variant with an fp8 kv_dtype raises
+    NotImplementedError naming it (plan, run, GraphRunner and its run), before anything touches the
+    device (which here would raise RuntimeError); without the variant, or on a 16-bit cache, the
+    same calls go on to the device."""
+    from cupy_fa import GraphRunner, _arrays
+    from cupy_fa.graph import GraphRunner as Runner
+
+    monkeypatch.setattr(_arrays, "_cuda_ready", False)
+    monkeypatch.setattr(_arrays, "cuda_problem", lambda: "no NVIDIA driver was found (simulated here)")
+    fp8 = dict(kv_dtype="float8_e4m3fn")
+    sizes = dict(max_batch_size=4, max_q_len=4, max_pages_per_request=2, page_size=16)
+    on = {"window": dict(window=8), "logits_soft_cap": dict(logits_soft_cap=30.0), "sinks": {}}[variant]
+    words = f"{variant} with an fp8 KV cache"
+    if variant == "sinks":
+        sinks = np.zeros(8, np.float32)
+        with pytest.raises(NotImplementedError, match="sinks with an fp8 KV cache"):
+            attention.BatchAttention(8, 2, 64, **fp8).run(np.zeros((1, 8, 64), np.float16), None, sinks=sinks)
+        runner = types.SimpleNamespace(attn=types.SimpleNamespace(kv_dtype_name=_arrays.FP8))
+        with pytest.raises(NotImplementedError, match=words):
+            Runner.run(runner, "decode", None, None, [1], [4], [[0]], sinks=sinks)
+        with pytest.raises(RuntimeError, match="before plan"):  # 16-bit: on to the plan check
+            attention.BatchAttention(8, 2, 64).run(np.zeros((1, 8, 64), np.float16), None, sinks=sinks)
+        return
+    with pytest.raises(NotImplementedError, match=words):
+        attention.BatchAttention(8, 2, 64, **fp8).plan([1], [4], [[0]], **on)
+    with pytest.raises(NotImplementedError, match=words):
+        GraphRunner(8, 2, 64, "bfloat16", **sizes, **fp8, **on)
+    with pytest.raises(RuntimeError, match="cannot run here"):  # an fp8 cache alone: on to the device
+        attention.BatchAttention(8, 2, 64, **fp8).plan([1], [4], [[0]])
+    with pytest.raises(RuntimeError, match="cannot run here"):  # the variant on a 16-bit cache: likewise
+        attention.BatchAttention(8, 2, 64).plan([1], [4], [[0]], **on)
+    for kwargs in (fp8, on):
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            GraphRunner(8, 2, 64, "bfloat16", **sizes, **kwargs)
+
+
+def test_no_fp8_kernel_with_the_variant_hooks_is_listed_or_built():
+    warm = schedule.warmup_variants(("bfloat16",), (128,), kv_dtypes=("float8_e4m3fn",), variants=True)
+    assert any("fp8_e4m3" in v.expression for v in warm)
+    assert not any("fp8_e4m3" in v.expression and v.expression.endswith(", true>>") for v in warm)
+    types8 = schedule.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
+    with pytest.raises(ValueError, match="no build with the variant hooks"):
+        schedule.attention_variant(types8, schedule.with_variants(schedule.tile_for(128, 1, 4, kv_bytes=1)))
+
+
 # ---- what a step with a variant launches ---------------------------------------------------------
 
 
