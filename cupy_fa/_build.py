@@ -26,7 +26,6 @@ import re
 import struct
 import threading
 
-
 from . import _params
 from .knobs import knobs
 
@@ -223,8 +222,8 @@ def trace_buffer(variant):
 
 
 def launch(variant, grid, params, stream, programmatic=False):
-    """Launches one variant with its params struct on ``stream`` (a cupy Stream); a
-    tuple of structs for a kernel of several parameters.
+    """Launches one variant with its params struct (one ``__grid_constant__`` parameter:
+    kernels/params.cuh) on ``stream`` (a cupy Stream).
 
     ``programmatic=True`` launches it as a programmatic dependent of the kernel
     before it in the stream (sm_90+; kernels/common.cuh wait_for_prior_grid): its
@@ -233,13 +232,10 @@ def launch(variant, grid, params, stream, programmatic=False):
     driver entry point, the knob ``CUPY_FA_PDL=0``) it is an ordinary launch."""
     fn = get_function(variant)
     if programmatic and _programmatic_launch_enabled():
-        if isinstance(params, tuple):
-            raise ValueError("a programmatic launch takes one params struct")
         _launch_programmatic(fn, grid, variant.threads, variant.smem_bytes, stream.ptr, params)
         return
     with stream:
-        fn(tuple(grid), (variant.threads,), params if isinstance(params, tuple) else (params,),
-           shared_mem=variant.smem_bytes)
+        fn(tuple(grid), (variant.threads,), (params,), shared_mem=variant.smem_bytes)
 
 
 # ---- programmatic dependent launch through the driver (CuPy has no launch attributes) ----
