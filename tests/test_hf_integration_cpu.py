@@ -217,6 +217,13 @@ def test_refusals_name_what_is_missing():
     windowed.sliding_window = 128
     with pytest.raises(NotImplementedError, match="sliding-window"):
         hf.attention_forward(windowed, q, kv, kv, None)
+    hint = "this integration plans one step for all layers; cupy_fa.BatchAttention"  # the library has them
+    with pytest.raises(NotImplementedError, match=f"sliding-window layers .*{hint}"):
+        hf.attention_forward(windowed, q, kv, kv, None)
+    with pytest.raises(NotImplementedError, match=f"attention sinks: {hint}"):
+        hf.attention_forward(_Module(), q, kv, kv, None, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match=r"logit soft-capping \(softcap=30.0\)"):
+        hf.attention_forward(_Module(), q, kv, kv, None, softcap=30.0)
     with pytest.raises(NotImplementedError, match="dropout"):
         hf.attention_forward(_Module(), q, kv, kv, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="value head dim"):

@@ -51,8 +51,9 @@
     that order; K and V are read in place.
 
 Not supported (raises ``NotImplementedError`` before anything is written): sliding-window
-layers, attention sinks, logit soft-capping, dropout, a value head dim other than the query's.
-cupy_fa's own limits apply (float16 / bfloat16, head dim 64, 128 or 256, sm_80+).
+layers, attention sinks, logit soft-capping (this integration plans one step for all layers;
+``BatchAttention`` and ``GraphRunner`` take them), dropout, a value head dim other than the query's.
+cupy_fa's own limits apply (float16 / bfloat16, head dim 64, 96, 128, 192 or 256, sm_80+).
 
 Versions: written against transformers 5.17 (``tests/test_hf_integration_gpu.py`` checks every
 attention call of its ``generate_batch`` and ``generate`` against the float64 reference, and the
@@ -138,8 +139,10 @@ def paged_cache_views(cache, layer_idx):
     """
     window = getattr(cache, "sliding_windows", {}).get(layer_idx, 1)
     if window not in (1, None):
-        raise NotImplementedError(f"paged|cupy_fa has no sliding-window attention (layer {layer_idx} has a "
-                                  f"window of {window}); use paged|sdpa or paged|flash_attention_2 for this model")
+        raise NotImplementedError(f"paged|cupy_fa does not support sliding-window layers (layer {layer_idx} has a "
+                                  f"window of {window}): it plans one step for all layers; use paged|sdpa or "
+                                  f"paged|flash_attention_2 for this model (cupy_fa.BatchAttention.plan(window=) "
+                                  f"serves such layers outside transformers)")
     group, index = cache.layer_index_to_group_indices[layer_idx]
     shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
     return cache.key_cache[index].view(shape), cache.value_cache[index].view(shape), group
@@ -255,15 +258,21 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 # ---- what a layer may ask for -----------------------------------------------------------
 
 
+# why the variants are refused here though the library has them
+_VARIANT_HINT = (": this integration plans one step for all layers; cupy_fa.BatchAttention (plan(window=, "
+                 "logits_soft_cap=), run(sinks=)) serves such layers outside transformers")
+
+
 def _check_module(module, query, value, dropout, kwargs, name):
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     if window not in (None, 0, False):
-        raise NotImplementedError(f"{name} has no sliding-window attention (layer "
-                                  f"{getattr(module, 'layer_idx', '?')} has a window of {window})")
+        raise NotImplementedError(f"{name} does not support sliding-window layers (layer "
+                                  f"{getattr(module, 'layer_idx', '?')} has a window of {window}){_VARIANT_HINT}")
     if getattr(module, "sinks", None) is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{name} has no attention sinks")
+        raise NotImplementedError(f"{name} does not support attention sinks{_VARIANT_HINT}")
     if kwargs.get("softcap"):
-        raise NotImplementedError(f"{name} has no logit soft-capping (softcap={kwargs['softcap']})")
+        raise NotImplementedError(f"{name} does not support logit soft-capping (softcap={kwargs['softcap']})"
+                                  f"{_VARIANT_HINT}")
     if dropout:
         raise NotImplementedError(f"{name} is for inference: dropout must be 0, got {dropout}")
     if value.shape[-1] != query.shape[-1]:
