@@ -264,9 +264,11 @@ class _Buf:
         _Buf._next[0] += 0x1000
 
 
-def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target):
+def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target, window=0, soft_cap=0.0,
+                      sinks=None):
     """The (variant, grid, params, programmatic) of each launch BatchAttention.run makes for a
-    step planned with `target`'s schedule (the plan kernel itself not run)."""
+    step planned with `target`'s schedule (the plan kernel itself not run); with a ``window``, a
+    ``soft_cap`` or a ``sinks`` buffer (tests/test_variants_cpu.py)."""
     import types
 
     from cupy_fa import attention
@@ -275,14 +277,15 @@ def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target)
     names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
              "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
     attn._buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
-    sched = schedule.schedule_step(head_dim, h_q // h_kv, h_kv, q_lens=q_lens, kv_lens=kv_lens, **target)
+    sched = schedule.schedule_step(head_dim, h_q // h_kv, h_kv, q_lens=q_lens, kv_lens=kv_lens, window=window,
+                                   **target)
     state = attention._PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,
-                                 300, 0, None)
+                                 300, 0, None, window=window, soft_cap=soft_cap)
     calls = []
     monkeypatch.setattr(_build, "launch", lambda variant, grid, params, stream, programmatic=False:
                         calls.append((variant, tuple(grid), params, programmatic)))
     cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16, num_pages=1000)
-    attn._launch(state, _Buf(), cache, _Buf(), _Buf(), int(np.sum(q_lens)), None)
+    attn._launch(state, _Buf(), cache, _Buf(), _Buf(), int(np.sum(q_lens)), None, sinks)
     return attn, sched, calls
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from cases import new_rng
-from cupy_fa import _build, attention, plan, reference, schedule
+from test_families_cpu import _Buf, recorded_launches
+from cupy_fa import attention, reference, schedule
 from cupy_fa import prefill_sm90 as s9
 
 H200 = dict(smem_limit=schedule.SMEM_LIMIT, sm_count=132, arch="sm_90a")
@@ -132,7 +133,6 @@ def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, varian
     device (which here would raise RuntimeError); without the variant, or on a 16-bit cache, the
     same calls go on to the device."""
     from cupy_fa import GraphRunner, _arrays
-    from cupy_fa.graph import GraphRunner as Runner
 
     monkeypatch.setattr(_arrays, "_cuda_ready", False)
     monkeypatch.setattr(_arrays, "cuda_problem", lambda: "no NVIDIA driver was found (simulated here)")
@@ -146,7 +146,7 @@ def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, varian
             attention.BatchAttention(8, 2, 64, **fp8).run(np.zeros((1, 8, 64), np.float16), None, sinks=sinks)
         runner = types.SimpleNamespace(attn=types.SimpleNamespace(kv_dtype_name=_arrays.FP8))
         with pytest.raises(NotImplementedError, match=words):
-            Runner.run(runner, "decode", None, None, [1], [4], [[0]], sinks=sinks)
+            GraphRunner.run(runner, "decode", None, None, [1], [4], [[0]], sinks=sinks)
         with pytest.raises(RuntimeError, match="before plan"):  # 16-bit: on to the plan check
             attention.BatchAttention(8, 2, 64).run(np.zeros((1, 8, 64), np.float16), None, sinks=sinks)
         return
@@ -175,30 +175,12 @@ def test_no_fp8_kernel_with_the_variant_hooks_is_listed_or_built():
 # ---- what a step with a variant launches ---------------------------------------------------------
 
 
-class _Buf:
-    _next = [0x10000]
-
-    def __init__(self, shape=(1,)):
-        self.shape = shape
-        self.data = type("Ptr", (), {"ptr": _Buf._next[0]})()
-        _Buf._next[0] += 0x1000
-
-
 def launches(monkeypatch, q_lens, kv_lens, window=0, soft_cap=0.0, sinks=False, h_q=32, h_kv=8, d=128):
-    attn = attention.BatchAttention(h_q, h_kv, d, "bfloat16")
-    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
-             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
-    attn._buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
-    sched = schedule.schedule_step(d, h_q // h_kv, h_kv, q_lens=q_lens, kv_lens=kv_lens, window=window, **H200)
-    state = attention._PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,
-                                 300, 0, None, window=window, soft_cap=soft_cap)
-    calls = []
-    monkeypatch.setattr(_build, "launch", lambda variant, grid, params, stream, programmatic=False:
-                        calls.append((variant, params)))
-    cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16, num_pages=1000)
+    """(attn, schedule, [(variant, params)] of the launches, the sinks buffer) of a step on the H200."""
     sinks_buf = _Buf((h_q,)) if sinks else None
-    attn._launch(state, _Buf(), cache, _Buf(), _Buf(), int(np.sum(q_lens)), None, sinks_buf)
-    return attn, sched, calls, sinks_buf
+    attn, sched, calls = recorded_launches(monkeypatch, d, h_q, h_kv, q_lens, kv_lens, H200, window, soft_cap,
+                                           sinks_buf)
+    return attn, sched, [(variant, params) for variant, _, params, _ in calls], sinks_buf
 
 
 @pytest.mark.parametrize("variant", ["none", "window", "softcap", "sinks"])
