@@ -190,7 +190,7 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
     groups, with empty splits (causal clip) among them, and correct against float64."""
     import cupy
     import cupy_fa
-    from cupy_fa import _build, reference, schedule
+    from cupy_fa import reference, schedule
 
     rng, _ = new_rng()
     h_q, h_kv = 12, 4  # 3 CTAs of the wide shape, the last one half empty (12 heads, 8 per CTA)
