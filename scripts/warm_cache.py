@@ -20,17 +20,21 @@ except ImportError:  # a tree from before cupy_fa/schedule.py
     VARIANTS = _build.all_variants()
 
 
-def compile_one(i):
-    """Compiles variant i on this worker's device, unless the device's target cannot run it (the
-    sm_90a-only wgmma family elsewhere): returns i, or None for a variant left out."""
-    variant = VARIANTS[i]
+def compile_variant(variant):
+    """Compiles ``variant`` on this worker's device, unless the device's target cannot run it (the
+    sm_90a-only wgmma family elsewhere): True when compiled (scripts/warm_fp8.py uses it too)."""
     if variant.source == "prefill_sm90.cu":
         import cupy
 
         if not _build.device_arch(cupy.cuda.Device()).endswith("90a"):
-            return None
+            return False
     _build.get_function(variant)
-    return i
+    return True
+
+
+def compile_one(i):
+    """Compiles variant i: returns i, or None for a variant left out."""
+    return i if compile_variant(VARIANTS[i]) else None
 
 
 def head_dim_of(variant):

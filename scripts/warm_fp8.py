@@ -8,20 +8,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from cupy_fa import _build, schedule
+from warm_cache import compile_variant
 
 VARIANTS = schedule.warmup_variants(("float16", "bfloat16"), schedule.HEAD_DIMS, schedule.SMEM_LIMIT, "sm_90a",
                                     kv_dtypes=("float16", schedule.FP8))
 
 
 def compile_one(i):
-    variant = VARIANTS[i]
-    if variant.source == "prefill_sm90.cu":
-        import cupy
-
-        if not _build.device_arch(cupy.cuda.Device()).endswith("90a"):
-            return None
-    _build.get_function(variant)
-    return i
+    return i if compile_variant(VARIANTS[i]) else None
 
 
 if __name__ == "__main__":
