@@ -90,7 +90,8 @@ def paged_attention(
 
     Args:
         q: ``[sum(q_lens), H_q, D]`` queries.
-        k_cache, v_cache: ``[num_pages, page_size, H_kv, D]``.
+        k_cache, v_cache: ``[num_pages, page_size, H_kv, D]`` (any float dtype; uint8 or
+            ml_dtypes float8_e4m3fn: an fp8 cache's bytes, see ``k_scale``).
         q_lens, kv_lens: ``[B]`` int; ``0 <= q_len <= kv_len`` (``q_len == 0``: padded row).
         page_table: ``[B, max_pages]`` int physical page ids.
         causal: bottom-right aligned; query i of b sees keys ``0 .. kv_len - q_len + i``.
@@ -121,7 +122,12 @@ def paged_attention(
     Returns:
         ``out`` float64 ``[sum(q_lens), H_q, D]``, and with ``return_lse`` also ``lse``
         float64 ``[sum(q_lens), H_q]`` (natural log). A query that sees no key gets
-        ``out = 0`` and ``lse = -inf``.
+        ``out = 0`` and ``lse = -inf`` (with sinks: ``lse = sinks[h]``).
+    Raises:
+        ValueError: shapes that do not fit, ``q`` rows other than ``sum(q_lens)``, ``q_len >
+            kv_len``, a page id outside the cache or a page table too narrow, a flat custom mask
+            of another size, a bad ``window`` / ``soft_cap``, ``sinks`` not one per query head
+            (docs/errors.md).
     """
     q = _to_numpy(q)
     k_cache = _to_numpy(k_cache)
