@@ -114,6 +114,11 @@ def _(ctx):
     return lambda: cupy_fa.BatchAttention(8, 2, 64, "float32"), []
 
 
+@case("attn-kv-dtype")
+def _(ctx):
+    return lambda: cupy_fa.BatchAttention(8, 2, 64, "bfloat16", kv_dtype="float16"), []
+
+
 @case("attn-some-capacities")
 def _(ctx):
     return lambda: cupy_fa.BatchAttention(8, 2, 64, max_batch_size=4), []
