@@ -1,6 +1,6 @@
 """Serving modes -> the contract's ``q_len`` / ``kv_len``, in one documented place.
 
-The contract (DESIGN.md section 2): ``q_len`` = query tokens of this step,
+The contract (docs/design.md, "The contract" and "Forward modes"): ``q_len`` = query tokens of this step,
 ``kv_len`` = valid keys in the cache AFTER this step's K/V were written.
 Engines hold other extents, and mixing them up is exactly the bug this library
 exists to prevent (sglang's DRAFT_EXTEND_V2 regression: a prefix-only extent

@@ -77,7 +77,7 @@ def test_causal_flops_exact():
     w = W.BY_NAME["prefill_b4_l4096"]
     assert w.visible_keys() == 4096 * 4097 // 2
     assert w.flops() == 4 * 4 * 32 * 128 * 4096 * 4097 // 2
-    # within 0.03% of DESIGN.md's 4 * B * H * L * L * D / 2
+    # within 0.03% of the usual causal count 4 * B * H * L * L * D / 2
     assert abs(w.flops() / (4 * 4 * 32 * 4096 * 4096 * 128 / 2) - 1) < 3e-4
     # extend: 1024 queries over a 15360 prefix
     e = W.BY_NAME["extend_b4_q1024_l16384"]

@@ -119,7 +119,7 @@ def test_no_write_into_shared_pages():
 
 
 def test_checks_catch_a_draft_extend_that_misses_its_own_kv(monkeypatch):
-    """The seed regression (DESIGN.md section 2): DRAFT_EXTEND_V2 planned with kv_len = prefix
+    """The seed regression (docs/design.md, "Forward modes"): DRAFT_EXTEND_V2 planned with kv_len = prefix
     only. Speculative output stays correct (the target verifies), so only the draft-extend
     consistency check can see it -- it must."""
     plan = engine.TorchRefBackend.plan
