@@ -22,8 +22,6 @@
 
 namespace cupy_fa {
 
-constexpr float kLog2eMerge = 1.4426950408889634f;  // natural-log LSE into the base-2 state
-
 template <typename T>
 __device__ __forceinline__ float4 unpack4(const void* base, i64 at) {
   const uint2 packed = *(reinterpret_cast<const uint2*>(static_cast<const T*>(base) + at));
@@ -51,8 +49,8 @@ __global__ void __launch_bounds__(256) merge_states_kernel(const __grid_constant
     __syncthreads();  // every read of this pass before any write (in place: out is out_a, ...)
     if (live) {
       MergeState state = MergeState::empty();
-      state.fold(__fmul_rn(lse_a, kLog2eMerge), 1.f, a);
-      state.fold(__fmul_rn(lse_b, kLog2eMerge), 1.f, b);
+      state.fold(__fmul_rn(lse_a, kLog2e), 1.f, a);  // the natural-log LSE into the base-2 state
+      state.fold(__fmul_rn(lse_b, kLog2e), 1.f, b);
       const float merged[4] = {state.o.x, state.o.y, state.o.z, state.o.w};
       store_scaled4(static_cast<T*>(p.out) + at, merged, inverse_sum(state.l));  // NaN stays NaN
       if (c4 == 0 && p.lse != nullptr) p.lse[row] = natural_lse(state.m, state.l);
