@@ -206,12 +206,7 @@ class Fp8Engine(Engine):
     def write(self, rids, new_lens):
         import cupy
 
-        slots = []
-        for rid, n in zip(rids, new_lens):
-            for pos in range(self.length[rid], self.length[rid] + int(n)):
-                if pos // self.page_size >= len(self.pages[rid]):
-                    self.pages[rid].append(self.free.pop())
-                slots.append(self.pages[rid][pos // self.page_size] * self.page_size + pos % self.page_size)
+        slots = self.new_slots(rids, new_lens)
         if not slots:
             return
         shape = (len(slots), self.h_kv, self.d)

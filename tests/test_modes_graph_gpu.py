@@ -49,16 +49,22 @@ class Engine:
         for rid, n in zip(rids, new_lens):
             self.length[rid] += int(n)
 
-    def write(self, rids, new_lens):
-        """Writes K/V of the new tokens (positions length .. length+new-1) of each request."""
-        import cupy
-
+    def new_slots(self, rids, new_lens):
+        """The slots of the new tokens (positions length .. length+new-1) of each request, pages
+        taken from the free list as they are needed."""
         slots = []
         for rid, n in zip(rids, new_lens):
             for pos in range(self.length[rid], self.length[rid] + int(n)):
                 if pos // self.page_size >= len(self.pages[rid]):
                     self.pages[rid].append(self.free.pop())
                 slots.append(self.pages[rid][pos // self.page_size] * self.page_size + pos % self.page_size)
+        return slots
+
+    def write(self, rids, new_lens):
+        """Writes K/V of the new tokens (positions length .. length+new-1) of each request."""
+        import cupy
+
+        slots = self.new_slots(rids, new_lens)
         if not slots:
             return
         shape = (len(slots), self.h_kv, self.d)
