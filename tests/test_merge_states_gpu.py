@@ -225,7 +225,7 @@ def test_merge_states_errors_before_any_launch():
         ((A[:, :, :62], LA, B[:, :, :62], LB), ValueError, "multiple of 4"),
         ((strided, LA, B, LB), ValueError, "out_a must be C-contiguous"),  # the right shape, strided
         ((cupy.empty(A.size + 2, A.dtype)[2:].reshape(A.shape), LA, B, LB), ValueError,
-         "out_a must start on an 8-byte"),
+         "out_a must start on a 8-byte"),
     ]
     for args, exc, match in cases:
         with pytest.raises(exc, match=match):
