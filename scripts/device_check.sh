@@ -25,11 +25,11 @@ t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the ben
 summary=$OUT/summary.txt; : > "$summary"
 check_failed=0  # 1 once a stage that checks something (the GPU tests) found a problem
 
-if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer carried as an archive (scripts/pack_flashinfer.sh)
+if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer as an archive (scripts/pack_flashinfer.sh)
   mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi \
     && export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-else  # the archive is git-ignored: a device call has it only when it carries .fi
-  echo "flashinfer: .fi/flashinfer.tar.xz absent (not carried?): the bench runs without it" >> "$summary"
+else  # the archive is git-ignored: a checkout has it only where it was copied in
+  echo "flashinfer: .fi/flashinfer.tar.xz absent: the bench runs without it" >> "$summary"
 fi
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader

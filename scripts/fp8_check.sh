@@ -30,7 +30,7 @@ if [ -f .fi/flashinfer.tar.xz ]; then
   mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi \
     && export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws && peers=
 else
-  echo "flashinfer: .fi/flashinfer.tar.xz absent (not carried?): the bench runs without it" >> "$summary"
+  echo "flashinfer: .fi/flashinfer.tar.xz absent: the bench runs without it" >> "$summary"
 fi
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c 'import cupy, numpy, torch; print("cupy", cupy.__version__, "numpy", numpy.__version__, "torch", torch.__version__)'

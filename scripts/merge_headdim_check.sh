@@ -9,7 +9,7 @@
 #    page sizes 1 and 16, decode == verify bits); any failure, error or skip fails the call;
 # 3. examples/cascade_shared_prefix.py as a user runs it;
 # 4. the bench cells at head dims 96 / 192 (decode B=64 L=4096, prefill B=4 L=4096, page size 16):
-#    ours beside SDPA, then beside FlashInfer too when .fi/flashinfer.tar.xz is carried
+#    ours beside SDPA, then beside FlashInfer too when .fi/flashinfer.tar.xz is present
 #    (scripts/pack_flashinfer.sh), in the time left (FlashInfer compiles each new head dim's
 #    kernel on first use: cells past the time left are named as skipped; BENCH_WORKLOADS picks
 #    the cells, CHECK_SECONDS=400 gives them all their time).
@@ -23,11 +23,11 @@ left() { echo $(( limit - ($(date +%s) - t0) )); }
 summary=$OUT/summary.txt; : > "$summary"
 failed=0
 
-if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer carried as an archive (scripts/pack_flashinfer.sh)
+if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer as an archive (scripts/pack_flashinfer.sh)
   mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi \
     && export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 else
-  echo "flashinfer: .fi/flashinfer.tar.xz absent (not carried?): the bench runs without it" >> "$summary"
+  echo "flashinfer: .fi/flashinfer.tar.xz absent: the bench runs without it" >> "$summary"
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"; } 2>&1 | tee -a "$summary"

@@ -13,7 +13,7 @@
 #      extend_b4_q1024_l16384 (page 16 and 1), D 64 / 256, non-causal, fp16, the long-prefix extend
 #      and the ragged mixed batch (page 16);
 # then a short table last.
-# Usage on the device machine, from the repo root (FlashInfer when .fi is carried, as device_check.sh):
+# Usage on the device machine, from the repo root (FlashInfer when .fi/flashinfer.tar.xz is present, as device_check.sh):
 #   bash scripts/prefill_family_check.sh [OLD_TREE]
 # OLD_TREE (default exp/base): a directory with the old revision's cupy_fa/, kernels/ and bench/, made
 # before the call with `mkdir -p exp/base && git archive a1fec95 | tar -x -C exp/base` (untracked: it
@@ -29,11 +29,11 @@ summary=$OUT/summary.txt; : > "$summary"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$summary"; }
 
-if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer carried as an archive (scripts/pack_flashinfer.sh)
+if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer as an archive (scripts/pack_flashinfer.sh)
   mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi \
     && export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 else
-  echo "flashinfer: .fi/flashinfer.tar.xz absent (not carried?): the bench runs without it" | tee -a "$summary"
+  echo "flashinfer: .fi/flashinfer.tar.xz absent: the bench runs without it" | tee -a "$summary"
 fi
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c 'import cupy, torch; print("cupy", cupy.__version__, "torch", torch.__version__)'

@@ -3,7 +3,7 @@
 # about 200 s on an H200: their GPU tests (every mode eager and graph, both kernel families,
 # decode == verify, reads bounded by the window, the plan kernel against its model, the error
 # rows), then their bench cells beside the plain ones, ours first, then beside FlashInfer where
-# .fi/flashinfer.tar.xz was carried (scripts/pack_flashinfer.sh). The summary is printed last.
+# .fi/flashinfer.tar.xz is present (scripts/pack_flashinfer.sh). The summary is printed last.
 # Usage, from the repository root: bash scripts/variants_check.sh
 # Knobs: TOTAL_SECONDS (default 200: the FlashInfer cells get what is left of it; FlashInfer
 # JIT-compiles each variant's module on first use, tens of seconds each, so a cold machine needs
@@ -18,11 +18,11 @@ t0=$(date +%s)
 summary=$OUT/variants_summary.txt; : > "$summary"
 failed=0
 
-if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer carried as an archive (as scripts/device_check.sh unpacks it)
+if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer as an archive (as scripts/device_check.sh unpacks it)
   mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi \
     && export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws && have_fi=1
 else
-  have_fi=0; echo "flashinfer: .fi/flashinfer.tar.xz absent (not carried?): ours alone" >> "$summary"
+  have_fi=0; echo "flashinfer: .fi/flashinfer.tar.xz absent: ours alone" >> "$summary"
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log --oneline -1 2>/dev/null; } 2>&1 \
   | tee -a "$summary"
