@@ -53,17 +53,7 @@ if want tests; then
   [ -s "$CUPY_FA_FAILURE_LOG" ] && { echo "failure reasons (first lines each):"; grep -A3 "^====" "$CUPY_FA_FAILURE_LOG" | head -40; } >> "$summary"
   echo "pytest: $(tail -n 1 "$OUT/pytest.log") ($(( $(date +%s) - start )) s)" >> "$summary"
   # the counts from the JUnit file: on the GPU machine every GPU test runs, none skips
-  counts=$(python3 - "$OUT/junit.xml" <<'PY'
-import sys, xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except Exception as exc:
-    print(f"-1 -1 -1 -1 ({exc})"); sys.exit()
-suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-print(total["tests"], total["failures"], total["errors"], total["skipped"])
-PY
-)
+  counts=$(python3 scripts/junit_counts.py "$OUT/junit.xml")
   read -r n_tests n_failed n_errors n_skipped _ <<< "$counts"
   echo "GPU tests: $n_tests collected, $n_failed failed, $n_errors errors, $n_skipped skipped${EXPECT_TESTS:+ (expected $EXPECT_TESTS)}" >> "$summary"
   if [ "$n_tests" = -1 ]; then

@@ -55,16 +55,7 @@ test_rc=$?
 grep -E "FAILED|ERROR|Timeout" "$OUT/fp8_pytest.log" | head -20 >> "$summary"
 [ -s "$CUPY_FA_FAILURE_LOG" ] && { echo "failure reasons (first lines each):"; grep -A6 "^====" "$CUPY_FA_FAILURE_LOG" | head -60; } >> "$summary"
 echo "pytest: $(tail -n 1 "$OUT/fp8_pytest.log") ($(( $(date +%s) - start )) s)" >> "$summary"
-read -r n_tests n_failed n_errors n_skipped _ <<< "$(python3 - "$OUT/fp8_junit.xml" <<'PY'
-import sys, xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except Exception as exc:
-    print(f"-1 -1 -1 -1 ({exc})"); sys.exit()
-suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-print(*(sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")))
-PY
-)"
+read -r n_tests n_failed n_errors n_skipped _ <<< "$(python3 scripts/junit_counts.py "$OUT/fp8_junit.xml")"
 echo "fp8 GPU tests: $n_tests collected, $n_failed failed, $n_errors errors, $n_skipped skipped" >> "$summary"
 if [ "$n_tests" = -1 ] || [ "$test_rc" != 0 ] || [ "$n_failed" != 0 ] || [ "$n_errors" != 0 ] || [ "$n_skipped" != 0 ] \
    || [ "$n_tests" -le 0 ]; then

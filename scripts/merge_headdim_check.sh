@@ -49,17 +49,8 @@ OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout $(( $(left) -
 rc=$?
 grep -E "FAILED|ERROR|Timeout|SKIPPED" "$OUT/pytest.log" | head -20 >> "$summary"
 [ -s "$CUPY_FA_FAILURE_LOG" ] && { echo "failure reasons:"; grep -A4 "^====" "$CUPY_FA_FAILURE_LOG" | head -40; } >> "$summary"
-counts=$(python3 - "$OUT/junit.xml" <<'PY'
-import sys, xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except Exception as exc:
-    print(f"-1 -1 -1 -1"); sys.exit()
-suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-print(*(sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")))
-PY
-)
-read -r n_tests n_failed n_errors n_skipped <<< "$counts"
+counts=$(python3 scripts/junit_counts.py "$OUT/junit.xml")
+read -r n_tests n_failed n_errors n_skipped _ <<< "$counts"
 echo "GPU tests: $n_tests collected, $n_failed failed, $n_errors errors, $n_skipped skipped, pytest exit $rc ($(( $(date +%s) - start )) s)" >> "$summary"
 if [ "$rc" != 0 ] || [ "$n_tests" -le 0 ] || [ "$n_failed" != 0 ] || [ "$n_errors" != 0 ] || [ "$n_skipped" != 0 ]; then
   echo "ERROR: the GPU tests did not all pass (a skip counts: on a GPU machine none may)" >> "$summary"; failed=1

@@ -60,17 +60,8 @@ OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout ${TEST_SECOND
 test_rc=$?
 grep -E "^(FAILED|ERROR)|Timeout" "$OUT/variants_pytest.log" | head -20 >> "$summary"
 echo "pytest: $(tail -n 1 "$OUT/variants_pytest.log") ($(( $(date +%s) - start )) s, exit $test_rc)" >> "$summary"
-counts=$(python3 - "$OUT/variants_junit.xml" <<'PY'
-import sys, xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except Exception as exc:
-    print(f"-1 -1 -1 -1"); sys.exit()
-suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-print(*(sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")))
-PY
-)
-read -r n_tests n_failed n_errors n_skipped <<< "$counts"
+counts=$(python3 scripts/junit_counts.py "$OUT/variants_junit.xml")
+read -r n_tests n_failed n_errors n_skipped _ <<< "$counts"
 echo "GPU tests: $n_tests collected, $n_failed failed, $n_errors errors, $n_skipped skipped" >> "$summary"
 if [ "$test_rc" != 0 ] || [ "$n_tests" -le 0 ] || [ "$n_failed" != 0 ] || [ "$n_errors" != 0 ] || [ "$n_skipped" != 0 ]; then
   echo "ERROR: the variants' GPU tests did not all pass (see $OUT/variants_pytest.log)" >> "$summary"; failed=1
