@@ -12,9 +12,9 @@ import re
 import numpy as np
 import pytest
 
-from cases import (FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, fp8_scales, holey_masks, new_rng,
+from cases import (FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, fp8_scales, new_rng,
                    np_dtype, paged_layout, poisoned, random_lengths, tree_masks)
-from test_modes_graph_gpu import Engine, schedule as mode_schedule, step_lengths
+from test_modes_graph_gpu import Engine, engine_setup, engine_steps
 
 from cupy_fa.modes import ForwardMode
 
@@ -232,8 +232,6 @@ def test_fp8_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_
     IDLE) through a GraphRunner over an fp8 cache, eager and replayed: against float64 on the
     dequantised cache, eager == graph bit for bit, the tail untouched; and the fp8 step's error
     against the same step over the 16-bit cache (printed)."""
-    import cupy
-    import cupyx
     import cupy_fa
     from cupy_fa import reference
 
@@ -248,35 +246,9 @@ def test_fp8_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_
               tree_mask=True)
     runner = cupy_fa.GraphRunner(heads[0], heads[1], head_dim, dtype, kv_dtype=FP8, **kw)
     runner16 = cupy_fa.GraphRunner(heads[0], heads[1], head_dim, dtype, **kw)
-    for rid in range(7):
-        engine.add(rid)
-    for rids, lens in ((list(range(5)), [int(rng.integers(0, 1500)) for _ in range(5)]), ([5, 6], [0, 700])):
-        engine.write(rids, lens)
-        engine.commit(rids, lens)
-    for mode, rids, extra in mode_schedule(rng):
-        q_lens, kv_lens = step_lengths(rng, engine, mode, rids, max_q)
-        engine.write(rids, q_lens)
-        table = engine.table(rids, max_pages)
-        total = int(np.sum(q_lens))
-        q = cupy.asarray(engine.queries(total))
-        masks = {"tree": tree_masks, "holes": holey_masks}.get(extra)
-        mask = np.concatenate([m.ravel() for m in masks(rng, q_lens)]) if masks else None
-        runner.out.fill(POISON)
-        runner.lse.fill(POISON)
-        runner.run(mode, q, engine.cache, q_lens, kv_lens, table, custom_mask=mask, use_graph=False, return_lse=True)
-        cupy.cuda.get_current_stream().synchronize()
-        eager = runner.out.get(), runner.lse.get()
-        args = (mode, q, engine.cache, cupy.asarray(q_lens, np.int32), cupy.asarray(kv_lens, np.int32),
-                cupy.asarray(table))
-        dev_mask = None if mask is None else cupy.asarray(mask)
-        runner.run(*args, custom_mask=dev_mask, return_lse=True)  # first use of a bucket captures
-        runner.out.fill(POISON)
-        runner.lse.fill(POISON)
-        with cupyx.allow_synchronize(False):
-            runner.run(*args, custom_mask=dev_mask, return_lse=True)
-        cupy.cuda.get_current_stream().synchronize()
-        graph = runner.out.get(), runner.lse.get()
-        name = mode.name + ({"tree": "_TREE", "holes": "_TREE_HOLES"}.get(extra, ""))
+    engine_setup(rng, engine)
+    for step in engine_steps(rng, engine, runner, max_q, max_pages):
+        mode, name, q_lens, kv_lens, table, total, q, mask, eager, graph = step[:10]
         if total:
             ref, ref_lse = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), q_lens,
                                                      kv_lens, table, custom_mask=mask, return_lse=True,
@@ -301,7 +273,6 @@ def test_fp8_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_
                   f"{err_ref16:.3e}; {scale_kind} scales, D={head_dim}, page {page_size})")
             report(mode=name, dtype=dtype, d=head_dim, page=page_size, scales=scale_kind, fp8_vs_16bit=err,
                    fp8_vs_ref=check.worst.get("request_rel", (0.0,))[0], ref16=err_ref16)
-        engine.commit(rids, q_lens)
     assert runner.num_graphs >= 8
 
 

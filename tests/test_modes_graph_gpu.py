@@ -4,6 +4,7 @@ each run and its tail past the live rows checked untouched, eager == graph bit f
 
 import json
 import os
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -134,13 +135,73 @@ def poison(runner):
     runner.lse.fill(POISON)
 
 
+def engine_setup(rng, engine):
+    """Seven requests, five and then two of them prefilled with long prefixes (split-KV and the
+    merge from the first steps on)."""
+    for rid in range(7):
+        engine.add(rid)
+    for rids, lens in ((list(range(5)), [int(rng.integers(0, 1500)) for _ in range(5)]), ([5, 6], [0, 700])):
+        engine.write(rids, lens)
+        engine.commit(rids, lens)
+
+
+class EngineStep(NamedTuple):
+    mode: ForwardMode
+    name: str          # the mode, with _TREE / _TREE_HOLES for the custom-mask verify steps
+    q_lens: np.ndarray
+    kv_lens: np.ndarray
+    table: np.ndarray
+    total: int         # query rows of the step
+    q: object          # the step's queries (CuPy)
+    mask: object       # the flat custom mask (host) or None
+    eager: tuple       # (out, lse) of the eager run, host copies of the whole static buffers
+    graph: tuple       # the same of the measured replay
+    view: object       # the replay's returned out and lse views
+    lse_view: object
+
+
+def engine_steps(rng, engine, runner, max_q, max_pages, **run_kw):
+    """`schedule`'s steps over `engine` (after engine_setup) through `runner`, each run eagerly from
+    host inputs, then replayed from device inputs (a first use of a bucket captures first) with no
+    host sync allowed, the static outputs poisoned before each run that is kept. Yields an
+    EngineStep per step for the caller to check; the step's tokens are committed when the caller
+    asks for the next one. ``run_kw`` goes to every run (e.g. sinks=)."""
+    import cupy
+    import cupyx
+
+    for mode, rids, extra in schedule(rng):
+        q_lens, kv_lens = step_lengths(rng, engine, mode, rids, max_q)
+        engine.write(rids, q_lens)  # K/V of this step's tokens are written before attention
+        table = engine.table(rids, max_pages)
+        total = int(np.sum(q_lens))
+        q = cupy.asarray(engine.queries(total))
+        masks = {"tree": tree_masks, "holes": holey_masks}.get(extra)
+        mask = np.concatenate([m.ravel() for m in masks(rng, q_lens)]) if masks else None
+        poison(runner)  # the whole static output: the live rows must be rewritten, the tail left alone
+        runner.run(mode, q, engine.cache, q_lens, kv_lens, table, custom_mask=mask, use_graph=False, return_lse=True,
+                   **run_kw)
+        cupy.cuda.get_current_stream().synchronize()
+        eager = runner.out.get(), runner.lse.get()
+        # replay: device inputs, no host sync allowed (first use of a bucket captures outside this block)
+        args = (mode, q, engine.cache, cupy.asarray(q_lens, np.int32), cupy.asarray(kv_lens, np.int32),
+                cupy.asarray(table))
+        dev_mask = None if mask is None else cupy.asarray(mask)
+        runner.run(*args, custom_mask=dev_mask, return_lse=True, **run_kw)
+        poison(runner)  # then the measured replay must rewrite every live row and leave the tail
+        with cupyx.allow_synchronize(False):
+            view, lse_view = runner.run(*args, custom_mask=dev_mask, return_lse=True, **run_kw)
+        cupy.cuda.get_current_stream().synchronize()
+        graph = runner.out.get(), runner.lse.get()
+        name = mode.name + ({"tree": "_TREE", "holes": "_TREE_HOLES"}.get(extra, ""))
+        yield EngineStep(mode, name, q_lens, kv_lens, table, total, q, mask, eager, graph, view, lse_view)
+        engine.commit(rids, q_lens)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,heads,page_size,max_q", ENGINE_CONFIGS,
                          ids=lambda c: str(c).replace(" ", "").replace("(", "").replace(")", "").replace(",", "x")
                          if isinstance(c, tuple) else str(c))
 def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_q):
-    import cupy
-    import cupyx
     import cupy_fa
     from cupy_fa import reference
 
@@ -149,38 +210,11 @@ def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_q):
     max_pages = -(-2600 // page_size)
     runner = cupy_fa.GraphRunner(heads[0], heads[1], head_dim, dtype, max_batch_size=8, max_q_len=max_q,
                                  max_pages_per_request=max_pages, page_size=page_size, tree_mask=True)
-    for rid in range(7):
-        engine.add(rid)
-    # long prefixes from the start so split-KV and the merge are exercised too
-    for rids, lens in ((list(range(5)), [int(rng.integers(0, 1500)) for _ in range(5)]), ([5, 6], [0, 700])):
-        engine.write(rids, lens)
-        engine.commit(rids, lens)
+    engine_setup(rng, engine)  # long prefixes from the start so split-KV and the merge are exercised too
     assert max(engine.length.values()) > 512
-    for mode, rids, extra in schedule(rng):
-        q_lens, kv_lens = step_lengths(rng, engine, mode, rids, max_q)
-        new = q_lens
-        engine.write(rids, new)  # K/V of this step's tokens are written before attention
-        table = engine.table(rids, max_pages)
-        total = int(np.sum(q_lens))
-        q = cupy.asarray(engine.queries(total))
-        masks = {"tree": tree_masks, "holes": holey_masks}.get(extra)
-        mask = np.concatenate([m.ravel() for m in masks(rng, q_lens)]) if masks else None
-        poison(runner)  # the whole static output: the live rows must be rewritten, the tail left alone
-        runner.run(mode, q, engine.cache, q_lens, kv_lens, table, custom_mask=mask, use_graph=False, return_lse=True)
-        cupy.cuda.get_current_stream().synchronize()
-        eager = runner.out.get(), runner.lse.get()
-        # replay: device inputs, no host sync allowed (first use of a bucket captures outside this block)
-        args = (mode, q, engine.cache, cupy.asarray(q_lens, np.int32), cupy.asarray(kv_lens, np.int32),
-                cupy.asarray(table))
-        dev_mask = None if mask is None else cupy.asarray(mask)
-        runner.run(*args, custom_mask=dev_mask, return_lse=True)
-        poison(runner)  # then the measured replay must rewrite every live row and leave the tail
-        with cupyx.allow_synchronize(False):
-            view, lse_view = runner.run(*args, custom_mask=dev_mask, return_lse=True)
-        cupy.cuda.get_current_stream().synchronize()
-        assert view.shape == (total, heads[0], head_dim) and lse_view.shape == (total, heads[0])
-        graph = runner.out.get(), runner.lse.get()
-        name = mode.name + ({"tree": "_TREE", "holes": "_TREE_HOLES"}.get(extra, ""))
+    for step in engine_steps(rng, engine, runner, max_q, max_pages):
+        mode, name, q_lens, kv_lens, table, total, q, mask, eager, graph = step[:10]
+        assert step.view.shape == (total, heads[0], head_dim) and step.lse_view.shape == (total, heads[0])
         if total:
             ref, ref_lse = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), q_lens,
                                                      kv_lens, table, causal=True, custom_mask=mask, return_lse=True)
@@ -196,7 +230,6 @@ def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_q):
             check.assert_ok()
         assert np.array_equal(eager[0].view(np.uint16), graph[0].view(np.uint16)), f"{name}: eager != graph bits"
         assert np.array_equal(eager[1].view(np.uint32), graph[1].view(np.uint32)), f"{name}: eager != graph LSE"
-        engine.commit(rids, new)
     # buckets 1, 2, 4 and 8 were all captured, once per mode
     assert runner.num_graphs >= 8
 

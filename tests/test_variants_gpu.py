@@ -258,10 +258,9 @@ def test_engine_loop_with_variant(variant, dtype, head_dim, heads, page_size, ma
     MIXED, IDLE) through a GraphRunner with the variant, eager and replayed: float64 checks of
     both, eager == graph bits, the runner's whole static output poisoned before each run."""
     import cupy
-    import cupyx
     import cupy_fa
     from cupy_fa import reference
-    from test_modes_graph_gpu import M, Engine, poison, schedule, step_lengths
+    from test_modes_graph_gpu import M, Engine, engine_setup, engine_steps
 
     rng, seed = new_rng()
     # (the runner plans with the default scale: caps that bend its scores)
@@ -272,34 +271,9 @@ def test_engine_loop_with_variant(variant, dtype, head_dim, heads, page_size, ma
                                  max_pages_per_request=max_pages, page_size=page_size, tree_mask=True,
                                  window=window, logits_soft_cap=cap)
     sinks_dev = None if sinks is None else cupy.asarray(sinks)
-    for rid in range(7):
-        engine.add(rid)
-    for rids, lens in ((list(range(5)), [int(rng.integers(0, 1500)) for _ in range(5)]), ([5, 6], [0, 700])):
-        engine.write(rids, lens)
-        engine.commit(rids, lens)
-    for mode, rids, extra in schedule(rng):
-        q_lens, kv_lens = step_lengths(rng, engine, mode, rids, max_q)
-        engine.write(rids, q_lens)
-        table = engine.table(rids, max_pages)
-        total = int(np.sum(q_lens))
-        q = cupy.asarray(engine.queries(total))
-        masks = {"tree": tree_masks, "holes": holey_masks}.get(extra)
-        mask = np.concatenate([m.ravel() for m in masks(rng, q_lens)]) if masks else None
-        poison(runner)
-        runner.run(mode, q, engine.cache, q_lens, kv_lens, table, custom_mask=mask, use_graph=False, return_lse=True,
-                   sinks=sinks_dev)
-        cupy.cuda.get_current_stream().synchronize()
-        eager = runner.out.get(), runner.lse.get()
-        args = (mode, q, engine.cache, cupy.asarray(q_lens, np.int32), cupy.asarray(kv_lens, np.int32),
-                cupy.asarray(table))
-        dev_mask = None if mask is None else cupy.asarray(mask)
-        runner.run(*args, custom_mask=dev_mask, return_lse=True, sinks=sinks_dev)  # captures on first use
-        poison(runner)
-        with cupyx.allow_synchronize(False):
-            runner.run(*args, custom_mask=dev_mask, return_lse=True, sinks=sinks_dev)
-        cupy.cuda.get_current_stream().synchronize()
-        graph = runner.out.get(), runner.lse.get()
-        name = mode.name + ({"tree": "_TREE", "holes": "_TREE_HOLES"}.get(extra, ""))
+    engine_setup(rng, engine)
+    for step in engine_steps(rng, engine, runner, max_q, max_pages, sinks=sinks_dev):
+        mode, name, q_lens, kv_lens, table, total, q, mask, eager, graph = step[:10]
         if total:
             ref, ref_lse = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), q_lens,
                                                      kv_lens, table, causal=True, custom_mask=mask, sm_scale=sm_scale,
@@ -314,5 +288,4 @@ def test_engine_loop_with_variant(variant, dtype, head_dim, heads, page_size, ma
             check.assert_ok()
         assert np.array_equal(eager[0].view(np.uint16), graph[0].view(np.uint16)), f"{name}: eager != graph bits"
         assert np.array_equal(eager[1].view(np.uint32), graph[1].view(np.uint32)), f"{name}: eager != graph LSE"
-        engine.commit(rids, q_lens)
     assert runner.num_graphs >= 8
