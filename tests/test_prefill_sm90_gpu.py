@@ -51,30 +51,37 @@ def test_random_ragged_batch(dtype, head_dim, page_size, causal):
     check.assert_ok()
 
 
-def test_a_request_keeps_its_bits_in_any_batch():
-    """Rows never mix: a request's out and lse are bit-identical alone and inside a batch of
-    other requests (prefill, a split extend, a decode row), at another position."""
+def check_bits_in_any_batch(dtype, tile=None, with_lse=True):
+    """A request's out (and lse) bit-identical alone and inside a batch of other requests (prefill,
+    a split extend, a decode row), at another position, on ``tile`` (default: the head dim's)."""
     import cupy
 
     from cupy_fa import prefill_sm90 as s9
 
     rng, _ = new_rng()
-    dtype, (h_q, h_kv), d, ps = "bfloat16", (32, 8), 128, 16
+    (h_q, h_kv), d, ps = (32, 8), 128, 16
     q_lens, kv_lens = np.array([300, 20, 777, 1]), np.array([300, 3000, 1500, 60])
     total = int(q_lens.sum())
     table, _, _, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), d, ps, kv_lens, total)
     q = cupy.asarray(q_host)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     out = cupy.empty((total, h_q, d), np_dtype(dtype))
-    lse = cupy.empty((total, h_q), np.float32)
-    s9.Sm90Prefill(h_q, h_kv, d, dtype).plan(q_lens, kv_lens, table).run(q, cache, out, lse)
+    lse = cupy.empty((total, h_q), np.float32) if with_lse else None
+    s9.Sm90Prefill(h_q, h_kv, d, dtype, tile).plan(q_lens, kv_lens, table).run(q, cache, out, lse)
     for b in range(len(q_lens)):
         one = cupy.empty((int(q_lens[b]), h_q, d), np_dtype(dtype))
-        one_lse = cupy.empty((int(q_lens[b]), h_q), np.float32)
-        s9.Sm90Prefill(h_q, h_kv, d, dtype).plan(q_lens[b:b + 1], kv_lens[b:b + 1], table[b:b + 1]).run(
+        one_lse = cupy.empty((int(q_lens[b]), h_q), np.float32) if with_lse else None
+        s9.Sm90Prefill(h_q, h_kv, d, dtype, tile).plan(q_lens[b:b + 1], kv_lens[b:b + 1], table[b:b + 1]).run(
             q[cu[b]:cu[b + 1]], cache, one, one_lse)
         assert (out[cu[b]:cu[b + 1]].view(cupy.uint16) == one.view(cupy.uint16)).all(), f"request {b} out"
-        assert (lse[cu[b]:cu[b + 1]].view(cupy.uint32) == one_lse.view(cupy.uint32)).all(), f"request {b} lse"
+        if with_lse:
+            assert (lse[cu[b]:cu[b + 1]].view(cupy.uint32) == one_lse.view(cupy.uint32)).all(), f"request {b} lse"
+
+
+def test_a_request_keeps_its_bits_in_any_batch():
+    """Rows never mix: a request's out and lse are bit-identical alone and inside a batch of
+    other requests (prefill, a split extend, a decode row), at another position."""
+    check_bits_in_any_batch("bfloat16")
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 128), ("bfloat16", 64)])
@@ -129,24 +136,7 @@ def test_opt_in_variant_matches_the_reference(which, page_size, causal):
 
 def test_three_consumer_variant_keeps_a_requests_bits_in_any_batch():
     """Batch invariance holds with 192-row tiles too (a request alone and in a batch)."""
-    import cupy
-
-    from cupy_fa import prefill_sm90 as s9
-
     _, tile = _opt_in_tiles()[5]
-    rng, _ = new_rng()
-    dtype, (h_q, h_kv), d, ps = "float16", (32, 8), 128, 16
-    q_lens, kv_lens = np.array([300, 20, 777, 1]), np.array([300, 3000, 1500, 60])
-    total = int(q_lens.sum())
-    table, _, _, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), d, ps, kv_lens, total)
-    q = cupy.asarray(q_host)
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
-    out = cupy.empty((total, h_q, d), np_dtype(dtype))
-    s9.Sm90Prefill(h_q, h_kv, d, dtype, tile).plan(q_lens, kv_lens, table).run(q, cache, out)
-    for b in range(len(q_lens)):
-        one = cupy.empty((int(q_lens[b]), h_q, d), np_dtype(dtype))
-        s9.Sm90Prefill(h_q, h_kv, d, dtype, tile).plan(q_lens[b:b + 1], kv_lens[b:b + 1], table[b:b + 1]).run(
-            q[cu[b]:cu[b + 1]], cache, one)
-        assert (out[cu[b]:cu[b + 1]].view(cupy.uint16) == one.view(cupy.uint16)).all(), f"request {b} out"
+    check_bits_in_any_batch("float16", tile, with_lse=False)
 
 
