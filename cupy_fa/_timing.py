@@ -9,10 +9,9 @@ import time
 import numpy as np
 
 
-def graph_replays_ms(launches, warmup=10, reps=50):
-    """Captures the callables `launches` (each doing CuPy-stream launches) into one
-    graph on a non-blocking stream and returns the milliseconds of `reps` replays
-    (after `warmup` untimed ones), measured with CUDA events."""
+def capture_graph(launches):
+    """``(graph, stream)``: the callables `launches` (each doing CuPy-stream launches) run once
+    eagerly, then captured into one graph on a new non-blocking stream."""
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -26,6 +25,15 @@ def graph_replays_ms(launches, warmup=10, reps=50):
                 f()
         finally:
             graph = stream.end_capture()
+    return graph, stream
+
+
+def graph_replays_ms(launches, warmup=10, reps=50):
+    """Captures `launches` into one graph (:func:`capture_graph`) and returns the milliseconds of
+    `reps` replays (after `warmup` untimed ones), measured with CUDA events."""
+    import cupy
+
+    graph, stream = capture_graph(launches)
     times = []
     for i in range(warmup + reps):
         start, end = cupy.cuda.Event(), cupy.cuda.Event()

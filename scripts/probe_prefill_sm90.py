@@ -659,20 +659,11 @@ def time_sdpa(wname, sets, page_table, B, ql, kl, causal, D, dtype, flops, check
 # ---- child: interleaved A/B ----------------------------------------------------------------
 
 def capture_cupy(launches):
-    """One CUDA graph of `launches` on a non-blocking CuPy stream (after an eager pass)."""
-    import cupy
+    """One CUDA graph of `launches` on a non-blocking CuPy stream (after an eager pass): a replay
+    callable and its stream."""
+    from cupy_fa import _timing
 
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for f in launches:
-            f()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            for f in launches:
-                f()
-        finally:
-            graph = stream.end_capture()
+    graph, stream = _timing.capture_graph(launches)
     return lambda: graph.launch(stream), stream
 
 
