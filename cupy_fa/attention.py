@@ -14,6 +14,7 @@ kv_len - q_len + j iff mask[i, j]. A request with q_len = 0 is padding: it
 reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_kv_heads).
 """
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -198,11 +199,12 @@ class BatchAttention:
         it once (allocations, kernel lookups, launches and captures happen on it)."""
         device = self._device
         if device is None:
-            _arrays.require_cuda()  # a plain sentence where there is no usable device
-            import cupy
-
             if self.device_id is None:
                 self.device_id = _arrays.current_device_id()
+                if self.device_id is None:  # no usable CUDA device: host inputs are still checked first,
+                    return contextlib.nullcontext()  # then the first call that needs the device says why
+            import cupy
+
             device = self._device = cupy.cuda.Device(self.device_id)
         return device
 
