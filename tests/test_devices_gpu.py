@@ -29,6 +29,8 @@ def test_bound_to_the_current_device_or_the_given_one():
     assert runner.device_id == runner.attn.device_id == last and runner.q.device.id == last
     cache = cupy_fa.PagedKVCache.allocate(4, PAGE, HEADS[1], D, DTYPE, device=last)
     assert cache.device_id == last and cache.k.device.id == last
+    with pytest.raises(ValueError, match=f"^device is {count}, but this process sees {count} CUDA device"):
+        cupy_fa.BatchAttention(*HEADS, D, DTYPE, device=count)
     for bad in (count, -1, "cpu"):
         with pytest.raises(ValueError, match="^device "):
             cupy_fa.BatchAttention(*HEADS, D, DTYPE, device=bad)
