@@ -222,8 +222,11 @@ def caller_stream(*arrays, device_id=None):
 def current_device_id():
     """CuPy's current CUDA device id, or None where there is no usable CUDA device (then
     :func:`require_cuda` says why at the first call that needs one)."""
-    if not _cuda_ready and cuda_problem() is not None:
-        return None
+    global _cuda_ready
+    if not _cuda_ready:
+        if cuda_problem() is not None:
+            return None
+        _cuda_ready = True
     import cupy
 
     return int(cupy.cuda.runtime.getDevice())

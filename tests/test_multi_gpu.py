@@ -95,6 +95,7 @@ def test_graph_runner_and_cache_on_the_inputs_device(bound, current):
     rng, _ = new_rng()
     page_size, batch = 16, 5
     kv_lens = rng.integers(20, 900, batch)
+    before = used_bytes(current)
     with cupy.cuda.Device(current):
         runner = cupy_fa.GraphRunner(*HEADS, D, DTYPE, max_batch_size=8, max_q_len=4, max_pages_per_request=64,
                                      page_size=page_size, device=bound)
@@ -114,7 +115,6 @@ def test_graph_runner_and_cache_on_the_inputs_device(bound, current):
         with cupy.cuda.Device(bound):
             return x.copy()
 
-    before = used_bytes(current)
     with cupy.cuda.Device(current):
         cache.append(k_dev, v_dev, slots)
         assert cache.status().ok
