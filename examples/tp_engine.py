@@ -63,10 +63,12 @@ def parse_args(argv=None):
     return tp, args
 
 
-def head_gather(size, backend):
+def head_gather(size, backend, capture_group=None):
     """All-gather of one layer's attention output ``[T, H_q / size, D]`` into ``[T, H_q, D]``, rank
-    r's heads at ``r * H_q / size ..``: into one flat buffer on NCCL (capturable in a CUDA graph),
-    as float32 parts on gloo (exact: fp16 / bf16 widen losslessly)."""
+    r's heads at ``r * H_q / size ..``: into one flat buffer on NCCL, as float32 parts on gloo
+    (exact: fp16 / bf16 widen losslessly). Inside a CUDA-graph capture the gather goes through
+    ``capture_group``, a communicator of its own that only captured steps use (eager steps keep
+    the default group), so no NCCL communicator mixes captured and eager work."""
     import torch.distributed as dist
 
     def gather(o):
@@ -77,7 +79,8 @@ def head_gather(size, backend):
             dist.all_gather(parts, o.float())
             return torch.cat(parts, dim=1).to(o.dtype)
         flat = torch.empty((size * t, h, d), dtype=o.dtype, device=o.device)
-        dist.all_gather_into_tensor(flat, o)
+        capturing = capture_group is not None and torch.cuda.is_current_stream_capturing()
+        dist.all_gather_into_tensor(flat, o, group=capture_group if capturing else None)
         return flat.view(size, t, h, d).permute(1, 0, 2, 3).reshape(t, size * h, d)
 
     return gather
@@ -128,7 +131,15 @@ def _worker(rank, size, tp_backend, argv, port, out_dir):
     dist.init_process_group(tp_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             **({"device_id": device} if device.type == "cuda" else {}))
     try:
-        shard = load_engine().Shard(rank, size, head_gather(size, tp_backend))
+        capture_group = None
+        if device.type == "cuda":  # the captured steps' communicator, set up now: never inside a capture
+            capture_group = dist.new_group(list(range(size)), backend=tp_backend)
+            ready = torch.ones(1, device=device)
+            dist.all_reduce(ready, group=capture_group)
+            dist.all_reduce(ready)
+            torch.cuda.synchronize(device)
+            assert int(ready.item()) == size * size, ready
+        shard = load_engine().Shard(rank, size, head_gather(size, tp_backend, capture_group))
         result = run_rank(args, device, shard)
         dist.barrier()
     finally:
