@@ -74,3 +74,26 @@ def test_sharded_projections_are_the_whole_ones_rows():
             torch.testing.assert_close(q(h), a.q_proj(h)[:, rank * 64:(rank + 1) * 64], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(k(h), a.k_proj(h)[:, rank * 32:(rank + 1) * 32], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(v(h), a.v_proj(h)[:, rank * 32:(rank + 1) * 32], rtol=1e-6, atol=1e-6)
+
+
+def test_nccl_gather_puts_each_ranks_heads_in_place(monkeypatch):
+    """The NCCL form of the gather (one flat all_gather_into_tensor, then heads reordered), with a
+    stand-in collective: rank r's heads land at r * H_q / tp, as the gloo form (tested above
+    end to end) puts them; inside a capture it uses the captured steps' own communicator."""
+    import torch.distributed as dist
+
+    held = [torch.randn(5, 2, 8, dtype=torch.float16) for _ in range(3)]  # what ranks 0, 1, 2 hold
+    groups = []
+
+    def all_gather_into_tensor(flat, o, group=None):
+        groups.append(group)
+        flat.copy_(torch.cat(held, 0))
+
+    monkeypatch.setattr(dist, "all_gather_into_tensor", all_gather_into_tensor)
+    capture_group = object()
+    gather = tp_engine.head_gather(3, "nccl", capture_group)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert torch.equal(gather(held[1]), torch.cat(held, dim=1))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert torch.equal(gather(held[1]), torch.cat(held, dim=1))
+    assert groups == [None, capture_group]
