@@ -12,7 +12,8 @@ over the paged cache. It serves a batch of prompts in three forward modes (docs/
   first layers): draft DECODE steps, TARGET_VERIFY, DRAFT_EXTEND_V2,
 
 optionally under CUDA graphs (one graph per (model, mode, padded batch size)), and checks the
-results against transformers itself.
+results against transformers itself. ``Shard`` splits its attention heads over tensor-parallel
+ranks; examples/tp_engine.py runs it that way, one process per GPU.
 
 Run it from the repository root (see examples/README.md)::
 
