@@ -60,7 +60,8 @@ TORCH_EXTRAS    := $(if $(HAVE_GPU),[$(CUDA_EXTRA)],)
 TORCH_DEPS      := $(TRANSFORMERS_REQ) numpy ml_dtypes pytest psutil
 
 # tests that import torch (or transformers) at module level: never collected in .venv
-TORCH_CPU_FILES := tests/test_engine_cpu.py tests/test_kinds_torch_cpu.py tests/test_hf_integration_cpu.py
+TORCH_CPU_FILES := tests/test_engine_cpu.py tests/test_kinds_torch_cpu.py tests/test_hf_integration_cpu.py \
+                   tests/test_tp_engine_cpu.py
 # GPU tests that import torch inside (older than the `torch` marker): run with torch, deselected in .venv
 TORCH_GPU_TESTS := tests/test_attention_gpu.py::test_torch_interop_zero_copy \
                    tests/test_modes_graph_gpu.py::test_inside_torch_cuda_graph tests/test_engine_gpu.py

@@ -188,13 +188,18 @@ def host_to_numpy(x):
     return np.asarray(x.numpy() if is_torch(x) else x)
 
 
-def caller_stream(*arrays):
+def caller_stream(*arrays, device_id=None):
     """The stream to launch on: torch's current stream when any input is a
     torch CUDA tensor, or when torch is in use and no input says otherwise (so
     host-planned steps and torch launches stay ordered, and we are captured
-    inside ``torch.cuda.graph`` too); else CuPy's current stream."""
+    inside ``torch.cuda.graph`` too); else CuPy's current stream. Without a torch
+    input, the current stream of device ``device_id`` (default: CuPy's current
+    device): the device an instance is bound to, never silently another one."""
     require_cuda()
     import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
 
     torch_device = None
     for x in arrays:
@@ -204,17 +209,84 @@ def caller_stream(*arrays):
     if torch_device is None and not any(x is not None and not is_host(x) for x in arrays):
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            torch_device = torch.device("cuda", cupy.cuda.Device().id)
+            torch_device = torch.device("cuda", device_id)
     if torch_device is not None:
         torch = sys.modules["torch"]
         ts = torch.cuda.current_stream(torch_device)
         if hasattr(cupy.cuda.Stream, "from_external"):
             return cupy.cuda.Stream.from_external(ts)
         return cupy.cuda.ExternalStream(ts.cuda_stream, torch_device.index)  # CuPy < 14
-    return cupy.cuda.get_current_stream()
+    return cupy.cuda.get_current_stream(device_id)
 
 
-def check_device_array(x, name, *, dtype=None, ndim=None, shape=None, device_id=None, align=16):
+def current_device_id():
+    """CuPy's current CUDA device id, or None where there is no usable CUDA device (then
+    :func:`require_cuda` says why at the first call that needs one)."""
+    global _cuda_ready
+    if not _cuda_ready:
+        if cuda_problem() is not None:
+            return None
+        _cuda_ready = True
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
+def _device_count():
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
+def resolve_device(device, name="device"):
+    """The CUDA device id an object names: an int, a ``cupy.cuda.Device``, a ``torch.device`` of
+    type cuda (``torch.device("cuda", 1)``) or a string ``"cuda:1"`` / ``"cuda"``; None, or a
+    cuda device without an index: CuPy's current device. Raises ``ValueError`` naming ``name``
+    for anything else or an id this process has no device of, RuntimeError (require_cuda)
+    where there is no usable CUDA device."""
+    text = device if isinstance(device, str) else None
+    if text is None and device is not None and not isinstance(device, (int, np.integer)) \
+            and getattr(device, "type", None) is not None:  # torch.device
+        text = f"{device.type}:{device.index}" if device.index is not None else str(device.type)
+    if text is not None:
+        kind, _, index = text.partition(":")
+        if kind != "cuda" or (index and not index.isdigit()):
+            raise ValueError(f"{name} must be a CUDA device (an int id, a cupy.cuda.Device, 'cuda:N' or a torch "
+                             f"cuda device), got {device!r}")
+        device = int(index) if index else None
+    elif device is not None and not isinstance(device, (int, np.integer)) and hasattr(device, "id"):
+        device = device.id  # cupy.cuda.Device
+    if device is None:
+        require_cuda()
+        return current_device_id()
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
+        raise ValueError(f"{name} must be a CUDA device (an int id >= 0, a cupy.cuda.Device, 'cuda:N' or a torch "
+                         f"cuda device), got {device!r}")
+    require_cuda()
+    count = _device_count()
+    if device >= count:
+        raise ValueError(f"{name} is {int(device)}, but this process sees {count} CUDA device(s) "
+                         f"(ids 0 .. {count - 1}; CUDA_VISIBLE_DEVICES renumbers them)")
+    return int(device)
+
+
+def device_of(x):
+    """The CUDA device id of a device array (CuPy, torch, any DLPack producer), None for host
+    values; read from the object, nothing is exchanged."""
+    if x is None or is_host(x):
+        return None
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return int(x.device.id)
+    if is_torch(x):
+        return int(x.device.index)
+    if hasattr(x, "__dlpack_device__"):
+        return int(x.__dlpack_device__()[1])
+    return None
+
+
+def check_device_array(x, name, *, dtype=None, ndim=None, shape=None, device_id=None, align=16, bound=None):
     """Validates a CuPy view: dtype, rank, shape (None entries are free),
     C-contiguity, device and base-pointer alignment (the kernels move 16-byte
     vectors; a misaligned view would fault and kill the CUDA context). Raises
@@ -233,8 +305,18 @@ def check_device_array(x, name, *, dtype=None, ndim=None, shape=None, device_id=
     if align and x.size and x.data.ptr % align:
         raise ValueError(f"{name} must start on a {align}-byte boundary (got address {x.data.ptr:#x}: "
                          f"a view at an odd offset into a larger array?)")
-    if device_id is not None and x.device.id != device_id:
-        raise ValueError(f"{name} is on device {x.device.id}, expected device {device_id} like the other inputs")
+    if device_id is not None:
+        check_device(x, name, device_id, bound)
+    return x
+
+
+def check_device(x, name, device_id, bound=None):
+    """``x`` (a CuPy view) lives on CUDA device ``device_id``, else ``ValueError`` naming ``name``
+    and what fixed that device (``bound``, e.g. "the device this BatchAttention is bound to")."""
+    got = x.device.id
+    if got != device_id:
+        why = bound or "like the other inputs"
+        raise ValueError(f"{name} is on device {got}, expected device {device_id} ({why})")
     return x
 
 

@@ -113,20 +113,29 @@ def program_text(variant):
 
 
 def device_arch(device):
-    """The target a device compiles for: the knob CUPY_FA_ARCH, else the device's own
-    (``sm_90a`` on Hopper, where the kernels may use its architecture-specific features)."""
+    """The target a device (a ``cupy.cuda.Device`` or an int id) compiles for: the knob
+    CUPY_FA_ARCH, else the device's own (``sm_90a`` on Hopper, where the kernels may use its
+    architecture-specific features)."""
     override = knobs().arch
     if override:
         return override
-    return _native_arch(device.id)
+    return _native_arch(device if isinstance(device, int) else device.id)
 
 
-def current_arch():
-    """:func:`device_arch` of CuPy's current device (queried once per device)."""
+def current_arch(device_id=None):
+    """:func:`device_arch` of device ``device_id`` (default CuPy's current device), queried once
+    per device."""
+    override = knobs().arch
+    return override if override else _native_arch(_device_id(device_id))
+
+
+def _device_id(device_id=None):
+    """``device_id``, or CuPy's current device's id (the runtime's, without a Device object)."""
+    if device_id is not None:
+        return device_id
     import cupy
 
-    override = knobs().arch
-    return override if override else _native_arch(cupy.cuda.Device().id)
+    return cupy.cuda.runtime.getDevice()
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,12 +151,11 @@ def _native_arch(device_id):
 # ---- the device: its limits, read once per device --------------------------------
 
 
-def device_attribute(name):
-    """A CUDA device attribute of CuPy's current device (e.g. ``MultiProcessorCount``,
-    ``MaxSharedMemoryPerBlockOptin``), queried once per device: plans read these every step."""
-    import cupy
-
-    return _device_attribute(cupy.cuda.Device().id, name)
+def device_attribute(name, device_id=None):
+    """A CUDA device attribute of device ``device_id`` (default CuPy's current device), e.g.
+    ``MultiProcessorCount``, ``MaxSharedMemoryPerBlockOptin``, queried once per device: plans
+    read these every step."""
+    return _device_attribute(_device_id(device_id), name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,36 +165,40 @@ def _device_attribute(device_id, name):
     return int(cupy.cuda.Device(device_id).attributes[name])
 
 
-def device_smem_limit():
-    """Dynamic shared memory one CTA may opt in to (227 KB on sm_90, 163 KB on sm_80): tiles
-    are chosen to fit it."""
-    return device_attribute("MaxSharedMemoryPerBlockOptin")
+def device_smem_limit(device_id=None):
+    """Dynamic shared memory one CTA may opt in to (227 KB on sm_90, 163 KB on sm_80) on device
+    ``device_id`` (default CuPy's current device): tiles are chosen to fit it."""
+    return device_attribute("MaxSharedMemoryPerBlockOptin", device_id)
 
 
 # ---- compile on a device, memoised ----------------------------------------------
 
+# Keyed by (device id, variant): a module loaded on one device cannot launch on another, and
+# each device's module is compiled for that device's arch, its shared-memory opt-in set there.
 _functions = {}
 _modules = {}  # the same keys: the module each function lives in (trace_buffer)
 _lock = threading.Lock()
 
 
-def get_function(variant):
-    """The launchable ``cupy.RawKernel`` of a variant on the current device."""
+def get_function(variant, device_id=None):
+    """The launchable ``cupy.RawKernel`` of a variant on device ``device_id`` (default CuPy's
+    current device). Launch it with that device current: CuPy's RawKernel loads its module for
+    whichever device is current at the call, and the shared-memory opt-in is set on this one."""
     import cupy
 
-    device = cupy.cuda.Device()
-    key = (device.id, variant)
+    device_id = _device_id(device_id)
+    key = (device_id, variant)
     fn = _functions.get(key)
     if fn is not None:
         return fn
-    with _lock:
+    with _lock, cupy.cuda.Device(device_id):  # compiled and loaded on that device, whatever is current
         fn = _functions.get(key)
         if fn is None:
             if knobs().cache_dir:
                 os.environ.setdefault("CUPY_CACHE_DIR", knobs().cache_dir)
             module = cupy.RawModule(
                 code=program_text(variant),
-                options=compile_options(device_arch(device)),
+                options=compile_options(device_arch(device_id)),
                 name_expressions=[variant.expression],
             )
             fn = module.get_function(variant.expression)
@@ -200,12 +212,10 @@ def get_function(variant):
     return fn
 
 
-def compiled_variants(source=None):
-    """The variants compiled so far on the current device (of one source file, e.g.
-    ``"attention.cu"``, if given): what a diagnosis tool reads trace buffers of."""
-    import cupy
-
-    device = cupy.cuda.Device().id
+def compiled_variants(source=None, device_id=None):
+    """The variants compiled so far on device ``device_id`` (default the current one; of one
+    source file, e.g. ``"attention.cu"``, if given): what a diagnosis tool reads trace buffers of."""
+    device = _device_id(device_id)
     return [v for (d, v) in list(_modules) if d == device and (source is None or v.source == source)]
 
 
@@ -216,14 +226,16 @@ def trace_buffer(variant):
     top, SM id) per CTA, written by each launch (zero it in between to tell launches apart)."""
     import cupy
 
-    module = _modules[(cupy.cuda.Device().id, variant)]
+    module = _modules[(_device_id(), variant)]
     pointer = module.get_global("cupy_fa_trace")
     return cupy.ndarray(TRACE_SHAPE, cupy.uint64, pointer)
 
 
 def launch(variant, grid, params, stream, programmatic=False):
     """Launches one variant with its params struct (one ``__grid_constant__`` parameter:
-    kernels/params.cuh) on ``stream`` (a cupy Stream).
+    kernels/params.cuh) on ``stream`` (a cupy Stream). On CuPy's current device: the callers
+    (BatchAttention, GraphRunner, PagedKVCache, merge_states) make the device they are bound to
+    current once per call, and ``stream`` must be a stream of that device.
 
     ``programmatic=True`` launches it as a programmatic dependent of the kernel
     before it in the stream (sm_90+; kernels/common.cuh wait_for_prior_grid): its
@@ -272,9 +284,7 @@ def _programmatic_launch_enabled():
     ``CUPY_FA_PDL`` not ``0``."""
     if not knobs().pdl:
         return False
-    import cupy
-
-    return _programmatic_launch_supported(device_arch(cupy.cuda.Device()))
+    return _programmatic_launch_supported(current_arch())
 
 
 @functools.lru_cache(maxsize=None)

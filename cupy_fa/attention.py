@@ -14,6 +14,7 @@ kv_len - q_len + j iff mask[i, j]. A request with q_len = 0 is padding: it
 reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_kv_heads).
 """
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -134,13 +135,18 @@ class BatchAttention:
             bytes). Give the first three (all or none) to allocate everything up front (needed
             before a CUDA-graph capture); otherwise buffers are sized on first use and grown
             by eager plans as needed.
+        device: the CUDA device the instance is bound to: an int id, a ``cupy.cuda.Device``, a
+            torch cuda device or ``"cuda:N"``; default CuPy's current device when it is made.
+            Its buffers live there, and every plan and run makes that device current for its
+            allocations, kernel lookups (compiled and loaded per device) and launches, whatever
+            device is current in the caller; the inputs must live there too (``device_id``).
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
             head dim (or a pair of them), some but not all of the capacities, a capacity that is
             not a positive int (``max_mask_bytes``: not negative); an fp8 ``kv_dtype`` at head dim 96
             or 192. TypeError: a dtype other than float16 / bfloat16, a kv_dtype other than
-            ``dtype`` or float8_e4m3fn.
-        RuntimeError: capacities given on a machine without a usable CUDA device.
+            ``dtype`` or float8_e4m3fn. ValueError: a ``device`` that is no CUDA device of this process.
+        RuntimeError: capacities (or a ``device``) given on a machine without a usable CUDA device.
 
     Threads and streams: one instance owns one set of metadata buffers. Its calls may come from
     any thread and any stream, one call at a time: a plan waits for the work already queued
@@ -157,7 +163,7 @@ class BatchAttention:
     """
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
-                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None):
+                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None, device=None):
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -187,6 +193,10 @@ class BatchAttention:
             for name, value in zip(("max_batch_size", "max_num_tokens", "max_pages_per_request"), given):
                 _check_count(name, value, 1)
         _check_count("max_mask_bytes", max_mask_bytes, 0)
+        # the bound device: given, else the current one (None on a machine without CUDA, where the
+        # first plan raises saying why)
+        self.device_id = _arrays.resolve_device(device) if device is not None else _arrays.current_device_id()
+        self._device = None  # its cupy.cuda.Device (_bound), made on first use
         self._buffers = None
         self._retired = []  # outgrown buffers, kept alive (see _ensure_capacity)
         self._plan = None
@@ -194,9 +204,28 @@ class BatchAttention:
         self._busy_with = None
         self._mine = threading.local()  # .plan: the last plan this thread made
         if self._fixed_capacity:
-            self._buffers = _plan.PlanBuffers(
-                _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
-                               int(max_mask_bytes)), self.num_qo_heads, self.head_dim, self.dtype_name)
+            with self._bound():
+                self._buffers = _plan.PlanBuffers(
+                    _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
+                                   int(max_mask_bytes)), self.num_qo_heads, self.head_dim, self.dtype_name)
+
+    def _bound(self):
+        """The bound device as a ``cupy.cuda.Device``, a context manager: every plan and run enters
+        it once (allocations, kernel lookups, launches and captures happen on it)."""
+        device = self._device
+        if device is None:
+            if self.device_id is None:
+                self.device_id = _arrays.current_device_id()
+                if self.device_id is None:  # no usable CUDA device: host inputs are still checked first,
+                    return contextlib.nullcontext()  # then the first call that needs the device says why
+            import cupy
+
+            device = self._device = cupy.cuda.Device(self.device_id)
+        return device
+
+    @property
+    def _bound_text(self):
+        return f"the device this BatchAttention is bound to (device={self.device_id})"
 
     # ---- plan ------------------------------------------------------------------------
 
@@ -258,7 +287,8 @@ class BatchAttention:
                 ``q_len > kv_len`` (host), a custom mask whose size is not ``sum(q_len**2)``, a
                 bad ``sm_scale``, a ``window`` that is not an int >= 1 (or None / -1), a
                 ``logits_soft_cap`` that is not a positive finite number (or None / 0), device
-                lengths without ``max_q_len``, a step beyond the
+                lengths without ``max_q_len``, device lengths, page table or mask on another
+                device than the bound one (``device_id``), a step beyond the
                 capacity given to the constructor (or, inside a CUDA-graph capture, beyond the
                 buffers already allocated).
             TypeError: non-integer lengths or page table, ``q_lens`` and ``kv_lens`` of different
@@ -271,14 +301,15 @@ class BatchAttention:
         """
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
-        self._enter("plan")
-        try:
-            self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check,
-                            window, soft_cap)
-        finally:
-            self._leave()
-        if self._plan.check and self._plan.done is not None:
-            self._raise_on_bad("plan")
+        with self._bound():
+            self._enter("plan")
+            try:
+                self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len,
+                                check, window, soft_cap)
+            finally:
+                self._leave()
+            if self._plan.check and self._plan.done is not None:
+                self._raise_on_bad("plan")
         return self
 
     def _enter(self, call):
@@ -308,9 +339,10 @@ class BatchAttention:
 
     def _plan_step(self, q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check,
                    window=0, soft_cap=0.0):
-        step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len)
+        step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len,
+                                device_id=self.device_id, bound=self._bound_text)
         sm_scale = self._checked_sm_scale(sm_scale)
-        stream = step.stream if step.stream is not None else _arrays.caller_stream()
+        stream = step.stream if step.stream is not None else _arrays.caller_stream(device_id=self.device_id)
         capturing = stream.is_capturing()
         self._order_after_previous(stream)
         if step.num_tokens is not None:
@@ -347,8 +379,9 @@ class BatchAttention:
             self.head_dim, self.group_size, self.num_kv_heads,
             q_lens=step.q_host if step.on_host else None, kv_lens=step.kv_host if step.on_host else None,
             max_q_len=step.max_q_len, max_kv_len=max_kv_len, capacity=buffers.capacity, batch_size=step.batch,
-            smem_limit=_build.device_smem_limit(), sm_count=_build.device_attribute("MultiProcessorCount"),
-            arch=_build.current_arch(), kv_bytes=self._types.kv_bytes, window=window)
+            smem_limit=_build.device_smem_limit(self.device_id),
+            sm_count=_build.device_attribute("MultiProcessorCount", self.device_id),
+            arch=_build.current_arch(self.device_id), kv_bytes=self._types.kv_bytes, window=window)
         with stream:
             tile, long_tile = sched.plan_tiles()
             _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=max_q,
@@ -429,14 +462,15 @@ class BatchAttention:
         :meth:`status` names it; the others are computed exactly as without it.
         """
         refuse_fp8_variants(self.kv_dtype_name, sinks=sinks)
-        self._enter("run")
-        try:
-            result = self._run_step(q, cache, out, lse, return_lse, sinks)
-        finally:
-            self._leave()
-        state = self._plan
-        if state.check and not _arrays.caller_stream(q).is_capturing():
-            self._raise_on_bad("run")
+        with self._bound():
+            self._enter("run")
+            try:
+                result = self._run_step(q, cache, out, lse, return_lse, sinks)
+            finally:
+                self._leave()
+            state = self._plan
+            if state.check and not _arrays.caller_stream(q, device_id=self.device_id).is_capturing():
+                self._raise_on_bad("run")
         return result
 
     def _raise_on_bad(self, call):
@@ -459,7 +493,7 @@ class BatchAttention:
                 f"BatchAttention per thread")
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
-        stream = _arrays.caller_stream(q, out, lse)
+        stream = _arrays.caller_stream(q, out, lse, device_id=self.device_id)
         with stream:
             q_dev = _arrays.to_cupy(q, "q")
             out_dev = _arrays.to_cupy(out, "out") if out is not None else None
@@ -468,7 +502,7 @@ class BatchAttention:
         self._check_run_inputs(state, q_dev, cache, out_dev, lse_dev)
         if sinks_dev is not None:
             _arrays.check_device_array(sinks_dev, "sinks", dtype=np.float32, ndim=1, shape=(self.num_qo_heads,),
-                                       device_id=q_dev.device.id, align=4)
+                                       device_id=self.device_id, align=4, bound=self._bound_text)
         num_tokens = int(q_dev.shape[0])
 
         capturing = stream.is_capturing()
@@ -494,8 +528,9 @@ class BatchAttention:
 
     def _check_run_inputs(self, state, q_dev, cache, out_dev, lse_dev):
         h, d = self.num_qo_heads, self.head_dim
-        _arrays.check_device_array(q_dev, "q", dtype=self.dtype_name, ndim=3, shape=(state.num_tokens, h, d))
-        device = q_dev.device.id
+        device, bound = self.device_id, self._bound_text
+        _arrays.check_device_array(q_dev, "q", dtype=self.dtype_name, ndim=3, shape=(state.num_tokens, h, d),
+                                   device_id=device, bound=bound)
         if (cache.num_kv_heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"cache has num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}; this "
                              f"BatchAttention expects {self.num_kv_heads} and {self.head_dim}")
@@ -507,18 +542,18 @@ class BatchAttention:
             raise TypeError(f"cache dtype is {cache.dtype_name}, this BatchAttention was built for kv_dtype "
                             f"{self.kv_dtype_name}")
         if cache.k.device.id != device:
-            raise ValueError(f"cache is on device {cache.k.device.id}, q on device {device}")
+            raise ValueError(f"cache is on device {cache.k.device.id}, expected device {device} ({bound})")
         if q_dev.shape[0] > self._buffers.capacity.max_num_tokens and state.num_tokens is None:
             raise ValueError(f"q has {q_dev.shape[0]} tokens, more than max_num_tokens "
                              f"{self._buffers.capacity.max_num_tokens}")
         if out_dev is not None:
             _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, shape=q_dev.shape, device_id=device,
-                                       align=8)
+                                       align=8, bound=bound)
             if out_dev.ndim != 3:
                 raise ValueError(f"out must have shape {tuple(q_dev.shape)}, got {tuple(out_dev.shape)}")
         if lse_dev is not None:
             _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2, align=4,
-                                       shape=(q_dev.shape[0], h), device_id=device)
+                                       shape=(q_dev.shape[0], h), device_id=device, bound=bound)
         geometry = (cache.page_size, cache.num_pages)
         if state.host_q_lens is not None and geometry not in state.checked_geometry:
             if state.host_page_table is not None:
@@ -604,11 +639,10 @@ class BatchAttention:
         if self._buffers is None or self._plan is None:
             return _status.Status(_status.OK)
         state = self._plan
-        if state.done is None:  # planned inside a capture: its replays run on streams unknown here
-            import cupy
-
-            cupy.cuda.Device().synchronize()
-        for stream in (state.stream, *state.other_streams.values()):
-            if stream is not None and not stream.is_capturing():
-                stream.synchronize()
-        return _status.read(self._buffers.status)
+        with self._bound() as device:
+            if state.done is None:  # planned inside a capture: its replays run on streams unknown here
+                device.synchronize()
+            for stream in (state.stream, *state.other_streams.values()):
+                if stream is not None and not stream.is_capturing():
+                    stream.synchronize()
+            return _status.read(self._buffers.status)

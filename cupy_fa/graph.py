@@ -53,12 +53,16 @@ class GraphRunner:
         tree_mask: reserve space for TARGET_VERIFY custom masks (tree speculation).
         window, logits_soft_cap: the sliding window and logits soft-cap of every step it runs (as
             :meth:`BatchAttention.plan` takes them; a runner per kind of layer).
+        device: the CUDA device the runner is bound to (as for :class:`BatchAttention`; default
+            CuPy's current device when it is made): its buffers, its BatchAttention and its graphs
+            live there, each run makes it current, and the inputs and caches must live there.
     Raises:
         ValueError: a size that is not a positive int, buckets that are not positive ints or do
             not reach max_batch_size, a bad ``window`` or ``logits_soft_cap`` (as
             :meth:`BatchAttention.plan`); what :class:`BatchAttention` raises for the heads, head
-            dim and dtype. RuntimeError: no usable CUDA device. NotImplementedError: a ``window``
-            or ``logits_soft_cap`` with an fp8 ``kv_dtype``.
+            dim and dtype, a ``device`` that is no CUDA device of this process. RuntimeError: no
+            usable CUDA device. NotImplementedError: a ``window`` or ``logits_soft_cap`` with an
+            fp8 ``kv_dtype``.
 
     It allocates its static buffers at construction: q, out, lse for ``max_batch_size x max_q_len``
     tokens here, the lengths, page table and mask in its :class:`BatchAttention`'s plan buffers
@@ -68,7 +72,7 @@ class GraphRunner:
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size, max_q_len,
                  max_pages_per_request, page_size, buckets=None, tree_mask=False, kv_dtype=None, window=None,
-                 logits_soft_cap=None):
+                 logits_soft_cap=None, device=None):
         import cupy
 
         from .attention import _check_count, checked_soft_cap, checked_window
@@ -92,13 +96,15 @@ class GraphRunner:
         mask_bytes = self.max_batch_size * self.max_q_len ** 2 if tree_mask else 0
         self.attn = BatchAttention(num_qo_heads, num_kv_heads, head_dim, dtype, max_batch_size=self.max_batch_size,
                                    max_num_tokens=tokens, max_pages_per_request=self.max_pages_per_request,
-                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype)
+                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype, device=device)
+        self.device_id = self.attn.device_id
         self.tree_mask = tree_mask
         elem = _arrays.DTYPES[self.attn.dtype_name]
-        self.q = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
-        self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
-        self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
-        self.sinks = cupy.zeros(num_qo_heads, np.float32)  # run(sinks=...) is copied here: the graphs read it
+        with self.attn._bound():
+            self.q = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
+            self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
+            self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
+            self.sinks = cupy.zeros(num_qo_heads, np.float32)  # run(sinks=...) is copied here: the graphs read it
         self._graphs = {}
         self._busy = threading.Lock()  # one run() at a time: the static buffers hold one step
         self._last_stream = None       # the stream of the last step (a step on another waits for it)
@@ -140,7 +146,9 @@ class GraphRunner:
         Raises:
             ValueError: a batch beyond ``max_batch_size``, q_lens above the mode's bound, more
                 page-table columns than ``max_pages_per_request``, a cache of another page size,
-                a custom mask outside tree TARGET_VERIFY, ``sinks`` not of shape ``[H_q]``, and what
+                a custom mask outside tree TARGET_VERIFY, ``sinks`` not of shape ``[H_q]``, q, cache,
+                sinks or device lengths / page table / mask on another device than the runner's
+                (``device_id``), and what
                 :meth:`BatchAttention.plan` raises for host inputs; with ``CUPY_FA_DEBUG=1``, a request whose device
                 metadata broke the contract (after a sync). TypeError: cache not a PagedKVCache.
                 RuntimeError: called inside another capture, no usable CUDA device, from a second
@@ -156,19 +164,20 @@ class GraphRunner:
         tree = custom_mask is not None
         if tree and not (self.tree_mask and mode is ForwardMode.TARGET_VERIFY):
             raise ValueError("custom_mask is for TARGET_VERIFY on a runner built with tree_mask=True")
-        stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table)
-        if stream.is_capturing():  # before anything is staged: none of it may land in the caller's graph
-            raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
-                               "(or use BatchAttention directly inside torch.cuda.graph)")
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(f"GraphRunner.run() on thread {threading.current_thread().name!r} while another "
-                               f"thread is inside run() of the same runner: its static buffers serve one step at "
-                               f"a time; use one GraphRunner per thread")
-        try:
-            result = self._run_step(mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph,
-                                    return_lse, stream, sinks)
-        finally:
-            self._busy.release()
+        with self.attn._bound():  # the runner's device, current for the whole step (staging, capture, replay)
+            stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table, device_id=self.device_id)
+            if stream.is_capturing():  # before anything is staged: none of it may land in the caller's graph
+                raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
+                                   "(or use BatchAttention directly inside torch.cuda.graph)")
+            if not self._busy.acquire(blocking=False):
+                raise RuntimeError(f"GraphRunner.run() on thread {threading.current_thread().name!r} while another "
+                                   f"thread is inside run() of the same runner: its static buffers serve one step "
+                                   f"at a time; use one GraphRunner per thread")
+            try:
+                result = self._run_step(mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph,
+                                        return_lse, stream, sinks)
+            finally:
+                self._busy.release()
         if _knobs.knobs().debug and mode is not ForwardMode.IDLE:
             found = self.status()
             if not found.ok:
@@ -178,9 +187,10 @@ class GraphRunner:
 
     def status(self):
         """The status word of the last step (syncs): see :meth:`BatchAttention.status`."""
-        if self._last_stream is not None:
-            self._last_stream.synchronize()
-        return self.attn.status()
+        with self.attn._bound():
+            if self._last_stream is not None:
+                self._last_stream.synchronize()
+            return self.attn.status()
 
     def _run_step(self, mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph, return_lse,
                   stream, sinks=None):
@@ -189,7 +199,7 @@ class GraphRunner:
             sinks_dev = _arrays.to_cupy(sinks, "sinks") if sinks is not None else None
         if sinks_dev is not None:
             _arrays.check_device_array(sinks_dev, "sinks", dtype=np.float32, ndim=1, shape=self.sinks.shape,
-                                       device_id=q_dev.device.id, align=0)  # copied: any alignment
+                                       device_id=self.device_id, align=0, bound=self._bound_text)  # copied
         step = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask)
         num_tokens = int(q_dev.shape[0])
         if step is None or step.batch == 0 or num_tokens == 0:  # IDLE, or an all-padding step: nothing to launch
@@ -218,6 +228,10 @@ class GraphRunner:
     def num_graphs(self):
         return len(self._graphs)
 
+    @property
+    def _bound_text(self):
+        return f"the device this GraphRunner is bound to (device={self.device_id})"
+
     # ---- internals -----------------------------------------------------------------
 
     def _max_q(self, mode):
@@ -228,11 +242,16 @@ class GraphRunner:
         against this runner's bounds; None for IDLE."""
         attn = self.attn
         _arrays.check_device_array(q_dev, "q", dtype=attn.dtype_name, ndim=3, align=0,  # copied, any alignment
-                                   shape=(None, attn.num_qo_heads, attn.head_dim))
+                                   shape=(None, attn.num_qo_heads, attn.head_dim), device_id=self.device_id,
+                                   bound=self._bound_text)
+        if cache.k.device.id != self.device_id:
+            raise ValueError(f"cache is on device {cache.k.device.id}, expected device {self.device_id} "
+                             f"({self._bound_text})")
         if mode is ForwardMode.IDLE:
             return None
         max_q = self._max_q(mode)
-        step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q)
+        step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q, device_id=self.device_id,
+                                bound=self._bound_text)
         if q_dev.shape[0] > step.batch * max_q:
             raise ValueError(f"q has {q_dev.shape[0]} tokens, more than {step.batch} requests x max q_len "
                              f"{max_q} of {mode.name}")

@@ -31,8 +31,12 @@ class PagedKVCache:
             a Python float or a 0-d / 1-element array (one per tensor), or a float32 ``[num_kv_heads]``
             array (one per KV head), host or device; positive, finite, normal float32 values.
             Default 1.0. Per token-head scales are not supported.
+    The cache is bound to the device its arrays live on (``device_id``): ``append`` and ``status``
+    make it current for their allocations and launches, whatever device the caller has current,
+    and refuse new rows on another device.
+
     Attributes:
-        k, v: the CuPy views (uint8 bytes for fp8); num_pages, page_size, num_kv_heads, head_dim;
+        k, v: the CuPy views (uint8 bytes for fp8); device_id; num_pages, page_size, num_kv_heads, head_dim;
         dtype_name; k_scale, v_scale: float32 ``[num_kv_heads]`` NumPy copies (fp8; else None),
         k_scale_device, v_scale_device: the same on the device, which the kernels read.
     Raises:
@@ -73,6 +77,7 @@ class PagedKVCache:
             raise ValueError(f"head_dim (k.shape[3]) must be a multiple of {multiple} for a {self.dtype_name} "
                              f"cache, got {k_dev.shape[3]}")
         self.k, self.v = k_dev, v_dev
+        self.device_id = int(k_dev.device.id)
         self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = (int(s) for s in k_dev.shape)
         if self.page_size < 1 or self.num_pages < 1:
             raise ValueError(f"k must have at least one page of at least one token, got shape {tuple(k_dev.shape)}")
@@ -84,7 +89,8 @@ class PagedKVCache:
             self.v_scale = checked_scales(v_scale, "v_scale", self.num_kv_heads)
         import cupy
 
-        with cupy.cuda.Device(k_dev.device.id):  # the append kernel's status word (status.cuh)
+        self._device = cupy.cuda.Device(self.device_id)  # made current by append and status
+        with self._device:  # the append kernel's status word (status.cuh)
             self._status = cupy.full(1, (1 << 64) - 1, np.uint64)
             if fp8:
                 self.k_scale_device = cupy.asarray(self.k_scale)
@@ -92,13 +98,14 @@ class PagedKVCache:
 
     @classmethod
     def allocate(cls, num_pages, page_size, num_kv_heads, head_dim, dtype="bfloat16", *, k_scale=None,
-                 v_scale=None):
+                 v_scale=None, device=None):
         """A zero-filled cache ``[num_pages, page_size, num_kv_heads, head_dim]`` of ``dtype``
-        ("bfloat16" / "float16" / "float8_e4m3fn", with its scales) on the current CuPy device.
+        ("bfloat16" / "float16" / "float8_e4m3fn", with its scales) on ``device`` (an int id, a
+        ``cupy.cuda.Device``, a torch cuda device or ``"cuda:N"``; default CuPy's current device).
 
         Raises:
             ValueError: a dimension below 1 (or a head dim that is not a multiple of 8, of 16 for
-                fp8); bad scales (see the class).
+                fp8); bad scales (see the class); a ``device`` that is no CUDA device here.
             TypeError: another dtype.
         """
         import cupy
@@ -109,8 +116,9 @@ class PagedKVCache:
         if min(shape) < 1:
             raise ValueError(f"cache dimensions must be positive, got {shape}")
         _arrays.require_cuda()
-        return cls(cupy.zeros(shape, np_dtype), cupy.zeros(shape, np_dtype), dtype=name, k_scale=k_scale,
-                   v_scale=v_scale)
+        with cupy.cuda.Device(_arrays.resolve_device(device)):
+            return cls(cupy.zeros(shape, np_dtype), cupy.zeros(shape, np_dtype), dtype=name, k_scale=k_scale,
+                       v_scale=v_scale)
 
     @property
     def dtype(self):
@@ -146,7 +154,11 @@ class PagedKVCache:
             RuntimeError: no usable CUDA device.
         Nothing is written when it raises.
         """
-        stream = _arrays.caller_stream(k_new, v_new, slots)
+        with self._device:  # the cache's device, whatever the caller has current
+            self._append(k_new, v_new, slots)
+
+    def _append(self, k_new, v_new, slots):
+        stream = _arrays.caller_stream(k_new, v_new, slots, device_id=self.device_id)
         with stream:  # DLPack exchange on the caller's stream (a capture must see no foreign stream)
             k_dev = _arrays.to_cupy(k_new, "k_new")
             v_dev = _arrays.to_cupy(v_new, "v_new")
@@ -159,8 +171,11 @@ class PagedKVCache:
             except TypeError:
                 raise TypeError(f"k_new must be float16 or bfloat16 to append to a float8_e4m3fn cache (quantised "
                                 f"on the fly), got {_arrays.dtype_name(k_dev.dtype)}") from None
-        _arrays.check_device_array(k_dev, "k_new", dtype=new_dtype, ndim=3, shape=row, device_id=self.k.device.id)
-        _arrays.check_device_array(v_dev, "v_new", dtype=new_dtype, shape=k_dev.shape, device_id=self.k.device.id)
+        bound = "the device of this cache"
+        _arrays.check_device_array(k_dev, "k_new", dtype=new_dtype, ndim=3, shape=row, device_id=self.device_id,
+                                   bound=bound)
+        _arrays.check_device_array(v_dev, "v_new", dtype=new_dtype, shape=k_dev.shape, device_id=self.device_id,
+                                   bound=bound)
         num_tokens = int(k_dev.shape[0])
         if host is not None:
             if host.shape[0] != num_tokens:
@@ -171,14 +186,14 @@ class PagedKVCache:
                                  f"(0 <= slot < num_pages * page_size = {self.num_slots})")
             import cupy
 
-            with stream:
+            with stream:  # on the cache's device (append made it current)
                 dev = cupy.asarray(host.astype(np.int64))
         else:
             if dev.shape[0] != num_tokens:
                 raise ValueError(f"slots has {dev.shape[0]} entries, k_new has {num_tokens} tokens")
             if dev.dtype not in (np.int32, np.int64):
                 raise TypeError(f"slots must be int32 or int64, got {dev.dtype}")
-            _arrays.check_device_array(dev, "slots", device_id=self.k.device.id, align=dev.itemsize)
+            _arrays.check_device_array(dev, "slots", device_id=self.device_id, align=dev.itemsize, bound=bound)
         if num_tokens == 0:
             return
         row_chunks = self.num_kv_heads * self.head_dim // 8  # 16-byte chunks of a new row
@@ -202,10 +217,11 @@ class PagedKVCache:
 
         from . import status as _status
 
-        cupy.cuda.Device().synchronize()
-        found = _status.read(self._status, "token")
-        self._status.fill((1 << 64) - 1)
-        cupy.cuda.Device().synchronize()
+        with self._device as device:
+            device.synchronize()
+            found = _status.read(self._status, "token")
+            self._status.fill((1 << 64) - 1)
+            device.synchronize()
         return found
 
     def __repr__(self):

@@ -17,6 +17,8 @@ is one more key with a zero value in its part's state (its LSE includes it), so 
 carry it would count it twice.
 """
 
+import contextlib
+
 import numpy as np
 
 from . import _arrays, _build, _params, schedule
@@ -86,7 +88,8 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None):
     Returns:
         ``(out, lse_out)``: arrays allocated here come back in ``out_a``'s framework, zero copy
         (torch in, torch out; else CuPy). Launched on the caller's stream (torch's current stream
-        for torch tensors, else CuPy's); no host sync, so it may be captured in a CUDA graph (give
+        for torch tensors, else CuPy's current stream of ``out_a``'s device), on ``out_a``'s device
+        whatever device is current; no host sync, so it may be captured in a CUDA graph (give
         ``out`` and ``lse_out`` there).
 
     Rows with one side empty (lse -inf) get the other side's output bits exactly and its LSE (to
@@ -106,7 +109,17 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None):
     import cupy
 
     given = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b, "out": out, "lse_out": lse_out}
-    stream = _arrays.caller_stream(*given.values())
+    _arrays.require_cuda()
+    device = _arrays.device_of(out_a)  # out_a's device: current for the whole call, whatever the caller's is
+    # a host out_a: no device to enter (to_cupy refuses it below with its own message)
+    with cupy.cuda.Device(device) if device is not None else contextlib.nullcontext():
+        return _merge(given, out, lse_out, out_a)
+
+
+def _merge(given, out, lse_out, out_a):
+    import cupy
+
+    stream = _arrays.caller_stream(*given.values(), device_id=cupy.cuda.runtime.getDevice())
     with stream:  # DLPack exchange on the caller's stream (a capture must see no foreign stream)
         dev = {k: (_arrays.to_cupy(v, k) if v is not None else None) for k, v in given.items()}
     name = check_shapes(dev["out_a"], dev["lse_a"], dev["out_b"], dev["lse_b"], dev["out"], dev["lse_out"])
@@ -126,7 +139,7 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None):
                     (("lse_out", dev["lse_out"]), ("out_b", dev["out_b"])),
                     (("out", dev["out"]), ("lse_out", dev["lse_out"]))])
     n, h, d = (int(s) for s in dev["out_a"].shape)
-    with cupy.cuda.Device(device), stream:
+    with stream:
         out_dev = dev["out"] if dev["out"] is not None else cupy.empty_like(dev["out_a"])
         lse_dev = dev["lse_out"] if dev["lse_out"] is not None else cupy.empty((n, h), np.float32)
         rows = n * h
@@ -137,7 +150,7 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None):
                 "MergeStatesParams", out_a=dev["out_a"].data.ptr, lse_a=dev["lse_a"].data.ptr,
                 out_b=dev["out_b"].data.ptr, lse_b=dev["lse_b"].data.ptr, out=out_dev.data.ptr,
                 lse=lse_dev.data.ptr, rows=rows, head_dim=d, rows_per_cta=rows_per_cta)
-            ctas = min(-(-rows // rows_per_cta), 32 * _build.device_attribute("MultiProcessorCount"))
+            ctas = min(-(-rows // rows_per_cta), 32 * _build.device_attribute("MultiProcessorCount", device))
             _build.launch(variant, (ctas,), params, stream)
         result_out = out if out is not None else _arrays.to_caller(out_dev, out_a)
         result_lse = lse_out if lse_out is not None else _arrays.to_caller(lse_dev, out_a)

@@ -184,18 +184,21 @@ class StepInputs:
         return self.mask_host is not None or self.mask_dev is not None
 
 
-def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None):
+def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None, device_id=None, bound=None):
     """Parses a step's inputs (lists, NumPy, CPU torch, or device arrays of any DLPack framework)
     and checks everything of the contract the host can see, before anything touches the device:
     one kv_len and one page-table row per request, lengths on the host valid (non-negative,
     ``q_len <= kv_len``, int32), a host custom mask of ``sum(q_lens**2)`` entries, and for device
-    lengths a ``max_q_len`` bound. Raises ``ValueError`` / ``TypeError`` naming the argument.
+    lengths a ``max_q_len`` bound, and with ``device_id`` that every device input lives on that
+    device (``bound`` says why, for the message). Raises ``ValueError`` / ``TypeError`` naming
+    the argument.
     ``BatchAttention.plan`` and ``GraphRunner.run`` both check with it; the page table against
     the cache is :func:`check_page_table`."""
     from . import _arrays
 
     inputs = (q_lens, kv_lens, page_table, custom_mask)
-    stream = None if all(x is None or _arrays.is_host(x) for x in inputs) else _arrays.caller_stream(*inputs)
+    stream = None if all(x is None or _arrays.is_host(x) for x in inputs) else \
+        _arrays.caller_stream(*inputs, device_id=device_id)
 
     def parse():
         return (_arrays.host_or_device_ints(q_lens, "q_lens", 1), _arrays.host_or_device_ints(kv_lens, "kv_lens", 1),
@@ -206,6 +209,10 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None)
     else:
         with stream:  # DLPack exchange on the caller's stream: no cross-stream sync
             (q_host, q_dev), (kv_host, kv_dev), (pt_host, pt_dev) = parse()
+    if device_id is not None:  # before anything is staged: a copy across devices is no step's input
+        for name, x in (("q_lens", q_dev), ("kv_lens", kv_dev), ("page_table", pt_dev)):
+            if x is not None:
+                _arrays.check_device(x, name, device_id, bound)
     if (q_host is None) != (kv_host is None):
         raise TypeError("q_lens and kv_lens must both be host arrays or both device arrays")
     on_host = q_host is not None
@@ -226,6 +233,8 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None)
     mask_host = mask_dev = None
     if custom_mask is not None:
         mask_host, mask_dev = _mask_input(custom_mask, stream)
+        if mask_dev is not None and device_id is not None:
+            _arrays.check_device(mask_dev, "custom_mask", device_id, bound)
         n = (mask_host if mask_host is not None else mask_dev).size
         if on_host:
             validate_mask_size(n, q_host)

@@ -799,9 +799,10 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
     return list({v: None for v in wanted})
 
 
-def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False):
+def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False, device=None):
     """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
-    head dims can select under the current knobs, on the current device, so no compile happens
+    head dims can select under the current knobs, on ``device`` (an int id, a ``cupy.cuda.Device``,
+    a torch cuda device; default CuPy's current device: each device loads its own), so no compile happens
     inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
     too); ``variants=True`` adds the kernels with the variant hooks (steps with a sliding window,
     a logits soft-cap or attention sinks). Returns how many."""
@@ -810,8 +811,10 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, 
     from . import _arrays
 
     _arrays.require_cuda()
-    wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(), _build.device_arch(cupy.cuda.Device()),
-                             kv_dtypes, variants)
-    for variant in wanted:
-        _build.get_function(variant)
+    device_id = _arrays.resolve_device(device)
+    with cupy.cuda.Device(device_id):
+        wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(device_id), _build.device_arch(device_id),
+                                 kv_dtypes, variants)
+        for variant in wanted:
+            _build.get_function(variant, device_id)
     return len(wanted)

@@ -12,7 +12,8 @@ over the paged cache. It serves a batch of prompts in three forward modes (docs/
   first layers): draft DECODE steps, TARGET_VERIFY, DRAFT_EXTEND_V2,
 
 optionally under CUDA graphs (one graph per (model, mode, padded batch size)), and checks the
-results against transformers itself.
+results against transformers itself. ``Shard`` splits its attention heads over tensor-parallel
+ranks; examples/tp_engine.py runs it that way, one process per GPU.
 
 Run it from the repository root (see examples/README.md)::
 
@@ -304,7 +305,9 @@ class TorchRefBackend:
 
 class CupyFABackend:
     """cupy_fa: one PagedKVCache per layer (zero-copy over the torch tensors), one BatchAttention
-    per forward mode (plan once per step, run per layer: all layers share the metadata)."""
+    per forward mode (plan once per step, run per layer: all layers share the metadata), each
+    bound to the engine's device (a tensor-parallel rank's own GPU, whatever CuPy's current
+    device is)."""
 
     name = "cupy_fa"
     DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -322,7 +325,7 @@ class CupyFABackend:
             self.attn[mode] = cupy_fa.BatchAttention(
                 spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dtype=self.DTYPE_NAMES[spec.dtype],
                 max_batch_size=spec.max_batch, max_num_tokens=max_tokens,
-                max_pages_per_request=spec.max_pages_per_request)
+                max_pages_per_request=spec.max_pages_per_request, device=spec.device)
             self.out[mode] = torch.zeros((max_tokens, spec.num_q_heads, spec.head_dim),
                                          dtype=spec.dtype, device=spec.device)
         self.mode = None
@@ -363,10 +366,55 @@ class StepInputs:
     max_q_len: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Tensor parallelism over attention heads (examples/tp_engine.py runs it): this process is
+    rank ``rank`` of ``size``. It holds query heads ``[rank * H_q / size, (rank + 1) * H_q / size)``
+    and the matching KV heads of every layer (the q / k / v projections' rows of those heads),
+    its own KV cache and attention over them; ``gather`` (an all-gather across the ranks) puts
+    the attention outputs back together as ``[T, H_q, D]`` in head order. Every rank then runs the
+    same o_proj, MLP, norms and argmax on the same values, so all ranks produce the same tokens
+    (the weights of those stay whole on every rank: only attention is split). GQA splits
+    cleanly: rank r's query heads read exactly its KV heads. ``size`` 1: the plain engine."""
+
+    rank: int = 0
+    size: int = 1
+    gather: object = None          # o_local [T, H_q / size, D] -> o [T, H_q, D]; None for size 1
+
+    def heads(self, count, what):
+        if count % self.size:
+            raise ValueError(f"{what} = {count} does not split over {self.size} tensor-parallel ranks")
+        return count // self.size
+
+    def rows(self, count, head_dim, what):
+        """The projection rows of this rank's heads among ``count`` heads of ``head_dim``."""
+        per = self.heads(count, what) * head_dim
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+
+def _sliced_linear(linear, rows):
+    """``linear`` (a torch.nn.Linear) cut to its output rows ``rows``: a callable on activations."""
+    weight = linear.weight[rows]
+    bias = linear.bias[rows] if linear.bias is not None else None
+    return lambda x: torch.nn.functional.linear(x, weight, bias)
+
+
 class ModelRunner:
-    def __init__(self, name, hf_model, backend, pool, *, window, max_batch, use_graphs):
+    def __init__(self, name, hf_model, backend, pool, *, window, max_batch, use_graphs, shard=Shard()):
         self.name, self.hf, self.backend, self.pool = name, hf_model, backend, pool
         self.window, self.max_batch, self.use_graphs = window, max_batch, use_graphs
+        self.shard = shard
+        cfg = hf_model.config
+        self.projections = []          # per layer: this rank's q, k, v projections
+        for layer in hf_model.model.layers:
+            a = layer.self_attn
+            if shard.size == 1:
+                self.projections.append((a.q_proj, a.k_proj, a.v_proj))
+                continue
+            q_rows = shard.rows(cfg.num_attention_heads, backend.spec.head_dim, "num_attention_heads")
+            kv_rows = shard.rows(cfg.num_key_value_heads, backend.spec.head_dim, "num_key_value_heads")
+            self.projections.append((_sliced_linear(a.q_proj, q_rows), _sliced_linear(a.k_proj, kv_rows),
+                                     _sliced_linear(a.v_proj, kv_rows)))
         spec = backend.spec
         self.device, self.dtype = spec.device, spec.dtype
         self.head_dim, self.max_pages = spec.head_dim, spec.max_pages_per_request
@@ -379,20 +427,24 @@ class ModelRunner:
     def forward(self, tokens, positions, slots):
         """Logits [T, vocab] of the flattened query tokens. Everything but the K/V write and the
         attention is the HF modules' own math in fp32; q/k/v go to the attention dtype and the
-        attention output comes back to fp32."""
+        attention output comes back to fp32. Tensor-parallel (``shard.size > 1``): q/k/v of this
+        rank's heads only, attention over its own cache, the outputs all-gathered before o_proj."""
         model, D, T = self.hf.model, self.head_dim, tokens.shape[0]
         x = model.embed_tokens(tokens)
         cos, sin = model.rotary_emb(x, positions[None])
         cos, sin = cos[0], sin[0]
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
+            q_proj, k_proj, v_proj = self.projections[i]
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(T, -1, D)
-            k = attn.k_proj(h).view(T, -1, D)
-            v = attn.v_proj(h).view(T, -1, D)
+            q = q_proj(h).view(T, -1, D)
+            k = k_proj(h).view(T, -1, D)
+            v = v_proj(h).view(T, -1, D)
             q, k = self.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
             self.backend.write_kv(i, k.to(self.dtype), v.to(self.dtype), slots)
             o = self.backend.attend(i, q.to(self.dtype).contiguous())
+            if self.shard.size > 1:
+                o = self.shard.gather(o)   # [T, H_q / size, D] of every rank -> [T, H_q, D]
             x = x + attn.o_proj(o.float().reshape(T, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.hf.lm_head(model.norm(x))
@@ -536,8 +588,10 @@ def _argmax(row) -> int:
 
 
 class Engine:
-    def __init__(self, target, draft, args, prompts, budgets, device):
-        self.args, self.device = args, torch.device(device)
+    def __init__(self, target, draft, args, prompts, budgets, device, shard=Shard()):
+        """``shard``: this process's part of a tensor-parallel run (:class:`Shard`); each model's
+        cache and attention then hold its heads only."""
+        self.args, self.device, self.shard = args, torch.device(device), shard
         self.num_draft = args.num_draft
         self.window = W = args.num_draft + 1
         self.attn_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -554,7 +608,8 @@ class Engine:
             q_per_row = {Mode.EXTEND: None, Mode.DECODE: 1, Mode.TARGET_VERIFY: W, Mode.DRAFT_EXTEND_V2: W}
             spec = CacheSpec(
                 num_layers=cfg.num_hidden_layers, num_pages=num_pages, page_size=ps,
-                num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                num_q_heads=shard.heads(cfg.num_attention_heads, "num_attention_heads"),
+                num_kv_heads=shard.heads(cfg.num_key_value_heads, "num_key_value_heads"),
                 head_dim=args.head_dim, dtype=self.attn_dtype, device=self.device,
                 max_batch=self.max_batch, max_pages_per_request=max_pages,
                 max_tokens={m: prefill_tokens if q_per_row[m] is None else self.max_batch * q_per_row[m]
@@ -562,7 +617,7 @@ class Engine:
             backend = BACKENDS[args.backend](spec)
             self.runners[name] = ModelRunner(name, model, backend, PagePool(num_pages, ps, 0),
                                              window=W, max_batch=self.max_batch,
-                                             use_graphs=args.graphs)
+                                             use_graphs=args.graphs, shard=shard)
         self.target, self.draft = self.runners["target"], self.runners["draft"]
 
     # -- public ------------------------------------------------------------------------------

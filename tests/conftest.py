@@ -25,8 +25,11 @@ def pytest_report_header(config):
     return f"cuda: {cuda_state().describe()}"
 
 
+MULTI_GPU = 2  # devices the multi_gpu tests need
+
+
 def pytest_collection_modifyitems(config, items):
-    gpu_items = [item for item in items if "gpu" in item.keywords]
+    gpu_items = [item for item in items if "gpu" in item.keywords or "multi_gpu" in item.keywords]
     if not gpu_items:
         return
     state = cuda_state()
@@ -34,12 +37,20 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=state.skip_reason)
         for item in gpu_items:
             item.add_marker(skip)
+    elif not state.error and state.devices < MULTI_GPU:
+        # the multi_gpu tests are not selected by device_check.sh's `-m gpu`; scripts/tp_check.sh runs
+        # them (`-m multi_gpu`) on a machine of 2 GPUs. Here they say plainly what they lack.
+        skip = pytest.mark.skip(reason=f"needs {MULTI_GPU} CUDA devices, this machine has {state.devices} "
+                                       f"(run with -m multi_gpu on a {MULTI_GPU}-GPU machine)")
+        for item in gpu_items:
+            if "multi_gpu" in item.keywords:
+                item.add_marker(skip)
 
 
 def pytest_runtest_setup(item):
     """A broken CUDA setup (see tests/cuda_probe.py) fails every GPU test, loudly, with what CUDA said."""
     state = cuda_state()
-    if state.error and "gpu" in item.keywords:
+    if state.error and ("gpu" in item.keywords or "multi_gpu" in item.keywords):
         pytest.fail(f"CUDA is present but not usable, so this GPU test cannot run: {state.error}", pytrace=False)
 
 

@@ -455,11 +455,11 @@ class CupyFABackend:
         import cupy_fa
 
         owned, slot = self._owned(self._attention, key)
-        shape = (slot, q.shape[1], k_pages.shape[2], q.shape[2], q.dtype)
+        shape = (slot, q.shape[1], k_pages.shape[2], q.shape[2], q.dtype, q.device.index)  # one per device too
         entry = owned.get(shape)
         if entry is None:
-            entry = owned[shape] = [cupy_fa.BatchAttention(q.shape[1], k_pages.shape[2], q.shape[2], str(q.dtype)),
-                                    None]
+            entry = owned[shape] = [cupy_fa.BatchAttention(q.shape[1], k_pages.shape[2], q.shape[2], str(q.dtype),
+                                                           device=q.device.index), None]
         return entry
 
     @staticmethod
