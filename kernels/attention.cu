@@ -51,6 +51,15 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
   allow_dependent_launch();
   trace_stamp(kTraceStart);
+  // s_bad starts clear before any thread may set it (paged_kv.cuh): ordered here, where the CTA's
+  // threads arrive together with nothing in flight, rather than after the work item's dependent
+  // loads (where every warp would wait for the slowest one's before issuing its own copies)
+  // (the kernels with the variant hooks keep one barrier after the work item: they need it for
+  // s_window_to, and the D = 256 prefill tile at its register cap spills with both)
+  if constexpr (!Traits::kVariants) {
+    if (threadIdx.x == 0) s_bad = 0;
+    __syncthreads();
+  }
 
   // ---- the work item -------------------------------------------------------------------
   const int work = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
@@ -93,11 +102,14 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // a warp whose 16 rows are all padding (decode in a 2-row-warp tile) only loads
   const bool warp_has_rows = w.row0 + wm * 16 < rows;
 
-  if (tid == 0) s_request = w.request, s_reason = w.bad, s_bad = w.bad != 0;
+  // read at the CTA's end, after the loop's barriers; a bad request sets the flag as a fetch would
+  if (tid == 0) s_request = w.request, s_reason = w.bad;
   if constexpr (Traits::kVariants) {  // (in shared memory: no register held across the tile loop for it)
-    if (tid == 0) s_window_to = variant.window_mask_to(w.row0 + BM, rows);
+    if (tid == 0) s_bad = w.bad != 0, s_window_to = variant.window_mask_to(w.row0 + BM, rows);
+    __syncthreads();  // s_bad is set before any thread may set it; s_window_to, which every tile reads
+  } else {
+    if (tid == 0 && w.bad) atomicOr(&s_bad, 1);
   }
-  __syncthreads();  // s_bad is set before any thread may set it
 
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
   load_q_block<Traits, QT, KVBytes<KVT>::value == 1>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group,
