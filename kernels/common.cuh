@@ -22,6 +22,9 @@ typedef long long i64;
 // std::is_same without <type_traits> (NVRTC has no standard library headers).
 template <typename A, typename B> struct SameType { static constexpr bool value = false; };
 template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+// std::conditional likewise
+template <bool C, typename A, typename B> struct TypeIf { typedef A type; };
+template <typename A, typename B> struct TypeIf<false, A, B> { typedef B type; };
 
 // ---- element types -------------------------------------------------------
 
