@@ -17,7 +17,7 @@
 //   in shared memory in that order (paged_kv.cuh load_q_block, PAIRS_PERMUTED), so load_q's
 //   ldmatrix reads the fragment as it is, and K needs no shuffle. Each ldmatrix word of K feeds
 //   one mma (x4 over four 8-key blocks, x2 over a decode warp's two), twice the keys per byte
-//   loaded of fp16 / bf16 tiles; the widening is to Q's type.
+//   loaded of fp16 / bf16 tiles; the widening is to fp16 (below).
 // * O += P V: a thread's transposed ldmatrix word holds two keys x two head-dim columns; a byte
 //   permute makes the even and the odd columns of a 16-column chunk two mma B operands, so the
 //   accumulator blocks of the chunk hold its even (acc[2c]) and odd (acc[2c + 1]) columns: the
@@ -26,8 +26,8 @@
 //   every e4m3 value is exact in fp16).
 // * S = Q K^T runs in fp16 whatever Q's type (AT): bf16 queries are rewritten in shared memory as
 //   fp16 times a power of two per row once per CTA (paged_kv.cuh q_rows_to_fp16, exact), so K
-//   widens by the hardware conversion (one instruction per two bytes on sm_89+) instead of
-//   bf16's permute, shifts, masks and multiply (ten instructions per four bytes).
+//   widens by the hardware conversion (one instruction per two bytes on sm_89+, where a bf16
+//   widening takes a permute, shifts, masks and a multiply: ten instructions per four bytes).
 // * The scales: k_scale (times the row's 2^-e_r for bf16 queries) multiplies each score
 //   (scale_scores), v_scale joins each row's 1 / sum in the epilogue; the mma sees the bytes'
 //   own e4m3 values.
