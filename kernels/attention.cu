@@ -46,6 +46,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ int s_request, s_reason;    // for the status word at the CTA's end (no register held to it)
   __shared__ int s_bad;                  // a page id outside the cache was fetched (paged_kv.cuh)
   __shared__ int s_window_to;            // variant hooks: tiles starting before it take the window's mask
+  __shared__ float s_row_unscale[Mma::kQToFp16 ? BM : 1];  // bf16 Q over fp8: each row's 2^-e_r (q_rows_to_fp16)
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -141,6 +142,17 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
                                           wm, sK, sV, s_max, s_sum, s_factor, s_row, s_step);
   Mma mma{lane, wm, wn};
   const float k_scale = KVBytes<KVT>::value == 1 ? __ldg(p.k_scale + kv_head) : 1.f;  // an fp8 cache's
+  // bf16 queries over an fp8 cache: Q's block (which rides in the first group) rewritten as fp16
+  // times a power of two per row, so S = Q K^T runs in fp16 (warp_mma.cuh)
+  float row_scale[2] = {k_scale, k_scale};
+  if constexpr (Mma::kQToFp16) {
+    cp_async_wait<STAGES - 2>();  // the prologue's first group: Q and tile 0
+    __syncthreads();
+    q_rows_to_fp16<Traits>(smem, s_row_unscale, row_in_pass, chunk);
+    __syncthreads();
+    mma.row_scales(row_scale, k_scale, s_row_unscale);
+  }
+  const typename Mma::AT* sQ_mma = reinterpret_cast<const typename Mma::AT*>(sQ);
 
   // ---- the main loop: one KV tile per iteration, each split's epilogue after its last tile
   int split_now = w.split_first, tiles_left = tiles_per_split;
@@ -169,9 +181,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
 
     if (warp_has_rows) {
       float s[Mma::S_BLOCKS][4];
-      mma.scores(s, sQ, sK + stage * BN * D, tile == 0);
-      // an fp8 cache: the scores times KV head kv_head's k_scale (v_scale is the epilogue's)
-      if constexpr (KVBytes<KVT>::value == 1) mma.scale_scores(s, k_scale);
+      mma.scores(s, sQ_mma, sK + stage * BN * D, tile == 0);
+      // an fp8 cache: the scores times KV head kv_head's k_scale (and the row's 2^-e_r for bf16
+      // queries; v_scale is the epilogue's)
+      if constexpr (KVBytes<KVT>::value == 1) mma.scale_scores(s, row_scale);
       const int tile_key0 = kv_begin + tile * BN;
       mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows,
                         tile_key0 + BN - 1 >= mask_from || (Traits::kVariants && tile_key0 < s_window_to));

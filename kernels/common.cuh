@@ -22,6 +22,9 @@ typedef long long i64;
 // std::is_same without <type_traits> (NVRTC has no standard library headers).
 template <typename A, typename B> struct SameType { static constexpr bool value = false; };
 template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+// std::conditional likewise
+template <bool C, typename A, typename B> struct TypeIf { typedef A type; };
+template <typename A, typename B> struct TypeIf<false, A, B> { typedef B type; };
 
 // ---- element types -------------------------------------------------------
 
@@ -77,13 +80,13 @@ struct fp8_e4m3 {
 // Bytes per element of a K/V element type (fp8: 1, fp16 / bf16: 2).
 template <typename T> struct KVBytes { static constexpr int value = sizeof(T); };
 
-// Four e4m3 bytes (x, byte 0 first) as four exact 16-bit values of T, in mma operand pairs:
-// out[0] = (byte 0, byte 1), out[1] = (byte 2, byte 3), the lower byte in the lower half.
-// fp16 on sm_89+: the hardware conversion (NaN stays NaN). Elsewhere the bytes are placed into
-// T's sign, exponent and mantissa fields (which reads e4m3 as itself times 2^-8 in fp16, 2^-120
-// in bf16, subnormals included) and multiplied by that power of two in T (exact; bf16 and fp16
-// multiplies keep subnormals). There a NaN byte reads as +-480 (the encoding's value were it
-// finite): append never writes one from a finite input (docs/design.md, "fp8 KV cache").
+// Four e4m3 bytes (x, byte 0 first) as four exact fp16 values, in mma operand pairs:
+// out[0] = (byte 0, byte 1), out[1] = (byte 2, byte 3), the lower byte in the lower half. Both
+// fp8 products run in fp16 whatever Q's type (warp_mma.cuh). On sm_89+ the hardware conversion
+// (NaN stays NaN); on sm_80 the bytes are placed into fp16's sign, exponent and mantissa fields
+// (which reads e4m3 as itself times 2^-8, subnormals included) and multiplied by 2^8 (exact;
+// fp16 multiplies keep subnormals). There a NaN byte reads as +-480 (the encoding's value were
+// it finite): append never writes one from a finite input (docs/design.md, "fp8 KV cache").
 template <typename T> struct Fp8Widen;
 template <> struct Fp8Widen<__half> {
   static __device__ __forceinline__ void run(u32 x, u32 (&out)[2]) {
@@ -104,20 +107,6 @@ template <> struct Fp8Widen<__half> {
 #endif
   }
 };
-template <> struct Fp8Widen<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(u32 x, u32 (&out)[2]) {
-    const __nv_bfloat16 two_120 = __ushort_as_bfloat16(0x7b80);  // 2^120
-    const __nv_bfloat162 bias = __halves2bfloat162(two_120, two_120);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const u32 r = __byte_perm(x, 0u, i ? 0x3424u : 0x1404u);
-      u32 h = ((r & 0x7fff7fffu) >> 4) | (r & 0x80008000u);
-      __nv_bfloat162 v = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&h), bias);
-      out[i] = *reinterpret_cast<u32*>(&v);
-    }
-  }
-};
-
 // float -> e4m3fn byte, round to nearest even, saturating: |x| >= 448 (and +-inf) give +-448,
 // NaN gives NaN (0x7f, with x's sign), values below half the smallest subnormal (2^-10) give a
 // zero of x's sign. Integer arithmetic only, so every arch rounds alike (the host's

@@ -17,15 +17,20 @@
 //   in shared memory in that order (paged_kv.cuh load_q_block, PAIRS_PERMUTED), so load_q's
 //   ldmatrix reads the fragment as it is, and K needs no shuffle. Each ldmatrix word of K feeds
 //   one mma (x4 over four 8-key blocks, x2 over a decode warp's two), twice the keys per byte
-//   loaded of fp16 / bf16 tiles; the widening is to Q's type.
+//   loaded of fp16 / bf16 tiles; the widening is to fp16 (below).
 // * O += P V: a thread's transposed ldmatrix word holds two keys x two head-dim columns; a byte
 //   permute makes the even and the odd columns of a 16-column chunk two mma B operands, so the
 //   accumulator blocks of the chunk hold its even (acc[2c]) and odd (acc[2c + 1]) columns: the
 //   thread's four columns of the chunk's row are 16 c + 4 tq .. 4 tq + 3, which the epilogue
 //   stages in place (split_epilogue.cuh). P and V are fp16 there whatever Q's type (P <= 2^8 and
 //   every e4m3 value is exact in fp16).
-// * The scales: k_scale multiplies each score (scale_scores), v_scale joins each row's 1 / sum in
-//   the epilogue; the mma sees the bytes' own e4m3 values.
+// * S = Q K^T runs in fp16 whatever Q's type (AT): bf16 queries are rewritten in shared memory as
+//   fp16 times a power of two per row once per CTA (paged_kv.cuh q_rows_to_fp16, exact), so K
+//   widens by the hardware conversion (one instruction per two bytes on sm_89+, where a bf16
+//   widening takes a permute, shifts, masks and a multiply: ten instructions per four bytes).
+// * The scales: k_scale (times the row's 2^-e_r for bf16 queries) multiplies each score
+//   (scale_scores), v_scale joins each row's 1 / sum in the epilogue; the mma sees the bytes'
+//   own e4m3 values.
 #pragma once
 
 #include "common.cuh"
@@ -38,6 +43,10 @@ struct WarpMma {
   static constexpr int S_BLOCKS = KW / 8, D_BLOCKS = D / 8, K_STEPS = D / 16;
   static constexpr bool kFp8 = KVBytes<KVT>::value == 1;
   static_assert(kFp8 || SameType<QT, KVT>::value, "mma.sync takes Q and K (and P and V) in one element type");
+  // bf16 queries over an fp8 cache: sQ rewritten as fp16 (q_rows_to_fp16) before the first tile
+  static constexpr bool kQToFp16 = kFp8 && SameType<QT, __nv_bfloat16>::value;
+  // the element type of S = Q K^T's operands (and of sQ once the tile loop runs)
+  typedef typename TypeIf<kFp8, __half, QT>::type AT;
 
   int lane, wm, wn;
   // kQInRegisters: Q's fragments, loaded from shared memory with the first tile and held across
@@ -46,21 +55,29 @@ struct WarpMma {
 
   // (fp8: sQ holds each row's 16-element groups in the k order of the fp8 K words, load_q_block's
   // PAIRS_PERMUTED, so the same ldmatrix gives the fragment in that order)
-  __device__ __forceinline__ void load_q(const QT* sQ, int kk, u32 (&a)[4]) const {
+  __device__ __forceinline__ void load_q(const AT* sQ, int kk, u32 (&a)[4]) const {
     ldmatrix_x4(a, sQ + swizzled<D>(wm * 16 + (lane & 15), kk * 2 + (lane >> 4)));
   }
 
-  // an fp8 cache: the scores times the KV head's k_scale
-  __device__ __forceinline__ void scale_scores(float (&s)[S_BLOCKS][4], float k_scale) const {
+  // an fp8 cache: the scores times the KV head's k_scale, times each row's 2^-e_r for bf16
+  // queries (row_scale[0]: the thread's row g, [1]: row g + 8; see row_scales)
+  __device__ __forceinline__ void scale_scores(float (&s)[S_BLOCKS][4], const float (&row_scale)[2]) const {
 #pragma unroll
     for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] *= k_scale;
+      for (int e = 0; e < 4; ++e) s[nb][e] *= row_scale[e >> 1];
     }
+  }
+  // the factors scale_scores takes: k_scale, times s_row_unscale of the thread's two rows
+  // (q_rows_to_fp16) for bf16 queries
+  __device__ __forceinline__ void row_scales(float (&row_scale)[2], float k_scale, const float* s_row_unscale) const {
+    const int g = lane >> 2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_scale[h] = kQToFp16 ? k_scale * s_row_unscale[wm * 16 + g + 8 * h] : k_scale;
   }
 
   // S = Q K^T for this warp's 16 rows x KW keys of the tile in tK.
-  __device__ __forceinline__ void scores(float (&s)[S_BLOCKS][4], const QT* sQ, const KVT* tK, bool first_tile) {
+  __device__ __forceinline__ void scores(float (&s)[S_BLOCKS][4], const AT* sQ, const KVT* tK, bool first_tile) {
 #pragma unroll
     for (int i = 0; i < S_BLOCKS; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
     if constexpr (Traits::kQInRegisters) {
@@ -88,8 +105,8 @@ struct WarpMma {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               u32 b[2];
-              Fp8Widen<QT>::run(kb[j], b);
-              Mma<QT>::run(s[nb + j], a, b[0], b[1]);
+              Fp8Widen<AT>::run(kb[j], b);
+              Mma<AT>::run(s[nb + j], a, b[0], b[1]);
             }
           } else {
             u32 kb[2];
@@ -97,8 +114,8 @@ struct WarpMma {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
               u32 b[2];
-              Fp8Widen<QT>::run(kb[j], b);
-              Mma<QT>::run(s[nb + j], a, b[0], b[1]);
+              Fp8Widen<AT>::run(kb[j], b);
+              Mma<AT>::run(s[nb + j], a, b[0], b[1]);
             }
           }
         }

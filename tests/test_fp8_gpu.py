@@ -186,6 +186,35 @@ def test_fp8_subnormal_bytes_read_exactly(dtype):
                     label=f"seed {seed} fp8 subnormals").assert_ok()
 
 
+def test_fp8_bf16_queries_beyond_fp16_range():
+    """bf16 queries whose rows span 2^4 .. 2^21 in magnitude (k_scale 2^-18 smaller, so the scores
+    stay moderate), mixed inside each CTA's row block (the 4 heads of a KV head; a verify
+    request's tokens): S = Q K^T runs in fp16 with each row scaled by its own power of two
+    (paged_kv.cuh q_rows_to_fp16), so rows past fp16's 65504 would read inf (and NaN out) without
+    it. Decode and a 4-token verify step against float64, LSE included."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import reference
+
+    rng, seed = new_rng()
+    h_q, h_kv, d = 16, 4, 128
+    q_lens, kv_lens = np.array([1, 4, 1]), np.array([300, 1030, 77])
+    table, k, v, (ks, vs), _, _ = fp8_paged_case(rng, "bfloat16", (h_q, h_kv), d, 16, kv_lens, int(q_lens.sum()),
+                                                 "head")
+    ks = (ks * 2.0**-18).astype(np.float32)
+    cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype=FP8, k_scale=ks, v_scale=vs)
+    exponents = rng.integers(4, 22, size=(int(q_lens.sum()), h_q, 1))
+    exponents[0, 0, 0], exponents[1, 1, 0] = 21, 4  # both ends, each beside other magnitudes in its block
+    q_host = (rng.standard_normal((int(q_lens.sum()), h_q, d)) * 2.0**exponents).astype(np_dtype("bfloat16"))
+    assert np.abs(q_host.astype(np.float32)).max() > 65504  # past fp16's range
+    attn = cupy_fa.BatchAttention(h_q, h_kv, d, "bfloat16", kv_dtype=FP8).plan(q_lens, kv_lens, table)
+    out, lse = attn.run(cupy.asarray(q_host), cache, return_lse=True)
+    ref, ref_lse = reference.paged_attention(q_host, k, v, q_lens, kv_lens, table, causal=True, return_lse=True,
+                                             k_scale=ks, v_scale=vs)
+    check_attention(out.get(), ref, "bfloat16", q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse,
+                    label=f"seed {seed} fp8, bf16 queries 2^4 .. 2^21").assert_ok()
+
+
 # ---- every serving mode, eager and graph; fp8 against the 16-bit cache -------------------------
 
 class Fp8Engine(Engine):
