@@ -39,6 +39,7 @@ fi
 if want tests; then
   start=$(date +%s)
   export CUPY_FA_REPORT=/tmp/modes.jsonl; : > "$CUPY_FA_REPORT"
+  export CUPY_FA_FP8_REPORT=/tmp/fp8_modes.jsonl; : > "$CUPY_FA_FP8_REPORT"  # fp8 against 16-bit per mode
   export CUPY_FA_FAILURE_LOG=$OUT/failures.log; : > "$CUPY_FA_FAILURE_LOG"  # reasons, written as they happen
   python3 scripts/warm_cache.py  # every variant into the disk cache once, 8 processes, before the workers
   # GPU tests only (CI runs the CPU ones); -v so a log cut short still names each result;
@@ -70,6 +71,7 @@ if want tests; then
     echo "ERROR: $n_tests GPU tests collected, $EXPECT_TESTS expected" >> "$summary"; check_failed=1
   fi
   python3 scripts/modes_table.py "$CUPY_FA_REPORT" >> "$summary"
+  python3 scripts/fp8_modes_table.py "$CUPY_FA_FP8_REPORT" >> "$summary"
 fi
 if want demo; then
   python3 -m cupy_fa.demo 2>&1 | tee "$OUT/demo.log"

@@ -61,20 +61,7 @@ if [ "$n_tests" = -1 ] || [ "$test_rc" != 0 ] || [ "$n_failed" != 0 ] || [ "$n_e
    || [ "$n_tests" -le 0 ]; then
   echo "ERROR: the fp8 GPU tests did not all pass (pytest exit $test_rc)" >> "$summary"; failed=1
 fi
-python3 - "$CUPY_FA_FP8_REPORT" >> "$summary" <<'PY'
-import collections, json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-if not rows:
-    print("fp8 vs 16-bit cache: no rows reported"); sys.exit()
-by = collections.defaultdict(list)
-for r in rows:
-    by[r["mode"]].append(r)
-print("fp8 attention per mode (largest over the engine configs): rel err vs the same step over the 16-bit cache, "
-      "vs float64 on the dequantised cache, and the 16-bit step's own vs float64")
-for mode, rs in by.items():
-    print(f"  {mode:22s} fp8 vs 16-bit {max(r['fp8_vs_16bit'] for r in rs):.2e}   fp8 vs f64 "
-          f"{max(r['fp8_vs_ref'] for r in rs):.2e}   16-bit vs f64 {max(r['ref16'] for r in rs):.2e}   ({len(rs)} steps)")
-PY
+python3 scripts/fp8_modes_table.py "$CUPY_FA_FP8_REPORT" >> "$summary"
 
 if [ -n "$fi_pid" ]; then  # the JIT compile must be done (or given up) before anything is timed
   wait "$fi_pid"; echo "flashinfer warm (exit $?, done at $(elapsed) s): $(tail -n 2 "$OUT/fp8_fi_warm.log" | tr '\n' ' ' | cut -c1-400)" >> "$summary"
