@@ -74,6 +74,15 @@ class Sm90Tile:
         return (1024 + q_bufs * self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2
                 + (4 * self.stages + 3 * q_bufs) * 8 + 128 * self.consumer_wgs * 4 + q_bufs * 56)
 
+    def with_variants(self):
+        """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
+        same rows per CTA, so the same work layout; with three consumer warpgroups at most 64 keys
+        a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9). The keys a
+        tile holds never move a split (plan_kernel cuts splits; the kernel masks a split's last,
+        partial tile), so the hooked kernel runs the plain tile's plan."""
+        block_n = min(self.block_n, 64) if self.consumer_wgs == 3 else self.block_n
+        return dataclasses.replace(self, variants=True, block_n=block_n)
+
     def traits(self):
         b = lambda x: str(bool(x)).lower()
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.overlap)}, "
@@ -89,9 +98,15 @@ class Sm90Tile:
 # uniform_wg it spills 64 bytes).
 # D 64 / 128: the producer's lean copies (lean_copy) measured +13-18% over the same tiles without
 # (interleaved A/B on an H200, 2026-12-01, bench/NOTES.md sm90 round 3), correct in every probe case.
+# D 64 / 128: three consumer warpgroups (192 rows a CTA, 512 threads; each warpgroup's softmax
+# hides behind two others' GEMMs), at D = 128 with 80 keys a tile (S, O and P fit the 160
+# registers a consumer gets only with 64 or 80): +5-9% on prefill, +18% at D = 64 standalone
+# (sm90 round 3); the producer needs 32 registers with lean copies.
 DEFAULT_TILES = {
-    64: Sm90Tile(64, 128, stages=4, uniform_wg=True, joint_rows=True, lean_copy=True),
-    128: Sm90Tile(128, 128, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True),
+    64: Sm90Tile(64, 128, stages=4, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
+                 producer_regs=32),
+    128: Sm90Tile(128, 80, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
+                  producer_regs=32),
     256: Sm90Tile(256, 80, stages=2, pingpong=False),
 }
 

@@ -655,7 +655,10 @@ def merge_grid(num_tokens, num_qo_heads):
 def with_variants(tile):
     """``tile``'s kernel with the variant hooks compiled in (kernels/variant.cuh: sliding window,
     logits soft-cap, attention sinks; each on at run time by its AttentionParams field). The same
-    schedule and work layout as ``tile``: only the binary differs."""
+    schedule and work layout as ``tile``: only the binary differs (a wgmma tile may hold fewer
+    keys a KV tile with the hooks: ``Sm90Tile.with_variants``)."""
+    if hasattr(tile, "with_variants"):
+        return tile.with_variants()
     return dataclasses.replace(tile, variants=True)
 
 

@@ -66,10 +66,13 @@ __device__ __forceinline__ bool find_work(const AttentionParams& p, const FastDi
   if (p.mask_mode == 1) w.kv_end = min(w.kv_end, w.prefix + by_group.div(min(w.row0 + BLOCK_M, w.rows) - 1) + 1);
   if constexpr (VARIANTS) {
     // the tiles before the window of the tile's first row are skipped: whole tiles, so the rest
-    // keep their offsets from the split's first key
+    // keep their offsets from the split's first key; a split wholly before it reads nothing
+    // (its keys need not be whole tiles of this kernel: the hooked tile may hold fewer keys than
+    // the plain tile whose multiples the plan cut, prefill_sm90.Sm90Tile.with_variants)
     if (p.window > 0 && w.kv_end > w.kv_begin) {
       const int first = window_first_key(p, w.prefix, first_token);
-      if (first > w.kv_begin) w.kv_begin += min(first - w.kv_begin, w.kv_end - w.kv_begin) / BLOCK_N * BLOCK_N;
+      if (first >= w.kv_end) w.kv_begin = w.kv_end;
+      else if (first > w.kv_begin) w.kv_begin += (first - w.kv_begin) / BLOCK_N * BLOCK_N;
     }
   }
   w.num_tiles = w.kv_end > w.kv_begin ? (w.kv_end - w.kv_begin + BLOCK_N - 1) / BLOCK_N : 0;

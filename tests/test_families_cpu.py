@@ -23,8 +23,9 @@ def test_long_requests_take_the_wgmma_family_on_sm90a_only():
         long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **H200).long
         if head_dim in s9.DEFAULT_TILES:
             assert schedule.family_of(long.tile) is schedule.SM90_WGMMA
-            assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == 128
-            assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == (4096 * 4 + 1024 * 4) // 128
+            rows = {64: 192, 128: 192, 256: 128}[head_dim]  # 3 consumer warpgroups at D 64 / 128, 2 at 256
+            assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == rows
+            assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == sum(-(-n * 4 // rows) for n in q)
         else:  # 96, 192: no wgmma tile, the mma.sync prefill tile on sm_90a too
             assert head_dim in (96, 192) and long.tile == schedule.MmaTile(head_dim, 4, 1)
         for target in (A100, dict(H200, arch="sm_90"), dict(H200, arch=None)):  # sm_80, a plain sm_90 build, none
@@ -65,7 +66,7 @@ def test_a_mixed_step_has_a_launch_per_class(target):
     assert schedule.is_small_q_tile(small.tile) and small.tile.warps_m == 1 and not small.tile.fold_splits
     assert small.work_grid == 63 * 8 and small.ctas == 63 * 8 * 8  # 8 splits of 512 keys each, x 8 KV heads
     assert long.tile == schedule.prefill_tile(128, target["smem_limit"], target["arch"])
-    assert long.work_grid == 2048 * 4 // long.tile.block_m  # q 2048 > SPLIT_ROW_BUDGET: one split
+    assert long.work_grid == -(-2048 * 4 // long.tile.block_m)  # q 2048 > SPLIT_ROW_BUDGET: one split
     assert step.needs_merge and step.launches == (long, small) and step.tile is small.tile
     assert (small.max_splits, long.max_splits) == (8, 1)  # 4096 / 512 fixed splits; q 2048: SPLIT_ROW_BUDGET
     tile, long_tile = step.plan_tiles()
@@ -105,7 +106,7 @@ def test_plan_constants_refuse_a_long_tile_that_splits_per_cta():
     with pytest.raises(ValueError, match="one split per CTA"):
         schedule.plan_constants(schedule.tile_for(128, 1, 4), schedule.MmaTile(128, 1, 4, splits_per_cta=2))
     one = schedule.plan_constants(s9.DEFAULT_TILES[128])  # the standalone launcher: one list, its tile
-    assert (one["block_m"], one["long_q_len"]) == (128, 2**31 - 1)
+    assert (one["block_m"], one["long_q_len"]) == (s9.DEFAULT_TILES[128].block_m, 2**31 - 1) == (192, 2**31 - 1)
 
 
 # ---- both launches replayed over the model of plan_kernel --------------------------------------
@@ -326,4 +327,5 @@ def test_a_prefill_step_launches_the_wgmma_family_alone(monkeypatch):
     attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, [4096, 300], [4096, 2000], H200)
     assert sched.small is None
     assert [c[0].source for c in calls] == ["prefill_sm90.cu"]  # q 4096, 300: one split each, no merge
-    assert calls[0][1] == (sched.long.ctas,) == ((4096 * 4 + 300 * 4 + 127) // 128 * 8,)  # 128-row items x 8 heads
+    rows = sched.long.tile.block_m  # 192 at D 128: 3 consumer warpgroups
+    assert rows == 192 and calls[0][1] == (sched.long.ctas,) == ((-(-4096 * 4 // rows) - (-300 * 4 // rows)) * 8,)

@@ -417,7 +417,7 @@ def test_decode_equals_verify_at_131072_keys(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_beyond_131072_keys_splits_grow(dtype):
     """Past 131072 keys a request keeps 256 splits at most and its splits grow (keys per split a
-    multiple of 64 past 512): decode, verify and prefill-tile rows there are right against float64,
+    whole KV tiles of the request's family past 512): decode, verify and prefill-tile rows there are right against float64,
     row by row, LSE included, and the tail of the output is untouched."""
     import cupy
     import cupy_fa
@@ -437,7 +437,11 @@ def test_beyond_131072_keys_splits_grow(dtype):
     attn.plan(q_lens, kv, table).run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total])
     splits, keys = attn._buffers.num_splits[:5].get(), attn._buffers.split_keys[:5].get()
     small = q_lens <= schedule.SMALL_Q_LEN
-    assert (splits[small] <= schedule.MAX_SPLITS).all() and (keys[small] > S).all() and (keys % 64 == 0).all()
+    # split lengths are whole KV tiles of the request's family: 64 keys small-q, the prefill tile's otherwise
+    from cupy_fa import _build
+    long_block_n = schedule.prefill_tile(head_dim, _build.device_smem_limit(), _build.current_arch()).block_n
+    block_n = np.where(small, 64, long_block_n)
+    assert (splits[small] <= schedule.MAX_SPLITS).all() and (keys[small] > S).all() and (keys % block_n == 0).all()
     assert ((splits - 1) * keys < kv).all() and (kv <= splits * keys).all()
     ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv, table, return_lse=True)
     check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse, poison=POISON,

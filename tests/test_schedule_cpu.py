@@ -26,7 +26,7 @@ def test_schedule_step_decode_and_verify_on_hopper():
     assert not short.tile.fold_splits and short.work_grid == 8 and short.needs_merge
     prefill = schedule.schedule_step(128, 4, 8, q_lens=[4096], kv_lens=[4096], **h200)
     assert prefill.small is None and schedule.family_of(prefill.tile) is schedule.SM90_WGMMA
-    assert prefill.tile.block_m == 128 and prefill.work_grid == 4096 * 4 // 128
+    assert prefill.tile.block_m == 192 and prefill.work_grid == -(-4096 * 4 // 192)  # 3 consumer warpgroups
     a100 = dict(smem_limit=schedule.SM80_SMEM_LIMIT, sm_count=108, arch="sm_80")
     prefill = schedule.schedule_step(128, 4, 8, q_lens=[4096], kv_lens=[4096], **a100)
     assert (prefill.tile.warps_m, prefill.tile.warps_n) == (4, 1) and prefill.tile.family is schedule.MMA_SYNC

@@ -221,14 +221,25 @@ def test_every_attention_kernel_has_a_hooked_twin_and_the_plain_names_stay():
     attention_kernels = {v.expression for v in everything if v.source in ("attention.cu", "prefill_sm90.cu")
                          and "fp8_e4m3" not in v.expression}
     # the hooked twin: VARIANTS = true after the traits' last argument (the mma.sync traits' KV_BYTES
-    # is then spelled out)
-    twin = {e: e[:-2] + (", 2, true>>" if "TileTraits<" in e else ", true>>") for e in attention_kernels}
+    # is then spelled out); a wgmma tile of three consumer warpgroups holds 64 keys a tile hooked
+    # (Sm90Tile.with_variants: the hooks' registers)
+    def hooked_name(e):
+        if "TileTraits<" in e:
+            return e[:-2] + ", 2, true>>"
+        if ", 3>>" in e:
+            head_dim, block_n = e.split("Sm90PrefillTraits<")[1].split(", ")[:2]
+            e = e.replace(f"Sm90PrefillTraits<{head_dim}, {block_n},", f"Sm90PrefillTraits<{head_dim}, 64,")
+        return e[:-2] + ", true>>"
+    twin = {e: hooked_name(e) for e in attention_kernels}
     plain = {e for e in attention_kernels if twin[e] in attention_kernels}
     hooked = attention_kernels - plain
     assert plain and len(plain) == len(hooked) and hooked == {twin[e] for e in plain}
     assert "TileTraits<128, 1, 4, 64, 2, false>>" in schedule.attention_variant(
         "bfloat16", schedule.small_q_tile(128, 1, 2)).expression  # the plain kernels keep their names
-    assert s9.variant("bfloat16", s9.DEFAULT_TILES[128]).expression.endswith(", 0, 2>>")
+    assert s9.variant("bfloat16", s9.DEFAULT_TILES[128]).expression.endswith(", 0, 3>>")
+    hooked_128 = schedule.with_variants(s9.DEFAULT_TILES[128])
+    assert s9.variant("bfloat16", hooked_128).expression == hooked_name(s9.variant("bfloat16", s9.DEFAULT_TILES[128])
+                                                                       .expression)
     assert schedule.attention_variant("bfloat16", schedule.with_variants(s9.DEFAULT_TILES[128])).source == \
         "prefill_sm90.cu"
 

@@ -32,11 +32,13 @@ def draw(rng, variant, h_q, windows=WINDOWS, caps=(5.0, 20.0), scale=0.3):
     return window, cap, sm_scale, sinks
 
 
-def nan_before_windows(k_host, v_host, table, q_lens, kv_lens, window, page_size, tile=128):
-    """Copies of the cache whose keys before each request's first window, in whole tiles of
-    ``tile`` keys, are NaN: no kernel may read them (at head dims 64 and 128 every family's key
-    tiles start at multiples of 64 or 128 keys, so a tile before the window holds no visible key).
-    The reference takes the originals."""
+def nan_before_windows(k_host, v_host, table, q_lens, kv_lens, window, page_size, block_n=128):
+    """Copies of the cache whose keys before each request's first window, less one KV tile of
+    ``block_n`` keys (the most any family's tile holds), are NaN: no kernel may read them. A KV
+    tile that holds a visible key starts less than ``block_n`` keys before the first one; tiles
+    start wherever a split's keys do (splits are whole tiles from the request's key_base: plan.cu),
+    so that bound is the one that holds for every family and tile. The reference takes the
+    originals."""
     k, v = k_host.copy(), v_host.copy()
     if not window:
         return k, v
@@ -44,7 +46,7 @@ def nan_before_windows(k_host, v_host, table, q_lens, kv_lens, window, page_size
         if q == 0:
             continue
         first = int(kv) - int(q) - window + 1  # the first query's first key
-        keys = np.arange(max(0, first) // tile * tile)
+        keys = np.arange(max(0, first - block_n + 1))
         k[table[b, keys // page_size], keys % page_size] = np.nan
         v[table[b, keys // page_size], keys % page_size] = np.nan
     return k, v
