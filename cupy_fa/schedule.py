@@ -299,7 +299,7 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
 def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
     """The tile of requests of more than SMALL_Q_LEN tokens, one KV split per CTA: on an sm_90a
     target the wgmma family's default tile for the head dim (``prefill_sm90.DEFAULT_TILES``,
-    128 packed rows per CTA) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
+    192 packed rows per CTA at D 64 / 128, 128 at D 256) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
     ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target
     named), and at the head dims the wgmma family lacks (96, 192: docs/design.md "Head dims"),
     the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA). An fp8
