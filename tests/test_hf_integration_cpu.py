@@ -27,10 +27,10 @@ class KernelStandIn:
     """What the kernels compute, in torch, from what they are given."""
 
     def __init__(self):
-        self.steps, self.caches, self.writes = [], [], 0
+        self.steps, self.caches, self.writes, self.variants = [], [], 0, []
 
-    def check(self, key, q, k_pages):
-        pass
+    def check(self, key, q, k_pages, variant=hf.PLAIN):
+        self.variants.append(variant)
 
     def append(self, key, k_pages, v_pages, k_new, v_new, slots):
         self.caches.append(key)
@@ -39,9 +39,12 @@ class KernelStandIn:
         v_pages.view(-1, h, d).index_copy_(0, slots, v_new)
         self.writes += 1
 
-    def attention(self, key, step, q, k_pages, v_pages, scale, causal, pages_key=None, zero_fill=False):
+    def attention(self, key, step, q, k_pages, v_pages, scale, causal, pages_key=None, zero_fill=False,
+                  variant=hf.PLAIN, return_lse=False):
         self.steps.append(step)
         out = torch.zeros_like(q) if zero_fill else torch.full_like(q, float("nan"))  # unwritten rows stay NaN
+        if not variant.is_plain or return_lse:  # a window, soft-cap, sinks or the LSE: cupy_fa's float64 reference
+            return self._variant_attention(out, step, q, k_pages, v_pages, scale, causal, variant, return_lse)
         page_size, h_kv, d = k_pages.shape[1:]
         group = q.shape[1] // h_kv
         start = 0
@@ -61,6 +64,24 @@ class KernelStandIn:
             start += q_len
         assert start <= q.shape[0]
         return out
+
+    @staticmethod
+    def _variant_attention(out, step, q, k_pages, v_pages, scale, causal, variant, return_lse):
+        from cupy_fa import reference
+
+        q_lens, kv_lens = step.q_lens.numpy(), step.kv_lens.numpy()
+        total = int(q_lens.sum())
+        sinks = None if variant.sinks is None else variant.sinks.double().numpy()
+        ref = reference.paged_attention(q[:total].double().numpy(), k_pages.double().numpy(), v_pages.double().numpy(),
+                                        q_lens, kv_lens, step.page_table.numpy(), causal=causal, sm_scale=scale,
+                                        window=variant.window or None, soft_cap=variant.soft_cap or None, sinks=sinks,
+                                        return_lse=True)
+        out[:total] = torch.from_numpy(ref[0]).to(q.dtype)
+        if not return_lse:
+            return out
+        lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32)  # unwritten rows stay NaN
+        lse[:total] = torch.from_numpy(ref[1]).float()
+        return out, lse
 
 
 @pytest.fixture
@@ -215,15 +236,12 @@ def test_refusals_name_what_is_missing():
         hf.paged_attention_forward(_Module(), q, kv, kv, None)
     windowed = _Module()
     windowed.sliding_window = 128
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        hf.attention_forward(windowed, q, kv, kv, None)
-    hint = "this integration plans one step for all layers; cupy_fa.BatchAttention"  # the library has them
-    with pytest.raises(NotImplementedError, match=f"sliding-window layers .*{hint}"):
-        hf.attention_forward(windowed, q, kv, kv, None)
-    with pytest.raises(NotImplementedError, match=f"attention sinks: {hint}"):
-        hf.attention_forward(_Module(), q, kv, kv, None, s_aux=torch.zeros(4))
-    with pytest.raises(NotImplementedError, match=r"logit soft-capping \(softcap=30.0\)"):
-        hf.attention_forward(_Module(), q, kv, kv, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="sliding-window layers .*'cupy_fa' \\(generate\\)"):
+        hf.layer_variant(windowed, q, {}, hf.PAGED_ATTENTION, paged=True)  # its pages are a group of their own
+    with pytest.raises(ValueError, match="sinks .* one logit per query head, shape \\(4,\\)"):
+        hf.layer_variant(_Module(), q, {"s_aux": torch.zeros(3)}, hf.ATTENTION, paged=False)
+    with pytest.raises(ValueError, match="logits_soft_cap must be a positive"):
+        hf.layer_variant(_Module(), q, {"softcap": -1.0}, hf.ATTENTION, paged=False)
     with pytest.raises(NotImplementedError, match="dropout"):
         hf.attention_forward(_Module(), q, kv, kv, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="value head dim"):
@@ -276,6 +294,79 @@ def test_generate_gives_sdpa_tokens(stand_in, padded):
     assert len(stand_in.steps) == 16 * 3  # every layer of every forward ran the stand-in
     assert len({id(s) for s in stand_in.steps}) == 16  # one Step per forward, shared by its 3 layers
     assert all((s.rows is not None) == padded for s in stand_in.steps)
+
+
+def tiny_variant_model(kind, seed, window=8):
+    """Gemma 2 (sliding-window layers beside full ones, logit soft-capping) or gpt-oss (sinks on
+    every layer, sliding-window layers), random weights, small enough for the CPU."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=512, sliding_window=window)
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(intermediate_size=256, num_hidden_layers=4, attn_logit_softcapping=20.0,
+                                           final_logit_softcapping=None, query_pre_attn_scalar=16, **common)
+    else:
+        config = transformers.GptOssConfig(intermediate_size=128, num_hidden_layers=2, num_local_experts=4,
+                                           num_experts_per_tok=2, **common)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if kind == "gpt_oss":
+        with torch.no_grad():  # sinks of a size that matters beside the scores
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_generate_with_attention_variants_gives_eager_tokens(stand_in, kind):
+    """Windows, soft-caps and sinks go to the kernels as cupy_fa's plan / run take them: with the
+    float64 reference of those variants in the kernels' place, generate over "cupy_fa" gives the
+    tokens of transformers' own "eager" (prompts longer than the window of 8, left-padded)."""
+    model = tiny_variant_model(kind, seed=11)
+    prompts = random_prompts(12, (5, 23, 1, 40, 17, 8))
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    gen = transformers.GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outputs = {}
+    for impl in ("eager", "cupy_fa"):
+        model.set_attn_implementation(impl)
+        outputs[impl] = model.generate(ids, attention_mask=mask, generation_config=gen)
+    assert torch.equal(outputs["cupy_fa"], outputs["eager"])
+    layers = model.config.num_hidden_layers
+    assert len(stand_in.variants) == 12 * layers  # every layer of every forward
+    windows = {v.window for v in stand_in.variants}
+    assert windows == {0, 8}  # sliding layers with their window, full layers without
+    if kind == "gemma2":
+        assert {v.soft_cap for v in stand_in.variants} == {20.0} and all(v.sinks is None for v in stand_in.variants)
+    else:  # check() sees each layer's sinks; the dense path applies them by the LSE (with_sinks)
+        sinks = [v.sinks for v in stand_in.variants[:layers]]
+        assert all(s.dtype == torch.float32 and s.shape == (8,) for s in sinks)
+        assert all(torch.equal(s, layer.self_attn.sinks.float()) for s, layer in zip(sinks, model.model.layers))
+
+
+def test_a_layer_variant_has_its_own_plan():
+    """One BatchAttention per (window, soft-cap) of a step's layers: the sliding and full layers of
+    one forward do not share a plan (the window is planned), layers of one kind do."""
+    backend = hf.CupyFABackend()
+    made = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            made.append(args)
+
+    import cupy_fa
+    original = cupy_fa.BatchAttention
+    cupy_fa.BatchAttention = Recorder
+    try:
+        q, pages = torch.empty(3, 4, 16), torch.empty(5, 1, 1, 16)
+        owner = _Module()
+        sliding, full = hf.Variant(window=8, soft_cap=20.0), hf.Variant(soft_cap=20.0)
+        a = backend._instance((owner, "dense"), q, pages, sliding)
+        b = backend._instance((owner, "dense"), q, pages, full)
+        c = backend._instance((owner, "dense"), q, pages, hf.Variant(window=8, soft_cap=20.0, sinks=torch.zeros(4)))
+    finally:
+        cupy_fa.BatchAttention = original
+    assert a is not b and a is c and len(made) == 2  # sinks are per run: the sliding layers' plan serves them
 
 
 # ---- the GPU test's instruments, on the stand-in -----------------------------------------------

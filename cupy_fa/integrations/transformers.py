@@ -50,9 +50,16 @@
     first (padding query rows come back as zeros). Query and output rows are copied into
     that order; K and V are read in place.
 
-Not supported (raises ``NotImplementedError`` before anything is written): sliding-window
-layers, attention sinks, logit soft-capping (this integration plans one step for all layers;
-``BatchAttention`` and ``GraphRunner`` take them), dropout, a value head dim other than the query's.
+Attention variants (gpt-oss, Gemma 2 / 3, Mistral-style models): a layer's ``sliding_window``
+(transformers' convention, a query sees itself and the ``W - 1`` keys before it: cupy_fa's
+``plan(window=W)``), ``softcap`` (``cap * tanh(score * scaling / cap)``: ``logits_soft_cap``) and
+``s_aux`` / ``module.sinks`` (one logit per query head in the softmax's denominator: ``run(sinks=)``,
+as float32) are passed on; each (window, soft-cap) pair has its own ``BatchAttention``, planned once
+per step. ``"cupy_fa"`` (``generate``) takes all three; ``"paged|cupy_fa"`` takes soft-caps and sinks
+and refuses sliding-window layers (transformers keeps their pages in a cache group of its own).
+
+Not supported (raises ``NotImplementedError`` before anything is written): sliding-window layers
+under ``"paged|cupy_fa"``, dropout, a value head dim other than the query's.
 cupy_fa's own limits apply (float16 / bfloat16, head dim 64, 96, 128, 192 or 256, sm_80+).
 
 Versions: written against transformers 5.17 (``tests/test_hf_integration_gpu.py`` checks every
@@ -258,26 +265,71 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 # ---- what a layer may ask for -----------------------------------------------------------
 
 
-# why the variants are refused here though the library has them
-_VARIANT_HINT = (": this integration plans one step for all layers; cupy_fa.BatchAttention (plan(window=, "
-                 "logits_soft_cap=), run(sinks=)) serves such layers outside transformers")
+@dataclasses.dataclass(frozen=True, eq=False)
+class Variant:
+    """A layer's attention variant, as cupy_fa takes it: ``window`` (keys a query sees, itself
+    included; 0: none), ``soft_cap`` (0.0: none), ``sinks`` (a float32 ``[H_q]`` tensor on the
+    query's device, or None)."""
+    window: int = 0
+    soft_cap: float = 0.0
+    sinks: object = None
+
+    @property
+    def is_plain(self):
+        return not (self.window or self.soft_cap or self.sinks is not None)
+
+    @property
+    def planned(self):
+        """What a plan fixes (the sinks are given per run)."""
+        return (self.window, self.soft_cap)
 
 
-def _check_module(module, query, value, dropout, kwargs, name):
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
-    if window not in (None, 0, False):
+PLAIN = Variant()
+
+
+def layer_variant(module, query, kwargs, name, paged):
+    """The :class:`Variant` this call asks for (transformers' ``sliding_window``, ``softcap`` and
+    ``s_aux`` keywords, or the module's ``sliding_window`` / ``sinks``).
+
+    Raises:
+        NotImplementedError: a sliding-window layer under ``"paged|cupy_fa"``.
+        ValueError: a window that is not a positive int, a soft-cap that is not a positive number,
+            sinks that are not one value per query head.
+    """
+    from ..attention import checked_soft_cap, checked_window
+
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    window = None if window in (None, 0, False) else window
+    if window is not None and paged:
         raise NotImplementedError(f"{name} does not support sliding-window layers (layer "
-                                  f"{getattr(module, 'layer_idx', '?')} has a window of {window}){_VARIANT_HINT}")
-    if getattr(module, "sinks", None) is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{name} does not support attention sinks{_VARIANT_HINT}")
-    if kwargs.get("softcap"):
-        raise NotImplementedError(f"{name} does not support logit soft-capping (softcap={kwargs['softcap']})"
-                                  f"{_VARIANT_HINT}")
+                                  f"{getattr(module, 'layer_idx', '?')} has a window of {window}): transformers "
+                                  f"keeps their pages in a cache group of its own; use {ATTENTION!r} (generate), "
+                                  f"paged|sdpa or paged|flash_attention_2 for this model")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    if sinks is not None:
+        if tuple(sinks.shape) != (query.shape[1],):
+            raise ValueError(f"{name}: sinks (s_aux) must be one logit per query head, shape ({query.shape[1]},), "
+                             f"got {tuple(sinks.shape)}")
+        import torch
+
+        sinks = sinks.detach().to(device=query.device, dtype=torch.float32).contiguous()
+    try:
+        return Variant(checked_window(window), checked_soft_cap(kwargs.get("softcap")), sinks)
+    except ValueError as exc:
+        raise ValueError(f"{name}: layer {getattr(module, 'layer_idx', '?')}: {exc}") from None
+
+
+def _check_module(module, query, value, dropout, kwargs, name, paged=False):
+    """Refuses what this integration cannot serve; returns the layer's :class:`Variant`."""
+    variant = layer_variant(module, query, kwargs, name, paged)
     if dropout:
         raise NotImplementedError(f"{name} is for inference: dropout must be 0, got {dropout}")
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"{name} needs the value head dim to equal the query's, got {value.shape[-1]} "
                                   f"and {query.shape[-1]}")
+    return variant
 
 
 # ---- the two attention functions ----------------------------------------------------------
@@ -346,7 +398,7 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, scal
     if cache is None:
         raise ValueError(f"{PAGED_ATTENTION} was called without a paged attention cache: it serves continuous "
                          f"batching (generate_batch); use {ATTENTION!r} for generate or a standard forward")
-    _check_module(module, query, value, dropout, kwargs, PAGED_ATTENTION)
+    variant = _check_module(module, query, value, dropout, kwargs, PAGED_ATTENTION, paged=True)
     layer = module.layer_idx
     k_pages, v_pages, group = paged_cache_views(cache, layer)
     cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
@@ -356,14 +408,14 @@ def paged_attention_forward(module, query, key, value, attention_mask=None, scal
     q = query[0].transpose(0, 1).contiguous()  # [T, H_q, D]
     k_new = key[0].transpose(0, 1).contiguous()  # [T, H_kv, D]
     v_new = value[0].transpose(0, 1).contiguous()
-    backend.check((cache, group), q, k_pages)
+    backend.check((cache, group), q, k_pages, variant)
     step_key = (tuple(q.shape), int(kwargs["max_seqlen_q"]), int(max_k), tuple(read_index.shape),
                 tuple(cu_k.shape))
     step = _steps.step(cache, group, layer, step_key, lambda: paged_step(
         cache.block_size, kwargs["cu_seq_lens_q"], cu_k, read_index, write_index, kwargs["max_seqlen_q"], max_k))
     backend.append((cache, layer), k_pages, v_pages, k_new, v_new, write_index)
     out = backend.attention((cache, group), step, q, k_pages, v_pages, _scale(module, scaling, q), True,
-                            pages_key=(cache, layer))
+                            pages_key=(cache, layer), variant=variant)
     return out.unsqueeze(0), None
 
 
@@ -385,7 +437,7 @@ def attention_forward(module, query, key, value, attention_mask=None, scaling=No
     if kwargs.get("cache") is not None:
         return paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                        **kwargs)
-    _check_module(module, query, value, dropout, kwargs, ATTENTION)
+    variant = _check_module(module, query, value, dropout, kwargs, ATTENTION)
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError(f"{ATTENTION} takes the 2D padding mask its AttentionMaskInterface entry makes, got a "
                          f"{attention_mask.ndim}D attention_mask; call cupy_fa.integrations.transformers.register() "
@@ -402,7 +454,7 @@ def attention_forward(module, query, key, value, attention_mask=None, scaling=No
     group = h_q // h_kv
     # rows (b, h_kv, t) with the group's heads: [B*H_kv*T, H_q / H_kv, D]
     q = query.reshape(b, h_kv, group, t, d).permute(0, 1, 3, 2, 4).reshape(b * h_kv * t, group, d)
-    backend.check((module.config, "dense"), q, k_pages)
+    backend.check((module.config, "dense"), q, k_pages, variant)
     mask_key = None if attention_mask is None else (attention_mask.data_ptr(), tuple(attention_mask.shape))
     step_key = (tuple(query.shape), tuple(key.shape), key.stride(), mask_key, causal)
     step = _steps.step(module.config, "dense", module.layer_idx, step_key,
@@ -410,14 +462,38 @@ def attention_forward(module, query, key, value, attention_mask=None, scaling=No
     if step.rows is not None:
         q = q[step.rows]
     q = q.contiguous()
+    # each request here is one (batch row, KV head) with that head's group of query heads, so the
+    # sinks (one per query head) are applied to the outputs by the LSE: out / (1 + e^(sink - lse))
+    sinks = variant.sinks
     out = backend.attention((module.config, "dense"), step, q, k_pages, v_pages, _scale(module, scaling, q), causal,
-                            zero_fill=step.rows is not None)
+                            zero_fill=step.rows is not None, variant=dataclasses.replace(variant, sinks=None),
+                            return_lse=sinks is not None)
+    out, lse = out if sinks is not None else (out, None)
     if step.rows is not None:
         ordered = out.new_empty(out.shape)
         ordered[step.rows] = out
         out = ordered
+        if lse is not None:
+            ordered = lse.new_zeros(lse.shape)
+            ordered[step.rows] = lse
+            lse = ordered
+    if sinks is not None:
+        out = with_sinks(out, lse, sinks, b, h_kv, t)
     out = out.reshape(b, h_kv, t, group, d).permute(0, 2, 1, 3, 4).reshape(b, t, h_q, d)
     return out, None
+
+
+def with_sinks(out, lse, sinks, b, h_kv, t):
+    """Rows ``[B * H_kv * T, G, D]`` of attention without sinks, with their natural-log LSE
+    ``[B * H_kv * T, G]``, as attention with ``sinks`` (``[H_q]``, head ``h_kv * G + g``) would give
+    them: each row scaled by ``1 / (1 + e^(sink - lse))``. Rows with no output (padding: zeros) stay
+    zeros."""
+    import torch
+
+    group = out.shape[1]
+    per_row = sinks.view(1, h_kv, 1, group).expand(b, h_kv, t, group).reshape(-1, group)
+    factor = torch.nan_to_num(torch.sigmoid(lse - per_row), nan=0.0)  # 1 / (1 + e^(sink - lse))
+    return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
 
 
 def _scale(module, scaling, q):
@@ -439,7 +515,7 @@ class CupyFABackend:
         self._caches = _PerOwner()  # owner -> {slot: PagedKVCache}
         self._attention = _PerOwner()  # owner -> {(slot, shape): [BatchAttention, the Step it planned]}
 
-    def check(self, key, q, k_pages):
+    def check(self, key, q, k_pages, variant=PLAIN):
         """Raises before anything is written when cupy_fa cannot run this layer (its
         ``BatchAttention`` is made here: the constructor checks heads and head dim)."""
         import torch
@@ -449,13 +525,14 @@ class CupyFABackend:
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"cupy_fa runs float16 or bfloat16 attention, this model's is {q.dtype} "
                             f"(load it with dtype=torch.bfloat16)")
-        self._instance(key, q, k_pages)
+        self._instance(key, q, k_pages, variant)
 
-    def _instance(self, key, q, k_pages):
+    def _instance(self, key, q, k_pages, variant=PLAIN):
         import cupy_fa
 
         owned, slot = self._owned(self._attention, key)
-        shape = (slot, q.shape[1], k_pages.shape[2], q.shape[2], q.dtype, q.device.index)  # one per device too
+        # one per device, and per (window, soft-cap): layers of one variant share a plan per step
+        shape = (slot, q.shape[1], k_pages.shape[2], q.shape[2], q.dtype, q.device.index, variant.planned)
         entry = owned.get(shape)
         if entry is None:
             entry = owned[shape] = [cupy_fa.BatchAttention(q.shape[1], k_pages.shape[2], q.shape[2], str(q.dtype),
@@ -489,22 +566,27 @@ class CupyFABackend:
         with cupy.cuda.Device(k_pages.device.index):
             self._cache(key, k_pages, v_pages).append(k_new, v_new, slots)
 
-    def attention(self, key, step, q, k_pages, v_pages, scale, causal, pages_key=None, zero_fill=False):
-        """``out [T, H_q, D]`` of ``q [T, H_q, D]`` over the pages, planning ``step`` on first use."""
+    def attention(self, key, step, q, k_pages, v_pages, scale, causal, pages_key=None, zero_fill=False,
+                  variant=PLAIN, return_lse=False):
+        """``out [T, H_q, D]`` of ``q [T, H_q, D]`` over the pages, planning ``step`` on first use
+        (with the :class:`Variant`'s window and soft-cap; its sinks go to the run); with
+        ``return_lse``, ``(out, lse [T, H_q] float32)``."""
         import cupy
         import torch
 
         with cupy.cuda.Device(q.device.index):
-            entry = self._instance(key, q, k_pages)
+            entry = self._instance(key, q, k_pages, variant)
             attn = entry[0]
             if entry[1] is not step:
                 attn.plan(step.q_lens, step.kv_lens, step.page_table, causal=causal, sm_scale=scale,
-                          max_q_len=step.max_q_len, max_kv_len=step.max_kv_len)
+                          max_q_len=step.max_q_len, max_kv_len=step.max_kv_len, window=variant.window or None,
+                          logits_soft_cap=variant.soft_cap or None)
                 entry[1] = step  # held: a later Step can't reuse its id
             cache = self._cache(pages_key, k_pages, v_pages)
             out = torch.zeros_like(q) if zero_fill else torch.empty_like(q)
-            attn.run(q, cache, out=out)
-        return out
+            lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+            attn.run(q, cache, out=out, lse=lse, sinks=variant.sinks)
+        return (out, lse) if return_lse else out
 
 
 backend = CupyFABackend()
