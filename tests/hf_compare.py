@@ -78,6 +78,30 @@ def build_model(config, device, dtype, seed, attn_implementation="sdpa"):
     return model.eval()
 
 
+def tiny_variant_model(kind, seed, device="cpu", dtype=None, window=8):
+    """A random Gemma 2 (sliding-window layers beside full ones, logit soft-capping) or gpt-oss
+    (sinks on every layer, sliding-window layers) of 8 / 2 heads of 16, vocabulary 256."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=512, sliding_window=window)
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(intermediate_size=256, num_hidden_layers=4, attn_logit_softcapping=20.0,
+                                           final_logit_softcapping=None, query_pre_attn_scalar=16, **common)
+    else:
+        config = transformers.GptOssConfig(intermediate_size=128, num_hidden_layers=2, num_local_experts=4,
+                                           num_experts_per_tok=2, **common)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype else {})).eval()
+    if kind == "gpt_oss":
+        with torch.no_grad():  # sinks of a size that matters beside the scores
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
 def random_prompts(seed, lengths, vocab):
     import torch
 
@@ -145,11 +169,11 @@ class AttentionAudit:
     def _fail(self, text):
         self.failures.append(text)
 
-    def _compare(self, where, ours, q, k_pages, v_pages, q_lens, kv_lens, table, scale, dtype):
+    def _compare(self, where, ours, q, k_pages, v_pages, q_lens, kv_lens, table, scale, dtype, variant=None):
         from cupy_fa import reference
 
         ref = reference.paged_attention(_host(q), k_pages, v_pages, q_lens, kv_lens, table, causal=True,
-                                        sm_scale=scale)
+                                        sm_scale=scale, **(variant or {}))
         bars = _bars(dtype)
         result = reference.check_attention(_host(ours), ref, q_lens=q_lens, label=where, **bars)
         self.bars = (bars.get("tol", reference.TOL[bars["dtype"]]), bars.get("max_abs", reference.MAX_ABS[bars["dtype"]]))
@@ -246,8 +270,12 @@ class AttentionAudit:
             self.kinds["padded"] += 1
         k_pages, v_pages, table = _one_token_pages(torch.cat(ks), torch.cat(vs), kv_lens)
         q = torch.cat(qs)
+        variant = call_variant(module, kwargs)
+        for name in ("window", "soft_cap", "sinks"):
+            if variant[name] is not None:
+                self.kinds[name] += 1
         self._compare(where, torch.cat(ours), q, k_pages, v_pages, q_lens, kv_lens, table,
-                      _scale(module, kwargs, q), q.dtype)
+                      _scale(module, kwargs, q), q.dtype, variant)
 
     def summary(self):
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))
@@ -261,6 +289,18 @@ class AttentionAudit:
         where = f"  (worst request rel at {self.worst['request_rel'][1] or '-'}; max-abs at {self.worst['max_abs'][1] or '-'})"
         return "\n".join([self.summary(), where] + self.failures[:limit] +
                          ([f"... and {len(self.failures) - limit} more"] if len(self.failures) > limit else []))
+
+
+def call_variant(module, kwargs):
+    """The attention variant transformers asked this call for, as cupy_fa.reference takes it
+    (``window`` / ``soft_cap`` / ``sinks``, None where off): its ``sliding_window``, ``softcap``
+    and ``s_aux`` keywords, or the module's ``sliding_window`` / ``sinks``. Counted in ``kinds``."""
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    return dict(window=window, soft_cap=kwargs.get("softcap") or None,
+                sinks=None if sinks is None else _host(sinks.float()).astype(np.float64))
 
 
 def _scale(module, kwargs, q):

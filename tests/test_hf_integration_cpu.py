@@ -296,32 +296,12 @@ def test_generate_gives_sdpa_tokens(stand_in, padded):
     assert all((s.rows is not None) == padded for s in stand_in.steps)
 
 
-def tiny_variant_model(kind, seed, window=8):
-    """Gemma 2 (sliding-window layers beside full ones, logit soft-capping) or gpt-oss (sinks on
-    every layer, sliding-window layers), random weights, small enough for the CPU."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=256, hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=512, sliding_window=window)
-    if kind == "gemma2":
-        config = transformers.Gemma2Config(intermediate_size=256, num_hidden_layers=4, attn_logit_softcapping=20.0,
-                                           final_logit_softcapping=None, query_pre_attn_scalar=16, **common)
-    else:
-        config = transformers.GptOssConfig(intermediate_size=128, num_hidden_layers=2, num_local_experts=4,
-                                           num_experts_per_tok=2, **common)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    if kind == "gpt_oss":
-        with torch.no_grad():  # sinks of a size that matters beside the scores
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 2.0)
-    return model
-
-
 @pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
 def test_generate_with_attention_variants_gives_eager_tokens(stand_in, kind):
     """Windows, soft-caps and sinks go to the kernels as cupy_fa's plan / run take them: with the
     float64 reference of those variants in the kernels' place, generate over "cupy_fa" gives the
     tokens of transformers' own "eager" (prompts longer than the window of 8, left-padded)."""
-    model = tiny_variant_model(kind, seed=11)
+    model = C.tiny_variant_model(kind, seed=11)
     prompts = random_prompts(12, (5, 23, 1, 40, 17, 8))
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])

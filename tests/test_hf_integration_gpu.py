@@ -237,3 +237,31 @@ def _mutation_verdict(what, mutation, case, audit, judgement):
             f.write(json.dumps({"case": case.name, "what": f"mutation {mutation} ({what})", "line": line}) + "\n")
     assert not audit.ok, f"the attention audit missed a wrong mapping ({mutation}, {what})\n{audit.report()}"
     assert not judgement.ok, f"the token judge missed a wrong mapping ({mutation}, {what})\n{judgement.report()}"
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_generate_with_attention_variants_matches_the_reference(kind, monkeypatch):
+    """Random bf16 Gemma 2 (a window of 8 on half its layers, soft-cap 20 on all) and gpt-oss (sinks
+    on every layer, a window of 8 on half) through generate with "cupy_fa": every attention call
+    against the float64 reference of its variant over the keys transformers passed (prompts of 40
+    tokens, so the windows cut; transformers' sliding layers then keep the last 7 keys of each
+    row). The mapping of each keyword onto the variants is checked against transformers' eager
+    tokens on the CPU (tests/test_hf_integration_cpu.py)."""
+    torch, transformers, hf = _imports()
+    model = C.tiny_variant_model(kind, seed=21, device="cuda", dtype=torch.bfloat16)
+    prompts = C.random_prompts(22, (40,) * 6, 256)[:6]  # no padding: each row's keys are all valid
+    audit = C.AttentionAudit(f"{kind} variants")
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, hf.ATTENTION,
+                        C.audited_dense(audit, hf.attention_forward, [0] * len(prompts)))
+    model.set_attn_implementation(hf.ATTENTION)
+    gen = transformers.GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(torch.tensor(prompts, device="cuda"), generation_config=gen)
+    print(audit.report())
+    layers = model.config.num_hidden_layers
+    assert out.shape == (6, 56) and audit.calls == 16 * layers, (out.shape, audit.calls)
+    assert audit.kinds["window"] == 16 * layers // 2  # the sliding layers (every other one)
+    if kind == "gemma2":
+        assert audit.kinds["soft_cap"] == 16 * layers and audit.kinds["sinks"] == 0
+    else:
+        assert audit.kinds["sinks"] == 16 * layers and audit.kinds["soft_cap"] == 0
+    assert audit.ok, audit.report()
