@@ -237,7 +237,7 @@ def test_refusals_name_what_is_missing():
     windowed = _Module()
     windowed.sliding_window = 128
     with pytest.raises(NotImplementedError, match="sliding-window layers .*'cupy_fa' \\(generate\\)"):
-        hf.layer_variant(windowed, q, {}, hf.PAGED_ATTENTION, paged=True)  # its pages are a group of their own
+        hf.layer_variant(windowed, q, {}, hf.PAGED_ATTENTION, paged=True)  # a ring of window slots the writes overwrite
     with pytest.raises(ValueError, match="sinks .* one logit per query head, shape \\(4,\\)"):
         hf.layer_variant(_Module(), q, {"s_aux": torch.zeros(3)}, hf.ATTENTION, paged=False)
     with pytest.raises(ValueError, match="logits_soft_cap must be a positive"):

@@ -56,7 +56,9 @@ Attention variants (gpt-oss, Gemma 2 / 3, Mistral-style models): a layer's ``sli
 ``s_aux`` / ``module.sinks`` (one logit per query head in the softmax's denominator: ``run(sinks=)``,
 as float32) are passed on; each (window, soft-cap) pair has its own ``BatchAttention``, planned once
 per step. ``"cupy_fa"`` (``generate``) takes all three; ``"paged|cupy_fa"`` takes soft-caps and sinks
-and refuses sliding-window layers (transformers keeps their pages in a cache group of its own).
+and refuses sliding-window layers (transformers keeps their keys in a ring of W slots per request,
+which the step's writes overwrite, and reads the window before it writes: cupy_fa reads the cache
+after the step's append).
 
 Not supported (raises ``NotImplementedError`` before anything is written): sliding-window layers
 under ``"paged|cupy_fa"``, dropout, a value head dim other than the query's.
@@ -303,8 +305,9 @@ def layer_variant(module, query, kwargs, name, paged):
     if window is not None and paged:
         raise NotImplementedError(f"{name} does not support sliding-window layers (layer "
                                   f"{getattr(module, 'layer_idx', '?')} has a window of {window}): transformers "
-                                  f"keeps their pages in a cache group of its own; use {ATTENTION!r} (generate), "
-                                  f"paged|sdpa or paged|flash_attention_2 for this model")
+                                  f"keeps their keys in a ring of window slots that the step's writes overwrite; "
+                                  f"use {ATTENTION!r} (generate), paged|sdpa or paged|flash_attention_2 for this "
+                                  f"model")
     sinks = kwargs.get("s_aux")
     if sinks is None:
         sinks = getattr(module, "sinks", None)
