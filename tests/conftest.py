@@ -72,3 +72,15 @@ def pytest_runtest_logreport(report):
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext[-3000:]}\n")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one CPU thread for the test (small matmuls on a 2-core machine run ~20x slower
+    with 2 OpenMP threads than with 1); the count put back after."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

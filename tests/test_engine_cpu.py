@@ -21,12 +21,8 @@ TINY = ["--device", "cpu", "--backend", "torch_ref", "--vocab", "256", "--hidden
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    # Small matmuls on a 2-core machine run ~20x slower with 2 OpenMP threads than with 1.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def one_thread(one_torch_thread):
+    """Every test here on one torch thread (conftest.one_torch_thread)."""
 
 
 def run(*extra):

@@ -278,18 +278,25 @@ def test_generate_batch_gives_paged_sdpa_tokens(stand_in, kind):
     assert k_pages.data_ptr() == cache.key_cache[cache.layer_index_to_group_indices[layer][1]].data_ptr()
 
 
+def generate_left_padded(model, prompts, implementations, new_tokens):
+    """Greedy generate of the prompts, left-padded into one batch, once per implementation:
+    {implementation: the sequences}."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    gen = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outputs = {}
+    for impl in implementations:
+        model.set_attn_implementation(impl)
+        outputs[impl] = model.generate(ids, attention_mask=mask, generation_config=gen)
+    return outputs
+
+
 @pytest.mark.parametrize("padded", [True, False])
 def test_generate_gives_sdpa_tokens(stand_in, padded):
     model = tiny_model("llama", seed=3)
     prompts = random_prompts(4, (5, 23, 1, 40, 17, 8)) if padded else random_prompts(4, (12,) * 6)[:6]
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    gen = transformers.GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    outputs = {}
-    for impl in ("sdpa", "cupy_fa"):
-        model.set_attn_implementation(impl)
-        outputs[impl] = model.generate(ids, attention_mask=mask, generation_config=gen)
+    outputs = generate_left_padded(model, prompts, ("sdpa", "cupy_fa"), 16)
     assert torch.equal(outputs["cupy_fa"], outputs["sdpa"])
     assert len(stand_in.steps) == 16 * 3  # every layer of every forward ran the stand-in
     assert len({id(s) for s in stand_in.steps}) == 16  # one Step per forward, shared by its 3 layers
@@ -303,14 +310,7 @@ def test_generate_with_attention_variants_gives_eager_tokens(stand_in, kind):
     tokens of transformers' own "eager" (prompts longer than the window of 8, left-padded)."""
     model = C.tiny_variant_model(kind, seed=11)
     prompts = random_prompts(12, (5, 23, 1, 40, 17, 8))
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    gen = transformers.GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    outputs = {}
-    for impl in ("eager", "cupy_fa"):
-        model.set_attn_implementation(impl)
-        outputs[impl] = model.generate(ids, attention_mask=mask, generation_config=gen)
+    outputs = generate_left_padded(model, prompts, ("eager", "cupy_fa"), 12)
     assert torch.equal(outputs["cupy_fa"], outputs["eager"])
     layers = model.config.num_hidden_layers
     assert len(stand_in.variants) == 12 * layers  # every layer of every forward

@@ -23,11 +23,8 @@ TINY = ["--device", "cpu", "--backend", "torch_ref", "--vocab", "256", "--hidden
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def one_thread(one_torch_thread):
+    """Every test here on one torch thread (conftest.one_torch_thread)."""
 
 
 def test_two_gloo_ranks_give_the_tokens_of_one():
