@@ -78,27 +78,42 @@ def build_model(config, device, dtype, seed, attn_implementation="sdpa"):
     return model.eval()
 
 
-def tiny_variant_model(kind, seed, device="cpu", dtype=None, window=8):
+def tiny_variant_model(kind, seed, device="cpu", dtype=None, window=8, sliding=True):
     """A random Gemma 2 (sliding-window layers beside full ones, logit soft-capping) or gpt-oss
-    (sinks on every layer, sliding-window layers) of 8 / 2 heads of 16, vocabulary 256."""
+    (sinks on every layer, sliding-window layers) of 8 / 2 heads of 64 (a head dim cupy_fa takes),
+    vocabulary 256; ``sliding=False``: every layer full attention (the soft-cap or the sinks alone)."""
     import torch
     import transformers
 
-    common = dict(vocab_size=256, hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+    from cupy_fa import schedule
+
+    head_dim = 64
+    assert head_dim in schedule.HEAD_DIMS  # the kernels' head dims: BatchAttention refuses others
+    common = dict(vocab_size=256, hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim,
                   max_position_embeddings=512, sliding_window=window)
     if kind == "gemma2":
-        config = transformers.Gemma2Config(intermediate_size=256, num_hidden_layers=4, attn_logit_softcapping=20.0,
-                                           final_logit_softcapping=None, query_pre_attn_scalar=16, **common)
+        layers = 4
+        config = transformers.Gemma2Config(intermediate_size=256, num_hidden_layers=layers, attn_logit_softcapping=2.0,
+                                           final_logit_softcapping=None, query_pre_attn_scalar=head_dim, **common)
     else:
-        config = transformers.GptOssConfig(intermediate_size=128, num_hidden_layers=2, num_local_experts=4,
+        layers = 2
+        config = transformers.GptOssConfig(intermediate_size=128, num_hidden_layers=layers, num_local_experts=4,
                                            num_experts_per_tok=2, **common)
+    if not sliding:  # no window anywhere: a short sliding_window left in the config would still shape
+        # generate's cache (and Gemma 2 builds its sliding mask whatever the layer types say)
+        config.layer_types = ["full_attention"] * layers
+        config.sliding_window = 4096
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype else {})).eval()
-    if kind == "gpt_oss":
-        with torch.no_grad():  # sinks of a size that matters beside the scores
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 2.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if kind == "gpt_oss":  # sinks of a size that matters beside the scores
+                attn.sinks.normal_(0.0, 2.0)
+            else:  # scores of a few units, where a soft-cap of 2 bends them (random weights give ~0.1)
+                attn.q_proj.weight.mul_(6.0)
+                attn.k_proj.weight.mul_(6.0)
     return model
 
 

@@ -314,14 +314,56 @@ def test_generate_with_attention_variants_gives_eager_tokens(stand_in, kind):
     assert torch.equal(outputs["cupy_fa"], outputs["eager"])
     layers = model.config.num_hidden_layers
     assert len(stand_in.variants) == 12 * layers  # every layer of every forward
+    # a Step per forward for each kind of layer (sliding, full), shared by the layers of that kind
+    assert len({id(s) for s in stand_in.steps}) == 12 * 2
     windows = {v.window for v in stand_in.variants}
     assert windows == {0, 8}  # sliding layers with their window, full layers without
     if kind == "gemma2":
-        assert {v.soft_cap for v in stand_in.variants} == {20.0} and all(v.sinks is None for v in stand_in.variants)
+        assert {v.soft_cap for v in stand_in.variants} == {2.0} and all(v.sinks is None for v in stand_in.variants)
     else:  # check() sees each layer's sinks; the dense path applies them by the LSE (with_sinks)
         sinks = [v.sinks for v in stand_in.variants[:layers]]
         assert all(s.dtype == torch.float32 and s.shape == (8,) for s in sinks)
         assert all(torch.equal(s, layer.self_attn.sinks.float()) for s, layer in zip(sinks, model.model.layers))
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_generate_batch_with_soft_cap_or_sinks_gives_their_tokens(stand_in, kind):
+    """Continuous batching ("paged|cupy_fa") of a model whose layers are all full attention, with
+    Gemma 2's soft-cap or gpt-oss's sinks (its sliding-window layers are refused there): with the
+    float64 reference of the variant in the kernels' place, the tokens of transformers' own
+    "paged|eager" (gpt-oss; it has the sinks) or, for the soft-cap it lacks, of "eager" forwards
+    of the whole sequence, one token at a time (transformers 5.17's generate of this Gemma 2 gives
+    other first-token logits than its forward of the same prompt, eager or not; the forward is the
+    definition)."""
+    model = C.tiny_variant_model(kind, seed=13, sliding=False)
+    prompts = random_prompts(14, (5, 23, 1, 40, 17, 8))
+    gen = transformers.GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = transformers.ContinuousBatchingConfig(block_size=8, num_blocks=64, max_batch_tokens=32)
+    model.set_attn_implementation("paged|cupy_fa")
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    assert [o.error for o in out.values()] == [None] * len(prompts)
+    ours = [o.generated_tokens for o in out.values()]
+    if kind == "gpt_oss":
+        model.set_attn_implementation("paged|eager")
+        theirs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        theirs = [o.generated_tokens for o in theirs.values()]
+    else:  # one request at a time, no cache, no padding
+        model.set_attn_implementation("eager")
+        theirs = [greedy_forwards(model, p, 10) for p in prompts]
+    assert ours == theirs
+    if kind == "gemma2":
+        assert {v.soft_cap for v in stand_in.variants} == {2.0} and all(v.sinks is None for v in stand_in.variants)
+    else:
+        assert all(v.sinks is not None and v.window == 0 for v in stand_in.variants)
+
+
+def greedy_forwards(model, prompt, new_tokens):
+    """Greedy tokens by a forward of the whole sequence for each (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 def test_a_layer_variant_has_its_own_plan():

@@ -250,3 +250,17 @@ def test_warmup_adds_the_hooked_kernels_only_when_asked():
     attention_kernels = [v for v in plain if v.source in ("attention.cu", "prefill_sm90.cu")]
     assert len(both) == len(plain) + len(attention_kernels)
     assert set(both) <= set(schedule.all_variants())
+
+
+def test_no_hooked_tile_holds_more_keys_than_the_window_poison_leaves():
+    """tests/test_variants_gpu.py poisons every key more than one tile of `block_n` keys before a
+    window; that proves reads bounded by the window only while no hooked kernel's tile holds more."""
+    import inspect
+
+    import test_variants_gpu
+
+    bound = inspect.signature(test_variants_gpu.nan_before_windows).parameters["block_n"].default
+    hooked = [schedule.with_variants(t) for t in s9.DEFAULT_TILES.values()]
+    hooked += [schedule.with_variants(schedule.prefill_tile(d)) for d in schedule.HEAD_DIMS]  # mma.sync prefill
+    hooked += [schedule.with_variants(schedule.small_q_tile(d, w, 2)) for d in schedule.HEAD_DIMS for w in (1, 2)]
+    assert max(t.block_n for t in hooked) == bound == 80

@@ -5,9 +5,9 @@ CUDA-graph replay, page sizes 1 and 16, fp16 and bf16, requests of both kernel f
 over long contexts; decode == verify bit for bit with each variant on; outputs poisoned first and
 every live row checked written, the tail untouched.
 
-Reads bounded by the window: the K and V of every key in a tile before a request's first window
-are NaN in the device's cache (the reference gets the clean copy), so a kernel that read one and
-multiplied it in (P = 0 times NaN is NaN) fails."""
+Reads bounded by the window: the K and V of every key more than one hooked tile (80 keys) before a
+request's first window are NaN in the device's cache (the reference gets the clean copy), so a
+kernel that read one and multiplied it in (P = 0 times NaN is NaN) fails."""
 
 import numpy as np
 import pytest
@@ -32,9 +32,10 @@ def draw(rng, variant, h_q, windows=WINDOWS, caps=(5.0, 20.0), scale=0.3):
     return window, cap, sm_scale, sinks
 
 
-def nan_before_windows(k_host, v_host, table, q_lens, kv_lens, window, page_size, block_n=128):
+def nan_before_windows(k_host, v_host, table, q_lens, kv_lens, window, page_size, block_n=80):
     """Copies of the cache whose keys before each request's first window, less one KV tile of
-    ``block_n`` keys (the most any family's tile holds), are NaN: no kernel may read them. A KV
+    ``block_n`` keys (the most a hooked kernel's tile holds: 80, the wgmma tile at D 256; 64 in the
+    mma.sync family and the wgmma tiles at D 64 / 128), are NaN: no kernel may read them. A KV
     tile that holds a visible key starts less than ``block_n`` keys before the first one; tiles
     start wherever a split's keys do (splits are whole tiles from the request's key_base: plan.cu),
     so that bound is the one that holds for every family and tile. The reference takes the

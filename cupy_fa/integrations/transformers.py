@@ -149,9 +149,9 @@ def paged_cache_views(cache, layer_idx):
     window = getattr(cache, "sliding_windows", {}).get(layer_idx, 1)
     if window not in (1, None):
         raise NotImplementedError(f"paged|cupy_fa does not support sliding-window layers (layer {layer_idx} has a "
-                                  f"window of {window}): it plans one step for all layers; use paged|sdpa or "
-                                  f"paged|flash_attention_2 for this model (cupy_fa.BatchAttention.plan(window=) "
-                                  f"serves such layers outside transformers)")
+                                  f"window of {window}): transformers keeps their keys in a ring of window slots "
+                                  f"that the step's writes overwrite; use {ATTENTION!r} (generate), paged|sdpa or "
+                                  f"paged|flash_attention_2 for this model")
     group, index = cache.layer_index_to_group_indices[layer_idx]
     shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
     return cache.key_cache[index].view(shape), cache.value_cache[index].view(shape), group
@@ -460,7 +460,9 @@ def attention_forward(module, query, key, value, attention_mask=None, scaling=No
     backend.check((module.config, "dense"), q, k_pages, variant)
     mask_key = None if attention_mask is None else (attention_mask.data_ptr(), tuple(attention_mask.shape))
     step_key = (tuple(query.shape), tuple(key.shape), key.stride(), mask_key, causal)
-    step = _steps.step(module.config, "dense", module.layer_idx, step_key,
+    # a Step per forward for each (window, soft-cap): a hybrid model's sliding and full layers see
+    # other keys (a sliding cache keeps W - 1) and other masks, so each kind shares its own
+    step = _steps.step(module.config, ("dense", variant.planned), module.layer_idx, step_key,
                        lambda: dense_step(query, key, attention_mask, causal))
     if step.rows is not None:
         q = q[step.rows]
