@@ -176,20 +176,27 @@ struct WarpMma {
     }
   }
 
+  // The A fragment of P for k16 step kk of P V: the scores of key blocks 2 kk and 2 kk + 1, in
+  // element type T (the V tile's, or fp16 for an fp8 tile).
+  template <typename T>
+  __device__ __forceinline__ static void p_fragment(const float (&s)[S_BLOCKS][4], int kk, u32 (&a)[4]) {
+    typedef ElemTraits<T> E;
+    a[0] = E::pack(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = E::pack(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+
   // O += P V for this warp's rows and keys, P the scores after OnlineSoftmaxRows::update.
   __device__ __forceinline__ void accumulate(float (&acc)[D_BLOCKS][4], const float (&s)[S_BLOCKS][4],
                                              const KVT* tV) const {
     if constexpr (kFp8) {
       accumulate_fp8(acc, s, tV);
     } else {
-      typedef ElemTraits<KVT> E;
 #pragma unroll
       for (int kk = 0; kk < KW / 16; ++kk) {
         u32 a[4];
-        a[0] = E::pack(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = E::pack(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        p_fragment<KVT>(s, kk, a);
 #pragma unroll
         for (int db = 0; db < D_BLOCKS / 2; ++db) {
           u32 vb[4];
@@ -206,15 +213,11 @@ struct WarpMma {
   // ones into acc[2c + 1] (see the top)
   __device__ __forceinline__ void accumulate_fp8(float (&acc)[D_BLOCKS][4], const float (&s)[S_BLOCKS][4],
                                                  const KVT* tV) const {
-    typedef ElemTraits<__half> E;
     const int i = lane >> 3;  // the matrix this lane's row address is for
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
       u32 a[4];
-      a[0] = E::pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = E::pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      p_fragment<__half>(s, kk, a);
 #pragma unroll
       for (int c = 0; c < D / 16; c += 2) {  // two 16-byte chunks of 16 columns per x4
         u32 vb[4];
