@@ -14,7 +14,7 @@ import pytest
 
 from cases import (FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, fp8_scales, new_rng,
                    np_dtype, paged_layout, poisoned, random_lengths, tree_masks)
-from test_modes_graph_gpu import Engine, engine_setup, engine_steps
+from test_modes_graph_gpu import Engine, check_engine_step, engine_setup, engine_steps
 
 from cupy_fa.modes import ForwardMode
 
@@ -278,20 +278,8 @@ def test_fp8_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_
     engine_setup(rng, engine)
     for step in engine_steps(rng, engine, runner, max_q, max_pages):
         mode, name, q_lens, kv_lens, table, total, q, mask, eager, graph = step[:10]
-        if total:
-            ref, ref_lse = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), q_lens,
-                                                     kv_lens, table, custom_mask=mask, return_lse=True,
-                                                     k_scale=engine.cache.k_scale, v_scale=engine.cache.v_scale)
-        else:
-            assert mode is M.IDLE
-            ref, ref_lse = np.zeros((0, heads[0], head_dim)), np.zeros((0, heads[0]))
-        for path, (out, lse) in (("eager", eager), ("graph", graph)):
-            check = check_attention(out, ref, dtype, q_lens=q_lens, lse=lse, ref_lse=ref_lse, poison=POISON,
-                                    label=f"seed {seed} fp8 {name} {path}")
-            print(check.summary())
-            check.assert_ok()
-        assert np.array_equal(eager[0].view(np.uint16), graph[0].view(np.uint16)), f"{name}: eager != graph bits"
-        assert np.array_equal(eager[1].view(np.uint32), graph[1].view(np.uint32)), f"{name}: eager != graph LSE"
+        check = check_engine_step(step, engine, dtype, f"seed {seed} fp8", k_scale=engine.cache.k_scale,
+                                  v_scale=engine.cache.v_scale)
         if total:  # fp8 against the 16-bit cache the same K/V went into
             out16 = runner16.run(mode, q, engine.cache16, q_lens, kv_lens, table, custom_mask=mask,
                                  use_graph=False).get()

@@ -197,13 +197,41 @@ def engine_steps(rng, engine, runner, max_q, max_pages, **run_kw):
         engine.commit(rids, q_lens)
 
 
+def check_engine_step(step, engine, dtype, label, on_check=None, **ref_kw):
+    """One EngineStep checked: its eager run and its measured replay each against float64
+    (cupy_fa.reference.paged_attention over the engine's cache with ``ref_kw``; an IDLE step has
+    no rows and nothing may be written), every check printed and asserted, then the two runs bit
+    for bit. ``on_check(path, check)`` runs after a check's summary, before its assertion.
+    Returns the replay's check."""
+    from cupy_fa import reference
+
+    if step.total:
+        ref, ref_lse = reference.paged_attention(step.q.get(), engine.cache.k.get(), engine.cache.v.get(),
+                                                 step.q_lens, step.kv_lens, step.table, custom_mask=step.mask,
+                                                 return_lse=True, **ref_kw)
+    else:  # IDLE: no rows, nothing may be written
+        assert step.mode is M.IDLE
+        heads, head_dim = step.eager[0].shape[1:]
+        ref, ref_lse = np.zeros((0, heads, head_dim)), np.zeros((0, heads))
+    for path, (out, lse) in (("eager", step.eager), ("graph", step.graph)):
+        check = check_attention(out, ref, dtype, q_lens=step.q_lens, lse=lse, ref_lse=ref_lse, poison=POISON,
+                                label=f"{label} {step.name} {path}")
+        print(check.summary())
+        if on_check is not None:
+            on_check(path, check)
+        check.assert_ok()
+    eager, graph = step.eager, step.graph
+    assert np.array_equal(eager[0].view(np.uint16), graph[0].view(np.uint16)), f"{step.name}: eager != graph bits"
+    assert np.array_equal(eager[1].view(np.uint32), graph[1].view(np.uint32)), f"{step.name}: eager != graph LSE"
+    return check
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,heads,page_size,max_q", ENGINE_CONFIGS,
                          ids=lambda c: str(c).replace(" ", "").replace("(", "").replace(")", "").replace(",", "x")
                          if isinstance(c, tuple) else str(c))
 def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_q):
     import cupy_fa
-    from cupy_fa import reference
 
     rng, seed = new_rng()
     engine = Engine(rng, dtype, heads, head_dim, page_size, num_pages=(12000 // page_size) + 64)
@@ -213,23 +241,11 @@ def test_engine_loop_eager_and_graph(dtype, head_dim, heads, page_size, max_q):
     engine_setup(rng, engine)  # long prefixes from the start so split-KV and the merge are exercised too
     assert max(engine.length.values()) > 512
     for step in engine_steps(rng, engine, runner, max_q, max_pages):
-        mode, name, q_lens, kv_lens, table, total, q, mask, eager, graph = step[:10]
-        assert step.view.shape == (total, heads[0], head_dim) and step.lse_view.shape == (total, heads[0])
-        if total:
-            ref, ref_lse = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), q_lens,
-                                                     kv_lens, table, causal=True, custom_mask=mask, return_lse=True)
-        else:  # IDLE: no rows, nothing may be written
-            assert mode is M.IDLE
-            ref, ref_lse = np.zeros((0, heads[0], head_dim)), np.zeros((0, heads[0]))
-        for path, (out, lse) in (("eager", eager), ("graph", graph)):
-            check = check_attention(out, ref, dtype, q_lens=q_lens, lse=lse, ref_lse=ref_lse, poison=POISON,
-                                    label=f"seed {seed} {name} {path}")
-            print(check.summary())
-            report(mode=name, path=path, err=check.worst.get("request_rel", (0.0,))[0], dtype=dtype, page=page_size,
-                   heads=heads, d=head_dim)
-            check.assert_ok()
-        assert np.array_equal(eager[0].view(np.uint16), graph[0].view(np.uint16)), f"{name}: eager != graph bits"
-        assert np.array_equal(eager[1].view(np.uint32), graph[1].view(np.uint32)), f"{name}: eager != graph LSE"
+        assert step.view.shape == (step.total, heads[0], head_dim) and step.lse_view.shape == (step.total, heads[0])
+        check_engine_step(step, engine, dtype, f"seed {seed}", causal=True,
+                          on_check=lambda path, check, name=step.name: report(
+                              mode=name, path=path, err=check.worst.get("request_rel", (0.0,))[0], dtype=dtype,
+                              page=page_size, heads=heads, d=head_dim))
     # buckets 1, 2, 4 and 8 were all captured, once per mode
     assert runner.num_graphs >= 8
 

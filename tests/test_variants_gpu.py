@@ -262,8 +262,7 @@ def test_engine_loop_with_variant(variant, dtype, head_dim, heads, page_size, ma
     both, eager == graph bits, the runner's whole static output poisoned before each run."""
     import cupy
     import cupy_fa
-    from cupy_fa import reference
-    from test_modes_graph_gpu import M, Engine, engine_setup, engine_steps
+    from test_modes_graph_gpu import Engine, check_engine_step, engine_setup, engine_steps
 
     rng, seed = new_rng()
     # (the runner plans with the default scale: caps that bend its scores)
@@ -276,19 +275,6 @@ def test_engine_loop_with_variant(variant, dtype, head_dim, heads, page_size, ma
     sinks_dev = None if sinks is None else cupy.asarray(sinks)
     engine_setup(rng, engine)
     for step in engine_steps(rng, engine, runner, max_q, max_pages, sinks=sinks_dev):
-        mode, name, q_lens, kv_lens, table, total, q, mask, eager, graph = step[:10]
-        if total:
-            ref, ref_lse = reference.paged_attention(q.get(), engine.cache.k.get(), engine.cache.v.get(), q_lens,
-                                                     kv_lens, table, causal=True, custom_mask=mask, sm_scale=sm_scale,
-                                                     window=window, soft_cap=cap, sinks=sinks, return_lse=True)
-        else:
-            assert mode is M.IDLE
-            ref, ref_lse = np.zeros((0, heads[0], head_dim)), np.zeros((0, heads[0]))
-        for path, (out, lse) in (("eager", eager), ("graph", graph)):
-            check = check_attention(out, ref, dtype, q_lens=q_lens, lse=lse, ref_lse=ref_lse, poison=POISON,
-                                    label=f"seed {seed} {variant} window={window} cap={cap} {name} {path}")
-            print(check.summary())
-            check.assert_ok()
-        assert np.array_equal(eager[0].view(np.uint16), graph[0].view(np.uint16)), f"{name}: eager != graph bits"
-        assert np.array_equal(eager[1].view(np.uint32), graph[1].view(np.uint32)), f"{name}: eager != graph LSE"
+        check_engine_step(step, engine, dtype, f"seed {seed} {variant} window={window} cap={cap}", causal=True,
+                          sm_scale=sm_scale, window=window, soft_cap=cap, sinks=sinks)
     assert runner.num_graphs >= 8
