@@ -253,6 +253,11 @@ class MmaTile:
         return dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
                                    fold_splits=True).deepest_fit(smem_limit)
 
+    def with_variants(self):
+        """This tile's kernel with the variant hooks compiled in: the same schedule, only the
+        binary differs (:func:`with_variants`)."""
+        return dataclasses.replace(self, variants=True)
+
     def traits(self):
         """The C++ traits type of this tile's kernel binary."""
         # the plain 16-bit kernels keep their names (and code): KV_BYTES only when not 2 or when
@@ -656,10 +661,8 @@ def with_variants(tile):
     """``tile``'s kernel with the variant hooks compiled in (kernels/variant.cuh: sliding window,
     logits soft-cap, attention sinks; each on at run time by its AttentionParams field). The same
     schedule and work layout as ``tile``: only the binary differs (a wgmma tile may hold fewer
-    keys a KV tile with the hooks: ``Sm90Tile.with_variants``)."""
-    if hasattr(tile, "with_variants"):
-        return tile.with_variants()
-    return dataclasses.replace(tile, variants=True)
+    keys a KV tile with the hooks: ``Sm90Tile.with_variants``). Each tile class says how."""
+    return tile.with_variants()
 
 
 @functools.lru_cache(maxsize=None)
