@@ -6,9 +6,12 @@
 // O += P V (wgmma, P as the register A operand, V transposed from shared memory); at the end
 // O / l into `out` or the split's partial. With Traits::kOverlap (FlashAttention-3's intra-
 // warpgroup pipelining) step i issues S of tile i and P V of tile i - 1 together and runs the
-// softmax of tile i while P V is in the tensor cores; with Traits::kPingPong the two consumer
-// warpgroups take turns at issuing (named barriers 1 and 2), so one's softmax runs during the
-// other's GEMMs.
+// softmax of tile i while P V is in the tensor cores; without it (the serial order) a step runs
+// S, the softmax and P V of one tile in turn, each waited for, so S and P are never live at once
+// (16 registers fewer at 64 keys a tile: wider tiles fit the same registers), and only the other
+// warpgroups' GEMMs hide a warpgroup's softmax. With Traits::kPingPong the consumer warpgroups
+// take turns at issuing Q K^T (named barriers 1, 2, 3), so one's softmax runs during the
+// others' GEMMs.
 #pragma once
 
 namespace cupy_fa {
@@ -134,6 +137,17 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     }
     to_fragments<QT, BN>(s, frag);
     ks.advance();
+    // the serial order: O += P V of this tile now, waited for (frag is free before the next S)
+    auto serial_pv = [&]() {
+      mbar_wait(&bars.v_full[vs.stage], vs.phase);
+      issue_pv(vs.stage);
+      wgmma_wait<0>();
+      pin(o);
+      pin(frag);
+      mbar_arrive(&bars.v_empty[vs.stage]);
+      vs.advance();
+    };
+    if constexpr (!Tr::kOverlap) serial_pv();
 
     for (int i = 1; i < T; ++i) {
       const int tile = T - 1 - i;
@@ -156,33 +170,35 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
         // store of the row sums (which need every exp2) is kept before the wait.
         asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(st.l[0] + st.l[1]) : "memory");
         wgmma_wait<0>();
+        pin(o);
+        pin(frag);
+        mbar_arrive(&bars.v_empty[vs.stage]);
+        if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
+        to_fragments<QT, BN>(s, frag);
+        vs.advance();
       } else {
+        // the serial order: this tile's softmax, O rescaled (P V of the tile before has
+        // completed), P, and this tile's P V, waited for
         if (Tr::kPingPong && !(wg == NWG - 1 && i == T - 1)) named_arrive(1 + next_wg, 256);
         wgmma_wait<0>();
         pin(s);
         mbar_arrive(&bars.k_empty[ks.stage]);
         moved = softmax(tile, masked, factor);
-        // P V of the previous tile after this tile's softmax: the same arithmetic, no overlap
-        mbar_wait(&bars.v_full[vs.stage], vs.phase);
-        issue_pv(vs.stage);
-        wgmma_wait<0>();
+        if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
+        to_fragments<QT, BN>(s, frag);
+        serial_pv();
       }
+      ks.advance();
+    }
+    if constexpr (Tr::kOverlap) {  // P V of the last tile processed (keys from kv_begin on)
+      mbar_wait(&bars.v_full[vs.stage], vs.phase);
+      issue_pv(vs.stage);
+      wgmma_wait<0>();
       pin(o);
       pin(frag);
       mbar_arrive(&bars.v_empty[vs.stage]);
-      if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
-      to_fragments<QT, BN>(s, frag);
-      ks.advance();
       vs.advance();
     }
-    // P V of the last tile processed (keys from kv_begin on)
-    mbar_wait(&bars.v_full[vs.stage], vs.phase);
-    issue_pv(vs.stage);
-    wgmma_wait<0>();
-    pin(o);
-    pin(frag);
-    mbar_arrive(&bars.v_empty[vs.stage]);
-    vs.advance();
   }
   // A page id outside the cache in this item: the producer set the Q tile's flag before its
   // last arrival, which the waits above saw. With one Q tile (one item per CTA) it is read

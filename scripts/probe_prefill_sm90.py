@@ -78,6 +78,19 @@ VARIANTS = {
     "d128_lw3n80": ("bfloat16", R(D128, block_n=80, lean_copy=True, consumer_wgs=3, producer_regs=32)),
     "d128_lw3n80_f16": ("float16", R(D128, block_n=80, lean_copy=True, consumer_wgs=3, producer_regs=32)),
     "d128_lx2_f16": ("float16", R(D128, lean_copy=True, poly_exp2=2)),
+    # 3 consumer warpgroups in the serial order (S, softmax, P V of a tile in turn; no intra-
+    # warpgroup overlap): S and P are not live at once, so wider tiles fit 160 registers
+    "d128_s96": ("bfloat16", R(D128, block_n=96, overlap=False)),
+    "d128_s112": ("bfloat16", R(D128, block_n=112, overlap=False)),
+    "d128_s128": ("bfloat16", R(D128, block_n=128, overlap=False)),
+    "d128_s128_nopp": ("bfloat16", R(D128, block_n=128, overlap=False, pingpong=False)),
+    "d128_s80": ("bfloat16", R(D128, overlap=False)),
+    "d128_s96s3": ("bfloat16", R(D128, block_n=96, stages=3, overlap=False)),
+    "d64_s128": ("bfloat16", R(D64, overlap=False)),
+    "d128_s80_hooks": ("bfloat16", R(D128, overlap=False, variants=True)),
+    "d128_s96_hooks": ("bfloat16", R(D128, block_n=96, overlap=False, variants=True)),
+    "d64_s192": ("bfloat16", R(D64, block_n=192, stages=3, overlap=False)),
+    "d64_s256": ("bfloat16", R(D64, block_n=256, stages=2, overlap=False)),
     # earlier versions of the kernel (scripts/sm90_snapshots/<commit>.cu, see SNAPSHOTS) with
     # that commit's default D = 128 tile, behind today's launcher (--ab-names to time them)
     "v1_af55a79": ("bfloat16", T(128, 128, 2)),
@@ -105,13 +118,13 @@ DEFAULTS = ("d128", "d128_f16", "d64", "d64_f16", "d256", "d256_f16")  # what sh
 # The interleaved A/B (--ab): per cell (workload, page size) the implementations timed in turn
 # with SDPA cuDNN; AB_D128 on the three bench workloads at page sizes 16 and 1, AB_D64 on
 # prefill_b2_l8192_d64 at page size 16.
-AB_D128 = ("d128_r2", "d128", "d128_l", "d128_lx1", "d128_lw3n80")
-AB_D64 = ("d64_r2", "d64", "d64_l", "d64_lx2", "d64_lw3")
-AB_CELLS = [(w, ps, AB_D128) for w in ("prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384")
-            for ps in (16, 1)] + [("prefill_b2_l8192_d64", 16, AB_D64)]
+# (2026-12-02: the serial step order at 80-128 keys a tile against the shipped overlapped 80)
+AB_D128 = ("d128", "d128_s80", "d128_s96", "d128_s96s3", "d128_s112", "d128_s128", "d128_s128_nopp")
+AB_D64 = ("d64", "d64_s128")
+AB_CELLS = ([(w, ps, AB_D128) for w in ("prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384")
+             for ps in (16, 1)] + [("prefill_b2_l8192_d64", 16, AB_D64)])
 # checked for correctness in an --ab run besides every timed one and the shipped defaults
-AB_CORRECT_EXTRA = ("d128_lx2", "d128_lp", "d128_l_f16", "d128_lx2_f16", "d128_lw3n64", "d128_lw3n80_f16",
-                    "d256_l")
+AB_CORRECT_EXTRA = ("d128_f16",)
 AB_NAMES = tuple(dict.fromkeys(n for _, _, names in AB_CELLS for n in names))
 # commit -> the traits of its default D = 128 tile and its kernel's shared memory (that
 # version's Sm90Tile.smem_bytes); the source is scripts/sm90_snapshots/<commit>.cu, which the
