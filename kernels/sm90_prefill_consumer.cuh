@@ -175,7 +175,6 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
         mbar_arrive(&bars.v_empty[vs.stage]);
         if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
         to_fragments<QT, BN>(s, frag);
-        vs.advance();
       } else {
         // the serial order: this tile's softmax, O rescaled (P V of the tile before has
         // completed), P, and this tile's P V, waited for
@@ -189,6 +188,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
         serial_pv();
       }
       ks.advance();
+      if constexpr (Tr::kOverlap) vs.advance();
     }
     if constexpr (Tr::kOverlap) {  // P V of the last tile processed (keys from kv_begin on)
       mbar_wait(&bars.v_full[vs.stage], vs.phase);

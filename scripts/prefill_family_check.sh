@@ -19,7 +19,10 @@
 # before the call with `mkdir -p exp/base && git archive a1fec95 | tar -x -C exp/base` (untracked: it
 # travels with the tree); without it step 3 skips the comparison and says so.
 # Knobs: TEST_SECONDS (150), COMPARE_SECONDS (150), BENCH_SECONDS (80: page 16), BENCH1_SECONDS (35: page 1),
-# GRID (12 random cases).
+# GRID (12 random cases), COLD (1; 0 skips step 1), TESTS (the GPU test files of step 3), FI_WARM (the bench
+# cells whose FlashInfer modules step 2 builds; FI_WARM_SECONDS, 300, bounds each), PS16_CELLS / PS1_CELLS (the
+# bench cells of step 4: page size 1 first). TESTS=none skips the GPU tests (a run right after the whole suite).
+# At most 8 files come back from a device call: the warm-up logs stay in /tmp (their tails in one file).
 set -uo pipefail
 old=${1:-exp/base}
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -40,26 +43,30 @@ fi
   git log -1 --format='tree %h %s' 2>/dev/null || true
 } 2>&1 | tee -a "$summary"
 
-stamp "1. cold NVRTC (empty caches, alone)"
-timeout 150 python3 scripts/cold_compile.py --json "$OUT/cold_compile.json" > "$OUT/cold_compile.txt" 2>&1
-echo "cold_compile exit $?" >> "$summary"; cat "$OUT/cold_compile.txt" >> "$summary"
+if [ "${COLD:-1}" = 1 ]; then
+  stamp "1. cold NVRTC (empty caches, alone)"
+  timeout 150 python3 scripts/cold_compile.py --json "$OUT/cold_compile.json" > "$OUT/cold_compile.txt" 2>&1
+  echo "cold_compile exit $?" >> "$summary"; cat "$OUT/cold_compile.txt" >> "$summary"
+fi
 
 stamp "2. kernel caches; FlashInfer JIT in the background"
 fi_pids=()
 if python3 -c 'import flashinfer' 2>/dev/null; then
-  for w in prefill_b4_l4096 prefill_b2_l8192_d64 prefill_b2_l8192_d256 prefill_b2_l8192_fp16; do
-    python3 -m bench "$w" --page-size 16 --quick --no-ceilings --no-plot --launches 4 --reps 2 --warmup 1 \
-      --out /tmp/fi_warm > "$OUT/fi_warm_$w.log" 2>&1 &
+  mkdir -p /tmp/fi_warm_logs
+  for w in ${FI_WARM:-prefill_b4_l4096 prefill_b2_l8192_d64 prefill_b2_l8192_d256 prefill_b2_l8192_fp16}; do
+    timeout ${FI_WARM_SECONDS:-300} python3 -m bench "$w" --page-size 16 --quick --no-ceilings --no-plot --launches 4 \
+      --reps 2 --warmup 1 --out /tmp/fi_warm > "/tmp/fi_warm_logs/$w.log" 2>&1 &
     fi_pids+=($!)
   done
 fi
-python3 scripts/warm_cache.py 6 > "$OUT/warm_new.log" 2>&1 &
+python3 scripts/warm_cache.py 6 > /tmp/warm_new.log 2>&1 &
 warm_new=$!
-if [ -d "$old/cupy_fa" ]; then (PYTHONPATH=$old python3 scripts/warm_cache.py 4 > "$OUT/warm_old.log" 2>&1); fi
+if [ -d "$old/cupy_fa" ]; then (PYTHONPATH=$old python3 scripts/warm_cache.py 4 > /tmp/warm_old.log 2>&1); fi
 wait $warm_new
-tail -n 1 "$OUT/warm_new.log" "$OUT/warm_old.log" 2>/dev/null >> "$summary"
+tail -n 1 /tmp/warm_new.log /tmp/warm_old.log 2>/dev/null >> "$summary"
 
 stamp "3. GPU tests, and compare_trees $old --small-q beside them"
+if [ "${TESTS:-}" = none ]; then echo "GPU tests: skipped (TESTS=none)" >> "$summary"; fi
 if [ -d "$old/cupy_fa" ]; then
   timeout ${COMPARE_SECONDS:-150} python3 scripts/compare_trees.py "$old" --small-q --grid ${GRID:-12} \
     --out /tmp/compare_trees > "$OUT/compare_trees.txt" 2>&1 &
@@ -70,14 +77,14 @@ else
   compare=
 fi
 export CUPY_FA_FAILURE_LOG=$OUT/failures.log; : > "$CUPY_FA_FAILURE_LOG"
-OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout ${TEST_SECONDS:-150} \
+[ "${TESTS:-}" != none ] && OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout ${TEST_SECONDS:-150} \
   python3 -m pytest -v -p no:cacheprovider -n 6 -m gpu --timeout 120 -rs --durations=10 \
-  tests/test_mixed_families_gpu.py tests/test_plan.py tests/test_prefill_sm90_gpu.py tests/test_invariance_gpu.py \
-  tests/test_modes_graph_gpu.py tests/test_attention_gpu.py > "$OUT/pytest.log" 2>&1
+  ${TESTS:-tests/test_mixed_families_gpu.py tests/test_plan.py tests/test_prefill_sm90_gpu.py tests/test_invariance_gpu.py
+  tests/test_modes_graph_gpu.py tests/test_attention_gpu.py} > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?" >> "$summary"
-grep -E "FAILED|ERROR|Timeout" "$OUT/pytest.log" | head -20 >> "$summary"
+[ -f "$OUT/pytest.log" ] && grep -E "FAILED|ERROR|Timeout" "$OUT/pytest.log" | head -20 >> "$summary"
 [ -s "$CUPY_FA_FAILURE_LOG" ] && { echo "failure reasons (first lines each):"; grep -A4 "^====" "$CUPY_FA_FAILURE_LOG" | head -40; } >> "$summary"
-echo "pytest: $(tail -n 1 "$OUT/pytest.log")" >> "$summary"
+[ -f "$OUT/pytest.log" ] && echo "pytest: $(tail -n 1 "$OUT/pytest.log")" >> "$summary"
 if [ -n "$compare" ]; then
   wait $compare; echo "compare_trees exit $?" >> "$summary"
   cp /tmp/compare_trees/*.log "$OUT/" 2>/dev/null
@@ -86,15 +93,16 @@ fi
 
 stamp "4. bench beside the peers"
 for pid in "${fi_pids[@]}"; do wait "$pid"; done
-grep -h "first_use\|flashinfer" "$OUT"/fi_warm_*.log 2>/dev/null | grep -v "^\[" | head -8 >> "$summary"
+for f in /tmp/fi_warm_logs/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 4 "$f"; }; done > "$OUT/fi_warm.log" 2>&1
+grep -h "first_use\|flashinfer" /tmp/fi_warm_logs/*.log 2>/dev/null | grep -v "^\[" | head -8 >> "$summary"
 targets="prefill_b4_l4096 prefill_b2_l8192 extend_b4_q1024_l16384"
-python3 -m bench $targets prefill_b2_l8192_d64 prefill_b2_l8192_d256 prefill_b2_l8192_full prefill_b2_l8192_fp16 \
-  extend_b8_q512_l8192 mixed_q2048_d63_l4096 --page-size 16 --no-ceilings --no-plot --budget ${BENCH_SECONDS:-80} \
-  --out "$OUT/bench_ps16" > "$OUT/bench_ps16.log" 2>&1
-echo "bench page 16 exit $?" >> "$summary"
-python3 -m bench $targets --page-size 1 --no-ceilings --no-plot --budget ${BENCH1_SECONDS:-35} \
+python3 -m bench ${PS1_CELLS:-$targets} --page-size 1 --no-ceilings --no-plot --budget ${BENCH1_SECONDS:-35} \
   --out "$OUT/bench_ps1" > "$OUT/bench_ps1.log" 2>&1
 echo "bench page 1 exit $?" >> "$summary"
+python3 -m bench ${PS16_CELLS:-$targets prefill_b2_l8192_d64 prefill_b2_l8192_d256 prefill_b2_l8192_full prefill_b2_l8192_fp16
+  extend_b8_q512_l8192 mixed_q2048_d63_l4096} --page-size 16 --no-ceilings --no-plot --budget ${BENCH_SECONDS:-80} \
+  --out "$OUT/bench_ps16" > "$OUT/bench_ps16.log" 2>&1
+echo "bench page 16 exit $?" >> "$summary"
 stamp "done"
 
 echo; echo "================ prefill_family_check summary ================"; cat "$summary"
