@@ -208,7 +208,9 @@ BY_NAME = {w.name: w for w in WORKLOADS}
 
 def select(patterns) -> list[Workload]:
     """Workloads whose name matches any pattern: exact (that one alone, though others start with
-    it), prefix ('decode'), or glob ('*_b64_*'). No patterns: all of them, in the table's order."""
+    it), prefix ('decode'), or glob ('*_b64_*'), in the order the patterns are given (a pattern's
+    matches in the table's order), so a run cut short by ``--budget`` has run the first ones. No
+    patterns: all of them, in the table's order."""
     if not patterns:
         return list(WORKLOADS)
     chosen = []
@@ -218,7 +220,7 @@ def select(patterns) -> list[Workload]:
         if not hits:
             raise ValueError(f"no workload matches {p!r}; known: {', '.join(BY_NAME)}")
         chosen += [w for w in hits if w not in chosen]
-    return [w for w in WORKLOADS if w in chosen]
+    return chosen
 
 
 def num_sets(bytes_per_set: int, l2_bytes: int, launches: int) -> int:

@@ -118,6 +118,9 @@ def test_select_and_windows():
         "prefill_b2_l8192", "prefill_b2_l8192_d64", "prefill_b2_l8192_d256", "prefill_b2_l8192_full",
         "prefill_b2_l8192_fp16"]
     assert [w.name for w in W.select(["prefill_b2_l8192"])] == ["prefill_b2_l8192"]  # an exact name: that one
+    # the order given (a --budget keeps the first cells), each pattern's matches in the table's order, once each
+    assert [w.name for w in W.select(["prefill_b4_l4096_sinks", "decode_b1_", "prefill_b4_l4096_sinks"])] == [
+        "prefill_b4_l4096_sinks", "decode_b1_l131072", "decode_b1_l4096", "decode_b1_l131072_w4096"]
     with pytest.raises(ValueError):
         W.select(["nope"])
     assert W.check_windows(W.BY_NAME["decode_b1_l4096"]) == [(0, 0, 1)]
