@@ -89,6 +89,7 @@ VARIANTS = {
     "d64_s128": ("bfloat16", R(D64, overlap=False)),
     "d128_s80_hooks": ("bfloat16", R(D128, overlap=False, variants=True)),
     "d128_s96_hooks": ("bfloat16", R(D128, block_n=96, overlap=False, variants=True)),
+    "d128_s128_hooks": ("bfloat16", R(D128, block_n=128, overlap=False, variants=True)),
     "d64_s192": ("bfloat16", R(D64, block_n=192, stages=3, overlap=False)),
     "d64_s256": ("bfloat16", R(D64, block_n=256, stages=2, overlap=False)),
     # earlier versions of the kernel (scripts/sm90_snapshots/<commit>.cu, see SNAPSHOTS) with
