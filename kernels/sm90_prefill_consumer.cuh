@@ -8,7 +8,7 @@
 // warpgroup pipelining) step i issues S of tile i and P V of tile i - 1 together and runs the
 // softmax of tile i while P V is in the tensor cores; without it (the serial order) a step runs
 // S, the softmax and P V of one tile in turn, each waited for, so S and P are never live at once
-// (16 registers fewer at 64 keys a tile: wider tiles fit the same registers), and only the other
+// (P's BN / 4 registers fewer: wider tiles fit the same registers), and only the other
 // warpgroups' GEMMs hide a warpgroup's softmax. With Traits::kPingPong the consumer warpgroups
 // take turns at issuing Q K^T (named barriers 1, 2, 3), so one's softmax runs during the
 // others' GEMMs.
