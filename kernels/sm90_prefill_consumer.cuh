@@ -137,8 +137,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     }
     to_fragments<QT, BN>(s, frag);
     ks.advance();
-    // the serial order: O += P V of this tile now, waited for (frag is free before the next S)
-    auto serial_pv = [&]() {
+    // O += P V of the tile in frag from the V stage in turn, waited for, that stage freed: each
+    // tile's in the serial order (frag is free before the next S), the last tile's with the overlap
+    auto pv_waited = [&]() {
       mbar_wait(&bars.v_full[vs.stage], vs.phase);
       issue_pv(vs.stage);
       wgmma_wait<0>();
@@ -147,7 +148,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
       mbar_arrive(&bars.v_empty[vs.stage]);
       vs.advance();
     };
-    if constexpr (!Tr::kOverlap) serial_pv();
+    if constexpr (!Tr::kOverlap) pv_waited();
 
     for (int i = 1; i < T; ++i) {
       const int tile = T - 1 - i;
@@ -185,20 +186,12 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
         moved = softmax(tile, masked, factor);
         if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
         to_fragments<QT, BN>(s, frag);
-        serial_pv();
+        pv_waited();
       }
       ks.advance();
       if constexpr (Tr::kOverlap) vs.advance();
     }
-    if constexpr (Tr::kOverlap) {  // P V of the last tile processed (keys from kv_begin on)
-      mbar_wait(&bars.v_full[vs.stage], vs.phase);
-      issue_pv(vs.stage);
-      wgmma_wait<0>();
-      pin(o);
-      pin(frag);
-      mbar_arrive(&bars.v_empty[vs.stage]);
-      vs.advance();
-    }
+    if constexpr (Tr::kOverlap) pv_waited();  // P V of the last tile processed (keys from kv_begin on)
   }
   // A page id outside the cache in this item: the producer set the Q tile's flag before its
   // last arrival, which the waits above saw. With one Q tile (one item per CTA) it is read
