@@ -56,16 +56,26 @@ FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/common.cuh fp8_e4m3): 
 # Head dims an fp8 cache takes: its rows are D / 16 chunks of 16 bytes (6 at D = 96, 12 at 192),
 # which its loads and byte swizzle need to tile the CTA evenly (docs/design.md, "Head dims")
 FP8_HEAD_DIMS = (64, 128, 256)
-# Pipeline depth of an fp8 cache's small-q tiles (the deepest that fits): a stage holds half the
-# bytes of a 16-bit one, and the deeper pipeline keeps about the bytes in flight per SM of the
-# 16-bit tiles at their default depth (docs/design.md, "fp8 KV cache").
-FP8_STAGES = 4
-# Keys per KV tile of an fp8 cache's small-q tiles: 64 like the 16-bit tiles (a stage then holds
-# half their bytes; 128 would hold as many, at twice the keys). Every fp8 small-q tile shares
-# it, so decode and verify reduce a split's keys alike (docs/design.md, "Batch invariance"). (A
-# program that changes it, as `python -m bench.fp8 --ab` does, clears attention_variant's cache:
-# it caches by tile, and block_n is not a field.)
-FP8_BLOCK_N = 64
+# Keys per KV tile and pipeline depth of an fp8 cache's small-q tiles at head dims 64 and 128:
+# 128 keys, 2 stages, so a stage holds the bytes of a 16-bit tile's (64 keys), and a warp takes
+# 32 keys between two barriers instead of 16. Measured on the H200 (2026-12-02, `python -m
+# bench.fp8 --ab`, decode B=64 L=4096 at D 128, folding CTAs): 141.3 us against 168.8 us at
+# 64 keys x 4 stages and 143.8 us at 64 x 2 (docs/design.md, "fp8 KV cache"). At D = 256 the
+# tiles keep 64 keys 4 deep (FP8_D256): 128 keys take the one-row tile to 255 registers and
+# a 4-byte spill (NVRTC 12.9). Every fp8 small-q tile of a head dim shares its keys per tile,
+# so decode and verify reduce a split's keys alike (docs/design.md, "Batch invariance"). (A
+# program that changes them, as `python -m bench.fp8 --ab` does, clears attention_variant's
+# cache: it caches by tile, and block_n is not a field.)
+FP8_STAGES = 2
+FP8_BLOCK_N = 128
+FP8_D256 = (64, 4)  # (keys per KV tile, stages) of the D = 256 fp8 small-q tiles
+
+
+def fp8_small_q_shape(head_dim):
+    """(keys per KV tile, pipeline stages) of an fp8 cache's small-q tiles at ``head_dim``."""
+    return FP8_D256 if head_dim == 256 else (FP8_BLOCK_N, FP8_STAGES)
+
+
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (the kernels' occupancy math)
 SM80_SMEM_LIMIT = 163 * 1024  # and on sm_80: tiles are chosen for the device's own limit
 FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
@@ -176,9 +186,9 @@ class MmaTile:
     @property
     def block_n(self):
         """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it); an fp8 cache's
-        small-q tiles take FP8_BLOCK_N (all of them alike: decode and verify share it)."""
+        small-q tiles take fp8_small_q_shape's (all of a head dim alike: decode and verify share it)."""
         if self.kv_bytes == 1 and self.warps_n > 1:
-            return FP8_BLOCK_N
+            return fp8_small_q_shape(self.head_dim)[0]
         return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
 
     @property
@@ -289,12 +299,12 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
     warps when a request packs more than 16 (token x head-in-group) rows; they all share
     (BLOCK_N, WARPS_N), which with the fixed split positions keeps decode and verify of a token
     bit-identical. Prefill-like batches take :func:`prefill_tile`. ``kv_bytes=1`` (an fp8
-    cache): the same layouts with fp8 K/V stages, FP8_STAGES deep (as deep as fits)."""
+    cache): the same layouts with fp8_small_q_shape's keys a tile and depth."""
     k = knobs()
     if max_q_len > SMALL_Q_LEN:
         return prefill_tile(head_dim, smem_limit, arch, kv_bytes)
     warps_m = k.decode_warps_m or (1 if max(max_q_len, 1) * group_size <= 16 else 2)
-    stages = FP8_STAGES if kv_bytes == 1 else k.decode_stages
+    stages = fp8_small_q_shape(head_dim)[1] if kv_bytes == 1 else k.decode_stages
     tile = small_q_tile(head_dim, warps_m, stages, smem_limit, kv_bytes)
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=k.splits_per_cta)
@@ -753,13 +763,13 @@ def all_variants(arch=None):
     return out
 
 
-def fp8_tiles(head_dim, stage_choices=(FP8_STAGES,), limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)):
+def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)):
     """The tiles of an fp8 cache the policy can select at a head dim: the mma.sync prefill tile
     and the small-q tiles (both row layouts, each depth, Hopper's and an A100's shared memory)
-    with their folding variants."""
+    with their folding variants; ``stage_choices``: the depths (default the policy's)."""
     tiles = [prefill_tile(head_dim, kv_bytes=1)]
     for warps_m in (1, 2):
-        for stages in stage_choices:
+        for stages in stage_choices or (fp8_small_q_shape(head_dim)[1],):
             for limit in limits:
                 tile = small_q_tile(head_dim, warps_m, stages, limit, kv_bytes=1)
                 tiles += [tile, tile.folding(smem_limit=limit)]

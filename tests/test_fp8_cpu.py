@@ -139,14 +139,19 @@ def test_fp8_tiles_are_mma_sync_everywhere():
 def test_fp8_tile_numbers():
     decode = schedule.tile_for(128, 1, 4, kv_bytes=1)
     assert (decode.warps_m, decode.warps_n, decode.stages, decode.kv_bytes) == (1, 4, schedule.FP8_STAGES, 1)
-    # Q [16, 128] bf16, 4 stages of fp8 K and V [64, 128]; the epilogue stages in two halves of D
-    assert decode.smem_bytes == 16 * 128 * 2 + 2 * 4 * 64 * 128 and decode.epilogue_in_stage
+    # Q [16, 128] bf16, 2 stages of fp8 K and V [128, 128]; the epilogue stages in one pass
+    assert (schedule.FP8_BLOCK_N, schedule.FP8_STAGES) == (128, 2) and decode.block_n == 128
+    assert schedule.tile_for(64, 1, 4, kv_bytes=1).block_n == 128
+    wide = schedule.tile_for(256, 1, 4, kv_bytes=1)  # D = 256 keeps 64 keys 4 deep (128 keys spill there)
+    assert (wide.block_n, wide.stages) == schedule.FP8_D256 == (64, 4)
+    assert decode.smem_bytes == 16 * 128 * 2 + 2 * 2 * 128 * 128 and decode.epilogue_in_stage
     assert decode.min_ctas_per_sm == 3 and decode.fold_layout
     assert decode.traits().endswith(", false, 1>")
     two_rows = schedule.tile_for(128, 16, 4, kv_bytes=1)
-    assert two_rows.warps_m == 2 and not two_rows.epilogue_in_stage and not two_rows.fold_layout
-    assert two_rows.smem_bytes == 32 * 128 * 2 + max(2 * 4 * 64 * 128, 8 * 16 * 128 * 4)  # room for the epilogue
-    assert two_rows.folding() is None
+    # two rows of warps: 8 warps' fp32 accumulators fill a 32 KiB stage in two halves of D
+    assert two_rows.warps_m == 2 and two_rows.epilogue_in_stage and two_rows.fold_layout
+    assert two_rows.smem_bytes == 32 * 128 * 2 + 2 * 2 * 128 * 128 + 32 * (2 * 128 * 4 + 16)  # with the fold state
+    assert two_rows.folding() is not None
     # the 16-bit tiles are what they were
     bf16 = schedule.tile_for(128, 1, 4)
     assert bf16.kv_bytes == 2 and bf16.traits() == "cupy_fa::TileTraits<128, 1, 4, 64, 2, false>"
