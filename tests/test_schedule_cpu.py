@@ -99,6 +99,10 @@ def test_split_size_must_be_a_multiple_of_the_tile_keys():
             schedule.plan_constants(OtherFamilyTile())
         # a family whose kernel takes any split length (it masks by the split's key range) is not held to it
         assert schedule.plan_constants(OtherFamilyTile(block_n=80, whole_tiles_per_split=False))["split_size"] == 576
+        # an fp8 cache's small-q tiles take 128 keys a tile at D 64 / 128 (64 at D 256)
+        with pytest.raises(ValueError, match="CUPY_FA_SPLIT_SIZE=576 is not a multiple of the tile's 128"):
+            schedule.plan_constants(schedule.tile_for(128, 1, 4, kv_bytes=1))
+        assert schedule.plan_constants(schedule.tile_for(256, 1, 4, kv_bytes=1))["split_size"] == 576
     finally:
         knobs.use(before)
 
