@@ -1,11 +1,11 @@
-"""SASS instructions per 64-key KV tile of the mma.sync family's decode tiles (CPU only).
+"""SASS instructions per KV tile of the mma.sync family's decode tiles (CPU only).
 
     python scripts/sass_decode_tile.py [--kv-bytes 1 2] [--head-dim 128] [--group 4] [--list]
 
 For each K/V element size, the tile `schedule.schedule_step` picks for decode B=64 L=4096 (the
 `python -m bench.fp8` cell; bf16 queries) is compiled for sm_90a with nvcc 13.0 and the defines
 NVRTC gets (scripts/sass_steps.py compile_sass), disassembled, and its tile loop (the backward
-branch holding 32 HMMA: S = Q K^T and O += P V of one warp's 16 keys) walked along the path of an
+branch holding 2 x D / 8 HMMA per 16 keys of a warp: S = Q K^T and O += P V) walked along the path of an
 unmasked steady-state tile with page size 16: the loads of the tile STAGES - 1 ahead (the shift
 path of the page arithmetic, not the division), no mask, no O rescale, no split end. Prints per
 warp per tile: the producer's instructions (loop head to the cp.async wait), the compute's
@@ -50,18 +50,18 @@ def tile_path(ins, labels, head, tail):
         ops = collections.Counter(map(ss.opcode, skipped))
         has_mma = any("HMMA" in x for x in skipped)
         first_tile_q = len(skipped) == 9 and ops["LDSM"] == 8  # Q's fragments, loaded with the first tile
-        division = ops["I2F"] > 0 and ops["MUFU"] > 0 and len(skipped) < 100  # a page size not a power of two
+        division = ops["I2F"] > 0 and ops["MUFU"] > 0 and len(skipped) < 400  # a page size not a power of two (8 rows at 128 keys: ~250)
         optional = not has_mma and (first_tile_q or division or ops["FSEL"] >= 8 or ops["FMUL"] >= 16 or i > last_mma)
         i = j if (not text.startswith("@") or optional) else i + 1
     return path
 
 
-def count(sass):
+def count(sass, mmas=32):
     ins, labels = ss.parse(sass)
     at = {a: i for i, (a, _) in enumerate(ins)}
     for i, (a, text) in enumerate(ins):
         t = ss.target_of(text, labels)
-        if t is not None and t < a and t in at and sum("HMMA" in x for _, x in ins[at[t]:i + 1]) == 32:
+        if t is not None and t < a and t in at and sum("HMMA" in x for _, x in ins[at[t]:i + 1]) == mmas:
             path = tile_path(ins, labels, at[t], i)
             break
     else:
@@ -89,9 +89,10 @@ def main(argv=None):
         expr = f"cupy_fa::attention_kernel<__nv_bfloat16, {kv}, __nv_bfloat16, {tile.traits()}>"
         variant = next(v for v in schedule.all_variants() if v.expression == expr)
         sass, res = ss.compile_sass(variant, False)
-        got = count(sass)
+        mmas = 2 * (args.head_dim // 8) * (tile.block_n // tile.warps_n // 16)  # S and P V per 16 keys
+        got = count(sass, mmas)
         if got is None:
-            print(f"{expr}: no tile loop of 32 HMMA found")
+            print(f"{expr}: no tile loop of {mmas} HMMA found")
             continue
         path, producer, compute = got
         ops = collections.Counter(map(ss.opcode, compute))
