@@ -6,9 +6,9 @@ For a planned step :func:`schedule_step` answers everything the host decides:
    ``q_len``, each with its own attention launch and work list (``kernels/plan.cu``):
    * small-q requests (``q_len <= SMALL_Q_LEN``: decode, verify, draft extend, the decode rows
      of a mixed batch) take the small-q tile of the ``MMA_SYNC`` family (``kernels/attention.cu``,
-     mma.sync m16n8k16, sm_80+; :func:`tile_for`), 4 warps over the 64 keys of each KV tile, one
-     row of warps (16 packed rows) or two (32) by the packed rows of the class's longest request,
-     ``CUPY_FA_DECODE_STAGES`` deep. Their bits are those of a pure decode step whatever else
+     mma.sync m16n8k16, sm_80+; :func:`tile_for`), 4 warps over the 64 keys of each KV tile (an
+     fp8 cache's: :func:`fp8_small_q_shape`), one row of warps (16 packed rows) or two (32) by
+     the packed rows of the class's longest request, ``CUPY_FA_DECODE_STAGES`` deep. Their bits are those of a pure decode step whatever else
      the batch holds (docs/design.md, "Batch invariance");
    * longer requests (prefill, extend, chunked prefill, the long rows of a mixed batch) take
      :func:`prefill_tile`: the ``SM90_WGMMA`` family (``kernels/prefill_sm90.cu``, wgmma with a
