@@ -1,11 +1,11 @@
 """A small step of every kernel path, for compute-sanitizer (scripts/sanitize.sh): decode with
 splits and the merge, verify chain and tree, folded splits, prefill tiles (causal or not), mixed
-batches, head dims 64 / 128 / 256, page sizes 1 / 3 / 16, graph capture and replay, the cache's
-append (host and device slots, padding), and steps whose device metadata is garbage (page ids
-outside the cache, kv_len past the page table or the plan's bound, q_len past its bound or past
-kv_len, more query rows than q holds, append slots outside the cache): those must fault nowhere,
-leave every other request's bits as a clean run gives them, and show in the status words.
-Each case is checked against the float64 reference. Exits 1 on any failure; runs in a few
+batches, head dims 64 / 96 / 128 / 192 / 256, an fp8 cache, page sizes 1 / 3 / 16, graph capture
+and replay, the cache's append (host and device slots, padding), and steps whose device metadata
+is garbage (page ids outside the cache, kv_len past the page table or the plan's bound, q_len past
+its bound or past kv_len, more query rows than q holds, append slots outside the cache): those must
+fault nowhere, leave every other request's bits as a clean run gives them, and show in the status
+words. Each case is checked against the float64 reference. Exits 1 on any failure; runs in a few
 seconds without the sanitizer."""
 
 import os
@@ -30,8 +30,9 @@ def check(ok, what):
         FAILURES.append(what)
 
 
-def step(rng, dtype, heads, head_dim, page_size, q_lens, kv_lens, extra_pages=2):
-    """A shuffled paged cache holding the requests' keys (NaN elsewhere), their table, q."""
+def step(rng, dtype, heads, head_dim, page_size, q_lens, kv_lens, extra_pages=2, fp8=False):
+    """A shuffled paged cache holding the requests' keys (NaN elsewhere), their table, q. fp8: an
+    e4m3fn cache of random finite bytes (NaN bytes elsewhere) with random per-head scales."""
     q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
     need = [-(-int(k) // page_size) for k in kv_lens]
     num_pages = sum(need) + extra_pages
@@ -43,23 +44,32 @@ def step(rng, dtype, heads, head_dim, page_size, q_lens, kv_lens, extra_pages=2)
         at += n
     elem = cupy_fa.PagedKVCache.allocate(1, 1, 1, 8, dtype).dtype
     shape = (num_pages, page_size, heads[1], head_dim)
-    k = rng.standard_normal(shape, dtype=np.float32).astype(elem)
-    v = rng.standard_normal(shape, dtype=np.float32).astype(elem)
     valid = np.zeros(shape[:2], bool)
     for b, kv in enumerate(kv_lens):
         t = np.arange(int(kv))
         valid[table[b, t // page_size], t % page_size] = True
-    k[~valid] = np.nan
-    v[~valid] = np.nan
-    cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v))
+    scales = {}
+    if fp8:  # e4m3fn bytes: 0x7f / 0xff are NaN, every other byte a finite value
+        k = (rng.integers(0, 0x7f, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8)
+        v = (rng.integers(0, 0x7f, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8)
+        k[~valid], v[~valid] = 0x7F, 0x7F
+        scales = dict(k_scale=rng.uniform(2.0**-9, 2.0**-6, heads[1]).astype(np.float32),
+                      v_scale=rng.uniform(2.0**-9, 2.0**-6, heads[1]).astype(np.float32))
+        cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype="float8_e4m3fn", **scales)
+    else:
+        k = rng.standard_normal(shape, dtype=np.float32).astype(elem)
+        v = rng.standard_normal(shape, dtype=np.float32).astype(elem)
+        k[~valid] = np.nan
+        v[~valid] = np.nan
+        cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v))
     q = rng.standard_normal((int(q_lens.sum()), heads[0], head_dim), dtype=np.float32).astype(elem)
     return dict(q_lens=q_lens, kv_lens=kv_lens, table=table, k=k, v=v, cache=cache, q_host=q, q=cupy.asarray(q),
-                dtype=dtype)
+                dtype=dtype, scales=scales)
 
 
 def close(out, s, what, causal=True, masks=None, rows=None):
     ref = reference.paged_attention(s["q_host"], s["k"], s["v"], s["q_lens"], s["kv_lens"], s["table"],
-                                    causal=causal, custom_mask=masks)
+                                    causal=causal, custom_mask=masks, **s.get("scales", {}))
     got = np.asarray(out.get() if hasattr(out, "get") else out, np.float64)
     cu = np.concatenate([[0], np.cumsum(s["q_lens"])])
     worst = 0.0
@@ -69,8 +79,8 @@ def close(out, s, what, causal=True, masks=None, rows=None):
     check(worst < reference.TOL[s["dtype"]], f"{what}: worst request error {worst:.2g}")
 
 
-def eager(rng, what, dtype, heads, head_dim, page_size, q_lens, kv_lens, causal=True, tree=False):
-    s = step(rng, dtype, heads, head_dim, page_size, q_lens, kv_lens)
+def eager(rng, what, dtype, heads, head_dim, page_size, q_lens, kv_lens, causal=True, tree=False, fp8=False):
+    s = step(rng, dtype, heads, head_dim, page_size, q_lens, kv_lens, fp8=fp8)
     masks = None
     if tree:
         masks = []
@@ -82,7 +92,7 @@ def eager(rng, what, dtype, heads, head_dim, page_size, q_lens, kv_lens, causal=
                 while j >= 0:
                     m[i, j], j = True, parent[j]
             masks.append(m)
-    attn = cupy_fa.BatchAttention(*heads, head_dim, dtype)
+    attn = cupy_fa.BatchAttention(*heads, head_dim, dtype, kv_dtype="float8_e4m3fn" if fp8 else None)
     attn.plan(s["q_lens"], s["kv_lens"], s["table"], causal=causal, custom_mask=masks)
     out, lse = attn.run(s["q"], s["cache"], return_lse=True)
     cupy.cuda.Device().synchronize()
@@ -100,6 +110,10 @@ def good_paths(rng):
     eager(rng, "mixed, page size 1", "bfloat16", H, D, 1, [1, 24, 1, 0], [1030, 100, 5, 0])
     eager(rng, "head dim 64", "bfloat16", (4, 4), 64, 16, [1, 5, 30], [900, 5, 200])
     eager(rng, "head dim 256", "float16", (8, 1), 256, 16, [1, 8, 20], [1200, 600, 40])
+    eager(rng, "head dim 96", "bfloat16", (8, 2), 96, 16, [1, 6, 40], [1300, 70, 300])
+    eager(rng, "head dim 192", "float16", (4, 1), 192, 1, [1, 3, 24], [700, 3, 150])
+    eager(rng, "fp8 cache: decode, verify, extend", "bfloat16", H, D, 16, [1, 8, 40, 1], [2100, 600, 300, 5], fp8=True)
+    eager(rng, "fp8 cache: page size 1, D 64", "float16", (4, 1), 64, 1, [1, 4, 20], [900, 4, 100], fp8=True)
     old = os.environ.get("CUPY_FA_FOLD_SPLITS")
     os.environ["CUPY_FA_FOLD_SPLITS"] = "1"
     _reload_knobs()
