@@ -32,7 +32,7 @@ def check(ok, what):
 
 def step(rng, dtype, heads, head_dim, page_size, q_lens, kv_lens, extra_pages=2, fp8=False):
     """A shuffled paged cache holding the requests' keys (NaN elsewhere), their table, q. fp8: an
-    e4m3fn cache of random finite bytes (NaN bytes elsewhere) with random per-head scales."""
+    e4m3fn cache (NaN bytes elsewhere) with random per-head scales."""
     q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
     need = [-(-int(k) // page_size) for k in kv_lens]
     num_pages = sum(need) + extra_pages
@@ -49,12 +49,12 @@ def step(rng, dtype, heads, head_dim, page_size, q_lens, kv_lens, extra_pages=2,
         t = np.arange(int(kv))
         valid[table[b, t // page_size], t % page_size] = True
     scales = {}
-    if fp8:  # e4m3fn bytes: 0x7f / 0xff are NaN, every other byte a finite value
-        k = (rng.integers(0, 0x7f, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8)
-        v = (rng.integers(0, 0x7f, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8)
+    if fp8:  # N(0, 1) x 2 quantised as append would (as the fp8 tests do); 0x7f (an e4m3fn NaN) elsewhere
+        scales = dict(k_scale=rng.uniform(2.0**-6, 2.0**-4, heads[1]).astype(np.float32),
+                      v_scale=rng.uniform(2.0**-6, 2.0**-4, heads[1]).astype(np.float32))
+        k = reference.quantize_e4m3(2 * rng.standard_normal(shape, dtype=np.float32), scales["k_scale"])
+        v = reference.quantize_e4m3(2 * rng.standard_normal(shape, dtype=np.float32), scales["v_scale"])
         k[~valid], v[~valid] = 0x7F, 0x7F
-        scales = dict(k_scale=rng.uniform(2.0**-9, 2.0**-6, heads[1]).astype(np.float32),
-                      v_scale=rng.uniform(2.0**-9, 2.0**-6, heads[1]).astype(np.float32))
         cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype="float8_e4m3fn", **scales)
     else:
         k = rng.standard_normal(shape, dtype=np.float32).astype(elem)
