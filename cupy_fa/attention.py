@@ -290,7 +290,8 @@ class BatchAttention:
                 lengths without ``max_q_len``, device lengths, page table or mask on another
                 device than the bound one (``device_id``), a step beyond the
                 capacity given to the constructor (or, inside a CUDA-graph capture, beyond the
-                buffers already allocated).
+                buffers already allocated); an fp8 ``kv_dtype`` at head dim 64 / 128 with a
+                ``CUPY_FA_SPLIT_SIZE`` that is not a multiple of 128 keys.
             TypeError: non-integer lengths or page table, ``q_lens`` and ``kv_lens`` of different
                 kinds, a custom mask that is not bool / uint8.
             RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words; another
@@ -301,6 +302,7 @@ class BatchAttention:
         """
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
+        _schedule.check_split_size(self.head_dim, 1 if self.kv_dtype_name == _arrays.FP8 else 2)
         with self._bound():
             self._enter("plan")
             try:

@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays, knobs as _knobs, plan as _plan
+from . import _arrays, knobs as _knobs, plan as _plan, schedule as _schedule
 from .attention import BatchAttention, refuse_fp8_variants
 from .kv_cache import PagedKVCache
 from .modes import ForwardMode
@@ -60,7 +60,9 @@ class GraphRunner:
         ValueError: a size that is not a positive int, buckets that are not positive ints or do
             not reach max_batch_size, a bad ``window`` or ``logits_soft_cap`` (as
             :meth:`BatchAttention.plan`); what :class:`BatchAttention` raises for the heads, head
-            dim and dtype, a ``device`` that is no CUDA device of this process. RuntimeError: no
+            dim and dtype, a ``device`` that is no CUDA device of this process, an fp8 ``kv_dtype``
+            at head dim 64 / 128 with a ``CUPY_FA_SPLIT_SIZE`` that is not a multiple of 128 keys
+            (all before anything is allocated). RuntimeError: no
             usable CUDA device. NotImplementedError: a ``window`` or ``logits_soft_cap`` with an
             fp8 ``kv_dtype``.
 
@@ -79,7 +81,10 @@ class GraphRunner:
 
         self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         if kv_dtype is not None:  # before anything is allocated
-            refuse_fp8_variants(_arrays.resolve_kv_dtype(kv_dtype, "kv_dtype"), self.window, self.soft_cap)
+            kv_name = _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
+            refuse_fp8_variants(kv_name, self.window, self.soft_cap)
+            if kv_name == _arrays.FP8 and isinstance(head_dim, (int, np.integer)):
+                _schedule.check_split_size(int(head_dim), kv_bytes=1)
 
         for name, value in (("max_batch_size", max_batch_size), ("max_q_len", max_q_len),
                             ("max_pages_per_request", max_pages_per_request), ("page_size", page_size)):

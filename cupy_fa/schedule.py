@@ -624,6 +624,16 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     return StepSchedule(small, long, merge)
 
 
+def check_split_size(head_dim, kv_bytes=2):
+    """ValueError unless split_size() is a whole number of the small-q tiles' KV tiles at
+    ``head_dim`` for K/V elements of ``kv_bytes`` (64 keys; an fp8 cache's fp8_small_q_shape):
+    what plan_constants checks per launch, asked before a plan stages anything."""
+    block_n = fp8_small_q_shape(head_dim)[0] if kv_bytes == 1 else 64
+    s = split_size()
+    if s % block_n:
+        raise ValueError(f"CUPY_FA_SPLIT_SIZE={s} is not a multiple of the tile's {block_n} keys per KV tile")
+
+
 def plan_constants(tile, long_tile=None):
     """PlanParams' policy fields (kernels/plan.cu reads them): the small-q requests laid out for
     ``tile`` in work_indptr and, with ``long_tile``, the longer ones for it in long_work_indptr;

@@ -236,6 +236,28 @@ def _(ctx):
     return lambda: attn.plan([1, 1, 1], [4, 4, 4], [[0], [1], [2]]), []
 
 
+def _with_split_size(split_size, fn):
+    """fn() under CUPY_FA_SPLIT_SIZE = split_size (the knobs restored after)."""
+    import dataclasses
+
+    from cupy_fa import knobs
+
+    def call():
+        before = knobs.use(dataclasses.replace(knobs.knobs(), split_size=split_size))
+        try:
+            fn()
+        finally:
+            knobs.use(before)
+
+    return call
+
+
+@case("plan-fp8-split-size")
+def _(ctx):  # 576 keys: a multiple of the 16-bit tiles' 64, not of the fp8 tiles' 128 (checked before anything is staged)
+    attn = cupy_fa.BatchAttention(8, 2, 128, "bfloat16", kv_dtype="float8_e4m3fn")
+    return _with_split_size(576, lambda: attn.plan([1, 2], [5, 20], [[0, 1], [2, 3]])), []
+
+
 @case("plan-mask-dtype", gpu=True)
 def _(ctx):
     import cupy
@@ -528,6 +550,11 @@ def _(ctx):
 def _(ctx):
     return lambda: cupy_fa.GraphRunner(6, 4, 64, max_batch_size=4, max_q_len=4, max_pages_per_request=2,
                                        page_size=16), []
+
+
+@case("runner-fp8-split-size")
+def _(ctx):
+    return _with_split_size(576, lambda: _runner(kv_dtype="float8_e4m3fn")), []
 
 
 @case("runner-window")
