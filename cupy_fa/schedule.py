@@ -624,14 +624,18 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     return StepSchedule(small, long, merge)
 
 
+def _check_split_fits(s, tile):
+    """ValueError unless split size ``s`` is whole KV tiles of ``tile`` (a family whose kernel
+    takes any split length is not held to it)."""
+    if tile is not None and getattr(tile, "whole_tiles_per_split", False) and s % tile.block_n:
+        raise ValueError(f"CUPY_FA_SPLIT_SIZE={s} is not a multiple of the tile's {tile.block_n} keys per KV tile")
+
+
 def check_split_size(head_dim, kv_bytes=2):
-    """ValueError unless split_size() is a whole number of the small-q tiles' KV tiles at
-    ``head_dim`` for K/V elements of ``kv_bytes`` (64 keys; an fp8 cache's fp8_small_q_shape):
-    what plan_constants checks per launch, asked before a plan stages anything."""
-    block_n = fp8_small_q_shape(head_dim)[0] if kv_bytes == 1 else 64
-    s = split_size()
-    if s % block_n:
-        raise ValueError(f"CUPY_FA_SPLIT_SIZE={s} is not a multiple of the tile's {block_n} keys per KV tile")
+    """What plan_constants checks per launch, asked before a plan stages anything: split_size()
+    is whole KV tiles of the small-q tiles at ``head_dim`` for K/V elements of ``kv_bytes`` (4
+    warps over the keys, whatever their rows and depth: every one has the same keys per KV tile)."""
+    _check_split_fits(split_size(), MmaTile(head_dim, 1, 4, kv_bytes=kv_bytes))
 
 
 def plan_constants(tile, long_tile=None):
@@ -640,8 +644,7 @@ def plan_constants(tile, long_tile=None):
     without it every request is laid out for ``tile`` (one family)."""
     s = split_size()
     for t in (tile, long_tile):
-        if t is not None and getattr(t, "whole_tiles_per_split", False) and s % t.block_n:
-            raise ValueError(f"CUPY_FA_SPLIT_SIZE={s} is not a multiple of the tile's {t.block_n} keys per KV tile")
+        _check_split_fits(s, t)
     if long_tile is not None and (long_tile.splits_per_cta != 1 or long_tile.fold_splits):
         raise ValueError(f"internal: the long family runs one split per CTA and never folds, got {long_tile}")
     other = long_tile or tile
