@@ -14,12 +14,15 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/cases.py: the fp8 cases' bytes and scales
 
 import cupy  # noqa: E402
 
 import cupy_fa  # noqa: E402
 from cupy_fa import ForwardMode, reference  # noqa: E402
+from cases import FP8_NAN, fp8_bytes, fp8_scales  # noqa: E402
 
 FAILURES = []
 
@@ -49,12 +52,11 @@ def step(rng, dtype, heads, head_dim, page_size, q_lens, kv_lens, extra_pages=2,
         t = np.arange(int(kv))
         valid[table[b, t // page_size], t % page_size] = True
     scales = {}
-    if fp8:  # N(0, 1) x 2 quantised as append would (as the fp8 tests do); 0x7f (an e4m3fn NaN) elsewhere
-        scales = dict(k_scale=rng.uniform(2.0**-6, 2.0**-4, heads[1]).astype(np.float32),
-                      v_scale=rng.uniform(2.0**-6, 2.0**-4, heads[1]).astype(np.float32))
-        k = reference.quantize_e4m3(2 * rng.standard_normal(shape, dtype=np.float32), scales["k_scale"])
-        v = reference.quantize_e4m3(2 * rng.standard_normal(shape, dtype=np.float32), scales["v_scale"])
-        k[~valid], v[~valid] = 0x7F, 0x7F
+    if fp8:  # the fp8 tests' bytes and per-head scales (tests/cases.py); an e4m3fn NaN elsewhere
+        k_scale, v_scale = fp8_scales(rng, "head", heads[1])
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        k, v = fp8_bytes(rng, shape, k_scale), fp8_bytes(rng, shape, v_scale)
+        k[~valid], v[~valid] = FP8_NAN, FP8_NAN
         cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype="float8_e4m3fn", **scales)
     else:
         k = rng.standard_normal(shape, dtype=np.float32).astype(elem)
