@@ -9,10 +9,8 @@
 # JIT-compiles each variant's module on first use, tens of seconds each, so a cold machine needs
 # about 400 for all of them), TEST_SECONDS (pytest, default 120), BENCH_SECONDS (our cells, default
 # 70), CUPY_FA_SEED (replay a failure's seed, tests/cases.py), TESTS=none (skip the GPU tests: a run
-# right after the whole suite), FI_GROUPS (the FlashInfer runs, `;`-separated groups of cells, each
-# group one process that builds its module first: e.g. "prefill_b4_l4096_cap50;prefill_b4_l4096_sinks";
-# FlashInfer 0.7.4 takes about 110 s per prefill variant module alone on an H200, and builds of many
-# modules at once beside other work did not finish in 400 s). Logs under $OUT (or ./device_out).
+# right after the whole suite). Logs under $OUT (or ./device_out). Some of the FlashInfer cells
+# alone: scripts/peers_check.sh (modules built first, then every cell timed in one process).
 # Exit status 1 when a GPU test failed, errored or skipped, or our bench cells failed their check.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -91,10 +89,9 @@ if [ "$have_fi" = 1 ]; then
   # /tmp/fiws while the machine stays up): the variant cells first, one module's cells per run, in
   # the time left; each cell's line is in the log as it finishes
   : > "$OUT/variants_bench_fi.log"
-  groups=${FI_GROUPS:-"decode_b64_l4096_w1024 decode_b1_l131072_w4096;decode_b64_l4096_cap50;decode_b64_l4096_sinks;\
-prefill_b4_l4096_w1024;prefill_b4_l4096_cap50;prefill_b4_l4096_sinks;decode_b64_l4096 decode_b1_l131072;prefill_b4_l4096"}
-  IFS=';' read -r -a group_list <<< "$groups"
-  for group in "${group_list[@]}"; do
+  for group in "decode_b64_l4096_w1024 decode_b1_l131072_w4096" decode_b64_l4096_cap50 decode_b64_l4096_sinks \
+               prefill_b4_l4096_w1024 prefill_b4_l4096_cap50 prefill_b4_l4096_sinks \
+               "decode_b64_l4096 decode_b1_l131072" prefill_b4_l4096; do
     left=$(( ${TOTAL_SECONDS:-200} - ($(date +%s) - t0) - 10 ))
     if [ "$left" -le 20 ]; then echo "bench beside FlashInfer: no time left for: $group" >> "$summary"; continue; fi
     start=$(date +%s)
