@@ -21,9 +21,10 @@ bf16 ones is printed too).
 
 ``--warm-peers`` only runs FlashInfer's two decode wrappers once on a tiny batch (its JIT
 compiles them), so a script can overlap that with other work; ``--no-peers`` times ours alone;
-``--ab`` (tuning only) times the fp8 decode cell at 64 and 128 keys per KV tile, pipeline
-depths 2 to 4, with and without the CTAs folding their splits (``schedule.FP8_BLOCK_N``,
-``FP8_STAGES``, ``CUPY_FA_FOLD_SPLITS``), each checked against float64 first.
+``--ab`` (tuning only) times the fp8 decode cell at the points of ``AB_POINTS``: keys per KV
+tile, pipeline depth, the CTAs folding their splits or not, and the split size
+(``schedule.FP8_BLOCK_N``, ``FP8_STAGES``, ``CUPY_FA_FOLD_SPLITS``, ``CUPY_FA_SPLIT_SIZE``), each
+checked against float64 first.
 """
 
 from __future__ import annotations
@@ -336,23 +337,22 @@ def main(argv=None):
 
         before, depth, keys = knobs.knobs(), schedule.FP8_STAGES, schedule.FP8_BLOCK_N
         try:
-            for block_n, stages in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3)):
-                for fold in ("auto", "0"):
-                    schedule.FP8_BLOCK_N, schedule.FP8_STAGES = block_n, stages
-                    schedule.attention_variant.cache_clear()  # it caches by tile, whose block_n just changed
-                    knobs.use(dataclasses.replace(before, fold_splits=fold))
-                    cell, _ = time_ours("fp8 per-head", table, sets, q_lens, kv_lens, windows[:1], n_launch=20,
-                                        reps=args.reps)
-                    name = f"block_n {block_n}, stages {stages}, fold {fold}"
-                    ab[name] = cell
-                    if "us" in cell:
-                        cell["tbps"] = (kv_bytes(batch, kv_len, 1) + qo_bytes(batch)) / (cell["us"] * 1e-6) / 1e12
-                        tile = cell["families"][-1].split("MmaTile(")[-1][:100]
-                        lines.append(f"  {name:34s} {cell['us']:8.1f} us {cell['tbps']:5.2f} TB/s "
-                                     f"{cell['tbps'] / ceiling:6.1%}  {tile}")
-                    else:
-                        lines.append(f"  {name:34s} {cell.get('status', '?')}")
-                    flush(lines)
+            for block_n, stages, fold, split in AB_POINTS:
+                schedule.FP8_BLOCK_N, schedule.FP8_STAGES = block_n, stages
+                schedule.attention_variant.cache_clear()  # it caches by tile, whose block_n just changed
+                knobs.use(dataclasses.replace(before, fold_splits=fold, split_size=split))
+                cell, _ = time_ours("fp8 per-head", table, sets, q_lens, kv_lens, windows[:1], n_launch=20,
+                                    reps=args.reps)
+                name = f"block_n {block_n}, stages {stages}, fold {fold}, split {split}"
+                ab[name] = cell
+                if "us" in cell:
+                    cell["tbps"] = (kv_bytes(batch, kv_len, 1) + qo_bytes(batch)) / (cell["us"] * 1e-6) / 1e12
+                    tile = cell["families"][-1].split("MmaTile(")[-1][:100]
+                    lines.append(f"  {name:46s} {cell['us']:8.1f} us {cell['tbps']:5.2f} TB/s "
+                                 f"{cell['tbps'] / ceiling:6.1%}  {tile}")
+                else:
+                    lines.append(f"  {name:46s} {cell.get('status', '?')}")
+                flush(lines)
         finally:
             schedule.FP8_STAGES, schedule.FP8_BLOCK_N = depth, keys
             schedule.attention_variant.cache_clear()
@@ -360,6 +360,15 @@ def main(argv=None):
         write_json(args.json, results)
     return 0
 
+
+# --ab's points: (keys per KV tile, stages, CUPY_FA_FOLD_SPLITS, CUPY_FA_SPLIT_SIZE). The first is
+# the shipped default; the split size sets how many split epilogues a folding CTA runs per row
+# (B=64 L=4096: 8 at 512 keys, 4 at 1024, 2 at 2048), fold "1" forces the fold where "auto"'s
+# wave-fill rule declines it (64 x 3: three CTAs per SM).
+AB_POINTS = (
+    (128, 2, "auto", 512), (128, 2, "auto", 1024), (128, 2, "auto", 2048), (128, 2, "0", 512),
+    (64, 2, "auto", 512), (64, 2, "auto", 1024), (64, 3, "1", 512), (64, 3, "1", 1024), (64, 4, "auto", 1024),
+)
 
 _printed = [0]
 

@@ -593,7 +593,7 @@ class BatchAttention:
             k_scale=cache.k_scale_device.data.ptr if fp8 else 0, v_scale=cache.v_scale_device.data.ptr if fp8 else 0,
             # the variant hooks (kernels/variant.cuh), read only by the kernels built with them
             key_base=buffers.key_base.data.ptr, sinks=sinks_ptr, window=state.window,
-            soft_cap_scale=state.sm_scale / state.soft_cap if state.soft_cap else 0.0,
+            soft_cap_scale=2 * _LOG2E * state.sm_scale / state.soft_cap if state.soft_cap else 0.0,
             soft_cap_log2=state.soft_cap * _LOG2E)
         # a window, a soft-cap or sinks: each tile's kernel with the hooks compiled in (the plain
         # kernels otherwise, unchanged)

@@ -220,7 +220,7 @@ class GraphRunner:
             if sunk:
                 self.sinks[...] = sinks_dev
             if use_graph:
-                key = (mode, bucket, tree, cache.k.data.ptr, cache.v.data.ptr, sunk)
+                key = (mode, bucket, tree, _cache_key(cache), sunk)
                 graph = self._graphs.get(key)
                 if graph is None:
                     graph = self._graphs[key] = self._capture(mode, bucket, cache, tree, stream, sunk)
@@ -313,3 +313,13 @@ class GraphRunner:
         if return_lse:
             return out, _arrays.to_caller(self.lse[:num_tokens], like)
         return out
+
+
+def _cache_key(cache):
+    """What a captured step bakes in of its cache (the kernel parameters ``BatchAttention.run``
+    writes from it): K and V's addresses, the page count (the kernels' page-id bound), the page
+    size and an fp8 cache's scale arrays. A cache freed and another allocated at the same address
+    with other pages must not replay the first one's graph: its ids would be checked against the
+    old page count (written NaN where the new cache is larger; read past it where smaller)."""
+    scales = tuple(0 if a is None else a.data.ptr for a in (cache.k_scale_device, cache.v_scale_device))
+    return (cache.k.data.ptr, cache.v.data.ptr, cache.num_pages, cache.page_size) + scales

@@ -31,7 +31,8 @@ class Knobs:
     cache_dir: str | None = None     # CUPY_FA_CACHE_DIR: the compiled-kernel cache (default: CuPy's)
     decode_stages: int = 2           # CUPY_FA_DECODE_STAGES: 2, 3 or 4
     decode_warps_m: int | None = None  # CUPY_FA_DECODE_WARPS_M: 1, 2, or None for auto
-    split_size: int = 512            # CUPY_FA_SPLIT_SIZE: keys per split of small-q requests
+    split_size: int | None = None    # CUPY_FA_SPLIT_SIZE: keys per split of small-q requests, every
+                                     # cache (None: schedule.split_size's default per K/V element)
     splits_per_cta: int = 1          # CUPY_FA_SPLITS_PER_CTA: 1 .. MAX_SPLITS_PER_CTA
     fold_splits: str = "auto"        # CUPY_FA_FOLD_SPLITS: "auto", "0" or "1"
     pdl: bool = True                 # CUPY_FA_PDL: programmatic launch of the merge kernel (sm_90+)
@@ -42,7 +43,8 @@ class Knobs:
         _check(self.decode_stages in STAGE_CHOICES, "CUPY_FA_DECODE_STAGES",
                f"one of {STAGE_CHOICES}", self.decode_stages)
         _check(self.decode_warps_m in (None, 1, 2), "CUPY_FA_DECODE_WARPS_M", "auto, 1 or 2", self.decode_warps_m)
-        _check(isinstance(self.split_size, int) and self.split_size >= 64 and self.split_size % 64 == 0,
+        _check(self.split_size is None
+               or (isinstance(self.split_size, int) and self.split_size >= 64 and self.split_size % 64 == 0),
                "CUPY_FA_SPLIT_SIZE", "a positive multiple of 64 keys", self.split_size)
         _check(isinstance(self.splits_per_cta, int) and 1 <= self.splits_per_cta <= MAX_SPLITS_PER_CTA,
                "CUPY_FA_SPLITS_PER_CTA", f"an int in 1..{MAX_SPLITS_PER_CTA}", self.splits_per_cta)

@@ -47,6 +47,7 @@ class Sm90Tile:
 
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
     fold_splits = False
+    kv_bytes = 2                # 16-bit K/V only (an fp8 cache's long rows run on the mma.sync family)
 
     @property
     def block_m(self):

@@ -20,8 +20,8 @@ For a planned step :func:`schedule_step` answers everything the host decides:
    (whole rows, or groups of ``MERGE_GROUP``) instead of leaving partials for the merge kernel;
    only in steps without long requests (one merge launch reads one partial layout).
 3. **The splits** (computed on the device by ``kernels/plan.cu``; :func:`max_splits` is the
-   host's bound): small-q requests split every ``split_size()`` keys at fixed positions (batch
-   invariance), others only while ``q_len x splits <= SPLIT_ROW_BUDGET``; at most ``MAX_SPLITS``.
+   host's bound): small-q requests split every ``split_size(kv_bytes)`` keys at fixed positions (one
+   value per cache element: batch invariance), others only while ``q_len x splits <= SPLIT_ROW_BUDGET``; at most ``MAX_SPLITS``.
 4. **The grids and the merge** (:func:`work_bound`, :func:`capacity_work_bound`,
    :func:`launch_grid`, :func:`needs_merge`, :func:`merge_shape`): one merge after both launches
    folds the split rows of either class.
@@ -347,10 +347,25 @@ def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT, kv_bytes=2):
 # ---- splits -----------------------------------------------------------------------------------
 
 
-def split_size():
-    """S, the keys per split of small-q requests (CUPY_FA_SPLIT_SIZE, default 512; a multiple
-    of 64, the small-q tile's keys per KV tile)."""
-    return knobs().split_size
+# Keys per split of small-q requests where CUPY_FA_SPLIT_SIZE is unset: per K/V element size, so a
+# split holds the same bytes of K and V (64 KiB a KV head at D 128) over either cache. A CTA that
+# folds its splits runs one epilogue per split; over an fp8 cache 512-key splits held decode
+# B=64 L=4096 at 138.9 us, 1024 at 135.6 us, 2048 at 133.4 us (`bench.fp8 --ab`, H200,
+# 2026-12-02, bench/NOTES.md); bf16 at 1024 the same as at 512 there (243.3 us), but a batch of
+# one gets half the CTAs: 16-bit caches keep 512.
+SPLIT_SIZE = 512
+FP8_SPLIT_SIZE = 1024
+
+
+def split_size(kv_bytes=2):
+    """S, the keys per split of small-q requests over a cache of ``kv_bytes``-byte K/V elements
+    (CUPY_FA_SPLIT_SIZE for every cache where set, else SPLIT_SIZE, or FP8_SPLIT_SIZE for fp8; a
+    multiple of 64, the small-q tile's keys per KV tile, and of 128 over fp8 at D 64 / 128). One
+    value for a cache's every step: decode and verify split at the same keys (their bits agree)."""
+    s = knobs().split_size
+    if s is not None:
+        return s
+    return FP8_SPLIT_SIZE if kv_bytes == 1 else SPLIT_SIZE
 
 
 def partial_rows(max_batch_size, num_qo_heads, head_dim, elem_bytes=2):
@@ -362,43 +377,43 @@ def partial_rows(max_batch_size, num_qo_heads, head_dim, elem_bytes=2):
     return max(max_batch_size * SPLIT_ROW_BUDGET, PARTIAL_WORKSPACE_BYTES // row_bytes)
 
 
-def max_splits(q_lens, kv_lens):
+def max_splits(q_lens, kv_lens, kv_bytes=2):
     """Upper bound on each request's split count under the policy that kernels/plan.cu
-    applies (its overflow cap and rounding only lower it). The host uses it for grid sizes
-    and to know whether a merge can be needed; the schedule itself is only ever computed on
-    the device."""
+    applies (its overflow cap and rounding only lower it), over a cache of ``kv_bytes``-byte
+    K/V elements (:func:`split_size`). The host uses it for grid sizes and to know whether a
+    merge can be needed; the schedule itself is only ever computed on the device."""
     q = np.maximum(np.asarray(q_lens), 1)
-    splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size())
+    splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size(kv_bytes))
     splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
     return np.maximum(1, np.minimum(splits, MAX_SPLITS))
 
 
-def key_base(q_lens, kv_lens, window):
+def key_base(q_lens, kv_lens, window, kv_bytes=2):
     """kernels/plan.cu window_key_base: with a sliding ``window`` (keys a query sees, itself
     included; 0 / None: none) the keys before each request's first split, its first query's first
     visible key ``kv_len - q_len - window + 1`` rounded down to a multiple of MERGE_GROUP x
-    split_size() (so small-q splits and their merge groups stay at fixed positions); 0 without."""
+    split_size(kv_bytes) (so small-q splits and their merge groups stay at fixed positions); 0 without."""
     q, kv = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
     if not window:
         return np.zeros(np.broadcast(q, kv).shape, np.int64)
-    unit = MERGE_GROUP * split_size()
+    unit = MERGE_GROUP * split_size(kv_bytes)
     first = kv - q - int(window) + 1
     return np.where(first > 0, first // unit * unit, 0)
 
 
-def window_spans(q_lens, kv_lens, window):
+def window_spans(q_lens, kv_lens, window, kv_bytes=2):
     """The keys each request's splits cut (``kv_len - key_base``): what every split count of the
     policy is computed from (all of ``kv_len`` without a window)."""
-    return np.asarray(kv_lens, np.int64) - key_base(q_lens, kv_lens, window)
+    return np.asarray(kv_lens, np.int64) - key_base(q_lens, kv_lens, window, kv_bytes)
 
 
-def window_span_bound(max_q_len, max_kv_len, window):
+def window_span_bound(max_q_len, max_kv_len, window, kv_bytes=2):
     """The most keys a request of at most ``max_q_len`` tokens and ``max_kv_len`` keys splits under
     ``window``: its queries' windows, ``max_q_len + window - 1`` keys, plus the rounding of its
-    key_base (MERGE_GROUP x split_size() - 1 keys); ``max_kv_len`` without a window."""
+    key_base (MERGE_GROUP x split_size(kv_bytes) - 1 keys); ``max_kv_len`` without a window."""
     if not window:
         return max_kv_len
-    return min(max_kv_len, max_q_len + int(window) - 1 + MERGE_GROUP * split_size() - 1)
+    return min(max_kv_len, max_q_len + int(window) - 1 + MERGE_GROUP * split_size(kv_bytes) - 1)
 
 
 # ---- the grid ----------------------------------------------------------------------------------
@@ -416,7 +431,7 @@ def needs_merge(tile, q_lens, kv_lens):
     q, kv = np.asarray(q_lens), np.asarray(kv_lens)
     live = q > 0
     per_input = tile.splits_per_cta if tile.fold_splits else 1
-    merges = bool(np.any(max_splits(q[live], kv[live]) > per_input))
+    merges = bool(np.any(max_splits(q[live], kv[live], tile.kv_bytes) > per_input))
     # merge_kernel finds a folded row's group states by MERGE_GROUP splits each (kernels/
     # merge.cu), the attention kernel leaves one per CTA of splits_per_cta: only CTAs of one
     # group each may precede a merge (fold_tile gives whole rows only to rows that need none)
@@ -430,7 +445,7 @@ def work_bound(q_lens, kv_lens, group_size, tile):
     """Upper bound on the attention kernel's work items for these host lengths."""
     q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
     live = q_lens > 0
-    split_groups = -(-max_splits(q_lens[live], kv_lens[live]) // tile.splits_per_cta)
+    split_groups = -(-max_splits(q_lens[live], kv_lens[live], tile.kv_bytes) // tile.splits_per_cta)
     return int((row_blocks(q_lens[live], group_size, tile) * split_groups).sum())
 
 
@@ -445,7 +460,7 @@ def capacity_work_bound(capacity, group_size, tile, max_q_len, max_kv_len, min_q
     if min_q_len > max_q_len:
         return 0
     q = np.arange(max(1, min_q_len), max_q_len + 1)
-    splits = max_splits(q, np.full_like(q, max_kv_len))
+    splits = max_splits(q, np.full_like(q, max_kv_len), tile.kv_bytes)
     per_request = int((row_blocks(q, group_size, tile) * -(-splits // tile.splits_per_cta)).max())
     # whatever kv_len: small-q requests have few row blocks, longer ones few splits
     # (row_blocks x splits <= SPLIT_ROW_BUDGET x group / block_m + splits); and a
@@ -497,7 +512,7 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
         slots = folded.min_ctas_per_sm * sm_count
         return knob == "1" or ctas >= FOLD_MIN_WAVE_FILL * slots * -(-ctas // slots)
 
-    groups = -(-int(max_splits(q, kv).max()) // MERGE_GROUP)
+    groups = -(-int(max_splits(q, kv, tile.kv_bytes).max()) // MERGE_GROUP)
     if exact and groups <= WHOLE_ROW_GROUPS:
         whole = tile.folding(groups, smem_limit)
         if whole is not None and fills(whole):
@@ -513,7 +528,7 @@ class Launch:
     """One attention launch of a step: a family's tile (the kernel binary and its schedule:
     splits per CTA, fold), the work items its grid is sized for, its CTAs (:func:`launch_grid`)
     and the most KV splits a request of the class gets (:func:`max_splits`: small-q requests at
-    fixed positions every split_size() keys, longer ones while q_len x splits <= SPLIT_ROW_BUDGET;
+    fixed positions every split_size(kv_bytes) keys, longer ones while q_len x splits <= SPLIT_ROW_BUDGET;
     kernels/plan.cu computes each request's own on the device)."""
     tile: object         # MmaTile, or prefill_sm90.Sm90Tile
     work_grid: int
@@ -580,14 +595,14 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     those keys (with device lengths: of :func:`window_span_bound`)."""
     long_tile = prefill_tile(head_dim, smem_limit, arch, kv_bytes)
     if window and q_lens is not None:
-        kv_lens = window_spans(q_lens, kv_lens, window)  # what the splits cut: every count below follows
+        kv_lens = window_spans(q_lens, kv_lens, window, kv_bytes)  # what the splits cut: every count below follows
     elif window:
         max_kv_len = window_span_bound(int(max_q_len), int(max_kv_len) if max_kv_len is not None else 2**31 - 1,
-                                       window)
+                                       window, kv_bytes)
 
     def launch(tile, work_grid, q, kv):  # q, kv: the class's lengths, or the bounds it plans for
         live = np.asarray(q) > 0
-        splits = int(max_splits(np.asarray(q)[live], np.asarray(kv)[live]).max()) if live.any() else 0
+        splits = int(max_splits(np.asarray(q)[live], np.asarray(kv)[live], kv_bytes).max()) if live.any() else 0
         return Launch(tile, work_grid, launch_grid(tile, work_grid, num_kv_heads, sm_count), splits)
 
     if q_lens is not None:
@@ -635,14 +650,14 @@ def check_split_size(head_dim, kv_bytes=2):
     """What plan_constants checks per launch, asked before a plan stages anything: split_size()
     is whole KV tiles of the small-q tiles at ``head_dim`` for K/V elements of ``kv_bytes`` (4
     warps over the keys, whatever their rows and depth: every one has the same keys per KV tile)."""
-    _check_split_fits(split_size(), MmaTile(head_dim, 1, 4, kv_bytes=kv_bytes))
+    _check_split_fits(split_size(kv_bytes), MmaTile(head_dim, 1, 4, kv_bytes=kv_bytes))
 
 
 def plan_constants(tile, long_tile=None):
     """PlanParams' policy fields (kernels/plan.cu reads them): the small-q requests laid out for
     ``tile`` in work_indptr and, with ``long_tile``, the longer ones for it in long_work_indptr;
     without it every request is laid out for ``tile`` (one family)."""
-    s = split_size()
+    s = split_size(tile.kv_bytes)
     for t in (tile, long_tile):
         _check_split_fits(s, t)
     if long_tile is not None and (long_tile.splits_per_cta != 1 or long_tile.fold_splits):

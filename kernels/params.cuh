@@ -103,7 +103,7 @@ struct AttentionParams {
   const int* key_base;        // [B]   keys before a request's first split (PlanParams::key_base)
   const float* sinks;         // [H_q] attention sinks, natural-log logits; null = none
   int window;                 // sliding window W (query at p sees keys p - W + 1 .. ); 0 = none
-  float soft_cap_scale;       // sm_scale / cap: a score's argument of tanh
+  float soft_cap_scale;       // 2 log2(e) sm_scale / cap: tanh(s sm_scale / cap) from 2^(s x it)
   float soft_cap_log2;        // cap x log2(e); 0 = no soft-cap
 };
 

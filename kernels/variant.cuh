@@ -45,17 +45,22 @@ enum class MaskKind : int {
   kCustom = 2,  // every prefix key, and step key prefix + j iff custom_mask[i][j] (a tree)
 };
 
-// tanh(x) as 1 - 2 / (2^(2 x log2 e) + 1): within about 2e-7 of tanh (absolute) for every x, on the
-// special-function unit's exp2 and a fast divide (the hardware tanh.approx is 5e-4 off: too coarse for
-// a cap of 30-50 x it); saturates to +-1 (2 / inf = 0).
-__device__ __forceinline__ float tanh_fast(float x) {
-  const float e = exp2f(x * 2.8853900817779268f);
-  return 1.f - __fdividef(2.f, e + 1.f);
+// tanh(x) as 1 - 2 / (2^y + 1), y = 2 x log2(e) given: within about 2e-7 of tanh (absolute) for
+// every x, on the special-function unit's 2^y and reciprocal, flushed to zero (the hardware
+// tanh.approx is 5e-4 off: too coarse for a cap of 30-50 x it); saturates to +-1 (2^y = 0 below
+// y = -126, and 1 / inf = 0). Six instructions with the scaling multiply and the cap's; exp2f and a
+// divide took four more (their subnormal range steps).
+__device__ __forceinline__ float tanh_of_exp2_arg(float y) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(y));
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(e + 1.f));
+  return fmaf(-2.f, r, 1.f);
 }
 
-// The soft-capped score of raw score s (q . k), in base 2: cap x tanh(s x sm_scale / cap) x log2(e).
+// The soft-capped score of raw score s (q . k), in base 2: cap x tanh(s x sm_scale / cap) x log2(e)
+// (soft_cap_scale holds 2 log2(e) sm_scale / cap).
 __device__ __forceinline__ float soft_capped(const AttentionParams& p, float s) {
-  return p.soft_cap_log2 * tanh_fast(s * p.soft_cap_scale);
+  return p.soft_cap_log2 * tanh_of_exp2_arg(s * p.soft_cap_scale);
 }
 
 // The first key query i (at position prefix + i) sees through the window, clamped at 0.

@@ -3,23 +3,33 @@
 # (ours only, no prefill) on each tree in turn, ROUNDS times interleaved (A B A B ...), then one
 # table of the decode cells per (tree, round) and each later tree's mean against the first's.
 # A tree is a directory holding cupy_fa/, kernels/ and bench/ (e.g. exp/fp8-base/ from
-# `git archive 36b36b3 | tar -x -C exp/fp8-base`, untracked); "." is this one. AB=1 adds this
-# tree's `--ab` sweep (keys per tile, depth, fold) after the rounds.
-# Usage: bash scripts/ab_fp8.sh "TREE ..."   (ROUNDS, default 3; TESTS=0 skips the tests)
+# `git archive 36b36b3 | tar -x -C exp/fp8-base`, untracked); "." is this one. A tree may carry
+# knobs for its runs after an `@`: ".@CUPY_FA_SPLIT_SIZE=1024" (several: comma-separated), named
+# in the table by the tree and the knobs' values. AB=1 adds this tree's `--ab` sweep (keys per
+# tile, depth, fold) after the rounds.
+# Usage: bash scripts/ab_fp8.sh "TREE[@VAR=VALUE,...] ..."   (ROUNDS, default 3; TESTS=0 skips the tests)
 set -uo pipefail
 trees=($1)
 rm -rf /tmp/abf8_*
 if [ "${TESTS:-1}" != 0 ]; then
   PYTHONPATH=$PWD python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gpu.py 2>&1 | tail -15
 fi
+name() {  # a tree entry's name in the table: its directory, then its knobs' values
+  local dir=${1%%@*} knobs=""; [[ $1 == *@* ]] && knobs=${1#*@}
+  local n; n=$(basename "$(cd "$dir" && pwd)")
+  [ -n "$knobs" ] && n="$n-$(echo "$knobs" | sed 's/[^,]*=//g; s/,/-/g')"
+  echo "$n"
+}
 for round in $(seq 1 "${ROUNDS:-3}"); do
   for tree in "${trees[@]}"; do
-    tag="$(basename "$(cd "$tree" && pwd)")_r$round"
-    (cd "$tree" && PYTHONPATH=$PWD python3 -m bench.fp8 --no-peers --no-prefill --json /tmp/abf8_$tag.json \
-      > /tmp/abf8_$tag.log 2>&1) || { echo "tree $tree round $round failed:"; tail -20 /tmp/abf8_$tag.log; }
+    dir=${tree%%@*}; knobs=(); [[ $tree == *@* ]] && IFS=',' read -r -a knobs <<< "${tree#*@}"
+    tag="$(name "$tree")_r$round"
+    (cd "$dir" && env "${knobs[@]}" PYTHONPATH=$PWD python3 -m bench.fp8 --no-peers --no-prefill \
+      --json /tmp/abf8_$tag.json > /tmp/abf8_$tag.log 2>&1) \
+      || { echo "tree $tree round $round failed:"; tail -20 /tmp/abf8_$tag.log; }
   done
 done
-order="$(for tree in "${trees[@]}"; do basename "$(cd "$tree" && pwd)"; done)"
+order="$(for tree in "${trees[@]}"; do name "$tree"; done)"
 ORDER="$order" python3 - <<'PY'
 import collections, glob, json, os
 order = os.environ["ORDER"].split()

@@ -231,6 +231,29 @@ def test_graph_runner_garbage_then_clean(monkeypatch):
         _reload_knobs()
 
 
+def test_graph_runner_cache_with_more_pages_at_the_same_address():
+    """A cache with more pages at the address of one a graph was captured with (an engine that
+    reallocates its cache, or a memory pool handing the address back) gets a graph of its own: its
+    page ids are checked against its own page count. Replaying the first cache's graph checked them
+    against the old count: every request reading a page past it came out NaN."""
+    import cupy_fa
+    from cupy_fa import ForwardMode
+
+    rng, _ = new_rng()
+    q_lens, kv_lens = np.array([1, 1, 1, 1]), np.array([600, 2100, 40, 1500])
+    step = device_step(rng, "bfloat16", H, D, PAGE, q_lens, kv_lens)
+    cache, width = step["cache"], step["table"].shape[1]
+    runner = cupy_fa.GraphRunner(*H, D, "bfloat16", max_batch_size=4, max_q_len=4, max_pages_per_request=width,
+                                 page_size=PAGE)
+    first = cupy_fa.PagedKVCache(cache.k[:4], cache.v[:4])  # the first 4 pages, at the same address
+    assert first.k.data.ptr == cache.k.data.ptr and first.num_pages == 4 < cache.num_pages
+    runner.run(ForwardMode.DECODE, step["q"], first, dev([1, 1, 1, 1]), dev([PAGE] * 4), dev([[0], [1], [2], [3]]))
+    assert runner.attn.status() == 0 and runner.num_graphs == 1
+    got = runner.run(ForwardMode.DECODE, step["q"], cache, dev(q_lens), dev(kv_lens), dev(step["table"]))
+    assert runner.attn.status() == 0 and runner.num_graphs == 2
+    assert_matches(got, reference_of(step), "bfloat16", q_lens, "the larger cache at the same address")
+
+
 def test_append_slots_outside_the_cache():
     import cupy
     import cupy_fa

@@ -308,7 +308,7 @@ def test_fp8_decode_equals_verify_bitwise(dtype, heads, page_size):
     rng, seed = new_rng()
     h_q, h_kv = heads
     head_dim = 128 if heads == (32, 8) else 64
-    S = schedule.split_size()
+    S = schedule.split_size(kv_bytes=1)  # an fp8 cache's splits (schedule.FP8_SPLIT_SIZE by default)
     prefix = np.array([5, S - 3, 2 * S - 1, 3 * S + 2, int(rng.integers(1, 5000)), int(rng.integers(1, 300))])
     B = len(prefix)
     for num_draft in (4, 8, 16):

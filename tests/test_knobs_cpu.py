@@ -11,7 +11,7 @@ def test_defaults_and_parsing():
     k = knobs.Knobs.from_environ({})
     assert k == knobs.Knobs()
     assert (k.decode_stages, k.decode_warps_m, k.split_size, k.splits_per_cta, k.fold_splits, k.pdl, k.trace) == \
-        (2, None, 512, 1, "auto", True, False)
+        (2, None, None, 1, "auto", True, False)  # split size unset: schedule.split_size's per-cache default
     env = {"CUPY_FA_ARCH": "sm_80", "CUPY_FA_CACHE_DIR": "/tmp/x", "CUPY_FA_DECODE_STAGES": "3",
            "CUPY_FA_DECODE_WARPS_M": "2", "CUPY_FA_SPLIT_SIZE": "1024", "CUPY_FA_SPLITS_PER_CTA": "4",
            "CUPY_FA_FOLD_SPLITS": "0", "CUPY_FA_PDL": "0", "CUPY_FA_TRACE": "1"}

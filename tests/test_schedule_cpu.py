@@ -70,6 +70,7 @@ class OtherFamilyTile:
     splits_per_cta: int = 1
     fold_splits: bool = False
     whole_tiles_per_split: bool = True  # its kernel runs whole KV tiles per split, as mma.sync's does
+    kv_bytes: int = 2  # its K/V element size, which sets the step's split size (schedule.split_size)
 
     def folding(self, groups_per_cta=1, smem_limit=None):
         return None
@@ -120,3 +121,29 @@ def test_check_step_host_inputs():
         plan.check_step([1], [1], [[0], [1]])
     with pytest.raises(ValueError, match=r"page_table\[0, 1\] = 9"):
         plan.check_page_table(plan.check_step([1], [20], [[0, 9]]), 16, 4)
+
+
+def test_split_size_per_cache_element():
+    """Unset, CUPY_FA_SPLIT_SIZE leaves 512 keys a split over fp16 / bf16 caches and 1024 over fp8
+    (the same bytes of K and V a split); every count of an fp8 step follows the fp8 one (the plan's
+    constants, the grid bounds, the window's key base). Set, it holds for both."""
+    from cupy_fa import knobs
+
+    assert knobs.Knobs().split_size is None
+    before = knobs.use(knobs.Knobs())
+    try:
+        assert (schedule.split_size(), schedule.split_size(kv_bytes=2), schedule.split_size(kv_bytes=1)) == (512, 512, 1024)
+        for kv_bytes, splits in ((2, 8), (1, 4)):
+            step = schedule.schedule_step(128, 4, 8, q_lens=np.ones(64, int), kv_lens=np.full(64, 4096),
+                                          kv_bytes=kv_bytes)
+            assert step.small.max_splits == splits and step.small.tile.kv_bytes == kv_bytes
+            assert schedule.plan_constants(step.small.tile)["split_size"] == 4096 // splits
+            assert int(schedule.max_splits([1], [4096], kv_bytes)[0]) == splits
+            assert int(schedule.key_base([1], [20000], 100, kv_bytes)[0]) == 20000 // (8 * 4096 // splits) * (8 * 4096 // splits)
+        bound = schedule.schedule_step(128, 4, 8, max_q_len=1, max_kv_len=4096, capacity=plan.Capacity(64, 64, 256),
+                                       batch_size=64, kv_bytes=1)
+        assert bound.small.max_splits == 4
+        knobs.use(dataclasses.replace(knobs.Knobs(), split_size=2048))
+        assert (schedule.split_size(kv_bytes=2), schedule.split_size(kv_bytes=1)) == (2048, 2048)
+    finally:
+        knobs.use(before)

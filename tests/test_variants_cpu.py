@@ -196,7 +196,8 @@ def test_a_step_with_a_variant_launches_the_hooked_kernels(monkeypatch, variant)
     for p in (long_p, small_p):
         assert p["window"] == window and p["key_base"] == attn._buffers.key_base.data.ptr
         assert p["soft_cap_log2"] == pytest.approx(cap * 1.4426950408889634)
-        assert p["soft_cap_scale"] == pytest.approx(0.088 / cap if cap else 0.0)
+        # 2 log2(e) sm_scale / cap: the kernel's tanh takes 2^(s x it) (variant.cuh tanh_of_exp2_arg)
+        assert p["soft_cap_scale"] == pytest.approx(2 * 1.4426950408889634 * 0.088 / cap if cap else 0.0)
         assert p["sinks"] == (sinks.data.ptr if sinks else 0)
     assert merge_v.source == "merge.cu" and merge_p["sinks"] == (sinks.data.ptr if sinks else 0)
 
