@@ -13,7 +13,9 @@ The captured step is the same code as the eager step (:meth:`GraphRunner.run` wi
 inputs), then ``BatchAttention.run``. So eager and replay results are bit-identical and cannot
 drift (docs/design.md, "CUDA graphs").
 
-A graph freezes the K/V cache pointers: graphs are kept per cache, so an
+A graph freezes what it read of the K/V cache (its addresses, page count, page size and an fp8
+cache's scale arrays): graphs are kept per cache by all of them (a cache allocated at a freed
+one's address with other pages gets its own graph), so an
 engine with one cache per layer either gives each layer its own runner key (it
 happens automatically) or, better, captures its whole forward with
 ``torch.cuda.graph`` around ``BatchAttention.plan`` / ``run`` on torch tensors,
