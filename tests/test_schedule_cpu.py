@@ -139,7 +139,8 @@ def test_split_size_per_cache_element():
             assert step.small.max_splits == splits and step.small.tile.kv_bytes == kv_bytes
             assert schedule.plan_constants(step.small.tile)["split_size"] == 4096 // splits
             assert int(schedule.max_splits([1], [4096], kv_bytes)[0]) == splits
-            assert int(schedule.key_base([1], [20000], 100, kv_bytes)[0]) == 20000 // (8 * 4096 // splits) * (8 * 4096 // splits)
+            unit = schedule.MERGE_GROUP * 4096 // splits  # a window's key base: whole merge groups of splits
+            assert int(schedule.key_base([1], [13100], 100, kv_bytes)[0]) == 13000 // unit * unit == {2: 12288, 1: 8192}[kv_bytes]
         bound = schedule.schedule_step(128, 4, 8, max_q_len=1, max_kv_len=4096, capacity=plan.Capacity(64, 64, 256),
                                        batch_size=64, kv_bytes=1)
         assert bound.small.max_splits == 4
