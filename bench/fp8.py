@@ -362,11 +362,11 @@ def main(argv=None):
 
 
 # --ab's points: (keys per KV tile, stages, CUPY_FA_FOLD_SPLITS, CUPY_FA_SPLIT_SIZE). The first is
-# the shipped default; the split size sets how many split epilogues a folding CTA runs per row
-# (B=64 L=4096: 8 at 512 keys, 4 at 1024, 2 at 2048), fold "1" forces the fold where "auto"'s
-# wave-fill rule declines it (64 x 3: three CTAs per SM).
+# the shipped default (schedule.FP8_BLOCK_N, FP8_STAGES, FP8_SPLIT_SIZE); the split size sets how
+# many split epilogues a folding CTA runs per row (B=64 L=4096: 8 at 512 keys, 4 at 1024, 2 at
+# 2048), fold "1" forces the fold where "auto"'s wave-fill rule declines it (64 x 3: three CTAs per SM).
 AB_POINTS = (
-    (128, 2, "auto", 512), (128, 2, "auto", 1024), (128, 2, "auto", 2048), (128, 2, "0", 512),
+    (128, 2, "auto", 1024), (128, 2, "auto", 512), (128, 2, "auto", 2048), (128, 2, "0", 512),
     (64, 2, "auto", 512), (64, 2, "auto", 1024), (64, 3, "1", 512), (64, 3, "1", 1024), (64, 4, "auto", 1024),
 )
 
