@@ -33,11 +33,6 @@ def _check_count(name, value, least):
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
-def _page_shift(page_size):
-    """log2(page_size) for a power of two (the kernel shifts), else -1 (it divides)."""
-    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-
-
 def checked_window(window):
     """``plan(window=...)`` as the kernels take it: W >= 1 keys, or 0 for none (None, -1). A window
     above 2^30 keys is 2^30 (the same for every kv_len a cache can hold; the kernels add it to key
@@ -302,7 +297,7 @@ class BatchAttention:
         """
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
-        _schedule.check_split_size(self.head_dim, 1 if self.kv_dtype_name == _arrays.FP8 else 2)
+        _schedule.check_split_size(self.head_dim, self._types.kv_bytes)
         with self._bound():
             self._enter("plan")
             try:
@@ -572,25 +567,23 @@ class BatchAttention:
         if state.batch_size == 0 or num_tokens == 0 or not launches:
             return  # IDLE: nothing to read, nothing to write
         lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
-        fp8 = self.kv_dtype_name == _arrays.FP8
         sinks_ptr = sinks_dev.data.ptr if sinks_dev is not None else 0
         common = dict(
-            q=q_dev.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
-            out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
+            q=q_dev.data.ptr, out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
             partial_lse=buffers.partial_lse.data.ptr, page_table=buffers.page_table.data.ptr,
             custom_mask=buffers.custom_mask.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
             kv_lens=buffers.kv_lens.data.ptr, num_splits=buffers.num_splits.data.ptr,
             split_keys=buffers.split_keys.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-            mask_indptr=buffers.mask_indptr.data.ptr, batch_size=state.batch_size, page_size=cache.page_size,
+            mask_indptr=buffers.mask_indptr.data.ptr, batch_size=state.batch_size,
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
-            sm_scale_log2=state.sm_scale * _LOG2E, page_shift=_page_shift(cache.page_size),
+            sm_scale_log2=state.sm_scale * _LOG2E,
             group_multiplier=self._group_div[0], group_shift=self._group_div[1],
             # the device metadata's bounds (kernels/status.cuh)
-            status=buffers.status.data.ptr, num_pages=cache.num_pages, page_table_columns=state.page_table_columns,
+            status=buffers.status.data.ptr, page_table_columns=state.page_table_columns,
             num_tokens=num_tokens, mask_entries=state.mask_entries,
-            # an fp8 cache's scales (per KV head, float32; run checked the cache is of kv_dtype)
-            k_scale=cache.k_scale_device.data.ptr if fp8 else 0, v_scale=cache.v_scale_device.data.ptr if fp8 else 0,
+            # K, V, the page size and count, an fp8 cache's scales (run checked it is of kv_dtype)
+            **cache.attention_params(),
             # the variant hooks (kernels/variant.cuh), read only by the kernels built with them
             key_base=buffers.key_base.data.ptr, sinks=sinks_ptr, window=state.window,
             soft_cap_scale=2 * _LOG2E * state.sm_scale / state.soft_cap if state.soft_cap else 0.0,

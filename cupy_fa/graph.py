@@ -13,9 +13,9 @@ The captured step is the same code as the eager step (:meth:`GraphRunner.run` wi
 inputs), then ``BatchAttention.run``. So eager and replay results are bit-identical and cannot
 drift (docs/design.md, "CUDA graphs").
 
-A graph freezes what it read of the K/V cache (its addresses, page count, page size and an fp8
-cache's scale arrays): graphs are kept per cache by all of them (a cache allocated at a freed
-one's address with other pages gets its own graph), so an
+A graph freezes what it read of the K/V cache (``PagedKVCache.attention_params()``: its addresses,
+page size and count, an fp8 cache's scale arrays): graphs are kept per cache by all of them (a
+cache allocated at a freed one's address with other pages gets its own graph), so an
 engine with one cache per layer either gives each layer its own runner key (it
 happens automatically) or, better, captures its whole forward with
 ``torch.cuda.graph`` around ``BatchAttention.plan`` / ``run`` on torch tensors,
@@ -222,7 +222,7 @@ class GraphRunner:
             if sunk:
                 self.sinks[...] = sinks_dev
             if use_graph:
-                key = (mode, bucket, tree, _cache_key(cache), sunk)
+                key = (mode, bucket, tree, tuple(cache.attention_params().items()), sunk)
                 graph = self._graphs.get(key)
                 if graph is None:
                     graph = self._graphs[key] = self._capture(mode, bucket, cache, tree, stream, sunk)
@@ -315,13 +315,3 @@ class GraphRunner:
         if return_lse:
             return out, _arrays.to_caller(self.lse[:num_tokens], like)
         return out
-
-
-def _cache_key(cache):
-    """What a captured step bakes in of its cache (the kernel parameters ``BatchAttention.run``
-    writes from it): K and V's addresses, the page count (the kernels' page-id bound), the page
-    size and an fp8 cache's scale arrays. A cache freed and another allocated at the same address
-    with other pages must not replay the first one's graph: its ids would be checked against the
-    old page count (written NaN where the new cache is larger; read past it where smaller)."""
-    scales = tuple(0 if a is None else a.data.ptr for a in (cache.k_scale_device, cache.v_scale_device))
-    return (cache.k.data.ptr, cache.v.data.ptr, cache.num_pages, cache.page_size) + scales

@@ -129,6 +129,19 @@ class PagedKVCache:
     def is_fp8(self):
         return self.dtype_name == _arrays.FP8
 
+    def attention_params(self):
+        """The attention kernels' parameters this cache sets (AttentionParams, kernels/params.cuh):
+        K and V's addresses, the page size (and its log2 where a power of two, the kernels shift;
+        else -1, they divide), the page count (the page-id bound) and an fp8 cache's scale arrays
+        (0 for a 16-bit one). A captured step bakes exactly these in, so GraphRunner keys its
+        graphs by them."""
+        page_size = self.page_size
+        return dict(k_cache=self.k.data.ptr, v_cache=self.v.data.ptr, page_size=page_size,
+                    page_shift=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
+                    num_pages=self.num_pages,
+                    k_scale=self.k_scale_device.data.ptr if self.is_fp8 else 0,
+                    v_scale=self.v_scale_device.data.ptr if self.is_fp8 else 0)
+
     @property
     def num_slots(self):
         return self.num_pages * self.page_size

@@ -202,25 +202,22 @@ class Sm90Prefill:
         if st["work"] == 0:
             return out
         buffers = st["buffers"]
-        page_size = cache.page_size
-        shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
         div = _params.fast_divisor(self.group_size)
         lse_ptr = lse.data.ptr if lse is not None else 0
         params = _params.make(
-            "AttentionParams", q=q.data.ptr, k_cache=cache.k.data.ptr, v_cache=cache.v.data.ptr,
-            out=out.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
+            "AttentionParams", q=q.data.ptr, out=out.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
             partial_lse=buffers.partial_lse.data.ptr, page_table=buffers.page_table.data.ptr,
             custom_mask=buffers.custom_mask.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
             kv_lens=buffers.kv_lens.data.ptr, work_indptr=buffers.work_indptr.data.ptr,
             num_splits=buffers.num_splits.data.ptr, split_keys=buffers.split_keys.data.ptr,
             partial_indptr=buffers.partial_indptr.data.ptr, mask_indptr=buffers.mask_indptr.data.ptr,
-            batch_size=st["batch"], page_size=page_size, page_table_stride=buffers.page_table.shape[1],
+            batch_size=st["batch"], page_table_stride=buffers.page_table.shape[1],
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, mask_mode=st["mode"],
-            sm_scale_log2=st["scale"] * _LOG2E, page_shift=shift, splits_per_cta=1, fold_splits=0,
-            group_multiplier=div[0], group_shift=div[1], status=buffers.status.data.ptr, num_pages=cache.num_pages,
+            sm_scale_log2=st["scale"] * _LOG2E, splits_per_cta=1, fold_splits=0,
+            group_multiplier=div[0], group_shift=div[1], status=buffers.status.data.ptr,
             page_table_columns=st["pt"].shape[1], num_tokens=int(q.shape[0]), mask_entries=int(buffers.custom_mask.size),
             key_base=buffers.key_base.data.ptr, sinks=0, window=0, soft_cap_scale=0.0, soft_cap_log2=0.0,
-            k_scale=0, v_scale=0)  # 16-bit K/V only (an fp8 cache never takes this family)
+            **cache.attention_params())  # 16-bit K/V only here (its scales 0: an fp8 cache never takes this family)
         stream = cupy.cuda.get_current_stream()
         ctas = st["work"] * self.num_kv_heads
         if self.tile.persistent:  # one CTA per SM at most (the kernel's launch bounds), each taking items in turn

@@ -10,6 +10,7 @@ import pytest
 
 from cupy_fa import _build, knobs, plan, schedule
 from cupy_fa import prefill_sm90 as s9
+from cupy_fa.kv_cache import PagedKVCache
 from test_plan import model
 
 H200 = dict(smem_limit=schedule.SMEM_LIMIT, sm_count=132, arch="sm_90a")
@@ -285,7 +286,8 @@ def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target,
     calls = []
     monkeypatch.setattr(_build, "launch", lambda variant, grid, params, stream, programmatic=False:
                         calls.append((variant, tuple(grid), params, programmatic)))
-    cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16, num_pages=1000)
+    cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16, num_pages=1000, is_fp8=False)
+    cache.attention_params = types.MethodType(PagedKVCache.attention_params, cache)  # the cache's kernel parameters
     attn._launch(state, _Buf(), cache, _Buf(), _Buf(), int(np.sum(q_lens)), None, sinks)
     return attn, sched, calls
 
