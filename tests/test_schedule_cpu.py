@@ -130,21 +130,18 @@ def test_split_size_per_cache_element():
     from cupy_fa import knobs
 
     assert knobs.Knobs().split_size is None
-    before = knobs.use(knobs.Knobs())
-    try:
-        assert (schedule.split_size(), schedule.split_size(kv_bytes=2), schedule.split_size(kv_bytes=1)) == (512, 512, 1024)
-        for kv_bytes, splits in ((2, 8), (1, 4)):
-            step = schedule.schedule_step(128, 4, 8, q_lens=np.ones(64, int), kv_lens=np.full(64, 4096),
-                                          kv_bytes=kv_bytes)
-            assert step.small.max_splits == splits and step.small.tile.kv_bytes == kv_bytes
-            assert schedule.plan_constants(step.small.tile)["split_size"] == 4096 // splits
-            assert int(schedule.max_splits([1], [4096], kv_bytes)[0]) == splits
-            unit = schedule.MERGE_GROUP * 4096 // splits  # a window's key base: whole merge groups of splits
-            assert int(schedule.key_base([1], [13100], 100, kv_bytes)[0]) == 13000 // unit * unit == {2: 12288, 1: 8192}[kv_bytes]
-        bound = schedule.schedule_step(128, 4, 8, max_q_len=1, max_kv_len=4096, capacity=plan.Capacity(64, 64, 256),
-                                       batch_size=64, kv_bytes=1)
-        assert bound.small.max_splits == 4
-        knobs.use(dataclasses.replace(knobs.Knobs(), split_size=2048))
-        assert (schedule.split_size(kv_bytes=2), schedule.split_size(kv_bytes=1)) == (2048, 2048)
-    finally:
-        knobs.use(before)
+    knobs.use(knobs.Knobs())  # the defaults (conftest restores the knobs after the test)
+    assert (schedule.split_size(), schedule.split_size(kv_bytes=2), schedule.split_size(kv_bytes=1)) == (512, 512, 1024)
+    for kv_bytes, splits in ((2, 8), (1, 4)):
+        step = schedule.schedule_step(128, 4, 8, q_lens=np.ones(64, int), kv_lens=np.full(64, 4096),
+                                      kv_bytes=kv_bytes)
+        assert step.small.max_splits == splits and step.small.tile.kv_bytes == kv_bytes
+        assert schedule.plan_constants(step.small.tile)["split_size"] == 4096 // splits
+        assert int(schedule.max_splits([1], [4096], kv_bytes)[0]) == splits
+        unit = schedule.MERGE_GROUP * 4096 // splits  # a window's key base: whole merge groups of splits
+        assert int(schedule.key_base([1], [13100], 100, kv_bytes)[0]) == 13000 // unit * unit == {2: 12288, 1: 8192}[kv_bytes]
+    bound = schedule.schedule_step(128, 4, 8, max_q_len=1, max_kv_len=4096, capacity=plan.Capacity(64, 64, 256),
+                                   batch_size=64, kv_bytes=1)
+    assert bound.small.max_splits == 4
+    knobs.use(dataclasses.replace(knobs.Knobs(), split_size=2048))
+    assert (schedule.split_size(kv_bytes=2), schedule.split_size(kv_bytes=1)) == (2048, 2048)
