@@ -22,9 +22,9 @@ bf16 ones is printed too).
 ``--warm-peers`` only runs FlashInfer's two decode wrappers once on a tiny batch (its JIT
 compiles them), so a script can overlap that with other work; ``--no-peers`` times ours alone;
 ``--ab`` (tuning only) times the fp8 decode cell at the points of ``AB_POINTS``: keys per KV
-tile, pipeline depth, the CTAs folding their splits or not, the split size and the depth of the
-one-group fold tile (``schedule.FP8_BLOCK_N``, ``FP8_STAGES``, ``CUPY_FA_FOLD_SPLITS``,
-``CUPY_FA_SPLIT_SIZE``, ``FP8_ONE_GROUP_STAGES``), each checked against float64 first.
+tile, pipeline depth, the CTAs folding their splits or not, and the split size
+(``schedule.FP8_BLOCK_N``, ``FP8_STAGES``, ``CUPY_FA_FOLD_SPLITS``, ``CUPY_FA_SPLIT_SIZE``), each
+checked against float64 first.
 """
 
 from __future__ import annotations
@@ -336,17 +336,14 @@ def main(argv=None):
         from cupy_fa import knobs, schedule
 
         before, depth, keys = knobs.knobs(), schedule.FP8_STAGES, schedule.FP8_BLOCK_N
-        one_group = schedule.FP8_ONE_GROUP_STAGES
         try:
-            for block_n, stages, fold, split, one_group_stages in AB_POINTS:
+            for block_n, stages, fold, split in AB_POINTS:
                 schedule.FP8_BLOCK_N, schedule.FP8_STAGES = block_n, stages
-                schedule.FP8_ONE_GROUP_STAGES = one_group_stages
                 schedule.attention_variant.cache_clear()  # it caches by tile, whose block_n just changed
                 knobs.use(dataclasses.replace(before, fold_splits=fold, split_size=split))
                 cell, _ = time_ours("fp8 per-head", table, sets, q_lens, kv_lens, windows[:1], n_launch=20,
                                     reps=args.reps)
-                name = (f"block_n {block_n}, stages {stages}, fold {fold}, split {split}, "
-                        f"one group {one_group_stages or '-'}")
+                name = f"block_n {block_n}, stages {stages}, fold {fold}, split {split}"
                 ab[name] = cell
                 if "us" in cell:
                     cell["tbps"] = (kv_bytes(batch, kv_len, 1) + qo_bytes(batch)) / (cell["us"] * 1e-6) / 1e12
@@ -358,22 +355,19 @@ def main(argv=None):
                 flush(lines)
         finally:
             schedule.FP8_STAGES, schedule.FP8_BLOCK_N = depth, keys
-            schedule.FP8_ONE_GROUP_STAGES = one_group
             schedule.attention_variant.cache_clear()
             knobs.use(before)
         write_json(args.json, results)
     return 0
 
 
-# --ab's points: (keys per KV tile, stages, CUPY_FA_FOLD_SPLITS, CUPY_FA_SPLIT_SIZE,
-# FP8_ONE_GROUP_STAGES). The first is the shipped default (schedule.FP8_BLOCK_N, FP8_STAGES,
-# FP8_SPLIT_SIZE, FP8_ONE_GROUP_STAGES); the split size sets how many split epilogues a folding CTA
-# runs per row (B=64 L=4096: 8 at 512 keys, 4 at 1024, 2 at 2048); the last field is the depth of
-# the one-group fold tile (None: the two-level fold state at `stages`); fold "0" never folds.
+# --ab's points: (keys per KV tile, stages, CUPY_FA_FOLD_SPLITS, CUPY_FA_SPLIT_SIZE). The first is
+# the shipped default (schedule.FP8_BLOCK_N, FP8_STAGES, FP8_SPLIT_SIZE); the split size sets how
+# many split epilogues a folding CTA runs per row (B=64 L=4096: 8 at 512 keys, 4 at 1024, 2 at
+# 2048), fold "1" forces the fold where "auto"'s wave-fill rule declines it (64 x 3: three CTAs per SM).
 AB_POINTS = (
-    (128, 2, "auto", 1024, 3), (128, 2, "auto", 1024, None), (128, 2, "auto", 2048, 3),
-    (128, 2, "auto", 2048, None), (128, 2, "auto", 512, 3), (128, 2, "0", 1024, None),
-    (64, 2, "auto", 1024, None),
+    (128, 2, "auto", 1024), (128, 2, "auto", 512), (128, 2, "auto", 2048), (128, 2, "0", 512),
+    (64, 2, "auto", 512), (64, 2, "auto", 1024), (64, 3, "1", 512), (64, 3, "1", 1024), (64, 4, "auto", 1024),
 )
 
 _printed = [0]

@@ -69,12 +69,6 @@ FP8_HEAD_DIMS = (64, 128, 256)
 FP8_STAGES = 2
 FP8_BLOCK_N = 128
 FP8_D256 = (64, 4)  # (keys per KV tile, stages) of the D = 256 fp8 small-q tiles
-# The pipeline depth of an fp8 cache's small-q tile when its CTAs fold one group of splits each
-# (MmaTile.fold_one_group: a fold state of the open group only, half the bytes of a two-level
-# one), at head dims 64 and 128; None: those CTAs fold on the two-level tile at FP8_STAGES. At
-# D 128 the one-group state buys a third 32 KiB stage at the same two CTAs per SM (110,848 bytes
-# a CTA), so two tiles are in flight behind the one being computed instead of one.
-FP8_ONE_GROUP_STAGES = 3
 
 
 def fp8_small_q_shape(head_dim):
@@ -169,8 +163,6 @@ class MmaTile:
     fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
     kv_bytes: int = 2  # bytes of a K/V element: 2 (fp16 / bf16), 1 (an fp8 cache; TileTraits KV_BYTES)
     variants: bool = False  # the variant hooks compiled in (window, soft-cap, sinks; TileTraits VARIANTS)
-    # a fold state of one group (TileTraits FOLD_ONE_GROUP): its CTAs fold exactly one group each
-    fold_one_group: bool = False
 
     family = MMA_SYNC
     whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
@@ -185,10 +177,6 @@ class MmaTile:
         if self.fold_splits and not (self.fold_capable and self.splits_per_cta % MERGE_GROUP == 0):
             raise ValueError(f"fold_splits needs a fold-capable tile running whole groups of {MERGE_GROUP} "
                              f"splits per CTA, got {self}")
-        if self.fold_one_group and not (self.fold_capable and (not self.fold_splits
-                                                               or self.splits_per_cta == MERGE_GROUP)):
-            raise ValueError(f"a one-group fold state needs a fold-capable tile whose folding CTAs run one "
-                             f"group of {MERGE_GROUP} splits each, got {self}")
 
     @property
     def block_m(self):
@@ -225,8 +213,7 @@ class MmaTile:
 
     @property
     def smem_bytes(self):
-        levels = 1 if self.fold_one_group else 2  # TileTraits::kSmemFold: the open group's o (and the total's)
-        fold = self.block_m * (levels * self.head_dim * 4 + 16) if self.fold_capable else 0
+        fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
         if self.kv_bytes == 1:  # TileTraits::kSmemKVRegion: room for an epilogue staged over every stage
             kv = 2 * self.stages * self.block_n * self.head_dim
             if not self.epilogue_in_stage:
@@ -270,29 +257,11 @@ class MmaTile:
     def folding(self, groups_per_cta=1, smem_limit=SMEM_LIMIT):
         """This tile with each CTA folding ``groups_per_cta`` groups of MERGE_GROUP splits of
         its row block (:func:`fold_tile`), in the fold-capable variant with the deepest pipeline
-        that still fits ``smem_limit``; None where no such variant exists. One group per CTA
-        over an fp8 cache at D 64 / 128 takes the one-group fold state at FP8_ONE_GROUP_STAGES
-        (where set and where it fits): the same results, another kernel binary."""
+        that still fits ``smem_limit``; None where no such variant exists."""
         if not self.fold_layout:
             return None
-        folded = dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
-                                     fold_splits=True).deepest_fit(smem_limit)
-        if (folded is not None and groups_per_cta == 1 and self.kv_bytes == 1 and self.head_dim != 256
-                and FP8_ONE_GROUP_STAGES is not None):
-            # the deepest one-group pipeline that fits at no fewer CTAs per SM (the two-row tile's
-            # third stage would cost it one of its two), if deeper than the two-level tile's
-            for stages in range(FP8_ONE_GROUP_STAGES, folded.stages, -1):
-                one_group = dataclasses.replace(folded, fold_one_group=True, stages=stages)
-                if one_group.fits_in(smem_limit) and one_group.min_ctas_per_sm >= folded.min_ctas_per_sm:
-                    return one_group
-        return folded
-
-    def fold_variants(self, smem_limit=SMEM_LIMIT):
-        """The folding tiles :func:`fold_tile` may pick for this one, one per kernel binary: a
-        group per CTA, and whole rows of up to WHOLE_ROW_GROUPS groups (the same binary but where
-        one group per CTA takes the one-group fold state); [] where it cannot fold."""
-        tiles = (self.folding(1, smem_limit), self.folding(WHOLE_ROW_GROUPS, smem_limit))
-        return list({t.traits(): t for t in tiles if t is not None}.values())
+        return dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
+                                   fold_splits=True).deepest_fit(smem_limit)
 
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in: the same schedule, only the
@@ -303,12 +272,10 @@ class MmaTile:
         """The C++ traits type of this tile's kernel binary."""
         # the plain 16-bit kernels keep their names (and code): KV_BYTES only when not 2 or when
         # VARIANTS (a later template argument) follows
-        # (and VARIANTS only when true or when FOLD_ONE_GROUP follows)
-        kv = f", {self.kv_bytes}" if self.kv_bytes != 2 or self.variants or self.fold_one_group else ""
-        hooks = f", {str(self.variants).lower()}" if self.variants or self.fold_one_group else ""
-        one_group = ", true" if self.fold_one_group else ""
+        kv = f", {self.kv_bytes}" if self.kv_bytes != 2 or self.variants else ""
+        hooks = ", true" if self.variants else ""
         return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
-                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}{one_group}>")
+                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -814,7 +781,7 @@ def all_variants(arch=None):
                 for stages in STAGE_CHOICES:
                     for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
                         tile = small_q_tile(head_dim, warps_m, stages, limit)
-                        tiles += [tile, *tile.fold_variants(limit)]
+                        tiles += [tile, tile.folding(smem_limit=limit)]
             tiles = [t for t in tiles if t is not None]
             tiles += [with_variants(t) for t in tiles]  # each with the variant hooks (window, soft-cap, sinks)
             variants = (attention_variant(dtype_name, t) for t in tiles)
@@ -833,7 +800,7 @@ def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)
         for stages in stage_choices or (fp8_small_q_shape(head_dim)[1],):
             for limit in limits:
                 tile = small_q_tile(head_dim, warps_m, stages, limit, kv_bytes=1)
-                tiles += [tile, *tile.fold_variants(limit)]
+                tiles += [tile, tile.folding(smem_limit=limit)]
     return [t for t in tiles if t is not None]
 
 
@@ -868,8 +835,8 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
                     wanted += [append_variant(np.int32, dtype_name), append_variant(np.int64, dtype_name)]
                 for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
                     tile = tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
-                    folded = tile.fold_variants(smem_limit) if is_small_q_tile(tile) else []  # fold_tile's picks
-                    picked = [t for t in (tile, *folded) if t is not None]
+                    folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
+                    picked = [t for t in (tile, folded) if t is not None]
                     # (an fp8 cache's kernels have no hooked build: BatchAttention refuses the variants there)
                     picked += [with_variants(t) for t in picked] if variants and kv != FP8 else []
                     wanted += [attention_variant(types, t) for t in picked]

@@ -60,10 +60,9 @@ struct SplitEpilogue {
   // The fold state of the tile's rows across the CTA's splits (fold_splits), after the K/V
   // stages: merge_kernel's two levels, the open group's state and the total of the groups
   // before it, o per (row, 4 columns) and (m, l) per row. Only the thread that folds an entry
-  // reads or writes it. A one-group state (Traits::kFoldOneGroup) has no total o: its CTA's one
-  // group closes at its last split, where the total would be the group itself.
+  // reads or writes it.
   float4* fold_group_o;
-  float4* fold_total_o;  // null in a one-group state
+  float4* fold_total_o;
   float4* fold_ml;  // (group m, group l, total m, total l)
   // the kernel's static shared memory for the epilogue
   float (&s_max)[Traits::kWarps][16];
@@ -96,8 +95,8 @@ struct SplitEpilogue {
         sK(sK),
         sV(sV),
         fold_group_o(reinterpret_cast<float4*>(sV + Traits::kStages * BN * D)),
-        fold_total_o(Traits::kFoldOneGroup ? nullptr : fold_group_o + BM * (D / 4)),
-        fold_ml(fold_group_o + Traits::kFoldLevels * BM * (D / 4)),
+        fold_total_o(fold_group_o + BM * (D / 4)),
+        fold_ml(fold_total_o + BM * (D / 4)),
         s_max(s_max),
         s_sum(s_sum),
         s_factor(s_factor),
@@ -304,10 +303,8 @@ struct SplitEpilogue {
       // that split on, and the total from the CTA's first group on (its first split's group).
       const bool group_open = Traits::kVariants ? split % kMergeGroup != 0 && split != w.split_first
                                                 : split % kMergeGroup != 0;
-      // (never in a one-group state: its CTA's first group is its only one)
-      const bool total_open = !Traits::kFoldOneGroup &&
-                              (Traits::kVariants ? split / kMergeGroup != w.split_first / kMergeGroup
-                                                 : split >= w.split_first + kMergeGroup);
+      const bool total_open = Traits::kVariants ? split / kMergeGroup != w.split_first / kMergeGroup
+                                                : split >= w.split_first + kMergeGroup;
       const float4 group_o = s_step[r][0].apply(group_open ? fold_group_o[item] : zero,
                                                 make_float4(lo.x, lo.y, hi.x, hi.y));
       if (!group_closes(split)) {  // the group goes on
@@ -316,7 +313,7 @@ struct SplitEpilogue {
         const FoldStep& into_total = s_step[r][1];
         const float4 total_o =
             into_total.apply(total_open ? fold_total_o[item] : zero, group_o);
-        if (!Traits::kFoldOneGroup && split + 1 < w.split_stop) {  // (a one-group CTA's group closes at its end)
+        if (split + 1 < w.split_stop) {
           fold_total_o[item] = total_o;
         } else if (w.groups == 1) {  // the CTA ran the whole row: the final result
           const float merged[4] = {total_o.x, total_o.y, total_o.z, total_o.w};

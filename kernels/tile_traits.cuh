@@ -17,7 +17,7 @@ namespace cupy_fa {
 // The host picks the instance (cupy_fa/schedule.py MmaTile) and sizes the
 // dynamic shared memory from the same numbers.
 template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD, int KV_BYTES = 2,
-          bool VARIANTS = false, bool FOLD_ONE_GROUP = false>
+          bool VARIANTS = false>
 struct TileTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   // the variant hooks compiled in (variant.cuh: sliding window, soft-cap, sinks; each on at run time)
@@ -40,15 +40,8 @@ struct TileTraits {
   // so no split partials. The state costs shared memory, so the host picks this variant
   // only for batches whose longer CTAs still fill the GPU.
   static constexpr bool kFoldInCta = FOLD;
-  // FOLD_ONE_GROUP: every folding CTA runs exactly one group (splits_per_cta = kMergeGroup), so
-  // the fold of its group into the total is the exact identity (FoldStep kTake onto an empty
-  // total): the state holds the open group only, half the bytes, which buys the tile a pipeline
-  // stage at the same CTAs per SM (the fp8 decode tile: cupy_fa/schedule.py FP8_ONE_GROUP_STAGES)
-  static constexpr bool kFoldOneGroup = FOLD_ONE_GROUP;
-  static constexpr int kFoldLevels = kFoldOneGroup ? 1 : 2;
-  // the fold state: merge_kernel's open group and (kFoldLevels 2) total, o per element, and
-  // (m, l) of both per row
-  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (kFoldLevels * HEAD_DIM * 4 + 16) : 0;
+  // the fold state: merge_kernel's open group and total, o per element and (m, l) per row
+  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (2 * HEAD_DIM * 4 + 16) : 0;
   // K/V rows in 16-byte chunks (16 fp8 or 8 fp16 / bf16 elements each), and the rows one pass
   // of the CTA copies
   static constexpr int kKVBytes = KV_BYTES;
@@ -115,7 +108,6 @@ struct TileTraits {
                 "whole slices per K (or V) tile");
   static_assert(kStagedCols >= 64 || kEpiloguePasses <= 1, "staged_pair's swizzle needs 64 columns");
   static_assert(!FOLD || WARPS_N > 1, "a fold is for small-q tiles, whose requests split");
-  static_assert(!FOLD_ONE_GROUP || FOLD, "a one-group fold state is a fold state");
   static_assert(kRowStep >= 1 && HEAD_DIM % 16 == 0, "a pass loads whole rows of whole k16 steps");
   static_assert(KV_BYTES == 1 || kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
   static_assert(KV_BYTES == 1 || KV_BYTES == 2, "fp8, or fp16 / bf16 K/V elements");

@@ -77,9 +77,6 @@ __device__ __forceinline__ WorkItem locate_work(const AttentionParams& p, int wo
   // A CTA that folds takes merge_kernel's steps: for one group of its splits, or for all of
   // them (then the groups in order too), never for a run of groups that is not the whole row.
   if (p.fold_splits && (per_cta % kMergeGroup != 0 || (w.groups > 1 && per_cta != kMergeGroup))) __trap();
-  if constexpr (Traits::kFoldOneGroup) {
-    if (p.fold_splits && per_cta != kMergeGroup) __trap();  // its state holds one group, no total
-  }
   w.row0 = (local / w.groups) * Traits::kBlockM;
   return w;
 }

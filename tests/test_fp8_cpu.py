@@ -2,7 +2,6 @@
 ml_dtypes' own rounding, saturation and NaN; dequantisation; the float64 reference over an fp8
 cache; the scale and dtype checks; the tiling policy's fp8 tiles and that CI compiles each."""
 
-import dataclasses
 import math
 import re
 
@@ -160,46 +159,6 @@ def test_fp8_tile_numbers():
         schedule.attention_variant("bfloat16", decode)  # a 1-byte tile with a 16-bit KV type
 
 
-def test_fp8_one_group_fold_tile():
-    """A CTA folding one group of splits over an fp8 cache at D 64 / 128 runs the one-group fold
-    tile: the open group's state only (no total: half the fold bytes), which buys the D 128
-    one-row tile a third stage at the same 2 CTAs per SM; whole rows of two groups keep the
-    two-level tile; a tile where the extra stage would cost a CTA per SM (two rows of warps)
-    keeps its depth; D 256 and 16-bit caches are as they were. Each is its own kernel binary,
-    warmed up and compiled in CI."""
-    decode = schedule.tile_for(128, 1, 4, kv_bytes=1)
-    one = decode.folding()
-    assert one.fold_one_group and one.fold_splits and one.splits_per_cta == schedule.MERGE_GROUP
-    assert one.stages == schedule.FP8_ONE_GROUP_STAGES == 3
-    # Q [16, 128] bf16, three stages of fp8 K and V [128, 128], the open group's o and (m, l) x 2 per row
-    assert one.smem_bytes == 16 * 128 * 2 + 3 * 2 * 128 * 128 + 16 * (128 * 4 + 16) == 110848
-    two_level = decode.folding(2)
-    assert not two_level.fold_one_group and two_level.stages == 2 and two_level.splits_per_cta == 16
-    assert one.min_ctas_per_sm == two_level.min_ctas_per_sm == 2
-    assert one.traits() == "cupy_fa::TileTraits<128, 1, 4, 128, 3, true, 1, false, true>"
-    assert two_level.traits() == "cupy_fa::TileTraits<128, 1, 4, 128, 2, true, 1>"
-    assert {t.traits() for t in decode.fold_variants()} == {one.traits(), two_level.traits()}
-    # an sm_89-sized CTA (99 KiB): the third stage does not fit, the two-level tile folds groups
-    small = 99 * 1024
-    assert not schedule.tile_for(128, 1, 4, small, kv_bytes=1).folding(1, small).fold_one_group
-    # D 64: a third stage at 4 CTAs per SM
-    narrow = schedule.tile_for(64, 1, 4, kv_bytes=1).folding()
-    assert narrow.fold_one_group and narrow.stages == 3 and narrow.min_ctas_per_sm == 4
-    # two rows of warps: a third stage would leave one CTA per SM
-    two_rows = schedule.tile_for(128, 16, 4, kv_bytes=1).folding()
-    assert not two_rows.fold_one_group and two_rows.stages == 2 and two_rows.min_ctas_per_sm == 2
-    assert not schedule.tile_for(256, 1, 4, kv_bytes=1).folding().fold_one_group
-    assert not schedule.tile_for(128, 1, 4).folding().fold_one_group  # 16-bit
-    # the host refuses a one-group tile whose folding CTAs would run two groups
-    with pytest.raises(ValueError, match="one-group fold state"):
-        dataclasses.replace(one, splits_per_cta=16)
-    compiled = {v.expression for v in schedule.all_variants()}
-    warm = {v.expression for v in schedule.warmup_variants(("bfloat16",), (128,), kv_dtypes=("float8_e4m3fn",))}
-    types = schedule.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
-    for t in (one, two_level):
-        assert schedule.attention_variant(types, t).expression in compiled & warm, t
-
-
 def test_fp8_variants():
     types = schedule.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
     v = schedule.attention_variant(types, schedule.tile_for(128, 1, 4, kv_bytes=1))
@@ -225,10 +184,7 @@ def test_every_selectable_fp8_tile_is_compiled_in_ci():
                     for limit in (schedule.SMEM_LIMIT, schedule.SM80_SMEM_LIMIT):
                         tile = schedule.tile_for(head_dim, max_q_len, group, limit, "sm_90a", kv_bytes=1)
                         assert tile.fits_in(limit)
-                        picks = [tile]
-                        if schedule.is_small_q_tile(tile):  # fold_tile's: a group per CTA, whole rows of 2 groups
-                            picks += [tile.folding(1, limit), tile.folding(schedule.WHOLE_ROW_GROUPS, limit)]
-                        for t in picks:
+                        for t in (tile, tile.folding(smem_limit=limit) if schedule.is_small_q_tile(tile) else None):
                             if t is not None:
                                 assert schedule.attention_variant(types, t).expression in compiled, t
         for index in (np.int32, np.int64):
