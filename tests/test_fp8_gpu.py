@@ -343,6 +343,86 @@ def test_fp8_decode_equals_verify_bitwise(dtype, heads, page_size):
         assert (alone[0].view(np.uint16) == verify_rows[b, i].view(np.uint16)).all().get()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
+    """Over an fp8 cache (1024-key splits), CTAs that fold their own splits give the bits of
+    partials + merge_kernel (CUPY_FA_FOLD_SPLITS=0) and of decode of each token: batches whose
+    rows are one group of 8 splits at most or two (a CTA folds a whole row) and up to four (a
+    CTA per group, whose states merge_kernel folds), decode and verify q = 4, head dims 64 and
+    128, and planned inside a captured graph (a CTA per group). The S - 10 prefix at q = 4 sees
+    no key of its last split in its first rows (an empty split)."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import reference, schedule
+
+    rng, seed = new_rng()
+    h_q, h_kv = 32, 8
+    S = schedule.split_size(kv_bytes=1)
+    for head_dim in (128, 64):
+        for num_draft in (1, 4):
+            for groups in (1, 2, 4):  # the most groups of 8 splits a row of the batch has
+                prefix = np.array([3, S - 10, S + 1, 2 * S - 4, 5 * S + 7, 8 * S - num_draft, 8 * S - 10,
+                                   int(rng.integers(1, 8 * S - num_draft))])
+                if groups == 2:
+                    prefix = np.concatenate([prefix, [8 * S + 2, 16 * S - num_draft]])
+                if groups == 4:
+                    prefix = np.concatenate([prefix, [16 * S + 5, 24 * S + 3, int(rng.integers(16 * S, 24 * S))]])
+                B = len(prefix)
+                kv, q_lens = prefix + num_draft, np.full(B, num_draft)
+                table, k, v, (ks, vs), cache, q_host = fp8_paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size,
+                                                                      kv, B * num_draft, "head")
+                q = cupy.asarray(q_host)
+                case = f"seed {seed} D={head_dim} N={num_draft} page {page_size}, rows of up to {groups} groups"
+                outs = {}
+                for fold in ("0", "1"):
+                    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
+                    cupy_fa.knobs.reload()  # knobs are read once: take the new value
+                    attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8).plan(q_lens, kv, table)
+                    tile = attn.planned.tile
+                    assert tile.fold_splits == (fold == "1") and tile.warps_m == 1, case
+                    if fold == "1":  # whole rows of one or two groups, else a CTA per group
+                        assert tile.splits_per_cta == 8 * (groups if groups <= 2 else 1), case
+                    out = cupy.full(q.shape, np.nan, np_dtype(dtype))
+                    lse = cupy.full(q.shape[:2], np.nan, np.float32)
+                    attn.run(q, cache, out=out, lse=lse)
+                    outs[fold] = (out, lse)
+                ref, ref_lse = reference.paged_attention(q_host, k, v, q_lens, kv, table, return_lse=True,
+                                                         k_scale=ks, v_scale=vs)
+                check_attention(outs["1"][0].get(), ref, dtype, q_lens=q_lens, lse=outs["1"][1].get(),
+                                ref_lse=ref_lse, label=case).assert_ok()
+                assert (outs["1"][0].view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
+                assert (outs["1"][1].view(np.uint32) == outs["0"][1].view(np.uint32)).all().get(), case
+                if num_draft == 4:  # each verify token against its decode (folded as a decode batch folds)
+                    q_rows = q.reshape(B, num_draft, h_q, head_dim)
+                    rows = outs["1"][0].reshape(B, num_draft, h_q, head_dim)
+                    for i in (0, 3):
+                        attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8).plan(
+                            np.ones(B, int), prefix + i + 1, table)
+                        decode = cupy.full((B, h_q, head_dim), np.nan, np_dtype(dtype))
+                        attn.run(cupy.ascontiguousarray(q_rows[:, i]), cache, out=decode)
+                        same = (decode.view(np.uint16) == rows[:, i].view(np.uint16)).all(axis=(1, 2)).get()
+                        assert same.all(), f"{case} draft {i}: decode and verify differ for {np.flatnonzero(~same)}"
+
+                # planned on the device inside a captured graph (the host sees only bounds: a CTA per group)
+                graph_attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8)
+                lens = [cupy.asarray(x, np.int32) for x in (q_lens, kv, table)]
+                graph_out = cupy.empty_like(q)
+                stream = cupy.cuda.Stream(non_blocking=True)
+                with stream:
+                    for capture in (False, True):  # the first plan sizes the buffers outside the capture
+                        if capture:
+                            stream.begin_capture()
+                        graph_attn.plan(*lens, max_q_len=num_draft, max_kv_len=int(kv.max()))
+                        graph_attn.run(q, cache, out=graph_out)
+                    graph = stream.end_capture()
+                    graph_out.fill(np.nan)
+                    graph.launch(stream)
+                stream.synchronize()
+                assert graph_attn.planned.tile.fold_splits and graph_attn.planned.tile.splits_per_cta == 8, case
+                assert (graph_out.view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
+
+
 # ---- refusals: before anything is launched, nothing written ---------------------------------------
 
 def test_fp8_refusals_write_nothing():
