@@ -136,6 +136,20 @@ def test_fp8_random_ragged_batch(dtype, page_size, scale_kind):
     run_fp8_case(rng, dtype, heads, head_dim, page_size, lengths, scale_kind, label=f"seed {seed} ragged")
 
 
+@pytest.mark.parametrize("page_size", [4, 5, 8, 64])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_page_sizes(page_size, head_dim):
+    """Page sizes around the fp8 producer's run of rows (a thread copies 2 to 8 consecutive key
+    rows a tile, by head dim and tile: one page lookup where a power-of-two page holds the run,
+    else one per row): 4 (a run of 4 fills a page, a run of 8 spans two), 8, 5 (a divide, a
+    lookup per row), 64 (several runs a page), every class of row in one ragged batch."""
+    rng, seed = new_rng()
+    heads = {64: (8, 1), 128: (32, 8), 256: (16, 2)}[head_dim]
+    dtype = "bfloat16" if (page_size + head_dim // 64) % 2 else "float16"
+    lengths = random_lengths(rng, max_q=100, max_kv=3000, work_budget=1_000_000 // heads[0] * 8)
+    run_fp8_case(rng, dtype, heads, head_dim, page_size, lengths, "head", label=f"seed {seed} pages")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("shape", ["decode_b64_l1024", "verify_tree", "prefill_full"])
 def test_fp8_named_shapes(dtype, shape):
