@@ -113,19 +113,6 @@ struct PagedKVProducer {
   static constexpr int kRows = Traits::kPassesN;  // key rows this thread copies per tile (at most)
   static constexpr int kPerChunk = 16 / sizeof(KVT);  // elements per 16-byte chunk: 8, or 16 for fp8
   static_assert(sizeof(KVT) == Traits::kKVBytes, "the tile's K/V element size");
-  // An fp8 tile's thread copies kRows consecutive key rows (row_in_pass x kRows + i), not rows a
-  // pass apart: a tile starts at a multiple of BN, so where a page holds kRows keys or more (a
-  // power of two) they lie in one page, whose id is one lookup and whose slots are one address
-  // plus i slots (fp8 rows are half a 16-bit row's bytes, so twice the rows per byte to look up).
-  // The 16-bit tiles keep rows a pass apart.
-  static constexpr bool kRunOfRows = Traits::kKVBytes == 1 && Traits::kEvenKVLoads;
-  static constexpr int kRowsLog2 = kRows == 8 ? 3 : kRows == 4 ? 2 : kRows == 16 ? 4 : kRows == 2 ? 1 : 0;
-  static_assert(!kRunOfRows || (1 << kRowsLog2) == kRows, "a run of a power of two rows");
-  __device__ __forceinline__ int row_of(int i) const {
-    return kRunOfRows ? row_in_pass * kRows + i : row_in_pass + i * STEP;
-  }
-  // a thread's run of rows in one page: one page id (pages[0]) for them all
-  __device__ __forceinline__ bool run_in_one_page() const { return kRunOfRows && p.page_shift >= kRowsLog2; }
 
   const AttentionParams& p;
   const int* page_row;  // the request's page-table row
@@ -162,48 +149,21 @@ struct PagedKVProducer {
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const int key = kv_begin + tile * BN + row_of(i);
+      const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
       // as fetched: checked where issue_rows uses them, a tile later, so the load stays in flight
       // behind this tile's math (a test here would wait for it at once)
-      const bool mine = Traits::loads_kv_row(row_in_pass, row_of(i));
+      const bool mine = Traits::loads_kv_row(row_in_pass, row_in_pass + i * STEP);
       pages[i] = (mine && tile < num_tiles && key < kv_end) ? __ldg(page_row + page_of(key)) : 0;
     }
   }
 
   // Page ids of tile `tile` (0 past the last tile), for the issue() that follows.
   __device__ __forceinline__ void fetch_pages(int tile) {
-    if constexpr (kRunOfRows) {
-      if (run_in_one_page()) {  // the run's first key, if the tile has it (its later keys then share its page)
-        const int key = kv_begin + tile * BN + row_of(0);
-        pages[0] = (tile < num_tiles && key < kv_end) ? __ldg(page_row + (key >> p.page_shift)) : 0;
-        return;
-      }
-    }
     if (p.page_shift >= 0) {
       fetch_rows(tile, [&](int key) { return key >> p.page_shift; });
     } else {
       fetch_rows(tile, [&](int key) { return key / p.page_size; });
     }
-  }
-
-  // A run of rows in one page: the page id checked once, then one slot address plus i slots.
-  __device__ __forceinline__ void issue_run(int tile, int stage) {
-    KVT* dk = sK + stage * BN * D;
-    KVT* dv = sV + stage * BN * D;
-    const unsigned last = static_cast<unsigned>(p.num_pages - 1);
-    const unsigned fetched = static_cast<unsigned>(pages[0]);
-    const int page = static_cast<int>(min(fetched, last));  // inside the cache, whatever was fetched
-    const int key0 = kv_begin + tile * BN + row_of(0);
-    const i64 base = (i64)((page << p.page_shift) | (key0 & (p.page_size - 1))) * slot_bytes;
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int r = row_of(i);
-      const bool valid = key0 + i < kv_end;
-      const i64 offset = valid ? base + (i64)i * slot_bytes : 0;
-      cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
-      cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
-    }
-    if (fetched > last) atomicOr(&bad, 1);
   }
 
   template <typename SlotOf>
@@ -214,7 +174,7 @@ struct PagedKVProducer {
     unsigned highest = 0;  // the largest id fetched, as unsigned (a negative one is huge)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const int r = row_of(i), key = kv_begin + tile * BN + r;
+      const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
       if (!Traits::loads_kv_row(row_in_pass, r)) continue;  // past the tile (D = 96, 192 only)
       const bool valid = key < kv_end;
       const unsigned fetched = static_cast<unsigned>(pages[i]);
@@ -229,12 +189,6 @@ struct PagedKVProducer {
 
   // The cp.async copies of tile `tile` into stage `stage`, from the page ids fetched for it.
   __device__ __forceinline__ void issue(int tile, int stage) {
-    if constexpr (kRunOfRows) {
-      if (run_in_one_page()) {
-        issue_run(tile, stage);
-        return;
-      }
-    }
     if (p.page_shift >= 0) {
       const int in_page = p.page_size - 1;
       issue_rows(tile, stage, [&](int page, int key) { return (page << p.page_shift) | (key & in_page); });
