@@ -139,10 +139,9 @@ def test_fp8_random_ragged_batch(dtype, page_size, scale_kind):
 @pytest.mark.parametrize("page_size", [4, 5, 8, 64])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_page_sizes(page_size, head_dim):
-    """Page sizes around the fp8 producer's run of rows (a thread copies 2 to 8 consecutive key
-    rows a tile, by head dim and tile: one page lookup where a power-of-two page holds the run,
-    else one per row): 4 (a run of 4 fills a page, a run of 8 spans two), 8, 5 (a divide, a
-    lookup per row), 64 (several runs a page), every class of row in one ragged batch."""
+    """fp8 attention at page sizes beside the suite's 1 and 16, every class of row in one ragged
+    batch at each fp8 head dim: 4 and 8 (a pass of the CTA's copies spans several pages), 5 (not
+    a power of two: the producer divides), 64 (a 128-key tile in two pages)."""
     rng, seed = new_rng()
     heads = {64: (8, 1), 128: (32, 8), 256: (16, 2)}[head_dim]
     dtype = "bfloat16" if (page_size + head_dim // 64) % 2 else "float16"
