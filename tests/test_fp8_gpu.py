@@ -363,8 +363,7 @@ def test_fp8_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
     partials + merge_kernel (CUPY_FA_FOLD_SPLITS=0) and of decode of each token: batches whose
     rows are one group of 8 splits at most or two (a CTA folds a whole row) and up to four (a
     CTA per group, whose states merge_kernel folds), decode and verify q = 4, head dims 64 and
-    128, and planned inside a captured graph (a CTA per group). The S - 10 prefix at q = 4 sees
-    no key of its last split in its first rows (an empty split)."""
+    128, and planned inside a captured graph (a CTA per group)."""
     import cupy
     import cupy_fa
     from cupy_fa import reference, schedule
