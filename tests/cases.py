@@ -133,6 +133,29 @@ def paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, num_tokens):
     return table, k_host, v_host, cache, q_host
 
 
+def run_planned_in_graph(attn, q_lens, kv_lens, page_table, q, cache, max_q_len, max_kv_len):
+    """``attn`` planned on the device (lengths and page table as device int32 arrays, the host
+    given only ``max_q_len`` / ``max_kv_len``) and run, both inside a captured CUDA graph (a first
+    plan and run outside the capture sizes the buffers); returns the output of one replay, which
+    starts from NaN."""
+    import cupy
+
+    lens = [cupy.asarray(x, np.int32) for x in (q_lens, kv_lens, page_table)]
+    out = cupy.empty_like(q)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for capture in (False, True):  # the first plan sizes the buffers outside the capture
+            if capture:
+                stream.begin_capture()
+            attn.plan(*lens, max_q_len=max_q_len, max_kv_len=max_kv_len)
+            attn.run(q, cache, out=out)
+        graph = stream.end_capture()
+        out.fill(np.nan)
+        graph.launch(stream)
+    stream.synchronize()
+    return out
+
+
 def tree_masks(rng, q_lens):
     """Random draft trees for tree verify: draft i sees itself and its ancestor chain.
     Returns one bool [q, q] mask per request."""

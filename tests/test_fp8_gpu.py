@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cases import (FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, fp8_scales, new_rng,
-                   np_dtype, paged_layout, poisoned, random_lengths, tree_masks)
+                   np_dtype, paged_layout, poisoned, random_lengths, run_planned_in_graph, tree_masks)
 from test_modes_graph_gpu import Engine, check_engine_step, engine_setup, engine_steps
 
 from cupy_fa.modes import ForwardMode
@@ -418,19 +418,7 @@ def test_fp8_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
 
                 # planned on the device inside a captured graph (the host sees only bounds: a CTA per group)
                 graph_attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8)
-                lens = [cupy.asarray(x, np.int32) for x in (q_lens, kv, table)]
-                graph_out = cupy.empty_like(q)
-                stream = cupy.cuda.Stream(non_blocking=True)
-                with stream:
-                    for capture in (False, True):  # the first plan sizes the buffers outside the capture
-                        if capture:
-                            stream.begin_capture()
-                        graph_attn.plan(*lens, max_q_len=num_draft, max_kv_len=int(kv.max()))
-                        graph_attn.run(q, cache, out=graph_out)
-                    graph = stream.end_capture()
-                    graph_out.fill(np.nan)
-                    graph.launch(stream)
-                stream.synchronize()
+                graph_out = run_planned_in_graph(graph_attn, q_lens, kv, table, q, cache, num_draft, int(kv.max()))
                 assert graph_attn.planned.tile.fold_splits and graph_attn.planned.tile.splits_per_cta == 8, case
                 assert (graph_out.view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
 

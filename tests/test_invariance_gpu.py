@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from cases import POISON, check_attention, fill_cache, new_rng, np_dtype, paged_case, paged_layout, poisoned
+from cases import (POISON, check_attention, fill_cache, new_rng, np_dtype, paged_case, paged_layout, poisoned,
+                   run_planned_in_graph)
 
 pytestmark = pytest.mark.gpu
 
@@ -344,19 +345,7 @@ def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
 
         # planned on the device inside a captured graph (the host sees only the bounds), folded too
         graph_attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
-        lens = [cupy.asarray(x, np.int32) for x in (q_lens, kv, table)]
-        graph_out = cupy.empty_like(q)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            for capture in (False, True):  # the first plan sizes the buffers outside the capture
-                if capture:
-                    stream.begin_capture()
-                graph_attn.plan(*lens, max_q_len=num_draft, max_kv_len=int(kv.max()))
-                graph_attn.run(q, cache, out=graph_out)
-            graph = stream.end_capture()
-            graph_out.fill(np.nan)
-            graph.launch(stream)
-        stream.synchronize()
+        graph_out = run_planned_in_graph(graph_attn, q_lens, kv, table, q, cache, num_draft, int(kv.max()))
         assert graph_attn.planned.tile.fold_splits, case
         assert (graph_out.view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
 
