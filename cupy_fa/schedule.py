@@ -602,7 +602,7 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
 
     def launch(tile, work_grid, q, kv):  # q, kv: the class's lengths, or the bounds it plans for
         live = np.asarray(q) > 0
-        splits = int(max_splits(np.asarray(q)[live], np.asarray(kv)[live], kv_bytes).max()) if live.any() else 0
+        splits = int(max_splits(np.asarray(q)[live], np.asarray(kv)[live], tile.kv_bytes).max()) if live.any() else 0
         return Launch(tile, work_grid, launch_grid(tile, work_grid, num_kv_heads, sm_count), splits)
 
     if q_lens is not None:

@@ -125,6 +125,15 @@ __device__ __forceinline__ unsigned char e4m3_from_float(float x) {
   return static_cast<unsigned char>(sign | m);
 }
 
+// ---- the special-function unit ------------------------------------------------
+
+// 2^x on the special-function unit (ex2.approx, flush to zero): 2^-inf = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- division by a divisor fixed per launch ------------------------------------
 
 // n / d and n % d for 0 <= n < 2^31 by a multiply-high and a shift (Granlund and

@@ -111,13 +111,6 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// 2^x on the special-function unit (ex2.approx, flush to zero): 2^-inf = 0.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // 2^x on the FMA pipe, for finite x <= 64 (the softmax's x = s scale - m is at most
 // kLazyRescale): x = j + f with j = round(x) (the 1.5 x 2^23 shifter: t's low mantissa bits
 // are j), 2^f on [-1/2, 1/2] by a degree-3 polynomial (relative error 7.5e-5 over [-125, 8],

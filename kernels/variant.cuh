@@ -51,8 +51,8 @@ enum class MaskKind : int {
 // y = -126, and 1 / inf = 0). Six instructions with the scaling multiply and the cap's; exp2f and a
 // divide took four more (their subnormal range steps).
 __device__ __forceinline__ float tanh_of_exp2_arg(float y) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(y));
+  const float e = fast_exp2(y);
+  float r;
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(e + 1.f));
   return fmaf(-2.f, r, 1.f);
 }
