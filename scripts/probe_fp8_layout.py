@@ -7,7 +7,9 @@ kernel too, which fail it by construction); it counts NaN outputs (poisoned befo
 run, so an element left unwritten counts).
 
 On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 scripts/probe_fp8_layout.py``
-(bench/NOTES.md, "The one-group fold tile for fp8 decode", for the figures of 2026-12-02)."""
+(bench/NOTES.md, "The one-group fold tile for fp8 decode", for the figures of 2026-12-02).
+``--kv-len 8192 16384`` times the bench layout (B=64 H 32/8 page 16) at those lengths instead:
+the same CTAs with more keys each, which separates a per-launch cost from a per-byte one."""
 
 import numpy as np
 
@@ -15,7 +17,7 @@ D, L = 128, 4096
 LAYOUTS = ((64, 32, 8, 16), (512, 4, 1, 16), (64, 32, 8, 64), (64, 32, 8, 1))  # (B, H_q, H_kv, page size)
 
 
-def time_layout(batch, h_q, h_kv, page_size, rng, read_tbps):
+def time_layout(batch, h_q, h_kv, page_size, rng, read_tbps, L=L):
     """One layout: both caches from the same normal(0, 1) values (fp8 quantised on the device)."""
     import cupy
     import cupy_fa
@@ -42,21 +44,36 @@ def time_layout(batch, h_q, h_kv, page_size, rng, read_tbps):
         t = timing.cupy_graph([lambda: attn.run(q, cache, out=out)] * 20, warmup=5, reps=30)
         tbps = batch * L * h_kv * D * elem * 2 / (t.time_us * 1e-6) / 1e12
         tile = attn.planned.schedule.launches[-1].tile
-        print(f"B={batch:4d} H {h_q}/{h_kv} page {page_size:2d} {name}: {t.time_us:7.1f} us {tbps:5.2f} TB/s "
+        print(f"B={batch:4d} L={L:5d} H {h_q}/{h_kv} page {page_size:2d} {name}: {t.time_us:7.1f} us {tbps:5.2f} TB/s "
               f"{tbps / read_tbps:6.1%}  NaN {nan}  tile stages={tile.stages} fold={tile.fold_splits} "
               f"spc={tile.splits_per_cta}", flush=True)
     del c16, c8
     cupy.get_default_memory_pool().free_all_blocks()
 
 
-def main():
+def main(argv=None):
+    import argparse
+
     import cupy
     from bench import ceilings
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kv-len", type=int, nargs="*", default=None,
+                        help="time the bench layout at these KV lengths instead of the four layouts at 4096")
+    args = parser.parse_args(argv)
     read_tbps = ceilings.measure_read(4 << 30)["tbps"]
     print(f"read ceiling {read_tbps:.2f} TB/s", flush=True)
+    if args.kv_len:  # the streaming read over the fp8 cell's bytes alone: its own per-launch cost
+        for kv_len in (4096, *args.kv_len):
+            nbytes = LAYOUTS[0][0] * kv_len * LAYOUTS[0][2] * D * 2
+            print(f"streaming read of {nbytes / 1e6:.0f} MB (fp8 K+V at L={kv_len}): "
+                  f"{ceilings.measure_read(nbytes)['tbps']:.2f} TB/s", flush=True)
     rng = np.random.default_rng(7)
     cupy.random.seed(7)
+    if args.kv_len:
+        for kv_len in (4096, *args.kv_len):
+            time_layout(*LAYOUTS[0], rng, read_tbps, L=kv_len)
+        return
     for layout in LAYOUTS:
         time_layout(*layout, rng, read_tbps)
 
