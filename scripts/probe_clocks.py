@@ -1,0 +1,133 @@
+"""Diagnosis only: the SM clock, board power and clock-event reasons while one cell replays for a
+few seconds. Cells: decode B=64 H 32/8 D 128 page 16 over a bf16 and an fp8 cache at L = 4096 and
+16384, and the prefill B=2 L=8192 causal (bf16, page 16). ``nvidia-smi`` samples every 50 ms in
+the background; each cell's samples are those between its first and last replay. Timing only, no
+float64 check (the bench's cells have it).
+
+On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 scripts/probe_clocks.py``."""
+
+import datetime
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+D, SECONDS = 128, 4.0
+FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+def sustained(run, n_launch=20):
+    """Replays a graph of ``n_launch`` runs for SECONDS; (us per run, wall-clock start, end)."""
+    import cupy
+
+    from cupy_fa._timing import capture_graph
+
+    graph, stream = capture_graph([run] * n_launch)
+    for _ in range(3):
+        graph.launch(stream)
+    stream.synchronize()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    t0, reps = datetime.datetime.now(), 0
+    start.record(stream)
+    while True:
+        graph.launch(stream)
+        reps += 1
+        if reps % 10 == 0:
+            stream.synchronize()
+            if (datetime.datetime.now() - t0).total_seconds() > SECONDS:
+                break
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3 / (reps * n_launch), t0, datetime.datetime.now()
+
+
+def decode_cell(kv_len, elem):
+    import cupy
+    import cupy_fa
+    from bench.inputs import elem_dtype, fill_normal
+
+    batch, h_q, h_kv, page = 64, 32, 8, 16
+    pages = batch * kv_len // page
+    table = np.random.default_rng(7).permutation(pages).astype(np.int32).reshape(batch, -1)
+    c16 = cupy_fa.PagedKVCache.allocate(pages, page, h_kv, D, "bfloat16")
+    fill_normal(c16.k)
+    fill_normal(c16.v)
+    cache = c16
+    if elem == 1:
+        cache = cupy_fa.PagedKVCache.allocate(pages, page, h_kv, D, "float8_e4m3fn", k_scale=0.125, v_scale=0.125)
+        cache.append(c16.k.reshape(-1, h_kv, D), c16.v.reshape(-1, h_kv, D), cupy.arange(c16.num_slots, dtype=cupy.int64))
+        del c16
+    q = fill_normal(cupy.empty((batch, h_q, D), elem_dtype("bfloat16")))
+    out = cupy.empty_like(q)
+    attn = cupy_fa.BatchAttention(h_q, h_kv, D, "bfloat16", kv_dtype="float8_e4m3fn" if elem == 1 else None)
+    attn.plan(np.ones(batch, int), np.full(batch, kv_len), table)
+    us, t0, t1 = sustained(lambda: attn.run(q, cache, out=out))
+    tbps = batch * kv_len * h_kv * D * elem * 2 / (us * 1e-6) / 1e12
+    return f"decode B=64 L={kv_len:5d} {'fp8' if elem == 1 else 'bf16'}", f"{us:8.1f} us {tbps:5.2f} TB/s", t0, t1
+
+
+def prefill_cell():
+    import cupy
+    import cupy_fa
+    from bench.inputs import elem_dtype, fill_normal
+
+    batch, L, h_q, h_kv, page = 2, 8192, 32, 8, 16
+    pages = batch * L // page
+    table = np.random.default_rng(7).permutation(pages).astype(np.int32).reshape(batch, -1)
+    cache = cupy_fa.PagedKVCache.allocate(pages, page, h_kv, D, "bfloat16")
+    fill_normal(cache.k)
+    fill_normal(cache.v)
+    q = fill_normal(cupy.empty((batch * L, h_q, D), elem_dtype("bfloat16")))
+    out = cupy.empty_like(q)
+    attn = cupy_fa.BatchAttention(h_q, h_kv, D, "bfloat16")
+    attn.plan(np.full(batch, L), np.full(batch, L), table)
+    us, t0, t1 = sustained(lambda: attn.run(q, cache, out=out), n_launch=4)
+    tflops = 4 * batch * (L * (L + 1) // 2) * h_q * D / (us * 1e-6) / 1e12
+    return "prefill B=2 L=8192 causal bf16", f"{us:8.1f} us {tflops:5.1f} TFLOP/s", t0, t1
+
+
+def main():
+    import cupy
+
+    fields = FIELDS
+    if subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv"], capture_output=True).returncode:
+        fields = fields.replace("clocks_event_reasons", "clocks_throttle_reasons")  # older drivers' name
+    log = open("/tmp/probe_clocks_smi.csv", "w")
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=log)
+    time.sleep(1.0)
+    cells = []
+    try:
+        for make in (lambda: decode_cell(4096, 2), lambda: decode_cell(4096, 1), lambda: decode_cell(16384, 2),
+                     lambda: decode_cell(16384, 1), prefill_cell):
+            cells.append(make())
+            cupy.get_default_memory_pool().free_all_blocks()
+            time.sleep(1.0)
+    finally:
+        smi.terminate()
+        smi.wait()
+        log.close()
+    samples = []
+    for line in open("/tmp/probe_clocks_smi.csv"):
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            samples.append((datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f"), float(parts[1]),
+                            float(parts[2]), parts[3]))
+        except (ValueError, IndexError):
+            continue
+    print(f"{'cell':32s} {'time':>24s} {'n':>4s} {'SM MHz med':>10s} {'min':>5s} {'W med':>6s} {'max':>6s}  reasons")
+    for name, figure, t0, t1 in cells:
+        inside = [s for s in samples if t0 <= s[0] <= t1]
+        if not inside:
+            print(f"{name:32s} {figure:>24s} no samples")
+            continue
+        clk = [s[1] for s in inside]
+        pw = [s[2] for s in inside]
+        reasons = sorted({s[3] for s in inside})
+        print(f"{name:32s} {figure:>24s} {len(inside):4d} {statistics.median(clk):10.0f} {min(clk):5.0f} "
+              f"{statistics.median(pw):6.0f} {max(pw):6.0f}  {' '.join(reasons)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
