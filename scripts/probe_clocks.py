@@ -56,7 +56,8 @@ def decode_cell(kv_len, elem):
     cache = c16
     if elem == 1:
         cache = cupy_fa.PagedKVCache.allocate(pages, page, h_kv, D, "float8_e4m3fn", k_scale=0.125, v_scale=0.125)
-        cache.append(c16.k.reshape(-1, h_kv, D), c16.v.reshape(-1, h_kv, D), cupy.arange(c16.num_slots, dtype=cupy.int64))
+        slots = cupy.arange(c16.num_slots, dtype=cupy.int64)
+        cache.append(c16.k.reshape(-1, h_kv, D), c16.v.reshape(-1, h_kv, D), slots)
         del c16
     q = fill_normal(cupy.empty((batch, h_q, D), elem_dtype("bfloat16")))
     out = cupy.empty_like(q)
