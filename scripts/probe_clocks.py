@@ -4,7 +4,9 @@ few seconds. Cells: decode B=64 H 32/8 D 128 page 16 over a bf16 and an fp8 cach
 the background; each cell's samples are those between its first and last replay. Timing only, no
 float64 check (the bench's cells have it).
 
-On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 scripts/probe_clocks.py``."""
+On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 scripts/probe_clocks.py``
+(``--cells decode`` or ``prefill``: those cells only; ``--seconds``: how long each is held).
+Knobs apply as everywhere (``CUPY_FA_SPLIT_SIZE=2048 python3 scripts/probe_clocks.py``)."""
 
 import datetime
 import statistics
@@ -88,8 +90,23 @@ def prefill_cell():
     return "prefill B=2 L=8192 causal bf16", f"{us:8.1f} us {tflops:5.1f} TFLOP/s", t0, t1
 
 
-def main():
+def main(argv=None):
+    import argparse
+
     import cupy
+
+    global SECONDS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cells", choices=("all", "decode", "prefill"), default="all")
+    parser.add_argument("--seconds", type=float, default=SECONDS, help="how long each cell is held")
+    args = parser.parse_args(argv)
+    SECONDS = args.seconds
+    makers = []
+    if args.cells in ("all", "decode"):
+        makers += [lambda: decode_cell(4096, 2), lambda: decode_cell(4096, 1), lambda: decode_cell(16384, 2),
+                   lambda: decode_cell(16384, 1)]
+    if args.cells in ("all", "prefill"):
+        makers.append(prefill_cell)
 
     fields = FIELDS
     if subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv"], capture_output=True).returncode:
@@ -100,8 +117,7 @@ def main():
     time.sleep(1.0)
     cells = []
     try:
-        for make in (lambda: decode_cell(4096, 2), lambda: decode_cell(4096, 1), lambda: decode_cell(16384, 2),
-                     lambda: decode_cell(16384, 1), prefill_cell):
+        for make in makers:
             cells.append(make())
             cupy.get_default_memory_pool().free_all_blocks()
             time.sleep(1.0)
