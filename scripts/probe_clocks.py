@@ -15,12 +15,14 @@ import time
 
 import numpy as np
 
-D, SECONDS = 128, 4.0
+from probe_fp8_layout import D, decode_caches  # scripts/ is the script's own directory on sys.path
+
+SECONDS = 4.0
 FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 
 
-def sustained(run, n_launch=20):
-    """Replays a graph of ``n_launch`` runs for SECONDS; (us per run, wall-clock start, end)."""
+def sustained(run, seconds, n_launch=20):
+    """Replays a graph of ``n_launch`` runs for ``seconds``; (mean us per run, wall-clock start, end)."""
     import cupy
 
     from cupy_fa._timing import capture_graph
@@ -37,45 +39,38 @@ def sustained(run, n_launch=20):
         reps += 1
         if reps % 10 == 0:
             stream.synchronize()
-            if (datetime.datetime.now() - t0).total_seconds() > SECONDS:
+            if (datetime.datetime.now() - t0).total_seconds() > seconds:
                 break
     end.record(stream)
     end.synchronize()
     return cupy.cuda.get_elapsed_time(start, end) * 1e3 / (reps * n_launch), t0, datetime.datetime.now()
 
 
-def decode_cell(kv_len, elem):
+def decode_cell(kv_len, elem, seconds):
     import cupy
     import cupy_fa
-    from bench.inputs import elem_dtype, fill_normal
+    from bench.fp8 import kv_bytes
 
     batch, h_q, h_kv, page = 64, 32, 8, 16
-    pages = batch * kv_len // page
-    table = np.random.default_rng(7).permutation(pages).astype(np.int32).reshape(batch, -1)
-    c16 = cupy_fa.PagedKVCache.allocate(pages, page, h_kv, D, "bfloat16")
-    fill_normal(c16.k)
-    fill_normal(c16.v)
-    cache = c16
-    if elem == 1:
-        cache = cupy_fa.PagedKVCache.allocate(pages, page, h_kv, D, "float8_e4m3fn", k_scale=0.125, v_scale=0.125)
-        slots = cupy.arange(c16.num_slots, dtype=cupy.int64)
-        cache.append(c16.k.reshape(-1, h_kv, D), c16.v.reshape(-1, h_kv, D), slots)
-        del c16
-    q = fill_normal(cupy.empty((batch, h_q, D), elem_dtype("bfloat16")))
+    table, c16, c8, q = decode_caches(batch, h_q, h_kv, page, kv_len, np.random.default_rng(7))
+    cache = c8 if elem == 1 else c16
+    del c16, c8
     out = cupy.empty_like(q)
     attn = cupy_fa.BatchAttention(h_q, h_kv, D, "bfloat16", kv_dtype="float8_e4m3fn" if elem == 1 else None)
     attn.plan(np.ones(batch, int), np.full(batch, kv_len), table)
-    us, t0, t1 = sustained(lambda: attn.run(q, cache, out=out))
-    tbps = batch * kv_len * h_kv * D * elem * 2 / (us * 1e-6) / 1e12
+    us, t0, t1 = sustained(lambda: attn.run(q, cache, out=out), seconds)
+    tbps = kv_bytes(batch, kv_len, elem) / (us * 1e-6) / 1e12
     return f"decode B=64 L={kv_len:5d} {'fp8' if elem == 1 else 'bf16'}", f"{us:8.1f} us {tbps:5.2f} TB/s", t0, t1
 
 
-def prefill_cell():
+def prefill_cell(seconds):
     import cupy
     import cupy_fa
     from bench.inputs import elem_dtype, fill_normal
+    from bench.workloads import WORKLOADS
 
-    batch, L, h_q, h_kv, page = 2, 8192, 32, 8, 16
+    work = next(w for w in WORKLOADS if w.name == "prefill_b2_l8192")
+    batch, L, h_q, h_kv, page = work.batch, work.kv_len, 32, 8, 16
     pages = batch * L // page
     table = np.random.default_rng(7).permutation(pages).astype(np.int32).reshape(batch, -1)
     cache = cupy_fa.PagedKVCache.allocate(pages, page, h_kv, D, "bfloat16")
@@ -85,9 +80,8 @@ def prefill_cell():
     out = cupy.empty_like(q)
     attn = cupy_fa.BatchAttention(h_q, h_kv, D, "bfloat16")
     attn.plan(np.full(batch, L), np.full(batch, L), table)
-    us, t0, t1 = sustained(lambda: attn.run(q, cache, out=out), n_launch=4)
-    tflops = 4 * batch * (L * (L + 1) // 2) * h_q * D / (us * 1e-6) / 1e12
-    return "prefill B=2 L=8192 causal bf16", f"{us:8.1f} us {tflops:5.1f} TFLOP/s", t0, t1
+    us, t0, t1 = sustained(lambda: attn.run(q, cache, out=out), seconds, n_launch=4)
+    return "prefill B=2 L=8192 causal bf16", f"{us:8.1f} us {work.flops() / (us * 1e6):5.1f} TFLOP/s", t0, t1
 
 
 def main(argv=None):
@@ -95,18 +89,15 @@ def main(argv=None):
 
     import cupy
 
-    global SECONDS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", choices=("all", "decode", "prefill"), default="all")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="how long each cell is held")
     args = parser.parse_args(argv)
-    SECONDS = args.seconds
     makers = []
     if args.cells in ("all", "decode"):
-        makers += [lambda: decode_cell(4096, 2), lambda: decode_cell(4096, 1), lambda: decode_cell(16384, 2),
-                   lambda: decode_cell(16384, 1)]
+        makers += [lambda kv=kv, e=e: decode_cell(kv, e, args.seconds) for kv in (4096, 16384) for e in (2, 1)]
     if args.cells in ("all", "prefill"):
-        makers.append(prefill_cell)
+        makers.append(lambda: prefill_cell(args.seconds))
 
     fields = FIELDS
     if subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv"], capture_output=True).returncode:
