@@ -35,6 +35,8 @@ class Knobs:
                                      # cache (None: schedule.split_size's default per K/V element)
     splits_per_cta: int = 1          # CUPY_FA_SPLITS_PER_CTA: 1 .. MAX_SPLITS_PER_CTA
     fold_splits: str = "auto"        # CUPY_FA_FOLD_SPLITS: "auto", "0" or "1"
+    half_rows: bool = True           # CUPY_FA_HALF_ROWS: "0" keeps fp8 decode of <= 8 rows on the full
+                                     # 16-row softmax (schedule.tile_for; for A/B runs)
     pdl: bool = True                 # CUPY_FA_PDL: programmatic launch of the merge kernel (sm_90+)
     trace: bool = False              # CUPY_FA_TRACE: compile the timeline stamps in (diagnosis)
     debug: bool = False              # CUPY_FA_DEBUG: plans check the device status word (syncs) and raise
@@ -77,6 +79,7 @@ class Knobs:
                    split_size=integer("CUPY_FA_SPLIT_SIZE", cls.split_size),
                    splits_per_cta=integer("CUPY_FA_SPLITS_PER_CTA", cls.splits_per_cta),
                    fold_splits=get("CUPY_FA_FOLD_SPLITS") or "auto",
+                   half_rows=(get("CUPY_FA_HALF_ROWS") or "1") != "0",
                    pdl=(get("CUPY_FA_PDL") or "1") != "0",
                    trace=get("CUPY_FA_TRACE") == "1",
                    debug=(get("CUPY_FA_DEBUG") or "0") not in ("0", "false", "no"))

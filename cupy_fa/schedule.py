@@ -163,6 +163,7 @@ class MmaTile:
     fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
     kv_bytes: int = 2  # bytes of a K/V element: 2 (fp16 / bf16), 1 (an fp8 cache; TileTraits KV_BYTES)
     variants: bool = False  # the variant hooks compiled in (window, soft-cap, sinks; TileTraits VARIANTS)
+    row_halves: int = 2  # 1: a one-row small-q tile for requests of <= 8 packed rows (TileTraits ROW_HALVES)
 
     family = MMA_SYNC
     whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
@@ -174,6 +175,8 @@ class MmaTile:
         if self.splits_per_cta != 1 and not self.epilogue_in_stage:
             raise ValueError(f"splits_per_cta={self.splits_per_cta} needs a tile whose epilogue fits one stage; "
                              f"{self} does not")
+        if self.row_halves not in (1, 2) or (self.row_halves == 1 and not (self.warps_m == 1 and self.warps_n > 1)):
+            raise ValueError(f"row_halves=1 is for the one-row small-q tile only, got {self}")
         if self.fold_splits and not (self.fold_capable and self.splits_per_cta % MERGE_GROUP == 0):
             raise ValueError(f"fold_splits needs a fold-capable tile running whole groups of {MERGE_GROUP} "
                              f"splits per CTA, got {self}")
@@ -272,10 +275,12 @@ class MmaTile:
         """The C++ traits type of this tile's kernel binary."""
         # the plain 16-bit kernels keep their names (and code): KV_BYTES only when not 2 or when
         # VARIANTS (a later template argument) follows
-        kv = f", {self.kv_bytes}" if self.kv_bytes != 2 or self.variants else ""
-        hooks = ", true" if self.variants else ""
+        halves = self.row_halves != 2
+        kv = f", {self.kv_bytes}" if self.kv_bytes != 2 or self.variants or halves else ""
+        hooks = f", {str(self.variants).lower()}" if self.variants or halves else ""
+        rows = f", {self.row_halves}" if halves else ""
         return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
-                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}>")
+                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}{rows}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -299,13 +304,19 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
     warps when a request packs more than 16 (token x head-in-group) rows; they all share
     (BLOCK_N, WARPS_N), which with the fixed split positions keeps decode and verify of a token
     bit-identical. Prefill-like batches take :func:`prefill_tile`. ``kv_bytes=1`` (an fp8
-    cache): the same layouts with fp8_small_q_shape's keys a tile and depth."""
+    cache): the same layouts with fp8_small_q_shape's keys a tile and depth, and where every
+    request packs at most 8 rows (decode at a GQA group of at most 8) the one-row tile with one
+    row half (``row_halves=1``: half the softmax issued, the same bits a row; CUPY_FA_HALF_ROWS=0
+    turns it off)."""
     k = knobs()
     if max_q_len > SMALL_Q_LEN:
         return prefill_tile(head_dim, smem_limit, arch, kv_bytes)
-    warps_m = k.decode_warps_m or (1 if max(max_q_len, 1) * group_size <= 16 else 2)
+    rows = max(max_q_len, 1) * group_size
+    warps_m = k.decode_warps_m or (1 if rows <= 16 else 2)
     stages = fp8_small_q_shape(head_dim)[1] if kv_bytes == 1 else k.decode_stages
     tile = small_q_tile(head_dim, warps_m, stages, smem_limit, kv_bytes)
+    if kv_bytes == 1 and warps_m == 1 and rows <= 8 and k.half_rows:
+        tile = dataclasses.replace(tile, row_halves=1)
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=k.splits_per_cta)
     return tile
@@ -801,6 +812,9 @@ def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)
             for limit in limits:
                 tile = small_q_tile(head_dim, warps_m, stages, limit, kv_bytes=1)
                 tiles += [tile, tile.folding(smem_limit=limit)]
+                if warps_m == 1:  # and with one row half (tile_for: requests of <= 8 rows)
+                    half = dataclasses.replace(tile, row_halves=1)
+                    tiles += [half, half.folding(smem_limit=limit)]
     return [t for t in tiles if t is not None]
 
 
@@ -833,7 +847,8 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
                 types = ElementTypes(dtype_name, kv, dtype_name)
                 if kv == FP8:
                     wanted += [append_variant(np.int32, dtype_name), append_variant(np.int64, dtype_name)]
-                for max_q_len, group in ((1, 1), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):  # each layout tile_for picks
+                # each layout tile_for picks: one row half, the one-row tile, the two-row tile, prefill
+                for max_q_len, group in ((1, 1), (4, 4), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):
                     tile = tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
                     folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
                     picked = [t for t in (tile, folded) if t is not None]

@@ -71,6 +71,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const int group = p.num_qo_heads / p.num_kv_heads;
   const FastDiv by_group{p.group_multiplier, p.group_shift, group};  // packed rows -> (token, head)
   const int rows = w.q_len * group;
+  if constexpr (Traits::kRowHalves == 1) {
+    if (!w.bad && rows > 8) __trap();  // the host picks one row half only for requests of <= 8 rows
+  }
   const DefaultVariant<Traits::kVariants> variant{p, w.request, w.q_len, w.kv_len - w.q_len, by_group};
 
   // the splits' keys are contiguous: one range, cut into splits every split_keys (a multiple
@@ -188,7 +191,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       const int tile_key0 = kv_begin + tile * BN;
       mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows,
                         tile_key0 + BN - 1 >= mask_from || (Traits::kVariants && tile_key0 < s_window_to));
-      state.update(s);
+      state.template update<Traits::kRowHalves>(s);
       mma.accumulate(state.acc, s, sV + stage * BN * D);
     }
     // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row

@@ -140,10 +140,11 @@ struct OnlineSoftmaxRows {
   // until a score passes it by more than kLazyRescale, so the accumulator rescale (a multiply per
   // element) runs only on the rare tiles where some row of the warp moved its m; the rows that
   // did not multiply by exactly 1 then.
-  template <int S_BLOCKS>
+  // ROW_HALVES = 1 (TileTraits::kRowHalves): only rows g; rows g + 8 keep their empty state.
+  template <int ROW_HALVES, int S_BLOCKS>
   __device__ __forceinline__ void update(float (&s)[S_BLOCKS][4]) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < ROW_HALVES; ++h) {
       float mx = -INFINITY;
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));

@@ -17,9 +17,15 @@ namespace cupy_fa {
 // The host picks the instance (cupy_fa/schedule.py MmaTile) and sizes the
 // dynamic shared memory from the same numbers.
 template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD, int KV_BYTES = 2,
-          bool VARIANTS = false>
+          bool VARIANTS = false, int ROW_HALVES = 2>
 struct TileTraits {
   static constexpr int kHeadDim = HEAD_DIM;
+  // The halves of a warp's 16 mma rows the scores, the softmax and P run on: 2 (rows g and
+  // g + 8 of each thread), or 1 for a one-row small-q tile whose requests pack at most 8 rows (decode
+  // at a GQA group of at most 8): rows 8 .. 15 are then padding, kept an empty state (P = 0), and
+  // half of each tile's softmax is not issued. A row's arithmetic is the same either way (its half's
+  // code is one loop body), so the bits of rows 0 .. 7 do not depend on ROW_HALVES (decode == verify).
+  static constexpr int kRowHalves = ROW_HALVES;
   // the variant hooks compiled in (variant.cuh: sliding window, soft-cap, sinks; each on at run time)
   static constexpr bool kVariants = VARIANTS;
   static constexpr int kWarpsM = WARPS_M;
@@ -101,6 +107,8 @@ struct TileTraits {
   static constexpr bool kQInRegisters = WARPS_N > 1 && HEAD_DIM <= 128 && kThreads * kMinCtasPerSm <= 256;
 
   static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
+  static_assert(ROW_HALVES == 2 || (ROW_HALVES == 1 && WARPS_M == 1 && WARPS_N > 1),
+                "one row half only on the one-row small-q tile");
   static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
   static_assert(!kEpilogueInStage || kWarps * 16 * kStagedCols * 4 <= kStageBytes,
                 "a pass's fp32 slices fit one stage's K and V tiles");

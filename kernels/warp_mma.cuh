@@ -41,6 +41,9 @@ template <typename Traits, typename QT, typename KVT>
 struct WarpMma {
   static constexpr int D = Traits::kHeadDim, KW = Traits::kKeysPerWarp;
   static constexpr int S_BLOCKS = KW / 8, D_BLOCKS = D / 8, K_STEPS = D / 16;
+  // the fragment elements e of a score block that hold real rows: 0, 1 (row g) and, with both
+  // row halves, 2, 3 (row g + 8)
+  static constexpr int E_ROWS = 2 * Traits::kRowHalves;
   static constexpr bool kFp8 = KVBytes<KVT>::value == 1;
   static_assert(kFp8 || SameType<QT, KVT>::value, "mma.sync takes Q and K (and P and V) in one element type");
   // bf16 queries over an fp8 cache: sQ rewritten as fp16 (q_rows_to_fp16) before the first tile
@@ -65,7 +68,7 @@ struct WarpMma {
 #pragma unroll
     for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nb][e] *= row_scale[e >> 1];
+      for (int e = 0; e < E_ROWS; ++e) s[nb][e] *= row_scale[e >> 1];
     }
   }
   // the factors scale_scores takes: k_scale, times s_row_unscale of the thread's two rows
@@ -152,20 +155,20 @@ struct WarpMma {
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nb][e] = variant.capped_logits(s[nb][e]);
+        for (int e = 0; e < E_ROWS; ++e) s[nb][e] = variant.capped_logits(s[nb][e]);
       }
     } else {
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nb][e] = variant.logits(s[nb][e]);
+        for (int e = 0; e < E_ROWS; ++e) s[nb][e] = variant.logits(s[nb][e]);
       }
     }
     if (need_mask) {
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < E_ROWS; ++e) {
           const int key = tile_key0 + wn * KW + nb * 8 + tq * 2 + (e & 1);
           const int row = row0 + wm * 16 + g + ((e >> 1) << 3);
           bool visible = key < kv_end;
@@ -177,7 +180,10 @@ struct WarpMma {
   }
 
   // The A fragment of P for k16 step kk of P V: the scores of key blocks 2 kk and 2 kk + 1, in
-  // element type T (the V tile's, or fp16 for an fp8 tile).
+  // element type T (the V tile's, or fp16 for an fp8 tile). With one row half, rows g + 8 are
+  // padding and pack their raw scores: zeros (Q's padding rows are zero-filled) or, where K holds a
+  // NaN, NaN, in rows that are never written. (Packing a constant zero instead makes ptxas copy
+  // the fragment into several register quads: 30 moves a tile.)
   template <typename T>
   __device__ __forceinline__ static void p_fragment(const float (&s)[S_BLOCKS][4], int kk, u32 (&a)[4]) {
     typedef ElemTraits<T> E;

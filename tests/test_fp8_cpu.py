@@ -2,6 +2,7 @@
 ml_dtypes' own rounding, saturation and NaN; dequantisation; the float64 reference over an fp8
 cache; the scale and dtype checks; the tiling policy's fp8 tiles and that CI compiles each."""
 
+import dataclasses
 import math
 import re
 
@@ -9,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import cupy_fa
 from cupy_fa import _arrays, _build, reference, schedule
 from cupy_fa.kv_cache import checked_scales
 
@@ -157,6 +159,37 @@ def test_fp8_tile_numbers():
     assert bf16.kv_bytes == 2 and bf16.traits() == "cupy_fa::TileTraits<128, 1, 4, 64, 2, false>"
     with pytest.raises(ValueError, match="internal"):
         schedule.attention_variant("bfloat16", decode)  # a 1-byte tile with a 16-bit KV type
+
+
+def test_fp8_decode_of_at_most_8_rows_takes_one_row_half(monkeypatch):
+    """fp8 decode whose requests pack at most 8 rows (q_len x group) takes the one-row tile with
+    one row half (TileTraits ROW_HALVES = 1: half of the softmax issued); 9 .. 16 rows the one-row
+    tile with both, more the two-row tile; 16-bit caches never take it; CUPY_FA_HALF_ROWS=0 turns
+    it off. The tile's other numbers (and so its schedule) are the full tile's."""
+    for head_dim in schedule.FP8_HEAD_DIMS:
+        for max_q_len, group, halves in ((1, 1, 1), (1, 4, 1), (2, 4, 1), (1, 8, 1), (3, 4, 2), (1, 16, 2), (4, 4, 2)):
+            tile = schedule.tile_for(head_dim, max_q_len, group, kv_bytes=1)
+            assert tile.row_halves == halves and tile.warps_m == 1, (head_dim, max_q_len, group, tile)
+            full = dataclasses.replace(tile, row_halves=2)
+            assert (tile.smem_bytes, tile.min_ctas_per_sm, tile.block_n, tile.epilogue_in_stage) == \
+                (full.smem_bytes, full.min_ctas_per_sm, full.block_n, full.epilogue_in_stage)
+            folded = tile.folding()
+            assert folded is not None and folded.row_halves == halves
+        assert schedule.tile_for(head_dim, 16, 4, kv_bytes=1).row_halves == 2  # the two-row tile
+        assert schedule.tile_for(head_dim, 1, 4).row_halves == 2  # a 16-bit cache
+    half = schedule.tile_for(128, 1, 4, kv_bytes=1)
+    assert half.traits() == "cupy_fa::TileTraits<128, 1, 4, 128, 2, false, 1, false, 1>"
+    assert dataclasses.replace(half, row_halves=2).traits() == "cupy_fa::TileTraits<128, 1, 4, 128, 2, false, 1>"
+    for bad in (dict(row_halves=1, warps_m=2), dict(row_halves=1, warps_m=4, warps_n=1), dict(row_halves=3)):
+        with pytest.raises(ValueError, match="row_halves"):
+            dataclasses.replace(half, **bad)
+    monkeypatch.setenv("CUPY_FA_HALF_ROWS", "0")
+    cupy_fa.knobs.reload()
+    try:
+        assert schedule.tile_for(128, 1, 4, kv_bytes=1).row_halves == 2
+    finally:
+        monkeypatch.delenv("CUPY_FA_HALF_ROWS")
+        cupy_fa.knobs.reload()
 
 
 def test_fp8_variants():

@@ -345,6 +345,7 @@ def test_fp8_decode_equals_verify_bitwise(dtype, heads, page_size):
             decode_lse = cupy.full((B, h_q), np.nan, np.float32)
             attn.plan(np.ones(B, int), prefix + i + 1, table).run(cupy.ascontiguousarray(q_rows[:, i]), cache,
                                                                   out=decode, lse=decode_lse)
+            assert attn.planned.tile.row_halves == 1  # decode's one row half, verify's full tiles
             same = (decode.view(np.uint16) == verify_rows[:, i].view(np.uint16)).all(axis=(1, 2)).get()
             assert same.all(), (f"seed {seed} N={num_draft} draft {i}: fp8 decode and verify differ for requests "
                                 f"{np.flatnonzero(~same).tolist()}")
@@ -354,6 +355,59 @@ def test_fp8_decode_equals_verify_bitwise(dtype, heads, page_size):
         attn.plan([1], [int(prefix[b]) + i + 1], table[b:b + 1]).run(cupy.ascontiguousarray(q_rows[b, i:i + 1]),
                                                                       cache, out=alone)
         assert (alone[0].view(np.uint16) == verify_rows[b, i].view(np.uint16)).all().get()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_fp8_one_row_half_never_changes_a_bit(dtype, page_size, monkeypatch):
+    """Requests of at most 8 packed rows over an fp8 cache run the one-row tile with one row half
+    (the softmax of rows 8 .. 15 not issued): outputs and LSEs have the bits of the full tile
+    (CUPY_FA_HALF_ROWS=0), eager and planned inside a captured graph, with and without CTAs folding
+    their splits; decode at groups 4 and 8, verify of 2 tokens at group 4, head dims 64, 128, 256;
+    held to float64 too."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import reference, schedule
+
+    rng, seed = new_rng()
+    S = schedule.split_size(kv_bytes=1)
+    for head_dim, heads, num_draft in ((128, (32, 8), 1), (128, (32, 8), 2), (64, (16, 2), 1), (256, (8, 2), 1)):
+        h_q, h_kv = heads
+        prefix = np.array([1, 7, S - 1, S + 3, 2 * S + int(rng.integers(0, S)), 9 * S - 5,
+                           int(rng.integers(1, 3 * S))])
+        B = len(prefix)
+        kv, q_lens = prefix + num_draft, np.full(B, num_draft)
+        table, k, v, (ks, vs), cache, q_host = fp8_paged_case(rng, dtype, heads, head_dim, page_size, kv,
+                                                              B * num_draft, "head")
+        q = cupy.asarray(q_host)
+        case = f"seed {seed} D={head_dim} heads {h_q}/{h_kv} q_len {num_draft} page {page_size}"
+        outs = {}
+        for halves in ("1", "0"):
+            for fold in ("0", "1"):
+                monkeypatch.setenv("CUPY_FA_HALF_ROWS", halves)
+                monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
+                cupy_fa.knobs.reload()
+                attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8).plan(q_lens, kv, table)
+                assert attn.planned.tile.row_halves == (1 if halves == "1" else 2), case
+                out = cupy.full(q.shape, np.nan, np_dtype(dtype))
+                lse = cupy.full(q.shape[:2], np.nan, np.float32)
+                attn.run(q, cache, out=out, lse=lse)
+                outs[halves, fold] = (out, lse)
+            graph_attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8)
+            graph_out = run_planned_in_graph(graph_attn, q_lens, kv, table, q, cache, num_draft, int(kv.max()))
+            assert graph_attn.planned.tile.row_halves == (1 if halves == "1" else 2), case
+            outs[halves, "graph"] = (graph_out, None)
+        monkeypatch.delenv("CUPY_FA_HALF_ROWS")
+        cupy_fa.knobs.reload()
+        ref, ref_lse = reference.paged_attention(q_host, k, v, q_lens, kv, table, return_lse=True,
+                                                 k_scale=ks, v_scale=vs)
+        check_attention(outs["1", "1"][0].get(), ref, dtype, q_lens=q_lens, lse=outs["1", "1"][1].get(),
+                        ref_lse=ref_lse, label=case).assert_ok()
+        for key in (("0", "0"), ("0", "1"), ("1", "0")):
+            assert (outs["1", "1"][0].view(np.uint16) == outs[key][0].view(np.uint16)).all().get(), (case, key)
+            assert (outs["1", "1"][1].view(np.uint32) == outs[key][1].view(np.uint32)).all().get(), (case, key)
+        assert (outs["1", "graph"][0].view(np.uint16) == outs["0", "graph"][0].view(np.uint16)).all().get(), case
+        check_attention(outs["1", "graph"][0].get(), ref, dtype, q_lens=q_lens, label=case + " graph").assert_ok()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
