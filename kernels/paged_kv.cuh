@@ -146,27 +146,28 @@ struct PagedKVProducer {
         bad(bad) {
     // the page-table row as one 64-bit register pair: each fetch is then one wide multiply-add
     // from it (left to itself the compiler re-derives it from the parameter bank every row)
-    asm("" : "+l"(page_row));
+    if constexpr (Traits::kWholeTileCopies) asm("" : "+l"(page_row));
   }
 
   // Whether every key row of tile `tile` is inside [kv_begin, kv_end) and copied by some thread: the
   // common case, whose row loops then test nothing per row (the CTA's threads agree: one uniform
-  // branch a tile).
+  // branch a tile). Only where the tile has the registers for a second copy of the row loops
+  // (Traits::kWholeTileCopies).
   __device__ __forceinline__ bool whole_tile(int tile) const {
-    return Traits::kEvenKVLoads && tile < num_tiles && kv_begin + (tile + 1) * BN <= kv_end;
+    return Traits::kWholeTileCopies && Traits::kEvenKVLoads && tile < num_tiles && kv_begin + (tile + 1) * BN <= kv_end;
   }
 
   template <typename PageOf>
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
-    const int first = kv_begin + tile * BN + row_in_pass;  // this thread's first key of the tile
     if (whole_tile(tile)) {
+      const int first = kv_begin + tile * BN + row_in_pass;  // this thread's first key of the tile
 #pragma unroll
       for (int i = 0; i < kRows; ++i) pages[i] = __ldg(page_row + page_of(first + i * STEP));
       return;
     }
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const int key = first + i * STEP;
+      const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
       // as fetched: checked where issue_rows uses them, a tile later, so the load stays in flight
       // behind this tile's math (a test here would wait for it at once)
       const bool mine = Traits::loads_kv_row(row_in_pass, row_in_pass + i * STEP);
@@ -188,11 +189,10 @@ struct PagedKVProducer {
     KVT* dk = sK + stage * BN * D;
     KVT* dv = sV + stage * BN * D;
     const unsigned last = static_cast<unsigned>(p.num_pages - 1);
-    const int first = kv_begin + tile * BN;
     unsigned highest = 0;  // the largest id fetched, as unsigned (a negative one is huge)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const int r = row_in_pass + i * STEP, key = first + r;
+      const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
       if (!Traits::loads_kv_row(row_in_pass, r)) continue;  // past the tile (D = 96, 192 only)
       const bool valid = WHOLE || key < kv_end;
       const unsigned fetched = static_cast<unsigned>(pages[i]);

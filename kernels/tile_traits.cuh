@@ -69,6 +69,11 @@ struct TileTraits {
     return kEvenKVLoads || (row_in_pass < kKVRowStep && r < kBlockN);
   }
   static constexpr int kStageBytes = 2 * kBlockN * HEAD_DIM * KV_BYTES;          // one stage's K and V tiles
+  // The producer's whole-tile path (paged_kv.cuh whole_tile): small-q tiles without the variant
+  // hooks, whose producer is a third of a tile's instructions (decode over fp8: 207 of 660 per
+  // warp, 139 with it). The prefill tiles and the hooked ones run at their register caps, where
+  // a second copy of the row loops spills (D = 256, and the two-row tile at D = 128 with hooks).
+  static constexpr bool kWholeTileCopies = WARPS_N > 1 && !VARIANTS;
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
   // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
