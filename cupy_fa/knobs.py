@@ -35,11 +35,11 @@ class Knobs:
                                      # cache (None: schedule.split_size's default per K/V element)
     splits_per_cta: int = 1          # CUPY_FA_SPLITS_PER_CTA: 1 .. MAX_SPLITS_PER_CTA
     fold_splits: str = "auto"        # CUPY_FA_FOLD_SPLITS: "auto", "0" or "1"
-    half_rows: bool = True           # CUPY_FA_HALF_ROWS: "0" keeps fp8 decode of <= 8 rows on the full
-                                     # 16-row softmax (schedule.tile_for; for A/B runs)
     pdl: bool = True                 # CUPY_FA_PDL: programmatic launch of the merge kernel (sm_90+)
     trace: bool = False              # CUPY_FA_TRACE: compile the timeline stamps in (diagnosis)
     debug: bool = False              # CUPY_FA_DEBUG: plans check the device status word (syncs) and raise
+    half_rows: bool = True           # CUPY_FA_HALF_ROWS: "0" keeps fp8 decode of <= 8 rows on the full
+                                     # 16-row softmax (schedule.tile_for; for A/B runs)
 
     def __post_init__(self):
         _check(self.decode_stages in STAGE_CHOICES, "CUPY_FA_DECODE_STAGES",
