@@ -70,6 +70,9 @@ class Knobs:
             except ValueError:
                 raise ValueError(f"{name} must be an int, got {value!r}") from None
 
+        half_rows = get("CUPY_FA_HALF_ROWS") or "1"
+        if half_rows not in ("0", "1"):
+            raise ValueError(f"CUPY_FA_HALF_ROWS must be 0 or 1, got {half_rows!r}")
         warps = get("CUPY_FA_DECODE_WARPS_M") or "auto"
         if warps not in ("auto", "1", "2"):
             raise ValueError(f"CUPY_FA_DECODE_WARPS_M must be auto, 1 or 2, got {warps!r}")
@@ -79,7 +82,7 @@ class Knobs:
                    split_size=integer("CUPY_FA_SPLIT_SIZE", cls.split_size),
                    splits_per_cta=integer("CUPY_FA_SPLITS_PER_CTA", cls.splits_per_cta),
                    fold_splits=get("CUPY_FA_FOLD_SPLITS") or "auto",
-                   half_rows=(get("CUPY_FA_HALF_ROWS") or "1") != "0",
+                   half_rows=half_rows == "1",
                    pdl=(get("CUPY_FA_PDL") or "1") != "0",
                    trace=get("CUPY_FA_TRACE") == "1",
                    debug=(get("CUPY_FA_DEBUG") or "0") not in ("0", "false", "no"))

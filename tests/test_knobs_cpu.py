@@ -10,13 +10,14 @@ from cupy_fa import knobs, schedule
 def test_defaults_and_parsing():
     k = knobs.Knobs.from_environ({})
     assert k == knobs.Knobs()
-    assert (k.decode_stages, k.decode_warps_m, k.split_size, k.splits_per_cta, k.fold_splits, k.pdl, k.trace) == \
-        (2, None, None, 1, "auto", True, False)  # split size unset: schedule.split_size's per-cache default
+    assert (k.decode_stages, k.decode_warps_m, k.split_size, k.splits_per_cta, k.fold_splits, k.pdl, k.trace,
+            k.half_rows) == (2, None, None, 1, "auto", True, False, True)  # split size unset: schedule.split_size's per-cache default
     env = {"CUPY_FA_ARCH": "sm_80", "CUPY_FA_CACHE_DIR": "/tmp/x", "CUPY_FA_DECODE_STAGES": "3",
            "CUPY_FA_DECODE_WARPS_M": "2", "CUPY_FA_SPLIT_SIZE": "1024", "CUPY_FA_SPLITS_PER_CTA": "4",
            "CUPY_FA_FOLD_SPLITS": "0", "CUPY_FA_PDL": "0", "CUPY_FA_TRACE": "1"}
     k = knobs.Knobs.from_environ(env)
     assert k == knobs.Knobs("sm_80", "/tmp/x", 3, 2, 1024, 4, "0", False, True)
+    assert not knobs.Knobs.from_environ({"CUPY_FA_HALF_ROWS": "0"}).half_rows
     assert knobs.Knobs.from_environ({"CUPY_FA_DECODE_WARPS_M": "auto"}).decode_warps_m is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         k.split_size = 64
@@ -25,7 +26,7 @@ def test_defaults_and_parsing():
 @pytest.mark.parametrize("name,value", [
     ("CUPY_FA_DECODE_STAGES", "5"), ("CUPY_FA_DECODE_STAGES", "two"), ("CUPY_FA_DECODE_WARPS_M", "4"),
     ("CUPY_FA_SPLIT_SIZE", "100"), ("CUPY_FA_SPLIT_SIZE", "0"), ("CUPY_FA_SPLITS_PER_CTA", "0"),
-    ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"),
+    ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"), ("CUPY_FA_HALF_ROWS", "no"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
