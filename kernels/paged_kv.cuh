@@ -143,28 +143,10 @@ struct PagedKVProducer {
         num_tiles(num_tiles),
         row_in_pass(row_in_pass),
         chunk(chunk),
-        bad(bad) {
-    // the page-table row as one 64-bit register pair: each fetch is then one wide multiply-add
-    // from it (left to itself the compiler re-derives it from the parameter bank every row)
-    if constexpr (Traits::kWholeTileCopies) asm("" : "+l"(page_row));
-  }
-
-  // Whether every key row of tile `tile` is inside [kv_begin, kv_end) and copied by some thread: the
-  // common case, whose row loops then test nothing per row (the CTA's threads agree: one uniform
-  // branch a tile). Only where the tile has the registers for a second copy of the row loops
-  // (Traits::kWholeTileCopies).
-  __device__ __forceinline__ bool whole_tile(int tile) const {
-    return Traits::kWholeTileCopies && Traits::kEvenKVLoads && tile < num_tiles && kv_begin + (tile + 1) * BN <= kv_end;
-  }
+        bad(bad) {}
 
   template <typename PageOf>
   __device__ __forceinline__ void fetch_rows(int tile, PageOf page_of) {
-    if (whole_tile(tile)) {
-      const int first = kv_begin + tile * BN + row_in_pass;  // this thread's first key of the tile
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) pages[i] = __ldg(page_row + page_of(first + i * STEP));
-      return;
-    }
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int key = kv_begin + tile * BN + row_in_pass + i * STEP;
@@ -184,7 +166,7 @@ struct PagedKVProducer {
     }
   }
 
-  template <bool WHOLE, typename SlotOf>
+  template <typename SlotOf>
   __device__ __forceinline__ void issue_rows(int tile, int stage, SlotOf slot_of) {
     KVT* dk = sK + stage * BN * D;
     KVT* dv = sV + stage * BN * D;
@@ -194,7 +176,7 @@ struct PagedKVProducer {
     for (int i = 0; i < kRows; ++i) {
       const int r = row_in_pass + i * STEP, key = kv_begin + tile * BN + r;
       if (!Traits::loads_kv_row(row_in_pass, r)) continue;  // past the tile (D = 96, 192 only)
-      const bool valid = WHOLE || key < kv_end;
+      const bool valid = key < kv_end;
       const unsigned fetched = static_cast<unsigned>(pages[i]);
       highest = max(highest, fetched);
       const int page = static_cast<int>(min(fetched, last));  // inside the cache, whatever was fetched
@@ -203,15 +185,6 @@ struct PagedKVProducer {
       cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
     }
     if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
-  }
-
-  template <typename SlotOf>
-  __device__ __forceinline__ void issue_rows(int tile, int stage, SlotOf slot_of) {
-    if (whole_tile(tile)) {
-      issue_rows<true>(tile, stage, slot_of);
-    } else {
-      issue_rows<false>(tile, stage, slot_of);
-    }
   }
 
   // The cp.async copies of tile `tile` into stage `stage`, from the page ids fetched for it.

@@ -69,12 +69,6 @@ struct TileTraits {
     return kEvenKVLoads || (row_in_pass < kKVRowStep && r < kBlockN);
   }
   static constexpr int kStageBytes = 2 * kBlockN * HEAD_DIM * KV_BYTES;          // one stage's K and V tiles
-  // The producer's whole-tile path (paged_kv.cuh whole_tile): the one-row small-q tiles without
-  // the variant hooks (decode), whose producer is a third of a tile's instructions (over fp8: 207
-  // of 660 per warp, 139 with it) and which have registers to spare (128 threads a CTA). The
-  // two-row, prefill and hooked tiles run at their register caps, where a second copy of the row
-  // loops spills (the two-row fp8 tile 28 bytes, the D = 256 hooked prefill tile 24).
-  static constexpr bool kWholeTileCopies = WARPS_M == 1 && WARPS_N > 1 && !VARIANTS;
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
   // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
