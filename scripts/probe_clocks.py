@@ -64,23 +64,16 @@ def decode_cell(kv_len, elem, seconds):
 
 
 def prefill_cell(seconds):
-    import cupy
     import cupy_fa
-    from bench.inputs import elem_dtype, fill_normal
-    from bench.workloads import WORKLOADS
+    from bench.inputs import make_inputs
+    from bench.workloads import H_KV, H_Q, WORKLOADS
 
     work = next(w for w in WORKLOADS if w.name == "prefill_b2_l8192")
-    batch, L, h_q, h_kv, page = work.batch, work.kv_len, 32, 8, 16
-    pages = batch * L // page
-    table = np.random.default_rng(7).permutation(pages).astype(np.int32).reshape(batch, -1)
-    cache = cupy_fa.PagedKVCache.allocate(pages, page, h_kv, D, "bfloat16")
-    fill_normal(cache.k)
-    fill_normal(cache.v)
-    q = fill_normal(cupy.empty((batch * L, h_q, D), elem_dtype("bfloat16")))
-    out = cupy.empty_like(q)
-    attn = cupy_fa.BatchAttention(h_q, h_kv, D, "bfloat16")
-    attn.plan(np.full(batch, L), np.full(batch, L), table)
-    us, t0, t1 = sustained(lambda: attn.run(q, cache, out=out), seconds, n_launch=4)
+    inp = make_inputs(work, 16, 1, 7)  # the bench's own inputs at page 16
+    s = inp.sets[0]
+    attn = cupy_fa.BatchAttention(H_Q, H_KV, D, work.dtype)
+    attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=work.causal)  # as bench/ours.py plans it
+    us, t0, t1 = sustained(lambda: attn.run(s.q, s.cache, out=s.out), seconds, n_launch=4)
     return "prefill B=2 L=8192 causal bf16", f"{us:8.1f} us {work.flops() / (us * 1e6):5.1f} TFLOP/s", t0, t1
 
 
