@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from probe_fp8_layout import D, decode_caches  # scripts/ is the script's own directory on sys.path
+from probe_fp8_layout import D, LAYOUTS, decode_caches  # scripts/ is the script's own directory on sys.path
 
 SECONDS = 4.0
 FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
@@ -51,7 +51,7 @@ def decode_cell(kv_len, elem, seconds):
     import cupy_fa
     from bench.fp8 import kv_bytes
 
-    batch, h_q, h_kv, page = 64, 32, 8, 16
+    batch, h_q, h_kv, page = LAYOUTS[0]  # the bench's decode layout, as probe_fp8_layout times it
     table, c16, c8, q = decode_caches(batch, h_q, h_kv, page, kv_len, np.random.default_rng(7))
     cache = c8 if elem == 1 else c16
     del c16, c8
