@@ -1,6 +1,7 @@
 """Diagnosis only: the SM clock, board power and clock-event reasons while one cell replays for a
 few seconds. Cells: decode B=64 H 32/8 D 128 page 16 over a bf16 and an fp8 cache at L = 4096 and
-16384, and the prefill B=2 L=8192 causal (bf16, page 16). ``nvidia-smi`` samples every 50 ms in
+16384, and the prefill B=2 L=8192 causal (bf16, page 16); ``--cells prefill-peers``: that prefill
+held for ours and for PyTorch SDPA's cuDNN backend on the bench's dense copy, twice each in turn. ``nvidia-smi`` samples every 50 ms in
 the background; each cell's samples are those between its first and last replay. Timing only, no
 float64 check (the bench's cells have it).
 
@@ -21,6 +22,18 @@ SECONDS = 4.0
 FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 
 
+def _hold(replay, synchronize, seconds):
+    """Replays until ``seconds`` have passed (checked every 10 replays); (replays, wall start, end)."""
+    t0, reps = datetime.datetime.now(), 0
+    while True:
+        replay()
+        reps += 1
+        if reps % 10 == 0:
+            synchronize()
+            if (datetime.datetime.now() - t0).total_seconds() > seconds:
+                return reps, t0, datetime.datetime.now()
+
+
 def sustained(run, seconds, n_launch=20):
     """Replays a graph of ``n_launch`` runs for ``seconds``; (mean us per run, wall-clock start, end)."""
     import cupy
@@ -32,18 +45,36 @@ def sustained(run, seconds, n_launch=20):
         graph.launch(stream)
     stream.synchronize()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    t0, reps = datetime.datetime.now(), 0
     start.record(stream)
-    while True:
-        graph.launch(stream)
-        reps += 1
-        if reps % 10 == 0:
-            stream.synchronize()
-            if (datetime.datetime.now() - t0).total_seconds() > seconds:
-                break
+    reps, t0, t1 = _hold(lambda: graph.launch(stream), stream.synchronize, seconds)
     end.record(stream)
     end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) * 1e3 / (reps * n_launch), t0, datetime.datetime.now()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3 / (reps * n_launch), t0, t1
+
+
+def sustained_torch(run, seconds, n_launch):
+    """:func:`sustained` for a torch callable (a torch CUDA graph of ``n_launch`` runs)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n_launch):
+            run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    reps, t0, t1 = _hold(graph.replay, torch.cuda.synchronize, seconds)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * n_launch), t0, t1
 
 
 def decode_cell(kv_len, elem, seconds):
@@ -63,18 +94,46 @@ def decode_cell(kv_len, elem, seconds):
     return f"decode B=64 L={kv_len:5d} {'fp8' if elem == 1 else 'bf16'}", f"{us:8.1f} us {tbps:5.2f} TB/s", t0, t1
 
 
-def prefill_cell(seconds):
-    import cupy_fa
+def prefill_cell(seconds, impl="ours"):
+    """The bench's prefill_b2_l8192 at page 16, held: ours, or ``impl="cudnn"``: PyTorch SDPA's cuDNN
+    backend on the bench's dense copy of the same inputs (as bench/peers.py times it)."""
     from bench.inputs import make_inputs
     from bench.workloads import H_KV, H_Q, WORKLOADS
 
     work = next(w for w in WORKLOADS if w.name == "prefill_b2_l8192")
     inp = make_inputs(work, 16, 1, 7)  # the bench's own inputs at page 16
     s = inp.sets[0]
-    attn = cupy_fa.BatchAttention(H_Q, H_KV, D, work.dtype)
-    attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=work.causal)  # as bench/ours.py plans it
-    us, t0, t1 = sustained(lambda: attn.run(s.q, s.cache, out=s.out), seconds, n_launch=4)
-    return "prefill B=2 L=8192 causal bf16", f"{us:8.1f} us {work.flops() / (us * 1e6):5.1f} TFLOP/s", t0, t1
+    if impl == "cudnn":
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from bench.peers import dense_copy
+
+        q, k, v = dense_copy(inp, s)
+        try:  # as bench/peers.py: GQA in the call, else the KV heads expanded
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            gqa = True
+        except Exception:  # noqa: BLE001
+            k, v = (x.repeat_interleave(H_Q // H_KV, 1) for x in (k, v))
+            gqa = False
+        torch.cuda.synchronize()
+
+        def run():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if gqa else {}))
+
+        us, t0, t1 = sustained_torch(run, seconds, n_launch=4)
+        name = "prefill B=2 L=8192 causal cuDNN"
+    else:
+        import cupy_fa
+
+        attn = cupy_fa.BatchAttention(H_Q, H_KV, D, work.dtype)
+        attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=work.causal)  # as bench/ours.py plans it
+        us, t0, t1 = sustained(lambda: attn.run(s.q, s.cache, out=s.out), seconds, n_launch=4)
+        name = "prefill B=2 L=8192 causal bf16"
+    return name, f"{us:8.1f} us {work.flops() / (us * 1e6):5.1f} TFLOP/s", t0, t1
 
 
 def main(argv=None):
@@ -83,7 +142,8 @@ def main(argv=None):
     import cupy
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cells", choices=("all", "decode", "prefill"), default="all")
+    parser.add_argument("--cells", choices=("all", "decode", "prefill", "prefill-peers"), default="all",
+                        help="prefill-peers: the prefill cell held for ours, then for cuDNN, then ours again")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="how long each cell is held")
     args = parser.parse_args(argv)
     makers = []
@@ -91,6 +151,8 @@ def main(argv=None):
         makers += [lambda kv=kv, e=e: decode_cell(kv, e, args.seconds) for kv in (4096, 16384) for e in (2, 1)]
     if args.cells in ("all", "prefill"):
         makers.append(lambda: prefill_cell(args.seconds))
+    if args.cells == "prefill-peers":
+        makers += [lambda i=i: prefill_cell(args.seconds, i) for i in ("ours", "cudnn", "ours", "cudnn")]
 
     fields = FIELDS
     if subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv"], capture_output=True).returncode:

@@ -479,6 +479,51 @@ def test_fp8_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
 
 # ---- refusals: before anything is launched, nothing written ---------------------------------------
 
+@pytest.mark.parametrize("fold", ["0", "1"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_fp8_page_id_outside_the_cache(fold, where, monkeypatch):
+    """A page id outside the cache in one request of an fp8 decode step (in its first, a middle or
+    its last split; one row half, CTAs folding their splits or not: the folding tile issues the
+    next tile's copies before each split's epilogue): no fault, that request's rows NaN, every
+    other request's bits as in the clean step, the status word naming it."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import schedule
+
+    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
+    cupy_fa.knobs.reload()
+    rng, seed = new_rng()
+    S, page = schedule.split_size(kv_bytes=1), 16
+    kv = np.array([5 * S + 37, 3 * S + 1, 4 * S - 9, 700])
+    B = len(kv)
+    q_lens = np.ones(B, int)
+    table, k, v, scales, cache, q_host = fp8_paged_case(rng, "bfloat16", (32, 8), 128, page, kv, B, "head")
+    q = cupy.asarray(q_host)
+    attn = cupy_fa.BatchAttention(32, 8, 128, "bfloat16", kv_dtype=FP8, max_batch_size=8, max_num_tokens=64,
+                                  max_pages_per_request=table.shape[1])
+
+    def run(tab):
+        attn.plan(cupy.asarray(q_lens, np.int32), cupy.asarray(kv, np.int32), cupy.asarray(tab, np.int32),
+                  max_q_len=1, max_kv_len=table.shape[1] * page)
+        assert attn.planned.tile.row_halves == 1 and attn.planned.tile.epilogue_own_buffer == (fold == "1")
+        out = cupy.full(q.shape, POISON, np_dtype("bfloat16"))
+        attn.run(q, cache, out=out)
+        cupy.cuda.Device().synchronize()
+        return out.get()
+
+    clean = run(table)
+    assert attn.status().ok, f"seed {seed}"
+    bad = 0
+    column = {"first": 0, "middle": (2 * S + 5) // page, "last": (int(kv[bad]) - 1) // page}[where]
+    tab = table.copy()
+    tab[bad, column] = 10**8
+    got = run(tab)
+    status = attn.status()
+    assert not status.ok and status.request == bad and status.reason == 6, f"seed {seed}: {status!r}"
+    assert np.isnan(got[bad].astype(np.float32)).all(), f"seed {seed}: the bad request's rows are not all NaN"
+    assert np.array_equal(got[1:].view(np.uint16), clean[1:].view(np.uint16)), f"seed {seed}: other requests changed"
+
+
 def test_fp8_refusals_write_nothing():
     import cupy
     import cupy_fa
