@@ -215,30 +215,14 @@ class MmaTile:
         return 1 if staged <= stage else (2 if self.head_dim >= 128 and staged // 2 <= stage else 0)
 
     @property
-    def epilogue_own_buffer(self):
-        """TileTraits::kEpilogueOwnBuffer: the folding one-half tile stages its epilogue (8 rows a
-        warp, one pass's columns) in a buffer of its own, so the next tile's copies are issued
-        before it (kernels/attention.cu)."""
-        return self.fold_capable and self.row_halves == 1
-
-    def _epilogue_passes(self):
-        """TileTraits::kEpiloguePasses (0: the epilogue stages over every K/V stage)."""
-        if self.kv_bytes == 1:
-            return self._fp8_epilogue_passes()
-        return 1 if self.warps_m * self.warps_n <= self.block_n // 16 else (2 if self.fold_capable else 0)
-
-    @property
     def smem_bytes(self):
         fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
-        own = 0  # TileTraits::kSmemEpilogueOwn
-        if self.epilogue_own_buffer:
-            own = self.warps_m * self.warps_n * 8 * (self.head_dim // self._epilogue_passes()) * 4
         if self.kv_bytes == 1:  # TileTraits::kSmemKVRegion: room for an epilogue staged over every stage
             kv = 2 * self.stages * self.block_n * self.head_dim
             if not self.epilogue_in_stage:
                 kv = max(kv, self.warps_m * self.warps_n * 16 * self.head_dim * 4)
-            return 2 * self.head_dim * self.block_m + kv + fold + own
-        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold + own
+            return 2 * self.head_dim * self.block_m + kv + fold
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold
 
     @property
     def epilogue_in_stage(self):

@@ -115,24 +115,20 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     if (tid == 0 && w.bad) atomicOr(&s_bad, 1);
   }
 
-  // ---- loads: Q once, then the prologue: tiles 0 .. kPrologueTiles - 1 in flight (Q rides in the
-  // first group). Tile t + STAGES - 1 is issued into the stage of tile t - 1: at the top of
-  // iteration t, or (kEpilogueOwnBuffer) already at the end of iteration t - 1, before its epilogue.
+  // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
   load_q_block<Traits, QT, KVBytes<KVT>::value == 1>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group,
                                                     row_in_pass, chunk);
   PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, kv_row_in_pass,
                                   kv_chunk, s_bad);
-  // one cp.async group: tile t's copies (none past the last tile) and the page ids of tile t + 1
-  auto issue_tile = [&](int t) {
+  kv.fetch_pages(0);
+#pragma unroll
+  for (int t = 0; t < STAGES - 1; ++t) {
     if (t < num_tiles) {
-      kv.issue(t, t % STAGES);
+      kv.issue(t, t);
       kv.fetch_pages(t + 1);
     }
     cp_async_commit();
-  };
-  kv.fetch_pages(0);
-#pragma unroll
-  for (int t = 0; t < Traits::kPrologueTiles; ++t) issue_tile(t);
+  }
 
   OnlineSoftmaxRows<D / 8> state;
   state.reset();
@@ -153,7 +149,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // times a power of two per row, so S = Q K^T runs in fp16 (warp_mma.cuh)
   float row_scale[2] = {k_scale, k_scale};
   if constexpr (Mma::kQToFp16) {
-    cp_async_wait<Traits::kPrologueTiles - 1>();  // the prologue's first group: Q and tile 0
+    cp_async_wait<STAGES - 2>();  // the prologue's first group: Q and tile 0
     __syncthreads();
     q_rows_to_fp16<Traits>(smem, s_row_unscale, row_in_pass, chunk);
     __syncthreads();
@@ -174,7 +170,12 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   unsigned long long traced_wait = 0, traced_epilogue = 0;  // trace.cuh: 0 unless CUPY_FA_TRACE
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int stage = tile % STAGES;
-    if constexpr (!Traits::kEpilogueOwnBuffer) issue_tile(tile + STAGES - 1);  // refills the stage computed last iteration
+    const int ahead = tile + STAGES - 1;  // refills the stage computed last iteration
+    if (ahead < num_tiles) {
+      kv.issue(ahead, ahead % STAGES);
+      kv.fetch_pages(ahead + 1);  // consumed next iteration
+    }
+    cp_async_commit();
     const unsigned long long wait_from = trace_now();
     cp_async_wait<STAGES - 1>();
     __syncthreads();
@@ -196,16 +197,9 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row
     // tile, at its register cap, a spill)
     if (tiles_left == 1 || tile + 1 == num_tiles) epilogue.publish(state);
-    // the flag as the split's tiles (and the next one) left it, read before the barrier: after it,
-    // kEpilogueOwnBuffer's next issue may set it (the others issue only after the epilogue's barriers)
-    const bool bad_before_issue = Traits::kEpilogueOwnBuffer && s_bad != 0;
     __syncthreads();  // the next iteration's loads overwrite this stage
-    // the epilogue stages elsewhere: the stage just consumed is refilled now, so a split's end
-    // overlaps the copies of the tile after next (the same group count: the wait above is unchanged)
-    if constexpr (Traits::kEpilogueOwnBuffer) issue_tile(tile + STAGES);
     if (--tiles_left == 0 || tile + 1 == num_tiles) {
-      // a page id outside the cache among the split's (or a bad request)
-      const bool bad = Traits::kEpilogueOwnBuffer ? bad_before_issue : s_bad != 0;
+      const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
       const unsigned long long epilogue_from = trace_now();
       epilogue.finish(split_now++, stage, state.acc, bad);
       traced_epilogue += trace_now() - epilogue_from;

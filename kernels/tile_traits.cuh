@@ -83,21 +83,11 @@ struct TileTraits {
                            : (HEAD_DIM >= 128 && kWarps * 16 * (HEAD_DIM / 2) * 4 <= kStageBytes ? 2 : 0));
   static constexpr bool kEpilogueInStage = kEpiloguePasses > 0;
   static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM / kEpiloguePasses : HEAD_DIM;  // per pass
-  // The folding tile with one row half (fp8 decode: a CTA runs a row's splits back to back) stages
-  // its epilogue in a buffer of its own, its warps' real rows only (8 a warp), after the fold
-  // state: the stage just consumed is then free at a split's end, and the next tile's copies are
-  // issued before the epilogue instead of after it (attention.cu), so the CTA keeps reading
-  // through the epilogue's barriers. The same arithmetic in the same order: no bit changes.
-  static constexpr bool kEpilogueOwnBuffer = FOLD && ROW_HALVES == 1;
-  static constexpr int kSmemEpilogueOwn = kEpilogueOwnBuffer ? kWarps * 8 * kStagedCols * 4 : 0;
   // The K/V stages, and where the epilogue stages over all of them and they are too small (an
   // fp8 tile), the room it needs; then the fold state.
   static constexpr int kSmemKVRegion =
       (kEpilogueInStage || kSmemEpilogue <= 2 * kSmemKV) ? 2 * kSmemKV : kSmemEpilogue;
-  static constexpr int kSmemBytes = kSmemQ + kSmemKVRegion + kSmemFold + kSmemEpilogueOwn;
-  // cp.async groups the prologue commits: tiles 0 .. STAGES - 2, or with the issue after each tile's
-  // compute (kEpilogueOwnBuffer), 0 .. STAGES - 1 (Q rides in the first either way)
-  static constexpr int kPrologueTiles = kEpilogueOwnBuffer ? STAGES : STAGES - 1;
+  static constexpr int kSmemBytes = kSmemQ + kSmemKVRegion + kSmemFold;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
   // flight, so hold the compiler to the CTAs per SM that shared memory allows,
   // as far as 128 registers per thread can feed them. Prefill tiles keep their

@@ -483,9 +483,8 @@ def test_fp8_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_fp8_page_id_outside_the_cache(fold, where, monkeypatch):
     """A page id outside the cache in one request of an fp8 decode step (in its first, a middle or
-    its last split; one row half, CTAs folding their splits or not: the folding tile issues the
-    next tile's copies before each split's epilogue): no fault, that request's rows NaN, every
-    other request's bits as in the clean step, the status word naming it."""
+    its last split; one row half, CTAs folding their splits or not): no fault, that request's rows
+    NaN, every other request's bits as in the clean step, the status word naming it."""
     import cupy
     import cupy_fa
     from cupy_fa import schedule
@@ -505,7 +504,7 @@ def test_fp8_page_id_outside_the_cache(fold, where, monkeypatch):
     def run(tab):
         attn.plan(cupy.asarray(q_lens, np.int32), cupy.asarray(kv, np.int32), cupy.asarray(tab, np.int32),
                   max_q_len=1, max_kv_len=table.shape[1] * page)
-        assert attn.planned.tile.row_halves == 1 and attn.planned.tile.epilogue_own_buffer == (fold == "1")
+        assert attn.planned.tile.row_halves == 1 and attn.planned.tile.fold_splits == (fold == "1")
         out = cupy.full(q.shape, POISON, np_dtype("bfloat16"))
         attn.run(q, cache, out=out)
         cupy.cuda.Device().synchronize()
