@@ -1,9 +1,9 @@
 """Diagnosis only: the SM clock, board power and clock-event reasons while one cell replays for a
 few seconds. Cells: decode B=64 H 32/8 D 128 page 16 over a bf16 and an fp8 cache at L = 4096 and
 16384, and the prefill B=2 L=8192 causal (bf16, page 16); ``--cells prefill-peers``: that prefill
-held for ours and for PyTorch SDPA's cuDNN backend on the bench's dense copy, twice each in turn. ``nvidia-smi`` samples every 50 ms in
-the background; each cell's samples are those between its first and last replay. Timing only, no
-float64 check (the bench's cells have it).
+held for ours and for PyTorch SDPA's cuDNN backend on the bench's dense copy, twice each in turn.
+``nvidia-smi`` samples every 50 ms in the background; each cell's samples are those between its
+first and last replay. Timing only, no float64 check (the bench's cells have it).
 
 On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 scripts/probe_clocks.py``
 (``--cells decode`` or ``prefill``: those cells only; ``--seconds``: how long each is held).
@@ -143,7 +143,7 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", choices=("all", "decode", "prefill", "prefill-peers"), default="all",
-                        help="prefill-peers: the prefill cell held for ours, then for cuDNN, then ours again")
+                        help="prefill-peers: the prefill cell held for ours, cuDNN, ours, cuDNN in turn")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="how long each cell is held")
     args = parser.parse_args(argv)
     makers = []

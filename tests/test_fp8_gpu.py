@@ -477,8 +477,6 @@ def test_fp8_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
                 assert (graph_out.view(np.uint16) == outs["0"][0].view(np.uint16)).all().get(), case
 
 
-# ---- refusals: before anything is launched, nothing written ---------------------------------------
-
 @pytest.mark.parametrize("fold", ["0", "1"])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_fp8_page_id_outside_the_cache(fold, where, monkeypatch):
@@ -487,7 +485,7 @@ def test_fp8_page_id_outside_the_cache(fold, where, monkeypatch):
     NaN, every other request's bits as in the clean step, the status word naming it."""
     import cupy
     import cupy_fa
-    from cupy_fa import schedule
+    from cupy_fa import reference, schedule
 
     monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
     cupy_fa.knobs.reload()
@@ -512,6 +510,8 @@ def test_fp8_page_id_outside_the_cache(fold, where, monkeypatch):
 
     clean = run(table)
     assert attn.status().ok, f"seed {seed}"
+    ref = reference.paged_attention(q_host, k, v, q_lens, kv, table, k_scale=scales[0], v_scale=scales[1])
+    check_attention(clean, ref, "bfloat16", q_lens=q_lens, poison=POISON, label=f"seed {seed} clean").assert_ok()
     bad = 0
     column = {"first": 0, "middle": (2 * S + 5) // page, "last": (int(kv[bad]) - 1) // page}[where]
     tab = table.copy()
@@ -522,6 +522,8 @@ def test_fp8_page_id_outside_the_cache(fold, where, monkeypatch):
     assert np.isnan(got[bad].astype(np.float32)).all(), f"seed {seed}: the bad request's rows are not all NaN"
     assert np.array_equal(got[1:].view(np.uint16), clean[1:].view(np.uint16)), f"seed {seed}: other requests changed"
 
+
+# ---- refusals: before anything is launched, nothing written ---------------------------------------
 
 def test_fp8_refusals_write_nothing():
     import cupy
