@@ -66,9 +66,9 @@ def bench_sdpa(inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
     """Both SDPA backends; returns {peer name: cell}. Inputs are dense copies of inp.sets."""
     try:
         import torch
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.attention.bias import causal_lower_right
+        import torch.nn.functional  # noqa: F401 - what sdpa_runner calls: here, whether it imports
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+        from torch.nn.attention.bias import causal_lower_right  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return {name: cell("n/a", error=f"torch SDPA unavailable: {e}") for name in SDPA_BACKENDS}
 
@@ -85,8 +85,7 @@ def bench_sdpa(inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
     for name, backend_name in SDPA_BACKENDS.items():
         backend = getattr(SDPBackend, backend_name)
         try:
-            results[name] = _sdpa_one(w, inp, refs, opts, n_launch, dense, backend, F, sdpa_kernel,
-                                      causal_lower_right, torch)
+            results[name] = _sdpa_one(w, inp, refs, opts, n_launch, dense, backend)
         except Exception as e:  # noqa: BLE001
             results[name] = _failed(e)
         torch.cuda.synchronize()
@@ -96,7 +95,17 @@ def bench_sdpa(inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
     return results
 
 
-def _sdpa_one(w, inp, refs, opts, n_launch, dense, backend, F, sdpa_kernel, causal_lower_right, torch):
+def sdpa_runner(w, dense, backend):
+    """``(run, out0, note)`` for PyTorch SDPA's ``backend`` (an ``SDPBackend``) over the dense input
+    sets ``dense`` (:func:`dense_copy`) of workload ``w``: ``run(i)`` runs set i with the workload's
+    mask, GQA in the call or, where the backend refuses it, the KV heads expanded; ``out0`` is set
+    0's output (the call that chose between the two); ``note`` says which mask and which GQA path.
+    (scripts/probe_clocks.py holds the cuDNN cell through it too.)"""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
     # Masking: decode sees every key (no mask); prefill q_len == kv_len is plain is_causal;
     # otherwise bottom-right causal: flash through CausalBias (lower right), cuDNN through an
     # explicit boolean mask (the CausalBias path would materialise one on every call).
@@ -132,10 +141,17 @@ def _sdpa_one(w, inp, refs, opts, n_launch, dense, backend, F, sdpa_kernel, caus
         except Exception as e2:
             raise RuntimeError(f"with enable_gqa: {first} | with expanded KV heads: "
                                f"{type(e2).__name__}: {str(e2)[:200]}") from e2
+    return (lambda i: call(*sets[i], gqa)), out0, note
+
+
+def _sdpa_one(w, inp, refs, opts, n_launch, dense, backend):
+    import torch
+
+    run, out0, note = sdpa_runner(w, dense, backend)
     torch.cuda.synchronize()
     flat = out0.transpose(1, 2).reshape(w.num_q_rows, H_Q, w.head_dim)
     rows_of = lambda lo, hi: to_host_f64(flat[lo:hi])
-    return _finish(w, lambda i: call(*sets[i], gqa), len(sets), n_launch, rows_of, refs, inp, opts, note)
+    return _finish(w, run, len(dense), n_launch, rows_of, refs, inp, opts, note)
 
 
 # ---- FlashInfer -------------------------------------------------------------------------

@@ -36,9 +36,9 @@ def cupy_graph(launches, warmup=10, reps=50) -> Timing:
     return _summary(graph_replays_ms(launches, warmup, reps), len(launches), "cupy graph")
 
 
-def torch_graph(launches, warmup=10, reps=50) -> Timing:
-    """The same with torch.cuda.CUDAGraph; falls back to `torch_eager` (and says so in
-    `method`) if the launches cannot be captured."""
+def capture_torch_graph(launches):
+    """A torch.cuda.CUDAGraph of the callables `launches` (each doing torch launches), after two
+    eager passes on a side stream as torch's graph docs ask; raises what the capture raises."""
     import torch
 
     s = torch.cuda.Stream()
@@ -50,10 +50,19 @@ def torch_graph(launches, warmup=10, reps=50) -> Timing:
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in launches:
+            f()
+    return g
+
+
+def torch_graph(launches, warmup=10, reps=50) -> Timing:
+    """The same with torch.cuda.CUDAGraph; falls back to `torch_eager` (and says so in
+    `method`) if the launches cannot be captured."""
+    import torch
+
     try:
-        with torch.cuda.graph(g):
-            for f in launches:
-                f()
+        g = capture_torch_graph(launches)
     except Exception as e:  # noqa: BLE001 - any capture failure: time eagerly instead
         torch.cuda.synchronize()
         t = torch_eager(launches, warmup, reps)

@@ -53,19 +53,13 @@ def sustained(run, seconds, n_launch=20):
 
 
 def sustained_torch(run, seconds, n_launch):
-    """:func:`sustained` for a torch callable (a torch CUDA graph of ``n_launch`` runs)."""
+    """:func:`sustained` for a torch callable (a torch CUDA graph of ``n_launch`` runs,
+    bench.timing.capture_torch_graph)."""
     import torch
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n_launch):
-            run()
+    from bench.timing import capture_torch_graph
+
+    graph = capture_torch_graph([run] * n_launch)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -104,27 +98,12 @@ def prefill_cell(seconds, impl="ours"):
     inp = make_inputs(work, 16, 1, 7)  # the bench's own inputs at page 16
     s = inp.sets[0]
     if impl == "cudnn":
-        import torch
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import SDPBackend
 
-        from bench.peers import dense_copy
+        from bench.peers import dense_copy, sdpa_runner
 
-        q, k, v = dense_copy(inp, s)
-        try:  # as bench/peers.py: GQA in the call, else the KV heads expanded
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            gqa = True
-        except Exception:  # noqa: BLE001
-            k, v = (x.repeat_interleave(H_Q // H_KV, 1) for x in (k, v))
-            gqa = False
-        torch.cuda.synchronize()
-
-        def run():
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if gqa else {}))
-
-        us, t0, t1 = sustained_torch(run, seconds, n_launch=4)
+        run_set, _, _ = sdpa_runner(work, [dense_copy(inp, s)], SDPBackend.CUDNN_ATTENTION)  # as the bench calls it
+        us, t0, t1 = sustained_torch(lambda: run_set(0), seconds, n_launch=4)
         name = "prefill B=2 L=8192 causal cuDNN"
     else:
         import cupy_fa
