@@ -315,7 +315,7 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
     warps_m = k.decode_warps_m or (1 if rows <= 16 else 2)
     stages = fp8_small_q_shape(head_dim)[1] if kv_bytes == 1 else k.decode_stages
     tile = small_q_tile(head_dim, warps_m, stages, smem_limit, kv_bytes)
-    if kv_bytes == 1 and warps_m == 1 and rows <= 8 and k.half_rows:
+    if kv_bytes == 1 and warps_m == 1 and rows <= tile.block_m // 2 and k.half_rows:  # the kernel traps past it
         tile = dataclasses.replace(tile, row_halves=1)
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=k.splits_per_cta)

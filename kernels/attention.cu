@@ -72,7 +72,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const FastDiv by_group{p.group_multiplier, p.group_shift, group};  // packed rows -> (token, head)
   const int rows = w.q_len * group;
   if constexpr (Traits::kRowHalves == 1) {
-    if (!w.bad && rows > 8) __trap();  // the host picks one row half only for requests of <= 8 rows
+    // the host picks one row half only for requests whose rows fit it (schedule.tile_for: block_m / 2)
+    if (!w.bad && rows > Traits::kBlockM / 2) __trap();
   }
   const DefaultVariant<Traits::kVariants> variant{p, w.request, w.q_len, w.kv_len - w.q_len, by_group};
 
