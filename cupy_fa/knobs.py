@@ -40,6 +40,8 @@ class Knobs:
     debug: bool = False              # CUPY_FA_DEBUG: plans check the device status word (syncs) and raise
     half_rows: bool = True           # CUPY_FA_HALF_ROWS: "0" keeps fp8 decode of <= 8 rows on the full
                                      # 16-row softmax (schedule.tile_for; for A/B runs)
+    producer_warp: bool = True       # CUPY_FA_PRODUCER_WARP: "0" keeps the fp8 one-row-half decode tile's
+                                     # copies on its consumer warps (schedule.tile_for; for A/B runs)
 
     def __post_init__(self):
         _check(self.decode_stages in STAGE_CHOICES, "CUPY_FA_DECODE_STAGES",
@@ -70,9 +72,12 @@ class Knobs:
             except ValueError:
                 raise ValueError(f"{name} must be an int, got {value!r}") from None
 
-        half_rows = get("CUPY_FA_HALF_ROWS") or "1"
-        if half_rows not in ("0", "1"):
-            raise ValueError(f"CUPY_FA_HALF_ROWS must be 0 or 1, got {half_rows!r}")
+        def flag(name):
+            value = get(name) or "1"
+            if value not in ("0", "1"):
+                raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+            return value == "1"
+
         warps = get("CUPY_FA_DECODE_WARPS_M") or "auto"
         if warps not in ("auto", "1", "2"):
             raise ValueError(f"CUPY_FA_DECODE_WARPS_M must be auto, 1 or 2, got {warps!r}")
@@ -82,7 +87,8 @@ class Knobs:
                    split_size=integer("CUPY_FA_SPLIT_SIZE", cls.split_size),
                    splits_per_cta=integer("CUPY_FA_SPLITS_PER_CTA", cls.splits_per_cta),
                    fold_splits=get("CUPY_FA_FOLD_SPLITS") or "auto",
-                   half_rows=half_rows == "1",
+                   half_rows=flag("CUPY_FA_HALF_ROWS"),
+                   producer_warp=flag("CUPY_FA_PRODUCER_WARP"),
                    pdl=(get("CUPY_FA_PDL") or "1") != "0",
                    trace=get("CUPY_FA_TRACE") == "1",
                    debug=(get("CUPY_FA_DEBUG") or "0") not in ("0", "false", "no"))

@@ -164,6 +164,7 @@ class MmaTile:
     kv_bytes: int = 2  # bytes of a K/V element: 2 (fp16 / bf16), 1 (an fp8 cache; TileTraits KV_BYTES)
     variants: bool = False  # the variant hooks compiled in (window, soft-cap, sinks; TileTraits VARIANTS)
     row_halves: int = 2  # 1: a one-row small-q tile for requests of <= 8 packed rows (TileTraits ROW_HALVES)
+    producer_capable: bool = False  # may take a producer warpgroup (producer_warps; tile_for: sm_90a only)
 
     family = MMA_SYNC
     whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
@@ -177,6 +178,9 @@ class MmaTile:
                              f"{self} does not")
         if self.row_halves not in (1, 2) or (self.row_halves == 1 and not (self.warps_m == 1 and self.warps_n > 1)):
             raise ValueError(f"row_halves=1 is for the one-row small-q tile only, got {self}")
+        if self.producer_capable and not self.producer_warp_layout:
+            raise ValueError(f"a producer warpgroup is for the fp8 one-row-half small-q tile at head dims 64 and "
+                             f"128, got {self}")
         if self.fold_splits and not (self.fold_capable and self.splits_per_cta % MERGE_GROUP == 0):
             raise ValueError(f"fold_splits needs a fold-capable tile running whole groups of {MERGE_GROUP} "
                              f"splits per CTA, got {self}")
@@ -196,7 +200,27 @@ class MmaTile:
 
     @property
     def threads(self):
-        return 32 * self.warps_m * self.warps_n
+        """Threads per CTA (TileTraits::kCtaThreads): the consumer warps', and a producer warpgroup's."""
+        return 32 * (self.warps_m * self.warps_n + self.producer_warps)
+
+    @property
+    def producer_warp_layout(self):
+        """Whether this tile can take a producer warpgroup (TileTraits PRODUCER_WARPS): an fp8 one-row
+        small-q tile of 4 warps with one row half, without the variant hooks, at head dims 64 and 128
+        (at 256 its 64-key tiles keep their copies on the consumers)."""
+        return (self.kv_bytes == 1 and self.warps_m == 1 and self.warps_n == 4 and self.row_halves == 1
+                and not self.variants and self.head_dim in (64, 128))
+
+    @property
+    def producer_warps(self):
+        """Warps of the producer warpgroup (TileTraits PRODUCER_WARPS): 4 for a ``producer_capable``
+        tile of that layout whose 256 threads keep the CTAs an SM its 128 would have (2: the folding
+        tile at D = 128, by shared memory), else 0: a tile that fits 3 or 4 CTAs an SM keeps them, and
+        its copies on the consumers (a producer warpgroup's registers allow 2)."""
+        if not (self.producer_capable and self.producer_warp_layout):
+            return 0
+        consumers = 32 * self.warps_m * self.warps_n
+        return 4 if self._ctas_per_sm(consumers + 128) == self._ctas_per_sm(consumers) == 2 else 0
 
     @property
     def fold_layout(self):
@@ -236,8 +260,11 @@ class MmaTile:
     def min_ctas_per_sm(self):
         """TileTraits::kMinCtasPerSm: CTAs per SM the launch bounds hold small-q tiles to
         (as many as shared memory allows, up to what 128 registers a thread can feed)."""
+        return self._ctas_per_sm(self.threads)
+
+    def _ctas_per_sm(self, threads):
         by_smem = SMEM_LIMIT // (self.smem_bytes + 1024)
-        by_registers = 65536 // (self.threads * 128)
+        by_registers = 65536 // (threads * 128)
         # TileTraits::kOneCtaForRegisters: a 96-column two-row tile with the variant hooks
         one_for_registers = self.variants and self.warps_m > 1 and self.head_dim % 64 != 0
         return 1 if self.warps_n == 1 or by_smem < 1 or one_for_registers else min(by_smem, by_registers)
@@ -275,12 +302,14 @@ class MmaTile:
         """The C++ traits type of this tile's kernel binary."""
         # the plain 16-bit kernels keep their names (and code): KV_BYTES only when not 2 or when
         # VARIANTS (a later template argument) follows
-        halves = self.row_halves != 2
+        producer = self.producer_warps != 0
+        halves = self.row_halves != 2 or producer
         kv = f", {self.kv_bytes}" if self.kv_bytes != 2 or self.variants or halves else ""
         hooks = f", {str(self.variants).lower()}" if self.variants or halves else ""
         rows = f", {self.row_halves}" if halves else ""
+        producers = f", {self.producer_warps}" if producer else ""
         return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
-                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}{rows}>")
+                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}{rows}{producers}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -317,6 +346,8 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
     tile = small_q_tile(head_dim, warps_m, stages, smem_limit, kv_bytes)
     if kv_bytes == 1 and warps_m == 1 and rows <= tile.block_m // 2 and k.half_rows:  # the kernel traps past it
         tile = dataclasses.replace(tile, row_halves=1)
+        if k.producer_warp and tile.producer_warp_layout and is_sm90a(arch):  # setmaxnreg: sm_90a
+            tile = dataclasses.replace(tile, producer_capable=True)
     if tile.epilogue_in_stage:
         tile = dataclasses.replace(tile, splits_per_cta=k.splits_per_cta)
     return tile
@@ -798,23 +829,27 @@ def all_variants(arch=None):
             variants = (attention_variant(dtype_name, t) for t in tiles)
             out += list({v.expression: v for v in variants}.values())  # one per kernel binary
             if head_dim in FP8_HEAD_DIMS:
-                out += fp8_variants(dtype_name, head_dim)
+                out += fp8_variants(dtype_name, head_dim, fp8_tiles(head_dim, arch=arch))
     return out
 
 
-def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)):
+def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT), arch=None):
     """The tiles of an fp8 cache the policy can select at a head dim: the mma.sync prefill tile
     and the small-q tiles (both row layouts, each depth, Hopper's and an A100's shared memory)
-    with their folding variants; ``stage_choices``: the depths (default the policy's)."""
+    with their folding variants, and the one-row-half tiles with a producer warpgroup where ``arch``
+    is sm_90a or None (any); ``stage_choices``: the depths (default the policy's)."""
     tiles = [prefill_tile(head_dim, kv_bytes=1)]
     for warps_m in (1, 2):
         for stages in stage_choices or (fp8_small_q_shape(head_dim)[1],):
             for limit in limits:
                 tile = small_q_tile(head_dim, warps_m, stages, limit, kv_bytes=1)
                 tiles += [tile, tile.folding(smem_limit=limit)]
-                if warps_m == 1:  # and with one row half (tile_for: requests of <= 8 rows)
+                if warps_m == 1:  # and with one row half (tile_for: requests of <= 8 rows), and a producer warpgroup
                     half = dataclasses.replace(tile, row_halves=1)
                     tiles += [half, half.folding(smem_limit=limit)]
+                    if half.producer_warp_layout and (arch is None or is_sm90a(arch)):
+                        ring = dataclasses.replace(half, producer_capable=True)
+                        tiles += [ring, ring.folding(smem_limit=limit)]
     return [t for t in tiles if t is not None]
 
 

@@ -3,6 +3,7 @@
 //
 //   work.cuh            which (request, row block, run of splits) this CTA runs
 //   paged_kv.cuh        Q's row block once, K/V tiles through a STAGES-deep cp.async pipeline
+//   kv_ring.cuh         or (a producer-warp tile) a ring of mbarriers that a producer warp fills
 //   warp_mma.cuh        per warp: S = Q K^T, the variant on S, O += P V
 //   variant.cuh         the attention variant: mask and logits hooks
 //   softmax.cuh         the online-softmax state of a warp's rows
@@ -14,8 +15,13 @@
 // them (decode has few rows but many keys, prefill the reverse); the states of the WARPS_N warps
 // are merged in shared memory at the end of each split. A CTA may run several consecutive splits
 // (splits_per_cta), each ending in its own result.
+//
+// A producer-warpgroup tile (TileTraits::kProducerWarps, the fp8 one-row decode tile) has a warpgroup
+// more, which issues every K/V copy through the ring (kv_ring.cuh); the consumer warps run the same
+// phases on the same stages, waiting on the ring instead of cp.async groups and CTA barriers.
 #include "common.cuh"
 #include "params.cuh"
+#include "kv_ring.cuh"
 #include "paged_kv.cuh"
 #include "softmax.cuh"
 #include "split_epilogue.cuh"
@@ -28,11 +34,12 @@
 namespace cupy_fa {
 
 template <typename QT, typename KVT, typename OT, typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
+__global__ void __launch_bounds__(Traits::kCtaThreads, Traits::kMinCtasPerSm)
 attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int CH = Traits::kChunks, STAGES = Traits::kStages;
   typedef WarpMma<Traits, QT, KVT> Mma;
+  constexpr bool kRing = Traits::kProducerWarps > 0;
 
   extern __shared__ __align__(128) unsigned char smem[];
   QT* sQ = reinterpret_cast<QT*>(smem);
@@ -47,6 +54,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ int s_bad;                  // a page id outside the cache was fetched (paged_kv.cuh)
   __shared__ int s_window_to;            // variant hooks: tiles starting before it take the window's mask
   __shared__ float s_row_unscale[Mma::kQToFp16 ? BM : 1];  // bf16 Q over fp8: each row's 2^-e_r (q_rows_to_fp16)
+  __shared__ unsigned long long s_ring[kRing ? 2 * STAGES : 1];  // the ring's mbarriers (kv_ring.cuh)
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -57,6 +65,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // loads (where every warp would wait for the slowest one's before issuing its own copies)
   // (the kernels with the variant hooks keep one barrier after the work item: they need it for
   // s_window_to, and the D = 256 prefill tile at its register cap spills with both)
+  // (so are the ring's barriers initialised, before either side touches them)
+  if constexpr (kRing) {
+    if (threadIdx.x == 0) ProducerWarpRing<Traits>(s_ring).init();
+  }
   if constexpr (!Traits::kVariants) {
     if (threadIdx.x == 0) s_bad = 0;
     __syncthreads();
@@ -116,19 +128,40 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     if (tid == 0 && w.bad) atomicOr(&s_bad, 1);
   }
 
-  // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group)
+  // ---- a producer warpgroup issues every K/V tile into the ring, and is done
+  const ProducerWarpRing<Traits> ring(s_ring);
+  if constexpr (kRing) {
+    if (warp >= Traits::kWarps) {
+      warpgroup_registers_down<Traits::kProducerRegisters>();
+      const int t = tid - Traits::kThreads;  // copies as consumer thread t would
+      PagedKVProducer<Traits, KVT> producer(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles,
+                                            t / Traits::kKVChunks, t % Traits::kKVChunks, s_bad);
+      produce_tiles(ring, producer, num_tiles);
+      return;
+    }
+    warpgroup_registers_up<Traits::kConsumerRegisters>();
+  }
+
+  // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group;
+  // with a producer warp, Q is the consumers' only group)
   load_q_block<Traits, QT, KVBytes<KVT>::value == 1>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group,
                                                     row_in_pass, chunk);
   PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, kv_row_in_pass,
                                   kv_chunk, s_bad);
-  kv.fetch_pages(0);
+  if constexpr (!kRing) {
+    kv.fetch_pages(0);
 #pragma unroll
-  for (int t = 0; t < STAGES - 1; ++t) {
-    if (t < num_tiles) {
-      kv.issue(t, t);
-      kv.fetch_pages(t + 1);
+    for (int t = 0; t < STAGES - 1; ++t) {
+      if (t < num_tiles) {
+        kv.issue(t, t);
+        kv.fetch_pages(t + 1);
+      }
+      cp_async_commit();
     }
+  } else {
     cp_async_commit();
+    cp_async_wait<0>();
+    if constexpr (!Mma::kQToFp16) Traits::sync_consumers();  // Q's block, which every consumer warp reads
   }
 
   OnlineSoftmaxRows<D / 8> state;
@@ -150,10 +183,10 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   // times a power of two per row, so S = Q K^T runs in fp16 (warp_mma.cuh)
   float row_scale[2] = {k_scale, k_scale};
   if constexpr (Mma::kQToFp16) {
-    cp_async_wait<STAGES - 2>();  // the prologue's first group: Q and tile 0
-    __syncthreads();
+    if constexpr (!kRing) cp_async_wait<STAGES - 2>();  // the prologue's first group: Q and tile 0
+    Traits::sync_consumers();
     q_rows_to_fp16<Traits>(smem, s_row_unscale, row_in_pass, chunk);
-    __syncthreads();
+    Traits::sync_consumers();
     mma.row_scales(row_scale, k_scale, s_row_unscale);
   }
   const typename Mma::AT* sQ_mma = reinterpret_cast<const typename Mma::AT*>(sQ);
@@ -169,20 +202,8 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     }
   }
   unsigned long long traced_wait = 0, traced_epilogue = 0;  // trace.cuh: 0 unless CUPY_FA_TRACE
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int stage = tile % STAGES;
-    const int ahead = tile + STAGES - 1;  // refills the stage computed last iteration
-    if (ahead < num_tiles) {
-      kv.issue(ahead, ahead % STAGES);
-      kv.fetch_pages(ahead + 1);  // consumed next iteration
-    }
-    cp_async_commit();
-    const unsigned long long wait_from = trace_now();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-    traced_wait += trace_now() - wait_from;
-    if (tile == 0) trace_stamp(kTraceFirstTile);
-
+  // one KV tile's math for this warp: S = Q K^T, the variant, the softmax update, O += P V
+  auto tile_math = [&](int tile, int stage) {
     if (warp_has_rows) {
       float s[Mma::S_BLOCKS][4];
       mma.scores(s, sQ_mma, sK + stage * BN * D, tile == 0);
@@ -195,20 +216,59 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       state.template update<Traits::kRowHalves>(s);
       mma.accumulate(state.acc, s, sV + stage * BN * D);
     }
-    // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row
-    // tile, at its register cap, a spill)
-    if (tiles_left == 1 || tile + 1 == num_tiles) epilogue.publish(state);
-    __syncthreads();  // the next iteration's loads overwrite this stage
-    if (--tiles_left == 0 || tile + 1 == num_tiles) {
-      const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
-      const unsigned long long epilogue_from = trace_now();
-      epilogue.finish(split_now++, stage, state.acc, bad);
-      traced_epilogue += trace_now() - epilogue_from;
-      state.reset();
-      tiles_left = tiles_per_split;
+  };
+  if constexpr (kRing) {
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int stage = tile % STAGES;
+      const unsigned long long wait_from = trace_now();
+      ring.wait_full(tile);
+      traced_wait += trace_now() - wait_from;
+      if (tile == 0) trace_stamp(kTraceFirstTile);
+      tile_math(tile, stage);
+      if (tiles_left == 1 || tile + 1 == num_tiles) {
+        epilogue.publish(state);
+        Traits::sync_consumers();  // every consumer warp is done with the stage the epilogue stages in
+        const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
+        const unsigned long long epilogue_from = trace_now();
+        epilogue.finish(split_now++, stage, state.acc, bad);
+        traced_epilogue += trace_now() - epilogue_from;
+        state.reset();
+        tiles_left = tiles_per_split;
+      } else {
+        --tiles_left;
+      }
+      ring.release(tile);  // the producer may refill the stage
     }
+  } else {
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int stage = tile % STAGES;
+      const int ahead = tile + STAGES - 1;  // refills the stage computed last iteration
+      if (ahead < num_tiles) {
+        kv.issue(ahead, ahead % STAGES);
+        kv.fetch_pages(ahead + 1);  // consumed next iteration
+      }
+      cp_async_commit();
+      const unsigned long long wait_from = trace_now();
+      cp_async_wait<STAGES - 1>();
+      __syncthreads();
+      traced_wait += trace_now() - wait_from;
+      if (tile == 0) trace_stamp(kTraceFirstTile);
+      tile_math(tile, stage);
+      // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row
+      // tile, at its register cap, a spill)
+      if (tiles_left == 1 || tile + 1 == num_tiles) epilogue.publish(state);
+      __syncthreads();  // the next iteration's loads overwrite this stage
+      if (--tiles_left == 0 || tile + 1 == num_tiles) {
+        const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
+        const unsigned long long epilogue_from = trace_now();
+        epilogue.finish(split_now++, stage, state.acc, bad);
+        traced_epilogue += trace_now() - epilogue_from;
+        state.reset();
+        tiles_left = tiles_per_split;
+      }
+    }
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
   // splits the causal clip left without a tile still write their (empty) result; so do, without a
   // fold, those a window's skip passed whole (`run`: split_first .. run.split_first - 1), after them
   // (one call site: a second costs the two-row fold tile, at its register cap, a spill). A tile whose
@@ -224,7 +284,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   } else {
     for (; split_now < w.split_stop; ++split_now) {
       epilogue.publish(state);
-      __syncthreads();
+      Traits::sync_consumers();
       epilogue.finish(split_now, 0, state.acc, s_bad != 0);
     }
   }

@@ -242,7 +242,7 @@ struct SplitEpilogue {
       }
       // after the staging (this pass's accumulators are dead), published by the barrier below
       if (pass == 0) row_phase(split, bad);
-      __syncthreads();
+      Traits::sync_consumers();
 
       for (int idx = tid; idx < BM * (W / 4); idx += Traits::kThreads) {
         const int r = idx / (W / 4), c4_in_pass = idx % (W / 4), c4 = pass * (W / 4) + c4_in_pass;
@@ -263,7 +263,7 @@ struct SplitEpilogue {
         }
         write_item(split, r, row, c4, rv, o);
       }
-      __syncthreads();
+      Traits::sync_consumers();
     }
   }
 

@@ -17,7 +17,7 @@ namespace cupy_fa {
 // The host picks the instance (cupy_fa/schedule.py MmaTile) and sizes the
 // dynamic shared memory from the same numbers.
 template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD, int KV_BYTES = 2,
-          bool VARIANTS = false, int ROW_HALVES = 2>
+          bool VARIANTS = false, int ROW_HALVES = 2, int PRODUCER_WARPS = 0>
 struct TileTraits {
   static constexpr int kHeadDim = HEAD_DIM;
   // The halves of a warp's 16 mma rows the scores, the softmax and P run on: 2 (rows g and
@@ -30,8 +30,15 @@ struct TileTraits {
   static constexpr bool kVariants = VARIANTS;
   static constexpr int kWarpsM = WARPS_M;
   static constexpr int kWarpsN = WARPS_N;
-  static constexpr int kWarps = WARPS_M * WARPS_N;
-  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kWarps = WARPS_M * WARPS_N;    // the consumer warps: the mma, softmax and epilogue
+  static constexpr int kThreads = 32 * kWarps;         // their threads (Q's loads, the epilogue's loops)
+  // PRODUCER_WARPS = 4: a producer warpgroup more per CTA (warps kWarps .. kWarps + 3) issues every
+  // K/V copy, their addresses and page ids, into a ring of mbarriers (kv_ring.cuh); the consumer warps
+  // only wait for a stage and free it. 0: the consumer threads issue each tile themselves (cp.async
+  // groups and CTA barriers). The consumers' arithmetic is the same either way: a row's bits do not
+  // depend on it. The producers copy exactly as the consumers would (thread kThreads + t as thread t).
+  static constexpr int kProducerWarps = PRODUCER_WARPS;
+  static constexpr int kCtaThreads = kThreads + 32 * PRODUCER_WARPS;  // the launch's block size
   static constexpr int kBlockM = 16 * WARPS_M;                                   // query rows per CTA
   static constexpr int kBlockN = BLOCK_N;                                        // keys per KV tile
   static constexpr int kKeysPerWarp = kBlockN / WARPS_N;
@@ -69,6 +76,21 @@ struct TileTraits {
     return kEvenKVLoads || (row_in_pass < kKVRowStep && r < kBlockN);
   }
   static constexpr int kStageBytes = 2 * kBlockN * HEAD_DIM * KV_BYTES;          // one stage's K and V tiles
+  // With a producer warpgroup, the registers each side asks for (setmaxnreg, sm_90a) from the 128 a
+  // thread the launch bounds give: a warp of each side per SM sub-partition per CTA, so at 2 CTAs
+  // an SM a consumer and a producer thread share 512 / 2 registers.
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 512 / 2 - kProducerRegisters;
+
+  // A barrier of the consumer warps: the CTA's (__syncthreads) without a producer warp; with one,
+  // named barrier 1 over the consumers alone (the producer never waits on them but by the ring).
+  static __device__ __forceinline__ void sync_consumers() {
+    if constexpr (PRODUCER_WARPS > 0) {
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+    } else {
+      __syncthreads();
+    }
+  }
 
   // The end-of-split epilogue stages each warp's 16 x D fp32 accumulators in shared
   // memory. When they fit in one stage's K and V tiles (at once, or half of D at a time
@@ -93,7 +115,7 @@ struct TileTraits {
   // as far as 128 registers per thread can feed them. Prefill tiles keep their
   // registers (compute-bound, 2 CTAs per SM by shared memory anyway).
   static constexpr int kCtasBySmem = (227 * 1024) / (kSmemBytes + 1024);
-  static constexpr int kCtasBy128Regs = 65536 / (kThreads * 128);
+  static constexpr int kCtasBy128Regs = 65536 / (kCtaThreads * 128);
   // (The two-row tile of a 96-column head dim with the variant hooks needs a register past 128:
   // it is held to one CTA per SM, as a prefill tile is.)
   static constexpr bool kOneCtaForRegisters = VARIANTS && WARPS_M > 1 && HEAD_DIM % 64 != 0;
@@ -109,6 +131,10 @@ struct TileTraits {
   static_assert(kKeysPerWarp % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert(ROW_HALVES == 2 || (ROW_HALVES == 1 && WARPS_M == 1 && WARPS_N > 1),
                 "one row half only on the one-row small-q tile");
+  static_assert(PRODUCER_WARPS == 0 || (PRODUCER_WARPS == kWarps && kWarps == 4 && KV_BYTES == 1 && WARPS_M == 1 &&
+                                         !VARIANTS && kMinCtasPerSm == 2),
+                "a producer warpgroup only on the fp8 one-row small-q tile without the variant hooks, 2 CTAs "
+                "an SM (kConsumerRegisters)");
   static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
   static_assert(!kEpilogueInStage || kWarps * 16 * kStagedCols * 4 <= kStageBytes,
                 "a pass's fp32 slices fit one stage's K and V tiles");

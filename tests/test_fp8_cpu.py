@@ -192,6 +192,45 @@ def test_fp8_decode_of_at_most_8_rows_takes_one_row_half(monkeypatch):
         cupy_fa.knobs.reload()
 
 
+def test_fp8_one_row_half_takes_a_producer_warpgroup_on_sm90a(monkeypatch):
+    """On an sm_90a target the one-row-half fp8 tiles at head dims 64 and 128 may take a producer
+    warpgroup (TileTraits PRODUCER_WARPS = 4: 256 threads, setmaxnreg), and do where it keeps their CTAs
+    an SM (2: the folding tile at D = 128); the tiles that fit 3 or 4 CTAs keep them and no producers.
+    At head dim 256, on any other target, for 16-bit caches, on the full tile and with
+    CUPY_FA_PRODUCER_WARP=0: none. Its schedule (shared memory, CTAs an SM, keys a tile) is the
+    tile's without it."""
+    for head_dim in schedule.FP8_HEAD_DIMS:
+        for arch in ("sm_90a", "sm_90", "sm_80", None):
+            tile = schedule.tile_for(head_dim, 1, 8, arch=arch, kv_bytes=1)
+            capable = arch == "sm_90a" and head_dim in (64, 128)
+            assert tile.producer_capable == capable and tile.producer_warps == 0, (head_dim, arch, tile)
+            folded = tile.folding()
+            ring = capable and head_dim == 128
+            assert folded.producer_warps == (4 if ring else 0), (head_dim, arch, folded)
+            assert folded.threads == (256 if ring else 128)
+            plain = dataclasses.replace(folded, producer_capable=False)
+            assert (folded.smem_bytes, folded.min_ctas_per_sm, folded.block_n, folded.splits_per_cta) == \
+                (plain.smem_bytes, plain.min_ctas_per_sm, plain.block_n, plain.splits_per_cta)
+        assert not schedule.tile_for(head_dim, 3, 4, arch="sm_90a", kv_bytes=1).producer_capable  # both halves
+        assert not schedule.tile_for(head_dim, 1, 4, arch="sm_90a").producer_capable  # a 16-bit cache
+    ring = schedule.tile_for(128, 1, 4, arch="sm_90a", kv_bytes=1).folding()
+    assert ring.traits() == "cupy_fa::TileTraits<128, 1, 4, 128, 2, true, 1, false, 1, 4>"
+    assert ring.min_ctas_per_sm == 2
+    for bad in (dict(head_dim=256), dict(row_halves=2), dict(kv_bytes=2)):
+        with pytest.raises(ValueError, match="producer warpgroup"):
+            dataclasses.replace(ring, **bad)
+    listed = {t.traits() for t in schedule.fp8_tiles(128, arch="sm_90a") if t.producer_warps}
+    assert listed == {ring.traits()}
+    assert not any(t.producer_capable for t in schedule.fp8_tiles(128, arch="sm_80"))
+    monkeypatch.setenv("CUPY_FA_PRODUCER_WARP", "0")
+    cupy_fa.knobs.reload()
+    try:
+        assert not schedule.tile_for(128, 1, 4, arch="sm_90a", kv_bytes=1).producer_capable
+    finally:
+        monkeypatch.delenv("CUPY_FA_PRODUCER_WARP")
+        cupy_fa.knobs.reload()
+
+
 def test_fp8_variants():
     types = schedule.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
     v = schedule.attention_variant(types, schedule.tile_for(128, 1, 4, kv_bytes=1))

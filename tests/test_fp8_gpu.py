@@ -361,10 +361,11 @@ def test_fp8_decode_equals_verify_bitwise(dtype, heads, page_size):
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_fp8_one_row_half_never_changes_a_bit(dtype, page_size, monkeypatch):
     """Requests of at most 8 packed rows over an fp8 cache run the one-row tile with one row half
-    (the softmax of rows 8 .. 15 not issued): outputs and LSEs have the bits of the full tile
-    (CUPY_FA_HALF_ROWS=0), eager and planned inside a captured graph, with and without CTAs folding
-    their splits; decode at groups 4 and 8, verify of 2 tokens at group 4, head dims 64, 128, 256;
-    held to float64 too."""
+    (the softmax of rows 8 .. 15 not issued) and, on sm_90a at head dims 64 and 128, a producer
+    warpgroup issuing the K/V copies: outputs and LSEs have the bits of the one-half tile without the
+    producers (CUPY_FA_PRODUCER_WARP=0) and of the full tile (CUPY_FA_HALF_ROWS=0), eager and planned
+    inside a captured graph, with and without CTAs folding their splits; decode at groups 4 and 8,
+    verify of 2 tokens at group 4, head dims 64, 128, 256; held to float64 too."""
     import cupy
     import cupy_fa
     from cupy_fa import reference, schedule
@@ -381,33 +382,46 @@ def test_fp8_one_row_half_never_changes_a_bit(dtype, page_size, monkeypatch):
                                                               B * num_draft, "head")
         q = cupy.asarray(q_host)
         case = f"seed {seed} D={head_dim} heads {h_q}/{h_kv} q_len {num_draft} page {page_size}"
+        # the tile each configuration must run: (row halves, producer warps)
+        sm90a = cupy.cuda.Device().compute_capability == "90" and not os.environ.get("CUPY_FA_ARCH")
+        producers = 4 if sm90a and head_dim in (64, 128) else 0
+        configs = {"ring": ("1", "1", (1, producers)), "1": ("1", "0", (1, 0)), "0": ("0", "1", (2, 0))}
         outs = {}
-        for halves in ("1", "0"):
+        for name, (halves, producer, shape) in configs.items():
+            monkeypatch.setenv("CUPY_FA_HALF_ROWS", halves)
+            monkeypatch.setenv("CUPY_FA_PRODUCER_WARP", producer)
             for fold in ("0", "1"):
-                monkeypatch.setenv("CUPY_FA_HALF_ROWS", halves)
                 monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", fold)
                 cupy_fa.knobs.reload()
                 attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8).plan(q_lens, kv, table)
-                assert attn.planned.tile.row_halves == (1 if halves == "1" else 2), case
+                tile = attn.planned.tile
+                assert (tile.row_halves, tile.producer_warps) == shape, (case, name, tile)
                 out = cupy.full(q.shape, np.nan, np_dtype(dtype))
                 lse = cupy.full(q.shape[:2], np.nan, np.float32)
                 attn.run(q, cache, out=out, lse=lse)
-                outs[halves, fold] = (out, lse)
+                outs[name, fold] = (out, lse)
             graph_attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8)
             graph_out = run_planned_in_graph(graph_attn, q_lens, kv, table, q, cache, num_draft, int(kv.max()))
-            assert graph_attn.planned.tile.row_halves == (1 if halves == "1" else 2), case
-            outs[halves, "graph"] = (graph_out, None)
+            tile = graph_attn.planned.tile
+            assert (tile.row_halves, tile.producer_warps) == shape, (case, name, tile)
+            outs[name, "graph"] = (graph_out, None)
         monkeypatch.delenv("CUPY_FA_HALF_ROWS")
+        monkeypatch.delenv("CUPY_FA_PRODUCER_WARP")
         cupy_fa.knobs.reload()
         ref, ref_lse = reference.paged_attention(q_host, k, v, q_lens, kv, table, return_lse=True,
                                                  k_scale=ks, v_scale=vs)
-        check_attention(outs["1", "1"][0].get(), ref, dtype, q_lens=q_lens, lse=outs["1", "1"][1].get(),
-                        ref_lse=ref_lse, label=case).assert_ok()
-        for key in (("0", "0"), ("0", "1"), ("1", "0")):
-            assert (outs["1", "1"][0].view(np.uint16) == outs[key][0].view(np.uint16)).all().get(), (case, key)
-            assert (outs["1", "1"][1].view(np.uint32) == outs[key][1].view(np.uint32)).all().get(), (case, key)
-        assert (outs["1", "graph"][0].view(np.uint16) == outs["0", "graph"][0].view(np.uint16)).all().get(), case
-        check_attention(outs["1", "graph"][0].get(), ref, dtype, q_lens=q_lens, label=case + " graph").assert_ok()
+        first = outs["ring", "1"]
+        check_attention(first[0].get(), ref, dtype, q_lens=q_lens, lse=first[1].get(), ref_lse=ref_lse,
+                        label=case).assert_ok()
+        for key in outs:
+            if key[1] == "graph":
+                continue
+            assert (first[0].view(np.uint16) == outs[key][0].view(np.uint16)).all().get(), (case, key)
+            assert (first[1].view(np.uint32) == outs[key][1].view(np.uint32)).all().get(), (case, key)
+        for name in ("1", "0"):
+            assert (outs["ring", "graph"][0].view(np.uint16) == outs[name, "graph"][0].view(np.uint16)).all().get(), \
+                (case, name)
+        check_attention(outs["ring", "graph"][0].get(), ref, dtype, q_lens=q_lens, label=case + " graph").assert_ok()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

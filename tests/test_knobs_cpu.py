@@ -18,6 +18,7 @@ def test_defaults_and_parsing():
     k = knobs.Knobs.from_environ(env)
     assert k == knobs.Knobs("sm_80", "/tmp/x", 3, 2, 1024, 4, "0", False, True)
     assert not knobs.Knobs.from_environ({"CUPY_FA_HALF_ROWS": "0"}).half_rows
+    assert k.producer_warp and not knobs.Knobs.from_environ({"CUPY_FA_PRODUCER_WARP": "0"}).producer_warp
     assert knobs.Knobs.from_environ({"CUPY_FA_DECODE_WARPS_M": "auto"}).decode_warps_m is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         k.split_size = 64
@@ -27,6 +28,7 @@ def test_defaults_and_parsing():
     ("CUPY_FA_DECODE_STAGES", "5"), ("CUPY_FA_DECODE_STAGES", "two"), ("CUPY_FA_DECODE_WARPS_M", "4"),
     ("CUPY_FA_SPLIT_SIZE", "100"), ("CUPY_FA_SPLIT_SIZE", "0"), ("CUPY_FA_SPLITS_PER_CTA", "0"),
     ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"), ("CUPY_FA_HALF_ROWS", "no"),
+    ("CUPY_FA_PRODUCER_WARP", "2"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
