@@ -214,13 +214,15 @@ class MmaTile:
     @property
     def producer_warps(self):
         """Warps of the producer warpgroup (TileTraits PRODUCER_WARPS): 4 for a ``producer_capable``
-        tile of that layout whose 256 threads keep the CTAs an SM its 128 would have (2: the folding
-        tile at D = 128, by shared memory), else 0: a tile that fits 3 or 4 CTAs an SM keeps them, and
-        its copies on the consumers (a producer warpgroup's registers allow 2)."""
-        if not (self.producer_capable and self.producer_warp_layout):
+        folding tile of that layout whose 256 threads and epilogue buffer (``_smem_own``) keep the CTAs
+        an SM it has without them (2: the folding tile at D = 128, by shared memory), else 0: a tile
+        that fits 3 or 4 CTAs an SM keeps them, and its copies on the consumers (a producer
+        warpgroup's registers allow 2)."""
+        if not (self.producer_capable and self.producer_warp_layout and self.fold_capable):
             return 0
         consumers = 32 * self.warps_m * self.warps_n
-        return 4 if self._ctas_per_sm(consumers + 128) == self._ctas_per_sm(consumers) == 2 else 0
+        plain = self._ctas_per_sm(consumers, self._smem_bytes(0))
+        return 4 if self._ctas_per_sm(consumers + 128, self._smem_bytes(self._smem_own)) == plain == 2 else 0
 
     @property
     def fold_layout(self):
@@ -240,13 +242,22 @@ class MmaTile:
 
     @property
     def smem_bytes(self):
+        return self._smem_bytes(self._smem_own if self.producer_warps else 0)
+
+    @property
+    def _smem_own(self):
+        """TileTraits::kSmemEpilogueOwn of a producer-warpgroup tile: its epilogue's buffer, 8 rows a
+        warp of one pass's columns in fp32."""
+        return self.warps_m * self.warps_n * 8 * (self.head_dim // max(self._fp8_epilogue_passes(), 1)) * 4
+
+    def _smem_bytes(self, own):
         fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
         if self.kv_bytes == 1:  # TileTraits::kSmemKVRegion: room for an epilogue staged over every stage
             kv = 2 * self.stages * self.block_n * self.head_dim
             if not self.epilogue_in_stage:
                 kv = max(kv, self.warps_m * self.warps_n * 16 * self.head_dim * 4)
-            return 2 * self.head_dim * self.block_m + kv + fold
-        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold
+            return 2 * self.head_dim * self.block_m + kv + fold + own
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold + own
 
     @property
     def epilogue_in_stage(self):
@@ -260,10 +271,10 @@ class MmaTile:
     def min_ctas_per_sm(self):
         """TileTraits::kMinCtasPerSm: CTAs per SM the launch bounds hold small-q tiles to
         (as many as shared memory allows, up to what 128 registers a thread can feed)."""
-        return self._ctas_per_sm(self.threads)
+        return self._ctas_per_sm(self.threads, self.smem_bytes)
 
-    def _ctas_per_sm(self, threads):
-        by_smem = SMEM_LIMIT // (self.smem_bytes + 1024)
+    def _ctas_per_sm(self, threads, smem_bytes):
+        by_smem = SMEM_LIMIT // (smem_bytes + 1024)
         by_registers = 65536 // (threads * 128)
         # TileTraits::kOneCtaForRegisters: a 96-column two-row tile with the variant hooks
         one_for_registers = self.variants and self.warps_m > 1 and self.head_dim % 64 != 0

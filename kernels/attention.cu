@@ -227,17 +227,20 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       tile_math(tile, stage);
       if (tiles_left == 1 || tile + 1 == num_tiles) {
         epilogue.publish(state);
-        Traits::sync_consumers();  // every consumer warp is done with the stage the epilogue stages in
+        // staged in a buffer of its own: the producers refill the stage during the epilogue
+        if constexpr (Traits::kEpilogueOwnBuffer) ring.release(tile);
+        Traits::sync_consumers();  // every consumer warp is done with the stage (and published)
         const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
         const unsigned long long epilogue_from = trace_now();
         epilogue.finish(split_now++, stage, state.acc, bad);
         traced_epilogue += trace_now() - epilogue_from;
         state.reset();
         tiles_left = tiles_per_split;
+        if constexpr (!Traits::kEpilogueOwnBuffer) ring.release(tile);  // staged in it: free after
       } else {
         --tiles_left;
+        ring.release(tile);  // the producers may refill the stage
       }
-      ring.release(tile);  // the producer may refill the stage
     }
   } else {
     for (int tile = 0; tile < num_tiles; ++tile) {

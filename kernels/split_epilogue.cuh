@@ -30,8 +30,9 @@
 //
 // Shared memory: each warp publishes its rows' max and sum (publish) before the barrier that ends
 // the split's last tile; after it every warp is done with `stage`, whose K/V tiles (or, for a
-// tile whose epilogue does not fit a stage, all K/V stages) take the fp32 accumulators (finish),
-// which syncs again before they are reused.
+// tile whose epilogue does not fit a stage, all K/V stages; for the producer-warpgroup tile a
+// buffer of its own, TileTraits::kEpilogueOwnBuffer) take the fp32 accumulators (finish), which
+// syncs again before they are reused.
 #pragma once
 
 #include "common.cuh"
@@ -103,9 +104,12 @@ struct SplitEpilogue {
         s_row(s_row),
         s_step(s_step) {}
 
-  // warp w's [16][W] fp32 slice of the staging area
+  // warp w's [16][W] fp32 slice of the staging area ([8][W] in a buffer of its own: rows g only)
   __device__ __forceinline__ float* staged(int wi, int stage) const {
-    if constexpr (Traits::kEpilogueInStage) {
+    if constexpr (Traits::kEpilogueOwnBuffer) {
+      return reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sK) + Traits::kSmemKVRegion +
+                                      Traits::kSmemFold) + wi * 8 * W;
+    } else if constexpr (Traits::kEpilogueInStage) {
       constexpr int kPerTile = BN * D * (int)sizeof(KVT) / (64 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
       KVT* tile_base = (wi < kPerTile ? sK : sV) + stage * BN * D;
       return reinterpret_cast<float*>(tile_base) + (wi % kPerTile) * 16 * W;
@@ -227,7 +231,7 @@ struct SplitEpilogue {
           const int db = pass * kPassBlocks + j;
           float4* o = reinterpret_cast<float4*>(mine4 + 8 * ((j + (tq >> 1)) ^ (g & 7)));
           if (first_real < rows) o[0] = make_float4(acc[db][0], acc[db + 1][0], acc[db][1], acc[db + 1][1]);
-          if (first_real + 8 < rows) {
+          if (!Traits::kEpilogueOwnBuffer && first_real + 8 < rows) {
             o[2 * W] = make_float4(acc[db][2], acc[db + 1][2], acc[db][3], acc[db + 1][3]);  // row g + 8
           }
         }
@@ -249,13 +253,16 @@ struct SplitEpilogue {
         const int row = w.row0 + r;
         if (row >= rows) continue;
         const int rwm = r >> 4, rl = r & 15;
+        // (a buffer of its own holds rows 0 .. 7: a row past them comes only from a bad request
+        // (the kernel traps on any other), written NaN whatever it reads, so it reads in bounds)
+        const int staged_row = Traits::kEpilogueOwnBuffer ? (rl & 7) : rl;
         const float4 rv = s_row[r];  // max, sum, 1 / sum, 1 / folded sum
         float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int wi = 0; wi < Traits::kWarpsN; ++wi) {
           const float f = s_factor[r][wi];
           const float4 part = *reinterpret_cast<const float4*>(staged(rwm * Traits::kWarpsN + wi, stage) +
-                                                               staged_pair<W>(rl, 2 * c4_in_pass));
+                                                               staged_pair<W>(staged_row, 2 * c4_in_pass));
           o[0] += part.x * f;
           o[1] += part.y * f;
           o[2] += part.z * f;

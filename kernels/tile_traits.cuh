@@ -105,11 +105,17 @@ struct TileTraits {
                            : (HEAD_DIM >= 128 && kWarps * 16 * (HEAD_DIM / 2) * 4 <= kStageBytes ? 2 : 0));
   static constexpr bool kEpilogueInStage = kEpiloguePasses > 0;
   static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM / kEpiloguePasses : HEAD_DIM;  // per pass
+  // The producer-warpgroup tile (one row half, folding) stages its epilogue in a buffer of its own,
+  // its warps' real rows only (8 a warp), after the fold state: the consumers free the stage they
+  // read at a split's end before the epilogue, and the producers refill it meanwhile (attention.cu).
+  // The same arithmetic in the same order: no bit changes.
+  static constexpr bool kEpilogueOwnBuffer = PRODUCER_WARPS > 0;
+  static constexpr int kSmemEpilogueOwn = kEpilogueOwnBuffer ? kWarps * 8 * kStagedCols * 4 : 0;
   // The K/V stages, and where the epilogue stages over all of them and they are too small (an
   // fp8 tile), the room it needs; then the fold state.
   static constexpr int kSmemKVRegion =
       (kEpilogueInStage || kSmemEpilogue <= 2 * kSmemKV) ? 2 * kSmemKV : kSmemEpilogue;
-  static constexpr int kSmemBytes = kSmemQ + kSmemKVRegion + kSmemFold;
+  static constexpr int kSmemBytes = kSmemQ + kSmemKVRegion + kSmemFold + kSmemEpilogueOwn;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
   // flight, so hold the compiler to the CTAs per SM that shared memory allows,
   // as far as 128 registers per thread can feed them. Prefill tiles keep their
@@ -132,9 +138,9 @@ struct TileTraits {
   static_assert(ROW_HALVES == 2 || (ROW_HALVES == 1 && WARPS_M == 1 && WARPS_N > 1),
                 "one row half only on the one-row small-q tile");
   static_assert(PRODUCER_WARPS == 0 || (PRODUCER_WARPS == kWarps && kWarps == 4 && KV_BYTES == 1 && WARPS_M == 1 &&
-                                         !VARIANTS && kMinCtasPerSm == 2),
-                "a producer warpgroup only on the fp8 one-row small-q tile without the variant hooks, 2 CTAs "
-                "an SM (kConsumerRegisters)");
+                                         ROW_HALVES == 1 && FOLD && !VARIANTS && kMinCtasPerSm == 2),
+                "a producer warpgroup only on the fp8 one-row-half folding tile without the variant hooks, 2 "
+                "CTAs an SM (kConsumerRegisters)");
   static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
   static_assert(!kEpilogueInStage || kWarps * 16 * kStagedCols * 4 <= kStageBytes,
                 "a pass's fp32 slices fit one stage's K and V tiles");
