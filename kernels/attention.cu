@@ -3,7 +3,7 @@
 //
 //   work.cuh            which (request, row block, run of splits) this CTA runs
 //   paged_kv.cuh        Q's row block once, K/V tiles through a STAGES-deep cp.async pipeline
-//   kv_ring.cuh         or (a producer-warp tile) a ring of mbarriers that a producer warp fills
+//   kv_ring.cuh         or (a producer-warpgroup tile) a ring of mbarriers its producers fill
 //   warp_mma.cuh        per warp: S = Q K^T, the variant on S, O += P V
 //   variant.cuh         the attention variant: mask and logits hooks
 //   softmax.cuh         the online-softmax state of a warp's rows
@@ -40,6 +40,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int CH = Traits::kChunks, STAGES = Traits::kStages;
   typedef WarpMma<Traits, QT, KVT> Mma;
   constexpr bool kRing = Traits::kProducerWarps > 0;
+  static_assert(!kRing || Traits::kEpilogueOwnBuffer, "the ring frees a stage before the epilogue");
 
   extern __shared__ __align__(128) unsigned char smem[];
   QT* sQ = reinterpret_cast<QT*>(smem);
@@ -143,7 +144,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   }
 
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group;
-  // with a producer warp, Q is the consumers' only group)
+  // with a producer warpgroup, Q is the consumers' only group)
   load_q_block<Traits, QT, KVBytes<KVT>::value == 1>(p, sQ, w.q_start, w.row0, rows, kv_head, group, by_group,
                                                     row_in_pass, chunk);
   PagedKVProducer<Traits, KVT> kv(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles, kv_row_in_pass,
@@ -225,21 +226,18 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       traced_wait += trace_now() - wait_from;
       if (tile == 0) trace_stamp(kTraceFirstTile);
       tile_math(tile, stage);
-      if (tiles_left == 1 || tile + 1 == num_tiles) {
+      // this thread is done with the stage (a split's epilogue stages in a buffer of its own): the
+      // producers refill it, during the epilogue too
+      ring.release(tile);
+      if (--tiles_left == 0 || tile + 1 == num_tiles) {
         epilogue.publish(state);
-        // staged in a buffer of its own: the producers refill the stage during the epilogue
-        if constexpr (Traits::kEpilogueOwnBuffer) ring.release(tile);
-        Traits::sync_consumers();  // every consumer warp is done with the stage (and published)
+        Traits::sync_consumers();  // every consumer warp's state published
         const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
         const unsigned long long epilogue_from = trace_now();
         epilogue.finish(split_now++, stage, state.acc, bad);
         traced_epilogue += trace_now() - epilogue_from;
         state.reset();
         tiles_left = tiles_per_split;
-        if constexpr (!Traits::kEpilogueOwnBuffer) ring.release(tile);  // staged in it: free after
-      } else {
-        --tiles_left;
-        ring.release(tile);  // the producers may refill the stage
       }
     }
   } else {

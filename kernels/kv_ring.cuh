@@ -11,16 +11,18 @@
 //                            orders the CTA's page flag (set before the copies when a page id lay
 //                            outside the cache) before any consumer's wait on full returns;
 //   consumers (kThreads)     wait on full, read the stage (ldmatrix), arrive on empty. A split's
-//                            epilogue stages its accumulators in the stage it just read and syncs
-//                            the consumers alone (TileTraits::sync_consumers); they free the stage
-//                            after it.
+//                            epilogue stages its accumulators in a buffer of its own
+//                            (TileTraits::kEpilogueOwnBuffer) and syncs the consumers alone
+//                            (TileTraits::sync_consumers), so the producers refill the stage
+//                            during it.
 // Use n of a stage (tile n * STAGES + stage) completes phase n of its barriers, parity n & 1; a fresh
 // barrier counts its "phase before" (parity 1) as complete, so the producer's first pass over
 // `empty` does not wait.
 //
 // Each side then asks for its registers (setmaxnreg, sm_90a: the producers few, the consumers what
-// the launch bounds' 128 could not give them). Portable to sm_80 (mbarrier.test_wait there; try_wait,
-// which may suspend the thread instead of spinning, on sm_90), with 128 registers a thread there.
+// the launch bounds' 128 could not give them). The ring's code compiles for sm_80 too
+// (mbarrier.test_wait there; try_wait, which may suspend the thread instead of spinning, on sm_90)
+// at 128 registers a thread; the host takes the tile on sm_90a only (MmaTile.producer_capable).
 #pragma once
 
 #include "common.cuh"
