@@ -166,7 +166,7 @@ struct PagedKVProducer {
     }
   }
 
-  template <typename SlotOf>
+  template <bool K, bool V, typename SlotOf>
   __device__ __forceinline__ void issue_rows(int tile, int stage, SlotOf slot_of) {
     KVT* dk = sK + stage * BN * D;
     KVT* dv = sV + stage * BN * D;
@@ -181,19 +181,23 @@ struct PagedKVProducer {
       highest = max(highest, fetched);
       const int page = static_cast<int>(min(fetched, last));  // inside the cache, whatever was fetched
       const i64 offset = (i64)(valid ? slot_of(page, key) : 0) * slot_bytes;  // < 2^31 cache slots
-      cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
-      cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
+      if constexpr (K) cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
+      if constexpr (V) cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
     }
-    if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
+    // (once a tile: with its K copies)
+    if (K && highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }
 
-  // The cp.async copies of tile `tile` into stage `stage`, from the page ids fetched for it.
+  // The cp.async copies of tile `tile` into stage `stage`, from the page ids fetched for it: its K
+  // and V tiles, or (K, V template arguments) one of them (a ring that hands K and V over apart:
+  // kv_ring.cuh; the flag of a page outside the cache is set with the K copies).
+  template <bool K = true, bool V = true>
   __device__ __forceinline__ void issue(int tile, int stage) {
     if (p.page_shift >= 0) {
       const int in_page = p.page_size - 1;
-      issue_rows(tile, stage, [&](int page, int key) { return (page << p.page_shift) | (key & in_page); });
+      issue_rows<K, V>(tile, stage, [&](int page, int key) { return (page << p.page_shift) | (key & in_page); });
     } else {
-      issue_rows(tile, stage, [&](int page, int key) { return page * p.page_size + key % p.page_size; });
+      issue_rows<K, V>(tile, stage, [&](int page, int key) { return page * p.page_size + key % p.page_size; });
     }
   }
 };
