@@ -55,7 +55,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ int s_bad;                  // a page id outside the cache was fetched (paged_kv.cuh)
   __shared__ int s_window_to;            // variant hooks: tiles starting before it take the window's mask
   __shared__ float s_row_unscale[Mma::kQToFp16 ? BM : 1];  // bf16 Q over fp8: each row's 2^-e_r (q_rows_to_fp16)
-  __shared__ unsigned long long s_ring[kRing ? ProducerWarpRing<Traits>::kBarriers : 1];  // kv_ring.cuh
+  __shared__ unsigned long long s_ring[kRing ? 2 * STAGES : 1];  // the ring's mbarriers (kv_ring.cuh)
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -203,40 +203,32 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     }
   }
   unsigned long long traced_wait = 0, traced_epilogue = 0;  // trace.cuh: 0 unless CUPY_FA_TRACE
-  // one KV tile's math for this warp, in three phases: S = Q K^T (reads the stage's K), the variant
-  // and the softmax update, O += P V (reads its V)
-  typedef float Scores[Mma::S_BLOCKS][4];
-  auto tile_scores = [&](Scores& s, int tile, int stage) {
-    mma.scores(s, sQ_mma, sK + stage * BN * D, tile == 0);
-    // an fp8 cache: the scores times KV head kv_head's k_scale (and the row's 2^-e_r for bf16
-    // queries; v_scale is the epilogue's)
-    if constexpr (KVBytes<KVT>::value == 1) mma.scale_scores(s, row_scale);
+  // one KV tile's math for this warp: S = Q K^T, the variant, the softmax update, O += P V
+  auto tile_math = [&](int tile, int stage) {
+    if (warp_has_rows) {
+      float s[Mma::S_BLOCKS][4];
+      mma.scores(s, sQ_mma, sK + stage * BN * D, tile == 0);
+      // an fp8 cache: the scores times KV head kv_head's k_scale (and the row's 2^-e_r for bf16
+      // queries; v_scale is the epilogue's)
+      if constexpr (KVBytes<KVT>::value == 1) mma.scale_scores(s, row_scale);
+      const int tile_key0 = kv_begin + tile * BN;
+      mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows,
+                        tile_key0 + BN - 1 >= mask_from || (Traits::kVariants && tile_key0 < s_window_to));
+      state.template update<Traits::kRowHalves>(s);
+      mma.accumulate(state.acc, s, sV + stage * BN * D);
+    }
   };
-  auto tile_softmax = [&](Scores& s, int tile) {
-    const int tile_key0 = kv_begin + tile * BN;
-    mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows,
-                      tile_key0 + BN - 1 >= mask_from || (Traits::kVariants && tile_key0 < s_window_to));
-    state.template update<Traits::kRowHalves>(s);
-  };
-  auto tile_values = [&](Scores& s, int stage) { mma.accumulate(state.acc, s, sV + stage * BN * D); };
   if constexpr (kRing) {
     for (int tile = 0; tile < num_tiles; ++tile) {
-      typedef ProducerWarpRing<Traits> Ring;
       const int stage = tile % STAGES;
-      float s[Mma::S_BLOCKS][4];
       const unsigned long long wait_from = trace_now();
-      ring.wait_full(Ring::kK, tile);
+      ring.wait_full(tile);
       traced_wait += trace_now() - wait_from;
       if (tile == 0) trace_stamp(kTraceFirstTile);
-      // each of the stage's tiles freed once this thread has read it (a split's epilogue stages in a
-      // buffer of its own): the producers refill K during the softmax and P V, the stage during the
-      // epilogue
-      if (warp_has_rows) tile_scores(s, tile, stage);
-      ring.release(Ring::kK, tile);
-      if (warp_has_rows) tile_softmax(s, tile);
-      ring.wait_full(Ring::kV, tile);
-      if (warp_has_rows) tile_values(s, stage);
-      ring.release(Ring::kV, tile);
+      tile_math(tile, stage);
+      // this thread is done with the stage (a split's epilogue stages in a buffer of its own): the
+      // producers refill it, during the epilogue too
+      ring.release(tile);
       if (--tiles_left == 0 || tile + 1 == num_tiles) {
         epilogue.publish(state);
         Traits::sync_consumers();  // every consumer warp's state published
@@ -262,12 +254,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       __syncthreads();
       traced_wait += trace_now() - wait_from;
       if (tile == 0) trace_stamp(kTraceFirstTile);
-      if (warp_has_rows) {
-        float s[Mma::S_BLOCKS][4];
-        tile_scores(s, tile, stage);
-        tile_softmax(s, tile);
-        tile_values(s, stage);
-      }
+      tile_math(tile, stage);
       // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row
       // tile, at its register cap, a spill)
       if (tiles_left == 1 || tile + 1 == num_tiles) epilogue.publish(state);

@@ -2,24 +2,22 @@
 // STAGES pipeline stages handed between a producer warpgroup and the consumer warps by mbarriers,
 // with no cp.async group waits and no CTA-wide barrier per tile.
 //
-// A stage's K tile and its V tile are handed over apart, each with a `full` barrier (its copies
-// have landed) and an `empty` one (every consumer thread is done reading it), in shared memory:
-//   producers (kThreads)     per tile: wait on K's empty (the stage's previous K freed), issue the K
-//                            copies (paged_kv.cuh PagedKVProducer, as the consumers would), arrive on
-//                            K's full; then the same for V. Each arrival is two: a
-//                            cp.async.mbarrier.arrive (pending until the thread's copies are
-//                            complete) and an ordinary arrive, whose release orders the CTA's page
-//                            flag (set with the K copies when a page id lay outside the cache)
-//                            before any consumer's wait on K's full returns;
-//   consumers (kThreads)     wait on K's full, S = Q K^T, free K; the softmax; wait on V's full,
-//                            O += P V, free V: the producers refill K while the consumers are still
-//                            on the tile's softmax and P V. A split's epilogue stages its
-//                            accumulators in a buffer of its own (TileTraits::kEpilogueOwnBuffer) and
-//                            syncs the consumers alone (TileTraits::sync_consumers), so the
-//                            producers refill the stage during it.
+// A stage has a `full` barrier (its tile's copies have landed) and an `empty` one (every consumer
+// thread is done reading it), in shared memory:
+//   producers (kThreads)     wait on empty (the stage's previous use freed), issue the tile's
+//                            copies (paged_kv.cuh PagedKVProducer, as the consumers would), then
+//                            each arrives on full twice: cp.async.mbarrier.arrive (pending until
+//                            its copies are complete) and an ordinary arrive, whose release
+//                            orders the CTA's page flag (set before the copies when a page id lay
+//                            outside the cache) before any consumer's wait on full returns;
+//   consumers (kThreads)     wait on full, read the stage (ldmatrix), arrive on empty. A split's
+//                            epilogue stages its accumulators in a buffer of its own
+//                            (TileTraits::kEpilogueOwnBuffer) and syncs the consumers alone
+//                            (TileTraits::sync_consumers), so the producers refill the stage
+//                            during it.
 // Use n of a stage (tile n * STAGES + stage) completes phase n of its barriers, parity n & 1; a fresh
-// barrier counts its "phase before" (parity 1) as complete, so the producers' first pass over the
-// empty barriers does not wait.
+// barrier counts its "phase before" (parity 1) as complete, so the producer's first pass over
+// `empty` does not wait.
 //
 // Each side then asks for its registers (setmaxnreg, sm_90a: the producers few, the consumers what
 // the launch bounds' 128 could not give them). The ring's code compiles for sm_80 too
@@ -34,46 +32,39 @@ namespace cupy_fa {
 template <typename Traits>
 struct ProducerWarpRing {
   static constexpr int STAGES = Traits::kStages;
-  enum Half { kK = 0, kV = 1 };  // a stage's K tile, its V tile
-  // shared address of the first barrier: full[half][stage] at base + 8 (half STAGES + stage), then
-  // empty[half][stage] 16 STAGES bytes on
-  unsigned base;
+  unsigned base;  // shared address of full[0]; full[s] at base + 8 s, empty[s] at base + 8 (STAGES + s)
 
-  __device__ __forceinline__ explicit ProducerWarpRing(unsigned long long* bars)  // kBarriers of them
+  __device__ __forceinline__ explicit ProducerWarpRing(unsigned long long* bars)  // 2 * STAGES of them
       : base(static_cast<unsigned>(__cvta_generic_to_shared(bars))) {}
-  static constexpr int kBarriers = 4 * STAGES;
 
-  __device__ __forceinline__ unsigned full(Half h, int tile) const { return base + 8u * (h * STAGES + tile % STAGES); }
-  __device__ __forceinline__ unsigned empty(Half h, int tile) const { return full(h, tile) + 16u * STAGES; }
+  __device__ __forceinline__ unsigned full(int stage) const { return base + 8u * stage; }
+  __device__ __forceinline__ unsigned empty(int stage) const { return base + 8u * (STAGES + stage); }
   static __device__ __forceinline__ int parity(int tile) { return (tile / STAGES) & 1; }
 
   // One thread, before a __syncthreads that every thread of the CTA passes.
   __device__ __forceinline__ void init() const {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        init_one(full(Half(h), s), 32 * Traits::kProducerWarps);  // each producer's ordinary arrive
-        init_one(empty(Half(h), s), Traits::kThreads);
-      }
+      init_one(full(s), 32 * Traits::kProducerWarps);  // each producer's ordinary arrive
+      init_one(empty(s), Traits::kThreads);
     }
 #if __CUDA_ARCH__ >= 900
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
   }
 
-  // ---- the producers' side (each producer thread)
-  __device__ __forceinline__ void wait_free(Half h, int tile) const { wait(empty(h, tile), parity(tile) ^ 1); }
-  __device__ __forceinline__ void filled(Half h, int tile) const {
-    const unsigned bar = full(h, tile);
+  // ---- the producer's side (each lane of the producer warp)
+  __device__ __forceinline__ void wait_free(int tile) const { wait(empty(tile % STAGES), parity(tile) ^ 1); }
+  __device__ __forceinline__ void filled(int tile) const {
+    const unsigned bar = full(tile % STAGES);
     asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];\n" ::"r"(bar) : "memory");
     asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(bar) : "memory");
   }
 
   // ---- the consumers' side (each consumer thread)
-  __device__ __forceinline__ void wait_full(Half h, int tile) const { wait(full(h, tile), parity(tile)); }
-  __device__ __forceinline__ void release(Half h, int tile) const {
-    asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(empty(h, tile)) : "memory");
+  __device__ __forceinline__ void wait_full(int tile) const { wait(full(tile % STAGES), parity(tile)); }
+  __device__ __forceinline__ void release(int tile) const {
+    asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(empty(tile % STAGES)) : "memory");
   }
 
  private:
@@ -112,20 +103,16 @@ __device__ __forceinline__ void warpgroup_registers_up() {
 #endif
 }
 
-// The producers' loop: every K/V tile of the CTA's run, in order, into the ring, K then V (the page
-// ids of tile t + 1 fetched while they wait for tile t + 1's K to be freed).
+// The producers' loop: every K/V tile of the CTA's run, in order, into the ring (the page ids of
+// tile t + 1 fetched while they wait for tile t + 1's stage to be freed).
 template <typename Ring, typename Producer>
 __device__ __forceinline__ void produce_tiles(const Ring& ring, Producer& kv, int num_tiles) {
   kv.fetch_pages(0);
   for (int tile = 0; tile < num_tiles; ++tile) {
-    const int stage = tile % Ring::STAGES;
-    ring.wait_free(Ring::kK, tile);
-    kv.template issue<true, false>(tile, stage);
-    ring.filled(Ring::kK, tile);
-    ring.wait_free(Ring::kV, tile);
-    kv.template issue<false, true>(tile, stage);
-    ring.filled(Ring::kV, tile);
+    ring.wait_free(tile);
+    kv.issue(tile, tile % Ring::STAGES);
     kv.fetch_pages(tile + 1);
+    ring.filled(tile);
   }
 }
 

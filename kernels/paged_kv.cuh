@@ -166,7 +166,7 @@ struct PagedKVProducer {
     }
   }
 
-  template <bool K, bool V, typename SlotOf>
+  template <typename SlotOf>
   __device__ __forceinline__ void issue_rows(int tile, int stage, SlotOf slot_of) {
     KVT* dk = sK + stage * BN * D;
     KVT* dv = sV + stage * BN * D;
@@ -181,23 +181,19 @@ struct PagedKVProducer {
       highest = max(highest, fetched);
       const int page = static_cast<int>(min(fetched, last));  // inside the cache, whatever was fetched
       const i64 offset = (i64)(valid ? slot_of(page, key) : 0) * slot_bytes;  // < 2^31 cache slots
-      if constexpr (K) cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
-      if constexpr (V) cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
+      cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
+      cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
     }
-    // (once a tile: with its K copies)
-    if (K && highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
+    if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }
 
-  // The cp.async copies of tile `tile` into stage `stage`, from the page ids fetched for it: its K
-  // and V tiles, or (K, V template arguments) one of them (a ring that hands K and V over apart:
-  // kv_ring.cuh; the flag of a page outside the cache is set with the K copies).
-  template <bool K = true, bool V = true>
+  // The cp.async copies of tile `tile` into stage `stage`, from the page ids fetched for it.
   __device__ __forceinline__ void issue(int tile, int stage) {
     if (p.page_shift >= 0) {
       const int in_page = p.page_size - 1;
-      issue_rows<K, V>(tile, stage, [&](int page, int key) { return (page << p.page_shift) | (key & in_page); });
+      issue_rows(tile, stage, [&](int page, int key) { return (page << p.page_shift) | (key & in_page); });
     } else {
-      issue_rows<K, V>(tile, stage, [&](int page, int key) { return page * p.page_size + key % p.page_size; });
+      issue_rows(tile, stage, [&](int page, int key) { return page * p.page_size + key % p.page_size; });
     }
   }
 };
