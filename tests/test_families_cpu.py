@@ -224,7 +224,12 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     wgmma = {schedule.attention_variant(dt, t) for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
     hooked = {schedule.attention_variant(dt, schedule.with_variants(t))  # with the variant hooks
               for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
-    assert (wgmma | hooked) <= everything and not (wgmma | hooked) & sm80 and everything - sm80 == wgmma | hooked
+    # the fp8 tiles with a producer warpgroup (setmaxnreg): sm_90a only as well
+    ring = {schedule.attention_variant(schedule.ElementTypes(dt, schedule.FP8, dt), t) for dt in _build.CTYPES
+            for d in schedule.FP8_HEAD_DIMS for t in schedule.fp8_tiles(d, arch="sm_90a") if t.producer_warps}
+    assert ring and not ring & sm80
+    assert (wgmma | hooked | ring) <= everything and not (wgmma | hooked) & sm80
+    assert everything - sm80 == wgmma | hooked | ring
     assert hooked <= set(schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a", variants=True))
     assert set(schedule.all_variants("sm_90a")) == everything
     hopper = schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a", variants=True)
