@@ -114,6 +114,9 @@ __device__ __forceinline__ void produce_tiles(const Ring& ring, Producer& kv, in
     kv.fetch_pages(tile + 1);
     ring.filled(tile);
   }
+  // a thread's copies complete before it exits (the consumers wait for them on `full` anyway; an
+  // exited thread's pending copies are what compute-sanitizer's synccheck reports as a missing wait)
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 }  // namespace cupy_fa
