@@ -114,8 +114,7 @@ __device__ __forceinline__ void produce_tiles(const Ring& ring, Producer& kv, in
     kv.fetch_pages(tile + 1);
     ring.filled(tile);
   }
-  // a thread's copies complete before it exits (the consumers wait for them on `full` anyway; an
-  // exited thread's pending copies are what compute-sanitizer's synccheck reports as a missing wait)
+  // a thread's copies complete before it exits (the consumers wait for them on `full` anyway)
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
