@@ -306,8 +306,8 @@ class MmaTile:
 
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in: the same schedule, only the
-        binary differs (:func:`with_variants`)."""
-        return dataclasses.replace(self, variants=True)
+        binary differs (:func:`with_variants`; no producer warpgroup: it has no build with the hooks)."""
+        return dataclasses.replace(self, variants=True, producer_capable=False)
 
     def traits(self):
         """The C++ traits type of this tile's kernel binary."""
