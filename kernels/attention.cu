@@ -55,7 +55,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   __shared__ int s_bad;                  // a page id outside the cache was fetched (paged_kv.cuh)
   __shared__ int s_window_to;            // variant hooks: tiles starting before it take the window's mask
   __shared__ float s_row_unscale[Mma::kQToFp16 ? BM : 1];  // bf16 Q over fp8: each row's 2^-e_r (q_rows_to_fp16)
-  __shared__ unsigned long long s_ring[kRing ? 2 * STAGES : 1];  // the ring's mbarriers (kv_ring.cuh)
+  __shared__ unsigned long long s_ring[kRing ? ProducerWarpRing<Traits>::kBarriers : 1];  // kv_ring.cuh
 
   // The merge kernel (launched programmatically after this one) may start its CTAs as
   // slots free up in this grid's last wave: it reads nothing of ours before it waits.
@@ -133,14 +133,14 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   const ProducerWarpRing<Traits> ring(s_ring);
   if constexpr (kRing) {
     if (warp >= Traits::kWarps) {
-      warpgroup_registers_down<Traits::kProducerRegisters>();
+      regs_release<Traits::kProducerRegisters>();
       const int t = tid - Traits::kThreads;  // copies as consumer thread t would
       PagedKVProducer<Traits, KVT> producer(p, w.request, kv_head, sK, sV, kv_begin, kv_end, num_tiles,
                                             t / Traits::kKVChunks, t % Traits::kKVChunks, s_bad);
       produce_tiles(ring, producer, num_tiles);
       return;
     }
-    warpgroup_registers_up<Traits::kConsumerRegisters>();
+    regs_claim<Traits::kConsumerRegisters>();
   }
 
   // ---- loads: Q once, then the prologue: tiles 0 .. STAGES-2 in flight (Q rides in the first group;

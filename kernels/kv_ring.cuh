@@ -19,23 +19,25 @@
 // barrier counts its "phase before" (parity 1) as complete, so the producer's first pass over
 // `empty` does not wait.
 //
-// Each side then asks for its registers (setmaxnreg, sm_90a: the producers few, the consumers what
-// the launch bounds' 128 could not give them). The ring's code compiles for sm_80 too
-// (mbarrier.test_wait there; try_wait, which may suspend the thread instead of spinning, on sm_90)
-// at 128 registers a thread; the host takes the tile on sm_90a only (MmaTile.producer_capable).
+// Each side then asks for its registers (regs_release / regs_claim, setmaxnreg on sm_90a: the
+// producers few, the consumers what the launch bounds' 128 could not give them). The barriers are
+// pipeline_sync.cuh's, so the ring compiles for sm_80 too, at 128 registers a thread there; the host
+// takes the tile on sm_90a only (MmaTile.producer_capable).
 #pragma once
 
 #include "common.cuh"
+#include "pipeline_sync.cuh"
 
 namespace cupy_fa {
 
 template <typename Traits>
 struct ProducerWarpRing {
   static constexpr int STAGES = Traits::kStages;
+  static constexpr int kBarriers = 2 * STAGES;  // full[STAGES], then empty[STAGES]
   unsigned base;  // shared address of full[0]; full[s] at base + 8 s, empty[s] at base + 8 (STAGES + s)
 
-  __device__ __forceinline__ explicit ProducerWarpRing(unsigned long long* bars)  // 2 * STAGES of them
-      : base(static_cast<unsigned>(__cvta_generic_to_shared(bars))) {}
+  __device__ __forceinline__ explicit ProducerWarpRing(unsigned long long* bars)  // kBarriers of them
+      : base(mbar::smem_addr(bars)) {}
 
   __device__ __forceinline__ unsigned full(int stage) const { return base + 8u * stage; }
   __device__ __forceinline__ unsigned empty(int stage) const { return base + 8u * (STAGES + stage); }
@@ -45,63 +47,23 @@ struct ProducerWarpRing {
   __device__ __forceinline__ void init() const {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      init_one(full(s), 32 * Traits::kProducerWarps);  // each producer's ordinary arrive
-      init_one(empty(s), Traits::kThreads);
+      mbar::init(full(s), 32 * Traits::kProducerWarps);  // each producer's ordinary arrive
+      mbar::init(empty(s), Traits::kThreads);
     }
-#if __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
+    mbar::init_fence();
   }
 
-  // ---- the producer's side (each lane of the producer warp)
-  __device__ __forceinline__ void wait_free(int tile) const { wait(empty(tile % STAGES), parity(tile) ^ 1); }
+  // ---- the producers' side (each producer thread)
+  __device__ __forceinline__ void wait_free(int tile) const { mbar::wait(empty(tile % STAGES), parity(tile) ^ 1); }
   __device__ __forceinline__ void filled(int tile) const {
-    const unsigned bar = full(tile % STAGES);
-    asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];\n" ::"r"(bar) : "memory");
-    asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(bar) : "memory");
+    mbar::cp_async_arrive_counted(full(tile % STAGES));
+    mbar::arrive(full(tile % STAGES));
   }
 
   // ---- the consumers' side (each consumer thread)
-  __device__ __forceinline__ void wait_full(int tile) const { wait(full(tile % STAGES), parity(tile)); }
-  __device__ __forceinline__ void release(int tile) const {
-    asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(empty(tile % STAGES)) : "memory");
-  }
-
- private:
-  static __device__ __forceinline__ void init_one(unsigned bar, int arrivals) {
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
-  }
-  static __device__ __forceinline__ void wait(unsigned bar, int parity) {
-    unsigned done;
-    do {
-#if __CUDA_ARCH__ >= 900
-      asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                   : "=r"(done)
-                   : "r"(bar), "r"(parity)
-                   : "memory");
-#else
-      asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                   : "=r"(done)
-                   : "r"(bar), "r"(parity)
-                   : "memory");
-#endif
-    } while (!done);
-  }
+  __device__ __forceinline__ void wait_full(int tile) const { mbar::wait(full(tile % STAGES), parity(tile)); }
+  __device__ __forceinline__ void release(int tile) const { mbar::arrive(empty(tile % STAGES)); }
 };
-
-// setmaxnreg (sm_90a): this warpgroup's registers a thread, to N (every thread of the warpgroup).
-template <int N>
-__device__ __forceinline__ void warpgroup_registers_down() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-template <int N>
-__device__ __forceinline__ void warpgroup_registers_up() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
 
 // The producers' loop: every K/V tile of the CTA's run, in order, into the ring (the page ids of
 // tile t + 1 fetched while they wait for tile t + 1's stage to be freed).

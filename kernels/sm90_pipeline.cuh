@@ -9,47 +9,20 @@
 // A stage is reused every kStages tiles; the phase bit (parity) flips each time round.
 #pragma once
 
+#include "pipeline_sync.cuh"
+
 namespace cupy_fa {
 namespace sm90 {
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, int arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
-}
-// After the inits, before any other thread touches the barriers (then a __syncthreads).
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-// Returns once the phase of parity `parity` has completed. (A fresh barrier is in phase 0,
-// so waiting on parity 1, "the phase before", returns at once: the producer's first pass
-// over the empty barriers.)
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) {
-  const unsigned addr = smem_addr(bar);
-  unsigned done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-
+// pipeline_sync.cuh's mbarriers, by pointer
+using mbar::smem_addr;
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int arrivals) { mbar::init(smem_addr(bar), arrivals); }
+__device__ __forceinline__ void mbar_init_fence() { mbar::init_fence(); }
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, int parity) { mbar::wait(smem_addr(bar), parity); }
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { mbar::arrive(smem_addr(bar)); }
 // This thread's cp.async copies issued so far arrive on `bar` when they complete (counted
 // as one of the barrier's expected arrivals: .noinc).
-__device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
+__device__ __forceinline__ void cp_async_arrive(unsigned long long* bar) { mbar::cp_async_arrive_noinc(smem_addr(bar)); }
 
 // A word of shared memory by its 32-bit shared address (st / ld.shared: no 64-bit generic
 // pointer for the compiler to keep live where registers are few), ordered as volatile.

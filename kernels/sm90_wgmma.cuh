@@ -8,6 +8,7 @@
 #error "cupy_fa: the sm90 prefill family needs the sm_90a target (wgmma, setmaxnreg)"
 #endif
 
+#include "pipeline_sync.cuh"
 #include "sm90_wgmma_ops.cuh"
 
 namespace cupy_fa {
@@ -91,16 +92,7 @@ __device__ __forceinline__ void pin(unsigned (&d)[R][4]) {
 
 // ---- warpgroups -----------------------------------------------------------------------
 
-// setmaxnreg: takes effect only under a register cap at kernel entry (__launch_bounds__ with
-// min blocks 1), each warpgroup's role one branch of an if / else.
-template <int REGS>
-__device__ __forceinline__ void regs_release() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
-}
-template <int REGS>
-__device__ __forceinline__ void regs_claim() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
-}
+// setmaxnreg: regs_release / regs_claim (pipeline_sync.cuh)
 
 // Named barriers (0 is __syncthreads): `sync` waits until `threads` threads have arrived or
 // synced on barrier `id`; `arrive` counts this warp in without waiting.
