@@ -6,8 +6,9 @@
 // thread is done reading it), in shared memory:
 //   producers (kThreads)     wait on empty (the stage's previous use freed), issue the tile's
 //                            copies (paged_kv.cuh PagedKVProducer, as the consumers would), then
-//                            each arrives on full twice: cp.async.mbarrier.arrive (pending until
-//                            its copies are complete) and an ordinary arrive, whose release
+//                            each arrives on full twice: cp.async.mbarrier.arrive.noinc (one of
+//                            the expected arrivals, made when its copies are complete) and an
+//                            ordinary arrive, whose release
 //                            orders the CTA's page flag (set before the copies when a page id lay
 //                            outside the cache) before any consumer's wait on full returns;
 //   consumers (kThreads)     wait on full, read the stage (ldmatrix), arrive on empty. A split's
@@ -47,7 +48,7 @@ struct ProducerWarpRing {
   __device__ __forceinline__ void init() const {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar::init(full(s), 32 * Traits::kProducerWarps);  // each producer's ordinary arrive
+      mbar::init(full(s), 2 * 32 * Traits::kProducerWarps);  // each producer's copies, and its ordinary arrive
       mbar::init(empty(s), Traits::kThreads);
     }
     mbar::init_fence();
@@ -56,7 +57,7 @@ struct ProducerWarpRing {
   // ---- the producers' side (each producer thread)
   __device__ __forceinline__ void wait_free(int tile) const { mbar::wait(empty(tile % STAGES), parity(tile) ^ 1); }
   __device__ __forceinline__ void filled(int tile) const {
-    mbar::cp_async_arrive_counted(full(tile % STAGES));
+    mbar::cp_async_arrive_noinc(full(tile % STAGES));
     mbar::arrive(full(tile % STAGES));
   }
 
