@@ -60,11 +60,6 @@ __device__ __forceinline__ void arrive(unsigned bar) {
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-// The same without .noinc: the phase's pending count rises by one now and falls when the copies
-// complete, so they hold the phase open without being one of its expected arrivals.
-__device__ __forceinline__ void cp_async_arrive_counted(unsigned bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 
 }  // namespace mbar
 
