@@ -6,11 +6,11 @@
 // thread is done reading it), in shared memory:
 //   producers (kThreads)     wait on empty (the stage's previous use freed), issue the tile's
 //                            copies (paged_kv.cuh PagedKVProducer, as the consumers would), then
-//                            each arrives on full twice: cp.async.mbarrier.arrive.noinc (one of
-//                            the expected arrivals, made when its copies are complete) and an
-//                            ordinary arrive, whose release
-//                            orders the CTA's page flag (set before the copies when a page id lay
-//                            outside the cache) before any consumer's wait on full returns;
+//                            each arrives on full twice (full expects 2 x kThreads):
+//                            cp.async.mbarrier.arrive.noinc (made when its copies are complete)
+//                            and an ordinary arrive, whose release orders the CTA's page flag (set
+//                            before the copies when a page id lay outside the cache) before any
+//                            consumer's wait on full returns;
 //   consumers (kThreads)     wait on full, read the stage (ldmatrix), arrive on empty. A split's
 //                            epilogue stages its accumulators in a buffer of its own
 //                            (TileTraits::kEpilogueOwnBuffer) and syncs the consumers alone
