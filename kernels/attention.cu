@@ -218,58 +218,50 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       mma.accumulate(state.acc, s, sV + stage * BN * D);
     }
   };
-  if constexpr (kRing) {
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      const int stage = tile % STAGES;
-      const unsigned long long wait_from = trace_now();
-      ring.wait_full(tile);
-      traced_wait += trace_now() - wait_from;
-      if (tile == 0) trace_stamp(kTraceFirstTile);
-      tile_math(tile, stage);
-      // this thread is done with the stage (a split's epilogue stages in a buffer of its own): the
-      // producers refill it, during the epilogue too
-      ring.release(tile);
-      if (--tiles_left == 0 || tile + 1 == num_tiles) {
-        epilogue.publish(state);
-        Traits::sync_consumers();  // every consumer warp's state published
-        const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
-        const unsigned long long epilogue_from = trace_now();
-        epilogue.finish(split_now++, stage, state.acc, bad);
-        traced_epilogue += trace_now() - epilogue_from;
-        state.reset();
-        tiles_left = tiles_per_split;
-      }
-    }
-  } else {
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      const int stage = tile % STAGES;
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int stage = tile % STAGES;
+    if constexpr (!kRing) {
       const int ahead = tile + STAGES - 1;  // refills the stage computed last iteration
       if (ahead < num_tiles) {
         kv.issue(ahead, ahead % STAGES);
         kv.fetch_pages(ahead + 1);  // consumed next iteration
       }
       cp_async_commit();
-      const unsigned long long wait_from = trace_now();
+    }
+    const unsigned long long wait_from = trace_now();
+    if constexpr (kRing) {
+      ring.wait_full(tile);
+    } else {
       cp_async_wait<STAGES - 1>();
       __syncthreads();
-      traced_wait += trace_now() - wait_from;
-      if (tile == 0) trace_stamp(kTraceFirstTile);
-      tile_math(tile, stage);
+    }
+    traced_wait += trace_now() - wait_from;
+    if (tile == 0) trace_stamp(kTraceFirstTile);
+    tile_math(tile, stage);
+    if constexpr (kRing) {
+      // this thread is done with the stage (a split's epilogue stages in a buffer of its own): the
+      // producers refill it, during the epilogue too
+      ring.release(tile);
+    } else {
       // (the split's last tile, tested twice: a flag kept across the barrier costs the two-row
       // tile, at its register cap, a spill)
       if (tiles_left == 1 || tile + 1 == num_tiles) epilogue.publish(state);
       __syncthreads();  // the next iteration's loads overwrite this stage
-      if (--tiles_left == 0 || tile + 1 == num_tiles) {
-        const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
-        const unsigned long long epilogue_from = trace_now();
-        epilogue.finish(split_now++, stage, state.acc, bad);
-        traced_epilogue += trace_now() - epilogue_from;
-        state.reset();
-        tiles_left = tiles_per_split;
-      }
     }
-    cp_async_wait<0>();
+    if (--tiles_left == 0 || tile + 1 == num_tiles) {
+      if constexpr (kRing) {
+        epilogue.publish(state);
+        Traits::sync_consumers();  // every consumer warp's state published
+      }
+      const bool bad = s_bad != 0;  // a page id outside the cache among the split's (or a bad request)
+      const unsigned long long epilogue_from = trace_now();
+      epilogue.finish(split_now++, stage, state.acc, bad);
+      traced_epilogue += trace_now() - epilogue_from;
+      state.reset();
+      tiles_left = tiles_per_split;
+    }
   }
+  if constexpr (!kRing) cp_async_wait<0>();
   // splits the causal clip left without a tile still write their (empty) result; so do, without a
   // fold, those a window's skip passed whole (`run`: split_first .. run.split_first - 1), after them
   // (one call site: a second costs the two-row fold tile, at its register cap, a spill). A tile whose
