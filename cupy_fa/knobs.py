@@ -23,6 +23,9 @@ import threading
 
 STAGE_CHOICES = (2, 3, 4)  # cp.async pipeline depths a decode-like tile may use
 MAX_SPLITS_PER_CTA = 64  # keeps the kernels' split arithmetic in int32
+# the spellings a boolean knob takes (case-insensitive); anything else raises
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +75,14 @@ class Knobs:
             except ValueError:
                 raise ValueError(f"{name} must be an int, got {value!r}") from None
 
-        def flag(name):
-            value = get(name) or "1"
-            if value not in ("0", "1"):
-                raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-            return value == "1"
+        def flag(name, default):
+            value = get(name)
+            if value is None:
+                return default
+            word = value.strip().lower()
+            if word not in _TRUE + _FALSE:
+                raise ValueError(f"{name} must be 0 or 1 (or true / false, on / off, yes / no), got {value!r}")
+            return word in _TRUE
 
         warps = get("CUPY_FA_DECODE_WARPS_M") or "auto"
         if warps not in ("auto", "1", "2"):
@@ -87,11 +93,10 @@ class Knobs:
                    split_size=integer("CUPY_FA_SPLIT_SIZE", cls.split_size),
                    splits_per_cta=integer("CUPY_FA_SPLITS_PER_CTA", cls.splits_per_cta),
                    fold_splits=get("CUPY_FA_FOLD_SPLITS") or "auto",
-                   half_rows=flag("CUPY_FA_HALF_ROWS"),
-                   producer_warp=flag("CUPY_FA_PRODUCER_WARP"),
-                   pdl=(get("CUPY_FA_PDL") or "1") != "0",
-                   trace=get("CUPY_FA_TRACE") == "1",
-                   debug=(get("CUPY_FA_DEBUG") or "0") not in ("0", "false", "no"))
+                   half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
+                   producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
+                   pdl=flag("CUPY_FA_PDL", cls.pdl), trace=flag("CUPY_FA_TRACE", cls.trace),
+                   debug=flag("CUPY_FA_DEBUG", cls.debug))
 
 
 def _check(ok, name, expected, value):

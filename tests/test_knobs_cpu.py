@@ -27,12 +27,26 @@ def test_defaults_and_parsing():
 @pytest.mark.parametrize("name,value", [
     ("CUPY_FA_DECODE_STAGES", "5"), ("CUPY_FA_DECODE_STAGES", "two"), ("CUPY_FA_DECODE_WARPS_M", "4"),
     ("CUPY_FA_SPLIT_SIZE", "100"), ("CUPY_FA_SPLIT_SIZE", "0"), ("CUPY_FA_SPLITS_PER_CTA", "0"),
-    ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"), ("CUPY_FA_HALF_ROWS", "no"),
-    ("CUPY_FA_PRODUCER_WARP", "2"),
+    ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"), ("CUPY_FA_HALF_ROWS", "nope"),
+    ("CUPY_FA_PRODUCER_WARP", "2"), ("CUPY_FA_PDL", "false-ish"), ("CUPY_FA_DEBUG", "enabled"),
+    ("CUPY_FA_TRACE", "2"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
         knobs.Knobs.from_environ({name: value})
+
+
+@pytest.mark.parametrize("field,variable", [
+    ("pdl", "CUPY_FA_PDL"), ("trace", "CUPY_FA_TRACE"), ("debug", "CUPY_FA_DEBUG"),
+    ("half_rows", "CUPY_FA_HALF_ROWS"), ("producer_warp", "CUPY_FA_PRODUCER_WARP"),
+])
+def test_boolean_knobs_take_the_usual_spellings(field, variable):
+    """0 / 1, true / false, on / off, yes / no in any case mean what they say (CUPY_FA_PDL=false turns
+    PDL off, CUPY_FA_DEBUG=off leaves debug off); unset keeps the default."""
+    for word, value in (("1", True), ("0", False), ("true", True), ("FALSE", False), ("On", True), ("off", False),
+                        ("yes", True), ("No", False), (" 1 ", True)):
+        assert getattr(knobs.Knobs.from_environ({variable: word}), field) is value, (variable, word)
+    assert getattr(knobs.Knobs.from_environ({}), field) is getattr(knobs.Knobs(), field)
 
 
 def test_read_once_then_reload(monkeypatch):
