@@ -23,7 +23,7 @@ bf16 ones is printed too).
 compiles them), so a script can overlap that with other work; ``--no-peers`` times ours alone;
 ``--ab`` (tuning only) times the fp8 decode cell at the points of ``AB_POINTS``: keys per KV
 tile, pipeline depth, the CTAs folding their splits or not, and the split size
-(``schedule.FP8_BLOCK_N``, ``FP8_STAGES``, ``CUPY_FA_FOLD_SPLITS``, ``CUPY_FA_SPLIT_SIZE``), each
+(``families.mma_sync.FP8_BLOCK_N``, ``FP8_STAGES``, ``CUPY_FA_FOLD_SPLITS``, ``CUPY_FA_SPLIT_SIZE``), each
 checked against float64 first.
 """
 
@@ -35,6 +35,8 @@ import sys
 import time
 
 import numpy as np
+from cupy_fa import families
+from cupy_fa import catalog
 
 H_Q, H_KV, D, PAGE = 32, 8, 128, 16
 FP8 = "float8_e4m3fn"
@@ -126,7 +128,7 @@ def time_ours(kind, table, sets, q_lens, kv_lens, windows, n_launch, reps):
     fp8 = kind != "bf16"
     attn = cupy_fa.BatchAttention(H_Q, H_KV, D, "bfloat16", kv_dtype=FP8 if fp8 else None)
     attn.plan(q_lens, kv_lens, table)
-    cell = {"families": [f"{schedule.family_of(x.tile).name} {x.tile}" for x in attn.planned.schedule.launches]}
+    cell = {"families": [f"{families.family_of(x.tile).name} {x.tile}" for x in attn.planned.schedule.launches]}
     errs = []
     from .inputs import poison
 
@@ -335,11 +337,11 @@ def main(argv=None):
 
         from cupy_fa import knobs, schedule
 
-        before, depth, keys = knobs.knobs(), schedule.FP8_STAGES, schedule.FP8_BLOCK_N
+        before, depth, keys = knobs.knobs(), families.mma_sync.FP8_STAGES, families.mma_sync.FP8_BLOCK_N
         try:
             for block_n, stages, fold, split in AB_POINTS:
-                schedule.FP8_BLOCK_N, schedule.FP8_STAGES = block_n, stages
-                schedule.attention_variant.cache_clear()  # it caches by tile, whose block_n just changed
+                families.mma_sync.FP8_BLOCK_N, families.mma_sync.FP8_STAGES = block_n, stages
+                catalog.attention_kernel.cache_clear()  # it caches by tile, whose block_n just changed
                 knobs.use(dataclasses.replace(before, fold_splits=fold, split_size=split))
                 cell, _ = time_ours("fp8 per-head", table, sets, q_lens, kv_lens, windows[:1], n_launch=20,
                                     reps=args.reps)
@@ -354,15 +356,15 @@ def main(argv=None):
                     lines.append(f"  {name:46s} {cell.get('status', '?')}")
                 flush(lines)
         finally:
-            schedule.FP8_STAGES, schedule.FP8_BLOCK_N = depth, keys
-            schedule.attention_variant.cache_clear()
+            families.mma_sync.FP8_STAGES, families.mma_sync.FP8_BLOCK_N = depth, keys
+            catalog.attention_kernel.cache_clear()
             knobs.use(before)
         write_json(args.json, results)
     return 0
 
 
 # --ab's points: (keys per KV tile, stages, CUPY_FA_FOLD_SPLITS, CUPY_FA_SPLIT_SIZE). The first is
-# the shipped default (schedule.FP8_BLOCK_N, FP8_STAGES, FP8_SPLIT_SIZE); the split size sets how
+# the shipped default (families.mma_sync.FP8_BLOCK_N, FP8_STAGES, FP8_SPLIT_SIZE); the split size sets how
 # many split epilogues a folding CTA runs per row (B=64 L=4096: 8 at 512 keys, 4 at 1024, 2 at
 # 2048), fold "1" forces the fold where "auto"'s wave-fill rule declines it (64 x 3: three CTAs per SM).
 AB_POINTS = (

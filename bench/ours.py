@@ -8,6 +8,7 @@ from . import timing
 from .inputs import Inputs, count_nan, max_error, poison, to_host_f64
 from .workloads import H_KV, H_Q
 from cupy_fa import reference
+from cupy_fa import families
 
 
 def bench_ours(inp: Inputs, refs_by_set: dict, opts: dict, n_launch: int) -> dict:
@@ -24,7 +25,7 @@ def bench_ours(inp: Inputs, refs_by_set: dict, opts: dict, n_launch: int) -> dic
         attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=w.causal, window=w.window or None,
                   logits_soft_cap=w.soft_cap or None)
         sinks = inp.sinks_dev  # the attention variants (a plan's window and soft-cap, a run's sinks)
-        res["families"] = [f"{schedule.family_of(x.tile).name} {x.work_grid} items"
+        res["families"] = [f"{families.family_of(x.tile).name} {x.work_grid} items"
                            for x in attn.planned.schedule.launches]  # what ran (cupy_fa.schedule)
         errs, unwritten = {}, 0
         for i, refs in refs_by_set.items():  # several input sets against one plan

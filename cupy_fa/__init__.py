@@ -7,13 +7,13 @@ Public API:
     ForwardMode, contract_lengths   serving modes -> the contract's q_len / kv_len (cupy_fa.modes).
     GraphRunner       CUDA-graph capture and replay per (mode, batch bucket) (cupy_fa.graph).
     merge_states      two attention states (out, natural-log lse) over disjoint keys into one (cupy_fa.merge).
-    warmup            compile kernels ahead of time (cupy_fa.schedule).
+    warmup            compile kernels ahead of time (cupy_fa.catalog).
     knobs             the CUPY_FA_* environment variables, read once (cupy_fa.knobs).
     reference         float64 NumPy truth (cupy_fa.reference.paged_attention, .merge_states).
 """
 
 from . import knobs, reference
-from .schedule import warmup
+from .catalog import warmup
 from .attention import BatchAttention
 from .graph import GraphRunner
 from .kv_cache import PagedKVCache

@@ -1,7 +1,7 @@
 """Compiles ``kernels/*.cu`` with NVRTC and launches them: the only module that
 knows kernels exist as text.
 
-* Every compiled kernel is a :class:`Variant`: a source file plus one name
+* Every compiled kernel is a :class:`Kernel`: a source file plus one name
   expression naming all its compile-time parameters
   (``cupy_fa::attention_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16,
   cupy_fa::TileTraits<128, 1, 4, 64, 2, false>>``).
@@ -9,10 +9,10 @@ knows kernels exist as text.
   cache keeps it; the options carry a hash of the whole ``kernels/`` tree, so an
   edited header never hits a stale cache entry.
 * Without a GPU, :func:`compile_cubin` drives NVRTC directly (no device needed)
-  and reports registers and spills; CI compiles every variant that way.
+  and reports registers and spills; CI compiles every kernel that way.
 
-What it compiles is decided elsewhere: the variant list and every tile choice live in
-:mod:`cupy_fa.schedule`, the ``CUPY_FA_*`` knobs in :mod:`cupy_fa.knobs` (this module reads
+What it compiles is decided elsewhere: the kernel list is :mod:`cupy_fa.catalog`'s, every tile
+choice :mod:`cupy_fa.schedule`'s, the ``CUPY_FA_*`` knobs in :mod:`cupy_fa.knobs` (this module reads
 ``arch``, ``cache_dir``, ``pdl`` and ``trace`` from there).
 """
 
@@ -40,23 +40,26 @@ KERNEL_DIR = _PACKAGE_KERNELS if _PACKAGE_KERNELS.is_dir() else _REPO_KERNELS
 def source_hash():
     """Hash of every file under ``kernels/``: part of the compile options."""
     digest = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.glob("*.cu*")):
-        digest.update(path.name.encode())
+    for path in sorted(KERNEL_DIR.rglob("*.cu*")):
+        digest.update(path.relative_to(KERNEL_DIR).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-# ---- variants ---------------------------------------------------------------------
+# ---- kernels ----------------------------------------------------------------------
 
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-# K/V element types: Q's and O's, and an fp8 (e4m3fn) cache's bytes (kernels/common.cuh)
+# K/V element types: Q's and O's, and an fp8 (e4m3fn) cache's bytes (kernels/shared/common.cuh)
 KV_CTYPES = {**CTYPES, "float8_e4m3fn": "cupy_fa::fp8_e4m3"}
-TRACE_SHAPE = (1 << 15, 6)  # kernels/trace.cuh (kTraceCtas, kTraceStamps): trace_buffer's shape
+TRACE_SHAPE = (1 << 15, 6)  # kernels/shared/trace.cuh (kTraceCtas, kTraceStamps): trace_buffer's shape
 
 
 @dataclasses.dataclass(frozen=True)
-class Variant:
-    source: str       # file under kernels/
+class Kernel:
+    """One compiled kernel: a source file and one name expression naming every compile-time
+    parameter, the launch's threads and dynamic shared memory, and the host mirrors of its traits
+    that the compile checks (``cupy_fa.catalog`` lists them)."""
+    source: str       # file under kernels/ (e.g. "mma_sync/attention.cu")
     expression: str   # name expression (template instance) or extern "C" name
     threads: int
     smem_bytes: int = 0  # dynamic shared memory per CTA
@@ -100,16 +103,16 @@ def compile_options(arch):
     options.append(f"-arch={arch}")
     if arch.endswith("90a"):
         options.append("-DCUPY_FA_REQUIRE_SM90A")
-    if knobs().trace:  # kernels/trace.cuh: the timeline stamps, diagnosis builds only
+    if knobs().trace:  # kernels/shared/trace.cuh: the timeline stamps, diagnosis builds only
         options.append("-DCUPY_FA_TRACE")
     return tuple(options)
 
 
-def program_text(variant):
-    """What NVRTC compiles: the kernel file, the params layout asserts and the variant's
+def program_text(kernel):
+    """What NVRTC compiles: the kernel file, the params layout asserts and the kernel's
     checks of the host's mirrors of its traits."""
-    checks = "".join(f'static_assert({c}, "host mirror: {c}");\n' for c in variant.checks)
-    return f'#include "{variant.source}"\n' + _params.layout_asserts() + checks
+    checks = "".join(f'static_assert({c}, "host mirror: {c}");\n' for c in kernel.checks)
+    return f'#include "{kernel.source}"\n' + _params.layout_asserts() + checks
 
 
 def device_arch(device):
@@ -173,21 +176,21 @@ def device_smem_limit(device_id=None):
 
 # ---- compile on a device, memoised ----------------------------------------------
 
-# Keyed by (device id, variant): a module loaded on one device cannot launch on another, and
+# Keyed by (device id, kernel): a module loaded on one device cannot launch on another, and
 # each device's module is compiled for that device's arch, its shared-memory opt-in set there.
 _functions = {}
 _modules = {}  # the same keys: the module each function lives in (trace_buffer)
 _lock = threading.Lock()
 
 
-def get_function(variant, device_id=None):
-    """The launchable ``cupy.RawKernel`` of a variant on device ``device_id`` (default CuPy's
+def get_function(kernel, device_id=None):
+    """The launchable ``cupy.RawKernel`` of a kernel on device ``device_id`` (default CuPy's
     current device). Launch it with that device current: CuPy's RawKernel loads its module for
     whichever device is current at the call, and the shared-memory opt-in is set on this one."""
     import cupy
 
     device_id = _device_id(device_id)
-    key = (device_id, variant)
+    key = (device_id, kernel)
     fn = _functions.get(key)
     if fn is not None:
         return fn
@@ -197,57 +200,57 @@ def get_function(variant, device_id=None):
             if knobs().cache_dir:
                 os.environ.setdefault("CUPY_CACHE_DIR", knobs().cache_dir)
             module = cupy.RawModule(
-                code=program_text(variant),
+                code=program_text(kernel),
                 options=compile_options(device_arch(device_id)),
-                name_expressions=[variant.expression],
+                name_expressions=[kernel.expression],
             )
-            fn = module.get_function(variant.expression)
+            fn = module.get_function(kernel.expression)
             # the opt-in for more than 48 KiB counts static and dynamic shared memory together: a
             # kernel at exactly 48 KiB dynamic (the fp8 prefill tile) with any static bytes needs
             # it too, so it is set for every kernel that takes dynamic shared memory
-            if variant.smem_bytes > 0:
-                fn.max_dynamic_shared_size_bytes = variant.smem_bytes
+            if kernel.smem_bytes > 0:
+                fn.max_dynamic_shared_size_bytes = kernel.smem_bytes
             _modules[key] = module
             _functions[key] = fn
     return fn
 
 
-def compiled_variants(source=None, device_id=None):
-    """The variants compiled so far on device ``device_id`` (default the current one; of one
-    source file, e.g. ``"attention.cu"``, if given): what a diagnosis tool reads trace buffers of."""
+def compiled_kernels(source=None, device_id=None):
+    """The kernels compiled so far on device ``device_id`` (default the current one; of one
+    source file, e.g. ``"mma_sync/attention.cu"``, if given): what a diagnosis tool reads trace buffers of."""
     device = _device_id(device_id)
     return [v for (d, v) in list(_modules) if d == device and (source is None or v.source == source)]
 
 
-def trace_buffer(variant):
-    """The timeline stamps of ``variant`` on the current device (builds with the knob
+def trace_buffer(kernel):
+    """The timeline stamps of ``kernel`` on the current device (builds with the knob
     ``CUPY_FA_TRACE=1``, attention kernels only): a uint64 cupy array [kTraceCtas, kTraceStamps]
-    (kernels/trace.cuh) of (start, first K/V tile, done, ns in epilogues, ns waiting at the loop
+    (kernels/shared/trace.cuh) of (start, first K/V tile, done, ns in epilogues, ns waiting at the loop
     top, SM id) per CTA, written by each launch (zero it in between to tell launches apart)."""
     import cupy
 
-    module = _modules[(_device_id(), variant)]
+    module = _modules[(_device_id(), kernel)]
     pointer = module.get_global("cupy_fa_trace")
     return cupy.ndarray(TRACE_SHAPE, cupy.uint64, pointer)
 
 
-def launch(variant, grid, params, stream, programmatic=False):
-    """Launches one variant with its params struct (one ``__grid_constant__`` parameter:
-    kernels/params.cuh) on ``stream`` (a cupy Stream). On CuPy's current device: the callers
+def launch(kernel, grid, params, stream, programmatic=False):
+    """Launches one kernel with its params struct (one ``__grid_constant__`` parameter:
+    kernels/shared/params.cuh) on ``stream`` (a cupy Stream). On CuPy's current device: the callers
     (BatchAttention, GraphRunner, PagedKVCache, merge_states) make the device they are bound to
     current once per call, and ``stream`` must be a stream of that device.
 
     ``programmatic=True`` launches it as a programmatic dependent of the kernel
-    before it in the stream (sm_90+; kernels/common.cuh wait_for_prior_grid): its
+    before it in the stream (sm_90+; kernels/shared/common.cuh wait_for_prior_grid): its
     CTAs may start while that kernel's last wave still runs. Only for kernels that
     wait before reading what their predecessor writes; elsewhere (older GPUs, no
     driver entry point, the knob ``CUPY_FA_PDL=0``) it is an ordinary launch."""
-    fn = get_function(variant)
+    fn = get_function(kernel)
     if programmatic and _programmatic_launch_enabled():
-        _launch_programmatic(fn, grid, variant.threads, variant.smem_bytes, stream.ptr, params)
+        _launch_programmatic(fn, grid, kernel.threads, kernel.smem_bytes, stream.ptr, params)
         return
     with stream:
-        fn(tuple(grid), (variant.threads,), (params,), shared_mem=variant.smem_bytes)
+        fn(tuple(grid), (kernel.threads,), (params,), shared_mem=kernel.smem_bytes)
 
 
 # ---- programmatic dependent launch through the driver (CuPy has no launch attributes) ----
@@ -322,21 +325,21 @@ _STACK = re.compile(r"(\d+) bytes stack frame")
 RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
 
 
-def compile_cubin(variant, arch="sm_90a"):
-    """Compiles one variant to a cubin with NVRTC alone, with the options
+def compile_cubin(kernel, arch="sm_90a"):
+    """Compiles one kernel to a cubin with NVRTC alone, with the options
     ``cupy.RawModule`` uses, and returns
     ``(cubin_bytes, {"registers", "spill_stores", "spill_loads", "stack"})``."""
     from cupy.cuda import nvrtc
 
-    prog = nvrtc.createProgram(program_text(variant), "cupy_fa.cu", [], [])
+    prog = nvrtc.createProgram(program_text(kernel), "cupy_fa.cu", [], [])
     try:
-        nvrtc.addNameExpression(prog, variant.expression)
+        nvrtc.addNameExpression(prog, kernel.expression)
         options = compile_options(arch) + RAWMODULE_OPTIONS + ("--ptxas-options=-v",)
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC failed on {variant.expression}:\n{nvrtc.getProgramLog(prog)}") from exc
-        lowered = nvrtc.getLoweredName(prog, variant.expression)
+            raise RuntimeError(f"NVRTC failed on {kernel.expression}:\n{nvrtc.getProgramLog(prog)}") from exc
+        lowered = nvrtc.getLoweredName(prog, kernel.expression)
         log = nvrtc.getProgramLog(prog)
         cubin = whole_elf(nvrtc.getCUBIN(prog))
     finally:

@@ -1,4 +1,4 @@
-"""NumPy mirrors of the params structs in ``kernels/params.cuh``.
+"""NumPy mirrors of the params structs in ``kernels/shared/params.cuh``.
 
 Each kernel takes one struct by value; CuPy passes a NumPy structured scalar
 as raw bytes, so the dtype below must match the C layout exactly. ``align=True``
@@ -73,7 +73,7 @@ def make(struct_name, **values):
 
 
 def fast_divisor(d):
-    """(multiplier, shift) of kernels/common.cuh FastDiv for a divisor 1 <= d < 2^31:
+    """(multiplier, shift) of kernels/shared/common.cuh FastDiv for a divisor 1 <= d < 2^31:
     n // d == (n * multiplier >> 32) >> shift for every 0 <= n < 2^31 (multiplier 0: d = 1)."""
     if not 1 <= d < 2**31:
         raise ValueError(f"a FastDiv divisor must be in [1, 2^31), got {d}")
@@ -86,7 +86,7 @@ def fast_divisor(d):
 def layout_asserts():
     """C++ static_asserts pinning the size of each struct. (NVRTC has no
     offsetof; tests/test_params_layout.py checks field names, types and order
-    against kernels/params.cuh instead.)"""
+    against kernels/shared/params.cuh instead.)"""
     lines = [f"static_assert(sizeof(cupy_fa::{name}) == {dtype.itemsize}, \"{name} size\");"
              for name, dtype in DTYPES.items()]
     return "\n".join(lines) + "\n"

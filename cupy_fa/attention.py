@@ -15,100 +15,15 @@ reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_k
 """
 
 import contextlib
-import dataclasses
-import math
 import threading
 
 import numpy as np
 
-from . import _arrays, _build, _params, knobs as _knobs, plan as _plan, schedule as _schedule, status as _status
+from . import _arrays, _build, knobs as _knobs, plan as _plan, schedule as _schedule, status as _status
+from .families import common as _common
 from .kv_cache import PagedKVCache
-
-_LOG2E = 1.4426950408889634
-
-
-def _check_count(name, value, least):
-    """A capacity argument: an int of at least ``least`` (bools are not counts)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-
-
-def checked_window(window):
-    """``plan(window=...)`` as the kernels take it: W >= 1 keys, or 0 for none (None, -1). A window
-    above 2^30 keys is 2^30 (the same for every kv_len a cache can hold; the kernels add it to key
-    positions in int32)."""
-    if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
-        return 0
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"window must be an int >= 1 (the keys a query sees, itself included; FlashAttention's "
-                         f"convention) or None / -1 for no window, got {window!r}")
-    return int(min(window, 2**30))
-
-
-def checked_soft_cap(cap):
-    """``plan(logits_soft_cap=...)``: a positive finite float, or 0.0 for none (None, 0)."""
-    if cap is None or (isinstance(cap, (int, float, np.integer, np.floating)) and not isinstance(cap, bool)
-                       and cap == 0):
-        return 0.0
-    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(cap) or cap <= 0:
-        raise ValueError(f"logits_soft_cap must be a positive finite number (cap * tanh(score * sm_scale / cap)) "
-                         f"or None / 0 for none, got {cap!r}")
-    return float(cap)
-
-
-def refuse_fp8_variants(kv_dtype_name, window=0, soft_cap=0.0, sinks=None):
-    """An fp8 KV cache with a sliding window, a logits soft-cap or attention sinks raises
-    NotImplementedError naming them, before anything is staged or launched: the fp8 kernels have
-    no build with the variant hooks (none is compiled in CI or tested on a GPU yet)."""
-    if kv_dtype_name != _arrays.FP8:
-        return
-    given = [name for name, on in (("window", window), ("logits_soft_cap", soft_cap), ("sinks", sinks is not None))
-             if on]
-    if given:
-        raise NotImplementedError(f"{' / '.join(given)} with an fp8 KV cache (kv_dtype='float8_e4m3fn') is not "
-                                  f"supported: the fp8 kernels have no build with the variant hooks yet; use a "
-                                  f"float16 / bfloat16 cache for such layers (docs/design.md, \"Attention variants\")")
-
-
-@dataclasses.dataclass
-class _PlanState:
-    batch_size: int
-    num_tokens: int            # sum of q_lens if known on the host, else None
-    schedule: _schedule.StepSchedule  # the launches (family, tile, grid) and the merge (cupy_fa.schedule)
-    mask_mode: int
-    sm_scale: float
-    host_page_table: object    # numpy, for validation against the cache in run(); None if device-planned
-    host_q_lens: object
-    host_kv_lens: object
-    page_table_columns: int
-    stream_ptr: int            # stream the metadata was written on
-    done: object               # event after the plan kernel (None if planned inside a capture)
-    stream: object = None      # that stream (a later plan on another one waits for it)
-    mask_entries: int = 0      # custom-mask entries the buffers hold for this plan (the kernels' bound)
-    check: bool = False        # plan(check=True) or CUPY_FA_DEBUG=1: sync and raise on a bad request
-    checked_geometry: set = dataclasses.field(default_factory=set)
-    other_streams: dict = dataclasses.field(default_factory=dict)  # ptr -> stream of runs on other streams
-    window: int = 0            # sliding window W (keys a query sees, itself included); 0 = none
-    soft_cap: float = 0.0      # logits soft-cap; 0 = none
-
-    # what a decode-like step runs (the small-q launch; a step of long requests only: theirs)
-    @property
-    def tile(self):
-        return self.schedule.tile
-
-    @property
-    def work_grid(self):
-        return self.schedule.work_grid
-
-    @property
-    def needs_merge(self):
-        return self.schedule.needs_merge
-
-    @property
-    def long_tile(self):
-        """The tile of the step's requests of more than SMALL_Q_LEN tokens, None without a long launch."""
-        return self.schedule.long.tile if self.schedule.long is not None else None
+from .launch import StepLauncher
+from .variants import checked_soft_cap, checked_window, refuse_fp8_variants
 
 
 class BatchAttention:
@@ -166,28 +81,28 @@ class BatchAttention:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if isinstance(head_dim, (tuple, list)):
             raise ValueError(f"separate qk / vo head dims {tuple(head_dim)} are not supported: q, K, V and out share "
-                             f"one head_dim, one of {_schedule.HEAD_DIMS} (docs/design.md, \"Head dims\")")
-        if head_dim not in _schedule.HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {_schedule.HEAD_DIMS}, got {head_dim!r}")
+                             f"one head_dim, one of {_common.HEAD_DIMS} (docs/design.md, \"Head dims\")")
+        if head_dim not in _common.HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {_common.HEAD_DIMS}, got {head_dim!r}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         self.group_size = self.num_qo_heads // self.num_kv_heads
-        self._group_div = _params.fast_divisor(self.group_size)  # AttentionParams group_multiplier, _shift
         self.dtype_name = _arrays.resolve_dtype(dtype)
         self.kv_dtype_name = self.dtype_name if kv_dtype is None else _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
         if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
             raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
-        if self.kv_dtype_name == _arrays.FP8 and self.head_dim not in _schedule.FP8_HEAD_DIMS:
-            raise ValueError(f"an fp8 KV cache takes head_dim {_schedule.FP8_HEAD_DIMS}, got {self.head_dim} "
+        if self.kv_dtype_name == _arrays.FP8 and self.head_dim not in _common.FP8_HEAD_DIMS:
+            raise ValueError(f"an fp8 KV cache takes head_dim {_common.FP8_HEAD_DIMS}, got {self.head_dim} "
                              f"(docs/design.md, \"Head dims\")")
-        self._types = _schedule.ElementTypes(self.dtype_name, self.kv_dtype_name, self.dtype_name)
+        self._types = _common.ElementTypes(self.dtype_name, self.kv_dtype_name, self.dtype_name)
+        self._launcher = StepLauncher(self._types, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype_name)
         given = (max_batch_size, max_num_tokens, max_pages_per_request)
         self._fixed_capacity = all(v is not None for v in given)
         if any(v is not None for v in given) and not self._fixed_capacity:
             raise ValueError("give all of max_batch_size, max_num_tokens, max_pages_per_request, or none")
         if self._fixed_capacity:
             for name, value in zip(("max_batch_size", "max_num_tokens", "max_pages_per_request"), given):
-                _check_count(name, value, 1)
-        _check_count("max_mask_bytes", max_mask_bytes, 0)
+                _plan.check_count(name, value, 1)
+        _plan.check_count("max_mask_bytes", max_mask_bytes, 0)
         # the bound device: given, else the current one (None on a machine without CUDA, where the
         # first plan raises saying why)
         self.device_id = _arrays.resolve_device(device) if device is not None else _arrays.current_device_id()
@@ -199,12 +114,12 @@ class BatchAttention:
         self._busy_with = None
         self._mine = threading.local()  # .plan: the last plan this thread made
         if self._fixed_capacity:
-            with self._bound():
+            with self.device_scope():
                 self._buffers = _plan.PlanBuffers(
                     _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
                                    int(max_mask_bytes)), self.num_qo_heads, self.head_dim, self.dtype_name)
 
-    def _bound(self):
+    def device_scope(self):
         """The bound device as a ``cupy.cuda.Device``, a context manager: every plan and run enters
         it once (allocations, kernel lookups, launches and captures happen on it)."""
         device = self._device
@@ -298,7 +213,7 @@ class BatchAttention:
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
         _schedule.check_split_size(self.head_dim, self._types.kv_bytes)
-        with self._bound():
+        with self.device_scope():
             self._enter("plan")
             try:
                 self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len,
@@ -338,7 +253,7 @@ class BatchAttention:
                    window=0, soft_cap=0.0):
         step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len,
                                 device_id=self.device_id, bound=self._bound_text)
-        sm_scale = self._checked_sm_scale(sm_scale)
+        sm_scale = _plan.checked_sm_scale(sm_scale, self.head_dim)
         stream = step.stream if step.stream is not None else _arrays.caller_stream(device_id=self.device_id)
         capturing = stream.is_capturing()
         self._order_after_previous(stream)
@@ -351,19 +266,24 @@ class BatchAttention:
                                   capturing)
             _plan.stage_inputs(self._buffers, step)
         mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
-        return self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, window, soft_cap)
+        return self.plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, window, soft_cap)
 
-    def _checked_sm_scale(self, sm_scale):
-        if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(self.head_dim)
-        if not (isinstance(sm_scale, (int, float, np.floating)) and math.isfinite(sm_scale) and sm_scale > 0):
-            raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-        return float(sm_scale)
+    # ---- staged steps: the interface GraphRunner builds on ---------------------------
+    #
+    # device_scope() makes the bound device current; plan_buffers are the buffers a step's inputs
+    # are staged into (cupy_fa.plan.stage_inputs); plan_staged() plans a step already staged
+    # there. GraphRunner stages outside its graphs and captures plan_staged() and run().
 
-    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check=None, window=0, soft_cap=0.0):
-        """The plan of a step whose inputs are in the buffers already (:func:`cupy_fa.plan.stage_inputs`):
-        its schedule (cupy_fa.schedule) and the plan kernel on ``stream``. GraphRunner captures
-        this (and run) while staging outside the graph."""
+    @property
+    def plan_buffers(self):
+        """The plan's device buffers (``cupy_fa.plan.PlanBuffers``; None before the first plan of an
+        instance sized on first use)."""
+        return self._buffers
+
+    def plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check=None, window=0, soft_cap=0.0):
+        """The plan of a step whose inputs are in :attr:`plan_buffers` already (``step`` the
+        ``cupy_fa.plan.StepInputs`` they came from, ``sm_scale`` checked): its schedule
+        (cupy_fa.schedule) and the plan kernel on ``stream``."""
         buffers = self._buffers
         # the bounds the plan kernel holds device lengths to (host lengths were checked already)
         if step.on_host:
@@ -384,7 +304,7 @@ class BatchAttention:
             _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=max_q,
                               max_kv_len=min(kv_bound, 2**31 - 1), window=window)
         done = None if stream.is_capturing() else stream.record()
-        self._plan = _PlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale,
+        self._plan = _plan.PlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale,
                                 step.pt_host if step.on_host else None, step.q_host, step.kv_host,
                                 step.page_columns, stream.ptr, done, stream,
                                 mask_entries=step.mask_bytes if step.has_mask else 0,
@@ -459,7 +379,7 @@ class BatchAttention:
         :meth:`status` names it; the others are computed exactly as without it.
         """
         refuse_fp8_variants(self.kv_dtype_name, sinks=sinks)
-        with self._bound():
+        with self.device_scope():
             self._enter("run")
             try:
                 result = self._run_step(q, cache, out, lse, return_lse, sinks)
@@ -516,7 +436,7 @@ class BatchAttention:
                 if state.done is not None:
                     stream.wait_event(state.done)  # planned on another stream: order after its metadata
                 state.other_streams.setdefault(stream.ptr, stream)  # the next plan waits for it
-            self._launch(state, q_dev, cache, out_dev, lse_dev, num_tokens, stream, sinks_dev)
+            self._launcher.launch(state, self._buffers, cache, q_dev, out_dev, lse_dev, num_tokens, stream, sinks_dev)
 
         result = out if out is not None else _arrays.to_caller(out_dev, q)
         if return_lse:
@@ -560,62 +480,6 @@ class BatchAttention:
                                                 cache.page_size)
             state.checked_geometry.add(geometry)
 
-    def _launch(self, state, q_dev, cache, out_dev, lse_dev, num_tokens, stream, sinks_dev=None):
-        buffers = self._buffers
-        sched = state.schedule
-        launches = [x for x in sched.launches if x.work_grid > 0]
-        if state.batch_size == 0 or num_tokens == 0 or not launches:
-            return  # IDLE: nothing to read, nothing to write
-        lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
-        sinks_ptr = sinks_dev.data.ptr if sinks_dev is not None else 0
-        common = dict(
-            q=q_dev.data.ptr, out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
-            partial_lse=buffers.partial_lse.data.ptr, page_table=buffers.page_table.data.ptr,
-            custom_mask=buffers.custom_mask.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
-            kv_lens=buffers.kv_lens.data.ptr, num_splits=buffers.num_splits.data.ptr,
-            split_keys=buffers.split_keys.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-            mask_indptr=buffers.mask_indptr.data.ptr, batch_size=state.batch_size,
-            page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
-            num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
-            sm_scale_log2=state.sm_scale * _LOG2E,
-            group_multiplier=self._group_div[0], group_shift=self._group_div[1],
-            # the device metadata's bounds (kernels/status.cuh)
-            status=buffers.status.data.ptr, page_table_columns=state.page_table_columns,
-            num_tokens=num_tokens, mask_entries=state.mask_entries,
-            # K, V, the page size and count, an fp8 cache's scales (run checked it is of kv_dtype)
-            **cache.attention_params(),
-            # the variant hooks (kernels/variant.cuh), read only by the kernels built with them
-            key_base=buffers.key_base.data.ptr, sinks=sinks_ptr, window=state.window,
-            soft_cap_scale=2 * _LOG2E * state.sm_scale / state.soft_cap if state.soft_cap else 0.0,
-            soft_cap_log2=state.soft_cap * _LOG2E)
-        # a window, a soft-cap or sinks: each tile's kernel with the hooks compiled in (the plain
-        # kernels otherwise, unchanged)
-        hooks = bool(state.window or state.soft_cap or sinks_ptr)
-        for launch in launches:  # the long family's first (schedule.StepSchedule.launches)
-            # each family reads its own work list of plan_kernel's layout; everything else is shared
-            work = buffers.long_work_indptr if launch is sched.long else buffers.work_indptr
-            params = _params.make("AttentionParams", work_indptr=work.data.ptr,
-                                  splits_per_cta=launch.tile.splits_per_cta,
-                                  fold_splits=int(launch.tile.fold_splits), **common)
-            # one CTA per (work item, KV head), heads fastest (kernels/work.cuh): schedule.launch_grid
-            tile = _schedule.with_variants(launch.tile) if hooks else launch.tile
-            _build.launch(_schedule.attention_variant(self._types, tile), (launch.ctas,), params, stream)
-        if sched.needs_merge:
-            # one merge for both classes: the long family never folds, and the small-q CTAs fold
-            # only in steps without long requests (schedule.schedule_step)
-            fold_groups = int(sched.small is not None and sched.small.tile.fold_splits)
-            merge = _params.make(
-                "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
-                partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
-                num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups,
-                sinks=sinks_ptr)
-            shape, grid = _schedule.merge_grid(num_tokens, self.num_qo_heads)
-            # programmatic: its CTAs start in the last attention kernel's last wave and wait there
-            # (an earlier launch in the stream finished before that one began)
-            _build.launch(_schedule.merge_variant(self.dtype_name, self.head_dim, shape), grid, merge, stream,
-                          programmatic=True)
-
     @property
     def planned(self):
         """The current plan's host-visible facts (batch size, its ``schedule``: the launches with
@@ -634,7 +498,7 @@ class BatchAttention:
         if self._buffers is None or self._plan is None:
             return _status.Status(_status.OK)
         state = self._plan
-        with self._bound() as device:
+        with self.device_scope() as device:
             if state.done is None:  # planned inside a capture: its replays run on streams unknown here
                 device.synchronize()
             for stream in (state.stream, *state.other_streams.values()):

@@ -2,7 +2,7 @@
 
 With a GPU: a self-check of engine-like batches against the float64 reference,
 then a small timing table beside PyTorch SDPA, and decode step time under
-CUDA-graph replay vs eager. Without one: every kernel variant compiled for
+CUDA-graph replay vs eager. Without one: every kernel compiled for
 sm_90a through NVRTC, with registers and spills (the table is cached, keyed by the
 kernel sources, the NVRTC version and the options, so a second run prints it at
 once), and a plain statement of what is missing. Without CuPy: what to install.
@@ -178,25 +178,25 @@ def _compile_key(arch):
     import cupy
     from cupy.cuda import nvrtc
 
-    from . import _build, schedule
+    from . import _build, catalog
 
     # the options without their -I paths: one key wherever the checkout or the venv lies
     options = [o for o in _build.compile_options(arch) if not o.startswith("-I")]
     facts = (_build.source_hash(), arch, nvrtc.getVersion(), cupy.__version__, options, _build.RAWMODULE_OPTIONS,
-             [v.expression for v in schedule.all_variants()])
+             [v.expression for v in catalog.all_kernels()])
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 
 def compile_table(arch="sm_90a", recompile=False):
-    """Every variant compiled for ``arch`` without a GPU: (table text, seconds, cached?)."""
-    from . import compile_check, schedule
+    """Every kernel compiled for ``arch`` without a GPU: (table text, seconds, cached?)."""
+    from . import compile_check, catalog
 
     path = compile_cache_dir() / f"compile_check-{arch}-{_compile_key(arch)}.json"
-    variants = {v.expression: v for v in schedule.all_variants()}
+    kernels = {k.expression: k for k in catalog.all_kernels()}
     if not recompile and path.is_file():
         try:
             saved = json.loads(path.read_text())
-            rows = [(variants[r["expression"]], r["resources"], r["seconds"]) for r in saved["rows"]]
+            rows = [(kernels[r["expression"]], r["resources"], r["seconds"]) for r in saved["rows"]]
             return compile_check.format_table(rows), saved["seconds"], True
         except (KeyError, ValueError, TypeError):
             pass  # an unreadable entry: compile again
@@ -214,15 +214,15 @@ def compile_table(arch="sm_90a", recompile=False):
 
 def _no_gpu(problem, args):
     print(f"No usable GPU: {problem}.")
-    print(f"Compiling every kernel variant for {args.arch} with NVRTC instead (no GPU needed).\n")
+    print(f"Compiling every kernel for {args.arch} with NVRTC instead (no GPU needed).\n")
     table, seconds, cached = compile_table(args.arch, args.recompile)
     print(table)
     count = table.count("\n")
     if cached:
-        print(f"{count} variants compile for {args.arch} (cached table of an earlier {seconds:.0f} s compile, "
+        print(f"{count} kernels compile for {args.arch} (cached table of an earlier {seconds:.0f} s compile, "
               f"same sources, NVRTC and options; --recompile to compile again)")
     else:
-        print(f"{count} variants compiled for {args.arch} in {seconds:.0f} s (cached for the next run)")
+        print(f"{count} kernels compiled for {args.arch} in {seconds:.0f} s (cached for the next run)")
     print("\nNothing was run: the kernels above compile. Run `make demo` on a machine with an NVIDIA GPU "
           "(sm_80 or newer) and its driver to see them checked and timed.")
     return 0

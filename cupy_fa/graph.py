@@ -27,9 +27,10 @@ import threading
 import numpy as np
 
 from . import _arrays, knobs as _knobs, plan as _plan, schedule as _schedule
-from .attention import BatchAttention, refuse_fp8_variants
+from .attention import BatchAttention
 from .kv_cache import PagedKVCache
 from .modes import ForwardMode
+from .variants import checked_soft_cap, checked_window, refuse_fp8_variants
 
 
 def default_buckets(max_batch_size):
@@ -79,8 +80,6 @@ class GraphRunner:
                  logits_soft_cap=None, device=None):
         import cupy
 
-        from .attention import _check_count, checked_soft_cap, checked_window
-
         self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         if kv_dtype is not None:  # before anything is allocated
             kv_name = _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
@@ -90,7 +89,7 @@ class GraphRunner:
 
         for name, value in (("max_batch_size", max_batch_size), ("max_q_len", max_q_len),
                             ("max_pages_per_request", max_pages_per_request), ("page_size", page_size)):
-            _check_count(name, value, 1)
+            _plan.check_count(name, value, 1)
         if buckets is not None and (not len(buckets) or any(isinstance(b, bool) or not isinstance(b, (int, np.integer))
                                                             or b < 1 for b in buckets)):
             raise ValueError(f"buckets must be positive ints, got {buckets!r}")
@@ -107,7 +106,7 @@ class GraphRunner:
         self.device_id = self.attn.device_id
         self.tree_mask = tree_mask
         elem = _arrays.DTYPES[self.attn.dtype_name]
-        with self.attn._bound():
+        with self.attn.device_scope():
             self.q = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
             self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
             self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
@@ -171,7 +170,7 @@ class GraphRunner:
         tree = custom_mask is not None
         if tree and not (self.tree_mask and mode is ForwardMode.TARGET_VERIFY):
             raise ValueError("custom_mask is for TARGET_VERIFY on a runner built with tree_mask=True")
-        with self.attn._bound():  # the runner's device, current for the whole step (staging, capture, replay)
+        with self.attn.device_scope():  # the runner's device, current for the whole step (staging, capture, replay)
             stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table, device_id=self.device_id)
             if stream.is_capturing():  # before anything is staged: none of it may land in the caller's graph
                 raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
@@ -194,7 +193,7 @@ class GraphRunner:
 
     def status(self):
         """The status word of the last step (syncs): see :meth:`BatchAttention.status`."""
-        with self.attn._bound():
+        with self.attn.device_scope():
             if self._last_stream is not None:
                 self._last_stream.synchronize()
             return self.attn.status()
@@ -216,7 +215,7 @@ class GraphRunner:
             stream.wait_event(self._last_stream.record())  # the last step's kernels read what is staged next
         self._last_stream = stream
         with stream:
-            _plan.stage_inputs(self.attn._buffers, step, pad_to=bucket)  # once, straight into the plan buffers
+            _plan.stage_inputs(self.attn.plan_buffers, step, pad_to=bucket)  # once, straight into the plan buffers
             self.q[:num_tokens] = q_dev
             sunk = sinks_dev is not None
             if sunk:
@@ -267,7 +266,7 @@ class GraphRunner:
             raise ValueError(f"page_table must be [B, <= {self.max_pages_per_request}], got {tuple(shape)}")
         if step.batch > self.max_batch_size:
             raise ValueError(f"batch of {step.batch} requests exceeds max_batch_size {self.max_batch_size}")
-        if step.has_mask and step.mask_bytes > attn._buffers.capacity.max_mask_bytes:
+        if step.has_mask and step.mask_bytes > attn.plan_buffers.capacity.max_mask_bytes:
             raise ValueError(f"custom_mask has {step.mask_bytes} entries, more than the {self.max_batch_size} x "
                              f"{self.max_q_len}^2 this runner holds")
         if step.on_host:  # host inputs: the contract checked before any copy
@@ -283,13 +282,13 @@ class GraphRunner:
         max_q = self._max_q(mode)
         tokens = bucket * max_q
         attn = self.attn
-        buffers = attn._buffers
+        buffers = attn.plan_buffers
         staged = _plan.StepInputs(  # the bucket's rows as they sit in the plan buffers
             batch=bucket, q_host=None, q_dev=buffers.q_lens[:bucket], kv_host=None, kv_dev=buffers.kv_lens[:bucket],
             pt_host=None, pt_dev=buffers.page_table[:bucket], mask_host=None,
             mask_dev=buffers.custom_mask[:bucket * max_q * max_q] if tree else None, num_tokens=None,
             max_q_len=max_q, mask_bytes=bucket * max_q * max_q, stream=stream)
-        attn._plan_staged(staged, _plan.MASK_CUSTOM if tree else _plan.MASK_CAUSAL, attn._checked_sm_scale(None),
+        attn.plan_staged(staged, _plan.MASK_CUSTOM if tree else _plan.MASK_CAUSAL, _plan.checked_sm_scale(None, attn.head_dim),
                           self.max_pages_per_request * self.page_size, stream, window=self.window,
                           soft_cap=self.soft_cap)
         attn.run(self.q[:tokens], cache, out=self.out[:tokens], lse=self.lse[:tokens],

@@ -9,7 +9,7 @@ one for V: a key's value is ``e4m3(byte) * k_scale[head]`` (docs/design.md, "fp8
 
 import numpy as np
 
-from . import _arrays, _build, _params, schedule
+from . import _arrays, _build, _params, catalog
 
 
 class PagedKVCache:
@@ -130,7 +130,7 @@ class PagedKVCache:
         return self.dtype_name == _arrays.FP8
 
     def attention_params(self):
-        """The attention kernels' parameters this cache sets (AttentionParams, kernels/params.cuh):
+        """The attention kernels' parameters this cache sets (AttentionParams, kernels/shared/params.cuh):
         K and V's addresses, the page size (and its log2 where a power of two, the kernels shift;
         else -1, they divide), the page count (the page-id bound) and an fp8 cache's scale arrays
         (0 for a 16-bit one). A captured step bakes exactly these in, so GraphRunner keys its
@@ -217,9 +217,9 @@ class PagedKVCache:
             num_tokens=num_tokens, row_chunks=row_chunks, status=self._status.data.ptr,
             k_scale=self.k_scale_device.data.ptr if fp8 else 0, v_scale=self.v_scale_device.data.ptr if fp8 else 0,
             head_chunks=self.head_dim // 8)
-        variant = schedule.append_variant(dev.dtype, new_dtype if fp8 else None)
-        blocks = min((num_tokens * row_chunks + variant.threads - 1) // variant.threads, 65535)
-        _build.launch(variant, (blocks,), params, stream)
+        kernel = catalog.append_kernel(dev.dtype, new_dtype if fp8 else None)
+        blocks = min((num_tokens * row_chunks + kernel.threads - 1) // kernel.threads, 65535)
+        _build.launch(kernel, (blocks,), params, stream)
 
     def status(self):
         """The first device slot the appends since the last ``status()`` skipped because it lies

@@ -10,7 +10,7 @@ rows over disjoint key sets merge into the state over their union:
     lse = log(exp(lse_a) + exp(lse_b))
     out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
 
-computed in fp32 by the same fold the library's own split merge runs (kernels/merge_states.cu,
+computed in fp32 by the same fold the library's own split merge runs (kernels/shared/merge_states.cu,
 softmax.cuh), rounded to the output type once. ``cupy_fa.reference.merge_states`` is the float64
 version. With attention sinks (``run(..., sinks=)``), give the sinks to one part's run only: a sink
 is one more key with a zero value in its part's state (its LSE includes it), so two parts that both
@@ -21,11 +21,11 @@ import contextlib
 
 import numpy as np
 
-from . import _arrays, _build, _params, schedule
+from . import _arrays, _build, _params, catalog
 
 __all__ = ["merge_states"]
 
-MAX_HEAD_DIM = 4 * schedule.MERGE_STATES_THREADS  # head_dim / 4 threads a row, one CTA at most
+MAX_HEAD_DIM = 4 * catalog.MERGE_STATES_THREADS  # head_dim / 4 threads a row, one CTA at most
 
 
 def check_shapes(out_a, lse_a, out_b, lse_b, out=None, lse_out=None):
@@ -144,14 +144,14 @@ def _merge(given, out, lse_out, out_a):
         lse_dev = dev["lse_out"] if dev["lse_out"] is not None else cupy.empty((n, h), np.float32)
         rows = n * h
         if rows:
-            variant = schedule.merge_states_variant(name)
-            rows_per_cta = variant.threads // (d // 4)
+            kernel = catalog.merge_states_kernel(name)
+            rows_per_cta = kernel.threads // (d // 4)
             params = _params.make(
                 "MergeStatesParams", out_a=dev["out_a"].data.ptr, lse_a=dev["lse_a"].data.ptr,
                 out_b=dev["out_b"].data.ptr, lse_b=dev["lse_b"].data.ptr, out=out_dev.data.ptr,
                 lse=lse_dev.data.ptr, rows=rows, head_dim=d, rows_per_cta=rows_per_cta)
             ctas = min(-(-rows // rows_per_cta), 32 * _build.device_attribute("MultiProcessorCount", device))
-            _build.launch(variant, (ctas,), params, stream)
+            _build.launch(kernel, (ctas,), params, stream)
         result_out = out if out is not None else _arrays.to_caller(out_dev, out_a)
         result_lse = lse_out if lse_out is not None else _arrays.to_caller(lse_dev, out_a)
     return result_out, result_lse

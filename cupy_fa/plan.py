@@ -1,7 +1,7 @@
 """Per-step metadata: the device buffers, the plan kernel, and the validation of a step's inputs.
 
 The schedule itself (offsets, row tiles, KV splits) is computed by exactly one piece of code,
-``kernels/plan.cu``, on the device, from ``q_lens`` / ``kv_lens`` in buffers allocated once for
+``kernels/shared/plan.cu``, on the device, from ``q_lens`` / ``kv_lens`` in buffers allocated once for
 a capacity. Eager ``plan()`` and a CUDA-graph replay run that same kernel, so they cannot drift.
 The policy it applies (tile, split size, budgets) comes from :mod:`cupy_fa.schedule`
 (``schedule.plan_constants``); this module holds the buffers, fills them (:func:`stage_inputs`)
@@ -10,10 +10,11 @@ used by ``BatchAttention.plan`` and ``GraphRunner.run`` alike).
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
-from . import _build, _params, schedule
+from . import _build, _params, catalog, schedule
 
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
@@ -64,7 +65,7 @@ class PlanBuffers:
         self.num_splits = cupy.zeros(b, i32)
         self.split_keys = cupy.zeros(b, i32)
         self.key_base = cupy.zeros(b, i32)              # keys before each request's first split (a window's)
-        self.status = cupy.full(1, (1 << 64) - 1, np.uint64)  # kernels/status.cuh: no bad request
+        self.status = cupy.full(1, (1 << 64) - 1, np.uint64)  # kernels/shared/status.cuh: no bad request
         dtype = _arrays.DTYPES[dtype_name]
         rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
@@ -77,7 +78,7 @@ class PlanBuffers:
         laid out for ``tile`` in work_indptr (schedule.plan_constants). Device lengths above
         ``max_q_len`` / ``max_kv_len`` (the bounds the grids were sized with) are refused. With a
         sliding ``window`` (> 0) each request's splits cover only its queries' windows, from its
-        ``key_base`` (kernels/plan.cu window_key_base)."""
+        ``key_base`` (kernels/shared/plan.cu window_key_base)."""
         return _params.make(
             "PlanParams", q_lens=self.q_lens.data.ptr, kv_lens=self.kv_lens.data.ptr,
             q_indptr=self.q_indptr.data.ptr, work_indptr=self.work_indptr.data.ptr,
@@ -90,7 +91,70 @@ class PlanBuffers:
             key_base=self.key_base.data.ptr, window=int(window))
 
 
+# ---- a planned step -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PlanState:
+    """A planned step as the host knows it: its schedule (``cupy_fa.schedule.StepSchedule``: the
+    launches, tiles and grids), the mask and scale, the host lengths and page table it was checked
+    with (None where they live on the device), the stream and event of its plan kernel, and the
+    attention variant it runs (window, soft-cap). ``BatchAttention.planned`` returns it."""
+    batch_size: int
+    num_tokens: int            # sum of q_lens if known on the host, else None
+    schedule: schedule.StepSchedule  # the launches (family, tile, grid) and the merge (cupy_fa.schedule)
+    mask_mode: int
+    sm_scale: float
+    host_page_table: object    # numpy, for validation against the cache in run(); None if device-planned
+    host_q_lens: object
+    host_kv_lens: object
+    page_table_columns: int
+    stream_ptr: int            # stream the metadata was written on
+    done: object               # event after the plan kernel (None if planned inside a capture)
+    stream: object = None      # that stream (a later plan on another one waits for it)
+    mask_entries: int = 0      # custom-mask entries the buffers hold for this plan (the kernels' bound)
+    check: bool = False        # plan(check=True) or CUPY_FA_DEBUG=1: sync and raise on a bad request
+    checked_geometry: set = dataclasses.field(default_factory=set)
+    other_streams: dict = dataclasses.field(default_factory=dict)  # ptr -> stream of runs on other streams
+    window: int = 0            # sliding window W (keys a query sees, itself included); 0 = none
+    soft_cap: float = 0.0      # logits soft-cap; 0 = none
+
+    # what a decode-like step runs (the small-q launch; a step of long requests only: theirs)
+    @property
+    def tile(self):
+        return self.schedule.tile
+
+    @property
+    def work_grid(self):
+        return self.schedule.work_grid
+
+    @property
+    def needs_merge(self):
+        return self.schedule.needs_merge
+
+    @property
+    def long_tile(self):
+        """The tile of the step's requests of more than SMALL_Q_LEN tokens, None without a long launch."""
+        return self.schedule.long.tile if self.schedule.long is not None else None
+
+
 # ---- host-side checks and bounds ----------------------------------------------------
+
+
+def check_count(name, value, least):
+    """A capacity argument: an int of at least ``least`` (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def checked_sm_scale(sm_scale, head_dim):
+    """The softmax scale a plan runs with: ``1 / sqrt(head_dim)`` for None, else a positive finite float."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    if not (isinstance(sm_scale, (int, float, np.floating)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    return float(sm_scale)
+
 
 
 def validate_lengths(q_lens, kv_lens):
@@ -306,6 +370,6 @@ def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None, m
     """The plan kernel on ``stream``: ``tile``'s work list for the small-q requests and, with
     ``long_tile``, the long family's list for the others (else every request on ``tile``).
     Requests whose lengths break the contract or the bounds (``max_q_len``, ``max_kv_len``) are
-    refused and recorded in the buffers' status word (kernels/status.cuh)."""
-    _build.launch(schedule.PLAN_VARIANT, (1,),
+    refused and recorded in the buffers' status word (kernels/shared/status.cuh)."""
+    _build.launch(catalog.PLAN_KERNEL, (1,),
                   buffers.plan_params(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len, window), stream)

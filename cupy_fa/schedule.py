@@ -1,334 +1,53 @@
-"""The tiling policy: which kernels run a batch, with which tiles, splits and merge (one file).
+"""The tiling policy: which kernels run a step, with which tiles, splits and merge.
 
 For a planned step :func:`schedule_step` answers everything the host decides:
 
-1. **The kernel families and tiles.** A step's requests fall in two classes by their own
-   ``q_len``, each with its own attention launch and work list (``kernels/plan.cu``):
+1. **The families and tiles.** A step's requests fall in two classes by their own ``q_len``,
+   each with its own attention launch and work list (``kernels/shared/plan.cu``):
    * small-q requests (``q_len <= SMALL_Q_LEN``: decode, verify, draft extend, the decode rows
-     of a mixed batch) take the small-q tile of the ``MMA_SYNC`` family (``kernels/attention.cu``,
-     mma.sync m16n8k16, sm_80+; :func:`tile_for`), 4 warps over the 64 keys of each KV tile (an
-     fp8 cache's: :func:`fp8_small_q_shape`), one row of warps (16 packed rows) or two (32) by
-     the packed rows of the class's longest request, ``CUPY_FA_DECODE_STAGES`` deep. Their bits are those of a pure decode step whatever else
-     the batch holds (docs/design.md, "Batch invariance");
+     of a mixed batch) take :func:`tile_for`'s small-q tile of the mma.sync family
+     (:mod:`cupy_fa.families.mma_sync`): 4 warps over the keys of each KV tile, one row of warps
+     (16 packed rows) or two (32) by the packed rows of the class's longest request,
+     ``CUPY_FA_DECODE_STAGES`` deep (an fp8 cache: ``fp8_small_q_shape``). Their bits are those
+     of a pure decode step whatever else the batch holds (docs/design.md, "Batch invariance");
    * longer requests (prefill, extend, chunked prefill, the long rows of a mixed batch) take
-     :func:`prefill_tile`: the ``SM90_WGMMA`` family (``kernels/prefill_sm90.cu``, wgmma with a
-     producer warpgroup, sm_90a only) where the target is sm_90a and the head dim 64, 128 or
-     256, else the mma.sync prefill tile (4 warps over 64 query rows). One split per CTA, no fold.
-   Both read the same plan metadata (``kernels/work.cuh``, ``kernels/sm90_prefill_work.cuh``),
-   each its own list with its own ``block_m`` / ``block_n``.
+     :func:`prefill_tile`: the sm_90a wgmma family (:mod:`cupy_fa.families.sm90`) where the
+     target is sm_90a, the cache 16-bit and the head dim 64, 128 or 256, else the mma.sync
+     prefill tile (4 warps over 64 query rows). One split per CTA, no fold.
 2. **The fold** (:func:`fold_tile`): whether the small-q CTAs fold their splits themselves
    (whole rows, or groups of ``MERGE_GROUP``) instead of leaving partials for the merge kernel;
    only in steps without long requests (one merge launch reads one partial layout).
-3. **The splits** (computed on the device by ``kernels/plan.cu``; :func:`max_splits` is the
-   host's bound): small-q requests split every ``split_size(kv_bytes)`` keys at fixed positions (one
-   value per cache element: batch invariance), others only while ``q_len x splits <= SPLIT_ROW_BUDGET``; at most ``MAX_SPLITS``.
+3. **The splits**: small-q requests split every ``split_size(kv_bytes)`` keys at fixed positions
+   (one value per cache element: batch invariance), others only while ``q_len x splits <=
+   SPLIT_ROW_BUDGET``; at most ``MAX_SPLITS``. :func:`max_splits` is the rule; the plan kernel
+   (``kernels/shared/plan.cu``) applies it on the device, lowering it only where a batch's partials
+   would overflow the workspace (``tests/test_plan.py`` checks the kernel against this rule).
 4. **The grids and the merge** (:func:`work_bound`, :func:`capacity_work_bound`,
    :func:`launch_grid`, :func:`needs_merge`, :func:`merge_shape`): one merge after both launches
    folds the split rows of either class.
 
 None of these choices changes a bit of the results except the split size (docs/design.md,
-"Batch invariance"); the tuning knobs are :mod:`cupy_fa.knobs`. :func:`all_variants` lists every
-kernel the policy can select (what CI compiles) and :func:`warmup_variants` those one device
-can select.
+"Batch invariance"); the tuning knobs are :mod:`cupy_fa.knobs`. The kernels a choice compiles
+to are :mod:`cupy_fa.catalog`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-from . import _arrays, _build
-from .knobs import STAGE_CHOICES, knobs
-from ._build import Variant
+from .families import sm90
+from .families.common import MERGE_GROUP, SMEM_LIMIT, is_sm90a
+from .families.mma_sync import MmaTile, fp8_small_q_shape, small_q_tile
+from .knobs import knobs
 
-# ---- the policy's constants ------------------------------------------------------------
-
-HEAD_DIMS = (64, 96, 128, 192, 256)  # 96 and 192: the mma.sync family only (prefill_tile)
-WARP_LAYOUTS = ((1, 4), (2, 4), (4, 1))  # mma.sync tiles: (warps over query rows, warps over keys)
-SMALL_Q_LEN = 16  # batches with q_len <= this are decode-like: the small-q tile and fixed-position splits
+SMALL_Q_LEN = 16  # requests with q_len <= this are decode-like: the small-q tile and fixed-position splits
 MAX_SPLITS = 256  # KV splits of one request at most (sizes the merge's shared memory)
 SPLIT_ROW_BUDGET = 128  # larger q_len: splits only while q_len x splits <= this
 PARTIAL_WORKSPACE_BYTES = 128 << 20  # split partials: at least this much, at least B x SPLIT_ROW_BUDGET rows
-MERGE_GROUP = 8  # splits folded in order before the groups are (kernels/softmax.cuh kMergeGroup)
-FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/common.cuh fp8_e4m3): its tiles have kv_bytes=1
-# Head dims an fp8 cache takes: its rows are D / 16 chunks of 16 bytes (6 at D = 96, 12 at 192),
-# which its loads and byte swizzle need to tile the CTA evenly (docs/design.md, "Head dims")
-FP8_HEAD_DIMS = (64, 128, 256)
-# Keys per KV tile and pipeline depth of an fp8 cache's small-q tiles at head dims 64 and 128:
-# 128 keys, 2 stages, so a stage holds the bytes of a 16-bit tile's (64 keys), and a warp takes
-# 32 keys between two barriers instead of 16. Measured on the H200 (2026-12-02, `python -m
-# bench.fp8 --ab`, decode B=64 L=4096 at D 128, folding CTAs): 141.3 us against 168.8 us at
-# 64 keys x 4 stages and 143.8 us at 64 x 2 (docs/design.md, "fp8 KV cache"). At D = 256 the
-# tiles keep 64 keys 4 deep (FP8_D256): 128 keys take the one-row tile to 255 registers and
-# a 4-byte spill (NVRTC 12.9). Every fp8 small-q tile of a head dim shares its keys per tile,
-# so decode and verify reduce a split's keys alike (docs/design.md, "Batch invariance"). (A
-# program that changes them, as `python -m bench.fp8 --ab` does, clears attention_variant's
-# cache: it caches by tile, and block_n is not a field.)
-FP8_STAGES = 2
-FP8_BLOCK_N = 128
-FP8_D256 = (64, 4)  # (keys per KV tile, stages) of the D = 256 fp8 small-q tiles
-
-
-def fp8_small_q_shape(head_dim):
-    """(keys per KV tile, pipeline stages) of an fp8 cache's small-q tiles at ``head_dim``."""
-    return FP8_D256 if head_dim == 256 else (FP8_BLOCK_N, FP8_STAGES)
-
-
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (the kernels' occupancy math)
-SM80_SMEM_LIMIT = 163 * 1024  # and on sm_80: tiles are chosen for the device's own limit
 FOLD_MIN_WAVE_FILL = 0.75  # fold only when the folding CTAs fill their waves this well (the last one too)
 WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most this many groups
-
-
-# ---- element types ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ElementTypes:
-    """The element types of a kernel's Q, KV and O (separate template parameters of the
-    attention kernel): equal, or an fp8 cache's ``kv = "float8_e4m3fn"`` beside fp16 / bf16
-    Q and O (the mma.sync family only)."""
-    q: str
-    kv: str
-    out: str
-
-    @classmethod
-    def of(cls, dtype):
-        return dtype if isinstance(dtype, cls) else cls(dtype, dtype, dtype)
-
-    @property
-    def kv_bytes(self):
-        """Bytes of a K/V element: 1 for an fp8 cache, else 2."""
-        return 1 if self.kv == FP8 else 2
-
-    def ctypes(self):
-        return _build.CTYPES[self.q], _build.KV_CTYPES[self.kv], _build.CTYPES[self.out]
-
-
-# ---- kernel families and their tiles -------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelFamily:
-    """One attention kernel template: its source, its name, and the archs it runs on. A tile
-    class per family names its traits (``MmaTile.traits``)."""
-    name: str
-    source: str      # file under kernels/
-    kernel: str      # the __global__ template, instantiated as kernel<Q, KV, O, Traits>
-    min_sm: int      # compute capability (x10) it needs
-
-
-MMA_SYNC = KernelFamily("mma_sync", "attention.cu", "cupy_fa::attention_kernel", 80)
-# wgmma prefill (sm_90a only: the architecture-specific target; its tile is prefill_sm90.Sm90Tile)
-SM90_WGMMA = KernelFamily("sm90_wgmma", "prefill_sm90.cu", "cupy_fa::prefill_sm90_kernel", 90)
-FAMILIES = (MMA_SYNC, SM90_WGMMA)
-
-
-def _sm90():
-    """cupy_fa.prefill_sm90 (Sm90Tile, its default tiles and variants), imported on first use:
-    it imports this module."""
-    from . import prefill_sm90
-
-    return prefill_sm90
-
-
-def is_sm90a(arch):
-    """Whether ``arch`` (e.g. ``sm_90a``, ``compute_90a``) is Hopper's architecture-specific target,
-    the only one the wgmma family compiles for."""
-    return arch is not None and arch.endswith("90a")
-
-
-def family_of(tile):
-    """The :class:`KernelFamily` whose kernel a tile instantiates."""
-    return SM90_WGMMA if isinstance(tile, _sm90().Sm90Tile) else tile.family
-
-
-def is_small_q_tile(tile):
-    """A tile of the small-q class (mma.sync, 4 warps over each KV tile's keys)."""
-    return isinstance(tile, MmaTile) and tile.warps_n > 1
-
-
-@dataclasses.dataclass(frozen=True)
-class MmaTile:
-    """A tile of the mma.sync family; the C++ ``TileTraits`` (kernels/tile_traits.cuh) derives
-    the rest, and the numbers the host uses are compiled into every variant as checks."""
-    head_dim: int
-    warps_m: int
-    warps_n: int
-    stages: int = 2
-    fold_capable: bool = False  # carries a fold state (TileTraits FOLD): its own kernel binary
-    splits_per_cta: int = 1  # consecutive KV splits one CTA runs (schedule only: same kernel binary)
-    fold_splits: bool = False  # CTAs fold their splits themselves (AttentionParams::fold_splits)
-    kv_bytes: int = 2  # bytes of a K/V element: 2 (fp16 / bf16), 1 (an fp8 cache; TileTraits KV_BYTES)
-    variants: bool = False  # the variant hooks compiled in (window, soft-cap, sinks; TileTraits VARIANTS)
-    row_halves: int = 2  # 1: a one-row small-q tile for requests of <= 8 packed rows (TileTraits ROW_HALVES)
-    producer_capable: bool = False  # may take a producer warpgroup (producer_warps; tile_for: sm_90a only)
-
-    family = MMA_SYNC
-    whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/attention.cu)
-
-    def __post_init__(self):
-        if self.fold_capable and not self.fold_layout:
-            raise ValueError(f"a fold state needs a small-q tile whose epilogue fits one stage (one row of "
-                             f"warps, or two at D >= 128), got {self}")
-        if self.splits_per_cta != 1 and not self.epilogue_in_stage:
-            raise ValueError(f"splits_per_cta={self.splits_per_cta} needs a tile whose epilogue fits one stage; "
-                             f"{self} does not")
-        if self.row_halves not in (1, 2) or (self.row_halves == 1 and not (self.warps_m == 1 and self.warps_n > 1)):
-            raise ValueError(f"row_halves=1 is for the one-row small-q tile only, got {self}")
-        if self.producer_capable and not self.producer_warp_layout:
-            raise ValueError(f"a producer warpgroup is for the fp8 one-row-half small-q tile at head dims 64 and "
-                             f"128, got {self}")
-        if self.fold_splits and not (self.fold_capable and self.splits_per_cta % MERGE_GROUP == 0):
-            raise ValueError(f"fold_splits needs a fold-capable tile running whole groups of {MERGE_GROUP} "
-                             f"splits per CTA, got {self}")
-
-    @property
-    def block_m(self):
-        """Packed (token, head) rows per CTA (PlanParams::block_m)."""
-        return 16 * self.warps_m
-
-    @property
-    def block_n(self):
-        """Keys per KV tile (PlanParams::block_n: split sizes are multiples of it); an fp8 cache's
-        small-q tiles take fp8_small_q_shape's (all of a head dim alike: decode and verify share it)."""
-        if self.kv_bytes == 1 and self.warps_n > 1:
-            return fp8_small_q_shape(self.head_dim)[0]
-        return 32 if (self.head_dim == 256 and self.warps_n == 1) else 64
-
-    @property
-    def threads(self):
-        """Threads per CTA (TileTraits::kCtaThreads): the consumer warps', and a producer warpgroup's."""
-        return 32 * (self.warps_m * self.warps_n + self.producer_warps)
-
-    @property
-    def producer_warp_layout(self):
-        """Whether this tile can take a producer warpgroup (TileTraits PRODUCER_WARPS): an fp8 one-row
-        small-q tile of 4 warps with one row half, without the variant hooks, at head dims 64 and 128
-        (at 256 its 64-key tiles keep their copies on the consumers)."""
-        return (self.kv_bytes == 1 and self.warps_m == 1 and self.warps_n == 4 and self.row_halves == 1
-                and not self.variants and self.head_dim in (64, 128))
-
-    @property
-    def producer_warps(self):
-        """Warps of the producer warpgroup (TileTraits PRODUCER_WARPS): 4 for a ``producer_capable``
-        folding tile of that layout whose 256 threads and epilogue buffer (``_smem_own``) keep the CTAs
-        an SM it has without them (2: the folding tile at D = 128, by shared memory), else 0: a tile
-        that fits 3 or 4 CTAs an SM keeps them, and its copies on the consumers (a producer
-        warpgroup's registers allow 2)."""
-        if not (self.producer_capable and self.producer_warp_layout and self.fold_capable):
-            return 0
-        consumers = 32 * self.warps_m * self.warps_n
-        plain = self._ctas_per_sm(consumers, self._smem_bytes(0))
-        return 4 if self._ctas_per_sm(consumers + 128, self._smem_bytes(self._smem_own)) == plain == 2 else 0
-
-    @property
-    def fold_layout(self):
-        """Whether this warp layout can carry a fold state: a small-q tile whose epilogue fits
-        one stage (one row of warps, or two at D >= 128, half of D per pass; an fp8 tile's
-        stage holds half the bytes: one row of warps at D >= 128)."""
-        if self.kv_bytes == 1:
-            return self.warps_n > 1 and self._fp8_epilogue_passes() > 0
-        return self.warps_n > 1 and (self.warps_m == 1 or self.head_dim >= 128)
-
-    def _fp8_epilogue_passes(self):
-        """TileTraits::kEpiloguePasses of an fp8 tile: the warps' fp32 accumulators in one stage
-        (2 x block_n x D bytes) at once, else in two halves of D (D >= 128), else 0 (not in a stage)."""
-        stage = 2 * self.block_n * self.head_dim
-        staged = self.warps_m * self.warps_n * 16 * self.head_dim * 4
-        return 1 if staged <= stage else (2 if self.head_dim >= 128 and staged // 2 <= stage else 0)
-
-    @property
-    def smem_bytes(self):
-        return self._smem_bytes(self._smem_own if self.producer_warps else 0)
-
-    @property
-    def _smem_own(self):
-        """TileTraits::kSmemEpilogueOwn of a producer-warpgroup tile: its epilogue's buffer, 8 rows a
-        warp of one pass's columns in fp32."""
-        return self.warps_m * self.warps_n * 8 * (self.head_dim // max(self._fp8_epilogue_passes(), 1)) * 4
-
-    def _smem_bytes(self, own):
-        fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
-        if self.kv_bytes == 1:  # TileTraits::kSmemKVRegion: room for an epilogue staged over every stage
-            kv = 2 * self.stages * self.block_n * self.head_dim
-            if not self.epilogue_in_stage:
-                kv = max(kv, self.warps_m * self.warps_n * 16 * self.head_dim * 4)
-            return 2 * self.head_dim * self.block_m + kv + fold + own
-        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold + own
-
-    @property
-    def epilogue_in_stage(self):
-        """The end-of-split epilogue fits in one pipeline stage, at once or in two passes
-        (TileTraits::kEpilogueInStage): only then may a CTA run several splits."""
-        if self.kv_bytes == 1:
-            return self._fp8_epilogue_passes() > 0
-        return self.warps_m * self.warps_n <= self.block_n // 16 or self.fold_capable
-
-    @property
-    def min_ctas_per_sm(self):
-        """TileTraits::kMinCtasPerSm: CTAs per SM the launch bounds hold small-q tiles to
-        (as many as shared memory allows, up to what 128 registers a thread can feed)."""
-        return self._ctas_per_sm(self.threads, self.smem_bytes)
-
-    def _ctas_per_sm(self, threads, smem_bytes):
-        by_smem = SMEM_LIMIT // (smem_bytes + 1024)
-        by_registers = 65536 // (threads * 128)
-        # TileTraits::kOneCtaForRegisters: a 96-column two-row tile with the variant hooks
-        one_for_registers = self.variants and self.warps_m > 1 and self.head_dim % 64 != 0
-        return 1 if self.warps_n == 1 or by_smem < 1 or one_for_registers else min(by_smem, by_registers)
-
-    @property
-    def fits(self):
-        return self.fits_in(SMEM_LIMIT)
-
-    def fits_in(self, smem_limit):
-        """Whether its dynamic shared memory fits a device's per-CTA limit (opt-in)."""
-        return self.smem_bytes <= smem_limit
-
-    def deepest_fit(self, smem_limit):
-        """This tile with the deepest pipeline up to its own that fits ``smem_limit``, or None."""
-        tile = self
-        while not tile.fits_in(smem_limit) and tile.stages > min(STAGE_CHOICES):
-            tile = dataclasses.replace(tile, stages=tile.stages - 1)
-        return tile if tile.fits_in(smem_limit) else None
-
-    def folding(self, groups_per_cta=1, smem_limit=SMEM_LIMIT):
-        """This tile with each CTA folding ``groups_per_cta`` groups of MERGE_GROUP splits of
-        its row block (:func:`fold_tile`), in the fold-capable variant with the deepest pipeline
-        that still fits ``smem_limit``; None where no such variant exists."""
-        if not self.fold_layout:
-            return None
-        return dataclasses.replace(self, fold_capable=True, splits_per_cta=MERGE_GROUP * groups_per_cta,
-                                   fold_splits=True).deepest_fit(smem_limit)
-
-    def with_variants(self):
-        """This tile's kernel with the variant hooks compiled in: the same schedule, only the
-        binary differs (:func:`with_variants`; no producer warpgroup: it has no build with the hooks)."""
-        return dataclasses.replace(self, variants=True, producer_capable=False)
-
-    def traits(self):
-        """The C++ traits type of this tile's kernel binary."""
-        # the plain 16-bit kernels keep their names (and code): KV_BYTES only when not 2 or when
-        # VARIANTS (a later template argument) follows
-        producer = self.producer_warps != 0
-        halves = self.row_halves != 2 or producer
-        kv = f", {self.kv_bytes}" if self.kv_bytes != 2 or self.variants or halves else ""
-        hooks = f", {str(self.variants).lower()}" if self.variants or halves else ""
-        rows = f", {self.row_halves}" if halves else ""
-        producers = f", {self.producer_warps}" if producer else ""
-        return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
-                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}{rows}{producers}>")
-
-    def checks(self):
-        """The host's mirrors of the traits, compiled in as static_asserts."""
-        traits = self.traits()
-        return (f"{traits}::kSmemBytes == {self.smem_bytes}",
-                f"{traits}::kEpilogueInStage == {str(self.epilogue_in_stage).lower()}",
-                f"{traits}::kMinCtasPerSm == {self.min_ctas_per_sm}",
-                f"cupy_fa::kTraceCtas == {_build.TRACE_SHAPE[0]} && cupy_fa::kTraceStamps == {_build.TRACE_SHAPE[1]}")
 
 
 # ---- which tile for a batch ------------------------------------------------------------------
@@ -366,7 +85,7 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
 
 def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
     """The tile of requests of more than SMALL_Q_LEN tokens, one KV split per CTA: on an sm_90a
-    target the wgmma family's default tile for the head dim (``prefill_sm90.DEFAULT_TILES``,
+    target the wgmma family's default tile for the head dim (``sm90.DEFAULT_TILES``,
     192 packed rows per CTA at D 64 / 128, 128 at D 256) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
     ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target
     named), and at the head dims the wgmma family lacks (96, 192: docs/design.md "Head dims"),
@@ -375,26 +94,11 @@ def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
     sm_90a included (the wgmma family reads 16-bit K/V only)."""
     if kv_bytes == 1:
         return MmaTile(head_dim, 4, 1, kv_bytes=1)
-    if is_sm90a(arch) and head_dim in _sm90().DEFAULT_TILES:
-        tile = _sm90().DEFAULT_TILES[head_dim]
+    if is_sm90a(arch) and head_dim in sm90.DEFAULT_TILES:
+        tile = sm90.DEFAULT_TILES[head_dim]
         if tile.smem_bytes <= smem_limit:
             return tile
     return MmaTile(head_dim, 4, 1)
-
-
-def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT, kv_bytes=2):
-    """The small-q tile with the deepest pipeline up to ``stages`` that fits this head dim
-    and ``smem_limit``. The two-row tile carries a fold state (where its layout can, at
-    D >= 128) when it fits: registers already hold it at 2 CTAs per SM, which the state
-    keeps (at D = 256 only Hopper's shared memory has room; elsewhere it runs without, one
-    split per CTA). The one-row tile gets one per batch (its ``folding()``, chosen by
-    :func:`fold_tile`), as it costs it a CTA per SM."""
-    base = MmaTile(head_dim, warps_m, 4, stages, kv_bytes=kv_bytes)
-    for fold in ((True, False) if warps_m == 2 and base.fold_layout else (False,)):
-        tile = dataclasses.replace(base, fold_capable=fold).deepest_fit(smem_limit)
-        if tile is not None:
-            return tile
-    raise ValueError(f"no small-q tile of head dim {head_dim} fits {smem_limit} bytes of shared memory per CTA")
 
 
 # ---- splits -----------------------------------------------------------------------------------
@@ -425,13 +129,13 @@ def partial_rows(max_batch_size, num_qo_heads, head_dim, elem_bytes=2):
     """Rows of the split-partial buffers for a capacity: at least PARTIAL_WORKSPACE_BYTES and
     at least max_batch_size x SPLIT_ROW_BUDGET rows; one row is H_q x (head_dim outputs in the
     output type + one fp32 LSE). A batch that would need more caps every request at an equal
-    share (kernels/plan.cu: the only way a batch changes a request's splits)."""
+    share (kernels/shared/plan.cu: the only way a batch changes a request's splits)."""
     row_bytes = num_qo_heads * (head_dim * elem_bytes + 4)
     return max(max_batch_size * SPLIT_ROW_BUDGET, PARTIAL_WORKSPACE_BYTES // row_bytes)
 
 
 def max_splits(q_lens, kv_lens, kv_bytes=2):
-    """Upper bound on each request's split count under the policy that kernels/plan.cu
+    """Upper bound on each request's split count under the policy that kernels/shared/plan.cu
     applies (its overflow cap and rounding only lower it), over a cache of ``kv_bytes``-byte
     K/V elements (:func:`split_size`). The host uses it for grid sizes and to know whether a
     merge can be needed; the schedule itself is only ever computed on the device."""
@@ -442,7 +146,7 @@ def max_splits(q_lens, kv_lens, kv_bytes=2):
 
 
 def key_base(q_lens, kv_lens, window, kv_bytes=2):
-    """kernels/plan.cu window_key_base: with a sliding ``window`` (keys a query sees, itself
+    """kernels/shared/plan.cu window_key_base: with a sliding ``window`` (keys a query sees, itself
     included; 0 / None: none) the keys before each request's first split, its first query's first
     visible key ``kv_len - q_len - window + 1`` rounded down to a multiple of MERGE_GROUP x
     split_size(kv_bytes) (so small-q splits and their merge groups stay at fixed positions); 0 without."""
@@ -474,7 +178,7 @@ def window_span_bound(max_q_len, max_kv_len, window, kv_bytes=2):
 
 def row_blocks(q_lens, group_size, tile):
     """Row tiles of each request: its q_len x group_size packed (token, head) rows cut into
-    tiles of tile.block_m (kernels/plan.cu counts them the same way)."""
+    tiles of tile.block_m (kernels/shared/plan.cu counts them the same way)."""
     return -(-(np.asarray(q_lens) * group_size) // tile.block_m)
 
 
@@ -546,11 +250,11 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
       or less), which merge_kernel folds in order.
     Either way one CTA start-up per group or row instead of per split. It pays only when
     those fewer, longer CTAs fill the GPU without a long tail: their waves at the folding
-    variant's CTAs per SM (the one-row tile's fold state costs it one of three) must be
+    tile's CTAs per SM (the one-row tile's fold state costs it one of three) must be
     ``FOLD_MIN_WAVE_FILL`` full on average, the last one counted whole (0.97 waves: 0.97;
     1.14 waves: 0.57; 1.94 waves: 0.97).
     Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
-    groups). The folding variant must fit ``smem_limit`` (the device's shared memory per
+    groups). The folding tile must fit ``smem_limit`` (the device's shared memory per
     CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
     ``0`` (never). The choice depends on the batch; the results do not."""
     knob = knobs().fold_splits
@@ -578,12 +282,12 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One attention launch of a step: a family's tile (the kernel binary and its schedule:
+    """One attention launch of a step: a family's tile (the kernel and its schedule:
     splits per CTA, fold), the work items its grid is sized for, its CTAs (:func:`launch_grid`)
     and the most KV splits a request of the class gets (:func:`max_splits`: small-q requests at
     fixed positions every split_size(kv_bytes) keys, longer ones while q_len x splits <= SPLIT_ROW_BUDGET;
-    kernels/plan.cu computes each request's own on the device)."""
-    tile: object         # MmaTile, or prefill_sm90.Sm90Tile
+    kernels/shared/plan.cu computes each request's own on the device)."""
+    tile: object         # an MmaTile, or an Sm90Tile
     work_grid: int
     ctas: int
     max_splits: int
@@ -644,7 +348,7 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     family).
 
     With a sliding ``window`` (> 0) a request's splits cut only the keys from its key_base on
-    (:func:`window_spans`; kernels/plan.cu), and every split count, grid and merge below is that of
+    (:func:`window_spans`; kernels/shared/plan.cu), and every split count, grid and merge below is that of
     those keys (with device lengths: of :func:`window_span_bound`)."""
     long_tile = prefill_tile(head_dim, smem_limit, arch, kv_bytes)
     if window and q_lens is not None:
@@ -707,7 +411,7 @@ def check_split_size(head_dim, kv_bytes=2):
 
 
 def plan_constants(tile, long_tile=None):
-    """PlanParams' policy fields (kernels/plan.cu reads them): the small-q requests laid out for
+    """PlanParams' policy fields (kernels/shared/plan.cu reads them): the small-q requests laid out for
     ``tile`` in work_indptr and, with ``long_tile``, the longer ones for it in long_work_indptr;
     without it every request is laid out for ``tile`` (one family)."""
     s = split_size(tile.kv_bytes)
@@ -724,7 +428,7 @@ def plan_constants(tile, long_tile=None):
 
 # ---- merge shapes -------------------------------------------------------------------------------
 
-# Merge shapes (kernels/merge.cu MergeTraits): (heads per CTA, ways over split groups).
+# Merge shapes (kernels/shared/merge.cu MergeTraits): (heads per CTA, ways over split groups).
 # Both fold in the same order, so the choice never changes a bit.
 MERGE_WIDE = (8, 1)  # many tokens: one CTA per 8 heads of a token, one way
 MERGE_DEEP = (1, 8)  # fewer tokens with more splits: one head, 8 ways
@@ -744,182 +448,3 @@ def merge_grid(num_tokens, num_qo_heads):
     shape = merge_shape(num_tokens, num_qo_heads)
     return shape, (num_tokens, -(-num_qo_heads // shape[0]))
 
-
-# ---- variants ----------------------------------------------------------------------------------
-
-
-def with_variants(tile):
-    """``tile``'s kernel with the variant hooks compiled in (kernels/variant.cuh: sliding window,
-    logits soft-cap, attention sinks; each on at run time by its AttentionParams field). The same
-    schedule and work layout as ``tile``: only the binary differs (a wgmma tile may hold fewer
-    keys a KV tile with the hooks: ``Sm90Tile.with_variants``). Each tile class says how."""
-    return tile.with_variants()
-
-
-@functools.lru_cache(maxsize=None)
-def attention_variant(dtype, tile):
-    """The attention kernel binary of a tile (its family's template) for element types
-    ``dtype`` (a dtype name, or :class:`ElementTypes`; the wgmma family takes one element
-    type for Q, KV and O; a tile's ``kv_bytes`` must be the KV type's)."""
-    types = ElementTypes.of(dtype)
-    if getattr(tile, "kv_bytes", 2) != types.kv_bytes:
-        raise ValueError(f"internal: tile {tile} is for {getattr(tile, 'kv_bytes', 2)}-byte K/V, "
-                         f"the KV type is {types.kv}")
-    if types.kv_bytes == 1 and tile.variants:
-        raise ValueError(f"internal: an fp8 cache's kernels have no build with the variant hooks (tile {tile}; "
-                         f"attention.refuse_fp8_variants refuses the step)")
-    if family_of(tile) is SM90_WGMMA:
-        if not types.q == types.kv == types.out:
-            raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")
-        return _sm90().variant(types.q, tile)  # its own mirrors of Sm90PrefillTraits as checks
-    q, kv, out = types.ctypes()
-    expr = f"{tile.family.kernel}<{q}, {kv}, {out}, {tile.traits()}>"
-    return Variant(tile.family.source, expr, tile.threads, tile.smem_bytes, tile.checks())
-
-
-@functools.lru_cache(maxsize=None)
-def merge_variant(dtype_name, head_dim, shape):
-    heads_per_cta, ways = shape
-    if ways == 0:  # a way per group of splits, up to 1024 threads (32 ways at D=128: one group each)
-        lanes = head_dim // 4 * heads_per_cta
-        ways = min(1024 // lanes, MAX_SPLITS // MERGE_GROUP)
-        while lanes * ways % 32:  # whole warps (D = 192: 20 ways of 48 lanes): its warp-wide search
-            ways -= 1
-    expr = (f"cupy_fa::merge_kernel<{_build.CTYPES[dtype_name]}, "
-            f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {MAX_SPLITS}>>")
-    return Variant("merge.cu", expr, head_dim // 4 * heads_per_cta * ways)
-
-
-MERGE_STATES_THREADS = 256  # kernels/merge_states.cu's launch bounds: head_dim / 4 threads a row
-
-
-@functools.lru_cache(maxsize=None)
-def merge_states_variant(dtype_name):
-    """cupy_fa.merge_states' kernel (kernels/merge_states.cu) for one output type; any head dim
-    that is a multiple of 4 up to 4 x MERGE_STATES_THREADS."""
-    return Variant("merge_states.cu", f"cupy_fa::merge_states_kernel<{_build.CTYPES[dtype_name]}>",
-                   MERGE_STATES_THREADS)
-
-
-def append_variant(index_dtype, quantize_from=None):
-    """The append kernel for slots of ``index_dtype``: a copy, or (``quantize_from``: the new
-    rows' dtype name) the fp8 cache's quantising one."""
-    index = {"int32": "int", "int64": "long long"}[np.dtype(index_dtype).name]
-    if quantize_from is not None:
-        return Variant("kv_append.cu", f"cupy_fa::append_quantize_kernel<{index}, {_build.CTYPES[quantize_from]}>", 256)
-    return Variant("kv_append.cu", f"cupy_fa::append_kernel<{index}>", 256)
-
-
-PLAN_VARIANT = Variant("plan.cu", "cupy_fa::plan_kernel", 1024)
-
-
-def _common_variants(dtype_name, head_dim):
-    return [merge_variant(dtype_name, head_dim, shape) for _, shape in MERGE_SHAPES]
-
-
-def all_variants(arch=None):
-    """Every kernel the library can launch, on Hopper or on an A100, under any knob values (what
-    CI compiles): with ``arch`` those an ``arch`` build can run (the wgmma family only for sm_90a);
-    None: every one (they all compile for sm_90a)."""
-    out = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
-    out += [merge_states_variant(dtype_name) for dtype_name in _build.CTYPES]
-    out += [append_variant(i, d) for d in _build.CTYPES for i in (np.int32, np.int64)]
-    for dtype_name in _build.CTYPES:
-        for head_dim in HEAD_DIMS:
-            out += _common_variants(dtype_name, head_dim)
-            tiles = [MmaTile(head_dim, 4, 1)]  # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
-            if arch is None or is_sm90a(arch):
-                tiles.append(prefill_tile(head_dim, SMEM_LIMIT, "sm_90a"))
-            for warps_m in (1, 2):
-                for stages in STAGE_CHOICES:
-                    for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
-                        tile = small_q_tile(head_dim, warps_m, stages, limit)
-                        tiles += [tile, tile.folding(smem_limit=limit)]
-            tiles = [t for t in tiles if t is not None]
-            tiles += [with_variants(t) for t in tiles]  # each with the variant hooks (window, soft-cap, sinks)
-            variants = (attention_variant(dtype_name, t) for t in tiles)
-            out += list({v.expression: v for v in variants}.values())  # one per kernel binary
-            if head_dim in FP8_HEAD_DIMS:
-                out += fp8_variants(dtype_name, head_dim, fp8_tiles(head_dim, arch=arch))
-    return out
-
-
-def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT), arch=None):
-    """The tiles of an fp8 cache the policy can select at a head dim: the mma.sync prefill tile
-    and the small-q tiles (both row layouts, each depth, Hopper's and an A100's shared memory)
-    with their folding variants, and the one-row-half tiles with a producer warpgroup where ``arch``
-    is sm_90a or None (any); ``stage_choices``: the depths (default the policy's)."""
-    tiles = [prefill_tile(head_dim, kv_bytes=1)]
-    for warps_m in (1, 2):
-        for stages in stage_choices or (fp8_small_q_shape(head_dim)[1],):
-            for limit in limits:
-                tile = small_q_tile(head_dim, warps_m, stages, limit, kv_bytes=1)
-                tiles += [tile, tile.folding(smem_limit=limit)]
-                if warps_m == 1:  # and with one row half (tile_for: requests of <= 8 rows), and a producer warpgroup
-                    half = dataclasses.replace(tile, row_halves=1)
-                    tiles += [half, half.folding(smem_limit=limit)]
-                    if half.producer_warp_layout and (arch is None or is_sm90a(arch)):
-                        ring = dataclasses.replace(half, producer_capable=True)
-                        tiles += [ring, ring.folding(smem_limit=limit)]
-    return [t for t in tiles if t is not None]
-
-
-def fp8_variants(dtype_name, head_dim, tiles=None):
-    """The attention kernels over an fp8 cache with ``dtype_name`` queries and outputs, one per
-    kernel binary (the merge, plan and append kernels are the 16-bit ones')."""
-    types = ElementTypes(dtype_name, FP8, dtype_name)
-    variants = (attention_variant(types, t) for t in (fp8_tiles(head_dim) if tiles is None else tiles))
-    return list({v.expression: v for v in variants}.values())
-
-
-def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_limit=SMEM_LIMIT, arch=None,
-                    kv_dtypes=None, variants=False):
-    """Every variant that plans with these dtypes and head dims can select under the knobs in
-    force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
-    prefill family of the arch, the merges, plan and append, and merge_states'). ``kv_dtypes``: the
-    cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
-    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each 16-bit cache's attention
-    kernel with the variant hooks too (what steps with a window, a soft-cap or sinks run; an fp8
-    cache has none)."""
-    wanted = [PLAN_VARIANT, append_variant(np.int32), append_variant(np.int64)]
-    wanted += [merge_states_variant(dtype_name) for dtype_name in dtypes]
-    for dtype_name in dtypes:
-        for head_dim in head_dims:
-            wanted += _common_variants(dtype_name, head_dim)
-            for kv in (kv_dtypes or (dtype_name,)):
-                kv = FP8 if _arrays.resolve_kv_dtype(kv, "kv_dtypes") == FP8 else dtype_name
-                if kv == FP8 and head_dim not in FP8_HEAD_DIMS:
-                    continue  # no fp8 tile at this head dim (BatchAttention refuses it)
-                types = ElementTypes(dtype_name, kv, dtype_name)
-                if kv == FP8:
-                    wanted += [append_variant(np.int32, dtype_name), append_variant(np.int64, dtype_name)]
-                # each layout tile_for picks: one row half, the one-row tile, the two-row tile, prefill
-                for max_q_len, group in ((1, 1), (4, 4), (SMALL_Q_LEN, 4), (SMALL_Q_LEN + 1, 1)):
-                    tile = tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
-                    folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
-                    picked = [t for t in (tile, folded) if t is not None]
-                    # (an fp8 cache's kernels have no hooked build: BatchAttention refuses the variants there)
-                    picked += [with_variants(t) for t in picked] if variants and kv != FP8 else []
-                    wanted += [attention_variant(types, t) for t in picked]
-    return list({v: None for v in wanted})
-
-
-def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False, device=None):
-    """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
-    head dims can select under the current knobs, on ``device`` (an int id, a ``cupy.cuda.Device``,
-    a torch cuda device; default CuPy's current device: each device loads its own), so no compile happens
-    inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
-    too); ``variants=True`` adds the kernels with the variant hooks (steps with a sliding window,
-    a logits soft-cap or attention sinks). Returns how many."""
-    import cupy
-
-    from . import _arrays
-
-    _arrays.require_cuda()
-    device_id = _arrays.resolve_device(device)
-    with cupy.cuda.Device(device_id):
-        wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(device_id), _build.device_arch(device_id),
-                                 kv_dtypes, variants)
-        for variant in wanted:
-            _build.get_function(variant, device_id)
-    return len(wanted)

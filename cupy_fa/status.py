@@ -1,4 +1,4 @@
-"""The device status word (``kernels/status.cuh``), read back as a :class:`Status`.
+"""The device status word (``kernels/shared/status.cuh``), read back as a :class:`Status`.
 
 Device metadata, the lengths and page table of a CUDA-graph step, cannot be read by the host
 without a sync, so the kernels check it: a request that breaks the contract never reads or writes
@@ -12,7 +12,7 @@ import numpy as np
 
 OK = (1 << 64) - 1  # kStatusOk: no bad request
 
-# kernels/status.cuh BadRequest: code -> what was wrong (tests/test_status_cpu.py checks the mirror)
+# kernels/shared/status.cuh BadRequest: code -> what was wrong (tests/test_status_cpu.py checks the mirror)
 REASONS = {
     1: "q_len is negative",
     2: "q_len is above kv_len (kv_len counts this step's tokens too)",

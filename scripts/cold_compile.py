@@ -57,7 +57,7 @@ for name, q_lens, kv_lens in (("prefill", [4096], [4096]), ("decode", [1] * 8, [
     attn.plan(q_lens, kv_lens, table).run(q, cache)
     cupy.cuda.Device().synchronize()
     out[name + "_s"] = time.perf_counter() - start
-    out[name + "_families"] = [schedule.family_of(x.tile).name for x in attn.planned.schedule.launches]
+    out[name + "_families"] = [families.family_of(x.tile).name for x in attn.planned.schedule.launches]
 print("RESULT " + json.dumps(out))
 """
 
@@ -69,7 +69,7 @@ cupy.zeros(1).sum()
 from cupy_fa import _build, schedule
 from cupy.cuda import nvrtc
 arch = _build.device_arch(cupy.cuda.Device())
-wanted = schedule.warmup_variants(smem_limit=_build.device_smem_limit(), arch=arch)
+wanted = catalog.warmup_kernels(smem_limit=_build.device_smem_limit(), arch=arch)
 rows = []
 start = time.perf_counter()
 for variant in wanted:
@@ -93,6 +93,8 @@ cupy.cuda.Device(0).use()
 cupy.zeros(1).sum()
 t_ctx = time.perf_counter() - t0
 import cupy_fa
+from cupy_fa import families
+from cupy_fa import catalog
 start = time.perf_counter()
 n = cupy_fa.warmup()
 print("RESULT " + json.dumps({"variants": n, "warm_s": time.perf_counter() - start, "context_s": t_ctx}))
@@ -121,7 +123,7 @@ def main(argv=None):
         warm = run(WARM, os.path.join(scratch, "warmup"))  # the cache the cold warm-up filled
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    prefill_family = [r for r in cold["rows"] if r[0] == "prefill_sm90.cu"]
+    prefill_family = [r for r in cold["rows"] if r[0] == "sm90/prefill.cu"]
     print(f"NVRTC {cold['nvrtc']}, CuPy {cold['cupy']}, target {cold['arch']}")
     print("\nthe prefill family's variants, cold (each compiled alone, one after another):")
     for _, expression, seconds in prefill_family:

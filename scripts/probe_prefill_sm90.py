@@ -1,4 +1,4 @@
-"""The sm_90a prefill family (kernels/prefill_sm90.cu) on an H200, in one call.
+"""The sm_90a prefill family (kernels/sm90/prefill.cu) on an H200, in one call.
 
     python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...]
                                           [--ab [--rounds N] [--ab-impls NAME,...]]
@@ -54,6 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from cupy_fa import prefill_sm90 as s9  # noqa: E402  (no CUDA at import)
+from cupy_fa import catalog
 
 OUT = os.environ.get("OUT") or os.path.join(ROOT, "probe_out")
 WORK = "/tmp/probe18"
@@ -143,16 +144,16 @@ for _name, (_commit, _, _) in SNAPSHOTS.items():  # a snapshot is a variant only
 
 
 def kernel_variant(name):
-    """The _build.Variant of a probe variant: the current tree's, or an earlier commit's snapshot."""
+    """The _build.Kernel of a probe variant: the current tree's, or an earlier commit's snapshot."""
     from cupy_fa import _build
 
     dtype, tile = VARIANTS[name]
     if name not in SNAPSHOTS:
-        return s9.variant(dtype, tile)
+        return catalog.attention_kernel(dtype, tile)
     commit, traits, smem = SNAPSHOTS[name]
     ctype = _build.CTYPES[dtype]
     source = os.path.join(ROOT, "scripts", "sm90_snapshots", f"{commit}.cu")  # absolute: NVRTC opens it as is
-    return _build.Variant(source, f"cupy_fa::prefill_sm90_kernel<{ctype}, {ctype}, {ctype}, {traits}>", s9.THREADS,
+    return _build.Kernel(source, f"cupy_fa::prefill_sm90_kernel<{ctype}, {ctype}, {ctype}, {traits}>", s9.THREADS,
                           smem, (f"{traits}::kSmemBytes == {smem}",))
 
 

@@ -2,7 +2,7 @@
 
 For each workload (bench/workloads.py, page 16):
 * the timeline of one launch, from the attention kernel's stamps (a build with the knob
-  CUPY_FA_TRACE on, kernels/trace.cuh): when each CTA starts, gets its first K/V tile and ends, how
+  CUPY_FA_TRACE on, kernels/shared/trace.cuh): when each CTA starts, gets its first K/V tile and ends, how
   long its thread 0 waited at the loop top and spent in split epilogues, which SM it ran on;
   summarised as the launch's span, the start-up latency of the first and later waves, the gap
   an SM slot sits idle between one CTA's end and the next one's first tile, and the spread of
@@ -37,7 +37,7 @@ LAUNCHES = 20  # per graph, over rotating input sets
 
 def attention_variants():
     """The attention kernel variants compiled so far (their trace buffers hold the stamps)."""
-    return _build.compiled_variants("attention.cu")
+    return _build.compiled_kernels("mma_sync/attention.cu")
 
 
 def resident_per_sm(start, done, sm):
@@ -141,7 +141,7 @@ def replay_for(launches, seconds, clocks):
 
 
 def main(names):
-    knobs.use(dataclasses.replace(knobs.knobs(), trace=True))  # the stamps compiled in (kernels/trace.cuh)
+    knobs.use(dataclasses.replace(knobs.knobs(), trace=True))  # the stamps compiled in (kernels/shared/trace.cuh)
     clocks = Clocks()
     for name in names:
         (w,) = workloads.select([name])

@@ -122,7 +122,7 @@ def good_paths(rng):
     try:
         eager(rng, "decode, folded splits", "bfloat16", H, D, 16, [1] * 4, [4100, 2000, 1, 9000])
         eager(rng, "verify, folded splits", "bfloat16", H, D, 16, [8] * 3, [4100, 8000, 9])
-        # the fp8 folding tile of one row half (a producer warpgroup on sm_90a: kernels/kv_ring.cuh)
+        # the fp8 folding tile of one row half (a producer warpgroup on sm_90a: kernels/mma_sync/kv_ring.cuh)
         eager(rng, "fp8 cache: decode, folded splits", "bfloat16", H, D, 16, [1] * 4, [4100, 2000, 1, 9000], fp8=True)
         eager(rng, "fp8 cache: decode, folded, page size 1", "float16", (16, 2), D, 1, [1] * 3, [3000, 17, 1100],
               fp8=True)

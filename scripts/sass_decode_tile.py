@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import sass_steps as ss  # noqa: E402
+from cupy_fa import catalog
 
 CONVERSIONS = ("PRMT", "F2FP", "HMUL2", "HADD2", "HFMA2", "LOP3", "SHF", "I2F")
 
@@ -87,7 +88,7 @@ def main(argv=None):
         tile = step.small.tile
         kv = "cupy_fa::fp8_e4m3" if kv_bytes == 1 else "__nv_bfloat16"
         expr = f"cupy_fa::attention_kernel<__nv_bfloat16, {kv}, __nv_bfloat16, {tile.traits()}>"
-        variant = next(v for v in schedule.all_variants() if v.expression == expr)
+        variant = next(v for v in catalog.all_kernels() if v.expression == expr)
         sass, res = ss.compile_sass(variant, False)
         mmas = 2 * (args.head_dim // 8) * (tile.block_n // tile.warps_n // 16)  # S and P V per 16 keys
         got = count(sass, mmas)

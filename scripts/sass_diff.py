@@ -30,12 +30,16 @@ import sys
 LIST_VARIANTS = r"""
 import json, sys
 from cupy_fa import _build
-try:
-    from cupy_fa import schedule
-    variants = schedule.all_variants()
+try:  # the kernel catalog; trees from before it listed them in cupy_fa.schedule, or cupy_fa._build
+    from cupy_fa import catalog
+    kernels = catalog.all_kernels()
 except ImportError:
-    variants = _build.all_variants()
-json.dump([{"expression": v.expression, "source": v.source, "text": _build.program_text(v)} for v in variants],
+    try:
+        from cupy_fa import schedule
+        kernels = schedule.all_variants()
+    except (ImportError, AttributeError):
+        kernels = _build.all_variants()
+json.dump([{"expression": k.expression, "source": k.source, "text": _build.program_text(k)} for k in kernels],
           sys.stdout)
 """
 
@@ -58,6 +62,12 @@ def key_of(expression):
     types = tuple(sorted(set(re.findall(r"__half|__nv_bfloat16|__nv_fp8_e4m3|__nv_fp8_e5m2|long long|\bint\b",
                                         expression))))
     numbers = tuple(re.findall(r"\b(\d+|true|false)\b", expression))
+    found = re.search(r"Sm90PrefillTraits<([^<>]*)>", expression)
+    if found and len(found.group(1).split(",")) >= 13:
+        # the 13- / 14-parameter traits of trees before 2026-12-04 (with the overlap, Q-in-registers,
+        # persistent-grid and polynomial-exp2 options no tile chose) as today's 10 parameters
+        old = [x.strip() for x in found.group(1).split(",")] + ["false"]
+        numbers = tuple(old[i] for i in (0, 1, 2, 4, 5, 7, 8, 10, 12, 13))
     return name, types, numbers
 
 
@@ -66,8 +76,8 @@ def compile_variant(tree, variant, extra_flags=()):
     text = variant["text"] + f"\nstatic auto cupy_fa_sass_instance = &{variant['expression']};\n"
     kernels = pathlib.Path(tree) / "kernels"
     digest = hashlib.sha256()
-    for path in sorted(kernels.glob("*.cu*")):  # the headers the text includes
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in sorted(kernels.rglob("*.cu*")):  # the headers the text includes
+        digest.update(path.relative_to(kernels).as_posix().encode() + path.read_bytes())
     digest.update(text.encode() + " ".join(FLAGS + tuple(extra_flags)).encode() + NVCC.encode())
     entry = CACHE / digest.hexdigest()[:24]
     if not (entry / "sass.txt").exists():

@@ -61,7 +61,7 @@ def disassemble(path):
 
 
 def compile_sass(variant, use_nvrtc):
-    """(sass, resources) of a cupy_fa._build.Variant."""
+    """(sass, resources) of a cupy_fa._build.Kernel."""
     from cupy_fa import _build
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,11 +11,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from cupy_fa import _build
+from cupy_fa import catalog
 
 try:
     from cupy_fa import schedule
 
-    VARIANTS = schedule.all_variants()
+    VARIANTS = catalog.all_kernels()
 except ImportError:  # a tree from before cupy_fa/schedule.py
     VARIANTS = _build.all_variants()
 
@@ -23,7 +24,7 @@ except ImportError:  # a tree from before cupy_fa/schedule.py
 def compile_variant(variant):
     """Compiles ``variant`` on this worker's device, unless the device's target cannot run it (the
     sm_90a-only wgmma family elsewhere): True when compiled (scripts/warm_fp8.py uses it too)."""
-    if variant.source == "prefill_sm90.cu":
+    if variant.source == "sm90/prefill.cu":
         import cupy
 
         if not _build.device_arch(cupy.cuda.Device()).endswith("90a"):

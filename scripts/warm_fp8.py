@@ -1,6 +1,6 @@
 """Compiles into CuPy's disk cache, several processes at once, the kernels the fp8 check needs
 (scripts/fp8_check.sh): every variant a step over an fp8 cache or a 16-bit one can select on
-this device under the knobs in force (cupy_fa.schedule.warmup_variants with both cache dtypes),
+this device under the knobs in force (cupy_fa.catalog.warmup_kernels with both cache dtypes),
 for fp16 and bf16 queries and every head dim. The parent never touches CUDA, so forked workers
 each get a clean context (as scripts/warm_cache.py, which compiles every variant of every target)."""
 import sys
@@ -8,10 +8,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from cupy_fa import _build, schedule
+from cupy_fa import families
+from cupy_fa import catalog
 from warm_cache import compile_variant
 
-VARIANTS = schedule.warmup_variants(("float16", "bfloat16"), schedule.HEAD_DIMS, schedule.SMEM_LIMIT, "sm_90a",
-                                    kv_dtypes=("float16", schedule.FP8))
+VARIANTS = catalog.warmup_kernels(("float16", "bfloat16"), families.common.HEAD_DIMS, families.common.SMEM_LIMIT, "sm_90a",
+                                    kv_dtypes=("float16", families.common.FP8))
 
 
 def compile_one(i):

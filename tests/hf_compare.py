@@ -40,6 +40,7 @@ import copy
 import dataclasses
 
 import numpy as np
+from cupy_fa import families
 
 # Max |logits - fp32 logits| / max |fp32 logits| of a correct bf16 run of these tiny 2-layer
 # models, measured with CPU torch 2.13 (2026-12-01) over every token two runs share (11
@@ -88,7 +89,7 @@ def tiny_variant_model(kind, seed, device="cpu", dtype=None, window=8, sliding=T
     from cupy_fa import schedule
 
     head_dim = 64
-    assert head_dim in schedule.HEAD_DIMS  # the kernels' head dims: BatchAttention refuses others
+    assert head_dim in families.common.HEAD_DIMS  # the kernels' head dims: BatchAttention refuses others
     common = dict(vocab_size=256, hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim,
                   max_position_embeddings=512, sliding_window=window)
     if kind == "gemma2":

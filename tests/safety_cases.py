@@ -34,7 +34,7 @@ def assert_matches(out, ref, dtype, q_lens, label=""):
     if check is not None:
         check(out, ref, dtype, q_lens=q_lens, label=label).assert_ok()
         return
-    got = np.asarray(reference._to_numpy(out), np.float64)
+    got = np.asarray(reference.to_numpy(out), np.float64)
     assert not np.isnan(got[:len(ref)]).any(), f"{label}: NaN in a live row"
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     for b in range(len(q_lens)):
@@ -48,7 +48,7 @@ def bits(x):
     """The raw bits of a device or host array as a host uint8 array (NaN-safe equality)."""
     from cupy_fa import reference
 
-    a = np.ascontiguousarray(reference._to_numpy(x))
+    a = np.ascontiguousarray(reference.to_numpy(x))
     return a.view(np.uint8).copy()
 
 

@@ -10,6 +10,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from cupy_fa import _build, knobs, schedule
+from cupy_fa import families
+from cupy_fa import catalog
 
 
 def _compile_for_sm90a(variant):
@@ -34,7 +36,7 @@ def compiled(request):
         return dict(zip((v.expression for v in wanted), pool.map(_compile_for_sm90a, wanted)))
 
 
-@pytest.mark.parametrize("variant", schedule.all_variants(), ids=lambda v: v.expression.replace(" ", ""))
+@pytest.mark.parametrize("variant", catalog.all_kernels(), ids=lambda v: v.expression.replace(" ", ""))
 def test_variant_compiles_for_sm90a(variant, compiled):
     head, res, error = compiled[variant.expression] if variant.expression in compiled else \
         _compile_for_sm90a(variant)
@@ -71,24 +73,24 @@ def test_source_hash_tracks_kernel_files(tmp_path, monkeypatch):
     _build.source_hash.cache_clear()
 
 
-@pytest.mark.parametrize("stages", schedule.STAGE_CHOICES)
+@pytest.mark.parametrize("stages", knobs.STAGE_CHOICES)
 def test_every_selectable_tile_is_compiled_in_ci(stages, monkeypatch):
     """Whatever tile_for (and schedule.fold_tile after it) can pick, on Hopper or on an A100 (any
     knob value, any batch shape), is among the variants CI compiles."""
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
     knobs.reload()  # knobs are read once: take the new value
-    compiled = set(schedule.all_variants())
+    compiled = set(catalog.all_kernels())
     for dtype in _build.CTYPES:
-        for head_dim in schedule.HEAD_DIMS:
+        for head_dim in families.common.HEAD_DIMS:
             for max_q_len in (1, 4, 8, 16, 17, 4096):
                 for group in (1, 4, 8, 16):
-                    for limit in (schedule.SMEM_LIMIT, schedule.SM80_SMEM_LIMIT):
+                    for limit in (families.common.SMEM_LIMIT, families.common.SM80_SMEM_LIMIT):
                         tile = schedule.tile_for(head_dim, max_q_len, group, limit)
                         assert tile.fits_in(limit)
                         for t in (tile, tile.folding(smem_limit=limit), tile.folding(2, limit)):
                             if t is not None:
                                 assert t.fits_in(limit)
-                                assert schedule.attention_variant(dtype, t) in compiled, t
+                                assert catalog.attention_kernel(dtype, t) in compiled, t
 
 
 def test_launch_config_structs_match_cuda_h():
@@ -104,10 +106,10 @@ def test_launch_config_structs_match_cuda_h():
 
 
 def test_merge_group_matches_the_kernel():
-    """schedule.MERGE_GROUP sizes the deepest merge's ways and the fold's splits per CTA; it must
+    """families.common.MERGE_GROUP sizes the deepest merge's ways and the fold's splits per CTA; it must
     be the kernels' kMergeGroup."""
-    text = (_build.KERNEL_DIR / "softmax.cuh").read_text()
-    assert f"constexpr int kMergeGroup = {schedule.MERGE_GROUP};" in text
+    text = (_build.KERNEL_DIR / "shared" / "softmax.cuh").read_text()
+    assert f"constexpr int kMergeGroup = {families.common.MERGE_GROUP};" in text
 
 
 def test_programmatic_launch_only_for_sm90_builds(monkeypatch):
@@ -132,7 +134,7 @@ def test_host_mirrors_of_the_traits_are_compiled_in():
     static_asserts, so a drifted mirror cannot compile (here: a shared-memory size one byte off)."""
     import dataclasses
 
-    variant = schedule.attention_variant("bfloat16", schedule.MmaTile(128, 1, 4, 2, fold_capable=True))
+    variant = catalog.attention_kernel("bfloat16", families.mma_sync.MmaTile(128, 1, 4, 2, fold_capable=True))
     assert len(variant.checks) == 4 and all(c in _build.program_text(variant) for c in variant.checks)
     wrong = dataclasses.replace(variant, checks=(variant.checks[0] + " + 1",))
     with pytest.raises(RuntimeError, match="host mirror"):
@@ -145,7 +147,7 @@ def test_trace_build_compiles(monkeypatch):
     monkeypatch.setenv("CUPY_FA_TRACE", "1")
     knobs.reload()  # knobs are read once: take the new value
     assert "-DCUPY_FA_TRACE" in _build.compile_options("sm_90a")
-    variant = schedule.attention_variant("bfloat16", schedule.tile_for(128, 1, 4).folding())
+    variant = catalog.attention_kernel("bfloat16", schedule.tile_for(128, 1, 4).folding())
     cubin, res = _build.compile_cubin(variant, "sm_90a")
     assert cubin[:4] == b"\x7fELF"
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
@@ -160,7 +162,7 @@ def test_compile_check_fails_without_a_resource_line(monkeypatch, capsys):
            "ptxas info    : Function properties for _Z3fooPf\n")
     assert _build._resources_of(log, "_Z3fooPf")["registers"] is None
     assert _build._resources_of("", "_Z3fooPf") == dict.fromkeys(compile_check.RESOURCE_KEYS)
-    first = schedule.all_variants()[0]
+    first = catalog.all_kernels()[0]
     monkeypatch.setattr(_build, "compile_cubin", lambda variant, arch="sm_90a": (b"\x7fELF", _build._resources_of(
         log, "_Z3fooPf")))
     with pytest.raises(compile_check.MissingResources, match="no registers, .* for " + re.escape(first.expression)):
@@ -187,7 +189,7 @@ def test_compile_check_reports_stack_frames(monkeypatch, capsys):
            "ptxas info    : Used 128 registers, used 1 barriers, 400 bytes cmem[0]\n")
     res = _build._resources_of(log, "_Z3fooPf")
     assert res == {"registers": 128, "spill_stores": 0, "spill_loads": 0, "stack": 24}
-    variant = schedule.PLAN_VARIANT
+    variant = catalog.PLAN_KERNEL
     monkeypatch.setattr(_build, "compile_cubin", lambda v, arch="sm_90a": (b"\x7fELF", dict(res)))
     assert compile_check.main(["--only", variant.expression]) == 0
     out = capsys.readouterr().out
@@ -199,5 +201,5 @@ def test_every_variant_reports_its_stack_frame():
     """The real plan kernel's log carries the stack line (compile_check reads it for every variant)."""
     from cupy_fa import compile_check
 
-    ((variant, res, _),) = compile_check.compile_all(only=schedule.PLAN_VARIANT.expression)
+    ((variant, res, _),) = compile_check.compile_all(only=catalog.PLAN_KERNEL.expression)
     assert res["stack"] is not None and res["registers"] is not None

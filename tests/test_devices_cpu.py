@@ -79,8 +79,8 @@ def fake_cuda(monkeypatch):
     return devices, modules
 
 
-VARIANT = _build.Variant("attention.cu", "cupy_fa::fake_kernel<1>", 128, smem_bytes=100 * 1024)
-OTHER = _build.Variant("merge.cu", "cupy_fa::fake_merge<2>", 64)
+VARIANT = _build.Kernel("mma_sync/attention.cu", "cupy_fa::fake_kernel<1>", 128, smem_bytes=100 * 1024)
+OTHER = _build.Kernel("shared/merge.cu", "cupy_fa::fake_merge<2>", 64)
 
 
 def test_compile_cache_is_per_device(fake_cuda):
@@ -99,9 +99,9 @@ def test_compile_cache_is_per_device(fake_cuda):
     assert _build.get_function(VARIANT) is on_1  # default: the current device
     assert len(modules.made) == 2
     _build.get_function(OTHER)
-    assert _build.compiled_variants(device_id=1) == [VARIANT, OTHER]
-    assert _build.compiled_variants(device_id=0) == [VARIANT]
-    assert _build.compiled_variants("merge.cu", device_id=0) == []
+    assert _build.compiled_kernels(device_id=1) == [VARIANT, OTHER]
+    assert _build.compiled_kernels(device_id=0) == [VARIANT]
+    assert _build.compiled_kernels("shared/merge.cu", device_id=0) == []
     assert set(_build._modules) == {(0, VARIANT), (1, VARIANT), (1, OTHER)}
 
 

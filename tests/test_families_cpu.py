@@ -9,34 +9,36 @@ import numpy as np
 import pytest
 
 from cupy_fa import _build, knobs, plan, schedule
-from cupy_fa import prefill_sm90 as s9
+from cupy_fa.families import sm90 as s9
 from cupy_fa.kv_cache import PagedKVCache
+from cupy_fa import families
+from cupy_fa import catalog
 from test_plan import model
 
-H200 = dict(smem_limit=schedule.SMEM_LIMIT, sm_count=132, arch="sm_90a")
-A100 = dict(smem_limit=schedule.SM80_SMEM_LIMIT, sm_count=108, arch="sm_80")
+H200 = dict(smem_limit=families.common.SMEM_LIMIT, sm_count=132, arch="sm_90a")
+A100 = dict(smem_limit=families.common.SM80_SMEM_LIMIT, sm_count=108, arch="sm_80")
 L40 = dict(smem_limit=99 * 1024, sm_count=142, arch="sm_89")
 
 
 def test_long_requests_take_the_wgmma_family_on_sm90a_only():
     q, kv = [4096, 1024], [4096, 16384]
-    for head_dim in schedule.HEAD_DIMS:
+    for head_dim in families.common.HEAD_DIMS:
         long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **H200).long
         if head_dim in s9.DEFAULT_TILES:
-            assert schedule.family_of(long.tile) is schedule.SM90_WGMMA
+            assert families.family_of(long.tile) is families.SM90_WGMMA
             rows = {64: 192, 128: 192, 256: 128}[head_dim]  # 3 consumer warpgroups at D 64 / 128, 2 at 256
             assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == rows
             assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == sum(-(-n * 4 // rows) for n in q)
         else:  # 96, 192: no wgmma tile, the mma.sync prefill tile on sm_90a too
-            assert head_dim in (96, 192) and long.tile == schedule.MmaTile(head_dim, 4, 1)
+            assert head_dim in (96, 192) and long.tile == families.mma_sync.MmaTile(head_dim, 4, 1)
         for target in (A100, dict(H200, arch="sm_90"), dict(H200, arch=None)):  # sm_80, a plain sm_90 build, none
             long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **target).long
-            assert schedule.family_of(long.tile) is schedule.MMA_SYNC
+            assert families.family_of(long.tile) is families.mma_sync.MMA_SYNC
             assert (long.tile.warps_m, long.tile.warps_n) == (4, 1)
     long = schedule.schedule_step(128, 4, 8, q_lens=q, kv_lens=kv, **L40).long
-    assert long.tile == schedule.MmaTile(128, 4, 1)
+    assert long.tile == families.mma_sync.MmaTile(128, 4, 1)
     # a device too small for the wgmma tile falls back to mma.sync (its shared memory decides)
-    assert schedule.prefill_tile(256, s9.DEFAULT_TILES[256].smem_bytes - 1, "sm_90a") == schedule.MmaTile(256, 4, 1)
+    assert schedule.prefill_tile(256, s9.DEFAULT_TILES[256].smem_bytes - 1, "sm_90a") == families.mma_sync.MmaTile(256, 4, 1)
 
 
 def test_cupy_fa_arch_sm80_selects_mma_sync(monkeypatch):
@@ -47,12 +49,12 @@ def test_cupy_fa_arch_sm80_selects_mma_sync(monkeypatch):
     assert _build.current_arch() == "sm_80"
     step = schedule.schedule_step(128, 4, 8, q_lens=[1, 300], kv_lens=[4096, 300],
                                   **dict(H200, arch=_build.current_arch()))
-    assert step.long.tile.family is schedule.MMA_SYNC and step.long.tile.block_m == 64
+    assert step.long.tile.family is families.mma_sync.MMA_SYNC and step.long.tile.block_m == 64
     monkeypatch.setenv("CUPY_FA_ARCH", "sm_90a")
     knobs.reload()
     step = schedule.schedule_step(128, 4, 8, q_lens=[1, 300], kv_lens=[4096, 300],
                                   **dict(H200, arch=_build.current_arch()))
-    assert schedule.family_of(step.long.tile) is schedule.SM90_WGMMA
+    assert families.family_of(step.long.tile) is families.SM90_WGMMA
 
 
 @pytest.mark.parametrize("target", [H200, A100], ids=["sm_90a", "sm_80"])
@@ -64,7 +66,7 @@ def test_a_mixed_step_has_a_launch_per_class(target):
     kv = np.full(64, 4096)
     step = schedule.schedule_step(128, 4, 8, q_lens=q, kv_lens=kv, **target)
     small, long = step.small, step.long
-    assert schedule.is_small_q_tile(small.tile) and small.tile.warps_m == 1 and not small.tile.fold_splits
+    assert families.is_small_q_tile(small.tile) and small.tile.warps_m == 1 and not small.tile.fold_splits
     assert small.work_grid == 63 * 8 and small.ctas == 63 * 8 * 8  # 8 splits of 512 keys each, x 8 KV heads
     assert long.tile == schedule.prefill_tile(128, target["smem_limit"], target["arch"])
     assert long.work_grid == -(-2048 * 4 // long.tile.block_m)  # q 2048 > SPLIT_ROW_BUDGET: one split
@@ -105,7 +107,7 @@ def test_small_q_steps_plan_as_before():
 
 def test_plan_constants_refuse_a_long_tile_that_splits_per_cta():
     with pytest.raises(ValueError, match="one split per CTA"):
-        schedule.plan_constants(schedule.tile_for(128, 1, 4), schedule.MmaTile(128, 1, 4, splits_per_cta=2))
+        schedule.plan_constants(schedule.tile_for(128, 1, 4), families.mma_sync.MmaTile(128, 1, 4, splits_per_cta=2))
     one = schedule.plan_constants(s9.DEFAULT_TILES[128])  # the standalone launcher: one list, its tile
     assert (one["block_m"], one["long_q_len"]) == (s9.DEFAULT_TILES[128].block_m, 2**31 - 1) == (192, 2**31 - 1)
 
@@ -115,7 +117,7 @@ def test_plan_constants_refuse_a_long_tile_that_splits_per_cta():
 
 def replay(m, q, kv, group, h_kv, step, reverse_long):
     """Every (request, KV head, row block, split) each launch's CTAs run, from the model's lists,
-    as kernels/work.cuh (small-q: runs of splits_per_cta) and kernels/sm90_prefill_work.cuh (long:
+    as kernels/mma_sync/work.cuh (small-q: runs of splits_per_cta) and kernels/sm90/work.cuh (long:
     one split per CTA, items last to first) find them; CTAs past the work exit."""
     runs = []
     for launch, name in ((step.small, "work_indptr"), (step.long, "long_work_indptr")):
@@ -219,31 +221,31 @@ def test_launch_grid_of_a_persistent_tile():
 
 
 def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
-    everything = set(schedule.all_variants())
-    sm80 = set(schedule.all_variants("sm_80"))
-    wgmma = {schedule.attention_variant(dt, t) for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
-    hooked = {schedule.attention_variant(dt, schedule.with_variants(t))  # with the variant hooks
+    everything = set(catalog.all_kernels())
+    sm80 = set(catalog.all_kernels("sm_80"))
+    wgmma = {catalog.attention_kernel(dt, t) for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
+    hooked = {catalog.attention_kernel(dt, t.with_variants())  # with the variant hooks
               for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
     # the fp8 tiles with a producer warpgroup (setmaxnreg): sm_90a only as well
-    ring = {schedule.attention_variant(schedule.ElementTypes(dt, schedule.FP8, dt), t) for dt in _build.CTYPES
-            for d in schedule.FP8_HEAD_DIMS for t in schedule.fp8_tiles(d, arch="sm_90a") if t.producer_warps}
+    ring = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _build.CTYPES
+            for d in families.common.FP8_HEAD_DIMS for t in catalog.fp8_tiles(d, arch="sm_90a") if t.producer_warps}
     assert ring and not ring & sm80
     assert (wgmma | hooked | ring) <= everything and not (wgmma | hooked) & sm80
     assert everything - sm80 == wgmma | hooked | ring
-    assert hooked <= set(schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a", variants=True))
-    assert set(schedule.all_variants("sm_90a")) == everything
-    hopper = schedule.warmup_variants(smem_limit=schedule.SMEM_LIMIT, arch="sm_90a", variants=True)
-    ampere = schedule.warmup_variants(smem_limit=schedule.SM80_SMEM_LIMIT, arch="sm_80", variants=True)
+    assert hooked <= set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True))
+    assert set(catalog.all_kernels("sm_90a")) == everything
+    hopper = catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True)
+    ampere = catalog.warmup_kernels(smem_limit=families.common.SM80_SMEM_LIMIT, arch="sm_80", variants=True)
     assert wgmma <= set(hopper) <= everything and set(ampere) <= sm80
-    mma_prefill = {schedule.attention_variant(dt, schedule.MmaTile(d, 4, 1)) for dt in _build.CTYPES
+    mma_prefill = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _build.CTYPES
                    for d in s9.DEFAULT_TILES}
     assert mma_prefill <= set(ampere) and not mma_prefill & set(hopper)  # Hopper never selects it
-    no_wgmma = {schedule.attention_variant(dt, schedule.MmaTile(d, 4, 1)) for dt in _build.CTYPES for d in (96, 192)}
+    no_wgmma = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _build.CTYPES for d in (96, 192)}
     assert no_wgmma <= set(ampere) and no_wgmma <= set(hopper)  # head dims without a wgmma tile: everywhere
-    variant = schedule.attention_variant("bfloat16", s9.DEFAULT_TILES[128])
-    assert variant == s9.variant("bfloat16", s9.DEFAULT_TILES[128]) and variant.source == "prefill_sm90.cu"
+    variant = catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128])
+    assert variant == catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128]) and variant.source == "sm90/prefill.cu"
     with pytest.raises(ValueError, match="one element type"):
-        schedule.attention_variant(schedule.ElementTypes("bfloat16", "float16", "bfloat16"), s9.DEFAULT_TILES[128])
+        catalog.attention_kernel(families.common.ElementTypes("bfloat16", "float16", "bfloat16"), s9.DEFAULT_TILES[128])
 
 
 def test_compile_check_lists_for_its_arch(monkeypatch):
@@ -252,9 +254,9 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
     seen = []
     figures = {"registers": 168, "spill_stores": 0, "spill_loads": 0, "stack": 0}
     monkeypatch.setattr(_build, "compile_cubin", lambda v, arch: (seen.append((v, arch)), (b"", figures))[1])
-    rows = compile_check.compile_all("sm_80", only="prefill_sm90")
+    rows = compile_check.compile_all("sm_80", only="prefill_sm90_kernel")
     assert rows == [] and seen == []  # no wgmma variant in an sm_80 build
-    rows = compile_check.compile_all("sm_90a", only="prefill_sm90")
+    rows = compile_check.compile_all("sm_90a", only="prefill_sm90_kernel")
     assert len(rows) == 2 * 2 * len(s9.DEFAULT_TILES) and {a for _, a in seen} == {"sm_90a"}  # plain and hooked
 
 
@@ -273,7 +275,7 @@ class _Buf:
 
 def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target, window=0, soft_cap=0.0,
                       sinks=None):
-    """The (variant, grid, params, programmatic) of each launch BatchAttention.run makes for a
+    """The (kernel, grid, params, programmatic) of each launch BatchAttention.run makes for a
     step planned with `target`'s schedule (the plan kernel itself not run); with a ``window``, a
     ``soft_cap`` or a ``sinks`` buffer (tests/test_variants_cpu.py)."""
     import types
@@ -286,14 +288,14 @@ def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target,
     attn._buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
     sched = schedule.schedule_step(head_dim, h_q // h_kv, h_kv, q_lens=q_lens, kv_lens=kv_lens, window=window,
                                    **target)
-    state = attention._PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,
-                                 300, 0, None, window=window, soft_cap=soft_cap)
+    state = plan.PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,
+                           300, 0, None, window=window, soft_cap=soft_cap)
     calls = []
-    monkeypatch.setattr(_build, "launch", lambda variant, grid, params, stream, programmatic=False:
-                        calls.append((variant, tuple(grid), params, programmatic)))
+    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
+                        calls.append((kernel, tuple(grid), params, programmatic)))
     cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16, num_pages=1000, is_fp8=False)
     cache.attention_params = types.MethodType(PagedKVCache.attention_params, cache)  # the cache's kernel parameters
-    attn._launch(state, _Buf(), cache, _Buf(), _Buf(), int(np.sum(q_lens)), None, sinks)
+    attn._launcher.launch(state, attn._buffers, cache, _Buf(), _Buf(), _Buf(), int(np.sum(q_lens)), None, sinks)
     return attn, sched, calls
 
 
@@ -303,14 +305,14 @@ def test_a_mixed_step_launches_both_families_then_one_merge(monkeypatch, target)
     attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, q, kv, target)
     bufs = attn._buffers
     (long_v, long_grid, long_p, long_pdl), (small_v, small_grid, small_p, small_pdl), merge = calls
-    assert long_v == schedule.attention_variant("bfloat16", sched.long.tile)
+    assert long_v == catalog.attention_kernel("bfloat16", sched.long.tile)
     assert long_grid == (sched.long.ctas,) and long_p["work_indptr"] == bufs.long_work_indptr.data.ptr
     assert (long_p["splits_per_cta"], long_p["fold_splits"]) == (1, 0) and not long_pdl
-    assert small_v == schedule.attention_variant("bfloat16", sched.small.tile) and small_v.source == "attention.cu"
+    assert small_v == catalog.attention_kernel("bfloat16", sched.small.tile) and small_v.source == "mma_sync/attention.cu"
     assert small_grid == (sched.small.ctas,) and small_p["work_indptr"] == bufs.work_indptr.data.ptr and not small_pdl
     assert small_p["fold_splits"] == 0
     merge_v, _, merge_p, merge_pdl = merge
-    assert merge_v.source == "merge.cu" and merge_pdl and merge_p["fold_groups"] == 0
+    assert merge_v.source == "shared/merge.cu" and merge_pdl and merge_p["fold_groups"] == 0
     # everything but the work list and the split run is the same in both launches
     same = [f for f in long_p.dtype.names if f not in ("work_indptr", "splits_per_cta", "fold_splits")]
     assert all(long_p[f] == small_p[f] for f in same)
@@ -322,17 +324,17 @@ def test_a_decode_step_launches_as_before(monkeypatch):
     attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, [1] * 64, [4096] * 64, H200)
     assert sched.long is None and len(calls) == 1
     variant, grid, params, pdl = calls[0]
-    assert variant.source == "attention.cu" and grid == (64 * 8,) and not pdl
+    assert variant.source == "mma_sync/attention.cu" and grid == (64 * 8,) and not pdl
     assert params["work_indptr"] == attn._buffers.work_indptr.data.ptr
     assert (params["splits_per_cta"], params["fold_splits"]) == (8, 1)
     # a long one: groups folded in the CTAs, their states merged (fold_groups)
     attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, [1], [131072], H200)
-    assert [c[0].source for c in calls] == ["attention.cu", "merge.cu"] and calls[1][2]["fold_groups"] == 1
+    assert [c[0].source for c in calls] == ["mma_sync/attention.cu", "shared/merge.cu"] and calls[1][2]["fold_groups"] == 1
 
 
 def test_a_prefill_step_launches_the_wgmma_family_alone(monkeypatch):
     attn, sched, calls = recorded_launches(monkeypatch, 128, 32, 8, [4096, 300], [4096, 2000], H200)
     assert sched.small is None
-    assert [c[0].source for c in calls] == ["prefill_sm90.cu"]  # q 4096, 300: one split each, no merge
+    assert [c[0].source for c in calls] == ["sm90/prefill.cu"]  # q 4096, 300: one split each, no merge
     rows = sched.long.tile.block_m  # 192 at D 128: 3 consumer warpgroups
     assert rows == 192 and calls[0][1] == (sched.long.ctas,) == ((-(-4096 * 4 // rows) - (-300 * 4 // rows)) * 8,)

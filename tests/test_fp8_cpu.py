@@ -13,6 +13,8 @@ import pytest
 import cupy_fa
 from cupy_fa import _arrays, _build, reference, schedule
 from cupy_fa.kv_cache import checked_scales
+from cupy_fa import families
+from cupy_fa import catalog
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -133,19 +135,19 @@ def test_fp8_tiles_are_mma_sync_everywhere():
         sched = schedule.schedule_step(128, 4, 8, q_lens=[1, 4, 300], kv_lens=[5000, 90, 300], arch=arch, kv_bytes=1)
         assert sched.long is not None and sched.small is not None
         for launch in sched.launches:
-            assert isinstance(launch.tile, schedule.MmaTile) and launch.tile.kv_bytes == 1, launch.tile
-    assert schedule.prefill_tile(128, arch="sm_90a", kv_bytes=1) == schedule.MmaTile(128, 4, 1, kv_bytes=1)
-    assert not isinstance(schedule.prefill_tile(128, arch="sm_90a"), schedule.MmaTile)  # 16-bit: wgmma
+            assert isinstance(launch.tile, families.mma_sync.MmaTile) and launch.tile.kv_bytes == 1, launch.tile
+    assert schedule.prefill_tile(128, arch="sm_90a", kv_bytes=1) == families.mma_sync.MmaTile(128, 4, 1, kv_bytes=1)
+    assert not isinstance(schedule.prefill_tile(128, arch="sm_90a"), families.mma_sync.MmaTile)  # 16-bit: wgmma
 
 
 def test_fp8_tile_numbers():
     decode = schedule.tile_for(128, 1, 4, kv_bytes=1)
-    assert (decode.warps_m, decode.warps_n, decode.stages, decode.kv_bytes) == (1, 4, schedule.FP8_STAGES, 1)
+    assert (decode.warps_m, decode.warps_n, decode.stages, decode.kv_bytes) == (1, 4, families.mma_sync.FP8_STAGES, 1)
     # Q [16, 128] bf16, 2 stages of fp8 K and V [128, 128]; the epilogue stages in one pass
-    assert (schedule.FP8_BLOCK_N, schedule.FP8_STAGES) == (128, 2) and decode.block_n == 128
+    assert (families.mma_sync.FP8_BLOCK_N, families.mma_sync.FP8_STAGES) == (128, 2) and decode.block_n == 128
     assert schedule.tile_for(64, 1, 4, kv_bytes=1).block_n == 128
     wide = schedule.tile_for(256, 1, 4, kv_bytes=1)  # D = 256 keeps 64 keys 4 deep (128 keys spill there)
-    assert (wide.block_n, wide.stages) == schedule.FP8_D256 == (64, 4)
+    assert (wide.block_n, wide.stages) == families.mma_sync.FP8_D256 == (64, 4)
     assert decode.smem_bytes == 16 * 128 * 2 + 2 * 2 * 128 * 128 and decode.epilogue_in_stage
     assert decode.min_ctas_per_sm == 3 and decode.fold_layout
     assert decode.traits().endswith(", false, 1>")
@@ -158,7 +160,7 @@ def test_fp8_tile_numbers():
     bf16 = schedule.tile_for(128, 1, 4)
     assert bf16.kv_bytes == 2 and bf16.traits() == "cupy_fa::TileTraits<128, 1, 4, 64, 2, false>"
     with pytest.raises(ValueError, match="internal"):
-        schedule.attention_variant("bfloat16", decode)  # a 1-byte tile with a 16-bit KV type
+        catalog.attention_kernel("bfloat16", decode)  # a 1-byte tile with a 16-bit KV type
 
 
 def test_fp8_decode_of_at_most_8_rows_takes_one_row_half(monkeypatch):
@@ -166,7 +168,7 @@ def test_fp8_decode_of_at_most_8_rows_takes_one_row_half(monkeypatch):
     one row half (TileTraits ROW_HALVES = 1: half of the softmax issued); 9 .. 16 rows the one-row
     tile with both, more the two-row tile; 16-bit caches never take it; CUPY_FA_HALF_ROWS=0 turns
     it off. The tile's other numbers (and so its schedule) are the full tile's."""
-    for head_dim in schedule.FP8_HEAD_DIMS:
+    for head_dim in families.common.FP8_HEAD_DIMS:
         for max_q_len, group, halves in ((1, 1, 1), (1, 4, 1), (2, 4, 1), (1, 8, 1), (3, 4, 2), (1, 16, 2), (4, 4, 2)):
             tile = schedule.tile_for(head_dim, max_q_len, group, kv_bytes=1)
             assert tile.row_halves == halves and tile.warps_m == 1, (head_dim, max_q_len, group, tile)
@@ -199,7 +201,7 @@ def test_fp8_one_row_half_takes_a_producer_warpgroup_on_sm90a(monkeypatch):
     At head dim 256, on any other target, for 16-bit caches, on the full tile and with
     CUPY_FA_PRODUCER_WARP=0: none. Its schedule (shared memory, CTAs an SM, keys a tile) is the
     tile's without it."""
-    for head_dim in schedule.FP8_HEAD_DIMS:
+    for head_dim in families.common.FP8_HEAD_DIMS:
         for arch in ("sm_90a", "sm_90", "sm_80", None):
             tile = schedule.tile_for(head_dim, 1, 8, arch=arch, kv_bytes=1)
             capable = arch == "sm_90a" and head_dim in (64, 128)
@@ -220,9 +222,9 @@ def test_fp8_one_row_half_takes_a_producer_warpgroup_on_sm90a(monkeypatch):
     for bad in (dict(head_dim=256), dict(row_halves=2), dict(kv_bytes=2)):
         with pytest.raises(ValueError, match="producer warpgroup"):
             dataclasses.replace(ring, **bad)
-    listed = {t.traits() for t in schedule.fp8_tiles(128, arch="sm_90a") if t.producer_warps}
+    listed = {t.traits() for t in catalog.fp8_tiles(128, arch="sm_90a") if t.producer_warps}
     assert listed == {ring.traits()}
-    assert not any(t.producer_capable for t in schedule.fp8_tiles(128, arch="sm_80"))
+    assert not any(t.producer_capable for t in catalog.fp8_tiles(128, arch="sm_80"))
     monkeypatch.setenv("CUPY_FA_PRODUCER_WARP", "0")
     cupy_fa.knobs.reload()
     try:
@@ -233,14 +235,14 @@ def test_fp8_one_row_half_takes_a_producer_warpgroup_on_sm90a(monkeypatch):
 
 
 def test_fp8_variants():
-    types = schedule.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
-    v = schedule.attention_variant(types, schedule.tile_for(128, 1, 4, kv_bytes=1))
+    types = families.common.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
+    v = catalog.attention_kernel(types, schedule.tile_for(128, 1, 4, kv_bytes=1))
     assert v.expression.startswith("cupy_fa::attention_kernel<__nv_bfloat16, cupy_fa::fp8_e4m3, __nv_bfloat16, ")
-    assert schedule.append_variant(np.int64, "float16").expression == \
+    assert catalog.append_kernel(np.int64, "float16").expression == \
         "cupy_fa::append_quantize_kernel<long long, __half>"
     with pytest.raises(ValueError, match="2-byte K/V"):  # the wgmma family's tile reads 16-bit K/V only
-        schedule.attention_variant(types, schedule.prefill_tile(128, arch="sm_90a"))
-    warm = schedule.warmup_variants(("bfloat16",), (128,), kv_dtypes=("bfloat16", "float8_e4m3fn"))
+        catalog.attention_kernel(types, schedule.prefill_tile(128, arch="sm_90a"))
+    warm = catalog.warmup_kernels(("bfloat16",), (128,), kv_dtypes=("bfloat16", "float8_e4m3fn"))
     assert any("fp8_e4m3" in x.expression for x in warm) and any("append_quantize" in x.expression for x in warm)
     assert len(warm) == len(set(warm))
 
@@ -248,17 +250,17 @@ def test_fp8_variants():
 def test_every_selectable_fp8_tile_is_compiled_in_ci():
     """What the policy can pick for an fp8 cache (either class, Hopper or A100 shared memory, any
     group, the fold) is among the variants CI compiles (tests/test_compile_cpu.py compiles them all)."""
-    compiled = {v.expression for v in schedule.all_variants()}
+    compiled = {v.expression for v in catalog.all_kernels()}
     for dtype in _build.CTYPES:
-        types = schedule.ElementTypes(dtype, "float8_e4m3fn", dtype)
-        for head_dim in schedule.FP8_HEAD_DIMS:  # BatchAttention refuses an fp8 cache at the others
+        types = families.common.ElementTypes(dtype, "float8_e4m3fn", dtype)
+        for head_dim in families.common.FP8_HEAD_DIMS:  # BatchAttention refuses an fp8 cache at the others
             for max_q_len in (1, 4, 16, 17, 4096):
                 for group in (1, 4, 8):
-                    for limit in (schedule.SMEM_LIMIT, schedule.SM80_SMEM_LIMIT):
+                    for limit in (families.common.SMEM_LIMIT, families.common.SM80_SMEM_LIMIT):
                         tile = schedule.tile_for(head_dim, max_q_len, group, limit, "sm_90a", kv_bytes=1)
                         assert tile.fits_in(limit)
-                        for t in (tile, tile.folding(smem_limit=limit) if schedule.is_small_q_tile(tile) else None):
+                        for t in (tile, tile.folding(smem_limit=limit) if families.is_small_q_tile(tile) else None):
                             if t is not None:
-                                assert schedule.attention_variant(types, t).expression in compiled, t
+                                assert catalog.attention_kernel(types, t).expression in compiled, t
         for index in (np.int32, np.int64):
-            assert schedule.append_variant(index, dtype).expression in compiled
+            assert catalog.append_kernel(index, dtype).expression in compiled

@@ -17,6 +17,7 @@ from cases import (FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, fp8_sc
 from test_modes_graph_gpu import Engine, check_engine_step, engine_setup, engine_steps
 
 from cupy_fa.modes import ForwardMode
+from cupy_fa import families
 
 pytestmark = pytest.mark.gpu
 M = ForwardMode
@@ -383,7 +384,7 @@ def test_fp8_one_row_half_never_changes_a_bit(dtype, page_size, monkeypatch):
         q = cupy.asarray(q_host)
         case = f"seed {seed} D={head_dim} heads {h_q}/{h_kv} q_len {num_draft} page {page_size}"
         # the tile each configuration must run: (row halves, producer warps where the CTAs fold); the
-        # producer warpgroup runs where they fold at D = 128 on sm_90a (schedule.MmaTile.producer_warps)
+        # producer warpgroup runs where they fold at D = 128 on sm_90a (families.mma_sync.MmaTile.producer_warps)
         sm90a = cupy.cuda.Device().compute_capability == "90" and not os.environ.get("CUPY_FA_ARCH")
         producers = 4 if sm90a and head_dim == 128 else 0
         configs = {"ring": ("1", "1", (1, producers)), "1": ("1", "0", (1, 0)), "0": ("0", "1", (2, 0))}

@@ -14,6 +14,7 @@ import test_attention_gpu as attention_cases
 import test_invariance_gpu as invariance
 import test_modes_graph_gpu as modes
 import test_variants_gpu as variants_cases
+from cupy_fa import families
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +35,7 @@ def test_random_ragged_batch(dtype, head_dim, page_size):
     lengths[0][0], lengths[1][0] = 70, max(70, int(lengths[1][0]))  # at least one long request
     check, attn = attention_cases.run_case(rng, dtype, heads, head_dim, page_size, dtype == "bfloat16", lengths)
     long_tile = attn.planned.long_tile
-    assert isinstance(long_tile, schedule.MmaTile) and long_tile.warps_n == 1, long_tile
+    assert isinstance(long_tile, families.mma_sync.MmaTile) and long_tile.warps_n == 1, long_tile
     print(f"seed={seed} B={len(lengths[0])} max q_len {lengths[0].max()} max kv_len {lengths[1].max()} "
           f"long tile {long_tile}")
 
@@ -78,12 +79,12 @@ def test_new_head_dims_route_to_mma_sync_on_sm90a():
     from cupy_fa import _build, schedule
 
     arch = _build.current_arch()
-    for head_dim in schedule.HEAD_DIMS:
+    for head_dim in families.common.HEAD_DIMS:
         attn = cupy_fa.BatchAttention(8, 1, head_dim, "bfloat16")
         attn.plan([300], [300], np.zeros((1, 300), np.int32))
         tile = attn.planned.long_tile
-        wgmma = schedule.is_sm90a(arch) and head_dim in (64, 128, 256)
-        assert (schedule.family_of(tile) is schedule.SM90_WGMMA) == wgmma, (arch, head_dim, tile)
+        wgmma = families.common.is_sm90a(arch) and head_dim in (64, 128, 256)
+        assert (families.family_of(tile) is families.SM90_WGMMA) == wgmma, (arch, head_dim, tile)
 
 
 @pytest.mark.parametrize("dtype,head_dim,heads,page_size", [("bfloat16", 96, (32, 8), 16), ("float16", 192, (8, 1), 1)])

@@ -291,7 +291,7 @@ def test_programmatic_merge_launch_never_changes_a_bit(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fold_splits_never_changes_a_bit(dtype, page_size, monkeypatch):
-    """CTAs that fold their own splits (CUPY_FA_FOLD_SPLITS=1, kernels/attention.cu) give the
+    """CTAs that fold their own splits (CUPY_FA_FOLD_SPLITS=1, kernels/mma_sync/attention.cu) give the
     bits of partials + merge_kernel (=0) and of plain decode of each token: batches of at most
     two groups of 8 splits per row (a CTA folds a whole row, both levels of merge_kernel) and
     of up to 20 splits (a CTA per group, whose states merge_kernel folds; also how a graph plan,

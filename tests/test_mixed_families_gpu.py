@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cases import check_attention, new_rng, np_dtype, paged_case, random_lengths
+from cupy_fa import families
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +26,7 @@ def expected_long_family():
     from cupy_fa import schedule
 
     native = cupy.cuda.Device().compute_capability == "90" and not os.environ.get("CUPY_FA_ARCH")
-    return schedule.SM90_WGMMA if native else schedule.MMA_SYNC
+    return families.SM90_WGMMA if native else families.mma_sync.MMA_SYNC
 
 
 def check(out, ref, dtype, q_lens, lse=None, ref_lse=None, label=""):
@@ -141,8 +142,8 @@ def check_mixed(dtype, heads, head_dim, page_size, long_q, path):
         assert runner.num_graphs == 1
         planned = runner.attn.planned
     label = f"MIXED {path} ps{page_size} {heads[0]}/{heads[1]} D{head_dim} long q {long_q}"
-    assert planned.long_tile is not None and schedule.family_of(planned.long_tile) is expected_long_family(), label
-    assert schedule.is_small_q_tile(planned.tile), planned.tile
+    assert planned.long_tile is not None and families.family_of(planned.long_tile) is expected_long_family(), label
+    assert families.is_small_q_tile(planned.tile), planned.tile
     rows = cupy.asarray(small_rows)
     assert (bits(out)[rows] == bits(pure)).all(), f"{label}: small-q rows differ from the pure small-q step"
     assert (bits(lse)[rows] == bits(pure_lse)).all(), f"{label}: small-q LSE differs from the pure small-q step"
@@ -198,7 +199,7 @@ def test_long_rows_of_a_ragged_step_match_float64(dtype, head_dim, page_size, ca
     poison(out)
     poison(lse)
     attn.plan(q_lens, kv_lens, table, causal=causal).run(cupy.asarray(q_host), cache, out=out, lse=lse)
-    assert schedule.family_of(attn.planned.long_tile) is expected_long_family()
+    assert families.family_of(attn.planned.long_tile) is expected_long_family()
     ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv_lens, table, causal=causal,
                                              return_lse=True)
     check(out.get(), ref, dtype, q_lens, lse.get(), ref_lse, label=f"ragged D{head_dim} ps{page_size}")
@@ -266,7 +267,7 @@ def test_extend_and_mixed_steps_through_graph_runner(page_size):
             poison(runner.lse)
             out, lse = runner.run(mode, q, cache, q_lens, kv_lens, rows, use_graph=use_graph, return_lse=True)
             results[use_graph] = (bits(out).copy(), bits(lse).copy(), out.get(), lse.get())
-        assert schedule.family_of(runner.attn.planned.long_tile) is expected_long_family()
+        assert families.family_of(runner.attn.planned.long_tile) is expected_long_family()
         label = f"{mode.name} ps{page_size} q {q_lens.tolist()}"
         assert (results[True][0] == results[False][0]).all(), f"{label}: graph and eager outputs differ"
         assert (results[True][1] == results[False][1]).all(), f"{label}: graph and eager LSE differ"

@@ -221,7 +221,7 @@ def test_compile_cache_holds_a_module_per_device():
         with cupy.cuda.Device(device_id):
             assert_matches(attn.run(step["q"], step["cache"]), reference(step), DTYPE, step["q_lens"],
                            f"device {device_id}")
-    on_0, on_1 = set(_build.compiled_variants(device_id=0)), set(_build.compiled_variants(device_id=1))
+    on_0, on_1 = set(_build.compiled_kernels(device_id=0)), set(_build.compiled_kernels(device_id=1))
     shared = on_0 & on_1
     assert shared, "the same step compiled no common variant on the two devices"
     for variant in shared:

@@ -1,4 +1,4 @@
-"""The NumPy params dtypes match kernels/params.cuh field by field (CPU)."""
+"""The NumPy params dtypes match kernels/shared/params.cuh field by field (CPU)."""
 
 import re
 
@@ -27,7 +27,7 @@ def parse_structs(text):
 
 
 def test_params_match_header():
-    header = parse_structs((_build.KERNEL_DIR / "params.cuh").read_text())
+    header = parse_structs((_build.KERNEL_DIR / "shared" / "params.cuh").read_text())
     assert set(header) == set(_params.DTYPES)
     for name, fields in header.items():
         dtype = _params.DTYPES[name]
@@ -65,7 +65,7 @@ def test_make_matches_fieldwise_assignment():
 
 
 def test_fast_divisor_divides_exactly():
-    """kernels/common.cuh FastDiv with _params.fast_divisor's (multiplier, shift): the same
+    """kernels/shared/common.cuh FastDiv with _params.fast_divisor's (multiplier, shift): the same
     quotient as integer division for every dividend the kernels can pass (0 <= n < 2^31)."""
     import pytest
 

@@ -1,4 +1,4 @@
-"""Metadata logic: an independent NumPy model of kernels/plan.cu, the host
+"""Metadata logic: an independent NumPy model of kernels/shared/plan.cu, the host
 bounds that size the grids against it (CPU), and the device kernel against it (GPU)."""
 
 import dataclasses
@@ -8,22 +8,21 @@ import pytest
 
 from cases import new_rng
 from cupy_fa import knobs, plan, schedule
+from cupy_fa import families
 
 
 def model(q_lens, kv_lens, group, tile, partial_capacity=10**9, long_tile=None, window=0):
-    """What plan_kernel must write, computed the slow obvious way. With ``long_tile`` (a step of
+    """What plan_kernel must write, computed the slow obvious way from the policy's split rule
+    (``schedule.max_splits``, ``schedule.key_base``). With ``long_tile`` (a step of
     two families) requests of more than SMALL_Q_LEN tokens are laid out for it in
     long_work_indptr (one split per CTA, never folded), the others for ``tile`` in work_indptr;
     without it every request for ``tile`` in work_indptr. With a sliding ``window`` a request's
     splits cut its keys from key_base on: its first query's first key (kv - q - window + 1)
     rounded down to whole groups of MERGE_GROUP splits."""
     S = schedule.split_size()
-
-    def base_of(q, kv):
-        first = kv - q - window + 1
-        return first // (schedule.MERGE_GROUP * S) * (schedule.MERGE_GROUP * S) if window and first > 0 else 0
-
-    bases = [base_of(q, kv) if q > 0 else 0 for q, kv in zip(q_lens, kv_lens)]
+    # the policy's rules, written once in cupy_fa.schedule: where a window's splits start, and how
+    # many splits a request wants (plan_kernel applies them, lowering the count only on overflow)
+    bases = [int(schedule.key_base([q], [kv], window)[0]) if q > 0 else 0 for q, kv in zip(q_lens, kv_lens)]
     kv_lens = [kv - base for kv, base in zip(kv_lens, bases)]  # the keys the splits cut
 
     def is_long(q):
@@ -35,10 +34,7 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9, long_tile=None, 
         return -(-kv // keys), keys
 
     def wanted(q, kv):
-        splits = -(-kv // S)
-        if q > schedule.SMALL_Q_LEN:
-            splits = min(splits, max(1, schedule.SPLIT_ROW_BUDGET // q))
-        return max(1, min(splits, schedule.MAX_SPLITS))
+        return int(schedule.max_splits([q], [kv])[0])
 
     live = [(q > 0) for q in q_lens]
     want_rows = 0
@@ -136,7 +132,7 @@ def test_window_splits_cover_the_window_at_fixed_positions():
     and a window of W over any kv splits about W keys."""
     tile = schedule.tile_for(128, 8, 4)
     S = schedule.split_size()
-    U = schedule.MERGE_GROUP * S
+    U = families.common.MERGE_GROUP * S
     for window in (1, 100, S, 3000, 4096):
         for pos in (0, 5, S - 1, U - 1, U + window - 3, 3 * U + 17, 100 * S, 131071):
             decode = model([1], [pos + 1], 4, tile, window=window)
@@ -145,7 +141,7 @@ def test_window_splits_cover_the_window_at_fixed_positions():
                 assert m["key_base"][0] % U == 0 and m["split_keys"][0] == S
             assert verify["key_base"][0] <= decode["key_base"][0]
             assert verify["key_base"][0] + verify["num_splits"][0] * S >= decode["key_base"][0] + decode["num_splits"][0] * S
-            assert decode["num_splits"][0] <= -(-window // S) + schedule.MERGE_GROUP  # the window, not kv
+            assert decode["num_splits"][0] <= -(-window // S) + families.common.MERGE_GROUP  # the window, not kv
             # decode's first key of its window sits in its first group of splits
             assert decode["key_base"][0] <= max(0, pos - window + 1) < decode["key_base"][0] + U
 
@@ -199,7 +195,7 @@ def test_splits_per_cta_only_where_the_epilogue_fits_a_stage(monkeypatch):
         with pytest.raises(ValueError, match="CUPY_FA_SPLITS_PER_CTA"):
             knobs.reload()  # checked when the knobs are read, whatever tile comes next
     with pytest.raises(ValueError, match="splits_per_cta"):
-        schedule.MmaTile(64, 2, 4, splits_per_cta=2)
+        families.mma_sync.MmaTile(64, 2, 4, splits_per_cta=2)
 
 
 def test_fold_tile_choice(monkeypatch):
@@ -209,7 +205,7 @@ def test_fold_tile_choice(monkeypatch):
     assert verify8.fold_capable  # the two-row tile always carries the state
     q, kv = np.full(64, 8), np.full(64, 4096)  # verify q=8 at B=64: 64 x 8 heads = 512 CTAs
     folded = schedule.fold_tile(verify8, q, kv, 4, 8, 132)
-    assert folded.fold_splits and folded.splits_per_cta == schedule.MERGE_GROUP
+    assert folded.fold_splits and folded.splits_per_cta == families.common.MERGE_GROUP
     assert folded == dataclasses.replace(verify8, splits_per_cta=8, fold_splits=True)  # same binary
     assert schedule.work_bound(q, kv, 4, folded) == 64  # one work item per row block
     assert not schedule.fold_tile(verify8, q[:16], kv[:16], 4, 8, 132).fold_splits  # 128 CTAs: half a wave
@@ -250,18 +246,18 @@ def test_fold_tile_choice(monkeypatch):
     with pytest.raises(ValueError, match="CUPY_FA_FOLD_SPLITS"):
         knobs.reload()
     with pytest.raises(ValueError, match="fold_splits"):
-        schedule.MmaTile(128, 1, 4, splits_per_cta=8, fold_splits=True)
+        families.mma_sync.MmaTile(128, 1, 4, splits_per_cta=8, fold_splits=True)
 
 
 def test_fold_state_only_where_the_layout_allows():
     with pytest.raises(ValueError, match="fold state"):
-        schedule.MmaTile(128, 4, 1, fold_capable=True)  # prefill: splits are rare and short
+        families.mma_sync.MmaTile(128, 4, 1, fold_capable=True)  # prefill: splits are rare and short
     with pytest.raises(ValueError, match="fold state"):
-        schedule.MmaTile(64, 2, 4, fold_capable=True)   # two passes of 32 columns: no swizzle for them
-    assert schedule.MmaTile(64, 2, 4).folding() is None
-    for head_dim in schedule.HEAD_DIMS:
-        for stages in schedule.STAGE_CHOICES:
-            folded = schedule.small_q_tile(head_dim, 1, stages).folding()
+        families.mma_sync.MmaTile(64, 2, 4, fold_capable=True)   # two passes of 32 columns: no swizzle for them
+    assert families.mma_sync.MmaTile(64, 2, 4).folding() is None
+    for head_dim in families.common.HEAD_DIMS:
+        for stages in knobs.STAGE_CHOICES:
+            folded = families.mma_sync.small_q_tile(head_dim, 1, stages).folding()
             assert folded.fits and folded.fold_capable and folded.stages <= stages
 
 
@@ -270,7 +266,7 @@ def test_tile_choice():
     assert (schedule.tile_for(128, 8, 4).warps_m, schedule.tile_for(128, 8, 4).warps_n) == (2, 4)
     assert schedule.tile_for(128, schedule.SMALL_Q_LEN, 8).block_n == schedule.tile_for(128, 1, 8).block_n
     assert schedule.tile_for(128, schedule.SMALL_Q_LEN + 1, 1).warps_m == 4
-    for shape in [schedule.MmaTile(d, m, n) for d in schedule.HEAD_DIMS for m, n in schedule.WARP_LAYOUTS]:
+    for shape in [families.mma_sync.MmaTile(d, m, n) for d in families.common.HEAD_DIMS for m, n in families.mma_sync.WARP_LAYOUTS]:
         assert shape.smem_bytes <= 227 * 1024
         assert (shape.block_n // shape.warps_n) % 16 == 0
 
@@ -423,7 +419,7 @@ def test_device_plan_flags_broken_contract():
 
 
 def test_warp_segment_search_model():
-    """A Python model of kernels/common.cuh upper_segment (32 probes per round, ballot,
+    """A Python model of kernels/shared/common.cuh upper_segment (32 probes per round, ballot,
     last lane that holds) agrees with bisection on offsets with runs of equal entries, and
     needs ceil(log32(n)) rounds."""
     import bisect
@@ -453,7 +449,7 @@ def test_warp_segment_search_model():
 def test_tiles_fit_the_device_shared_memory():
     """On an A100 (163 KB per CTA) the head-dim-256 tiles with a fold state do not fit: the
     two-row tile runs without one (one split per CTA) and the one-row tile never folds."""
-    a100 = schedule.SM80_SMEM_LIMIT
+    a100 = families.common.SM80_SMEM_LIMIT
     two_row = schedule.tile_for(256, 8, 4, a100)
     assert two_row.warps_m == 2 and not two_row.fold_capable and two_row.fits_in(a100)
     assert schedule.tile_for(256, 8, 4).fold_capable  # Hopper keeps it
@@ -465,4 +461,4 @@ def test_tiles_fit_the_device_shared_memory():
     for head_dim in (64, 128):  # there the fold fits an A100 as well
         assert schedule.tile_for(head_dim, 1, 4, a100).folding(smem_limit=a100) is not None
     with pytest.raises(ValueError, match="shared memory"):
-        schedule.small_q_tile(256, 1, 2, 100 * 1024)
+        families.mma_sync.small_q_tile(256, 1, 2, 100 * 1024)

@@ -1,5 +1,5 @@
-"""The sm_90a prefill family (kernels/prefill_sm90.cu) builds without a GPU: every shipped
-variant compiles through NVRTC with no spills at the register split setmaxnreg expects, the
+"""The sm_90a prefill family (kernels/sm90/prefill.cu) builds without a GPU: every shipped
+kernel compiles through NVRTC with no spills at the register split setmaxnreg expects, the
 generated wgmma header is what its generator writes, a non-sm_90a build is refused, and the
 host mirror of the traits agrees with the kernel (the compile's static_asserts) and with the
 plan's work layout."""
@@ -11,19 +11,23 @@ import struct
 import numpy as np
 import pytest
 
-from cupy_fa import _build, prefill_sm90 as s9, schedule
+from cupy_fa import _build, catalog, families, schedule
+from cupy_fa.families import sm90 as s9
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("variant", s9.all_variants(), ids=lambda v: v.expression.replace(" ", ""))
-def test_variant_compiles_for_sm90a_without_spills(variant):
-    cubin, res = _build.compile_cubin(variant, "sm_90a")  # also checks kSmemBytes / kConsumerRegs mirrors
+DEFAULT_KERNELS = [catalog.attention_kernel(dtype, tile) for dtype in _build.CTYPES for tile in s9.DEFAULT_TILES.values()]
+
+
+@pytest.mark.parametrize("kernel", DEFAULT_KERNELS, ids=lambda k: k.expression.replace(" ", ""))
+def test_kernel_compiles_for_sm90a_without_spills(kernel):
+    cubin, res = _build.compile_cubin(kernel, "sm_90a")  # also checks kSmemBytes / kConsumerRegs mirrors
     assert cubin[:4] == b"\x7fELF"
     assert len(cubin) == elf_end(cubin), "compile_cubin returns the whole ELF image (cuobjdump reads it)"
     # at one CTA per SM a thread starts with 65536 / threads registers (168 at 384 threads, 128 at
     # 512); setmaxnreg moves them between roles
-    assert res["registers"] == 65536 // variant.threads // 8 * 8 == (168 if variant.threads == 384 else 128), res
+    assert res["registers"] == 65536 // kernel.threads // 8 * 8 == (168 if kernel.threads == 384 else 128), res
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
 
 
@@ -34,7 +38,7 @@ def elf_end(image):
 
 
 def test_whole_elf_pads_a_short_image_and_leaves_others():
-    cubin, _ = _build.compile_cubin(s9.variant("bfloat16", s9.DEFAULT_TILES[64]), "sm_90a")
+    cubin, _ = _build.compile_cubin(catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[64]), "sm_90a")
     short = cubin[:-1]  # what cupy's getCUBIN hands back
     assert _build.whole_elf(short) == cubin[:-1] + b"\0" and len(_build.whole_elf(short)) == elf_end(cubin)
     assert _build.whole_elf(cubin) == cubin
@@ -45,21 +49,21 @@ def test_wgmma_header_matches_its_generator():
     spec = importlib.util.spec_from_file_location("gen_sm90_wgmma", ROOT / "scripts" / "gen_sm90_wgmma.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    assert (ROOT / "kernels" / "sm90_wgmma_ops.cuh").read_text() == gen.text(), \
-        "kernels/sm90_wgmma_ops.cuh is stale: run python scripts/gen_sm90_wgmma.py"
+    assert (ROOT / "kernels" / "sm90" / "wgmma_ops.cuh").read_text() == gen.text(), \
+        "kernels/sm90/wgmma_ops.cuh is stale: run python scripts/gen_sm90_wgmma.py"
 
 
 def test_family_refuses_a_plain_sm90_build():
-    variant = s9.variant("bfloat16", s9.DEFAULT_TILES[128])
+    kernel = catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128])
     with pytest.raises(RuntimeError, match="needs the sm_90a target"):
-        _build.compile_cubin(variant, "sm_90")
+        _build.compile_cubin(kernel, "sm_90")
 
 
 @pytest.mark.parametrize("head_dim", sorted(s9.DEFAULT_TILES))
 def test_default_tiles_fit_and_split_registers(head_dim):
     tile = s9.DEFAULT_TILES[head_dim]
     assert tile.head_dim == head_dim and tile.block_n % 16 == 0
-    assert tile.smem_bytes <= schedule.SMEM_LIMIT
+    assert tile.smem_bytes <= families.common.SMEM_LIMIT
     wgs = tile.consumer_wgs  # 3 at D 64 / 128 (192 rows, 512 threads), 2 at D 256 (128 rows, 384 threads)
     assert wgs == (2 if head_dim == 256 else 3)
     assert (tile.threads, tile.block_m, tile.entry_regs) == (128 * (1 + wgs), 64 * wgs, {2: 168, 3: 128}[wgs])
@@ -72,12 +76,12 @@ def test_defaults_take_the_uniform_warpgroup_joint_softmax_and_lean_copies_where
     producer copies (+13-18% on top, same A/B method) and three consumer warpgroups (2026-12-02
     A/B through BatchAttention: +9-10% on prefill at D 128, +17% at D 64, extend unchanged);
     D = 256 takes none of them (uniform_wg costs it 64 bytes of spills; the rest is untimed
-    there). The other opt-in traits stay off."""
+    there)."""
     for d, on in ((64, True), (128, True), (256, False)):
         t = s9.DEFAULT_TILES[d]
         assert (t.uniform_wg, t.joint_rows, t.lean_copy) == (on, on, on), d
-        assert not (t.persistent or t.poly_exp2 or t.q_in_regs) and t.consumer_wgs == (3 if on else 2), d
-        hooked = schedule.with_variants(t)  # the hooks' registers: 64 keys a tile with 3 consumers
+        assert t.consumer_wgs == (3 if on else 2), d
+        hooked = t.with_variants()  # the hooks' registers: 64 keys a tile with 3 consumers
         assert hooked.variants and hooked.block_m == t.block_m and hooked.block_n == (64 if on else t.block_n), d
 
 
@@ -87,7 +91,9 @@ def test_three_consumer_tile_mirrors_the_traits():
     t = s9.Sm90Tile(64, 128, 4, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3, producer_regs=32)
     assert (t.block_m, t.threads, t.entry_regs, t.consumer_regs) == (192, 512, 128, 160)
     assert 128 * t.producer_regs + 384 * t.consumer_regs <= 512 * 128
-    assert t.smem_bytes == 1024 + 192 * 64 * 2 + 2 * 4 * 128 * 64 * 2 + (4 * 4 + 3) * 8 + 384 * 4 + 56  # + a page flag
+    # Q, the K and V rings, then the barriers (4 a stage and Q's), a scratch word a consumer thread and
+    # the page flag, padded to 8 bytes
+    assert t.smem_bytes == 1024 + 192 * 64 * 2 + 2 * 4 * 128 * 64 * 2 + (4 * 4 + 1) * 8 + 384 * 4 + 8
     assert list(schedule.row_blocks(np.array([4096, 17]), 4, t)) == [86, 1]  # plan_kernel's count, 192 rows a block
 
 
@@ -102,72 +108,3 @@ def test_work_layout_is_the_plans_with_128_rows():
     assert list(schedule.max_splits(q, kv)) == [1, 4, 1, 1]  # q = 17 over 2000 keys: 4 splits of 512
     assert schedule.work_bound(q, kv, 4, tile) == 128 + 4 + 32 + 1
     assert schedule.needs_merge(tile, q, kv)
-
-
-def test_fma_exp2_matches_exp2_to_1e4():
-    """kernels/sm90_wgmma.cuh fma_exp2, op by op in float32 (fmaf as a float64 product rounded
-    once): within 1e-4 of 2^x (relative) over [-125, 8] (the softmax's x is at most 8 and a key
-    2^-125 below its row's max adds nothing), one tiny positive value at and below -126, whole x
-    within 1e-4 too (j goes into the exponent field)."""
-    f32 = np.float32
-
-    def fmaf(a, b, c):
-        return (a.astype(np.float64) * b + c).astype(f32)
-
-    def fma_exp2(x):
-        x = np.maximum(x.astype(f32), f32(-126))
-        t = (x + f32(12582912)).astype(f32)
-        f = (x - (t - f32(12582912))).astype(f32)
-        p = fmaf(np.full_like(f, 0.05517166), f, f32(0.24261112))
-        p = fmaf(p, f, f32(0.69326099))
-        p = fmaf(p, f, f32(0.99992807))
-        return (p.view(np.int32) + (t.view(np.int32) << 23)).view(f32)
-
-    x = np.concatenate([np.linspace(-125, 8, 2_000_001, dtype=f32), np.arange(-125, 8, dtype=f32) + f32(0.5)])
-    got = fma_exp2(x).astype(np.float64)
-    assert np.abs(got / np.exp2(x.astype(np.float64)) - 1).max() < 1e-4
-    # at -126 and below (clamped): one tiny positive value (the fp32 sums it meets flush it to 0)
-    floor = fma_exp2(np.array([-126], f32))
-    assert 0 < floor[0] < 2.0 ** -125
-    assert (fma_exp2(np.array([-126.4, -200, -1e30, -np.inf], f32)) == floor).all()
-    assert np.abs(fma_exp2(np.arange(-125, 9, dtype=f32)) / np.exp2(np.arange(-125, 9.0)) - 1).max() < 1e-4
-
-
-
-# The opt-in traits that scripts/probe_prefill_sm90.py times against the default (round 2:
-# warp-uniform warpgroup index, joint two-row softmax, persistent grid; round 3: lean producer
-# copies, a polynomial share of the exp2s, 3 consumer warpgroups): they must build without spills
-# and agree with the host mirror (kSmemBytes, kConsumerRegs, kBlockM, kThreads) too.
-UJ = dict(uniform_wg=True, joint_rows=True)
-OPT_IN_TILES = [
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, uniform_wg=True)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, persistent=True, **UJ)),
-    ("float16", s9.Sm90Tile(128, 128, 2, persistent=True, **UJ)),
-    ("bfloat16", s9.Sm90Tile(64, 128, 4, persistent=True, **UJ)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, **UJ)),
-    ("float16", s9.Sm90Tile(128, 128, 2, lean_copy=True, **UJ)),
-    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, **UJ)),
-    ("bfloat16", s9.Sm90Tile(256, 80, 2, pingpong=False, lean_copy=True)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, persistent=True, **UJ)),
-    ("bfloat16", s9.Sm90Tile(128, 128, 2, lean_copy=True, poly_exp2=1, **UJ)),
-    ("float16", s9.Sm90Tile(128, 128, 2, lean_copy=True, poly_exp2=2, **UJ)),
-    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, poly_exp2=2, **UJ)),
-    ("bfloat16", s9.Sm90Tile(64, 128, 4, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
-    ("bfloat16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
-    ("float16", s9.Sm90Tile(128, 80, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
-    ("bfloat16", s9.Sm90Tile(128, 64, 2, lean_copy=True, consumer_wgs=3, producer_regs=32, **UJ)),
-]
-
-
-@pytest.mark.parametrize("dtype,tile", OPT_IN_TILES, ids=lambda x: x if isinstance(x, str) else x.traits())
-def test_opt_in_variants_compile_without_spills(dtype, tile):
-    cubin, res = _build.compile_cubin(s9.variant(dtype, tile), "sm_90a")
-    assert res["registers"] == tile.entry_regs, res
-    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
-    assert tile.smem_bytes <= schedule.SMEM_LIMIT
-
-
-def test_persistent_tile_holds_two_q_tiles():
-    one, two = s9.Sm90Tile(128, 128, 2), s9.Sm90Tile(128, 128, 2, persistent=True)
-    assert two.smem_bytes - one.smem_bytes == 128 * 128 * 2 + 3 * 8 + 56

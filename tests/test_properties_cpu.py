@@ -2,7 +2,7 @@
 page sizes, bucket padding, page tables and custom masks, planned the way BatchAttention plans
 them (host lengths: exact; device lengths: bounds), laid out by the NumPy model of plan_kernel
 (tests/test_plan.py), then every CTA of the attention kernel and the merge replayed the way
-kernels/attention.cu reads its work item. Properties:
+kernels/mma_sync/attention.cu reads its work item. Properties:
 
 * every live (token, head) row is written exactly once (by its CTA or by the merge), padded
   rows never; the merge reads only partials some CTA wrote;
@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from cupy_fa import ForwardMode, contract_lengths, knobs as knob_state, plan, reference, schedule
+from cupy_fa import families
 from test_plan import model
 
 SETTINGS = settings(max_examples=int(os.environ.get("CUPY_FA_PROPERTY_EXAMPLES", "150")), deadline=None,
@@ -138,7 +139,7 @@ def replay_launch(tile, grid, work_indptr, m, q, kv, group, causal, masked, page
         split_first = (local % groups) * per_cta
         split_stop = min(split_first + per_cta, splits)
         if tile.fold_splits:
-            assert per_cta % schedule.MERGE_GROUP == 0 and (groups == 1 or per_cta == schedule.MERGE_GROUP), "a trap"
+            assert per_cta % families.common.MERGE_GROUP == 0 and (groups == 1 or per_cta == families.common.MERGE_GROUP), "a trap"
         row0 = (local // groups) * bm
         rows = q_len * group
         assert row0 < rows, "a CTA past its request's rows"
@@ -169,8 +170,8 @@ def replay_launch(tile, grid, work_indptr, m, q, kv, group, causal, masked, page
                 elif tile.fold_splits and groups == 1:
                     pass  # folded in shared memory until the row's last split
                 elif tile.fold_splits:  # one group of several: its state for the merge, at its group's close
-                    if split % schedule.MERGE_GROUP == schedule.MERGE_GROUP - 1 or split + 1 == split_stop:
-                        group_row = int(partial_indptr[b]) // 2 + token * groups + split_first // schedule.MERGE_GROUP
+                    if split % families.common.MERGE_GROUP == families.common.MERGE_GROUP - 1 or split + 1 == split_stop:
+                        group_row = int(partial_indptr[b]) // 2 + token * groups + split_first // families.common.MERGE_GROUP
                         for r in (2 * group_row, 2 * group_row + 1):
                             assert partial_indptr[b] <= r < partial_indptr[b + 1] <= capacity_rows
                         partials.add((group_row, row % group))
@@ -188,7 +189,7 @@ def merge_and_check(m, q, kv, group, folded, merge_launched, causal, masked, wri
             if q[b] == 0:
                 continue
             splits = int(m["num_splits"][b])
-            inputs = -(-splits // schedule.MERGE_GROUP) if folded else splits
+            inputs = -(-splits // families.common.MERGE_GROUP) if folded else splits
             if inputs <= 1:
                 continue
             for token in range(q[b]):
@@ -241,7 +242,7 @@ def run_schedule(q, kv, head_dim, group, device_bounds, causal, masked, page_siz
 
 
 @SETTINGS
-@given(batch=mode_batch(), head_dim=st.sampled_from(schedule.HEAD_DIMS), group=st.sampled_from([1, 4, 8]),
+@given(batch=mode_batch(), head_dim=st.sampled_from(families.common.HEAD_DIMS), group=st.sampled_from([1, 4, 8]),
        page_size=st.sampled_from(PAGE_SIZES), causal=st.booleans(), masked=st.booleans(),
        fold=st.sampled_from(["auto", "0", "1"]), per_cta=st.sampled_from([1, 2, 3]))
 def test_host_plan_writes_every_row_once_and_reads_inside(batch, head_dim, group, page_size, causal, masked, fold,
@@ -252,7 +253,7 @@ def test_host_plan_writes_every_row_once_and_reads_inside(batch, head_dim, group
 
 
 @SETTINGS
-@given(batch=mode_batch(max_batch=9), head_dim=st.sampled_from(schedule.HEAD_DIMS), group=st.sampled_from([1, 4]),
+@given(batch=mode_batch(max_batch=9), head_dim=st.sampled_from(families.common.HEAD_DIMS), group=st.sampled_from([1, 4]),
        page_size=st.sampled_from(PAGE_SIZES), extra_bucket=st.integers(0, 7), fold=st.sampled_from(["auto", "1"]))
 def test_graph_plan_bounds_cover_any_step_of_the_bucket(batch, head_dim, group, page_size, extra_bucket, fold):
     """A graph step: lengths padded with q_len = 0 rows to the bucket, the grid and the merge

@@ -52,7 +52,7 @@ def check_guards(out_all, lse_all, rows, label):
 
 
 def lse_close(lse, ref_lse, label):
-    got = np.asarray(reference._to_numpy(lse), np.float64)
+    got = np.asarray(reference.to_numpy(lse), np.float64)
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(got), finite), f"{label}: lse finite where the reference is not (or back)"
     err = np.abs(got[finite] - ref_lse[finite]).max(initial=0.0)

@@ -200,7 +200,7 @@ def test_kv_len_is_the_extent_after_the_write(rng):
 
 def test_chunked_rows_match_naive(rng, monkeypatch):
     """A tiny score budget forces many row chunks (and causal key cut-offs) per request."""
-    monkeypatch.setattr(reference, "_SCORE_BUDGET", 64)
+    monkeypatch.setattr(reference.attention, "_SCORE_BUDGET", 64)
     batch = make_batch(rng, [(9, 9), (6, 14), (1, 5)], 3, 4, 2, 8)
     for causal in (True, False):
         out, lse = paged_attention(*batch, causal=causal, return_lse=True)

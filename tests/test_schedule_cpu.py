@@ -7,58 +7,60 @@ import numpy as np
 import pytest
 
 from cupy_fa import plan, schedule
+from cupy_fa import families
+from cupy_fa import catalog
 
 
 def test_schedule_step_decode_and_verify_on_hopper():
     """The choices the bench's decode-like shapes get on an H200 (132 SMs, 227 KB), as the kernel
     tests and NOTES figures assume: B=64 decode and verify q=8 fold whole rows (no merge); one long
     request folds by groups (merge of group states); a short batch-1 decode splits and merges."""
-    h200 = dict(smem_limit=schedule.SMEM_LIMIT, sm_count=132, arch="sm_90a")
+    h200 = dict(smem_limit=families.common.SMEM_LIMIT, sm_count=132, arch="sm_90a")
     decode = schedule.schedule_step(128, 4, 8, q_lens=np.ones(64, int), kv_lens=np.full(64, 4096), **h200)
     assert (decode.tile.warps_m, decode.tile.fold_splits, decode.tile.splits_per_cta) == (1, True, 8)
     assert decode.work_grid == 64 and not decode.needs_merge
     verify = schedule.schedule_step(128, 4, 8, q_lens=np.full(64, 8), kv_lens=np.full(64, 4096), **h200)
     assert (verify.tile.warps_m, verify.tile.fold_capable, verify.tile.fold_splits) == (2, True, True)
     long_one = schedule.schedule_step(128, 4, 8, q_lens=[1], kv_lens=[131072], **h200)
-    assert long_one.tile.splits_per_cta == schedule.MERGE_GROUP and long_one.needs_merge
-    assert long_one.work_grid == 256 // schedule.MERGE_GROUP
+    assert long_one.tile.splits_per_cta == families.common.MERGE_GROUP and long_one.needs_merge
+    assert long_one.work_grid == 256 // families.common.MERGE_GROUP
     short = schedule.schedule_step(128, 4, 8, q_lens=[1], kv_lens=[4096], **h200)
     assert not short.tile.fold_splits and short.work_grid == 8 and short.needs_merge
     prefill = schedule.schedule_step(128, 4, 8, q_lens=[4096], kv_lens=[4096], **h200)
-    assert prefill.small is None and schedule.family_of(prefill.tile) is schedule.SM90_WGMMA
+    assert prefill.small is None and families.family_of(prefill.tile) is families.SM90_WGMMA
     assert prefill.tile.block_m == 192 and prefill.work_grid == -(-4096 * 4 // 192)  # 3 consumer warpgroups
-    a100 = dict(smem_limit=schedule.SM80_SMEM_LIMIT, sm_count=108, arch="sm_80")
+    a100 = dict(smem_limit=families.common.SM80_SMEM_LIMIT, sm_count=108, arch="sm_80")
     prefill = schedule.schedule_step(128, 4, 8, q_lens=[4096], kv_lens=[4096], **a100)
-    assert (prefill.tile.warps_m, prefill.tile.warps_n) == (4, 1) and prefill.tile.family is schedule.MMA_SYNC
+    assert (prefill.tile.warps_m, prefill.tile.warps_n) == (4, 1) and prefill.tile.family is families.mma_sync.MMA_SYNC
 
 
 def test_schedule_step_with_device_lengths_folds_by_groups_only():
     cap = plan.Capacity(64, 64 * 8, 512)
     step = schedule.schedule_step(128, 4, 8, max_q_len=8, max_kv_len=8192, capacity=cap, batch_size=64,
-                                  smem_limit=schedule.SMEM_LIMIT, sm_count=132)
-    assert step.tile.fold_splits and step.tile.splits_per_cta == schedule.MERGE_GROUP  # never a whole row
+                                  smem_limit=families.common.SMEM_LIMIT, sm_count=132)
+    assert step.tile.fold_splits and step.tile.splits_per_cta == families.common.MERGE_GROUP  # never a whole row
     assert step.needs_merge  # a row of 8192 keys has two groups: their states are merged
     assert step.work_grid >= schedule.work_bound(np.full(64, 8), np.full(64, 8192), 4, step.tile)
 
 
 def test_variant_names_the_family_the_element_types_and_the_traits():
     tile = schedule.tile_for(128, 1, 4)
-    variant = schedule.attention_variant("bfloat16", tile)
-    assert variant.source == schedule.MMA_SYNC.source == "attention.cu"
+    variant = catalog.attention_kernel("bfloat16", tile)
+    assert variant.source == families.mma_sync.MMA_SYNC.source == "mma_sync/attention.cu"
     assert variant.expression == ("cupy_fa::attention_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, "
                                   "cupy_fa::TileTraits<128, 1, 4, 64, 2, false>>")
-    assert schedule.attention_variant(schedule.ElementTypes.of("bfloat16"), tile) == variant
+    assert catalog.attention_kernel(families.common.ElementTypes.of("bfloat16"), tile) == variant
     assert (variant.threads, variant.smem_bytes) == (tile.threads, tile.smem_bytes)
-    merge = schedule.merge_variant("float16", 128, schedule.MERGE_DEEPEST)
-    assert merge.source == "merge.cu" and merge.threads == 1024
+    merge = catalog.merge_kernel("float16", 128, schedule.MERGE_DEEPEST)
+    assert merge.source == "shared/merge.cu" and merge.threads == 1024
 
 
 def test_warmup_lists_only_what_ci_compiles():
-    compiled = set(schedule.all_variants())
-    for limit in (schedule.SMEM_LIMIT, schedule.SM80_SMEM_LIMIT):
-        wanted = schedule.warmup_variants(smem_limit=limit)
+    compiled = set(catalog.all_kernels())
+    for limit in (families.common.SMEM_LIMIT, families.common.SM80_SMEM_LIMIT):
+        wanted = catalog.warmup_kernels(smem_limit=limit)
         assert wanted and set(wanted) <= compiled
-    assert len(compiled) == len(schedule.all_variants())
+    assert len(compiled) == len(catalog.all_kernels())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +140,7 @@ def test_split_size_per_cache_element():
         assert step.small.max_splits == splits and step.small.tile.kv_bytes == kv_bytes
         assert schedule.plan_constants(step.small.tile)["split_size"] == 4096 // splits
         assert int(schedule.max_splits([1], [4096], kv_bytes)[0]) == splits
-        unit = schedule.MERGE_GROUP * 4096 // splits  # a window's key base: whole merge groups of splits
+        unit = families.common.MERGE_GROUP * 4096 // splits  # a window's key base: whole merge groups of splits
         assert int(schedule.key_base([1], [13100], 100, kv_bytes)[0]) == 13000 // unit * unit == {2: 12288, 1: 8192}[kv_bytes]
     bound = schedule.schedule_step(128, 4, 8, max_q_len=1, max_kv_len=4096, capacity=plan.Capacity(64, 64, 256),
                                    batch_size=64, kv_bytes=1)

@@ -1,4 +1,4 @@
-"""The status word's decoding (cupy_fa/status.py) and its mirror of kernels/status.cuh."""
+"""The status word's decoding (cupy_fa/status.py) and its mirror of kernels/shared/status.cuh."""
 
 import pathlib
 import re
@@ -7,7 +7,7 @@ import numpy as np
 
 from cupy_fa import status
 
-HEADER = pathlib.Path(__file__).resolve().parent.parent / "kernels" / "status.cuh"
+HEADER = pathlib.Path(__file__).resolve().parent.parent / "kernels" / "shared" / "status.cuh"
 
 
 def test_reason_codes_mirror_the_header():

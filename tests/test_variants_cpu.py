@@ -12,9 +12,11 @@ import pytest
 from cases import new_rng
 from test_families_cpu import _Buf, recorded_launches
 from cupy_fa import attention, reference, schedule
-from cupy_fa import prefill_sm90 as s9
+from cupy_fa.families import sm90 as s9
+from cupy_fa import families
+from cupy_fa import catalog
 
-H200 = dict(smem_limit=schedule.SMEM_LIMIT, sm_count=132, arch="sm_90a")
+H200 = dict(smem_limit=families.common.SMEM_LIMIT, sm_count=132, arch="sm_90a")
 
 
 def random_step(rng, q_lens, kv_lens, h_q=4, h_kv=2, d=16, page=4):
@@ -164,12 +166,12 @@ def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, varian
 
 
 def test_no_fp8_kernel_with_the_variant_hooks_is_listed_or_built():
-    warm = schedule.warmup_variants(("bfloat16",), (128,), kv_dtypes=("float8_e4m3fn",), variants=True)
+    warm = catalog.warmup_kernels(("bfloat16",), (128,), kv_dtypes=("float8_e4m3fn",), variants=True)
     assert any("fp8_e4m3" in v.expression for v in warm)
     assert not any("fp8_e4m3" in v.expression and v.expression.endswith(", true>>") for v in warm)
-    types8 = schedule.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
+    types8 = families.common.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
     with pytest.raises(ValueError, match="no build with the variant hooks"):
-        schedule.attention_variant(types8, schedule.with_variants(schedule.tile_for(128, 1, 4, kv_bytes=1)))
+        catalog.attention_kernel(types8, schedule.tile_for(128, 1, 4, kv_bytes=1).with_variants())
 
 
 # ---- what a step with a variant launches ---------------------------------------------------------
@@ -192,14 +194,14 @@ def test_a_step_with_a_variant_launches_the_hooked_kernels(monkeypatch, variant)
     (long_v, long_p), (small_v, small_p), (merge_v, merge_p) = calls
     hooked = variant != "none"
     for v, tile in ((long_v, sched.long.tile), (small_v, sched.small.tile)):
-        assert v == schedule.attention_variant("bfloat16", schedule.with_variants(tile) if hooked else tile)
+        assert v == catalog.attention_kernel("bfloat16", tile.with_variants() if hooked else tile)
     for p in (long_p, small_p):
         assert p["window"] == window and p["key_base"] == attn._buffers.key_base.data.ptr
         assert p["soft_cap_log2"] == pytest.approx(cap * 1.4426950408889634)
         # 2 log2(e) sm_scale / cap: the kernel's tanh takes 2^(s x it) (variant.cuh tanh_of_exp2_arg)
         assert p["soft_cap_scale"] == pytest.approx(2 * 1.4426950408889634 * 0.088 / cap if cap else 0.0)
         assert p["sinks"] == (sinks.data.ptr if sinks else 0)
-    assert merge_v.source == "merge.cu" and merge_p["sinks"] == (sinks.data.ptr if sinks else 0)
+    assert merge_v.source == "shared/merge.cu" and merge_p["sinks"] == (sinks.data.ptr if sinks else 0)
 
 
 def test_a_window_shrinks_the_grid(monkeypatch):
@@ -215,42 +217,43 @@ def test_a_window_shrinks_the_grid(monkeypatch):
 
 
 def test_every_attention_kernel_has_a_hooked_twin_and_the_plain_names_stay():
-    """CI compiles each attention kernel twice: plain (its name as before) and with the hooks (the
-    traits' one more template argument, true)."""
-    everything = schedule.all_variants()
+    """CI compiles each attention kernel twice: plain and with the hooks (the mma.sync traits' one
+    more template argument, true; the wgmma traits' VARIANTS argument true)."""
+    everything = catalog.all_kernels()
     # the 16-bit kernels (an fp8 cache's, KV_BYTES = 1, have no hooked twin yet)
-    attention_kernels = {v.expression for v in everything if v.source in ("attention.cu", "prefill_sm90.cu")
+    attention_kernels = {v.expression for v in everything if v.source in ("mma_sync/attention.cu", "sm90/prefill.cu")
                          and "fp8_e4m3" not in v.expression}
     # the hooked twin: VARIANTS = true after the traits' last argument (the mma.sync traits' KV_BYTES
     # is then spelled out); a wgmma tile of three consumer warpgroups holds 64 keys a tile hooked
     # (Sm90Tile.with_variants: the hooks' registers)
     def hooked_name(e):
-        if "TileTraits<" in e:
+        if "TileTraits<" in e and "Sm90PrefillTraits<" not in e:
             return e[:-2] + ", 2, true>>"
-        if ", 3>>" in e:
+        if not e.endswith(", false>>"):
+            return None  # a hooked wgmma kernel already
+        if ", 3, false>>" in e:
             head_dim, block_n = e.split("Sm90PrefillTraits<")[1].split(", ")[:2]
             e = e.replace(f"Sm90PrefillTraits<{head_dim}, {block_n},", f"Sm90PrefillTraits<{head_dim}, 64,")
-        return e[:-2] + ", true>>"
+        return e[:-len(", false>>")] + ", true>>"
     twin = {e: hooked_name(e) for e in attention_kernels}
-    plain = {e for e in attention_kernels if twin[e] in attention_kernels}
+    plain = {e for e in twin if twin[e] in attention_kernels}
     hooked = attention_kernels - plain
     assert plain and len(plain) == len(hooked) and hooked == {twin[e] for e in plain}
-    assert "TileTraits<128, 1, 4, 64, 2, false>>" in schedule.attention_variant(
-        "bfloat16", schedule.small_q_tile(128, 1, 2)).expression  # the plain kernels keep their names
-    assert s9.variant("bfloat16", s9.DEFAULT_TILES[128]).expression.endswith(", 0, 3>>")
-    hooked_128 = schedule.with_variants(s9.DEFAULT_TILES[128])
-    assert s9.variant("bfloat16", hooked_128).expression == hooked_name(s9.variant("bfloat16", s9.DEFAULT_TILES[128])
-                                                                       .expression)
-    assert schedule.attention_variant("bfloat16", schedule.with_variants(s9.DEFAULT_TILES[128])).source == \
-        "prefill_sm90.cu"
+    assert "TileTraits<128, 1, 4, 64, 2, false>>" in catalog.attention_kernel(
+        "bfloat16", families.mma_sync.small_q_tile(128, 1, 2)).expression  # the plain kernels keep their names
+    assert catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128]).expression.endswith(", 3, false>>")
+    hooked_128 = s9.DEFAULT_TILES[128].with_variants()
+    assert catalog.attention_kernel("bfloat16", hooked_128).expression == hooked_name(
+        catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128]).expression)
+    assert catalog.attention_kernel("bfloat16", hooked_128).source == "sm90/prefill.cu"
 
 
 def test_warmup_adds_the_hooked_kernels_only_when_asked():
-    plain = schedule.warmup_variants(arch="sm_90a")
-    both = schedule.warmup_variants(arch="sm_90a", variants=True)
-    attention_kernels = [v for v in plain if v.source in ("attention.cu", "prefill_sm90.cu")]
+    plain = catalog.warmup_kernels(arch="sm_90a")
+    both = catalog.warmup_kernels(arch="sm_90a", variants=True)
+    attention_kernels = [v for v in plain if v.source in ("mma_sync/attention.cu", "sm90/prefill.cu")]
     assert len(both) == len(plain) + len(attention_kernels)
-    assert set(both) <= set(schedule.all_variants())
+    assert set(both) <= set(catalog.all_kernels())
 
 
 def test_no_hooked_tile_holds_more_keys_than_the_window_poison_leaves():
@@ -261,7 +264,7 @@ def test_no_hooked_tile_holds_more_keys_than_the_window_poison_leaves():
     import test_variants_gpu
 
     bound = inspect.signature(test_variants_gpu.nan_before_windows).parameters["block_n"].default
-    hooked = [schedule.with_variants(t) for t in s9.DEFAULT_TILES.values()]
-    hooked += [schedule.with_variants(schedule.prefill_tile(d)) for d in schedule.HEAD_DIMS]  # mma.sync prefill
-    hooked += [schedule.with_variants(schedule.small_q_tile(d, w, 2)) for d in schedule.HEAD_DIMS for w in (1, 2)]
+    hooked = [t.with_variants() for t in s9.DEFAULT_TILES.values()]
+    hooked += [schedule.prefill_tile(d).with_variants() for d in families.common.HEAD_DIMS]  # mma.sync prefill
+    hooked += [families.mma_sync.small_q_tile(d, w, 2).with_variants() for d in families.common.HEAD_DIMS for w in (1, 2)]
     assert max(t.block_n for t in hooked) == bound == 80

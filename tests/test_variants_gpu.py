@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from cases import POISON, check_attention, new_rng, np_dtype, paged_case, poisoned, tree_masks, holey_masks
+from cupy_fa import families
 
 pytestmark = pytest.mark.gpu
 
@@ -130,7 +131,7 @@ def test_every_variant_on_the_mma_sync_prefill_tile(dtype, monkeypatch):
     attn = cupy_fa.BatchAttention(*heads, d, dtype)
     run_and_check(attn, dtype, q_host, k_host, v_host, cache, q_lens, kv_lens, table, window, cap, sm_scale, sinks,
                   f"seed {seed} sm_80 build window={window} cap={cap}")
-    assert isinstance(attn.planned.long_tile, schedule.MmaTile) and attn.planned.long_tile.warps_n == 1
+    assert isinstance(attn.planned.long_tile, families.mma_sync.MmaTile) and attn.planned.long_tile.warps_n == 1
 
 
 @pytest.mark.parametrize("mask", ["none", "tree", "holes"])
@@ -178,7 +179,7 @@ def test_window_over_a_long_context_reads_the_window(dtype):
     splits = attn._buffers.num_splits[:3].get()
     base = attn._buffers.key_base[:3].get()
     assert (base == schedule.key_base(q_lens, kv_lens, window)).all(), base
-    assert (splits <= -(-(window + q_lens - 1) // S) + schedule.MERGE_GROUP - 1).all(), splits
+    assert (splits <= -(-(window + q_lens - 1) // S) + families.common.MERGE_GROUP - 1).all(), splits
     assert (splits == schedule.max_splits(q_lens, schedule.window_spans(q_lens, kv_lens, window))).all(), splits
     assert attn.planned.schedule.small.max_splits <= 16
 
@@ -194,7 +195,7 @@ def check_decode_equals_verify_with(variant, dtype, heads, d, page_size, monkeyp
     rng, seed = new_rng()
     h_q, h_kv = heads
     S = schedule.split_size()
-    U = schedule.MERGE_GROUP * S
+    U = families.common.MERGE_GROUP * S
     window, cap, sm_scale, sinks = draw(rng, variant, h_q, windows=(1, 100, 700, 1500))
     w = window or 1
     # prefixes where the verify's first window starts just before a group of 8 splits and its

@@ -1,0 +1,118 @@
+"""The sm_90a wgmma family (``kernels/sm90/prefill.cu``; Hopper's architecture-specific target
+only): requests of more than ``schedule.SMALL_Q_LEN`` tokens over a 16-bit cache at head dims
+64, 128 and 256.
+
+FlashAttention-3's structure in inline PTX: a producer warpgroup copies Q once and the paged
+K / V tiles into a ring of mbarrier-guarded stages; two or three consumer warpgroups of 64 rows
+run S = Q K^T and O += P V on wgmma around the mask and the online softmax, the next tile's
+Q K^T issued with this tile's P V. :class:`Sm90Tile` is the host mirror of
+``Sm90PrefillTraits`` (its shared memory, registers and rows per CTA are compiled into every
+kernel as checks); :data:`DEFAULT_TILES` is the tile of each head dim. The work layout is the
+plan kernel's (``block_m`` packed rows per item, one split per CTA, no fold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .. import _build
+from .common import KernelFamily
+
+SM90_WGMMA = KernelFamily("sm90_wgmma", "sm90/prefill.cu", "cupy_fa::prefill_sm90_kernel", 90)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Tile:
+    """One ``Sm90PrefillTraits`` instance (kernels/sm90/prefill.cu)."""
+    head_dim: int
+    block_n: int
+    stages: int = 2
+    pingpong: bool = True       # the consumer warpgroups take turns at the tensor cores
+    producer_regs: int = 56     # setmaxnreg of the producer; the consumers share what it gives back
+    uniform_wg: bool = False    # the warpgroup index warp-uniform (Q descriptors in uniform registers)
+    joint_rows: bool = False    # the softmax of both rows of a thread at once, branch-free
+    lean_copy: bool = False     # the producer's cp.async loop at ~9 instructions a copy instead of ~18
+    consumer_wgs: int = 2       # consumer warpgroups of 64 rows: 2 (block_m 128) or 3 (block_m 192, 512 threads)
+    variants: bool = False      # the variant hooks compiled in (window, soft-cap, sinks; Sm90PrefillTraits VARIANTS)
+
+    family = SM90_WGMMA
+    splits_per_cta = 1          # what plan_kernel's work layout is counted with
+    fold_splits = False
+    kv_bytes = 2                # 16-bit K/V only (an fp8 cache's long rows run on the mma.sync family)
+
+    @property
+    def block_m(self):
+        """Packed (token, head) rows per CTA: 64 per consumer warpgroup (PlanParams::block_m)."""
+        return 64 * self.consumer_wgs
+
+    @property
+    def threads(self):
+        """Sm90PrefillTraits::kThreads: the producer warpgroup and the consumers."""
+        return 128 * (1 + self.consumer_wgs)
+
+    @property
+    def entry_regs(self):
+        """Registers a thread starts with at one CTA per SM (the launch bounds): 168 at 384 threads."""
+        return 65536 // self.threads // 8 * 8
+
+    @property
+    def consumer_regs(self):
+        return ((1 + self.consumer_wgs) * self.entry_regs - self.producer_regs) // self.consumer_wgs // 8 * 8
+
+    @property
+    def smem_bytes(self):
+        """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, the K and V rings, barriers, scratch."""
+        d = self.head_dim
+        return (1024 + self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2
+                + (4 * self.stages + 3) * 8 + 128 * self.consumer_wgs * 4 + 56)
+
+    def with_variants(self):
+        """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
+        same rows per CTA, so the same work layout; with three consumer warpgroups at most 64 keys
+        a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9). The keys a
+        tile holds never move a split (plan_kernel cuts splits; the kernel masks a split's last,
+        partial tile), so the hooked kernel runs the plain tile's plan."""
+        block_n = min(self.block_n, 64) if self.consumer_wgs == 3 else self.block_n
+        return dataclasses.replace(self, variants=True, block_n=block_n)
+
+    def traits(self):
+        b = lambda x: str(bool(x)).lower()
+        return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.pingpong)}, "
+                f"{self.producer_regs}, {b(self.uniform_wg)}, {b(self.joint_rows)}, {b(self.lean_copy)}, "
+                f"{int(self.consumer_wgs)}, {b(self.variants)}>")
+
+    def checks(self):
+        """The host's mirrors of the traits, compiled in as static_asserts."""
+        traits = self.traits()
+        return (f"{traits}::kSmemBytes == {self.smem_bytes}",
+                f"{traits}::kConsumerRegs == {self.consumer_regs}",
+                f"{traits}::kBlockM == {self.block_m} && {traits}::kThreads == {self.threads}")
+
+
+# The tile of each head dim (FlashAttention-3's shapes for causal / paged: 128 x 128 at
+# D <= 128, 128 x 80 at D = 256, which the shared memory allows 2 stages of), measured by
+# interleaved A/B on the H200 (2026-12-01, docs/performance.md):
+# * D 64 / 128 take the warp-uniform warpgroup index and the joint two-row softmax (+4-6% at
+#   D = 128; 0 spills for both element types); D = 256 does not (with uniform_wg it spills 64 bytes);
+# * D 64 / 128: the producer's lean copies, +13-18% over the same tiles without;
+# * D 64 / 128: three consumer warpgroups (192 rows a CTA, 512 threads; each warpgroup's softmax
+#   hides behind two others' GEMMs), at D = 128 with 80 keys a tile (S, O and P fit the 160
+#   registers a consumer gets only with 64 or 80): +5-9% on prefill, +18% at D = 64; the producer
+#   needs 32 registers with lean copies.
+DEFAULT_TILES = {
+    64: Sm90Tile(64, 128, stages=4, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
+                 producer_regs=32),
+    128: Sm90Tile(128, 80, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
+                  producer_regs=32),
+    256: Sm90Tile(256, 80, stages=2, pingpong=False),
+}
+
+
+def kernel(types, tile):
+    """The compiled kernel of ``tile`` for element types ``types`` (a ``common.ElementTypes``):
+    this family takes one element type for Q, K, V and O."""
+    if not types.q == types.kv == types.out:
+        raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")
+    ctype = _build.CTYPES[types.q]
+    return _build.Kernel(SM90_WGMMA.source, f"{SM90_WGMMA.kernel}<{ctype}, {ctype}, {ctype}, {tile.traits()}>",
+                         tile.threads, tile.smem_bytes, tile.checks())

@@ -1,0 +1,52 @@
+// Timeline stamps for diagnosis (scripts/probe_timeline.py), and the one place that knows the
+// compile flag CUPY_FA_TRACE.
+//
+// Shipped builds never define it: every call below is then an empty inline function and
+// trace_now() is 0, so the sums kept from it fold away and the kernels' SASS is the same as
+// with no stamps in the source at all (scripts/sass_diff.sh checks that). The flag is set by
+// the knob CUPY_FA_TRACE=1 (cupy_fa/knobs.py), which adds -DCUPY_FA_TRACE to the compile.
+//
+// With it, thread 0 of each of the first kTraceCtas CTAs records into
+// cupy_fa_trace[blockIdx.x]: the global timer (ns) at a point (trace_stamp), a value such as
+// the ns spent in some region (trace_store; trace_now() gives the timer), and its SM id in
+// entry kTraceSm. The host reads the buffer with cupy_fa._build.trace_buffer.
+#pragma once
+
+namespace cupy_fa {
+
+constexpr int kTraceCtas = 1 << 15, kTraceStamps = 6, kTraceSm = kTraceStamps - 1;
+
+// What the attention kernel stamps (kernels/mma_sync/attention.cu), by entry.
+enum TraceEntry : int {
+  kTraceStart = 0,       // the CTA starts
+  kTraceFirstTile = 1,   // its first K/V tile has arrived
+  kTraceDone = 2,        // it is done
+  kTraceEpilogueNs = 3,  // ns spent in split epilogues
+  kTraceWaitNs = 4,      // ns spent at the loop-top wait
+};
+
+#ifdef CUPY_FA_TRACE
+}  // namespace cupy_fa
+extern "C" {
+__device__ unsigned long long cupy_fa_trace[cupy_fa::kTraceCtas][cupy_fa::kTraceStamps];
+}
+namespace cupy_fa {
+__device__ __forceinline__ unsigned long long trace_now() {
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+__device__ __forceinline__ void trace_store(int entry, unsigned long long value) {
+  if (threadIdx.x != 0 || blockIdx.x >= kTraceCtas) return;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  cupy_fa_trace[blockIdx.x][entry] = value;
+  cupy_fa_trace[blockIdx.x][kTraceSm] = sm;
+}
+#else
+__device__ __forceinline__ unsigned long long trace_now() { return 0; }
+__device__ __forceinline__ void trace_store(int, unsigned long long) {}
+#endif
+__device__ __forceinline__ void trace_stamp(int entry) { trace_store(entry, trace_now()); }
+
+}  // namespace cupy_fa

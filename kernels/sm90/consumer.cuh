@@ -1,0 +1,161 @@
+// A consumer warpgroup of the sm90 prefill family: 64 of the CTA's 128 packed rows, over the
+// key tiles the producer (sm90/load.cuh) puts in the K / V rings, last tile first.
+//
+// Per tile: S = Q K^T (wgmma, Q and K from shared memory), the mask on the tiles that need one,
+// the online softmax and P in registers (sm90/softmax.cuh), O += P V (wgmma, P as the register
+// A operand, V transposed from shared memory); at the end O / l into `out` or the split's
+// partial. FlashAttention-3's intra-warpgroup pipelining: step i issues S of tile i and P V of
+// tile i - 1 together and runs the softmax of tile i while P V is in the tensor cores. With
+// Traits::kPingPong the consumer warpgroups take turns at issuing Q K^T (named barriers 1, 2,
+// 3), so one's softmax runs during the others' GEMMs.
+#pragma once
+
+namespace cupy_fa {
+namespace sm90 {
+
+template <typename QT, typename OT, typename Tr>
+__device__ __forceinline__ void consume(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
+                                        PipeBarriers<Tr::kStages, Tr::kConsumerThreads>& bars,
+                                        RingPos<Tr::kStages>& pos, unsigned q_addr, unsigned k_addr, unsigned v_addr, int wg, int wtid) {
+  constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
+  const int lane = wtid % 32, quad = lane % 4;
+  const int first_row = wg * 64 + (wtid / 32) * 16 + lane / 4;  // tile row of row half 0
+  RowInfo ri;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = w.row0 + first_row + 8 * h;
+    ri.real[h] = row < w.rows;
+    ri.token[h] = by_group.div(min(row, w.rows - 1));
+  }
+  const unsigned scratch = smem_addr(&bars.scratch[wg * 128 + wtid]);  // see the overlapped step
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float s[BN / 2];
+  unsigned frag[BN / 16][4];
+  RowState st;
+  st.reset();
+
+  // the descriptors of this warpgroup's 64 Q rows (of every column block) and of stage 0's K
+  // and V; a stage and a k-step are constant steps from them
+  // (kUniformWg: the Q tile's address from lane 0 too, so ptxas keeps it in uniform registers)
+  const unsigned q_wg = q_addr + wg * 64 * 128;
+  const u64 q_desc = kmajor_desc(Tr::kUniformWg ? __shfl_sync(0xffffffffu, q_wg, 0) : q_wg), k_desc = kmajor_desc(k_addr);
+  const u64 v_desc = mnmajor_desc<BN>(v_addr);
+  // S = Q K^T of the K tile in `stage` (issue only)
+  auto issue_qk = [&](int stage) {
+    const u64 k_tile = desc_at(k_desc, stage * Tr::kKVTileBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const u64 kd = desc_at(k_tile, kmajor_step<BN>(kk));
+      Wgmma<BN, QT>::ss_kk(s, desc_at(q_desc, kmajor_step<BM>(kk)), kd, kk > 0);
+    }
+    wgmma_commit();
+  };
+  // O += P V of the V tile in `stage` (issue only)
+  auto issue_pv = [&](int stage) {
+    const u64 v_tile = desc_at(v_desc, stage * Tr::kKVTileBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) Wgmma<D, QT>::rs_mn(o, frag[ks], desc_at(v_tile, mnmajor_step(ks)), 1);
+    wgmma_commit();
+  };
+  // mask (the tiles that need it) and fold tile `tile`'s scores into the state
+  // (the variant hooks' soft-cap: scores capped in base 2 before the mask, then taken with scale 1)
+  const bool capped = Tr::kVariants && p.soft_cap_log2 > 0.f;
+  const float scale_log2 = capped ? 1.f : p.sm_scale_log2;
+  auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
+    if constexpr (Tr::kVariants) {
+      if (capped) soft_cap_tile<BN>(s, p);
+    }
+    if (masked) mask_tile<BN, Tr::kVariants>(s, p, w, ri, w.kv_begin + tile * BN, quad);
+    if constexpr (Tr::kJointRows) return st.template fold_joint<BN>(s, scale_log2, factor);
+    else return st.template fold<BN>(s, scale_log2, factor);
+  };
+
+  const int T = w.num_tiles;
+  // with a sliding window (the variant hooks), tiles (by key order) that start before the window of
+  // the item's last row need the mask too: the first `low_masked`, the last processed
+  int low_masked = 0;
+  if constexpr (Tr::kVariants) {
+    if (p.window > 0 && T > 0) {
+      const int to = window_first_key(p, w.prefix, by_group.div(min(w.row0 + BM, w.rows) - 1));
+      low_masked = max(0, to - w.kv_begin + BN - 1) / BN;
+    }
+  }
+  mbar_wait(&bars.q_full, 0);
+  if (T > 0) {
+    PipeState<ST>& ks = pos.ks;  // K runs one tile ahead of V
+    PipeState<ST>& vs = pos.vs;
+    // ping-pong: the consumer warpgroups take turns in order (warpgroup wg syncs on named
+    // barrier 1 + wg, then gives the turn to the next one's); warpgroup 0 takes the first
+    // turn; every turn taken is one given (the last turn of the last warpgroup is given to no
+    // one), so no barrier is left half-arrived
+    constexpr int NWG = Tr::kConsumerWgs;
+    const int next_wg = NWG == 2 ? 1 - wg : (wg + 1 == NWG ? 0 : wg + 1);
+    if (Tr::kPingPong && wg == 0 && T > 1) named_arrive(1, 256);
+
+    // the first tile (the last keys): S, softmax, P
+    mbar_wait(&bars.k_full[ks.stage], ks.phase);
+    issue_qk(ks.stage);
+    wgmma_wait<0>();
+    pin(s);
+    mbar_arrive(&bars.k_empty[ks.stage]);
+    {
+      float factor[2];
+      softmax(T - 1, w.masked_tiles > 0 || (Tr::kVariants && T - 1 < low_masked), factor);  // o is still zero
+    }
+    to_fragments<QT, BN>(s, frag);
+    ks.advance();
+    // O += P V of the tile in frag from the V stage in turn, waited for, that stage freed (the
+    // last tile's)
+    auto pv_waited = [&]() {
+      mbar_wait(&bars.v_full[vs.stage], vs.phase);
+      issue_pv(vs.stage);
+      wgmma_wait<0>();
+      pin(o);
+      pin(frag);
+      mbar_arrive(&bars.v_empty[vs.stage]);
+      vs.advance();
+    };
+
+    for (int i = 1; i < T; ++i) {
+      const int tile = T - 1 - i;
+      const bool masked = i < w.masked_tiles || (Tr::kVariants && tile < low_masked);
+      float factor[2];
+      bool moved;
+      mbar_wait(&bars.k_full[ks.stage], ks.phase);
+      if (Tr::kPingPong) named_sync(1 + wg, 256);
+      issue_qk(ks.stage);
+      mbar_wait(&bars.v_full[vs.stage], vs.phase);
+      issue_pv(vs.stage);
+      if (Tr::kPingPong && !(wg == NWG - 1 && i == T - 1)) named_arrive(1 + next_wg, 256);
+      wgmma_wait<1>();  // S is ready, P V still runs
+      pin(s);
+      mbar_arrive(&bars.k_empty[ks.stage]);
+      moved = softmax(tile, masked, factor);
+      // The softmax must be done before the wait, or ptxas sinks half of its exp2s below it
+      // (they write registers the wait does not name), out of the overlap: a shared-memory
+      // store of the row sums (which need every exp2) is kept before the wait.
+      asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(st.l[0] + st.l[1]) : "memory");
+      wgmma_wait<0>();
+      pin(o);
+      pin(frag);
+      mbar_arrive(&bars.v_empty[vs.stage]);
+      if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
+      to_fragments<QT, BN>(s, frag);
+      ks.advance();
+      vs.advance();
+    }
+    pv_waited();  // P V of the last tile processed (keys from kv_begin on)
+  }
+  // A page id outside the cache in this item: the producer set the flag before its last
+  // arrival, which the waits above saw.
+  const unsigned page_flag = bars.page_flag(smem_addr(bars.k_full));
+  store_rows<OT, D, Tr::kVariants>(p, w, ri, by_group, o, st, w.row0 + first_row, quad, shared_load(page_flag) != 0);
+}
+
+}  // namespace sm90
+}  // namespace cupy_fa
