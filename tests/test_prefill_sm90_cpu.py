@@ -134,7 +134,7 @@ def test_fma_exp2_matches_exp2_to_1e4():
 
 
 
-# The opt-in traits that scripts/probe_prefill_sm90.py times against the default (round 2:
+# The opt-in traits that lab/probe_prefill_sm90.py times against the default (round 2:
 # warp-uniform warpgroup index, joint two-row softmax, persistent grid; round 3: lean producer
 # copies, a polynomial share of the exp2s, 3 consumer warpgroups): they must build without spills
 # and agree with the host mirror (kSmemBytes, kConsumerRegs, kBlockM, kThreads) too.

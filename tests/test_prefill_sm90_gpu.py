@@ -102,7 +102,7 @@ def test_round2_persistent_variant_matches_the_reference(dtype, head_dim, page_s
     check.assert_ok()
 
 
-# The opt-in traits scripts/probe_prefill_sm90.py times against the default: the lean producer
+# The opt-in traits lab/probe_prefill_sm90.py times against the default: the lean producer
 # copies (zero fill by the copy's ignore-src predicate), a polynomial share of the exp2s on the
 # unmasked tiles, 3 consumer warpgroups (192 rows, ping-pong in turn over three).
 def _opt_in_tiles():

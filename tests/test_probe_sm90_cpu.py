@@ -1,4 +1,4 @@
-"""scripts/probe_prefill_sm90.py's A/B bookkeeping, without a GPU: a round under the flop floor
+"""lab/probe_prefill_sm90.py's A/B bookkeeping, without a GPU: a round under the flop floor
 is reported as an error and never as a figure, and a CUDA error (or a child that dies in a
 turn) names its implementation, which the remaining cells then run without."""
 
@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.fixture()
 def probe(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("probe_prefill_sm90", ROOT / "scripts" / "probe_prefill_sm90.py")
+    spec = importlib.util.spec_from_file_location("probe_prefill_sm90", ROOT / "lab" / "probe_prefill_sm90.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setattr(mod, "WORK", str(tmp_path))

@@ -5,8 +5,8 @@
 # first-difference judge, the CUDA-graph path, and the wrong mappings that must fail), the
 # example, then the generate_batch throughput table (printed last, after the test's
 # one-line-per-case summary). About 4 minutes on an H200.
-#   bash scripts/hf_device_check.sh              # logs under $LOG_DIR (default $OUT/hf, else /tmp/cupy_fa_hf)
-#   bash scripts/hf_device_check.sh --test-only  # the GPU test alone (HF_TEST_TIMEOUT s, default 150),
+#   bash lab/hf_device_check.sh              # logs under $LOG_DIR (default $OUT/hf, else /tmp/cupy_fa_hf)
+#   bash lab/hf_device_check.sh --test-only  # the GPU test alone (HF_TEST_TIMEOUT s, default 150),
 #                                                # its per-case verdict lines printed last
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,10 +1,10 @@
 """SASS instructions per KV tile of the mma.sync family's decode tiles (CPU only).
 
-    python scripts/sass_decode_tile.py [--kv-bytes 1 2] [--head-dim 128] [--group 4] [--list]
+    python lab/sass_decode_tile.py [--kv-bytes 1 2] [--head-dim 128] [--group 4] [--list]
 
 For each K/V element size, the tile `schedule.schedule_step` picks for decode B=64 L=4096 (the
 `python -m bench.fp8` cell; bf16 queries) is compiled for sm_90a with nvcc 13.0 and the defines
-NVRTC gets (scripts/sass_steps.py compile_sass), disassembled, and its tile loop (the backward
+NVRTC gets (lab/sass_steps.py compile_sass), disassembled, and its tile loop (the backward
 branch holding 2 x D / 8 HMMA per 16 keys of a warp: S = Q K^T and O += P V) walked along the path of an
 unmasked steady-state tile with page size 16: the loads of the tile STAGES - 1 ahead (the shift
 path of the page arithmetic, not the division), no mask, no O rescale, no split end. Prints per
@@ -22,7 +22,7 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "lab"))
 
 import sass_steps as ss  # noqa: E402
 

@@ -4,13 +4,13 @@
 # decode == verify, reads bounded by the window, the plan kernel against its model, the error
 # rows), then their bench cells beside the plain ones, ours first, then beside FlashInfer where
 # .fi/flashinfer.tar.xz is present (scripts/pack_flashinfer.sh). The summary is printed last.
-# Usage, from the repository root: bash scripts/variants_check.sh
+# Usage, from the repository root: bash lab/variants_check.sh
 # Knobs: TOTAL_SECONDS (default 200: the FlashInfer cells get what is left of it; FlashInfer
 # JIT-compiles each variant's module on first use, tens of seconds each, so a cold machine needs
 # about 400 for all of them), TEST_SECONDS (pytest, default 120), BENCH_SECONDS (our cells, default
 # 70), CUPY_FA_SEED (replay a failure's seed, tests/cases.py), TESTS=none (skip the GPU tests: a run
 # right after the whole suite). Logs under $OUT (or ./device_out). Some of the FlashInfer cells
-# alone: scripts/peers_check.sh (modules built first, then every cell timed in one process).
+# alone: lab/peers_check.sh (modules built first, then every cell timed in one process).
 # Exit status 1 when a GPU test failed, errored or skipped, or our bench cells failed their check.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"

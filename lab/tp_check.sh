@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The multi-GPU check in one call, on a machine of 2 or more GPUs, from the repository root:
-#   bash scripts/tp_check.sh
+#   bash lab/tp_check.sh
 # 1. the device-binding tests: tests/test_multi_gpu.py (marker multi_gpu: inputs on device 1 while
 #    CuPy's current device is 0 and the reverse, against float64, nothing allocated on the current
 #    device, refusals, a module per device) and tests/test_devices_gpu.py; a skip is an error here;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check of merge_states, the cascade example and head dims 96 / 192 (issue 21, part B),
 # in one call of at most CHECK_SECONDS (default 150), from the repository root on a GPU machine:
-#   bash scripts/merge_headdim_check.sh
+#   bash lab/merge_headdim_check.sh
 # 1. the kernels these checks use into the disk cache (8 processes);
 # 2. their GPU tests, -n 8: tests/test_merge_states_gpu.py (merge_states against float64 and
 #    against attention over the concatenated keys, in place, in a graph, its errors, the cascade

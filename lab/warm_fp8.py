@@ -1,14 +1,17 @@
 """Compiles into CuPy's disk cache, several processes at once, the kernels the fp8 check needs
-(scripts/fp8_check.sh): every variant a step over an fp8 cache or a 16-bit one can select on
+(lab/fp8_check.sh): every variant a step over an fp8 cache or a 16-bit one can select on
 this device under the knobs in force (cupy_fa.schedule.warmup_variants with both cache dtypes),
 for fp16 and bf16 queries and every head dim. The parent never touches CUDA, so forked workers
 each get a clean context (as scripts/warm_cache.py, which compiles every variant of every target)."""
+import pathlib
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from cupy_fa import _build, schedule
-from warm_cache import compile_variant
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))  # scripts/warm_cache.py
+
+from cupy_fa import _build, schedule  # noqa: E402
+from warm_cache import compile_variant  # noqa: E402
 
 VARIANTS = schedule.warmup_variants(("float16", "bfloat16"), schedule.HEAD_DIMS, schedule.SMEM_LIMIT, "sm_90a",
                                     kv_dtypes=("float16", schedule.FP8))

@@ -1,8 +1,8 @@
 """SASS instructions per key-tile step of the sm_90a prefill family's consumers (CPU only).
 
-    python scripts/sass_steps.py [NAME ...] [--nvrtc] [--ops N] [--list]
+    python lab/sass_steps.py [NAME ...] [--nvrtc] [--ops N] [--list]
 
-NAME: a variant of scripts/probe_prefill_sm90.py (VARIANTS; default: the A/B's and the shipped
+NAME: a variant of lab/probe_prefill_sm90.py (VARIANTS; default: the A/B's and the shipped
 defaults). Each is compiled for sm_90a with nvcc 13.0 ($NVCC, default
 /usr/local/cuda-13.0/bin/nvcc) and the defines NVRTC gets (as scripts/sass_diff.py does), or
 with --nvrtc by NVRTC itself (cupy_fa._build.compile_cubin: the binary cupy.RawModule loads on a
@@ -219,7 +219,7 @@ def main(argv=None):
     ap.add_argument("--ops", type=int, default=14, help="opcodes shown per variant")
     ap.add_argument("--list", action="store_true", help="print the step's instructions too")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "lab"))
     import probe_prefill_sm90 as probe
 
     names = args.names or list(dict.fromkeys(probe.AB_NAMES + probe.DEFAULTS))

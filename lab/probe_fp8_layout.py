@@ -6,7 +6,7 @@ Timing only, no float64 check (the bench's cells have it; this runs on probe cop
 kernel too, which fail it by construction); it counts NaN outputs (poisoned before each first
 run, so an element left unwritten counts).
 
-On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 scripts/probe_fp8_layout.py``
+On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 lab/probe_fp8_layout.py``
 (bench/NOTES.md, "The one-group fold tile for fp8 decode", for the figures of 2026-12-02).
 ``--kv-len 8192 16384`` times the bench layout (B=64 H 32/8 page 16) at 4096 and at those lengths
 instead of the four layouts: the same CTAs with more keys each, which separates a per-launch cost
@@ -21,7 +21,7 @@ LAYOUTS = ((64, 32, 8, 16), (512, 4, 1, 16), (64, 32, 8, 64), (64, 32, 8, 1))  #
 def decode_caches(batch, h_q, h_kv, page_size, kv_len, rng):
     """``(table, bf16 cache, fp8 cache, q)`` for decode of ``batch`` requests of ``kv_len`` keys: both
     caches from the same normal(0, 1) values (fp8 quantised on the device, scales 0.125), pages
-    shuffled, bf16 queries. (scripts/probe_clocks.py builds its decode cells here too.)"""
+    shuffled, bf16 queries. (lab/probe_clocks.py builds its decode cells here too.)"""
     import cupy
     import cupy_fa
     from bench.inputs import elem_dtype, fill_normal

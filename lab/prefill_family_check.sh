@@ -14,7 +14,7 @@
 #      and the ragged mixed batch (page 16);
 # then a short table last.
 # Usage on the device machine, from the repo root (FlashInfer when .fi/flashinfer.tar.xz is present, as device_check.sh):
-#   bash scripts/prefill_family_check.sh [OLD_TREE]
+#   bash lab/prefill_family_check.sh [OLD_TREE]
 # OLD_TREE (default exp/base): a directory with the old revision's cupy_fa/, kernels/ and bench/, made
 # before the call with `mkdir -p exp/base && git archive a1fec95 | tar -x -C exp/base` (untracked: it
 # travels with the tree); without it step 3 skips the comparison and says so.

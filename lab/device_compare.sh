@@ -5,7 +5,7 @@
 #      (scripts/compare_trees.py), schedules compared too;
 #   3. the GPU test suite of this tree (scripts/device_check.sh tests);
 #   4. an interleaved A/B of the two trees, ours only (scripts/ab_trees.sh, ROUNDS=2).
-# Usage on the device machine, from the repo root: bash scripts/device_compare.sh OLD_TREE
+# Usage on the device machine, from the repo root: bash lab/device_compare.sh OLD_TREE
 # OLD_TREE holds the old revision (cupy_fa/, kernels/, bench/), made before the call with
 #   mkdir -p exp/base && git archive REV | tar -x -C exp/base      (untracked: it travels with the tree)
 # Knobs: COMPARE_SECONDS (150), TEST_SECONDS (200), AB_BUDGET (seconds of cells per bench run, 40),

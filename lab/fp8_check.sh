@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fp8 (e4m3fn) KV cache's GPU check in one call, on a GPU machine, from the repository root:
-#   bash scripts/fp8_check.sh
+#   bash lab/fp8_check.sh
 # 1. the kernels a step over an fp8 or a 16-bit cache can select into the disk cache
-#    (scripts/warm_fp8.py, 16 processes; the rest compile at first use); with
+#    (lab/warm_fp8.py, 16 processes; the rest compile at first use); with
 #    .fi/flashinfer.tar.xz present (scripts/pack_flashinfer.sh) FlashInfer is unpacked as in
 #    scripts/device_check.sh and its bf16 and fp8 decode wrappers JIT-compile in the background
 #    (python -m bench.fp8 --warm-peers) while the tests run;
@@ -37,7 +37,7 @@ fi
   git log -1 --format='tree: %h %s' 2>/dev/null | cut -c1-120
 } 2>&1 | tee -a "$summary"
 
-timeout 60 python3 scripts/warm_fp8.py 16 2>&1 | tail -n 1 | sed "s/^/warm: /" >> "$summary"
+timeout 60 python3 lab/warm_fp8.py 16 2>&1 | tail -n 1 | sed "s/^/warm: /" >> "$summary"
 echo "warm done at $(elapsed) s" >> "$summary"
 fi_pid=
 if [ -z "$peers" ]; then  # FlashInfer's JIT compile of its two decode wrappers, beside the tests

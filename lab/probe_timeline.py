@@ -10,7 +10,7 @@ For each workload (bench/workloads.py, page 16):
 * the graph-replay time with random q and with q = 0 (the same instructions; only the data the
   tensor cores see differ), and the SM clock and power nvidia-smi reports while it replays.
 
-Usage on the device: python3 scripts/probe_timeline.py [workload ...] > probe.txt
+Usage on the device: python3 lab/probe_timeline.py [workload ...] > probe.txt
 """
 
 import dataclasses

@@ -5,9 +5,9 @@ held for ours and for PyTorch SDPA's cuDNN backend on the bench's dense copy, tw
 ``nvidia-smi`` samples every 50 ms in the background; each cell's samples are those between its
 first and last replay. Timing only, no float64 check (the bench's cells have it).
 
-On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 scripts/probe_clocks.py``
+On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 lab/probe_clocks.py``
 (``--cells decode`` or ``prefill``: those cells only; ``--seconds``: how long each is held).
-Knobs apply as everywhere (``CUPY_FA_SPLIT_SIZE=2048 python3 scripts/probe_clocks.py``)."""
+Knobs apply as everywhere (``CUPY_FA_SPLIT_SIZE=2048 python3 lab/probe_clocks.py``)."""
 
 import datetime
 import statistics
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from probe_fp8_layout import D, LAYOUTS, decode_caches  # scripts/ is the script's own directory on sys.path
+from probe_fp8_layout import D, LAYOUTS, decode_caches  # lab/ is the script's own directory on sys.path
 
 SECONDS = 4.0
 FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"

@@ -13,7 +13,7 @@
 # scripts/pack_flashinfer.sh):
 #   WARM="prefill_b4_l4096_cap50 prefill_b4_l4096_sinks;prefill_b4_l4096 prefill_b2_l8192_fp16" \
 #   CELLS="prefill_b4_l4096_cap50 prefill_b4_l4096_sinks prefill_b4_l4096 prefill_b2_l8192_full" \
-#   bash scripts/peers_check.sh
+#   bash lab/peers_check.sh
 # Knobs: WARM_SECONDS (each wave's limit, default 240), TOTAL_SECONDS (the call, default 570: the
 # timed run gets what is left, less 15 s, as its --budget), PAGE_SIZE (16), BENCH_ARGS (default
 # --quick). Under $OUT (or ./device_out): the summary, the warm-ups' tails, the timed run's log and JSON.

@@ -1,6 +1,6 @@
 """The sm_90a prefill family (kernels/prefill_sm90.cu) on an H200, in one call.
 
-    python3 scripts/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...]
+    python3 lab/probe_prefill_sm90.py [--quick] [--only NAME,...] [--ncu NAME,...]
                                           [--ab [--rounds N] [--ab-impls NAME,...]]
 
 (from the repository root, PYTHONPATH at it, CUPY_CACHE_DIR empty for cold compile times;
@@ -10,7 +10,7 @@ about 80 s on an H200, 90 s with one --ncu variant.)
    one through cupy.RawModule on an empty cache (cold NVRTC seconds), then every variant's
    cubin from the device's NVRTC (registers, spills) disassembled by cuobjdump (or nvdisasm):
    HGMMA count, local memory, and the instructions of one consumer step and one producer
-   tile (scripts/sass_steps.py);
+   tile (lab/sass_steps.py);
 2. correct: each variant on ragged batches (odd lengths, extends over prefixes, splits merged
    by merge_kernel, causal / non-causal / custom mask, page sizes 1, 16, 64, 48, shuffled page
    tables, G = 1, 4, 5, 8), outputs and lse poisoned with NaN, every element compared with
@@ -92,7 +92,7 @@ VARIANTS = {
     "d128_s128_hooks": ("bfloat16", R(D128, block_n=128, overlap=False, variants=True)),
     "d64_s192": ("bfloat16", R(D64, block_n=192, stages=3, overlap=False)),
     "d64_s256": ("bfloat16", R(D64, block_n=256, stages=2, overlap=False)),
-    # earlier versions of the kernel (scripts/sm90_snapshots/<commit>.cu, see SNAPSHOTS) with
+    # earlier versions of the kernel (lab/sm90_snapshots/<commit>.cu, see SNAPSHOTS) with
     # that commit's default D = 128 tile, behind today's launcher (--ab-names to time them)
     "v1_af55a79": ("bfloat16", T(128, 128, 2)),
     "v3_37ed792": ("bfloat16", T(128, 128, 2)),
@@ -128,9 +128,9 @@ AB_CELLS = ([(w, ps, AB_D128) for w in ("prefill_b4_l4096", "prefill_b2_l8192", 
 AB_CORRECT_EXTRA = ("d128_f16",)
 AB_NAMES = tuple(dict.fromkeys(n for _, _, names in AB_CELLS for n in names))
 # commit -> the traits of its default D = 128 tile and its kernel's shared memory (that
-# version's Sm90Tile.smem_bytes); the source is scripts/sm90_snapshots/<commit>.cu, which the
+# version's Sm90Tile.smem_bytes); the source is lab/sm90_snapshots/<commit>.cu, which the
 # tree does not keep (the A/B of 2026-12-01 found v1 = v3 = today's d128 within 1%): make it with
-# `sh scripts/sm90_snapshots/make_snapshot.sh <commit>` to time that version again
+# `sh lab/sm90_snapshots/make_snapshot.sh <commit>` to time that version again
 SNAPSHOTS = {
     "v1_af55a79": ("af55a79", "cupy_fa::Sm90PrefillTraits<128, 128, 2, true, true, 56>",
                    1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (4 * 2 + 1) * 8),
@@ -138,7 +138,7 @@ SNAPSHOTS = {
                    1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + (4 * 2 + 1) * 8 + 256 * 4),
 }
 for _name, (_commit, _, _) in SNAPSHOTS.items():  # a snapshot is a variant only where its file was made
-    if not os.path.exists(os.path.join(ROOT, "scripts", "sm90_snapshots", f"{_commit}.cu")):
+    if not os.path.exists(os.path.join(ROOT, "lab", "sm90_snapshots", f"{_commit}.cu")):
         VARIANTS.pop(_name, None)
 
 
@@ -151,7 +151,7 @@ def kernel_variant(name):
         return s9.variant(dtype, tile)
     commit, traits, smem = SNAPSHOTS[name]
     ctype = _build.CTYPES[dtype]
-    source = os.path.join(ROOT, "scripts", "sm90_snapshots", f"{commit}.cu")  # absolute: NVRTC opens it as is
+    source = os.path.join(ROOT, "lab", "sm90_snapshots", f"{commit}.cu")  # absolute: NVRTC opens it as is
     return _build.Variant(source, f"cupy_fa::prefill_sm90_kernel<{ctype}, {ctype}, {ctype}, {traits}>", s9.THREADS,
                           smem, (f"{traits}::kSmemBytes == {smem}",))
 
@@ -259,12 +259,12 @@ def device_sass(path):
 def compile_one(name):
     """Cold RawModule compile (the user's path), then the device NVRTC's cubin (the binary the
     RawModule loads) disassembled: HGMMA, local memory, the instructions of one consumer step
-    and of one producer tile (scripts/sass_steps.py)."""
+    and of one producer tile (lab/sass_steps.py)."""
     import cupy
 
     from cupy_fa import _build
 
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "lab"))
     import sass_steps
 
     v = kernel_variant(name)
@@ -1108,7 +1108,7 @@ def main():
                          "beside SDPA cuDNN on the three bench workloads at page sizes 16 and 1, and D = 64), after "
                          "compiling and checking them, AB_CORRECT_EXTRA and the shipped defaults for correctness")
     ap.add_argument("--ab-impls", default="", help="--ab: comma list replacing AB_D128 (e.g. with v1_af55a79, "
-                    "v3_37ed792: earlier commits' kernels, once scripts/sm90_snapshots/make_snapshot.sh made them)")
+                    "v3_37ed792: earlier commits' kernels, once lab/sm90_snapshots/make_snapshot.sh made them)")
     ap.add_argument("--ab-timeout", type=int, default=150, help="--ab: seconds for all the A/B cells")
     ap.add_argument("--rounds", type=int, default=21, help="--ab: rounds of alternation per cell")
     ap.add_argument("--replays", type=int, default=3, help="--ab: graph replays (of 5 launches) per turn")

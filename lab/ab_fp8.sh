@@ -7,7 +7,7 @@
 # knobs for its runs after an `@`: ".@CUPY_FA_SPLIT_SIZE=1024" (several: comma-separated), named
 # in the table by the tree and the knobs' values. AB=1 adds this tree's `--ab` sweep (keys per
 # tile, depth, fold) after the rounds.
-# Usage: bash scripts/ab_fp8.sh "TREE[@VAR=VALUE,...] ..."   (ROUNDS, default 3; TESTS=0 skips the tests)
+# Usage: bash lab/ab_fp8.sh "TREE[@VAR=VALUE,...] ..."   (ROUNDS, default 3; TESTS=0 skips the tests)
 set -uo pipefail
 trees=($1)
 rm -rf /tmp/abf8_*

@@ -8,7 +8,7 @@
 #      of cupy_fa/, kernels/ and bench/ of that revision, made beforehand: see below) beside this
 #      tree, interleaved (scripts/ab_trees.sh), and this tree / base per cell;
 #   5. when time is left: the same bits as that tree (scripts/compare_trees.py exp/base).
-# Usage, from the repository root: bash scripts/safety_check.sh
+# Usage, from the repository root: bash lab/safety_check.sh
 #   exp/base beforehand, on a machine with the git history:
 #   mkdir -p exp/base && git archive BASE_REV cupy_fa kernels bench | tar -x -C exp/base
 # Knobs: SAFETY_SECONDS (the whole call, 540: the A/B gets what is left, skipped under 45 s),
