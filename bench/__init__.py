@@ -1,1 +1,1 @@
-"""cupy_fa benchmark: `python -m bench --help`. See bench/NOTES.md for the method."""
+"""cupy_fa benchmark: `python -m bench --help`. docs/performance.md says how each figure is taken."""

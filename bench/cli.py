@@ -171,8 +171,8 @@ def main(argv=None) -> int:
     gemm_tflops = (measured.get("gemm") or {}).get("tflops")
     ceilings_used = {"read_tbps": read_tbps or W.REFERENCE_READ_TBPS,
                      "gemm_tflops": gemm_tflops or W.REFERENCE_GEMM_TFLOPS,
-                     "read_from": "measured" if read_tbps else "reference (bench/NOTES.md)",
-                     "gemm_from": "measured" if gemm_tflops else "reference (bench/NOTES.md)"}
+                     "read_from": "measured" if read_tbps else "reference (docs/performance.md)",
+                     "gemm_from": "measured" if gemm_tflops else "reference (docs/performance.md)"}
 
     ctx = {"opts": opts, "launches": launches, "seed": seed, "l2": machine["l2_bytes"], "fi": fi,
            "fi_reason": fi_reason, "no_peers": args.no_peers, "sdpa": {}, "ceilings_used": ceilings_used}

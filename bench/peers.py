@@ -100,7 +100,7 @@ def sdpa_runner(w, dense, backend):
     sets ``dense`` (:func:`dense_copy`) of workload ``w``: ``run(i)`` runs set i with the workload's
     mask, GQA in the call or, where the backend refuses it, the KV heads expanded; ``out0`` is set
     0's output (the call that chose between the two); ``note`` says which mask and which GQA path.
-    (scripts/probe_clocks.py holds the cuDNN cell through it too.)"""
+    (lab/probe_clocks.py holds the cuDNN cell through it too.)"""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel

@@ -18,7 +18,7 @@ DTYPE, DTYPE_BYTES = "bfloat16", 2
 PAGE_SIZES = (16, 1)
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 
-# The H200's ceilings as measured before v1 (bench/NOTES.md "Floors"): used for the written floors and as fallbacks
+# The H200's ceilings as measured before v1 (docs/performance.md, "Floors"): used for the written floors and as fallbacks
 # when a ceiling could not be measured in the run.
 REFERENCE_READ_TBPS = 4.56
 REFERENCE_GEMM_TFLOPS = 812.0

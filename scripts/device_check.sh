@@ -92,7 +92,7 @@ if want soak; then  # a simulated engine through graphs, checked against float64
   { echo "soak (exit $rc):"; grep -E "^soak:" "$OUT/soak.log"; } >> "$summary"
   [ "$rc" = 0 ] || check_failed=1
 fi
-if want ab; then  # tuning only: knob A/B, ours alone (see bench/NOTES.md)
+if want ab; then  # tuning only: knob A/B, ours alone (scripts/ab_decode.sh)
   IFS=';' read -ra ab_settings <<< "${AB_SETTINGS:-}"  # "stages split warps_m per_cta pdl fold;..." (or its defaults)
   bash scripts/ab_decode.sh /tmp/best_knobs.sh "${ab_settings[@]}" 2>&1 | tee -a "$summary"
   if [ "${AB_APPLY:-1}" = 1 ] && [ -f /tmp/best_knobs.sh ]; then  # AB_APPLY=0: the bench keeps the defaults

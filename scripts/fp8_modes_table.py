@@ -1,7 +1,7 @@
 """The table of fp8 attention's error per mode, from the rows tests/test_fp8_gpu.py appends to
 ``$CUPY_FA_FP8_REPORT`` (one JSON line per engine step: mode, fp8 against the same step over the
 16-bit cache, fp8 against float64 on the dequantised cache, the 16-bit step against float64).
-Usage: python3 scripts/fp8_modes_table.py REPORT.jsonl (scripts/fp8_check.sh, scripts/device_check.sh)."""
+Usage: python3 scripts/fp8_modes_table.py REPORT.jsonl (lab/fp8_check.sh, scripts/device_check.sh)."""
 
 import collections
 import json

@@ -23,7 +23,7 @@ except ImportError:  # a tree from before cupy_fa/schedule.py
 
 def compile_variant(variant):
     """Compiles ``variant`` on this worker's device, unless the device's target cannot run it (the
-    sm_90a-only wgmma family elsewhere): True when compiled (scripts/warm_fp8.py uses it too)."""
+    sm_90a-only wgmma family elsewhere): True when compiled (lab/warm_fp8.py uses it too)."""
     if variant.source == "sm90/prefill.cu":
         import cupy
 

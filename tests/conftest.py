@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
         for item in gpu_items:
             item.add_marker(skip)
     elif not state.error and state.devices < MULTI_GPU:
-        # the multi_gpu tests are not selected by device_check.sh's `-m gpu`; scripts/tp_check.sh runs
+        # the multi_gpu tests are not selected by device_check.sh's `-m gpu`; lab/tp_check.sh runs
         # them (`-m multi_gpu`) on a machine of 2 GPUs. Here they say plainly what they lack.
         skip = pytest.mark.skip(reason=f"needs {MULTI_GPU} CUDA devices, this machine has {state.devices} "
                                        f"(run with -m multi_gpu on a {MULTI_GPU}-GPU machine)")

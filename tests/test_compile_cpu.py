@@ -142,7 +142,7 @@ def test_host_mirrors_of_the_traits_are_compiled_in():
 
 
 def test_trace_build_compiles(monkeypatch):
-    """The timeline probe's build (CUPY_FA_TRACE=1, scripts/probe_timeline.py) still compiles,
+    """The timeline probe's build (CUPY_FA_TRACE=1, lab/probe_timeline.py) still compiles,
     without spills, for the tile the decode benchmarks run."""
     monkeypatch.setenv("CUPY_FA_TRACE", "1")
     knobs.reload()  # knobs are read once: take the new value

@@ -3,7 +3,7 @@
 the dequantised cache (e4m3 bytes x the scales), request by request and row by row with its
 LSE, in every serving mode, eager and replayed; decode == verify bit for bit; the errors of fp8
 attention against attention over the 16-bit cache it was quantised from are printed per mode
-(and written to $CUPY_FA_FP8_REPORT for scripts/fp8_check.sh's table)."""
+(and written to $CUPY_FA_FP8_REPORT for lab/fp8_check.sh's table)."""
 
 import json
 import os

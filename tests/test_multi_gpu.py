@@ -4,7 +4,7 @@ current device; inputs on the wrong device refused before anything is written; t
 holding one module per device.
 
 Marked ``multi_gpu``, not ``gpu``: ``scripts/device_check.sh`` (``-m gpu``) never selects them, and
-on a machine of one GPU they skip with "needs 2 CUDA devices". ``scripts/tp_check.sh`` runs them on
+on a machine of one GPU they skip with "needs 2 CUDA devices". ``lab/tp_check.sh`` runs them on
 a machine of two: ``python3 -m pytest -m multi_gpu tests/test_multi_gpu.py``.
 """
 

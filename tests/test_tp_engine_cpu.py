@@ -1,7 +1,7 @@
 """examples/tp_engine.py on the CPU: the engine's sharding over attention heads (each rank its
 query and KV heads, its own caches, the outputs all-gathered) in two gloo processes, with the
 pure-torch attention backend, gives every rank the tokens of one process, plain and speculative.
-The same run on two GPUs over NCCL with cupy_fa and graphs: scripts/tp_check.sh."""
+The same run on two GPUs over NCCL with cupy_fa and graphs: lab/tp_check.sh."""
 
 import sys
 
