@@ -5,9 +5,13 @@ knows kernels exist as text.
   expression naming all its compile-time parameters
   (``cupy_fa::attention_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16,
   cupy_fa::TileTraits<128, 1, 4, 64, 2, false>>``).
-* ``cupy.RawModule`` compiles it on first use, once per device, and CuPy's disk
-  cache keeps it; the options carry a hash of the whole ``kernels/`` tree, so an
-  edited header never hits a stale cache entry.
+* NVRTC compiles it to a cubin (no device needed: :func:`binary`), kept in cupy_fa's own disk
+  cache (:mod:`cupy_fa._cache`: ``<key>.cubin`` under ``CUPY_FA_CACHE_DIR``, checked on every
+  read, written atomically); the program text carries a hash of the whole ``kernels/`` tree, so an
+  edited header never hits a stale entry. :func:`compile_many` fills the cache for many variants
+  at once, one NVRTC process per core (``cupy_fa.warmup``, ``python -m cupy_fa warmup``).
+* :func:`get_function` loads the cubin on a device the way ``cupy.RawModule`` loads the one it
+  compiled (``cupy.cuda.function.Module().load(cubin)``, the kernel by its lowered name).
 * Without a GPU, :func:`compile_cubin` drives NVRTC directly (no device needed)
   and reports registers and spills; CI compiles every variant that way.
 
@@ -16,6 +20,7 @@ What it compiles is decided elsewhere: the variant list and every tile choice li
 ``arch``, ``cache_dir``, ``pdl`` and ``trace`` from there).
 """
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -24,9 +29,12 @@ import os
 import pathlib
 import re
 import struct
+import subprocess
+import sys
 import threading
+import time
 
-from . import _params
+from . import _cache, _params
 from .knobs import knobs
 
 # ---- where the sources are ---------------------------------------------------
@@ -181,7 +189,7 @@ _lock = threading.Lock()
 
 
 def get_function(variant, device_id=None):
-    """The launchable ``cupy.RawKernel`` of a variant on device ``device_id`` (default CuPy's
+    """The launchable kernel (:class:`_Kernel`: ``cupy.RawKernel``'s launch surface) of a variant on device ``device_id`` (default CuPy's
     current device). Launch it with that device current: CuPy's RawKernel loads its module for
     whichever device is current at the call, and the shared-memory opt-in is set on this one."""
     import cupy
@@ -194,14 +202,9 @@ def get_function(variant, device_id=None):
     with _lock, cupy.cuda.Device(device_id):  # compiled and loaded on that device, whatever is current
         fn = _functions.get(key)
         if fn is None:
-            if knobs().cache_dir:
-                os.environ.setdefault("CUPY_CACHE_DIR", knobs().cache_dir)
-            module = cupy.RawModule(
-                code=program_text(variant),
-                options=compile_options(device_arch(device_id)),
-                name_expressions=[variant.expression],
-            )
-            fn = module.get_function(variant.expression)
+            lowered, cubin = binary(variant, device_arch(device_id))
+            module = _load_module(cubin)
+            fn = module.get_function(lowered)
             # the opt-in for more than 48 KiB counts static and dynamic shared memory together: a
             # kernel at exactly 48 KiB dynamic (the fp8 prefill tile) with any static bytes needs
             # it too, so it is set for every kernel that takes dynamic shared memory
@@ -210,6 +213,72 @@ def get_function(variant, device_id=None):
             _modules[key] = module
             _functions[key] = fn
     return fn
+
+
+# ---- loading a cubin on the current device: what cupy.RawModule does with one ------------
+#
+# cupy.RawModule(code=..., name_expressions=...) (CuPy 14.2, cupy/cuda/compiler.py
+# _compile_with_cache_cuda, cupy/_core/raw.pyx) compiles or reads its cache, then
+# ``mod = cupy.cuda.function.Module(); mod.load(cubin)`` on the current device, and its RawKernel is
+# ``mod.get_function(mangled name)`` (a cupy.cuda.function.Function) behind a Python surface. The
+# two classes below are that surface, for the calls cupy_fa makes and nothing else: launch
+# ``fn(grid, block, args, shared_mem=)`` (RawKernel.__call__ -> Function.__call__),
+# ``fn.max_dynamic_shared_size_bytes = n`` (RawKernel's setter: driver.funcSetAttribute on
+# ``fn.kernel.ptr``), ``fn.kernel.ptr`` (cuLaunchKernelEx), ``fn.name``, and the module's
+# ``get_global`` (RawModule.get_global, for trace_buffer).
+
+class _Kernel:
+    """One kernel of a loaded module: ``cupy.RawKernel``'s launch surface over a
+    ``cupy.cuda.function.Function``."""
+
+    __slots__ = ("kernel", "name")
+
+    def __init__(self, function, name):
+        self.kernel = function  # RawKernel.kernel: the Function; .ptr is the CUfunction
+        self.name = name        # the lowered name, as RawKernel.name after RawModule.get_function
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.kernel(grid, block, args, shared_mem=shared_mem)  # on the current stream, as RawKernel
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        from cupy_backends.cuda.api import driver
+
+        return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.kernel.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(self.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, value)
+
+
+class _Module:
+    """A cubin loaded on the current device, as ``cupy.RawModule`` loads the one it compiled."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, cubin):
+        from cupy.cuda import function
+
+        self.module = function.Module()
+        self.module.load(bytes(cubin))
+
+    def get_function(self, lowered):
+        return _Kernel(self.module.get_function(lowered), lowered)
+
+    def get_global(self, name):
+        """A pointer to a ``__device__`` global (RawModule.get_global)."""
+        import cupy
+        from cupy.cuda.memory import MemoryPointer, UnownedMemory
+
+        pointer = self.module.get_global_var(name)
+        return MemoryPointer(UnownedMemory(pointer, 0, self.module, cupy.cuda.runtime.getDevice()), 0)
+
+
+def _load_module(cubin):
+    """The one place a cubin becomes a CUDA module (on CuPy's current device)."""
+    return _Module(cubin)
 
 
 def compiled_variants(source=None, device_id=None):
@@ -322,26 +391,266 @@ _STACK = re.compile(r"(\d+) bytes stack frame")
 RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
 
 
+def _nvrtc_compile(text, expression, options):
+    """``(lowered name, cubin, log)`` of one program: NVRTC alone, no device. The cubin is
+    ``getCUBIN``'s bytes as they are, the image ``cupy.RawModule`` hands the driver."""
+    from cupy_backends.cuda.libs import nvrtc  # what cupy.cuda.nvrtc is, without importing cupy
+
+    prog = nvrtc.createProgram(text, "cupy_fa.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, expression)
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed on {expression}:\n{nvrtc.getProgramLog(prog)}") from exc
+        return nvrtc.getLoweredName(prog, expression), nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def compile_cubin(variant, arch="sm_90a"):
     """Compiles one variant to a cubin with NVRTC alone, with the options
     ``cupy.RawModule`` uses, and returns
     ``(cubin_bytes, {"registers", "spill_stores", "spill_loads", "stack"})``."""
-    from cupy.cuda import nvrtc
+    options = compile_options(arch) + RAWMODULE_OPTIONS + ("--ptxas-options=-v",)
+    lowered, cubin, log = _nvrtc_compile(program_text(variant), variant.expression, options)
+    return whole_elf(cubin), _resources_of(log, lowered)
 
-    prog = nvrtc.createProgram(program_text(variant), "cupy_fa.cu", [], [])
-    try:
-        nvrtc.addNameExpression(prog, variant.expression)
-        options = compile_options(arch) + RAWMODULE_OPTIONS + ("--ptxas-options=-v",)
+
+# ---- the disk cache: compile once, load everywhere (cupy_fa/_cache.py) ------------------
+
+
+def build_options(arch):
+    """The NVRTC options of a cached build: ours and the two ``cupy.RawModule`` adds (the target is
+    ours: RawModule also appends the device's plain ``-arch=sm_90``, which NVRTC resolves to the
+    sm_90a given first, the cubin byte for byte the same: tests/test_compile_cache_cpu.py)."""
+    return compile_options(arch) + RAWMODULE_OPTIONS
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version():
+    from cupy_backends.cuda.libs import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def _task(variant, arch, directory, store=True):
+    """What building one variant's entry needs, computed here (with the knobs in force) so a
+    worker process computes nothing: plain data that goes through JSON."""
+    text, options = program_text(variant), build_options(arch)
+    return {"text": text, "expression": variant.expression, "options": list(options), "directory": str(directory),
+            "key": _cache.key(text, variant.expression, options, arch, nvrtc_version()), "store": bool(store)}
+
+
+def _build_entry(task):
+    """Builds one entry (in this process or a worker): under the entry's lock, loads it if another
+    process wrote it meanwhile, else compiles and stores it. Returns ``(status, lowered, cubin)``,
+    status ``"loaded"``, ``"compiled"`` (and stored) or ``"memory"`` (compiled, not stored: the
+    directory cannot be written)."""
+    directory, key = task["directory"], task["key"]
+    if not task["store"]:
+        lowered, cubin, _ = _nvrtc_compile(task["text"], task["expression"], task["options"])
+        return "memory", lowered, cubin
+    with _cache.locked(directory, key):
+        hit = _cache.load(directory, key)
+        if hit is not None:
+            return ("loaded",) + hit
+        lowered, cubin, _ = _nvrtc_compile(task["text"], task["expression"], task["options"])
         try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC failed on {variant.expression}:\n{nvrtc.getProgramLog(prog)}") from exc
-        lowered = nvrtc.getLoweredName(prog, variant.expression)
-        log = nvrtc.getProgramLog(prog)
-        cubin = whole_elf(nvrtc.getCUBIN(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
-    return cubin, _resources_of(log, lowered)
+            _cache.store(directory, key, lowered, cubin)
+        except _cache.CacheUnwritable:
+            return "memory", lowered, cubin
+        return "compiled", lowered, cubin
+
+
+_in_memory = {}  # key -> (lowered, cubin): built in a process whose cache directory cannot be written
+_unwritable = set()  # directories found unwritable in this process (warned once, then not tried again)
+
+
+def binary(variant, arch):
+    """``(lowered name, cubin)`` of ``variant`` for ``arch``: from the disk cache if a whole, intact
+    entry is there, else compiled with NVRTC (no device needed) and stored. A cache directory that
+    cannot be written: compiled in memory, one warning per process."""
+    directory = _cache.cache_dir()
+    task = _task(variant, arch, directory, store=directory not in _unwritable)
+    key = task["key"]
+    found = _in_memory.get(key) or _cache.load(directory, key)
+    if found is not None:
+        return found
+    status, lowered, cubin = _build_entry(task)
+    if status == "memory":
+        _note_unwritable(directory)
+        _in_memory[key] = (lowered, cubin)
+    return lowered, cubin
+
+
+def _note_unwritable(directory, reason=""):
+    _unwritable.add(directory)
+    _cache.warn_unwritable(directory, reason)
+
+
+def default_jobs():
+    """The cores this process may run on (its CPU affinity), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def compile_many(variants, arch, jobs=None, progress=None):
+    """Puts every variant's cubin for ``arch`` in the disk cache, compiling the missing ones in
+    ``jobs`` worker processes at once (default: every core this process may use; NVRTC needs no
+    device, and the workers never touch CUDA). ``progress``: ``True`` for a progress line on
+    stderr, ``False`` for none, ``None`` for one when stderr is a terminal, or a callable
+    ``progress(done, total, variant, status)``. Returns ``{"variants", "compiled", "cached",
+    "seconds", "directory", "stored", "jobs"}``. A directory that cannot be written: the cubins
+    are kept in this process's memory (one warning), so a ``get_function`` here still finds them."""
+    variants = list(dict.fromkeys(variants))
+    if not isinstance(arch, str) or not re.fullmatch(r"(sm|compute)_\d+[a-z]?", arch):
+        raise ValueError(f"arch must be a target such as 'sm_90a' or 'sm_80', got {arch!r}")
+    if jobs is None:
+        jobs = default_jobs()
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive int (worker processes), got {jobs!r}")
+    if not all(isinstance(v, Variant) for v in variants):
+        raise TypeError("variants must be cupy_fa._build.Variant objects (schedule.warmup_variants())")
+    start = time.perf_counter()
+    directory = _cache.cache_dir()
+    store = directory not in _unwritable and _cache.writable(directory)
+    if not store:
+        _note_unwritable(directory)
+    report = _progress_reporter(progress, len(variants), arch)
+    counts = {"loaded": 0, "compiled": 0, "memory": 0}
+    tasks, done = [], 0
+    for variant in variants:
+        task = _task(variant, arch, directory, store)
+        if task["key"] in _in_memory or (store and _cache.load(directory, task["key"]) is not None):
+            done += 1
+            counts["loaded"] += 1
+            report(done, variant, "loaded")
+        else:
+            tasks.append((variant, task))
+    workers = min(jobs, len(tasks))
+
+    def finished(variant, task, status, lowered, cubin):
+        nonlocal done
+        done += 1
+        counts[status] += 1
+        if status == "memory":
+            _in_memory[task["key"]] = (lowered, cubin)
+        report(done, variant, status)
+
+    if workers <= 1:
+        for variant, task in tasks:
+            finished(variant, task, *_build_entry(task))
+    else:
+        _run_workers(tasks, workers, finished)
+    report(None, None, None)
+    return {"variants": len(variants), "compiled": counts["compiled"] + counts["memory"], "cached": counts["loaded"],
+            "seconds": time.perf_counter() - start, "directory": directory, "stored": store, "jobs": max(workers, 1)}
+
+
+# The workers: plain `python -c` processes running _worker_main (no multiprocessing: its spawn and
+# forkserver start methods re-run the caller's __main__ module, which breaks a script that calls
+# warmup() without an `if __name__ == "__main__"` guard, and fork copies a process that may hold a
+# CUDA context and driver threads). One JSON task a line in, one JSON result a line out.
+_WORKER = "from cupy_fa import _build; _build._worker_main()"
+
+
+def _worker_main():
+    import base64
+    import json
+
+    for line in sys.stdin:
+        task = json.loads(line)
+        try:
+            status, lowered, cubin = _build_entry(task)
+            reply = {"status": status, "lowered": lowered,
+                     "cubin": base64.b64encode(cubin).decode() if status == "memory" else None}
+        except Exception as exc:  # noqa: BLE001 - the parent raises it, naming the variant
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def _run_workers(tasks, workers, finished):
+    """Runs ``tasks`` ((variant, task) pairs) on ``workers`` processes, one thread of this process
+    feeding each; ``finished(variant, task, status, lowered, cubin)`` is called under a lock as each
+    one ends. The first failure is raised (naming the variant) once every worker has stopped."""
+    import base64
+    import json
+
+    package_root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+    queue, lock, errors = list(reversed(tasks)), threading.Lock(), []
+
+    def feed():
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env=env, text=True)
+        try:
+            while True:
+                with lock:
+                    if not queue or errors:
+                        return
+                    variant, task = queue.pop()
+                proc.stdin.write(json.dumps(task) + "\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"a compile worker exited (code {proc.wait()}) while compiling "
+                                       f"{variant.expression}")
+                reply = json.loads(line)
+                if "error" in reply:
+                    raise RuntimeError(f"compiling {variant.expression} failed: {reply['error']}")
+                cubin = base64.b64decode(reply["cubin"]) if reply["cubin"] is not None else None
+                with lock:
+                    finished(variant, task, reply["status"], reply["lowered"], cubin)
+        except BaseException as exc:  # noqa: BLE001 - collected, raised by the caller's thread
+            with lock:
+                errors.append(exc)
+        finally:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            proc.wait()
+
+    threads = [threading.Thread(target=feed, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _progress_reporter(progress, total, arch):
+    """``report(done, variant, status)`` for compile_many; ``report(None, ...)`` ends it."""
+    if callable(progress):
+        return lambda done, variant, status: None if done is None else progress(done, total, variant, status)
+    stream = sys.stderr
+    if progress is None:
+        progress = bool(getattr(stream, "isatty", lambda: False)())
+    if not progress:
+        return lambda done, variant, status: None
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+    start, state = time.perf_counter(), {"compiled": 0, "loaded": 0, "last": -1}
+
+    def report(done, variant, status):
+        if done is None:
+            if state["last"] >= 0 and tty:
+                stream.write("\n")
+            stream.flush()
+            return
+        state["loaded" if status == "loaded" else "compiled"] += 1
+        line = (f"cupy_fa: kernels for {arch}: {done}/{total} ({state['compiled']} compiled, {state['loaded']} from "
+                f"the cache), {time.perf_counter() - start:.1f} s")
+        if tty:
+            stream.write("\r" + line)
+        elif done == total or done * 10 // total > state["last"] * 10 // total:  # about every 10%
+            stream.write(line + "\n")
+        state["last"] = done
+        stream.flush()
+
+    return report
 
 
 def whole_elf(image):

@@ -904,13 +904,16 @@ def warmup_variants(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_li
     return list({v: None for v in wanted})
 
 
-def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False, device=None):
+def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False, device=None,
+           jobs=None, progress=None):
     """Compiles (or loads from the disk cache) every variant that plans with these dtypes and
     head dims can select under the current knobs, on ``device`` (an int id, a ``cupy.cuda.Device``,
     a torch cuda device; default CuPy's current device: each device loads its own), so no compile happens
     inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
     too); ``variants=True`` adds the kernels with the variant hooks (steps with a sliding window,
-    a logits soft-cap or attention sinks). Returns how many."""
+    a logits soft-cap or attention sinks). The missing ones compile in ``jobs`` processes at once
+    (default every core; ``_build.compile_many``), with a progress line on stderr when it is a
+    terminal (``progress=True`` / ``False`` to force it on / off). Returns how many."""
     import cupy
 
     from . import _arrays
@@ -918,8 +921,9 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, 
     _arrays.require_cuda()
     device_id = _arrays.resolve_device(device)
     with cupy.cuda.Device(device_id):
-        wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(device_id), _build.device_arch(device_id),
-                                 kv_dtypes, variants)
+        arch = _build.device_arch(device_id)
+        wanted = warmup_variants(dtypes, head_dims, _build.device_smem_limit(device_id), arch, kv_dtypes, variants)
+        _build.compile_many(wanted, arch, jobs, progress)
         for variant in wanted:
-            _build.get_function(variant, device_id)
+            _build.get_function(variant, device_id)  # now a load from the cache
     return len(wanted)
