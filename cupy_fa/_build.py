@@ -391,12 +391,14 @@ _STACK = re.compile(r"(\d+) bytes stack frame")
 RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
 
 
-def _nvrtc_compile(text, expression, options):
+def _nvrtc_compile(text, expression, options, name="cupy_fa.cu"):
     """``(lowered name, cubin, log)`` of one program: NVRTC alone, no device. The cubin is
-    ``getCUBIN``'s bytes as they are, the image ``cupy.RawModule`` hands the driver."""
+    ``getCUBIN``'s bytes as they are, the image ``cupy.RawModule`` hands the driver. (The program
+    ``name`` and the compiling process's id end up in the names of internal-linkage symbols, so
+    two processes' cubins of one program differ in those bytes only.)"""
     from cupy_backends.cuda.libs import nvrtc  # what cupy.cuda.nvrtc is, without importing cupy
 
-    prog = nvrtc.createProgram(text, "cupy_fa.cu", [], [])
+    prog = nvrtc.createProgram(text, name, [], [])
     try:
         nvrtc.addNameExpression(prog, expression)
         try:

@@ -1,5 +1,5 @@
 """Device binding without a GPU: the compile cache keyed per device id (a fake CuPy device
-context and RawModule stand in for the driver), device arguments resolved or refused, and the
+context and module loader stand in for the driver), device arguments resolved or refused, and the
 errors for inputs on another device than the one an instance is bound to. The same binding on
 real devices: tests/test_devices_gpu.py (one GPU) and tests/test_multi_gpu.py (two)."""
 
@@ -41,20 +41,19 @@ class FakeDevices:
 
 
 class FakeModules:
-    """``cupy.RawModule``: records the device current at each compile and its options."""
+    """``_build.binary`` (NVRTC and the disk cache) and ``_build._load_module`` (the driver's module
+    load): records the device current at each load and the options of the arch it was built for."""
 
     def __init__(self, monkeypatch, devices):
-        import cupy
-
         self.made = []
         record = self.made
 
         class Function:
             max_dynamic_shared_size_bytes = 0
 
-        class RawModule:
-            def __init__(self, code, options, name_expressions):
-                self.device, self.options = devices.current, options
+        class Module:
+            def __init__(self, cubin):  # the fake cubin: the arch it was built for
+                self.device, self.options = devices.current, _build.compile_options(cubin.decode())
                 record.append(self)
 
             def get_function(self, name):
@@ -62,7 +61,8 @@ class FakeModules:
                 fn.module = self
                 return fn
 
-        monkeypatch.setattr(cupy, "RawModule", RawModule)
+        monkeypatch.setattr(_build, "binary", lambda variant, arch: (variant.expression, arch.encode()))
+        monkeypatch.setattr(_build, "_load_module", Module)
 
 
 @pytest.fixture
