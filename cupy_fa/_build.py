@@ -556,7 +556,11 @@ def compile_many(variants, arch, jobs=None, progress=None):
 # forkserver start methods re-run the caller's __main__ module, which breaks a script that calls
 # warmup() without an `if __name__ == "__main__"` guard, and fork copies a process that may hold a
 # CUDA context and driver threads). One JSON task a line in, one JSON result a line out.
-_WORKER = "from cupy_fa import _build; _build._worker_main()"
+# The command puts this checkout first on the worker's path unless it is already there (an
+# installed package), so the worker runs this very cupy_fa without site-packages shadowing the
+# standard library.
+_WORKER = "import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r); from cupy_fa import _build; _build._worker_main()"
+_REPLY = "cupy_fa-compile-result "  # marks the protocol's lines on the worker's stdout
 
 
 def _worker_main():
@@ -571,7 +575,7 @@ def _worker_main():
                      "cubin": base64.b64encode(cubin).decode() if status == "memory" else None}
         except Exception as exc:  # noqa: BLE001 - the parent raises it, naming the variant
             reply = {"error": f"{type(exc).__name__}: {exc}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.write(_REPLY + json.dumps(reply) + "\n")
         sys.stdout.flush()
 
 
@@ -582,13 +586,11 @@ def _run_workers(tasks, workers, finished):
     import base64
     import json
 
-    package_root = str(pathlib.Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+    command = [sys.executable, "-c", _WORKER.format(root=str(pathlib.Path(__file__).resolve().parent.parent))]
     queue, lock, errors = list(reversed(tasks)), threading.Lock(), []
 
     def feed():
-        proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                env=env, text=True)
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             while True:
                 with lock:
@@ -598,10 +600,12 @@ def _run_workers(tasks, workers, finished):
                 proc.stdin.write(json.dumps(task) + "\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
+                while line and not line.startswith(_REPLY):  # anything else a library printed
+                    line = proc.stdout.readline()
                 if not line:
                     raise RuntimeError(f"a compile worker exited (code {proc.wait()}) while compiling "
                                        f"{variant.expression}")
-                reply = json.loads(line)
+                reply = json.loads(line[len(_REPLY):])
                 if "error" in reply:
                     raise RuntimeError(f"compiling {variant.expression} failed: {reply['error']}")
                 cubin = base64.b64decode(reply["cubin"]) if reply["cubin"] is not None else None
