@@ -189,9 +189,10 @@ _lock = threading.Lock()
 
 
 def get_function(variant, device_id=None):
-    """The launchable kernel (:class:`_Kernel`: ``cupy.RawKernel``'s launch surface) of a variant on device ``device_id`` (default CuPy's
-    current device). Launch it with that device current: CuPy's RawKernel loads its module for
-    whichever device is current at the call, and the shared-memory opt-in is set on this one."""
+    """The launchable kernel (:class:`_Kernel`, ``cupy.RawKernel``'s launch surface) of a variant
+    on device ``device_id`` (default CuPy's current device), its module loaded on that device from
+    the disk cache (compiled first if missing: :func:`binary`). Launch it with that device current:
+    the module lives there, and the shared-memory opt-in is set there."""
     import cupy
 
     device_id = _device_id(device_id)

@@ -21,6 +21,16 @@ names, writes, reads and checks the bytes.
   correct (they then compile the same bytes more than once).
 * A directory that cannot be created or written (read-only, another user's) is not an error: the
   caller compiles in memory, and :func:`warn_unwritable` says so once per process.
+
+Why a cache of our own rather than CuPy's (CuPy 14.2, cupy/cuda/compiler.py, 2026-12-04): CuPy's
+disk cache is atomic (a temporary file and ``os.replace``) and checksummed (SHA-1 prefix), but
+filling it without a device means rebuilding its private key (the ``-arch=sm_XY`` it derives from
+the device, the output of a preprocessed empty program, its header checksum, the name-expression
+payload format new in 14.x) and its entry format, which change between CuPy releases; its
+directory is read once, when ``cupy`` is imported (so setting ``CUPY_CACHE_DIR`` afterwards, as
+cupy_fa did for ``CUPY_FA_CACHE_DIR``, had no effect); an unwritable directory raises instead of
+falling back; and there is no lock, so eight ranks starting together compile every variant eight
+times. Ours is written by NVRTC worker processes with no device and read back by the same code.
 """
 
 from __future__ import annotations
