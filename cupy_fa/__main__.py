@@ -151,7 +151,8 @@ def warmup(args, out=sys.stdout, err=sys.stderr):
 
     summary = _build.compile_many(wanted, arch, args.jobs, progress=not args.quiet)
     out.write(f"cupy_fa {__version__}: {summary['variants']} kernels {where}: {summary['compiled']} compiled, "
-              f"{summary['cached']} from the cache, {summary['seconds']:.1f} s on {summary['jobs']} processes; "
+              f"{summary['cached']} from the cache, {summary['seconds']:.1f} s on {summary['jobs']} "
+              f"process{'es' if summary['jobs'] != 1 else ''}; "
               + (f"cache {summary['directory']}\n" if summary["stored"] else
                  f"NOT cached ({summary['directory']} cannot be written)\n"))
     return 0 if summary["stored"] else 1
