@@ -121,7 +121,7 @@ def qo_bytes(rows):
 def time_ours(kind, table, sets, q_lens, kv_lens, windows, n_launch, reps):
     import cupy
     import cupy_fa
-    from cupy_fa import reference, schedule
+    from cupy_fa import reference
 
     from . import timing
 
@@ -335,7 +335,7 @@ def main(argv=None):
         lines.append("A/B, decode B=64 L=4096 over the fp8 cache (per-head scales), ours only:")
         import dataclasses
 
-        from cupy_fa import knobs, schedule
+        from cupy_fa import knobs
 
         before, depth, keys = knobs.knobs(), families.mma_sync.FP8_STAGES, families.mma_sync.FP8_BLOCK_N
         try:

@@ -15,7 +15,6 @@ def bench_ours(inp: Inputs, refs_by_set: dict, opts: dict, n_launch: int) -> dic
     """refs_by_set: {set index: reference windows}. Returns a cell with status 'ok' or 'FAIL'."""
     import cupy
     import cupy_fa
-    from cupy_fa import schedule
 
     w, sets = inp.workload, inp.sets
     limit = reference.TOL[w.dtype]

@@ -1,119 +1,20 @@
-"""Compiles ``kernels/*.cu`` with NVRTC and launches them: the only module that
-knows kernels exist as text.
+"""Loads compiled kernels on a device and launches them.
 
-* Every compiled kernel is a :class:`Kernel`: a source file plus one name
-  expression naming all its compile-time parameters
-  (``cupy_fa::attention_kernel<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16,
-  cupy_fa::TileTraits<128, 1, 4, 64, 2, false>>``).
-* ``cupy.RawModule`` compiles it on first use, once per device, and CuPy's disk
-  cache keeps it; the options carry a hash of the whole ``kernels/`` tree, so an
-  edited header never hits a stale cache entry.
-* Without a GPU, :func:`compile_cubin` drives NVRTC directly (no device needed)
-  and reports registers and spills; CI compiles every kernel that way.
-
-What it compiles is decided elsewhere: the kernel list is :mod:`cupy_fa.catalog`'s, every tile
-choice :mod:`cupy_fa.schedule`'s, the ``CUPY_FA_*`` knobs in :mod:`cupy_fa.knobs` (this module reads
-``arch``, ``cache_dir``, ``pdl`` and ``trace`` from there).
+:func:`get_function` loads a kernel's cubin (:func:`cupy_fa._compile.binary`: from the disk cache,
+compiled first if missing) on a device the way ``cupy.RawModule`` loads the one it compiled
+(``cupy.cuda.function.Module().load(cubin)``, the kernel by its lowered name), once per device;
+:func:`launch` launches it with its params struct on a stream, as a programmatic dependent launch
+where asked (``cuLaunchKernelEx``). The device's target arch and limits are read here, once per
+device. The ``CUPY_FA_*`` knobs it reads (``arch``, ``pdl``) are :mod:`cupy_fa.knobs`'.
 """
 
 import ctypes
-import dataclasses
 import functools
-import hashlib
-import os
-import pathlib
 import re
-import struct
 import threading
 
-from . import _params
+from . import _compile
 from .knobs import knobs
-
-# ---- where the sources are ---------------------------------------------------
-
-_PACKAGE_KERNELS = pathlib.Path(__file__).resolve().parent / "kernels"  # inside a wheel
-_REPO_KERNELS = pathlib.Path(__file__).resolve().parent.parent / "kernels"  # a source checkout
-KERNEL_DIR = _PACKAGE_KERNELS if _PACKAGE_KERNELS.is_dir() else _REPO_KERNELS
-
-
-@functools.lru_cache(maxsize=None)
-def source_hash():
-    """Hash of every file under ``kernels/``: part of the compile options."""
-    digest = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.rglob("*.cu*")):
-        digest.update(path.relative_to(KERNEL_DIR).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-# ---- kernels ----------------------------------------------------------------------
-
-CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-# K/V element types: Q's and O's, and an fp8 (e4m3fn) cache's bytes (kernels/shared/common.cuh)
-KV_CTYPES = {**CTYPES, "float8_e4m3fn": "cupy_fa::fp8_e4m3"}
-TRACE_SHAPE = (1 << 15, 6)  # kernels/shared/trace.cuh (kTraceCtas, kTraceStamps): trace_buffer's shape
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """One compiled kernel: a source file and one name expression naming every compile-time
-    parameter, the launch's threads and dynamic shared memory, and the host mirrors of its traits
-    that the compile checks (``cupy_fa.catalog`` lists them)."""
-    source: str       # file under kernels/ (e.g. "mma_sync/attention.cu")
-    expression: str   # name expression (template instance) or extern "C" name
-    threads: int
-    smem_bytes: int = 0  # dynamic shared memory per CTA
-    checks: tuple = ()   # C++ constant expressions that must hold (host mirrors of the kernel's traits)
-
-
-# ---- compile options -----------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def include_dirs():
-    """CUDA headers the way a user's install finds them: the nvidia-cuda-runtime
-    wheel through cuda.pathfinder, else a toolkit under CUDA_PATH."""
-    dirs = [str(KERNEL_DIR)]
-    try:
-        from cuda import pathfinder
-
-        found = pathfinder.find_nvidia_header_directory("cudart")
-        if found:
-            dirs.append(str(found))
-    except Exception:  # pathfinder missing or nothing found: fall back below
-        pass
-    if len(dirs) == 1:
-        for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-            if root and os.path.isfile(os.path.join(root, "include", "cuda_fp16.h")):
-                dirs.append(os.path.join(root, "include"))
-                break
-    try:  # CuPy ships the CCCL headers (<nv/target>) that cuda_fp16.h includes
-        import cupy
-
-        cccl = pathlib.Path(cupy.__file__).parent / "_core" / "include" / "cupy" / "_cccl"
-        dirs += [str(p) for p in (cccl / "libcudacxx", cccl / "cub", cccl / "thrust") if p.is_dir()]
-    except ImportError:
-        pass
-    return tuple(dirs)
-
-
-def compile_options(arch):
-    options = ["-std=c++17", f"-DCUPY_FA_SOURCE_HASH={source_hash()}"]
-    options += [f"-I{d}" for d in include_dirs()]
-    options.append(f"-arch={arch}")
-    if arch.endswith("90a"):
-        options.append("-DCUPY_FA_REQUIRE_SM90A")
-    if knobs().trace:  # kernels/shared/trace.cuh: the timeline stamps, diagnosis builds only
-        options.append("-DCUPY_FA_TRACE")
-    return tuple(options)
-
-
-def program_text(kernel):
-    """What NVRTC compiles: the kernel file, the params layout asserts and the kernel's
-    checks of the host's mirrors of its traits."""
-    checks = "".join(f'static_assert({c}, "host mirror: {c}");\n' for c in kernel.checks)
-    return f'#include "{kernel.source}"\n' + _params.layout_asserts() + checks
-
 
 def device_arch(device):
     """The target a device (a ``cupy.cuda.Device`` or an int id) compiles for: the knob
@@ -184,9 +85,10 @@ _lock = threading.Lock()
 
 
 def get_function(kernel, device_id=None):
-    """The launchable ``cupy.RawKernel`` of a kernel on device ``device_id`` (default CuPy's
-    current device). Launch it with that device current: CuPy's RawKernel loads its module for
-    whichever device is current at the call, and the shared-memory opt-in is set on this one."""
+    """The launchable kernel (:class:`_Kernel`, ``cupy.RawKernel``'s launch surface) of a kernel
+    on device ``device_id`` (default CuPy's current device), its module loaded on that device from
+    the disk cache (compiled first if missing: :func:`cupy_fa._compile.binary`). Launch it with that device current:
+    the module lives there, and the shared-memory opt-in is set there."""
     import cupy
 
     device_id = _device_id(device_id)
@@ -197,14 +99,9 @@ def get_function(kernel, device_id=None):
     with _lock, cupy.cuda.Device(device_id):  # compiled and loaded on that device, whatever is current
         fn = _functions.get(key)
         if fn is None:
-            if knobs().cache_dir:
-                os.environ.setdefault("CUPY_CACHE_DIR", knobs().cache_dir)
-            module = cupy.RawModule(
-                code=program_text(kernel),
-                options=compile_options(device_arch(device_id)),
-                name_expressions=[kernel.expression],
-            )
-            fn = module.get_function(kernel.expression)
+            lowered, cubin = _compile.binary(kernel, device_arch(device_id))
+            module = _load_module(cubin)
+            fn = module.get_function(lowered)
             # the opt-in for more than 48 KiB counts static and dynamic shared memory together: a
             # kernel at exactly 48 KiB dynamic (the fp8 prefill tile) with any static bytes needs
             # it too, so it is set for every kernel that takes dynamic shared memory
@@ -213,6 +110,72 @@ def get_function(kernel, device_id=None):
             _modules[key] = module
             _functions[key] = fn
     return fn
+
+
+# ---- loading a cubin on the current device: what cupy.RawModule does with one ------------
+#
+# cupy.RawModule(code=..., name_expressions=...) (CuPy 14.2, cupy/cuda/compiler.py
+# _compile_with_cache_cuda, cupy/_core/raw.pyx) compiles or reads its cache, then
+# ``mod = cupy.cuda.function.Module(); mod.load(cubin)`` on the current device, and its RawKernel is
+# ``mod.get_function(mangled name)`` (a cupy.cuda.function.Function) behind a Python surface. The
+# two classes below are that surface, for the calls cupy_fa makes and nothing else: launch
+# ``fn(grid, block, args, shared_mem=)`` (RawKernel.__call__ -> Function.__call__),
+# ``fn.max_dynamic_shared_size_bytes = n`` (RawKernel's setter: driver.funcSetAttribute on
+# ``fn.kernel.ptr``), ``fn.kernel.ptr`` (cuLaunchKernelEx), ``fn.name``, and the module's
+# ``get_global`` (RawModule.get_global, for trace_buffer).
+
+class _Kernel:
+    """One kernel of a loaded module: ``cupy.RawKernel``'s launch surface over a
+    ``cupy.cuda.function.Function``."""
+
+    __slots__ = ("kernel", "name")
+
+    def __init__(self, function, name):
+        self.kernel = function  # RawKernel.kernel: the Function; .ptr is the CUfunction
+        self.name = name        # the lowered name, as RawKernel.name after RawModule.get_function
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.kernel(grid, block, args, shared_mem=shared_mem)  # on the current stream, as RawKernel
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        from cupy_backends.cuda.api import driver
+
+        return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.kernel.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(self.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, value)
+
+
+class _Module:
+    """A cubin loaded on the current device, as ``cupy.RawModule`` loads the one it compiled."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, cubin):
+        from cupy.cuda import function
+
+        self.module = function.Module()
+        self.module.load(bytes(cubin))
+
+    def get_function(self, lowered):
+        return _Kernel(self.module.get_function(lowered), lowered)
+
+    def get_global(self, name):
+        """A pointer to a ``__device__`` global (RawModule.get_global)."""
+        import cupy
+        from cupy.cuda.memory import MemoryPointer, UnownedMemory
+
+        pointer = self.module.get_global_var(name)
+        return MemoryPointer(UnownedMemory(pointer, 0, self.module, cupy.cuda.runtime.getDevice()), 0)
+
+
+def _load_module(cubin):
+    """The one place a cubin becomes a CUDA module (on CuPy's current device)."""
+    return _Module(cubin)
 
 
 def compiled_kernels(source=None, device_id=None):
@@ -225,23 +188,23 @@ def compiled_kernels(source=None, device_id=None):
 def trace_buffer(kernel):
     """The timeline stamps of ``kernel`` on the current device (builds with the knob
     ``CUPY_FA_TRACE=1``, attention kernels only): a uint64 cupy array [kTraceCtas, kTraceStamps]
-    (kernels/shared/trace.cuh) of (start, first K/V tile, done, ns in epilogues, ns waiting at the loop
+    (kernels/trace.cuh) of (start, first K/V tile, done, ns in epilogues, ns waiting at the loop
     top, SM id) per CTA, written by each launch (zero it in between to tell launches apart)."""
     import cupy
 
     module = _modules[(_device_id(), kernel)]
     pointer = module.get_global("cupy_fa_trace")
-    return cupy.ndarray(TRACE_SHAPE, cupy.uint64, pointer)
+    return cupy.ndarray(_compile.TRACE_SHAPE, cupy.uint64, pointer)
 
 
 def launch(kernel, grid, params, stream, programmatic=False):
     """Launches one kernel with its params struct (one ``__grid_constant__`` parameter:
-    kernels/shared/params.cuh) on ``stream`` (a cupy Stream). On CuPy's current device: the callers
+    kernels/params.cuh) on ``stream`` (a cupy Stream). On CuPy's current device: the callers
     (BatchAttention, GraphRunner, PagedKVCache, merge_states) make the device they are bound to
     current once per call, and ``stream`` must be a stream of that device.
 
     ``programmatic=True`` launches it as a programmatic dependent of the kernel
-    before it in the stream (sm_90+; kernels/shared/common.cuh wait_for_prior_grid): its
+    before it in the stream (sm_90+; kernels/common.cuh wait_for_prior_grid): its
     CTAs may start while that kernel's last wave still runs. Only for kernels that
     wait before reading what their predecessor writes; elsewhere (older GPUs, no
     driver entry point, the knob ``CUPY_FA_PDL=0``) it is an ordinary launch."""
@@ -310,68 +273,3 @@ def _launch_programmatic(fn, grid, threads, smem_bytes, stream_ptr, params):
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status} for {fn.name} (a programmatic launch; "
                            "CUPY_FA_PDL=0 launches it the ordinary way)")
-
-
-# ---- compile without a device (CI, `python -m cupy_fa.compile_check`) ------------
-
-_RESOURCE = re.compile(r"Used (\d+) registers")
-_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_STACK = re.compile(r"(\d+) bytes stack frame")
-
-
-# What cupy.RawModule adds to our options on its NVRTC path (cupy/cuda/compiler.py), so
-# the CPU build below compiles the binary the GPU runs, registers and all. (The default
-# device execution space is also what lets the kernels' generic lambdas compile.)
-RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
-
-
-def compile_cubin(kernel, arch="sm_90a"):
-    """Compiles one kernel to a cubin with NVRTC alone, with the options
-    ``cupy.RawModule`` uses, and returns
-    ``(cubin_bytes, {"registers", "spill_stores", "spill_loads", "stack"})``."""
-    from cupy.cuda import nvrtc
-
-    prog = nvrtc.createProgram(program_text(kernel), "cupy_fa.cu", [], [])
-    try:
-        nvrtc.addNameExpression(prog, kernel.expression)
-        options = compile_options(arch) + RAWMODULE_OPTIONS + ("--ptxas-options=-v",)
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC failed on {kernel.expression}:\n{nvrtc.getProgramLog(prog)}") from exc
-        lowered = nvrtc.getLoweredName(prog, kernel.expression)
-        log = nvrtc.getProgramLog(prog)
-        cubin = whole_elf(nvrtc.getCUBIN(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
-    return cubin, _resources_of(log, lowered)
-
-
-def whole_elf(image):
-    """An ELF image padded with zeros to the end its own headers give. CuPy's ``nvrtc.getCUBIN``
-    strips a trailing NUL byte, as for PTX text, so the cubin it returns is one byte short of its
-    program-header table, and cuobjdump / nvdisasm refuse it ("does not contain device code")."""
-    if len(image) < 64 or image[:4] != b"\x7fELF" or image[4] != 2:  # not a 64-bit ELF: as it is
-        return image
-    phoff, shoff = struct.unpack_from("<QQ", image, 32)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 54)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return image + bytes(max(0, end - len(image)))
-
-
-def _resources_of(log, lowered):
-    """Registers / spills of function `lowered` from a ptxas -v log."""
-    lines = log.splitlines()
-    for i, line in enumerate(lines):
-        if "Compiling entry function" in line and lowered in line:
-            block = "\n".join(lines[i:i + 6])
-            regs = _RESOURCE.search(block)
-            spill = _SPILL.search(block)
-            stack = _STACK.search(block)
-            return {
-                "registers": int(regs.group(1)) if regs else None,
-                "spill_stores": int(spill.group(1)) if spill else None,
-                "spill_loads": int(spill.group(2)) if spill else None,
-                "stack": int(stack.group(1)) if stack else None,
-            }
-    return {"registers": None, "spill_stores": None, "spill_loads": None, "stack": None}

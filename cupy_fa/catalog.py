@@ -1,5 +1,5 @@
 """The catalog of compiled kernels: every kernel the library launches, named by all its
-compile-time parameters (a :class:`cupy_fa._build.Kernel`: source file + name expression),
+compile-time parameters (a :class:`cupy_fa._compile.Kernel`: source file + name expression),
 the lists CI compiles (:func:`all_kernels`) and a device warms up (:func:`warmup_kernels`,
 :func:`warmup`).
 
@@ -17,10 +17,12 @@ import functools
 import numpy as np
 
 from . import _arrays, _build, schedule
+
+from . import _compile
 from ._build import Kernel
 from .families import is_small_q_tile, mma_sync, sm90
 from .families.common import is_sm90a
-from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes
+from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes, is_sm90a
 from .families.mma_sync import MmaTile
 from .knobs import STAGE_CHOICES
 
@@ -51,7 +53,7 @@ def merge_kernel(dtype_name, head_dim, shape):
         ways = min(1024 // lanes, schedule.MAX_SPLITS // MERGE_GROUP)
         while lanes * ways % 32:  # whole warps (D = 192: 20 ways of 48 lanes): its warp-wide search
             ways -= 1
-    expr = (f"cupy_fa::merge_kernel<{_build.CTYPES[dtype_name]}, "
+    expr = (f"cupy_fa::merge_kernel<{_compile.CTYPES[dtype_name]}, "
             f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {schedule.MAX_SPLITS}>>")
     return Kernel("shared/merge.cu", expr, head_dim // 4 * heads_per_cta * ways)
 
@@ -63,7 +65,7 @@ MERGE_STATES_THREADS = 256  # kernels/shared/merge_states.cu's launch bounds: he
 def merge_states_kernel(dtype_name):
     """cupy_fa.merge_states' kernel (kernels/shared/merge_states.cu) for one output type; any head
     dim that is a multiple of 4 up to 4 x MERGE_STATES_THREADS."""
-    return Kernel("shared/merge_states.cu", f"cupy_fa::merge_states_kernel<{_build.CTYPES[dtype_name]}>",
+    return Kernel("shared/merge_states.cu", f"cupy_fa::merge_states_kernel<{_compile.CTYPES[dtype_name]}>",
                   MERGE_STATES_THREADS)
 
 
@@ -73,7 +75,7 @@ def append_kernel(index_dtype, quantize_from=None):
     index = {"int32": "int", "int64": "long long"}[np.dtype(index_dtype).name]
     if quantize_from is not None:
         return Kernel("shared/kv_append.cu",
-                      f"cupy_fa::append_quantize_kernel<{index}, {_build.CTYPES[quantize_from]}>", 256)
+                      f"cupy_fa::append_quantize_kernel<{index}, {_compile.CTYPES[quantize_from]}>", 256)
     return Kernel("shared/kv_append.cu", f"cupy_fa::append_kernel<{index}>", 256)
 
 
@@ -89,9 +91,9 @@ def all_kernels(arch=None):
     CI compiles): with ``arch`` those an ``arch`` build can run (the wgmma family only for sm_90a);
     None: every one (they all compile for sm_90a)."""
     out = [PLAN_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
-    out += [merge_states_kernel(dtype_name) for dtype_name in _build.CTYPES]
-    out += [append_kernel(i, d) for d in _build.CTYPES for i in (np.int32, np.int64)]
-    for dtype_name in _build.CTYPES:
+    out += [merge_states_kernel(dtype_name) for dtype_name in _compile.CTYPES]
+    out += [append_kernel(i, d) for d in _compile.CTYPES for i in (np.int32, np.int64)]
+    for dtype_name in _compile.CTYPES:
         for head_dim in HEAD_DIMS:
             out += _merge_kernels(dtype_name, head_dim)
             tiles = [MmaTile(head_dim, 4, 1)]  # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
@@ -171,20 +173,24 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
     return list({k: None for k in wanted})
 
 
-def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False, device=None):
+def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False, device=None,
+           jobs=None, progress=None):
     """Compiles (or loads from the disk cache) every kernel that plans with these dtypes and
     head dims can select under the current knobs, on ``device`` (an int id, a ``cupy.cuda.Device``,
     a torch cuda device; default CuPy's current device: each device loads its own), so no compile happens
     inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
     too); ``variants=True`` adds the kernels with the variant hooks (steps with a sliding window,
-    a logits soft-cap or attention sinks). Returns how many."""
+    a logits soft-cap or attention sinks). The missing ones compile in ``jobs`` processes at once
+    (default every core; ``_compile.compile_many``), with a progress line on stderr when it is a
+    terminal (``progress=True`` / ``False`` to force it on / off). Returns how many."""
     import cupy
 
     _arrays.require_cuda()
     device_id = _arrays.resolve_device(device)
     with cupy.cuda.Device(device_id):
-        wanted = warmup_kernels(dtypes, head_dims, _build.device_smem_limit(device_id), _build.device_arch(device_id),
-                                kv_dtypes, variants)
+        arch = _build.device_arch(device_id)
+        wanted = warmup_kernels(dtypes, head_dims, _build.device_smem_limit(device_id), arch, kv_dtypes, variants)
+        _compile.compile_many(wanted, arch, jobs, progress)
         for kernel in wanted:
-            _build.get_function(kernel, device_id)
+            _build.get_function(kernel, device_id)  # now a load from the cache
     return len(wanted)

@@ -11,7 +11,9 @@ import argparse
 import sys
 import time
 
-from . import _build, catalog
+from . import catalog
+
+from . import _compile
 
 RESOURCE_KEYS = ("registers", "spill_stores", "spill_loads", "stack")
 
@@ -38,7 +40,7 @@ def compile_all(arch="sm_90a", only=""):
         if only and only not in kernel.expression:
             continue
         start = time.perf_counter()
-        _, resources = _build.compile_cubin(kernel, arch)
+        _, resources = _compile.compile_cubin(kernel, arch)
         rows.append((kernel, check_resources(kernel, resources), time.perf_counter() - start))
     return rows
 

@@ -178,11 +178,13 @@ def _compile_key(arch):
     import cupy
     from cupy.cuda import nvrtc
 
-    from . import _build, catalog
+    from . import catalog
+
+    from . import _compile
 
     # the options without their -I paths: one key wherever the checkout or the venv lies
-    options = [o for o in _build.compile_options(arch) if not o.startswith("-I")]
-    facts = (_build.source_hash(), arch, nvrtc.getVersion(), cupy.__version__, options, _build.RAWMODULE_OPTIONS,
+    options = [o for o in _compile.compile_options(arch) if not o.startswith("-I")]
+    facts = (_compile.source_hash(), arch, nvrtc.getVersion(), cupy.__version__, options, _compile.RAWMODULE_OPTIONS,
              [v.expression for v in catalog.all_kernels()])
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 

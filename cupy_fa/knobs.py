@@ -31,7 +31,8 @@ _FALSE = ("0", "false", "off", "no")
 @dataclasses.dataclass(frozen=True)
 class Knobs:
     arch: str | None = None          # CUPY_FA_ARCH: compile for this target instead of the device's
-    cache_dir: str | None = None     # CUPY_FA_CACHE_DIR: the compiled-kernel cache (default: CuPy's)
+    cache_dir: str | None = None     # CUPY_FA_CACHE_DIR: the compiled-kernel cache (cupy_fa/_cache.py;
+                                     # default $XDG_CACHE_HOME/cupy_fa, i.e. ~/.cache/cupy_fa)
     decode_stages: int = 2           # CUPY_FA_DECODE_STAGES: 2, 3 or 4
     decode_warps_m: int | None = None  # CUPY_FA_DECODE_WARPS_M: 1, 2, or None for auto
     split_size: int | None = None    # CUPY_FA_SPLIT_SIZE: keys per split of small-q requests, every

@@ -10,7 +10,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))  # scripts/warm_cache.py
 
-from cupy_fa import _build, catalog, families  # noqa: E402
+from cupy_fa import catalog, families
+
+from cupy_fa import _compile
 from warm_cache import compile_variant  # noqa: E402
 
 VARIANTS = catalog.warmup_kernels(("float16", "bfloat16"), families.common.HEAD_DIMS, families.common.SMEM_LIMIT, "sm_90a",
@@ -25,5 +27,5 @@ if __name__ == "__main__":
     start = time.perf_counter()
     with ProcessPoolExecutor(int(sys.argv[1]) if len(sys.argv) > 1 else 8) as pool:
         done = [i for i in pool.map(compile_one, range(len(VARIANTS))) if i is not None]
-    print(f"compiled {len(done)} kernel variants (16-bit and fp8 caches) of {_build.KERNEL_DIR} in "
+    print(f"compiled {len(done)} kernel variants (16-bit and fp8 caches) of {_compile.KERNEL_DIR} in "
           f"{time.perf_counter() - start:.1f} s")

@@ -1,6 +1,17 @@
-"""First use, timed (GPU): what NVRTC costs a program that starts with an empty kernel cache.
+"""First use, timed: what NVRTC costs a program that starts with an empty kernel cache.
 
-Usage (repo root, on a GPU machine): python3 scripts/cold_compile.py [--json PATH]
+Usage (repo root): python3 scripts/cold_compile.py [--json PATH]           (a GPU machine)
+                   python3 scripts/cold_compile.py --nvrtc [--json PATH]   (no device needed)
+
+--nvrtc, on the CPU with NVRTC alone (cupy_fa._build, the options the cached build uses): where
+NVRTC's time goes for the first decode variant (D 128, group 4, fp16), the first prefill
+variant (the sm_90a wgmma family at D 128), the plan kernel and merge_states (each timed as a
+cubin, as PTX only, as a syntax check only, and by NVRTC's own --time phases: front end, NVVM
+optimizer, PTX translation = ptxas); NVRTC's automatic precompiled header (--pch) on a second
+program of the same source; then warmup_variants() of one dtype (bf16, sm_90a) compiled into an
+empty cache on one process and on every core (cupy_fa._compile.compile_many).
+
+On a GPU:
 
 Each measurement runs in a fresh process, so nothing is compiled or loaded before it:
 
@@ -8,12 +19,14 @@ Each measurement runs in a fresh process, so nothing is compiled or loaded befor
    one 4096-token prompt, bf16, 32 / 8 heads, D 128: the plan kernel and the prefill family's
    variant compile), then the first decode call in the same process (the small-q variants), then a
    first mixed step (a 2048-token chunk beside decodes: both families, the merge);
-2. ``cupy_fa.warmup()`` with an empty cache: every variant the device can select, each one timed,
-   the prefill family's (the sm_90a wgmma variants on Hopper) listed one by one;
+2. ``cupy_fa.warmup()`` with an empty cache on every core (its compile processes), then, with
+   another empty cache, one variant at a time on one process (``jobs=1``: the single-core time,
+   each variant timed, the prefill family's (the sm_90a wgmma variants on Hopper) listed one by one);
 3. ``cupy_fa.warmup()`` again in a new process over the cache step 2 filled (a warm start).
 
-Every process gets its own empty cache directory (CUPY_CACHE_DIR), removed afterwards; the
-NVRTC and CuPy versions are printed with the figures, the table last.
+Every process gets its own empty cache directory (CUPY_FA_CACHE_DIR, and CUPY_CACHE_DIR for
+CuPy's own kernels), removed afterwards; the NVRTC and CuPy versions are printed with the
+figures, the table last.
 """
 
 import argparse
@@ -62,26 +75,29 @@ print("RESULT " + json.dumps(out))
 """
 
 WARMUP = r"""
-import json, time
+import json, os, sys, time
 import cupy
 cupy.cuda.Device(0).use()
 cupy.zeros(1).sum()
 from cupy_fa import _build, schedule
+from cupy_fa import _compile
 from cupy.cuda import nvrtc
+import cupy_fa
+jobs = int(sys.argv[1]) if len(sys.argv) > 1 else None
 arch = _build.device_arch(cupy.cuda.Device())
 wanted = catalog.warmup_kernels(smem_limit=_build.device_smem_limit(), arch=arch)
-rows = []
+rows, last = [], [time.perf_counter()]
+def progress(done, total, variant, status):  # one process (jobs=1): each variant's own seconds
+    now = time.perf_counter()
+    rows.append((variant.source, variant.expression, now - last[0]))
+    last[0] = now
 start = time.perf_counter()
-for variant in wanted:
-    t = time.perf_counter()
-    _build.get_function(variant)
-    rows.append((variant.source, variant.expression, time.perf_counter() - t))
+n = cupy_fa.warmup(jobs=jobs, progress=progress if jobs == 1 else False)
 total = time.perf_counter() - start
 start = time.perf_counter()
-import cupy_fa
-n = cupy_fa.warmup()  # the public call, now all in memory: what a second call in the process costs
-print("RESULT " + json.dumps({"arch": arch, "variants": len(wanted), "total_s": total, "rows": rows,
-                              "again_in_process_s": time.perf_counter() - start, "again_n": n,
+cupy_fa.warmup()  # all in memory now: what a second call in the process costs
+print("RESULT " + json.dumps({"arch": arch, "variants": n, "jobs": jobs or _compile.default_jobs(), "total_s": total,
+                              "rows": rows, "again_in_process_s": time.perf_counter() - start,
                               "nvrtc": ".".join(map(str, nvrtc.getVersion())), "cupy": cupy.__version__}))
 """
 
@@ -101,10 +117,10 @@ print("RESULT " + json.dumps({"variants": n, "warm_s": time.perf_counter() - sta
 """
 
 
-def run(code, cache_dir):
-    env = dict(os.environ, CUPY_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
-    env.pop("CUPY_FA_CACHE_DIR", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+def run(code, cache_dir, *args):
+    env = dict(os.environ, CUPY_FA_CACHE_DIR=cache_dir, CUPY_CACHE_DIR=os.path.join(cache_dir, "cupy"),
+               PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -115,21 +131,25 @@ def run(code, cache_dir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--nvrtc", action="store_true", help="the CPU figures: NVRTC alone, no device")
     args = parser.parse_args(argv)
+    if args.nvrtc:
+        return nvrtc_main(args.json)
     scratch = tempfile.mkdtemp(prefix="cupy_fa_cold_")
     try:
         first = run(FIRST_CALLS, os.path.join(scratch, "first"))
-        cold = run(WARMUP, os.path.join(scratch, "warmup"))
+        cold = run(WARMUP, os.path.join(scratch, "warmup"))  # every core
+        serial = run(WARMUP, os.path.join(scratch, "serial"), "1")  # one process, each variant timed
         warm = run(WARM, os.path.join(scratch, "warmup"))  # the cache the cold warm-up filled
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    prefill_family = [r for r in cold["rows"] if r[0] == "sm90/prefill.cu"]
+    prefill_family = [r for r in serial["rows"] if r[0] == "prefill_sm90.cu"]
     print(f"NVRTC {cold['nvrtc']}, CuPy {cold['cupy']}, target {cold['arch']}")
     print("\nthe prefill family's variants, cold (each compiled alone, one after another):")
     for _, expression, seconds in prefill_family:
         print(f"  {seconds:6.2f} s  {expression}")
     by_source = {}
-    for source, _, seconds in cold["rows"]:
+    for source, _, seconds in serial["rows"]:
         n, s = by_source.get(source, (0, 0.0))
         by_source[source] = (n + 1, s + seconds)
     print("\nfirst use, cold cache                                   seconds")
@@ -140,14 +160,129 @@ def main(argv=None):
           f"{'+'.join(first['decode_families'])}")
     print(f"  then the first mixed step (2048 + 7 decodes)          {first['mixed_s']:7.2f}   "
           f"{'+'.join(first['mixed_families'])}")
-    print(f"  warmup(): {cold['variants']} variants, empty cache               {cold['total_s']:7.2f}")
+    print(f"  warmup(): {cold['variants']} variants, empty cache, {cold['jobs']:2d} processes  {cold['total_s']:7.2f}")
+    print(f"  warmup(jobs=1): the same, one process                 {serial['total_s']:7.2f}")
     for source, (n, s) in sorted(by_source.items()):
         print(f"    {source:20s} {n:3d} variants                     {s:7.2f}")
     print(f"  warmup() again in that process                        {cold['again_in_process_s']:7.2f}")
     print(f"  warmup() in a new process, warm disk cache            {warm['warm_s']:7.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"first_calls": first, "warmup_cold": cold, "warmup_warm": warm}, f, indent=1)
+            json.dump({"first_calls": first, "warmup_cold": cold, "warmup_serial": serial, "warmup_warm": warm}, f,
+                      indent=1)
+    return 0
+
+
+# ---- --nvrtc: the CPU figures ---------------------------------------------------------------
+
+
+def _timed_compile(variant, arch, extra=(), time_file=None):
+    """(seconds, NVRTC's --time phases {phase: ms}) of one compile of ``variant`` with the cached
+    build's options, the target replaced by ``arch`` (compute_90a: PTX only)."""
+    import time
+
+    from cupy_fa import _compile
+
+    options = [o for o in _compile.build_options("sm_90a") if not o.startswith("-arch=")] + [f"-arch={arch}"]
+    options += list(extra)
+    if time_file:
+        if os.path.exists(time_file):
+            os.remove(time_file)
+        options.append(f"--time={time_file}")
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(_compile.program_text(variant), "cupy_fa.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, variant.expression)
+        start = time.perf_counter()
+        nvrtc.compileProgram(prog, options)  # (what _compile._nvrtc_compile does, timed alone)
+        seconds = time.perf_counter() - start
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    phases = {}
+    if time_file and os.path.exists(time_file):
+        for line in open(time_file).read().splitlines()[1:]:  # file, phase, metric, unit
+            cells = [c.strip() for c in line.split(",")]
+            if len(cells) == 4:
+                phases[cells[1]] = phases.get(cells[1], 0) + float(cells[2])
+    return seconds, phases, log
+
+
+def nvrtc_main(json_path=None, repeats=3):
+    import statistics
+    import time
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    from cupy_fa import _compile, catalog, families, schedule
+
+    scratch = tempfile.mkdtemp(prefix="cupy_fa_nvrtc_")
+    tf = os.path.join(scratch, "time.csv")
+    out = {"nvrtc": ".".join(map(str, nvrtc.getVersion())), "cores": _compile.default_jobs(), "programs": {}}
+    print(f"NVRTC {out['nvrtc']}, target sm_90a, {out['cores']} cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    decode = catalog.attention_kernel("float16", schedule.tile_for(128, 1, 4, families.common.SMEM_LIMIT, "sm_90a"))
+    prefill = catalog.attention_kernel("float16", schedule.tile_for(128, 4096, 4, families.common.SMEM_LIMIT, "sm_90a"))
+    programs = (("plan kernel", catalog.PLAN_KERNEL), ("merge_states", catalog.merge_states_kernel("float16")),
+                ("first decode", decode), ("first prefill", prefill))
+    try:
+        first, _, _ = _timed_compile(catalog.PLAN_KERNEL, "sm_90a")  # NVRTC's first program in a process
+        out["first_program_in_process_s"] = first
+        print(f"\nthe first program in a process (the plan kernel; NVRTC loads its builtins): {first:.2f} s")
+        print(f"\nper program, median of {repeats} (s); NVRTC --time phases (ms) of the cubin build:")
+        print(f"  {'program':14s} {'cubin':>6s} {'PTX':>6s} {'syntax':>6s}   {'front end':>9s} {'NVVM opt':>9s} "
+              f"{'ptxas':>9s}")
+        for name, variant in programs:
+            runs = [_timed_compile(variant, "sm_90a", time_file=tf) for _ in range(repeats)]
+            cubin = statistics.median(r[0] for r in runs)
+            phases = {k: statistics.median(r[1].get(k, 0) for r in runs) for k in runs[0][1]}
+            ptx = statistics.median(_timed_compile(variant, "compute_90a")[0] for _ in range(repeats))
+            syntax = statistics.median(_timed_compile(variant, "sm_90a", ("--fdevice-syntax-only",))[0]
+                                       for _ in range(repeats))
+            front, opt = phases.get("CUDA C++ Frontend", 0), phases.get("NVVM Optimizer", 0)
+            ptxas = phases.get("PTX Translation", 0)
+            print(f"  {name:14s} {cubin:6.2f} {ptx:6.2f} {syntax:6.2f}   {front:9.0f} {opt:9.0f} {ptxas:9.0f}")
+            out["programs"][name] = {"expression": variant.expression, "cubin_s": cubin, "ptx_s": ptx,
+                                     "syntax_s": syntax, "phases_ms": phases}
+        print("\nNVRTC's automatic precompiled header (--pch): the second program of one source reuses the first's")
+        out["pch"] = {}
+        for name, pair in (("decode", (decode, catalog.attention_kernel(
+                "float16", schedule.tile_for(64, 1, 4, families.common.SMEM_LIMIT, "sm_90a")))),
+                           ("prefill", (prefill, catalog.attention_kernel(
+                               "float16", schedule.tile_for(64, 4096, 4, families.common.SMEM_LIMIT, "sm_90a"))))):
+            plain = _timed_compile(pair[1], "sm_90a", time_file=tf)
+            os.chdir(scratch)  # where --pch writes its file
+            _timed_compile(pair[0], "sm_90a", ("--pch",))
+            used = _timed_compile(pair[1], "sm_90a", ("--pch",), time_file=tf)
+            said = "using" if "using precompiled header" in used[2] else "NOT using"
+            print(f"  {name} D64 after D128: without --pch {plain[0]:.2f} s (front end "
+                  f"{plain[1].get('CUDA C++ Frontend', 0):.0f} ms), with {used[0]:.2f} s (front end "
+                  f"{used[1].get('CUDA C++ Frontend', 0):.0f} ms; NVRTC says {said} the header)")
+            out["pch"][name] = {"plain_s": plain[0], "pch_s": used[0], "plain_phases": plain[1],
+                                "pch_phases": used[1], "used": said == "using"}
+        wanted = catalog.warmup_kernels(("bfloat16",), families.common.HEAD_DIMS, families.common.SMEM_LIMIT, "sm_90a")
+        print(f"\ncatalog.warmup_kernels(bf16, sm_90a): {len(wanted)} kernels into an empty cache")
+        for jobs in (1, out["cores"]):
+            directory = os.path.join(scratch, f"cache{jobs}")
+            os.environ["CUPY_FA_CACHE_DIR"] = directory
+            from cupy_fa import knobs
+
+            knobs.reload()
+            summary = _compile.compile_many(wanted, "sm_90a", jobs=jobs, progress=False)
+            print(f"  {jobs:2d} process{'es' if jobs > 1 else '  '}: {summary['seconds']:6.1f} s "
+                  f"({summary['compiled']} compiled)")
+            out[f"warmup_bf16_jobs{jobs}_s"] = summary["seconds"]
+        start = time.perf_counter()
+        for variant in wanted:
+            _compile.binary(variant, "sm_90a")
+        out["warm_load_s"] = time.perf_counter() - start
+        print(f"  then every entry read and checked from the cache: {out['warm_load_s']:.2f} s")
+    finally:
+        os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        shutil.rmtree(scratch, ignore_errors=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
 
 

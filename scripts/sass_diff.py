@@ -30,6 +30,10 @@ import sys
 LIST_VARIANTS = r"""
 import json, sys
 from cupy_fa import _build
+try:  # where the program text is made: cupy_fa._compile, in older trees cupy_fa._build
+    from cupy_fa import _compile
+except ImportError:
+    _compile = _build
 try:  # the kernel catalog; trees from before it listed them in cupy_fa.schedule, or cupy_fa._build
     from cupy_fa import catalog
     kernels = catalog.all_kernels()
@@ -39,7 +43,7 @@ except ImportError:
         kernels = schedule.all_variants()
     except (ImportError, AttributeError):
         kernels = _build.all_variants()
-json.dump([{"expression": k.expression, "source": k.source, "text": _build.program_text(k)} for k in kernels],
+json.dump([{"expression": k.expression, "source": k.source, "text": _compile.program_text(k)} for k in kernels],
           sys.stdout)
 """
 

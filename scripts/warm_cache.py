@@ -11,10 +11,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from cupy_fa import _build
+
+from cupy_fa import _compile
 from cupy_fa import catalog
 
 try:
-    from cupy_fa import schedule
 
     VARIANTS = catalog.all_kernels()
 except ImportError:  # a tree from before cupy_fa/schedule.py
@@ -78,4 +79,4 @@ if __name__ == "__main__":
         VARIANTS = [v for v in VARIANTS if "fp8" not in v.expression]
     with ProcessPoolExecutor(int(args[0]) if args else 8) as pool:
         done = [i for i in pool.map(compile_one, range(len(VARIANTS))) if i is not None]
-    print(f"compiled {len(done)} kernel variants of {_build.KERNEL_DIR} in {time.perf_counter() - start:.1f} s")
+    print(f"compiled {len(done)} kernel variants of {_compile.KERNEL_DIR} in {time.perf_counter() - start:.1f} s")

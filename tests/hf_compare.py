@@ -86,7 +86,6 @@ def tiny_variant_model(kind, seed, device="cpu", dtype=None, window=8, sliding=T
     import torch
     import transformers
 
-    from cupy_fa import schedule
 
     head_dim = 64
     assert head_dim in families.common.HEAD_DIMS  # the kernels' head dims: BatchAttention refuses others

@@ -10,6 +10,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from cupy_fa import _build, knobs, schedule
+
+from cupy_fa import _compile
 from cupy_fa import families
 from cupy_fa import catalog
 
@@ -17,7 +19,7 @@ from cupy_fa import catalog
 def _compile_for_sm90a(variant):
     """(the cubin's first 4 bytes, ptxas's figures) of one variant, or the error's text."""
     try:
-        cubin, res = _build.compile_cubin(variant, "sm_90a")
+        cubin, res = _compile.compile_cubin(variant, "sm_90a")
     except Exception as exc:  # noqa: BLE001 - reported by the variant's own test
         return None, None, f"{type(exc).__name__}: {exc}"
     return cubin[:4], res, None
@@ -52,25 +54,25 @@ def test_sm90a_guard_holds():
     from cupy.cuda import nvrtc
 
     src = '#define CUPY_FA_REQUIRE_SM90A\n#include "common.cuh"\n__global__ void k() {}\n'
-    options = [o for o in _build.compile_options("sm_90a")]
+    options = [o for o in _compile.compile_options("sm_90a")]
     prog = nvrtc.createProgram(src, "guard.cu", [], [])
     nvrtc.compileProgram(prog, options)  # sm_90a: compiles
     nvrtc.destroyProgram(prog)
     prog = nvrtc.createProgram(src, "guard.cu", [], [])
     with pytest.raises(nvrtc.NVRTCError):
-        nvrtc.compileProgram(prog, [o for o in _build.compile_options("sm_90")] + ["-DCUPY_FA_REQUIRE_SM90A"])
+        nvrtc.compileProgram(prog, [o for o in _compile.compile_options("sm_90")] + ["-DCUPY_FA_REQUIRE_SM90A"])
     nvrtc.destroyProgram(prog)
 
 
 def test_source_hash_tracks_kernel_files(tmp_path, monkeypatch):
     (tmp_path / "a.cuh").write_text("x")
-    monkeypatch.setattr(_build, "KERNEL_DIR", tmp_path)
-    _build.source_hash.cache_clear()
-    first = _build.source_hash()
+    monkeypatch.setattr(_compile, "KERNEL_DIR", tmp_path)
+    _compile.source_hash.cache_clear()
+    first = _compile.source_hash()
     (tmp_path / "a.cuh").write_text("y")
-    _build.source_hash.cache_clear()
-    assert _build.source_hash() != first
-    _build.source_hash.cache_clear()
+    _compile.source_hash.cache_clear()
+    assert _compile.source_hash() != first
+    _compile.source_hash.cache_clear()
 
 
 @pytest.mark.parametrize("stages", knobs.STAGE_CHOICES)
@@ -80,7 +82,7 @@ def test_every_selectable_tile_is_compiled_in_ci(stages, monkeypatch):
     monkeypatch.setenv("CUPY_FA_DECODE_STAGES", str(stages))
     knobs.reload()  # knobs are read once: take the new value
     compiled = set(catalog.all_kernels())
-    for dtype in _build.CTYPES:
+    for dtype in _compile.CTYPES:
         for head_dim in families.common.HEAD_DIMS:
             for max_q_len in (1, 4, 8, 16, 17, 4096):
                 for group in (1, 4, 8, 16):
@@ -108,7 +110,7 @@ def test_launch_config_structs_match_cuda_h():
 def test_merge_group_matches_the_kernel():
     """families.common.MERGE_GROUP sizes the deepest merge's ways and the fold's splits per CTA; it must
     be the kernels' kMergeGroup."""
-    text = (_build.KERNEL_DIR / "shared" / "softmax.cuh").read_text()
+    text = (_compile.KERNEL_DIR / "shared" / "softmax.cuh").read_text()
     assert f"constexpr int kMergeGroup = {families.common.MERGE_GROUP};" in text
 
 
@@ -135,10 +137,10 @@ def test_host_mirrors_of_the_traits_are_compiled_in():
     import dataclasses
 
     variant = catalog.attention_kernel("bfloat16", families.mma_sync.MmaTile(128, 1, 4, 2, fold_capable=True))
-    assert len(variant.checks) == 4 and all(c in _build.program_text(variant) for c in variant.checks)
+    assert len(variant.checks) == 4 and all(c in _compile.program_text(variant) for c in variant.checks)
     wrong = dataclasses.replace(variant, checks=(variant.checks[0] + " + 1",))
     with pytest.raises(RuntimeError, match="host mirror"):
-        _build.compile_cubin(wrong)
+        _compile.compile_cubin(wrong)
 
 
 def test_trace_build_compiles(monkeypatch):
@@ -146,9 +148,9 @@ def test_trace_build_compiles(monkeypatch):
     without spills, for the tile the decode benchmarks run."""
     monkeypatch.setenv("CUPY_FA_TRACE", "1")
     knobs.reload()  # knobs are read once: take the new value
-    assert "-DCUPY_FA_TRACE" in _build.compile_options("sm_90a")
+    assert "-DCUPY_FA_TRACE" in _compile.compile_options("sm_90a")
     variant = catalog.attention_kernel("bfloat16", schedule.tile_for(128, 1, 4).folding())
-    cubin, res = _build.compile_cubin(variant, "sm_90a")
+    cubin, res = _compile.compile_cubin(variant, "sm_90a")
     assert cubin[:4] == b"\x7fELF"
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
 
@@ -160,10 +162,10 @@ def test_compile_check_fails_without_a_resource_line(monkeypatch, capsys):
 
     log = ("ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90a'\n"
            "ptxas info    : Function properties for _Z3fooPf\n")
-    assert _build._resources_of(log, "_Z3fooPf")["registers"] is None
-    assert _build._resources_of("", "_Z3fooPf") == dict.fromkeys(compile_check.RESOURCE_KEYS)
+    assert _compile._resources_of(log, "_Z3fooPf")["registers"] is None
+    assert _compile._resources_of("", "_Z3fooPf") == dict.fromkeys(compile_check.RESOURCE_KEYS)
     first = catalog.all_kernels()[0]
-    monkeypatch.setattr(_build, "compile_cubin", lambda variant, arch="sm_90a": (b"\x7fELF", _build._resources_of(
+    monkeypatch.setattr(_compile, "compile_cubin", lambda variant, arch="sm_90a": (b"\x7fELF", _compile._resources_of(
         log, "_Z3fooPf")))
     with pytest.raises(compile_check.MissingResources, match="no registers, .* for " + re.escape(first.expression)):
         compile_check.compile_all(only=first.expression)
@@ -171,9 +173,9 @@ def test_compile_check_fails_without_a_resource_line(monkeypatch, capsys):
     assert "resource line is missing" in capsys.readouterr().err
     # the registers line without the stack / spill line: the spills were never measured, not zero
     half = log + "ptxas info    : Used 128 registers, used 1 barriers, 400 bytes cmem[0]\n"
-    assert _build._resources_of(half, "_Z3fooPf") == {"registers": 128, "spill_stores": None, "spill_loads": None,
+    assert _compile._resources_of(half, "_Z3fooPf") == {"registers": 128, "spill_stores": None, "spill_loads": None,
                                                        "stack": None}
-    monkeypatch.setattr(_build, "compile_cubin", lambda variant, arch="sm_90a": (b"\x7fELF", _build._resources_of(
+    monkeypatch.setattr(_compile, "compile_cubin", lambda variant, arch="sm_90a": (b"\x7fELF", _compile._resources_of(
         half, "_Z3fooPf")))
     with pytest.raises(compile_check.MissingResources, match="no spill_stores, spill_loads, stack for"):
         compile_check.compile_all(only=first.expression)
@@ -187,10 +189,10 @@ def test_compile_check_reports_stack_frames(monkeypatch, capsys):
            "ptxas info    : Function properties for _Z3fooPf\n"
            "    24 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
            "ptxas info    : Used 128 registers, used 1 barriers, 400 bytes cmem[0]\n")
-    res = _build._resources_of(log, "_Z3fooPf")
+    res = _compile._resources_of(log, "_Z3fooPf")
     assert res == {"registers": 128, "spill_stores": 0, "spill_loads": 0, "stack": 24}
     variant = catalog.PLAN_KERNEL
-    monkeypatch.setattr(_build, "compile_cubin", lambda v, arch="sm_90a": (b"\x7fELF", dict(res)))
+    monkeypatch.setattr(_compile, "compile_cubin", lambda v, arch="sm_90a": (b"\x7fELF", dict(res)))
     assert compile_check.main(["--only", variant.expression]) == 0
     out = capsys.readouterr().out
     assert "stack B" in out and "1 with a stack frame" in out and f"stack frame: {variant.expression}" in out

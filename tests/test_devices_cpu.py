@@ -1,5 +1,5 @@
 """Device binding without a GPU: the compile cache keyed per device id (a fake CuPy device
-context and RawModule stand in for the driver), device arguments resolved or refused, and the
+context and module loader stand in for the driver), device arguments resolved or refused, and the
 errors for inputs on another device than the one an instance is bound to. The same binding on
 real devices: tests/test_devices_gpu.py (one GPU) and tests/test_multi_gpu.py (two)."""
 
@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from cupy_fa import _arrays, _build, plan as _plan
+
+from cupy_fa import _compile
 from cupy_fa.attention import BatchAttention
 from cupy_fa.graph import GraphRunner
 
@@ -41,20 +43,19 @@ class FakeDevices:
 
 
 class FakeModules:
-    """``cupy.RawModule``: records the device current at each compile and its options."""
+    """``_compile.binary`` (NVRTC and the disk cache) and ``_build._load_module`` (the driver's module
+    load): records the device current at each load and the options of the arch it was built for."""
 
     def __init__(self, monkeypatch, devices):
-        import cupy
-
         self.made = []
         record = self.made
 
         class Function:
             max_dynamic_shared_size_bytes = 0
 
-        class RawModule:
-            def __init__(self, code, options, name_expressions):
-                self.device, self.options = devices.current, options
+        class Module:
+            def __init__(self, cubin):  # the fake cubin: the arch it was built for
+                self.device, self.options = devices.current, _compile.compile_options(cubin.decode())
                 record.append(self)
 
             def get_function(self, name):
@@ -62,7 +63,8 @@ class FakeModules:
                 fn.module = self
                 return fn
 
-        monkeypatch.setattr(cupy, "RawModule", RawModule)
+        monkeypatch.setattr(_compile, "binary", lambda variant, arch: (variant.expression, arch.encode()))
+        monkeypatch.setattr(_build, "_load_module", Module)
 
 
 @pytest.fixture
@@ -74,13 +76,13 @@ def fake_cuda(monkeypatch):
     # device 0 a Hopper, device 1 an A100: each device's module is compiled for its own arch
     arches = {0: "sm_90a", 1: "sm_80"}
     monkeypatch.setattr(_build, "_native_arch", lambda device_id: arches[device_id])
-    monkeypatch.setattr(_build, "source_hash", lambda: "0" * 16)
-    monkeypatch.setattr(_build, "include_dirs", lambda: ())
+    monkeypatch.setattr(_compile, "source_hash", lambda: "0" * 16)
+    monkeypatch.setattr(_compile, "include_dirs", lambda: ())
     return devices, modules
 
 
-VARIANT = _build.Kernel("mma_sync/attention.cu", "cupy_fa::fake_kernel<1>", 128, smem_bytes=100 * 1024)
-OTHER = _build.Kernel("shared/merge.cu", "cupy_fa::fake_merge<2>", 64)
+VARIANT = _compile.Kernel("mma_sync/attention.cu", "cupy_fa::fake_kernel<1>", 128, smem_bytes=100 * 1024)
+OTHER = _compile.Kernel("shared/merge.cu", "cupy_fa::fake_merge<2>", 64)
 
 
 def test_compile_cache_is_per_device(fake_cuda):

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from cupy_fa import _build, knobs, plan, schedule
+
+from cupy_fa import _compile
 from cupy_fa.families import sm90 as s9
 from cupy_fa.kv_cache import PagedKVCache
 from cupy_fa import families
@@ -223,11 +225,11 @@ def test_launch_grid_of_a_persistent_tile():
 def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     everything = set(catalog.all_kernels())
     sm80 = set(catalog.all_kernels("sm_80"))
-    wgmma = {catalog.attention_kernel(dt, t) for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
+    wgmma = {catalog.attention_kernel(dt, t) for dt in _compile.CTYPES for t in s9.DEFAULT_TILES.values()}
     hooked = {catalog.attention_kernel(dt, t.with_variants())  # with the variant hooks
-              for dt in _build.CTYPES for t in s9.DEFAULT_TILES.values()}
+              for dt in _compile.CTYPES for t in s9.DEFAULT_TILES.values()}
     # the fp8 tiles with a producer warpgroup (setmaxnreg): sm_90a only as well
-    ring = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _build.CTYPES
+    ring = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _compile.CTYPES
             for d in families.common.FP8_HEAD_DIMS for t in catalog.fp8_tiles(d, arch="sm_90a") if t.producer_warps}
     assert ring and not ring & sm80
     assert (wgmma | hooked | ring) <= everything and not (wgmma | hooked) & sm80
@@ -237,10 +239,10 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     hopper = catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True)
     ampere = catalog.warmup_kernels(smem_limit=families.common.SM80_SMEM_LIMIT, arch="sm_80", variants=True)
     assert wgmma <= set(hopper) <= everything and set(ampere) <= sm80
-    mma_prefill = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _build.CTYPES
+    mma_prefill = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES
                    for d in s9.DEFAULT_TILES}
     assert mma_prefill <= set(ampere) and not mma_prefill & set(hopper)  # Hopper never selects it
-    no_wgmma = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _build.CTYPES for d in (96, 192)}
+    no_wgmma = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES for d in (96, 192)}
     assert no_wgmma <= set(ampere) and no_wgmma <= set(hopper)  # head dims without a wgmma tile: everywhere
     variant = catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128])
     assert variant == catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128]) and variant.source == "sm90/prefill.cu"
@@ -253,7 +255,7 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
 
     seen = []
     figures = {"registers": 168, "spill_stores": 0, "spill_loads": 0, "stack": 0}
-    monkeypatch.setattr(_build, "compile_cubin", lambda v, arch: (seen.append((v, arch)), (b"", figures))[1])
+    monkeypatch.setattr(_compile, "compile_cubin", lambda v, arch: (seen.append((v, arch)), (b"", figures))[1])
     rows = compile_check.compile_all("sm_80", only="prefill_sm90_kernel")
     assert rows == [] and seen == []  # no wgmma variant in an sm_80 build
     rows = compile_check.compile_all("sm_90a", only="prefill_sm90_kernel")

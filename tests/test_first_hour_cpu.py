@@ -95,7 +95,7 @@ def test_demo_help():
 
 
 def test_demo_no_gpu_compile_is_cached(monkeypatch, tmp_path):
-    from cupy_fa import compile_check, knobs, schedule
+    from cupy_fa import compile_check, knobs
 
     pytest.importorskip("cupy")  # the key names NVRTC's version
     calls = []

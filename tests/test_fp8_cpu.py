@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import cupy_fa
-from cupy_fa import _arrays, _build, reference, schedule
+from cupy_fa import _arrays, reference, schedule
+from cupy_fa import _compile
 from cupy_fa.kv_cache import checked_scales
 from cupy_fa import families
 from cupy_fa import catalog
@@ -251,7 +252,7 @@ def test_every_selectable_fp8_tile_is_compiled_in_ci():
     """What the policy can pick for an fp8 cache (either class, Hopper or A100 shared memory, any
     group, the fold) is among the variants CI compiles (tests/test_compile_cpu.py compiles them all)."""
     compiled = {v.expression for v in catalog.all_kernels()}
-    for dtype in _build.CTYPES:
+    for dtype in _compile.CTYPES:
         types = families.common.ElementTypes(dtype, "float8_e4m3fn", dtype)
         for head_dim in families.common.FP8_HEAD_DIMS:  # BatchAttention refuses an fp8 cache at the others
             for max_q_len in (1, 4, 16, 17, 4096):

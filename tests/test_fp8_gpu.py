@@ -17,7 +17,6 @@ from cases import (FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, fp8_sc
 from test_modes_graph_gpu import Engine, check_engine_step, engine_setup, engine_steps
 
 from cupy_fa.modes import ForwardMode
-from cupy_fa import families
 
 pytestmark = pytest.mark.gpu
 M = ForwardMode

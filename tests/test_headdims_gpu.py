@@ -27,7 +27,6 @@ def test_random_ragged_batch(dtype, head_dim, page_size):
     causal in bf16 and full in fp16; every request, row and LSE within the bar, the poisoned
     tail untouched, and a device-planned run of the same batch bit-identical (run_case). The
     requests of more than 16 tokens run on the mma.sync prefill tile, on sm_90a too."""
-    from cupy_fa import schedule
 
     rng, seed = new_rng()
     heads = (32, 8) if head_dim == 96 else (16, 2)
@@ -76,7 +75,7 @@ def test_new_head_dims_route_to_mma_sync_on_sm90a():
     """On the device's own target the long requests of head dims 96 / 192 plan the mma.sync prefill
     tile (64, 128, 256: the wgmma family where the target is sm_90a)."""
     import cupy_fa
-    from cupy_fa import _build, schedule
+    from cupy_fa import _build
 
     arch = _build.current_arch()
     for head_dim in families.common.HEAD_DIMS:

@@ -23,7 +23,6 @@ def expected_long_family():
     """The family the long rows must run on here: wgmma on an sm_90 device compiled for itself."""
     import cupy
 
-    from cupy_fa import schedule
 
     native = cupy.cuda.Device().compute_capability == "90" and not os.environ.get("CUPY_FA_ARCH")
     return families.SM90_WGMMA if native else families.mma_sync.MMA_SYNC
@@ -109,7 +108,6 @@ def check_mixed(dtype, heads, head_dim, page_size, long_q, path):
     the long request alone; every row is right."""
     import cupy
     import cupy_fa
-    from cupy_fa import schedule
     from cupy_fa.modes import ForwardMode
 
     rng, _ = new_rng()
@@ -184,7 +182,7 @@ def test_long_rows_of_a_ragged_step_match_float64(dtype, head_dim, page_size, ca
     the device's prefill family."""
     import cupy
     import cupy_fa
-    from cupy_fa import reference, schedule
+    from cupy_fa import reference
 
     rng, _ = new_rng()
     heads = (16, 4)
@@ -240,7 +238,7 @@ def test_extend_and_mixed_steps_through_graph_runner(page_size):
     inputs of the same bucket gives the eager step's bits, and is right against float64."""
     import cupy
     import cupy_fa
-    from cupy_fa import reference, schedule
+    from cupy_fa import reference
     from cupy_fa.modes import ForwardMode
 
     rng, _ = new_rng()

@@ -5,7 +5,8 @@ import re
 import numpy as np
 
 from cases import new_rng
-from cupy_fa import _build, _params
+from cupy_fa import _params
+from cupy_fa import _compile
 
 C_TYPES = {"int": np.int32, "unsigned": np.uint32, "float": np.float32, "long long": np.int64}
 
@@ -27,7 +28,7 @@ def parse_structs(text):
 
 
 def test_params_match_header():
-    header = parse_structs((_build.KERNEL_DIR / "shared" / "params.cuh").read_text())
+    header = parse_structs((_compile.KERNEL_DIR / "shared" / "params.cuh").read_text())
     assert set(header) == set(_params.DTYPES)
     for name, fields in header.items():
         dtype = _params.DTYPES[name]

@@ -11,18 +11,20 @@ import struct
 import numpy as np
 import pytest
 
-from cupy_fa import _build, catalog, families, schedule
+from cupy_fa import catalog, families, schedule
+
+from cupy_fa import _compile
 from cupy_fa.families import sm90 as s9
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-DEFAULT_KERNELS = [catalog.attention_kernel(dtype, tile) for dtype in _build.CTYPES for tile in s9.DEFAULT_TILES.values()]
+DEFAULT_KERNELS = [catalog.attention_kernel(dtype, tile) for dtype in _compile.CTYPES for tile in s9.DEFAULT_TILES.values()]
 
 
 @pytest.mark.parametrize("kernel", DEFAULT_KERNELS, ids=lambda k: k.expression.replace(" ", ""))
 def test_kernel_compiles_for_sm90a_without_spills(kernel):
-    cubin, res = _build.compile_cubin(kernel, "sm_90a")  # also checks kSmemBytes / kConsumerRegs mirrors
+    cubin, res = _compile.compile_cubin(kernel, "sm_90a")  # also checks kSmemBytes / kConsumerRegs mirrors
     assert cubin[:4] == b"\x7fELF"
     assert len(cubin) == elf_end(cubin), "compile_cubin returns the whole ELF image (cuobjdump reads it)"
     # at one CTA per SM a thread starts with 65536 / threads registers (168 at 384 threads, 128 at
@@ -38,11 +40,11 @@ def elf_end(image):
 
 
 def test_whole_elf_pads_a_short_image_and_leaves_others():
-    cubin, _ = _build.compile_cubin(catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[64]), "sm_90a")
+    cubin, _ = _compile.compile_cubin(catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[64]), "sm_90a")
     short = cubin[:-1]  # what cupy's getCUBIN hands back
-    assert _build.whole_elf(short) == cubin[:-1] + b"\0" and len(_build.whole_elf(short)) == elf_end(cubin)
-    assert _build.whole_elf(cubin) == cubin
-    assert _build.whole_elf(b"not an elf") == b"not an elf"
+    assert _compile.whole_elf(short) == cubin[:-1] + b"\0" and len(_compile.whole_elf(short)) == elf_end(cubin)
+    assert _compile.whole_elf(cubin) == cubin
+    assert _compile.whole_elf(b"not an elf") == b"not an elf"
 
 
 def test_wgmma_header_matches_its_generator():
@@ -56,7 +58,7 @@ def test_wgmma_header_matches_its_generator():
 def test_family_refuses_a_plain_sm90_build():
     kernel = catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128])
     with pytest.raises(RuntimeError, match="needs the sm_90a target"):
-        _build.compile_cubin(kernel, "sm_90")
+        _compile.compile_cubin(kernel, "sm_90")
 
 
 @pytest.mark.parametrize("head_dim", sorted(s9.DEFAULT_TILES))

@@ -117,7 +117,6 @@ def test_every_variant_on_the_mma_sync_prefill_tile(dtype, monkeypatch):
     """The A100 build (CUPY_FA_ARCH=sm_80, run on this GPU): requests of more than 16 tokens on the
     mma.sync prefill tile, with every hook on, beside decode-like ones."""
     import cupy_fa
-    from cupy_fa import schedule
 
     monkeypatch.setenv("CUPY_FA_ARCH", "sm_80")
     cupy_fa.knobs.reload()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import _build
+
+from .. import _compile
 
 HEAD_DIMS = (64, 96, 128, 192, 256)  # of q, K, V and out alike; 96 and 192: the mma.sync family only
 MERGE_GROUP = 8  # splits folded in order before the groups are (kernels/shared/softmax.cuh kMergeGroup)
@@ -40,7 +41,7 @@ class ElementTypes:
         return 1 if self.kv == FP8 else 2
 
     def ctypes(self):
-        return _build.CTYPES[self.q], _build.KV_CTYPES[self.kv], _build.CTYPES[self.out]
+        return _compile.CTYPES[self.q], _compile.KV_CTYPES[self.kv], _compile.CTYPES[self.out]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import _build
+
+from .. import _compile
 from ..knobs import STAGE_CHOICES
 from .common import MERGE_GROUP, SMEM_LIMIT, KernelFamily
 
@@ -226,7 +227,7 @@ class MmaTile:
         return (f"{traits}::kSmemBytes == {self.smem_bytes}",
                 f"{traits}::kEpilogueInStage == {str(self.epilogue_in_stage).lower()}",
                 f"{traits}::kMinCtasPerSm == {self.min_ctas_per_sm}",
-                f"cupy_fa::kTraceCtas == {_build.TRACE_SHAPE[0]} && cupy_fa::kTraceStamps == {_build.TRACE_SHAPE[1]}")
+                f"cupy_fa::kTraceCtas == {_compile.TRACE_SHAPE[0]} && cupy_fa::kTraceStamps == {_compile.TRACE_SHAPE[1]}")
 
 
 
@@ -248,5 +249,5 @@ def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT, kv_bytes=2):
 def kernel(types, tile):
     """The compiled kernel of ``tile`` for element types ``types`` (a ``common.ElementTypes``)."""
     q, kv, out = types.ctypes()
-    return _build.Kernel(MMA_SYNC.source, f"{MMA_SYNC.kernel}<{q}, {kv}, {out}, {tile.traits()}>", tile.threads,
+    return _compile.Kernel(MMA_SYNC.source, f"{MMA_SYNC.kernel}<{q}, {kv}, {out}, {tile.traits()}>", tile.threads,
                          tile.smem_bytes, tile.checks())

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import _build
+
+from .. import _compile
 from .common import KernelFamily
 
 SM90_WGMMA = KernelFamily("sm90_wgmma", "sm90/prefill.cu", "cupy_fa::prefill_sm90_kernel", 90)
@@ -113,6 +114,6 @@ def kernel(types, tile):
     this family takes one element type for Q, K, V and O."""
     if not types.q == types.kv == types.out:
         raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")
-    ctype = _build.CTYPES[types.q]
-    return _build.Kernel(SM90_WGMMA.source, f"{SM90_WGMMA.kernel}<{ctype}, {ctype}, {ctype}, {tile.traits()}>",
+    ctype = _compile.CTYPES[types.q]
+    return _compile.Kernel(SM90_WGMMA.source, f"{SM90_WGMMA.kernel}<{ctype}, {ctype}, {ctype}, {tile.traits()}>",
                          tile.threads, tile.smem_bytes, tile.checks())
