@@ -16,12 +16,9 @@ import functools
 
 import numpy as np
 
-from . import _arrays, _build, schedule
-
-from . import _compile
-from ._build import Kernel
+from . import _arrays, _build, _compile, schedule
+from ._compile import Kernel
 from .families import is_small_q_tile, mma_sync, sm90
-from .families.common import is_sm90a
 from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes, is_sm90a
 from .families.mma_sync import MmaTile
 from .knobs import STAGE_CHOICES

@@ -37,16 +37,16 @@ def test_plain_help_says_what_is_there():
         assert option in help_text, option
 
 
-def test_list_is_warmup_variants():
+def test_list_is_warmup_kernels():
     proc = cli("warmup", "--arch", "sm_90a", "--dtypes", "bfloat16", "--head-dims", "128", "--list")
     assert proc.returncode == 0, proc.stderr
     wanted = catalog.warmup_kernels(("bfloat16",), (128,), families.common.SMEM_LIMIT, "sm_90a")
     lines = proc.stdout.splitlines()
     assert [line.split(None, 1)[1] for line in lines[:-1]] == [v.expression for v in wanted]
-    assert lines[-1] == f"{len(wanted)} variants for sm_90a"
+    assert lines[-1] == f"{len(wanted)} kernels for sm_90a"
     assert any("prefill_sm90_kernel" in line for line in lines)  # the sm_90a wgmma family
     fp8 = cli("warmup", "--arch", "sm_90a", "--dtypes", "bfloat16", "--head-dims", "128", "--list", "--fp8")
-    assert f"{len(catalog.warmup_kernels(('bfloat16',), (128,), families.common.SMEM_LIMIT, 'sm_90a', ('bfloat16', families.common.FP8)))} variants" in fp8.stdout
+    assert f"{len(catalog.warmup_kernels(('bfloat16',), (128,), families.common.SMEM_LIMIT, 'sm_90a', ('bfloat16', families.common.FP8)))} kernels" in fp8.stdout
     a100 = cli("warmup", "--arch", "sm_80", "--head-dims", "128", "--list")
     assert a100.returncode == 0 and "prefill_sm90_kernel" not in a100.stdout
 

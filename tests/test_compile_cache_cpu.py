@@ -234,11 +234,11 @@ def test_compile_many_reports_a_failing_variant(cache):
 @pytest.mark.parametrize("kwargs, match", [(dict(jobs=0), "jobs"), (dict(jobs=1.5), "jobs"), (dict(jobs=True), "jobs"),
                                            (dict(arch="hopper"), "arch"), (dict(arch=None), "arch")])
 def test_compile_many_refuses_bad_arguments(kwargs, match):
-    args = dict(variants=[SMALL], arch="sm_90a", jobs=1, progress=False)
+    args = dict(kernels=[SMALL], arch="sm_90a", jobs=1, progress=False)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         _compile.compile_many(**args)
-    with pytest.raises(TypeError, match="variants"):
+    with pytest.raises(TypeError, match="kernels must be"):
         _compile.compile_many(["merge_states.cu"], "sm_90a")
 
 

@@ -64,8 +64,8 @@ class Sm90Tile:
     def smem_bytes(self):
         """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, the K and V rings, barriers, scratch."""
         d = self.head_dim
-        return (1024 + self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2
-                + (4 * self.stages + 3) * 8 + 128 * self.consumer_wgs * 4 + 56)
+        barriers = (4 * self.stages + 1) * 8 + 128 * self.consumer_wgs * 4 + 4  # + the page flag
+        return 1024 + self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2 + (barriers + 7) // 8 * 8
 
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
