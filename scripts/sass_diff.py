@@ -29,6 +29,8 @@ import sys
 
 LIST_VARIANTS = r"""
 import json, sys
+# the tree on PYTHONPATH, not an editable install of another checkout (its finder runs first)
+sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 from cupy_fa import _build
 try:  # where the program text is made: cupy_fa._compile, in older trees cupy_fa._build
     from cupy_fa import _compile
