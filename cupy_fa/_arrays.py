@@ -87,17 +87,22 @@ def is_torch(x):
 def to_cupy(x, name):
     """Zero-copy CuPy view of a device array (CuPy, torch, JAX, any
     ``__dlpack__``); rejects host arrays with a message naming ``name``."""
+    refuse_host(x, name)
     import cupy
 
     if isinstance(x, cupy.ndarray):
         return x
-    if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
-        raise TypeError(f"{name} must be a CUDA device array (CuPy, torch or any DLPack producer), "
-                        f"got {type(x).__name__}")
     device_type, _ = x.__dlpack_device__()
     if device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
         raise ValueError(f"{name} must live on a CUDA device, got a DLPack device of type {device_type} (CPU?)")
     return cupy.from_dlpack(x)
+
+
+def refuse_host(x, name):
+    """TypeError naming ``name`` for a NumPy array or anything without ``__dlpack__`` (no CuPy needed)."""
+    if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
+        raise TypeError(f"{name} must be a CUDA device array (CuPy, torch or any DLPack producer), "
+                        f"got {type(x).__name__}")
 
 
 def to_caller(array, like):
@@ -328,7 +333,13 @@ def host_or_device_ints(x, name, ndim):
     """Integer metadata input: returns (numpy array, None) for host input
     (list, tuple, NumPy) or (None, cupy array) for a device array."""
     if is_host(x) and not is_torch(x):
-        arr = np.asarray(x)
+        try:
+            arr = np.asarray(x)
+        except ValueError:  # NumPy's "inhomogeneous shape": rows of different lengths
+            lengths = sorted({len(row) for row in x if hasattr(row, "__len__")})
+            raise ValueError(f"{name} must be a rectangular array of ints with {ndim} dimension(s), got rows of "
+                             f"{' and '.join(map(str, lengths))} entries: pad every row to the same width "
+                             f"(a page table's unread entries may be anything, e.g. -1)") from None
         if arr.ndim != ndim:
             raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
         if arr.size and not np.issubdtype(arr.dtype, np.integer):

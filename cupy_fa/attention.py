@@ -202,7 +202,7 @@ class BatchAttention:
                 capacity given to the constructor (or, inside a CUDA-graph capture, beyond the
                 buffers already allocated); an fp8 ``kv_dtype`` at head dim 64 / 128 with a
                 ``CUPY_FA_SPLIT_SIZE`` that is not a multiple of 128 keys.
-            TypeError: non-integer lengths or page table, ``q_lens`` and ``kv_lens`` of different
+            TypeError: ``causal`` not a bool, non-integer lengths or page table, ``q_lens`` and ``kv_lens`` of different
                 kinds, a custom mask that is not bool / uint8.
             RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words; another
                 thread inside ``plan`` / ``run`` of this instance at the same time.
@@ -210,6 +210,8 @@ class BatchAttention:
             NotImplementedError: a ``window`` or a ``logits_soft_cap`` on an instance built with an
                 fp8 ``kv_dtype`` (the fp8 kernels have no build with the variant hooks yet).
         """
+        if not isinstance(causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be True or False, got {causal!r}")
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
         _schedule.check_split_size(self.head_dim, self._types.kv_bytes)

@@ -180,9 +180,9 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, 
     a logits soft-cap or attention sinks). The missing ones compile in ``jobs`` processes at once
     (default every core; ``_compile.compile_many``), with a progress line on stderr when it is a
     terminal (``progress=True`` / ``False`` to force it on / off). Returns how many."""
+    _arrays.require_cuda()
     import cupy
 
-    _arrays.require_cuda()
     device_id = _arrays.resolve_device(device)
     with cupy.cuda.Device(device_id):
         arch = _build.device_arch(device_id)

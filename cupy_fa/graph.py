@@ -78,8 +78,6 @@ class GraphRunner:
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size, max_q_len,
                  max_pages_per_request, page_size, buckets=None, tree_mask=False, kv_dtype=None, window=None,
                  logits_soft_cap=None, device=None):
-        import cupy
-
         self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         if kv_dtype is not None:  # before anything is allocated
             kv_name = _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
@@ -106,6 +104,8 @@ class GraphRunner:
         self.device_id = self.attn.device_id
         self.tree_mask = tree_mask
         elem = _arrays.DTYPES[self.attn.dtype_name]
+        import cupy  # (the BatchAttention's buffers are allocated: CuPy and a device are there)
+
         with self.attn.device_scope():
             self.q = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
             self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)

@@ -51,6 +51,9 @@ class PagedKVCache:
     def __init__(self, k, v, *, dtype=None, k_scale=None, v_scale=None):
         self.k_source, self.v_source = k, v  # the caller's objects, kept alive
         want = None if dtype is None else _arrays.resolve_kv_dtype(dtype)
+        _arrays.refuse_host(k, "k")
+        _arrays.refuse_host(v, "v")
+        _arrays.require_cuda()  # a plain sentence, not CuPy's, where CuPy or the device is missing
         k_fp8, v_fp8 = _arrays.fp8_bytes(k, "k"), _arrays.fp8_bytes(v, "v")
         k_dev = k_fp8 if k_fp8 is not None else _arrays.to_cupy(k, "k")
         v_dev = v_fp8 if v_fp8 is not None else _arrays.to_cupy(v, "v")
@@ -108,14 +111,14 @@ class PagedKVCache:
                 fp8); bad scales (see the class); a ``device`` that is no CUDA device here.
             TypeError: another dtype.
         """
-        import cupy
-
         name = _arrays.resolve_kv_dtype(dtype)
         np_dtype = np.uint8 if name == _arrays.FP8 else _arrays.DTYPES[name]
         shape = (int(num_pages), int(page_size), int(num_kv_heads), int(head_dim))
         if min(shape) < 1:
             raise ValueError(f"cache dimensions must be positive, got {shape}")
         _arrays.require_cuda()
+        import cupy
+
         with cupy.cuda.Device(_arrays.resolve_device(device)):
             return cls(cupy.zeros(shape, np_dtype), cupy.zeros(shape, np_dtype), dtype=name, k_scale=k_scale,
                        v_scale=v_scale)

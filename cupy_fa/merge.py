@@ -106,10 +106,10 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None):
         RuntimeError: no usable CUDA device.
     Nothing is launched or written when it raises.
     """
-    import cupy
-
     given = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b, "out": out, "lse_out": lse_out}
     _arrays.require_cuda()
+    import cupy
+
     device = _arrays.device_of(out_a)  # out_a's device: current for the whole call, whatever the caller's is
     # a host out_a: no device to enter (to_cupy refuses it below with its own message)
     with cupy.cuda.Device(device) if device is not None else contextlib.nullcontext():

@@ -50,6 +50,14 @@ class ForwardMode(enum.Enum):
     DRAFT_EXTEND_V2 = "draft_extend_v2"
     IDLE = "idle"
 
+    @classmethod
+    def _missing_(cls, value):
+        """A value that names no mode: a ValueError listing the ones there are (member names work too)."""
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(f"mode must be a cupy_fa.ForwardMode or one of {', '.join(repr(m.value) for m in cls)}, "
+                         f"got {value!r}")
+
     @property
     def fixed_q_len(self):
         """True when every live request has the same q_len (1 or N)."""

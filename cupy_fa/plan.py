@@ -45,11 +45,11 @@ class PlanBuffers:
     mask), the plan kernel's outputs, and the split-KV workspace."""
 
     def __init__(self, capacity, num_qo_heads, head_dim, dtype_name):
-        import cupy
-
         from . import _arrays
 
         _arrays.require_cuda()  # a plain sentence, not CuPy's, where there is no usable device
+        import cupy
+
         self.capacity = capacity
         b = capacity.max_batch_size
         i32 = np.int32

@@ -177,6 +177,16 @@ def _(ctx):
     return _plan([1], [1], [0]), []
 
 
+@case("plan-table-ragged")
+def _(ctx):
+    return _plan([1, 2], [3, 4], [[0], [1, 2]]), []
+
+
+@case("plan-causal-type")
+def _(ctx):
+    return _plan([1], [3], [[0]], causal="yes"), []
+
+
 @case("plan-int32")
 def _(ctx):
     return _plan([1], [2**31], [[0]]), []
@@ -566,6 +576,17 @@ def _(ctx):
 def _(ctx):
     runner = object.__new__(cupy_fa.GraphRunner)  # the mode is read first: no buffers needed
     return lambda: runner.run("bogus", None, None, [1], [1], [[0]]), []
+
+
+@case("runner-no-device")
+def _(ctx):
+    ctx.no_device()
+    return lambda: _runner(), []
+
+
+@case("modes-misspelled")
+def _(ctx):
+    return lambda: contract_lengths("decod", prefix_lens=[1]), []
 
 
 @case("runner-fp8-variants")

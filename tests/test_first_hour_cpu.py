@@ -116,3 +116,43 @@ def test_demo_no_gpu_compile_is_cached(monkeypatch, tmp_path):
     assert [r["resources"]["registers"] for r in saved["rows"]] == [40, 41, 42]
     demo.compile_table("sm_90a", recompile=True)
     assert calls == ["sm_90a", "sm_90a"]
+
+
+def test_every_entry_point_without_cupy_says_install_the_cuda_extra():
+    """Where CuPy is not installed (a plain `pip install` without the extra), each public entry point
+    that needs the device raises one sentence naming the fix, not a bare `No module named 'cupy'`;
+    host-side mistakes are still named first (a NumPy cache). Run in a child process that cannot
+    import cupy."""
+    import subprocess
+    import sys
+
+    code = r'''
+import sys
+sys.modules["cupy"] = None  # import cupy -> ImportError, as on a machine without it
+import numpy as np
+import cupy_fa
+calls = {
+    "PagedKVCache.allocate": lambda: cupy_fa.PagedKVCache.allocate(4, 16, 2, 64),
+    "GraphRunner": lambda: cupy_fa.GraphRunner(8, 2, 64, "bfloat16", max_batch_size=2, max_q_len=4,
+                                               max_pages_per_request=4, page_size=16),
+    "merge_states": lambda: cupy_fa.merge_states(*[np.zeros((2, 8, 64), np.float16), np.zeros((2, 8), np.float32)] * 2),
+    "warmup": lambda: cupy_fa.warmup(),
+    "plan": lambda: cupy_fa.BatchAttention(8, 2, 64).plan([1], [3], [[0]]),
+    "BatchAttention capacities": lambda: cupy_fa.BatchAttention(8, 2, 64, max_batch_size=2, max_num_tokens=4,
+                                                                max_pages_per_request=2),
+    "PagedKVCache(numpy)": lambda: cupy_fa.PagedKVCache(np.zeros((4, 16, 2, 64), np.float16),
+                                                        np.zeros((4, 16, 2, 64), np.float16)),
+}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "|", "no error")
+    except Exception as exc:
+        print(name, "|", type(exc).__name__, str(exc).replace(chr(10), " "))
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    got = dict(line.split(" | ", 1) for line in out.splitlines())
+    for name in ("PagedKVCache.allocate", "GraphRunner", "merge_states", "warmup", "plan", "BatchAttention capacities"):
+        assert got[name].startswith("RuntimeError cupy_fa cannot run here: CuPy is not installed: install cupy_fa "
+                                    "with the CUDA extra"), (name, got[name])
+    assert got["PagedKVCache(numpy)"].startswith("TypeError k must be a CUDA device array"), got
