@@ -6,10 +6,64 @@ heads, head dim); :meth:`StepLauncher.launch` takes a plan (``cupy_fa.plan.PlanS
 plan's buffers and one layer's arrays. Both families read the same ``AttentionParams``
 (``kernels/shared/params.cuh``) but for their own work list (``work_indptr`` of the small-q
 class, ``long_work_indptr`` of the long one) and their splits per CTA and fold.
+
+The first run of a plan packs every launch's struct once (:meth:`StepLauncher.params`, the one
+place the fields are named) into a :class:`PreparedStep`; each later run of that plan (a step's
+layers) writes only what a run changes into those bytes: q, out, lse and sinks, the cache's
+fields when the cache is another one, the token count when it moved. The packed bytes are the
+full fill's, field for field (``tests/test_launch_cpu.py``).
 """
+
+import struct
+
+import numpy as np
 
 from . import _build, _params, catalog, schedule
 from .variants import LOG2E, soft_cap_params
+
+_ATTENTION = _params.DTYPES["AttentionParams"]
+_MERGE = _params.DTYPES["MergeParams"]
+_CACHE_FIELDS = ("k_cache", "v_cache", "page_size", "page_shift", "num_pages", "k_scale", "v_scale")
+
+
+def _setter(dtype, fields):
+    """``set(buffer, values)``: writes ``values`` into ``fields`` of a packed ``dtype`` struct."""
+    packers = [(struct.Struct("<" + dtype.fields[f][0].char), dtype.fields[f][1]) for f in fields]
+
+    def write(buffer, values):
+        for (packer, offset), value in zip(packers, values):
+            packer.pack_into(buffer, offset, value)
+    return write
+
+
+_set_run = _setter(_ATTENTION, ("q", "out", "lse", "sinks"))
+_set_cache = _setter(_ATTENTION, _CACHE_FIELDS)
+_set_tokens = _setter(_ATTENTION, ("num_tokens",))
+_set_merge_run = _setter(_MERGE, ("out", "lse", "sinks"))
+
+
+class PreparedStep:
+    """A plan's launches with their structs packed: per attention launch its kernels (plain and
+    with the variant hooks), grid and a one-element struct array whose bytes a run updates in
+    place; the merge's struct, and its kernel and grid per token count."""
+
+    def __init__(self, launcher, state, buffers):
+        self.buffers, self.cache, self.num_tokens = buffers, None, None
+        sched = state.schedule
+        self.launches = [x for x in sched.launches if x.work_grid > 0]
+        self.empty = state.batch_size == 0 or not self.launches
+        self.always_hooked = bool(state.window or state.soft_cap)
+        zero = dict(q=0, out=0, lse=0, sinks=0, num_tokens=0, **{f: 0 for f in _CACHE_FIELDS})
+        self.attention = []
+        for launch in self.launches:
+            packed = np.array([launcher.params(state, buffers, launch, **zero)], _ATTENTION)
+            self.attention.append((catalog.attention_kernel(launcher.types, launch.tile),
+                                   catalog.attention_kernel(launcher.types, launch.tile.with_variants()),
+                                   (launch.ctas,), packed, packed.data.cast("B")))
+        self.merge = None
+        if sched.needs_merge:
+            packed = np.array([launcher.merge_params(state, buffers, out=0, lse=0, sinks=0)], _MERGE)
+            self.merge = (packed, packed.data.cast("B"), {})
 
 
 class StepLauncher:
@@ -25,56 +79,75 @@ class StepLauncher:
         """The step's kernels on ``stream`` (CuPy's current device must be the buffers'): each
         attention launch of ``state.schedule`` (the long family's first), then the merge where
         the schedule needs one. Nothing for an IDLE or all-padding step."""
-        sched = state.schedule
-        launches = [x for x in sched.launches if x.work_grid > 0]
-        if state.batch_size == 0 or num_tokens == 0 or not launches:
+        prepared = state.prepared
+        if prepared is None or prepared.buffers is not buffers:
+            prepared = state.prepared = PreparedStep(self, state, buffers)
+        if prepared.empty or num_tokens == 0:
             return  # IDLE: nothing to read, nothing to write
         lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
         sinks_ptr = sinks_dev.data.ptr if sinks_dev is not None else 0
+        run = (q_dev.data.ptr, out_dev.data.ptr, lse_ptr, sinks_ptr)
+        new_cache, new_tokens = prepared.cache is not cache, prepared.num_tokens != num_tokens
+        if new_cache:
+            fields = cache.attention_params()
+            cache_values = tuple(fields[f] for f in _CACHE_FIELDS)
+        # a window, a soft-cap or sinks: each tile's kernel with the hooks compiled in (the plain
+        # kernels otherwise, unchanged)
+        hooked = prepared.always_hooked or bool(sinks_ptr)
+        for plain, with_hooks, grid, packed, raw in prepared.attention:  # the long family's first
+            _set_run(raw, run)
+            if new_cache:
+                _set_cache(raw, cache_values)
+            if new_tokens:
+                _set_tokens(raw, (num_tokens,))
+            # one CTA per (work item, KV head), heads fastest (kernels/mma_sync/work.cuh): schedule.launch_grid
+            _build.launch(with_hooks if hooked else plain, grid, packed[0], stream)
+        prepared.cache, prepared.num_tokens = cache, num_tokens
+        if prepared.merge is not None:
+            packed, raw, shapes = prepared.merge
+            _set_merge_run(raw, (run[1], lse_ptr, sinks_ptr))
+            found = shapes.get(num_tokens)
+            if found is None:
+                shape, grid = schedule.merge_grid(num_tokens, self.num_qo_heads)
+                found = shapes[num_tokens] = (catalog.merge_kernel(self.dtype_name, self.head_dim, shape), grid)
+            # programmatic: its CTAs start in the last attention kernel's last wave and wait there
+            # (an earlier launch in the stream finished before that one began)
+            _build.launch(found[0], found[1], packed[0], stream, programmatic=True)
+
+    def params(self, state, buffers, launch, *, q, out, lse, sinks, num_tokens, **cache_fields):
+        """The ``AttentionParams`` of one attention launch of a plan (an ``np.void``), every field
+        named: the plan's buffers and schedule, this run's arrays, the cache's fields
+        (``PagedKVCache.attention_params``)."""
+        sched = state.schedule
         soft_cap_scale, soft_cap_log2 = soft_cap_params(state.sm_scale, state.soft_cap)
-        common = dict(
-            q=q_dev.data.ptr, out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
+        # each family reads its own work list of plan_kernel's layout; everything else is shared
+        work = buffers.long_work_indptr if launch is sched.long else buffers.work_indptr
+        return _params.make(
+            "AttentionParams", q=q, out=out, lse=lse, partial_out=buffers.partial_out.data.ptr,
             partial_lse=buffers.partial_lse.data.ptr, page_table=buffers.page_table.data.ptr,
             custom_mask=buffers.custom_mask.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
-            kv_lens=buffers.kv_lens.data.ptr, num_splits=buffers.num_splits.data.ptr,
+            kv_lens=buffers.kv_lens.data.ptr, work_indptr=work.data.ptr, num_splits=buffers.num_splits.data.ptr,
             split_keys=buffers.split_keys.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
             mask_indptr=buffers.mask_indptr.data.ptr, batch_size=state.batch_size,
             page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
-            num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode,
-            sm_scale_log2=state.sm_scale * LOG2E,
+            num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode, sm_scale_log2=state.sm_scale * LOG2E,
+            splits_per_cta=launch.tile.splits_per_cta, fold_splits=int(launch.tile.fold_splits),
             group_multiplier=self.group_div[0], group_shift=self.group_div[1],
             # the device metadata's bounds (kernels/shared/status.cuh)
             status=buffers.status.data.ptr, page_table_columns=state.page_table_columns,
             num_tokens=num_tokens, mask_entries=state.mask_entries,
-            # K, V, the page size and count, an fp8 cache's scales (run checked it is of kv_dtype)
-            **cache.attention_params(),
             # the variant hooks (kernels/shared/variant.cuh), read only by the kernels built with them
-            key_base=buffers.key_base.data.ptr, sinks=sinks_ptr, window=state.window,
-            soft_cap_scale=soft_cap_scale, soft_cap_log2=soft_cap_log2)
-        # a window, a soft-cap or sinks: each tile's kernel with the hooks compiled in (the plain
-        # kernels otherwise, unchanged)
-        hooks = bool(state.window or state.soft_cap or sinks_ptr)
-        for launch in launches:  # the long family's first (schedule.StepSchedule.launches)
-            # each family reads its own work list of plan_kernel's layout; everything else is shared
-            work = buffers.long_work_indptr if launch is sched.long else buffers.work_indptr
-            params = _params.make("AttentionParams", work_indptr=work.data.ptr,
-                                  splits_per_cta=launch.tile.splits_per_cta,
-                                  fold_splits=int(launch.tile.fold_splits), **common)
-            # one CTA per (work item, KV head), heads fastest (kernels/mma_sync/work.cuh): schedule.launch_grid
-            tile = launch.tile.with_variants() if hooks else launch.tile
-            _build.launch(catalog.attention_kernel(self.types, tile), (launch.ctas,), params, stream)
-        if sched.needs_merge:
-            # one merge for both classes: the long family never folds, and the small-q CTAs fold
-            # only in steps without long requests (schedule.schedule_step)
-            fold_groups = int(sched.small is not None and sched.small.tile.fold_splits)
-            merge = _params.make(
-                "MergeParams", out=out_dev.data.ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
-                partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
-                num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-                batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups,
-                sinks=sinks_ptr)
-            shape, grid = schedule.merge_grid(num_tokens, self.num_qo_heads)
-            # programmatic: its CTAs start in the last attention kernel's last wave and wait there
-            # (an earlier launch in the stream finished before that one began)
-            _build.launch(catalog.merge_kernel(self.dtype_name, self.head_dim, shape), grid, merge, stream,
-                          programmatic=True)
+            key_base=buffers.key_base.data.ptr, sinks=sinks, window=state.window,
+            soft_cap_scale=soft_cap_scale, soft_cap_log2=soft_cap_log2, **cache_fields)
+
+    def merge_params(self, state, buffers, *, out, lse, sinks):
+        """The ``MergeParams`` of a plan's merge (an ``np.void``): one merge for both classes (the
+        long family never folds, and the small-q CTAs fold only in steps without long requests:
+        ``schedule.schedule_step``)."""
+        sched = state.schedule
+        fold_groups = int(sched.small is not None and sched.small.tile.fold_splits)
+        return _params.make(
+            "MergeParams", out=out, lse=lse, partial_out=buffers.partial_out.data.ptr,
+            partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
+            num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
+            batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups, sinks=sinks)

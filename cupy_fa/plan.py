@@ -118,6 +118,7 @@ class PlanState:
     other_streams: dict = dataclasses.field(default_factory=dict)  # ptr -> stream of runs on other streams
     window: int = 0            # sliding window W (keys a query sees, itself included); 0 = none
     soft_cap: float = 0.0      # logits soft-cap; 0 = none
+    prepared: object = None    # its launches with their parameters packed (cupy_fa.launch), made by the first run
 
     # what a decode-like step runs (the small-q launch; a step of long requests only: theirs)
     @property

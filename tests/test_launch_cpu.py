@@ -1,0 +1,100 @@
+"""The prepared launches of a plan (cupy_fa/launch.py), no GPU: every run of a plan launches the
+bytes a full fill of its structs gives for that run's arrays and cache, whichever run came before
+(another cache, other pointers, sinks on and off, another token count), with the kernels and
+grids of the schedule."""
+
+import types
+
+import numpy as np
+import pytest
+
+from cupy_fa import _build, catalog, plan, schedule
+from cupy_fa.attention import BatchAttention
+from cupy_fa.kv_cache import PagedKVCache
+
+H200 = dict(smem_limit=227 * 1024, sm_count=132, arch="sm_90a")
+A100 = dict(smem_limit=163 * 1024, sm_count=108, arch="sm_80")
+
+
+class _Buf:
+    _next = [0x10000]
+
+    def __init__(self, shape=(1,)):
+        self.shape = shape
+        self.data = types.SimpleNamespace(ptr=_Buf._next[0])
+        _Buf._next[0] += 0x1000
+
+
+def fields(params):
+    """Every field of a params struct, by name (its padding bytes are no field)."""
+    return tuple((name, params[name].item()) for name in params.dtype.names)
+
+
+def _cache(page_size):
+    cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=page_size, num_pages=1000 + page_size, is_fp8=False)
+    cache.attention_params = types.MethodType(PagedKVCache.attention_params, cache)
+    return cache
+
+
+STEPS = [  # (q_lens, kv_lens, target, window, soft_cap)
+    ([1] * 64, [4096] * 64, H200, 0, 0.0),          # decode, folding CTAs, no merge
+    ([1], [131072], H200, 0, 0.0),                  # one long decode: groups folded, then the merge
+    ([1, 2048, 1, 4], [4096, 4096, 700, 3000], H200, 0, 0.0),  # mixed: both families, one merge
+    ([4096, 300], [4096, 2000], H200, 0, 0.0),      # prefill on the wgmma family
+    ([4, 4, 4], [5000, 9000, 300], A100, 0, 0.0),   # verify on an A100
+    ([1] * 8, [20000] * 8, H200, 1024, 0.0),        # a window
+    ([17, 1], [4000, 4000], H200, 0, 30.0),         # a soft-cap
+]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,target,window,soft_cap", STEPS)
+def test_every_run_launches_the_full_fill(monkeypatch, q_lens, kv_lens, target, window, soft_cap):
+    attn = BatchAttention(32, 8, 128, "bfloat16")
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
+    sched = schedule.schedule_step(128, 4, 8, q_lens=q_lens, kv_lens=kv_lens, window=window, **target)
+    state = plan.PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300,
+                           0, None, window=window, soft_cap=soft_cap)
+    calls = []
+    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
+                        calls.append((kernel, tuple(grid), fields(params), programmatic)))
+    caches = [_cache(16), _cache(1), _cache(64)]
+    runs = [(caches[0], None, sum(q_lens)), (caches[0], _Buf(), sum(q_lens)), (caches[1], None, sum(q_lens)),
+            (caches[2], _Buf(), max(sum(q_lens) - 1, 1)), (caches[2], None, sum(q_lens)), (caches[0], None, sum(q_lens))]
+    launches = [x for x in sched.launches if x.work_grid > 0]
+    for cache, sinks, tokens in runs:
+        q, out, lse = _Buf(), _Buf(), _Buf()
+        calls.clear()
+        attn._launcher.launch(state, buffers, cache, q, out, lse, tokens, None, sinks)
+        sinks_ptr = sinks.data.ptr if sinks is not None else 0
+        hooked = bool(window or soft_cap or sinks_ptr)
+        want = []
+        for launch in launches:
+            params = attn._launcher.params(state, buffers, launch, q=q.data.ptr, out=out.data.ptr, lse=lse.data.ptr,
+                                           sinks=sinks_ptr, num_tokens=tokens, **cache.attention_params())
+            tile = launch.tile.with_variants() if hooked else launch.tile
+            want.append((catalog.attention_kernel("bfloat16", tile), (launch.ctas,), fields(params), False))
+        if sched.needs_merge:
+            shape, grid = schedule.merge_grid(tokens, 32)
+            merge = attn._launcher.merge_params(state, buffers, out=out.data.ptr, lse=lse.data.ptr, sinks=sinks_ptr)
+            want.append((catalog.merge_kernel("bfloat16", 128, shape), grid, fields(merge), True))
+        assert calls == want
+    assert len(calls) == len(launches) + int(sched.needs_merge) >= 1
+
+
+def test_a_new_plan_packs_anew(monkeypatch):
+    """The packed structs belong to one plan and its buffers: a later plan (or grown buffers) packs its own."""
+    attn = BatchAttention(32, 8, 128, "bfloat16")
+    calls = []
+    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
+                        calls.append(fields(params)))
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    one, two = (types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((1, 300))) for _ in range(2))
+    sched = schedule.schedule_step(128, 4, 8, q_lens=[1], kv_lens=[4096], **H200)
+    state = plan.PlanState(1, 1, sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300, 0, None)
+    cache, q, out = _cache(16), _Buf(), _Buf()
+    attn._launcher.launch(state, one, cache, q, out, None, 1, None)
+    attn._launcher.launch(state, two, cache, q, out, None, 1, None)
+    assert calls[0] != calls[1] and state.prepared.buffers is two
