@@ -226,7 +226,7 @@ def test_compile_many_in_worker_processes(cache):
 
 
 def test_compile_many_reports_a_failing_variant(cache):
-    broken = _build.Kernel("merge_states.cu", "cupy_fa::no_such_kernel<int>", 64)
+    broken = _compile.Kernel("shared/merge_states.cu", "cupy_fa::no_such_kernel<int>", 64)
     with pytest.raises(RuntimeError, match="no_such_kernel"):
         _compile.compile_many([SMALL, broken], "sm_90a", jobs=2, progress=False)
 
@@ -239,7 +239,7 @@ def test_compile_many_refuses_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _compile.compile_many(**args)
     with pytest.raises(TypeError, match="kernels must be"):
-        _compile.compile_many(["merge_states.cu"], "sm_90a")
+        _compile.compile_many(["shared/merge_states.cu"], "sm_90a")
 
 
 def test_progress_line_on_stderr(cache, capsys):
@@ -254,7 +254,7 @@ def test_progress_line_on_stderr(cache, capsys):
 
 CHILD = textwrap.dedent("""
     import hashlib, json, os, sys, time
-    from cupy_fa import _build, _cache, schedule
+    from cupy_fa import _cache, _compile, catalog
     if os.environ.get("NO_LOCK"):  # as on a file system without locks: the atomic rename alone
         import contextlib
         _cache.locked = lambda directory, key: contextlib.nullcontext()
@@ -387,7 +387,7 @@ def test_get_function_hands_the_entry_to_the_loader(cache, monkeypatch):
     monkeypatch.setattr(_build, "_functions", {})
     monkeypatch.setattr(_build, "_modules", {})
     monkeypatch.setattr(_build, "_native_arch", lambda device_id: "sm_90a")
-    variant = _build.Kernel(SMALL.source, SMALL.expression, SMALL.threads, smem_bytes=64 * 1024)
+    variant = _compile.Kernel(SMALL.source, SMALL.expression, SMALL.threads, smem_bytes=64 * 1024)
     fn = _build.get_function(variant, 0)
     lowered, cubin = _cache.load(str(directory), key_of(variant))
     assert fake.loaded == [cubin]  # the entry's cubin, as getCUBIN gave it

@@ -53,7 +53,7 @@ def test_sm90a_guard_holds():
     """The sm_90a build really targets sm_90a (the header #errors otherwise)."""
     from cupy.cuda import nvrtc
 
-    src = '#define CUPY_FA_REQUIRE_SM90A\n#include "common.cuh"\n__global__ void k() {}\n'
+    src = '#define CUPY_FA_REQUIRE_SM90A\n#include "shared/common.cuh"\n__global__ void k() {}\n'
     options = [o for o in _compile.compile_options("sm_90a")]
     prog = nvrtc.createProgram(src, "guard.cu", [], [])
     nvrtc.compileProgram(prog, options)  # sm_90a: compiles
