@@ -31,17 +31,44 @@ def check_resources(kernel, resources):
     return resources
 
 
-def compile_all(arch="sm_90a", only=""):
-    """Every kernel an ``arch`` build can launch (the wgmma family only for sm_90a), compiled:
-    returns [(kernel, resources dict, seconds)]; raises on the first failure, a compile error
-    or a kernel whose resource line is missing."""
-    rows = []
-    for kernel in catalog.all_kernels(arch):
-        if only and only not in kernel.expression:
-            continue
-        start = time.perf_counter()
-        _, resources = _compile.compile_cubin(kernel, arch)
-        rows.append((kernel, check_resources(kernel, resources), time.perf_counter() - start))
+def _compile_one(task):
+    """One kernel in a worker process: (index, resources, seconds)."""
+    index, kernel, arch = task
+    start = time.perf_counter()
+    _, resources = _compile.compile_cubin(kernel, arch)
+    return index, resources, time.perf_counter() - start
+
+
+def compile_all(arch="sm_90a", only="", jobs=None, progress=None):
+    """Every kernel an ``arch`` build can launch (the wgmma family only for sm_90a), compiled in
+    ``jobs`` processes at once (default: every core this process may use): returns
+    [(kernel, resources dict, seconds)] in the catalog's order; raises on the first failure, a
+    compile error or a kernel whose resource line is missing. ``progress``: a line on stderr as
+    they finish (``None``: when stderr is a terminal, else every tenth)."""
+    import concurrent.futures
+
+    kernels = [k for k in catalog.all_kernels(arch) if not only or only in k.expression]
+    jobs = _compile.default_jobs() if jobs is None else jobs
+    tty = sys.stderr.isatty()
+    show = tty if progress is None else bool(progress)
+    rows, start = [None] * len(kernels), time.perf_counter()
+    tasks = [(i, k, arch) for i, k in enumerate(kernels)]
+    if jobs <= 1 or len(kernels) <= 1:
+        results = map(_compile_one, tasks)
+        pool = None
+    else:
+        pool = concurrent.futures.ProcessPoolExecutor(min(jobs, len(kernels)))
+        results = (f.result() for f in concurrent.futures.as_completed([pool.submit(_compile_one, t) for t in tasks]))
+    try:
+        for done, (index, resources, seconds) in enumerate(results, 1):
+            rows[index] = (kernels[index], check_resources(kernels[index], resources), seconds)
+            if show or (progress is None and done % max(1, len(kernels) // 10) == 0) or done == len(kernels):
+                end = "\r" if tty and done < len(kernels) else "\n"
+                print(f"compiled {done}/{len(kernels)} kernels for {arch} on {jobs} process{'es' if jobs != 1 else ''}, "
+                      f"{time.perf_counter() - start:.0f} s", end=end, file=sys.stderr, flush=True)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return rows
 
 
@@ -65,10 +92,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--only", default="", help="substring of the kernel name")
+    parser.add_argument("--jobs", type=int, default=None, help="processes compiling at once (default: every core)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any kernel spills or has a stack frame")
     args = parser.parse_args(argv)
     try:
-        rows = compile_all(args.arch, args.only)
+        rows = compile_all(args.arch, args.only, args.jobs)
     except MissingResources as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -190,7 +190,8 @@ def _compile_key(arch):
 
 
 def compile_table(arch="sm_90a", recompile=False):
-    """Every kernel compiled for ``arch`` without a GPU: (table text, seconds, cached?)."""
+    """Every kernel compiled for ``arch`` without a GPU: (rows, seconds, cached?), rows as
+    ``compile_check.compile_all`` gives them."""
     from . import compile_check, catalog
 
     path = compile_cache_dir() / f"compile_check-{arch}-{_compile_key(arch)}.json"
@@ -199,7 +200,7 @@ def compile_table(arch="sm_90a", recompile=False):
         try:
             saved = json.loads(path.read_text())
             rows = [(kernels[r["expression"]], r["resources"], r["seconds"]) for r in saved["rows"]]
-            return compile_check.format_table(rows), saved["seconds"], True
+            return rows, saved["seconds"], True
         except (KeyError, ValueError, TypeError):
             pass  # an unreadable entry: compile again
     start = time.perf_counter()
@@ -211,21 +212,28 @@ def compile_table(arch="sm_90a", recompile=False):
             {"expression": v.expression, "resources": res, "seconds": t} for v, res, t in rows]}))
     except OSError:
         pass  # a read-only home: the next run compiles again
-    return compile_check.format_table(rows), seconds, False
+    return rows, seconds, False
 
 
 def _no_gpu(problem, args):
+    from . import compile_check
+
     print(f"No usable GPU: {problem}.")
-    print(f"Compiling every kernel for {args.arch} with NVRTC instead (no GPU needed).\n")
-    table, seconds, cached = compile_table(args.arch, args.recompile)
-    print(table)
-    count = table.count("\n")
+    print(f"Compiling every kernel for {args.arch} with NVRTC instead (no GPU needed, every core).", flush=True)
+    rows, seconds, cached = compile_table(args.arch, args.recompile)
+    if args.table:
+        print(compile_check.format_table(rows))
+    regs = [res["registers"] for _, res, _ in rows]
+    _, spilled, stacked = compile_check.summary(rows, args.arch)
+    figures = f"registers {min(regs)}-{max(regs)}, {len(spilled)} with spills, {len(stacked)} with a stack frame"
+    more = "" if args.table else "; --table for each kernel"
     if cached:
-        print(f"{count} kernels compile for {args.arch} (cached table of an earlier {seconds:.0f} s compile, "
-              f"same sources, NVRTC and options; --recompile to compile again)")
+        print(f"{len(rows)} kernels compile for {args.arch}: {figures} (the table of an earlier {seconds:.0f} s "
+              f"compile of the same sources, NVRTC and options; --recompile to compile again{more})")
     else:
-        print(f"{count} kernels compiled for {args.arch} in {seconds:.0f} s (cached for the next run)")
-    print("\nNothing was run: the kernels above compile. Run `make demo` on a machine with an NVIDIA GPU "
+        print(f"{len(rows)} kernels compiled for {args.arch} in {seconds:.0f} s: {figures} (kept for the next "
+              f"run{more})")
+    print("\nNothing was run: the kernels compile. Run `make demo` on a machine with an NVIDIA GPU "
           "(sm_80 or newer) and its driver to see them checked and timed.")
     return 0
 
@@ -235,6 +243,8 @@ def parse_args(argv=None):
         prog="python -m cupy_fa.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm_90a", help="target of the no-GPU compile (default sm_90a)")
     parser.add_argument("--recompile", action="store_true", help="ignore the cached no-GPU compile table")
+    parser.add_argument("--table", action="store_true",
+                        help="without a GPU: print each kernel's registers, spills and shared memory")
     return parser.parse_args(argv)
 
 

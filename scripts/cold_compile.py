@@ -3,7 +3,7 @@
 Usage (repo root): python3 scripts/cold_compile.py [--json PATH]           (a GPU machine)
                    python3 scripts/cold_compile.py --nvrtc [--json PATH]   (no device needed)
 
---nvrtc, on the CPU with NVRTC alone (cupy_fa._build, the options the cached build uses): where
+--nvrtc, on the CPU with NVRTC alone (cupy_fa._compile, the options the cached build uses): where
 NVRTC's time goes for the first decode variant (D 128, group 4, fp16), the first prefill
 variant (the sm_90a wgmma family at D 128), the plan kernel and merge_states (each timed as a
 cubin, as PTX only, as a syntax check only, and by NVRTC's own --time phases: front end, NVVM
