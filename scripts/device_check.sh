@@ -18,7 +18,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} CUPY_FA_CACHE_DIR=${CUPY_FA_CACHE_DIR:-/tmp/cupy_fa_cache}
 stages=${1:-all}; kexpr=${2:-}
 want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [[ " ab ncu sanitizer soak " != *" $1 "* ]]; }; }
 t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
