@@ -104,3 +104,31 @@ def test_a_new_plan_packs_anew(monkeypatch):
     attn._launcher.launch(state, one, cache, q.data.ptr, out.data.ptr, 0, 1, 7, 0, 0)
     attn._launcher.launch(state, two, cache, q.data.ptr, out.data.ptr, 0, 1, 7, 0, 0)
     assert calls[0] != calls[1] and state.prepared.buffers is two
+
+
+def test_a_plan_of_the_same_shape_shares_the_prepared_step(monkeypatch):
+    """A prepared step matches a later plan on the same buffers and device whose schedule, batch,
+    mask, scale, page-table columns and stride, mask entries and variants are all the same (what
+    BatchAttention.plan_staged reuses), and no other."""
+    import dataclasses
+
+    attn = BatchAttention(32, 8, 128, "bfloat16")
+    monkeypatch.setattr(_build, "launch_packed", lambda launch, stream_ptr: None)
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((64, 300)))
+    sched = schedule.schedule_step(128, 4, 8, q_lens=[1] * 64, kv_lens=[4096] * 64, **H200)
+    state = plan.PlanState(64, 64, sched, plan.MASK_CAUSAL, 0.088, None, None, None, 256, 0, None,
+                           page_table_stride=256)
+    attn._launcher.launch(state, buffers, _cache(16), 1 << 41, 1 << 42, 0, 64, 7, 0, 0)
+    prepared = state.prepared
+    same = dataclasses.replace(state, prepared=None, stream_ptr=9, checked_geometry=set())
+    assert prepared.matches(same, buffers, 0)
+    again = schedule.schedule_step(128, 4, 8, q_lens=[1] * 64, kv_lens=[4001] * 64, **H200)  # an equal schedule
+    assert prepared.matches(dataclasses.replace(same, schedule=again), buffers, 0)
+    for change in (dict(sm_scale=0.1), dict(batch_size=63), dict(page_table_columns=255), dict(page_table_stride=300),
+                   dict(mask_mode=plan.MASK_NONE), dict(window=64), dict(soft_cap=30.0), dict(mask_entries=4),
+                   dict(schedule=schedule.schedule_step(128, 4, 8, q_lens=[1] * 64, kv_lens=[40960] * 64, **H200))):
+        assert not prepared.matches(dataclasses.replace(same, **change), buffers, 0), change
+    assert not prepared.matches(same, types.SimpleNamespace(**vars(buffers)), 0)
+    assert not prepared.matches(same, buffers, 1)
