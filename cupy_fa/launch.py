@@ -48,10 +48,12 @@ class PreparedStep:
         self.attention = []
         for launch in self.launches:
             packed = np.array([launcher.params(state, buffers, launch, **zero)], _ATTENTION)
-            kernels = (catalog.attention_kernel(launcher.types, launch.tile),
-                       catalog.attention_kernel(launcher.types, launch.tile.with_variants()))
             # one CTA per (work item, KV head), heads fastest (kernels/mma_sync/work.cuh): schedule.launch_grid
-            plain, hooked = (_build.PackedLaunch(k, (launch.ctas,), packed, device_id) for k in kernels)
+            plain = _build.PackedLaunch(catalog.attention_kernel(launcher.types, launch.tile), (launch.ctas,), packed,
+                                        device_id)
+            hooked = None if launcher.types.kv_bytes == 1 else _build.PackedLaunch(  # (an fp8 cache has no hooks)
+                catalog.attention_kernel(launcher.types, launch.tile.with_variants()), (launch.ctas,), packed,
+                device_id)
             self.attention.append((plain, hooked, packed.data.cast("B")))
         self.merge = None
         if sched.needs_merge:

@@ -132,3 +132,22 @@ def test_a_plan_of_the_same_shape_shares_the_prepared_step(monkeypatch):
         assert not prepared.matches(dataclasses.replace(same, **change), buffers, 0), change
     assert not prepared.matches(same, types.SimpleNamespace(**vars(buffers)), 0)
     assert not prepared.matches(same, buffers, 1)
+
+
+def test_an_fp8_plan_prepares_without_the_hooked_kernels(monkeypatch):
+    """An fp8 cache's kernels have no build with the variant hooks (catalog.attention_kernel refuses
+    one): its prepared step holds the plain launches only, and runs them."""
+    attn = BatchAttention(32, 8, 128, "bfloat16", kv_dtype="float8_e4m3fn")
+    calls = []
+    monkeypatch.setattr(_build, "launch_packed", record(calls, lambda kernel, grid, params, programmatic: kernel))
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((8, 300)))
+    sched = schedule.schedule_step(128, 4, 8, q_lens=[1] * 8, kv_lens=[8192] * 8, kv_bytes=1, **H200)
+    state = plan.PlanState(8, 8, sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300, 0, None)
+    cache = _cache(16)
+    cache.is_fp8 = False  # (its scale fields read as 0 here: only the launches are checked)
+    attn._launcher.launch(state, buffers, cache, 1 << 41, 1 << 42, 0, 8, 7, 0, 0)
+    assert all(hooked is None for _, hooked, _ in state.prepared.attention)
+    assert calls and all(k == catalog.attention_kernel(attn._types, x.tile) for k, x in
+                         zip(calls, [x for x in sched.launches if x.work_grid > 0]))
