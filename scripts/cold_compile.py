@@ -142,6 +142,7 @@ def main(argv=None):
     parser.add_argument("--nvrtc", action="store_true", help="the CPU figures: NVRTC alone, no device")
     parser.add_argument("--serial-limit", type=float, default=None,
                         help="seconds the one-process warmup may take (stopped there: the kernels done by then)")
+    parser.add_argument("--no-serial", action="store_true", help="skip the one-process warmup")
     parser.add_argument("--keep", help="leave the cache the every-core warmup filled in this directory")
     args = parser.parse_args(argv)
     if args.nvrtc:
@@ -153,7 +154,8 @@ def main(argv=None):
         decode_first = run(FIRST_CALLS, os.path.join(scratch, "decode_first"), "decode")
         cold = run(WARMUP, warm_dir)  # every core
         warm = run(WARM, warm_dir)  # the cache the cold warm-up filled
-        serial = run(WARMUP, os.path.join(scratch, "serial"), "1", limit=args.serial_limit)  # one process
+        serial = {"rows": [], "skipped": True} if args.no_serial else \
+            run(WARMUP, os.path.join(scratch, "serial"), "1", limit=args.serial_limit)  # one process
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     by_source = {}
@@ -173,6 +175,8 @@ def main(argv=None):
     print(f"  warmup(): {cold['kernels']} kernels, empty cache, {cold['jobs']:2d} processes  {cold['total_s']:7.2f}")
     if "total_s" in serial:
         print(f"  warmup(jobs=1): the same, one process                 {serial['total_s']:7.2f}")
+    elif serial.get("skipped"):
+        print("  warmup(jobs=1): not measured here (--no-serial)")
     else:
         done = sum(r[2] for r in serial["rows"])
         print(f"  warmup(jobs=1): stopped at {serial['stopped_at_s']:.0f} s: {serial['kernels_done']} of "
