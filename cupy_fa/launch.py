@@ -26,9 +26,17 @@ _MERGE = _params.DTYPES["MergeParams"]
 _CACHE_FIELDS = ("k_cache", "v_cache", "page_size", "page_shift", "num_pages", "k_scale", "v_scale")
 
 
+# struct's codes of standard size (``"<"``) by NumPy kind and size: NumPy's own ``char`` of a uint64
+# field is ``"L"``, which struct packs in 4 bytes under ``"<"``
+_STRUCT_CODES = {("u", 8): "Q", ("i", 8): "q", ("u", 4): "I", ("i", 4): "i", ("f", 4): "f", ("f", 8): "d"}
+
+
 def _setter(dtype, fields):
     """``set(buffer, values)``: writes ``values`` into ``fields`` of a packed ``dtype`` struct."""
-    packers = [(struct.Struct("<" + dtype.fields[f][0].char), dtype.fields[f][1]) for f in fields]
+    def code(field):
+        kind = dtype.fields[field][0]
+        return _STRUCT_CODES[kind.kind, kind.itemsize]
+    packers = [(struct.Struct("<" + code(f)), dtype.fields[f][1]) for f in fields]
 
     def write(buffer, values):
         for (packer, offset), value in zip(packers, values):
