@@ -188,7 +188,7 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, 
     with cupy.cuda.Device(device_id):
         arch = _build.device_arch(device_id)
         wanted = warmup_kernels(dtypes, head_dims, _build.device_smem_limit(device_id), arch, kv_dtypes, variants)
-        _compile.compile_many(wanted, arch, jobs, progress)
+        _compile.compile_many(wanted, _build.loadable_arch(device_id), jobs, progress)  # what get_function loads
         for kernel in wanted:
             _build.get_function(kernel, device_id)  # now a load from the cache
     return len(wanted)
