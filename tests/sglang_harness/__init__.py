@@ -14,7 +14,14 @@ import functools
 
 @functools.lru_cache(maxsize=None)
 def prepare():
+    from . import placeholders
+
+    installed = placeholders.install_all()  # before transformers asks whether torchvision is there
+    import transformers.utils.import_utils as availability
     from transformers import AutoConfig
+
+    for name in ("is_torchvision_available", "is_vision_available"):
+        getattr(getattr(availability, name, None), "cache_clear", lambda: None)()
 
     original = AutoConfig.register
 
@@ -22,9 +29,6 @@ def prepare():
         return original(model_type, config, exist_ok=True)
 
     AutoConfig.register = staticmethod(register)
-    from . import placeholders
-
-    installed = placeholders.install_all()
     import cupy_fa.integrations.sglang as cupy_fa_sgl
 
     cupy_fa_sgl.register()

@@ -64,15 +64,17 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        return _new_module(spec.name, self.bodies)
+        return _new_module(spec.name, self.bodies, self)
 
     def exec_module(self, module):
         pass
 
 
-def _new_module(name, bodies):
+def _new_module(name, bodies, finder=None):
     module = _Module(name)
     module.__path__ = []
+    # a spec, so importlib.util.find_spec (transformers' availability checks) sees the package
+    module.__spec__ = importlib.machinery.ModuleSpec(name, finder, is_package=True)
     module.__version__ = "0.0.0+placeholder"
     module.__dict__.update(bodies.get(name, {}))
     return module
@@ -85,8 +87,9 @@ def install(root, bodies=None, *, only_if_missing=True):
     if only_if_missing and root not in sys.modules and importlib.util.find_spec(root) is not None:
         return False
     bodies = bodies or {}
-    sys.modules[root] = _new_module(root, bodies)
-    sys.meta_path.insert(0, _Finder(root, bodies))
+    finder = _Finder(root, bodies)
+    sys.modules[root] = _new_module(root, bodies, finder)
+    sys.meta_path.insert(0, finder)
     return True
 
 
