@@ -231,7 +231,7 @@ class PackedLaunch:
     where the arch, the driver and the knob allow it (:func:`launch`)."""
 
     __slots__ = ("kernel", "grid", "packed", "raw", "device_id", "programmatic", "_grid3", "_args", "_fn", "_config",
-                 "_ex")
+                 "_config_ptr", "_ex")
 
     def __init__(self, kernel, grid, packed, device_id, programmatic=False):
         self.kernel, self.packed, self.device_id, self.programmatic = kernel, packed, device_id, programmatic
@@ -240,7 +240,7 @@ class PackedLaunch:
         self._grid3 = self.grid + (1,) * (3 - len(self.grid))
         self._args = (ctypes.c_void_p * 1)(packed.ctypes.data)  # the one kernel parameter: the struct
         self._fn = None
-        self._config = self._ex = None
+        self._config = self._config_ptr = self._ex = None
 
     @property
     def args(self):
@@ -256,6 +256,7 @@ class PackedLaunch:
                                          (ctypes.c_uint * 3)(self.kernel.threads, 1, 1), self.kernel.smem_bytes,
                                          None, ctypes.pointer(attr), 1)
             self._config._attr = attr  # kept alive with the config
+            self._config_ptr = ctypes.pointer(self._config)  # (made once: each launch passes it as it is)
             self._ex = _driver()
         self._fn = fn.kernel.ptr
         return self._fn
@@ -269,7 +270,7 @@ def launch_packed(launch, stream_ptr):
     if launch._config is not None and knobs().pdl:
         config = launch._config
         config.stream = stream_ptr
-        status = launch._ex(ctypes.byref(config), fn, launch._args, None)
+        status = launch._ex(launch._config_ptr, fn, launch._args, None)
         if status != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status} for {launch.kernel.expression} (a "
                                "programmatic launch; CUPY_FA_PDL=0 launches it the ordinary way)")

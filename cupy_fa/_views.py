@@ -148,6 +148,42 @@ def view(x, name, stream=None):
     return View(dev, data.ptr, dev.shape, dev.dtype, data.device_id, dev.flags.c_contiguous, OTHER)
 
 
+def intake(arrays, names, device_id, stream_from=3):
+    """Views of ``arrays`` (None where an array is None) and the stream to launch on, in one pass:
+    the stream is torch's current stream of the first torch CUDA tensor among the first
+    ``stream_from`` arrays, else CuPy's current stream of ``device_id`` (:func:`caller_stream`'s
+    rule); arrays of other DLPack producers are exchanged on that stream (:func:`view`)."""
+    views, torch_device, rest = [None] * len(arrays), None, False
+    for i, x in enumerate(arrays):
+        if x is None:
+            continue
+        kind = kind_of(x)
+        if kind == TORCH and x.is_cuda:
+            dtype = _TORCH_DTYPES.get(x.dtype) or _torch_dtypes().get(x.dtype)
+            device = x.get_device()
+            if torch_device is None and i < stream_from:
+                torch_device = device
+            if dtype is not None:
+                views[i] = View(x, x.data_ptr(), x.shape, dtype, device, x.is_contiguous(), TORCH)
+                continue
+        elif kind == CUPY:
+            data = x.data
+            views[i] = View(x, data.ptr, x.shape, x.dtype, data.device_id, x.flags.c_contiguous, CUPY)
+            continue
+        rest = True
+    if torch_device is not None:
+        stream = torch_stream(torch_device)
+    else:
+        import cupy
+
+        stream = cupy.cuda.get_current_stream(device_id)
+    if rest:  # other producers, CPU tensors and host arrays: view() exchanges them or says why not
+        for i, x in enumerate(arrays):
+            if x is not None and views[i] is None:
+                views[i] = view(x, names[i], stream)
+    return stream, views
+
+
 # ---- the caller's stream ---------------------------------------------------------------------
 
 _handles = {}

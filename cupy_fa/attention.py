@@ -26,6 +26,9 @@ from .launch import StepLauncher, check_run
 from .variants import checked_soft_cap, checked_window, refuse_fp8_variants
 
 
+_RUN_ARRAYS = ("q", "out", "lse", "sinks")
+
+
 class BatchAttention:
     """Attention of a ragged batch of queries over a paged KV cache: :meth:`plan` a step,
     then :meth:`run` it for each layer.
@@ -249,12 +252,12 @@ class BatchAttention:
         self._busy_with = None
         self._busy.release()
 
-    def _order_after_previous(self, stream):
+    def _order_after_previous(self, stream, capturing):
         """A plan on another stream than the previous plan (or its runs) first waits for the work
         queued there: it rewrites the metadata those kernels read. An event per stream that
         changed, no host sync; inside a capture the capturing code orders the capture itself."""
         previous = self._plan
-        if previous is None or stream.is_capturing():
+        if previous is None or capturing:
             return
         for other in (previous.stream, *previous.other_streams.values()):
             if other is not None and other.ptr != stream.ptr and not other.is_capturing():
@@ -267,17 +270,17 @@ class BatchAttention:
         sm_scale = _plan.checked_sm_scale(sm_scale, self.head_dim)
         stream = step.stream if step.stream is not None else _views.current_stream(self.device_id)
         capturing = stream.is_capturing()
-        self._order_after_previous(stream)
+        self._order_after_previous(stream, capturing)
         if step.num_tokens is not None:
             tokens_needed = step.num_tokens
         else:  # device lengths: an auto-sized instance grows to the bound; a fixed one checks q in run()
             tokens_needed = 0 if self._fixed_capacity else step.batch * step.max_q_len
-        with stream:  # allocations (and their memsets) ordered with the copies below
-            self._ensure_capacity(step.batch, tokens_needed, step.page_columns, step.mask_bytes if step.has_mask else 0,
-                                  capturing)
+        self._ensure_capacity(step.batch, tokens_needed, step.page_columns, step.mask_bytes if step.has_mask else 0,
+                              capturing, stream)
         stride = _plan.stage_inputs(self._buffers, step, stream=stream)
         mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
-        return self.plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, window, soft_cap, stride)
+        return self.plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, window, soft_cap, stride,
+                                capturing)
 
     # ---- staged steps: the interface GraphRunner builds on ---------------------------
     #
@@ -292,11 +295,12 @@ class BatchAttention:
         return self._buffers
 
     def plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check=None, window=0, soft_cap=0.0,
-                    stride=0):
+                    stride=0, capturing=None):
         """The plan of a step whose inputs are in :attr:`plan_buffers` already (``step`` the
         ``cupy_fa.plan.StepInputs`` they came from, ``sm_scale`` checked, the page table's rows
         ``stride`` apart; 0: the buffer's width): its schedule (cupy_fa.schedule, memoised per
-        shape: cupy_fa._memo) and the plan kernel on ``stream``."""
+        shape: cupy_fa._memo) and the plan kernel on ``stream`` (``capturing``: whether it is capturing,
+        where the caller knows)."""
         buffers = self._buffers
         device_id = self.device_id
         # the bounds the plan kernel holds device lengths to (host lengths were checked already)
@@ -315,7 +319,7 @@ class BatchAttention:
         _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=step.max_q_len,
                           max_kv_len=min(kv_bound, 2**31 - 1), window=window)
         done = None
-        if not stream.is_capturing():
+        if not (stream.is_capturing() if capturing is None else capturing):
             if self._done is None:
                 import cupy
 
@@ -344,10 +348,15 @@ class BatchAttention:
                 sm_count=_build.device_attribute("MultiProcessorCount", device_id)))
         return facts[2]
 
-    def _ensure_capacity(self, batch, tokens, pages, mask_bytes, capturing):
+    def _ensure_capacity(self, batch, tokens, pages, mask_bytes, capturing, stream):
         buffers = self._buffers
         if buffers is not None and buffers.capacity.fits(batch, tokens, pages, mask_bytes):
             return
+        with stream:  # allocations (and their memsets) ordered with the copies that follow
+            self._grow(batch, tokens, pages, mask_bytes, capturing)
+
+    def _grow(self, batch, tokens, pages, mask_bytes, capturing):
+        buffers = self._buffers
         if self._fixed_capacity or capturing:
             cap = buffers.capacity if buffers is not None else None
             raise ValueError(f"step (batch {batch}, tokens {tokens}, page-table columns {pages}, mask bytes "
@@ -441,11 +450,7 @@ class BatchAttention:
                 f"BatchAttention per thread")
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
-        stream = _views.caller_stream((q, out, lse), self.device_id)
-        q_v = _views.view(q, "q", stream)
-        out_v = _views.view(out, "out", stream) if out is not None else None
-        lse_v = _views.view(lse, "lse", stream) if lse is not None else None
-        sinks_v = _views.view(sinks, "sinks", stream) if sinks is not None else None
+        stream, (q_v, out_v, lse_v, sinks_v) = _views.intake((q, out, lse, sinks), _RUN_ARRAYS, self.device_id)
         check_run(self, state, q_v, cache, out_v, lse_v)
         if sinks_v is not None and not sinks_v.fits(np.float32, (self.num_qo_heads,), self.device_id, 4):
             _arrays.check_device_array(sinks_v, "sinks", dtype=np.float32, ndim=1, shape=(self.num_qo_heads,),

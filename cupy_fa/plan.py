@@ -45,8 +45,9 @@ class Capacity:
 class PlanBuffers:
     """Device buffers for one capacity: the step's inputs (lengths, page table,
     mask), the plan kernel's outputs, and the split-KV workspace, on the device current when they
-    are made (``device_id``). ``q_lens`` and ``kv_lens`` are the two halves of one array
-    (``lengths``), so host lengths go over in one copy (:func:`stage_inputs`)."""
+    are made (``device_id``). ``q_lens``, ``kv_lens`` and ``page_table`` are consecutive parts of
+    one array (``inputs``), so a host step's lengths and page table go over in one copy from a host
+    mirror (``host_inputs``; :func:`stage_inputs`)."""
 
     def __init__(self, capacity, num_qo_heads, head_dim, dtype_name):
         from . import _arrays
@@ -58,9 +59,13 @@ class PlanBuffers:
         self.device_id = cupy.cuda.runtime.getDevice()
         b = capacity.max_batch_size
         i32 = np.int32
-        self.lengths = cupy.zeros(2 * b, i32)
-        self.q_lens, self.kv_lens = self.lengths[:b], self.lengths[b:]
-        self.page_table = cupy.zeros((b, max(capacity.max_pages_per_request, 1)), i32)
+        width = max(capacity.max_pages_per_request, 1)
+        # q_lens, kv_lens and the page table, one after another in one array: a host step's lengths
+        # and a small page table go over in one copy (stage_inputs)
+        self.inputs = cupy.zeros(2 * b + b * width, i32)
+        self.lengths = self.inputs[:2 * b]
+        self.q_lens, self.kv_lens = self.inputs[:b], self.inputs[b:2 * b]
+        self.page_table = self.inputs[2 * b:].reshape(b, width)
         self.custom_mask = cupy.zeros(max(capacity.max_mask_bytes, 1), np.uint8)
         self.q_indptr = cupy.zeros(b + 1, i32)
         self.work_indptr = cupy.zeros(b + 1, i32)       # the small-q family's work list
@@ -76,8 +81,8 @@ class PlanBuffers:
         rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
-        self.host_lengths = np.zeros(2 * b, i32)  # what the last host step staged, zeros past its batch
-        self.host_lengths_ptr = self.host_lengths.ctypes.data
+        self.host_inputs = np.zeros(2 * b + b * width, i32)  # what host steps stage (lengths: zeros past the batch)
+        self.host_inputs_ptr = self.host_inputs.ctypes.data
         self.staged_batch = 0
         self._plan_launch = None
         self._plan_tiles = None  # (tile, long_tile, knobs, their plan constants) of the last plan
@@ -413,10 +418,14 @@ def check_page_table(step, page_size, num_pages):
         validate_page_table_width(step.page_columns, step.kv_host, step.q_host, page_size)
 
 
+MIRRORED_TABLE_BYTES = 128 << 10  # host page tables up to this size go over with the lengths, in one copy
+
+
 def stage_inputs(buffers, step, pad_to=None, stream=None):
     """Copies a checked step's inputs into the plan buffers on ``stream`` (default: CuPy's current
-    one), with copies and memsets only (no CuPy kernel): host lengths in one copy, a host page
-    table in one, device ones device to device. Returns the page table's row stride in the buffer.
+    one), with copies and memsets only (no CuPy kernel): a host step's lengths and page table in
+    one copy from the host mirror (a table over MIRRORED_TABLE_BYTES in a second one, from the
+    caller's array), device ones device to device. Returns the page table's row stride in the buffer.
 
     Without ``pad_to`` (``BatchAttention.plan``) the page table is written densely, its rows
     ``page_columns`` apart (one copy of the caller's table). With ``pad_to`` (``GraphRunner``: a
@@ -432,8 +441,9 @@ def stage_inputs(buffers, step, pad_to=None, stream=None):
     width = buffers.page_table.shape[1]
     dense = pad_to is None
     stride = pages if dense else width
+    dst = buffers.page_table.data.ptr
     if step.on_host:
-        host = buffers.host_lengths
+        host = buffers.host_inputs
         last = buffers.staged_batch
         if last > batch:  # zeros past this batch (the padding rows a graph step reads)
             host[batch:last] = 0
@@ -441,28 +451,29 @@ def stage_inputs(buffers, step, pad_to=None, stream=None):
         host[:batch] = step.q_host
         host[cap:cap + batch] = step.kv_host
         buffers.staged_batch = batch
-        # q_lens whole (zeros past the batch) and kv_lens up to the padded batch: one copy
-        count = cap + max(batch, pad_to or 0)
-        runtime.memcpyAsync(buffers.lengths.data.ptr, buffers.host_lengths_ptr, 4 * count, runtime.memcpyHostToDevice,
-                            s)
+        table, rows = step.pt_host, 0
+        if batch and pages:
+            if table.nbytes <= MIRRORED_TABLE_BYTES or not dense:  # into the mirror, copied with the lengths
+                mirrored = host[2 * cap:2 * cap + batch * stride].reshape(batch, stride)
+                mirrored[:, :pages] = table
+                if stride > pages:  # a graph step: its width, -1 past the caller's columns
+                    mirrored[:, pages:] = -1
+                rows = batch
+            elif table.dtype != np.int32 or not table.flags.c_contiguous:
+                table = np.ascontiguousarray(table, np.int32)
+        # q_lens and kv_lens whole (zeros past the batch), then the mirrored table rows: one copy
+        runtime.memcpyAsync(buffers.inputs.data.ptr, buffers.host_inputs_ptr, 4 * (2 * cap + rows * stride),
+                            runtime.memcpyHostToDevice, s)
+        if batch and pages and not rows:  # a large table straight from the caller's array: a second copy
+            runtime.memcpyAsync(dst, table.__array_interface__["data"][0], table.nbytes, runtime.memcpyHostToDevice,
+                                s)
     else:
         _copy_ints(buffers.q_lens, step.q_dev, batch, stream)
         _copy_ints(buffers.kv_lens, step.kv_dev, batch, stream)
         if pad_to is not None and pad_to > batch:
             for half in (buffers.q_lens, buffers.kv_lens):
                 runtime.memsetAsync(half.data.ptr + 4 * batch, 0, 4 * (pad_to - batch), s)
-    dst = buffers.page_table.data.ptr
-    if batch and pages:
-        if step.pt_host is not None:
-            table = step.pt_host
-            if not dense and pages < width:  # the graph's width, -1 past the caller's columns
-                full = np.full((batch, width), -1, np.int32)
-                full[:, :pages] = table
-                table = full
-            elif table.dtype != np.int32 or not table.flags.c_contiguous:
-                table = np.ascontiguousarray(table, np.int32)
-            runtime.memcpyAsync(dst, table.__array_interface__["data"][0], table.nbytes, runtime.memcpyHostToDevice, s)
-        else:
+        if batch and pages:
             table = step.pt_dev
             if table.dtype == np.int32 and table.flags.c_contiguous:
                 if stride == pages:

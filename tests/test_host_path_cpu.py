@@ -187,24 +187,41 @@ class FakeDevice:
 
 
 def staged_buffers(device, batch, pages):
+    """PlanBuffers' staging parts over fake device memory: q_lens, kv_lens and the page table in one
+    array, as PlanBuffers lays them out, and the host mirror."""
     buffers = plan.PlanBuffers.__new__(plan.PlanBuffers)
-    lengths = device.array(2 * batch)
-    buffers.lengths = lengths
-    buffers.q_lens = types.SimpleNamespace(data=types.SimpleNamespace(ptr=lengths.data.ptr))
-    buffers.kv_lens = types.SimpleNamespace(data=types.SimpleNamespace(ptr=lengths.data.ptr + 4 * batch))
-    buffers.page_table = device.array((batch, pages))
+    inputs = device.array(2 * batch + batch * pages)
+    base = inputs.data.ptr
+
+    def part(offset, shape):
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=base + 4 * offset), shape=shape)
+
+    buffers.inputs, buffers.lengths = inputs, part(0, (2 * batch,))
+    buffers.q_lens, buffers.kv_lens = part(0, (batch,)), part(batch, (batch,))
+    buffers.page_table = part(2 * batch, (batch, pages))
     buffers.capacity = plan.Capacity(batch, 16 * batch, pages)
-    buffers.host_lengths = np.zeros(2 * batch, np.int32)
-    buffers.host_lengths_ptr = buffers.host_lengths.ctypes.data
+    buffers.host_inputs = np.zeros(2 * batch + batch * pages, np.int32)
+    buffers.host_inputs_ptr = buffers.host_inputs.ctypes.data
     buffers.staged_batch = 0
     buffers.custom_mask = None
     return buffers
 
 
-def test_host_step_staged_in_one_copy_each(monkeypatch):
-    """Host lengths: one copy of q_lens (zeros past the batch, also after a larger batch) and kv_lens;
-    the page table: one copy, dense (rows page_columns apart), for an eager plan; at the buffers'
-    width with -1 past the caller's columns for a graph step, padding rows of q_len = kv_len = 0."""
+def lengths_of(buffers):
+    b = buffers.capacity.max_batch_size
+    return buffers.inputs.host[:2 * b]
+
+
+def table_of(buffers):
+    b = buffers.capacity.max_batch_size
+    return buffers.inputs.host[2 * b:]
+
+
+def test_host_step_staged_in_one_copy(monkeypatch):
+    """A host step: q_lens (zeros past the batch, also after a larger batch), kv_lens and the page
+    table in one copy; the table dense (rows page_columns apart) for an eager plan, at the buffers'
+    width with -1 past the caller's columns for a graph step (padding rows q_len = kv_len = 0); a
+    table over MIRRORED_TABLE_BYTES in a second copy, straight from the caller's array."""
     device = FakeDevice(monkeypatch)
     buffers = staged_buffers(device, 8, 6)
     stream = types.SimpleNamespace(ptr=5)
@@ -213,19 +230,24 @@ def test_host_step_staged_in_one_copy_each(monkeypatch):
         device.calls.clear()
         step = plan.check_step(np.array(q), np.array(kv), table)
         stride = plan.stage_inputs(buffers, step, stream=stream)
-        lengths = buffers.lengths.host
+        lengths = lengths_of(buffers)
         assert lengths[:8].tolist() == q + [0] * (8 - len(q)) and lengths[8:8 + len(kv)].tolist() == kv
-        assert stride == table.shape[1]
-        assert buffers.page_table.host.ravel()[:table.size].tolist() == table.ravel().tolist()
-        assert [c[0] for c in device.calls] == ["memcpy", "memcpy"]
-    buffers.page_table.host[:] = 99
+        assert stride == table.shape[1] and table_of(buffers)[:table.size].tolist() == table.ravel().tolist()
+        assert device.calls == [("memcpy", 1, 4 * (16 + table.size))]  # (kind 1: host to device)
+    table_of(buffers)[:] = 99
     step = plan.check_step(np.array([1, 1]), np.array([3, 4]), np.array([[5, 6], [7, 8]]))
     device.calls.clear()
     stride = plan.stage_inputs(buffers, step, pad_to=4, stream=stream)
-    lengths = buffers.lengths.host  # (kv_lens past the padded batch are never read)
+    lengths = lengths_of(buffers)
     assert stride == 6 and lengths[:8].tolist() == [1, 1, 0, 0, 0, 0, 0, 0] and lengths[8:12].tolist() == [3, 4, 0, 0]
-    assert buffers.page_table.host[:2].tolist() == [[5, 6, -1, -1, -1, -1], [7, 8, -1, -1, -1, -1]]
-    assert [c[0] for c in device.calls] == ["memcpy", "memcpy"]
+    assert table_of(buffers)[:12].reshape(2, 6).tolist() == [[5, 6, -1, -1, -1, -1], [7, 8, -1, -1, -1, -1]]
+    assert [c[0] for c in device.calls] == ["memcpy"]
+    monkeypatch.setattr(plan, "MIRRORED_TABLE_BYTES", 16)
+    device.calls.clear()
+    table = np.arange(12, dtype=np.int64).reshape(3, 4) + 40
+    stride = plan.stage_inputs(buffers, plan.check_step(np.array([1, 1, 1]), np.array([5, 5, 5]), table), stream=stream)
+    assert stride == 4 and table_of(buffers)[:12].tolist() == list(range(40, 52))
+    assert device.calls == [("memcpy", 1, 4 * 16), ("memcpy", 1, 4 * 12)]
 
 
 def test_device_step_staged_device_to_device(monkeypatch):
@@ -234,16 +256,17 @@ def test_device_step_staged_device_to_device(monkeypatch):
     stream = types.SimpleNamespace(ptr=5)
     q, kv, table = device.array(3), device.array(3), device.array((3, 4))
     q.host[:], kv.host[:], table.host[:] = [1, 2, 1], [7, 8, 9], np.arange(12).reshape(3, 4)
-    buffers.lengths.host[:] = 77
+    lengths_of(buffers)[:] = 77
     step = plan.StepInputs(3, None, q, None, kv, None, table, None, None, None, 2, 12, stream)
     stride = plan.stage_inputs(buffers, step, pad_to=4, stream=stream)  # a graph step: width 6, row 3 padding
-    assert stride == 6 and buffers.lengths.host[:4].tolist() == [1, 2, 1, 0]
-    assert buffers.lengths.host[8:12].tolist() == [7, 8, 9, 0]
-    assert buffers.page_table.host[:3].tolist() == [[4 * r + c for c in range(4)] + [-1, -1] for r in range(3)]
+    lengths = lengths_of(buffers)
+    assert stride == 6 and lengths[:4].tolist() == [1, 2, 1, 0] and lengths[8:12].tolist() == [7, 8, 9, 0]
+    assert table_of(buffers)[:18].reshape(3, 6).tolist() == [[4 * r + c for c in range(4)] + [-1, -1]
+                                                               for r in range(3)]
     assert sorted(c[0] for c in device.calls) == ["memcpy", "memcpy", "memcpy2d", "memset", "memset", "memset2d"]
     device.calls.clear()
     stride = plan.stage_inputs(buffers, step, stream=stream)  # an eager plan: dense
-    assert stride == 4 and buffers.page_table.host.ravel()[:12].tolist() == list(range(12))
+    assert stride == 4 and table_of(buffers)[:12].tolist() == list(range(12))
     assert [c[0] for c in device.calls] == ["memcpy", "memcpy", "memcpy"]
 
 
@@ -272,3 +295,55 @@ def test_views_refuse_host_arrays_as_before():
         _views.view(np.zeros((2, 8, 64), np.float16), "q")
     with pytest.raises(TypeError, match="out must be a CUDA device array"):
         _views.view([1, 2], "out")
+
+
+# ---- the launch itself: what the driver is handed ----------------------------------------------
+
+
+def test_packed_launch_hands_the_driver_the_struct_in_place(monkeypatch):
+    """cuLaunchKernel gets the kernel's function, grid, block, shared memory, the stream and a
+    one-entry parameter array pointing at the packed struct's current bytes (so a field written
+    between launches is what the next launch passes); a programmatic launch passes the same
+    through cuLaunchKernelEx with its stream in the prebuilt config, and an ordinary one where
+    CUPY_FA_PDL=0."""
+    import ctypes
+
+    kernel = catalog.merge_kernel("bfloat16", 128, (8, 1))
+    monkeypatch.setattr(_build, "get_function", lambda k, device_id=None: types.SimpleNamespace(
+        kernel=types.SimpleNamespace(ptr=0xF00D)))
+    monkeypatch.setattr(_build, "_programmatic_launch_supported", lambda arch: True)
+    monkeypatch.setattr(_build, "_native_arch", lambda device_id: "sm_90a")
+    seen = []
+
+    def struct_at(params_address):  # what the driver reads: params[0] points at the struct's bytes
+        pointer = ctypes.cast(params_address, ctypes.POINTER(ctypes.c_void_p))[0]
+        return ctypes.string_at(pointer, _params.DTYPES["MergeParams"].itemsize)
+
+    monkeypatch.setattr(_build, "_launch_kernel", lambda: lambda fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra:
+                        seen.append(("plain", fn, (gx, gy, gz), (bx, by, bz), smem, stream, struct_at(params))))
+
+    def launch_ex(config_ptr, fn, params, extra):
+        config = config_ptr.contents
+        seen.append(("ex", fn, tuple(config.grid), tuple(config.block), config.shared_mem_bytes, config.stream,
+                     struct_at(ctypes.addressof(params)), config.attrs[0].id, config.attrs[0].value[0]))
+        return 0
+
+    monkeypatch.setattr(_build, "_driver", lambda: launch_ex)
+    packed = np.array([_params.make("MergeParams", **{f: 0 for f in _params.DTYPES["MergeParams"].names})],
+                      _params.DTYPES["MergeParams"])
+    plain = _build.PackedLaunch(kernel, (5, 2), packed, 0)
+    pdl = _build.PackedLaunch(kernel, (7,), packed, 0, programmatic=True)
+    write = _params.field_setter("MergeParams", ("out",))
+    for out, stream in ((1 << 41, 11), (1 << 42, 12)):
+        write(plain.raw, (out,))
+        _build.launch_packed(plain, stream)
+        _build.launch_packed(pdl, stream)
+        assert packed[0]["out"] == out
+        assert seen[-2] == ("plain", 0xF00D, (5, 2, 1), (kernel.threads, 1, 1), kernel.smem_bytes, stream,
+                            packed.tobytes())
+        assert seen[-1] == ("ex", 0xF00D, (7, 1, 1), (kernel.threads, 1, 1), kernel.smem_bytes, stream,
+                            packed.tobytes(), _build._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    monkeypatch.setenv("CUPY_FA_PDL", "0")
+    knobs.reload()
+    _build.launch_packed(pdl, 13)
+    assert seen[-1][0] == "plain" and seen[-1][5] == 13
