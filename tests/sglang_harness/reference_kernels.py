@@ -48,6 +48,7 @@ class RefAttention:
     def run(self, q, cache, out=None, *, sinks=None):
         p = self.planned
         assert p is not None, "run before plan"
+        assert not q.requires_grad, "q requires grad: the kernels' DLPack import refuses it"
         total = int(p["q"].sum())
         assert q.shape[0] >= total and q.shape[1:] == (self.heads, self.head_dim), (q.shape, total)
         if total == 0:
@@ -82,8 +83,8 @@ class RefKernels:
     def cache(self, layer_id, k_buffer, v_buffer, k_scale=None, v_scale=None):
         from cupy_fa.integrations.sglang.kernels import scale_value
 
-        k = k_buffer.view(k_buffer.shape[0], 1, *k_buffer.shape[1:])
-        v = v_buffer.view(v_buffer.shape[0], 1, *v_buffer.shape[1:])
+        k = k_buffer.detach().view(k_buffer.shape[0], 1, *k_buffer.shape[1:])  # as Kernels.cache does
+        v = v_buffer.detach().view(v_buffer.shape[0], 1, *v_buffer.shape[1:])
         assert k.data_ptr() == k_buffer.data_ptr()  # zero copy
         return Cache(k, v, scale_value(k_scale), scale_value(v_scale))
 
