@@ -307,3 +307,44 @@ def test_refusals_name_what_cupy_fa_does_not_serve(kit):
     layer.v_head_dim, layer.is_cross_attention = 64, True
     with pytest.raises(NotImplementedError, match="does not serve cross attention"):
         fixture.backend._variant(layer, torch.zeros(1, 4, 64), torch.float16)
+
+
+def test_in_graph_metadata_runs_no_torch_op_and_reads_nothing_back(kit, reference_kernels):
+    """init_forward_metadata_in_graph is what a CUDA graph records: here it may only plan (cupy_fa's
+    plan kernel on the device); no torch op (no allocation, no copy) and no host read of a tensor.
+    The step's inputs are written before, by init_forward_metadata_out_graph, into buffers that
+    init_cuda_graph_state allocated once; a replay after new inputs sees them."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    M, dense = kit.M, kit.dense
+    case = dense.DenseAttentionCase(name="in_graph", backend="cupy_fa", forward_mode=M.DECODE, num_heads=4,
+                                    num_kv_heads=2, page_size=16, prefix_lens=(14, 15, 16))
+    fixture = dense.build_dense_attention_fixture(kit.cases.KitTestCase(), case, head_dim=64, hidden_size=128,
+                                                  device="cpu", disable_cuda_graph=False)
+    backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn
+
+    class Recorder(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            Recorder.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        expected = fixture.actual_module(fixture.input_hidden, fb)  # the first forward meets the variant
+        backend.init_forward_metadata_out_graph(fb)  # a "replay": new host part, then what the graph holds
+        before = torch.Tensor.item, torch.Tensor.tolist
+        torch.Tensor.item = torch.Tensor.tolist = lambda *a, **k: pytest.fail("a host read inside in_graph")
+        try:
+            with Recorder():
+                backend.init_forward_metadata_in_graph(fb)
+        finally:
+            torch.Tensor.item, torch.Tensor.tolist = before
+        assert Recorder.ops == [], Recorder.ops
+        assert reference_kernels.made[-1].plans == 2  # planned at the first forward and again in in_graph
+        replayed = fixture.actual_module(fixture.input_hidden, fb)
+    assert torch.equal(replayed, expected)
+    torch.testing.assert_close(replayed, dense.expected_dense_fixture_output(fixture), atol=3e-2, rtol=3e-2)
