@@ -348,3 +348,20 @@ def test_in_graph_metadata_runs_no_torch_op_and_reads_nothing_back(kit, referenc
         replayed = fixture.actual_module(fixture.input_hidden, fb)
     assert torch.equal(replayed, expected)
     torch.testing.assert_close(replayed, dense.expected_dense_fixture_output(fixture), atol=3e-2, rtol=3e-2)
+
+
+def test_an_idle_step_plans_nothing_and_returns_no_rows(kit, reference_kernels):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    case = kit.dense.DenseAttentionCase(name="idle", backend="cupy_fa", forward_mode=kit.M.DECODE, num_heads=4,
+                                        num_kv_heads=2, page_size=1, prefix_lens=(3,))
+    fixture = kit.dense.build_dense_attention_fixture(kit.cases.KitTestCase(), case, head_dim=64, hidden_size=128,
+                                                      device="cpu")
+    idle = types.SimpleNamespace(forward_mode=ForwardMode.IDLE, batch_size=0)
+    fixture.backend.init_forward_metadata(idle)
+    assert fixture.backend.forward_metadata is None
+    fixture.backend.init_forward_metadata_in_graph(idle)  # nothing to plan
+    q = torch.zeros(0, 4 * 64, dtype=torch.float16)
+    out = fixture.backend.forward(q, q[:, :128].view(0, 2, 64), q[:, :128].view(0, 2, 64),
+                                  fixture.actual_module.attn, idle)
+    assert out.shape == (0, 4 * 64) and reference_kernels.made == []
