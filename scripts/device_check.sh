@@ -15,6 +15,9 @@
 # On a GPU machine no GPU test may skip: a skip (a broken driver, a missing device) is an error
 # here, as is a failure, an error or a count other than EXPECT_TESTS; the script then exits 1.
 # Logs go under $OUT (or ./device_out); the summary table is printed last.
+# .fi/ (FlashInfer, scripts/pack_flashinfer.sh) and .sgl/ (SGLang 0.5.17's wheels, scripts/pack_sglang.sh)
+# are used where a checkout has them; without .sgl/ the SGLang backend's GPU tests are not collected
+# and the summary says so.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -30,6 +33,19 @@ if [ -f .fi/flashinfer.tar.xz ]; then  # FlashInfer as an archive (scripts/pack_
     && export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 else  # the archive is git-ignored: a checkout has it only where it was copied in
   echo "flashinfer: .fi/flashinfer.tar.xz absent: the bench runs without it" >> "$summary"
+fi
+
+sglang_ignore=()  # SGLang 0.5.17 and what its attention kit's import needs, as wheels (scripts/pack_sglang.sh)
+if ls .sgl/*.whl > /dev/null 2>&1; then
+  if python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl-site .sgl/*.whl; then
+    export PYTHONPATH=/tmp/sgl-site:$PYTHONPATH
+  else
+    echo "ERROR: sglang: installing .sgl/*.whl failed" >> "$summary"; check_failed=1
+  fi
+else  # never a silent skip: say which GPU tests were left out
+  sglang_ignore=(--ignore=tests/test_sglang_graph_gpu.py)
+  echo "sglang: .sgl/ absent (scripts/pack_sglang.sh makes it): tests/test_sglang_graph_gpu.py, the SGLang" \
+       "backend's 8 GPU tests, not collected" >> "$summary"
 fi
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -48,7 +64,7 @@ if want tests; then
   # The CPU-only modules (tests/*_cpu.py, never a GPU test: tests/test_cuda_probe_cpu.py checks) are
   # not collected: their imports (psutil for the transformers CPU test) need not exist here.
   OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 timeout ${TEST_SECONDS:-300} python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 -m gpu --timeout 240 \
-    --ignore-glob='*_cpu.py' tests ${kexpr:+-k "$kexpr"} -rs --durations=10 --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+    --ignore-glob='*_cpu.py' ${sglang_ignore[@]+"${sglang_ignore[@]}"} tests ${kexpr:+-k "$kexpr"} -rs --durations=10 --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
   test_rc=$?
   grep -E "FAILED|ERROR|Timeout" "$OUT/pytest.log" | head -20 >> "$summary"
   [ -s "$CUPY_FA_FAILURE_LOG" ] && { echo "failure reasons (first lines each):"; grep -A3 "^====" "$CUPY_FA_FAILURE_LOG" | head -40; } >> "$summary"

@@ -204,22 +204,23 @@ def test_layer_variants_reach_the_plan_and_run(kit, reference_kernels):
     layer = fixture.actual_module.attn
     layer.scaling, layer.sliding_window_size, layer.logit_cap = 0.11, 3, 30.0
     sinks = torch.tensor([0.5, -1.0, 0.0, 2.0])
-    with torch.no_grad():
-        q, k, v = fixture.actual_module.project_qkv(fixture.input_hidden)
-        fixture.backend.init_forward_metadata(fixture.forward_batch)
-        out = fixture.backend.forward(q, k.view(-1, 2, 64), v.view(-1, 2, 64), layer, fixture.forward_batch,
-                                      sinks=sinks)
+    # outside torch.no_grad, as SGLang's draft runners call it: q and the pool require grad there
+    q, k, v = fixture.actual_module.project_qkv(fixture.input_hidden)
+    fixture.backend.init_forward_metadata(fixture.forward_batch)
+    out = fixture.backend.forward(q, k.view(-1, 2, 64), v.view(-1, 2, 64), layer, fixture.forward_batch,
+                                  sinks=sinks)
+    assert q.requires_grad
     attn = reference_kernels.made[-1]
     assert attn.planned["sm_scale"] == 0.11 and attn.planned["window"] == 4 and attn.planned["soft_cap"] == 30.0
     from cupy_fa import reference
 
     pool = fixture.runner.token_to_kv_pool
     ref = reference.paged_attention(
-        q.view(-1, 4, 64).float().numpy(), pool.get_key_buffer(0)[:, None].detach().float().numpy(),
+        q.detach().view(-1, 4, 64).float().numpy(), pool.get_key_buffer(0)[:, None].detach().float().numpy(),
         pool.get_value_buffer(0)[:, None].detach().float().numpy(), [2, 4], [8, 7],
         fixture.runner.req_to_token_pool.req_to_token[:2].numpy(), sm_scale=0.11, window=4, soft_cap=30.0,
         sinks=sinks.double().numpy())
-    assert np.abs(out.view(-1, 4, 64).float().numpy() - ref).max() < 2e-3
+    assert np.abs(out.view(-1, 4, 64).detach().float().numpy() - ref).max() < 2e-3
 
 
 # ---- registration, the plugin entry point, the draft hook -----------------------------------------
@@ -306,3 +307,61 @@ def test_refusals_name_what_cupy_fa_does_not_serve(kit):
     layer.v_head_dim, layer.is_cross_attention = 64, True
     with pytest.raises(NotImplementedError, match="does not serve cross attention"):
         fixture.backend._variant(layer, torch.zeros(1, 4, 64), torch.float16)
+
+
+def test_in_graph_metadata_runs_no_torch_op_and_reads_nothing_back(kit, reference_kernels):
+    """init_forward_metadata_in_graph is what a CUDA graph records: here it may only plan (cupy_fa's
+    plan kernel on the device); no torch op (no allocation, no copy) and no host read of a tensor.
+    The step's inputs are written before, by init_forward_metadata_out_graph, into buffers that
+    init_cuda_graph_state allocated once; a replay after new inputs sees them."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    M, dense = kit.M, kit.dense
+    case = dense.DenseAttentionCase(name="in_graph", backend="cupy_fa", forward_mode=M.DECODE, num_heads=4,
+                                    num_kv_heads=2, page_size=16, prefix_lens=(14, 15, 16))
+    fixture = dense.build_dense_attention_fixture(kit.cases.KitTestCase(), case, head_dim=64, hidden_size=128,
+                                                  device="cpu", disable_cuda_graph=False)
+    backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn
+
+    class Recorder(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            Recorder.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        expected = fixture.actual_module(fixture.input_hidden, fb)  # the first forward meets the variant
+        backend.init_forward_metadata_out_graph(fb)  # a "replay": new host part, then what the graph holds
+        before = torch.Tensor.item, torch.Tensor.tolist
+        torch.Tensor.item = torch.Tensor.tolist = lambda *a, **k: pytest.fail("a host read inside in_graph")
+        try:
+            with Recorder():
+                backend.init_forward_metadata_in_graph(fb)
+        finally:
+            torch.Tensor.item, torch.Tensor.tolist = before
+        assert Recorder.ops == [], Recorder.ops
+        assert reference_kernels.made[-1].plans == 2  # planned at the first forward and again in in_graph
+        replayed = fixture.actual_module(fixture.input_hidden, fb)
+    assert torch.equal(replayed, expected)
+    torch.testing.assert_close(replayed, dense.expected_dense_fixture_output(fixture), atol=3e-2, rtol=3e-2)
+
+
+def test_an_idle_step_plans_nothing_and_returns_no_rows(kit, reference_kernels):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    case = kit.dense.DenseAttentionCase(name="idle", backend="cupy_fa", forward_mode=kit.M.DECODE, num_heads=4,
+                                        num_kv_heads=2, page_size=1, prefix_lens=(3,))
+    fixture = kit.dense.build_dense_attention_fixture(kit.cases.KitTestCase(), case, head_dim=64, hidden_size=128,
+                                                      device="cpu")
+    idle = types.SimpleNamespace(forward_mode=ForwardMode.IDLE, batch_size=0)
+    fixture.backend.init_forward_metadata(idle)
+    assert fixture.backend.forward_metadata is None
+    fixture.backend.init_forward_metadata_in_graph(idle)  # nothing to plan
+    q = torch.zeros(0, 4 * 64, dtype=torch.float16)
+    out = fixture.backend.forward(q, q[:, :128].view(0, 2, 64), q[:, :128].view(0, 2, 64),
+                                  fixture.actual_module.attn, idle)
+    assert out.shape == (0, 4 * 64) and reference_kernels.made == []

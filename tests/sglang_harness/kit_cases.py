@@ -7,7 +7,8 @@ the sliding-window extend cases, CUDA-graph decode, split-op PCG and BCG extend,
 and tree (eagle, frozen_kv_mtp, dflash, ngram) eager and under CUDA graphs, DRAFT_EXTEND_V2 under
 CUDA graphs (fixed tokens, both padding styles, the real EAGLE draft-extend graph runner), and the
 EAGLE and Frozen-KV-MTP draft-decode graph runners. A :class:`Config` picks head dim, dtype and page
-size (``page=None``: the kit's own pages; ``page=64``: every case at page 64).
+size (``page=None``: the kit's own pages; ``page=64``: every case at page 64 but the EAGLE tree-draft
+runner, which the kit builds at page 1 only).
 """
 
 import dataclasses
@@ -62,10 +63,10 @@ def items(backend, config, *, graphs=True):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode as M
     from sglang.test.kits.attention_unittest.attention_methods import dense_attention as dense
 
-    def case(name, mode, prefix, extend=(), heads=4, kv=4, page=16, window=None):
+    def case(name, mode, prefix, extend=(), heads=4, kv=4, page=16, window=None, kit_page_only=False):
         return dense.DenseAttentionCase(name=name, backend=backend, forward_mode=mode, num_heads=heads,
-                                        num_kv_heads=kv, page_size=config.page or page, prefix_lens=prefix,
-                                        extend_lens=extend, sliding_window_size=window)
+                                        num_kv_heads=kv, page_size=page if kit_page_only else config.page or page,
+                                        prefix_lens=prefix, extend_lens=extend, sliding_window_size=window)
 
     def paged(c):
         return dataclasses.replace(c, page_size=config.page) if config.page else c
@@ -134,9 +135,11 @@ def items(backend, config, *, graphs=True):
     c = case("runner_eagle_draft_extend_v2_cuda_graph_runner_fixed_tokens", M.DRAFT_EXTEND_V2, (4, 7), (3, 3))
     add("draft_extend_v2", "cuda-graph(EAGLE draft-extend runner)", c.name,
         lambda tc, c=c: dx.run_dense_eagle_draft_extend_v2_cuda_graph_runner_case(tc, c, **kw))
+    # the kit builds its EAGLE tree-draft fixture at page 1 only ("branch cache slots are laid out
+    # linearly"): that case keeps page 1 in every config
     for name, page, topk, ntok in (("runner_eagle_draft_decode_cuda_graph_chain", 16, 1, 3),
                                    ("runner_eagle_draft_decode_cuda_graph_tree", 1, 2, 4)):
-        c = case(name, M.DECODE, (4, 7), (), 4, 4, page)
+        c = case(name, M.DECODE, (4, 7), (), 4, 4, page, kit_page_only=topk > 1)
         add("draft_decode", "cuda-graph(EAGLE draft runner)", f"{name}[topk={topk}]",
             lambda tc, c=c, topk=topk, ntok=ntok: dr.run_dense_eagle_draft_cuda_graph_runner_case(
                 tc, c, topk=topk, speculative_num_draft_tokens=ntok, **kw))

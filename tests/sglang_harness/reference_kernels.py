@@ -29,25 +29,36 @@ class RefAttention:
 
     def plan(self, q_lens, kv_lens, page_table, *, causal=True, sm_scale=None, custom_mask=None, max_q_len=None,
              max_kv_len=None, window=None, logits_soft_cap=None):
+        """Keeps the device inputs by reference, as the kernels' plan does with device lengths: they are
+        read when the step runs (in a CUDA graph: at each replay), so nothing here reads the device."""
+        assert max_q_len is not None, "device lengths need max_q_len"
+        self.planned = dict(inputs=(q_lens, kv_lens, page_table, custom_mask), causal=causal, sm_scale=sm_scale,
+                            window=window, soft_cap=logits_soft_cap, max_q_len=max_q_len, max_kv_len=max_kv_len)
+        self.plans += 1
+        return self
+
+    def _read(self):
+        """The planned step's inputs as the kernels see them, held to the contract they assume."""
+        p = dict(self.planned)
+        q_lens, kv_lens, page_table, custom_mask = p["inputs"]
         q, kv = q_lens.cpu().numpy().astype(np.int64), kv_lens.cpu().numpy().astype(np.int64)
         assert q.shape == kv.shape and page_table.shape[0] == q.shape[0], (q.shape, kv.shape, page_table.shape)
         assert (q >= 0).all() and ((q == 0) | (q <= kv)).all(), f"q_lens {q} kv_lens {kv}: q_len > kv_len"
-        assert max_q_len is not None and (q <= max_q_len).all(), f"q_lens {q} above max_q_len {max_q_len}"
-        assert max_kv_len is None or (kv <= max_kv_len).all(), f"kv_lens {kv} above max_kv_len {max_kv_len}"
+        assert (q <= p["max_q_len"]).all(), f"q_lens {q} above max_q_len {p['max_q_len']}"
+        assert p["max_kv_len"] is None or (kv <= p["max_kv_len"]).all(), f"kv_lens {kv} above {p['max_kv_len']}"
         assert (kv <= page_table.shape[1]).all(), f"kv_lens {kv} past the page table's {page_table.shape[1]} columns"
         if custom_mask is not None:
             assert custom_mask.numel() == int((q ** 2).sum()), (custom_mask.numel(), q)
         if self.capacity is not None:
             assert q.shape[0] <= self.capacity[0] and page_table.shape[1] <= self.capacity[2], (q.shape, self.capacity)
-        self.planned = dict(q=q, kv=kv, table=page_table.cpu().numpy().copy(), causal=causal, sm_scale=sm_scale,
-                            mask=None if custom_mask is None else custom_mask.cpu().numpy().copy(),
-                            window=window, soft_cap=logits_soft_cap)
-        self.plans += 1
-        return self
+        p.update(q=q, kv=kv, table=page_table.cpu().numpy(),
+                 mask=None if custom_mask is None else custom_mask.cpu().numpy())
+        return p
 
     def run(self, q, cache, out=None, *, sinks=None):
-        p = self.planned
-        assert p is not None, "run before plan"
+        assert self.planned is not None, "run before plan"
+        p = self._read()
+        assert not q.requires_grad, "q requires grad: the kernels' DLPack import refuses it"
         total = int(p["q"].sum())
         assert q.shape[0] >= total and q.shape[1:] == (self.heads, self.head_dim), (q.shape, total)
         if total == 0:
@@ -82,8 +93,8 @@ class RefKernels:
     def cache(self, layer_id, k_buffer, v_buffer, k_scale=None, v_scale=None):
         from cupy_fa.integrations.sglang.kernels import scale_value
 
-        k = k_buffer.view(k_buffer.shape[0], 1, *k_buffer.shape[1:])
-        v = v_buffer.view(v_buffer.shape[0], 1, *v_buffer.shape[1:])
+        k = k_buffer.detach().view(k_buffer.shape[0], 1, *k_buffer.shape[1:])  # as Kernels.cache does
+        v = v_buffer.detach().view(v_buffer.shape[0], 1, *v_buffer.shape[1:])
         assert k.data_ptr() == k_buffer.data_ptr()  # zero copy
         return Cache(k, v, scale_value(k_scale), scale_value(v_scale))
 

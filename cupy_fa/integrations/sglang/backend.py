@@ -169,7 +169,7 @@ class CupyFaAttnBackend(AttentionBackend):
                 self._plan(entry, variant, step)
 
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
-        rows = max(int(max_bs), int(max_num_tokens))
+        rows = int(max_bs)  # requests (the multi-step draft backend passes its bs * topk rows)
         width = self.req_to_token.shape[1]
         n = max(int(self.num_draft_tokens), 1)
         dev = self.device
@@ -235,7 +235,7 @@ class CupyFaAttnBackend(AttentionBackend):
         if step is None:
             raise RuntimeError("cupy_fa: forward before init_forward_metadata (or on an IDLE step)")
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
-        q3 = q.reshape(-1, heads, dim)
+        q3 = q.detach().reshape(-1, heads, dim)  # inference: DLPack refuses tensors that require grad
         if not q3.is_contiguous():
             q3 = q3.contiguous()
         k_buffer = pool.get_key_buffer(layer.layer_id)
@@ -243,8 +243,10 @@ class CupyFaAttnBackend(AttentionBackend):
         cache = self.kernels.cache(layer.layer_id, k_buffer, pool.get_value_buffer(layer.layer_id),
                                    getattr(layer, "k_scale", None), getattr(layer, "v_scale", None))
         out = torch.empty_like(q3)
-        if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
-            sinks = sinks.to(torch.float32).contiguous()
+        if sinks is not None:
+            sinks = sinks.detach()
+            if sinks.dtype != torch.float32 or not sinks.is_contiguous():
+                sinks = sinks.to(torch.float32).contiguous()
         attn.run(q3, cache, out=out, sinks=sinks)
         return out.view(-1, heads * layer.v_head_dim)
 

@@ -69,7 +69,7 @@ class CupyFaMultiStepDraftBackend:
         self._steps(forward_batch, graph=False)
 
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
-        rows = max(int(max_bs) * self.topk, int(max_num_tokens))
+        rows = int(max_bs) * self.topk  # one row per (request, branch), one token each
         for backend in self.attn_backends:
             backend.init_cuda_graph_state(rows, max(int(max_num_tokens), rows))
         self._table = torch.zeros(rows, self.req_to_token.shape[1], dtype=torch.int32, device=self.device)

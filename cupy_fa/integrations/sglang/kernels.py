@@ -33,8 +33,10 @@ class Kernels:
         cache = self._caches.get(key)
         if cache is not None:  # the pool hands out a new view object per call (fp8: .view(dtype))
             return cache
-        k = k_buffer.view(k_buffer.shape[0], 1, k_buffer.shape[1], k_buffer.shape[2])
-        v = v_buffer.view(v_buffer.shape[0], 1, v_buffer.shape[1], v_buffer.shape[2])
+        # detached views (the same memory): a pool written from tensors that require grad (outside
+        # torch.no_grad) requires grad itself, and DLPack refuses to export those
+        k = k_buffer.detach().view(k_buffer.shape[0], 1, k_buffer.shape[1], k_buffer.shape[2])
+        v = v_buffer.detach().view(v_buffer.shape[0], 1, v_buffer.shape[1], v_buffer.shape[2])
         fp8 = str(k_buffer.dtype) in FP8_NAMES
         scales = dict(k_scale=scale_value(k_scale), v_scale=scale_value(v_scale)) if fp8 else {}
         with cupy.cuda.Device(k_buffer.device.index):
