@@ -35,11 +35,27 @@ class Sm90Tile:
     lean_copy: bool = False     # the producer's cp.async loop at ~9 instructions a copy instead of ~18
     consumer_wgs: int = 2       # consumer warpgroups of 64 rows: 2 (block_m 128) or 3 (block_m 192, 512 threads)
     variants: bool = False      # the variant hooks compiled in (window, soft-cap, sinks; Sm90PrefillTraits VARIANTS)
+    kv_bytes: int = 2           # 2: fp16 / bf16 K/V; 1: an fp8 (e4m3) cache, widened to fp16 by the producer
+    staging: int = 0            # an fp8 cache's staging slots of raw tiles (the producer runs staging - 1 tiles ahead)
+    tanh: int = 0               # the soft-cap's tanh with the hooks: 0 exact (2^y, reciprocal), 1 tanh.approx, 2 Newton
 
     family = SM90_WGMMA
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
     fold_splits = False
-    kv_bytes = 2                # 16-bit K/V only (an fp8 cache's long rows run on the mma.sync family)
+
+    def __post_init__(self):
+        if (self.kv_bytes, bool(self.staging)) not in ((2, False), (1, True)) or (self.kv_bytes == 1 and self.staging < 2):
+            raise ValueError(f"an fp8 tile (kv_bytes=1) takes 2 or more staging slots, a 16-bit one none: {self}")
+        if self.tanh not in (0, 1, 2) or (self.tanh and not self.variants):
+            raise ValueError(f"tanh is the soft-cap's form with the variant hooks (0, 1, 2): {self}")
+        if self.kv_bytes == 1 and self.head_dim % 64:
+            raise ValueError(f"an fp8 tile takes whole 64-byte rows of e4m3 (head dims 64, 128, 256): {self}")
+
+    @property
+    def swizzle(self):
+        """Sm90PrefillTraits::kSwizzle: bytes a row of a column block (128, or 64 where the head dim
+        is not whole 64-column blocks: 96)."""
+        return 128 if self.head_dim % 64 == 0 else 64
 
     @property
     def block_m(self):
@@ -64,8 +80,11 @@ class Sm90Tile:
     def smem_bytes(self):
         """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, the K and V rings, barriers, scratch."""
         d = self.head_dim
-        barriers = (4 * self.stages + 1) * 8 + 128 * self.consumer_wgs * 4 + 4  # + the page flag
-        return 1024 + self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2 + (barriers + 7) // 8 * 8
+        barriers = ((4 * self.stages + 1) * 8 + 128 * self.consumer_wgs * 4 + 4 + 7) // 8 * 8  # + the page flag
+        fp8 = 0
+        if self.kv_bytes == 1:  # each row's factor of bf16 queries, then the staging slots (at 16 bytes)
+            fp8 = (barriers + 15) // 16 * 16 + self.block_m * 4 + self.staging * self.block_n * d - barriers
+        return 1024 + self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2 + barriers + fp8
 
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
@@ -78,9 +97,12 @@ class Sm90Tile:
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
+        # the 16-bit kernels with the exact tanh keep their names: the last three only where one differs
+        extra = (f", {self.kv_bytes}, {self.staging}, {self.tanh}" if (self.kv_bytes, self.staging, self.tanh) != (2, 0, 0)
+                 else "")
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.pingpong)}, "
                 f"{self.producer_regs}, {b(self.uniform_wg)}, {b(self.joint_rows)}, {b(self.lean_copy)}, "
-                f"{int(self.consumer_wgs)}, {b(self.variants)}>")
+                f"{int(self.consumer_wgs)}, {b(self.variants)}{extra}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -111,9 +133,10 @@ DEFAULT_TILES = {
 
 def kernel(types, tile):
     """The compiled kernel of ``tile`` for element types ``types`` (a ``common.ElementTypes``):
-    this family takes one element type for Q, K, V and O."""
-    if not types.q == types.kv == types.out:
-        raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")
-    ctype = _compile.CTYPES[types.q]
-    return _compile.Kernel(SM90_WGMMA.source, f"{SM90_WGMMA.kernel}<{ctype}, {ctype}, {ctype}, {tile.traits()}>",
+    this family takes one element type for Q and O, and that one or an fp8 cache's for K / V."""
+    if types.q != types.out or types.kv_bytes != tile.kv_bytes or (tile.kv_bytes == 2 and types.kv != types.q):
+        raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q and O and that one for KV "
+                         f"(or an fp8 cache on a kv_bytes=1 tile), got {types} for {tile}")
+    q, kv, out = types.ctypes()
+    return _compile.Kernel(SM90_WGMMA.source, f"{SM90_WGMMA.kernel}<{q}, {kv}, {out}, {tile.traits()}>",
                          tile.threads, tile.smem_bytes, tile.checks())
