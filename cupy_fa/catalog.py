@@ -34,9 +34,6 @@ def attention_kernel(dtype, tile):
     types = ElementTypes.of(dtype)
     if tile.kv_bytes != types.kv_bytes:
         raise ValueError(f"internal: tile {tile} is for {tile.kv_bytes}-byte K/V, the KV type is {types.kv}")
-    if types.kv_bytes == 1 and tile.variants:
-        raise ValueError(f"internal: an fp8 cache's kernels have no build with the variant hooks (tile {tile}; "
-                         f"attention.refuse_fp8_variants refuses the step)")
     return _BUILDERS[tile.family](types, tile)
 
 
@@ -116,6 +113,8 @@ def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)
     with their folding tiles, and the one-row-half tiles with a producer warpgroup where ``arch``
     is sm_90a or None (any); ``stage_choices``: the depths (default the policy's)."""
     tiles = [schedule.prefill_tile(head_dim, kv_bytes=1)]
+    if arch is None or is_sm90a(arch):  # the wgmma family's fp8 tile
+        tiles.append(schedule.prefill_tile(head_dim, SMEM_LIMIT, "sm_90a", kv_bytes=1))
     for warps_m in (1, 2):
         for stages in stage_choices or (mma_sync.fp8_small_q_shape(head_dim)[1],):
             for limit in limits:
@@ -131,10 +130,11 @@ def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)
 
 
 def fp8_kernels(dtype_name, head_dim, tiles=None):
-    """The attention kernels over an fp8 cache with ``dtype_name`` queries and outputs, each once
-    (the merge, plan and append kernels are the 16-bit ones')."""
+    """The attention kernels over an fp8 cache with ``dtype_name`` queries and outputs, each once,
+    plain and with the variant hooks (the merge, plan and append kernels are the 16-bit ones')."""
     types = ElementTypes(dtype_name, FP8, dtype_name)
-    kernels = (attention_kernel(types, t) for t in (fp8_tiles(head_dim) if tiles is None else tiles))
+    tiles = fp8_tiles(head_dim) if tiles is None else tiles
+    kernels = (attention_kernel(types, t) for t in tiles + [t.with_variants() for t in tiles])
     return list({k.expression: k for k in kernels}.values())
 
 
@@ -144,9 +144,8 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
     prefill family of the arch, the merges, plan and append, and merge_states'). ``kv_dtypes``: the
     cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
-    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each 16-bit cache's attention
-    kernel with the variant hooks too (what steps with a window, a soft-cap or sinks run; an fp8
-    cache has none)."""
+    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each attention kernel with the
+    variant hooks too (what steps with a window, a soft-cap or sinks run)."""
     wanted = [PLAN_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
     wanted += [merge_states_kernel(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
@@ -164,8 +163,7 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
                     tile = schedule.tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
                     folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
                     picked = [t for t in (tile, folded) if t is not None]
-                    # (an fp8 cache's kernels have no hooked build: BatchAttention refuses the variants there)
-                    picked += [t.with_variants() for t in picked] if variants and kv != FP8 else []
+                    picked += [t.with_variants() for t in picked] if variants else []
                     wanted += [attention_kernel(types, t) for t in picked]
     return list({k: None for k in wanted})
 

@@ -10,8 +10,6 @@ import math
 
 import numpy as np
 
-from ._arrays import FP8
-
 LOG2E = 1.4426950408889634
 
 
@@ -37,20 +35,6 @@ def checked_soft_cap(cap):
         raise ValueError(f"logits_soft_cap must be a positive finite number (cap * tanh(score * sm_scale / cap)) "
                          f"or None / 0 for none, got {cap!r}")
     return float(cap)
-
-
-def refuse_fp8_variants(kv_dtype_name, window=0, soft_cap=0.0, sinks=None):
-    """An fp8 KV cache with a sliding window, a logits soft-cap or attention sinks raises
-    NotImplementedError naming them, before anything is staged or launched: the fp8 kernels have
-    no build with the variant hooks (none is compiled in CI or tested on a GPU yet)."""
-    if kv_dtype_name != FP8:
-        return
-    given = [name for name, on in (("window", window), ("logits_soft_cap", soft_cap), ("sinks", sinks is not None))
-             if on]
-    if given:
-        raise NotImplementedError(f"{' / '.join(given)} with an fp8 KV cache (kv_dtype='float8_e4m3fn') is not "
-                                  f"supported: the fp8 kernels have no build with the variant hooks yet; use a "
-                                  f"float16 / bfloat16 cache for such layers (docs/design.md, \"Attention variants\")")
 
 
 def soft_cap_params(sm_scale, soft_cap):

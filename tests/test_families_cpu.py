@@ -26,13 +26,11 @@ def test_long_requests_take_the_wgmma_family_on_sm90a_only():
     q, kv = [4096, 1024], [4096, 16384]
     for head_dim in families.common.HEAD_DIMS:
         long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **H200).long
-        if head_dim in s9.DEFAULT_TILES:
-            assert families.family_of(long.tile) is families.SM90_WGMMA
-            rows = {64: 192, 128: 192, 256: 128}[head_dim]  # 3 consumer warpgroups at D 64 / 128, 2 at 256
-            assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == rows
-            assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == sum(-(-n * 4 // rows) for n in q)
-        else:  # 96, 192: no wgmma tile, the mma.sync prefill tile on sm_90a too
-            assert head_dim in (96, 192) and long.tile == families.mma_sync.MmaTile(head_dim, 4, 1)
+        assert families.family_of(long.tile) is families.SM90_WGMMA
+        # 3 consumer warpgroups at D 64 / 96 / 128, 2 at 192 / 256
+        rows = {64: 192, 96: 192, 128: 192, 192: 128, 256: 128}[head_dim]
+        assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == rows
+        assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == sum(-(-n * 4 // rows) for n in q)
         for target in (A100, dict(H200, arch="sm_90"), dict(H200, arch=None)):  # sm_80, a plain sm_90 build, none
             long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **target).long
             assert families.family_of(long.tile) is families.mma_sync.MMA_SYNC
@@ -230,10 +228,14 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
               for dt in _compile.CTYPES for t in s9.DEFAULT_TILES.values()}
     # the fp8 tiles with a producer warpgroup (setmaxnreg): sm_90a only as well
     ring = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _compile.CTYPES
-            for d in families.common.FP8_HEAD_DIMS for t in catalog.fp8_tiles(d, arch="sm_90a") if t.producer_warps}
-    assert ring and not ring & sm80
-    assert (wgmma | hooked | ring) <= everything and not (wgmma | hooked) & sm80
-    assert everything - sm80 == wgmma | hooked | ring
+            for d in families.common.FP8_HEAD_DIMS for t in catalog.fp8_tiles(d, arch="sm_90a")
+            if getattr(t, "producer_warps", 0)}
+    # the wgmma family's fp8 tiles, plain and hooked: sm_90a only too
+    fp8 = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _compile.CTYPES
+           for tile in s9.FP8_TILES.values() for t in (tile, tile.with_variants())}
+    assert ring and not ring & sm80 and fp8 and not fp8 & sm80
+    assert (wgmma | hooked | ring | fp8) <= everything and not (wgmma | hooked) & sm80
+    assert everything - sm80 == wgmma | hooked | ring | fp8
     assert hooked <= set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True))
     assert set(catalog.all_kernels("sm_90a")) == everything
     hopper = catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True)
@@ -241,9 +243,8 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     assert wgmma <= set(hopper) <= everything and set(ampere) <= sm80
     mma_prefill = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES
                    for d in s9.DEFAULT_TILES}
+    assert set(s9.DEFAULT_TILES) == set(families.common.HEAD_DIMS)  # every head dim has a wgmma tile
     assert mma_prefill <= set(ampere) and not mma_prefill & set(hopper)  # Hopper never selects it
-    no_wgmma = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES for d in (96, 192)}
-    assert no_wgmma <= set(ampere) and no_wgmma <= set(hopper)  # head dims without a wgmma tile: everywhere
     variant = catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128])
     assert variant == catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128]) and variant.source == "sm90/prefill.cu"
     with pytest.raises(ValueError, match="one element type"):
@@ -259,7 +260,8 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
     rows = compile_check.compile_all("sm_80", only="prefill_sm90_kernel", jobs=1)
     assert rows == [] and seen == []  # no wgmma variant in an sm_80 build
     rows = compile_check.compile_all("sm_90a", only="prefill_sm90_kernel", jobs=1)
-    assert len(rows) == 2 * 2 * len(s9.DEFAULT_TILES) and {a for _, a in seen} == {"sm_90a"}  # plain and hooked
+    # each dtype, plain and hooked, over a 16-bit cache and (D 64 / 128 / 256) an fp8 one
+    assert len(rows) == 2 * 2 * (len(s9.DEFAULT_TILES) + len(s9.FP8_TILES)) and {a for _, a in seen} == {"sm_90a"}
 
 
 # ---- what BatchAttention launches for a step (no GPU: the launches recorded) ---------------------

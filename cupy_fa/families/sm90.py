@@ -1,14 +1,16 @@
 """The sm_90a wgmma family (``kernels/sm90/prefill.cu``; Hopper's architecture-specific target
-only): requests of more than ``schedule.SMALL_Q_LEN`` tokens over a 16-bit cache at head dims
-64, 128 and 256.
+only): requests of more than ``schedule.SMALL_Q_LEN`` tokens at head dims 64, 96, 128, 192 and
+256 over a 16-bit cache, and at 64, 128 and 256 over an fp8 (e4m3) cache.
 
 FlashAttention-3's structure in inline PTX: a producer warpgroup copies Q once and the paged
-K / V tiles into a ring of mbarrier-guarded stages; two or three consumer warpgroups of 64 rows
-run S = Q K^T and O += P V on wgmma around the mask and the online softmax, the next tile's
-Q K^T issued with this tile's P V. :class:`Sm90Tile` is the host mirror of
-``Sm90PrefillTraits`` (its shared memory, registers and rows per CTA are compiled into every
-kernel as checks); :data:`DEFAULT_TILES` is the tile of each head dim. The work layout is the
-plan kernel's (``block_m`` packed rows per item, one split per CTA, no fold).
+K / V tiles into a ring of mbarrier-guarded stages (an fp8 cache's bytes through staging slots,
+widened to fp16 on the way); two or three consumer warpgroups of 64 rows run S = Q K^T and
+O += P V on wgmma around the mask and the online softmax, the next tile's Q K^T issued with this
+tile's P V. :class:`Sm90Tile` is the host mirror of ``Sm90PrefillTraits`` (its shared memory,
+registers and rows per CTA are compiled into every kernel as checks); :data:`DEFAULT_TILES` and
+:data:`FP8_TILES` are the tiles of each head dim, :meth:`Sm90Tile.with_variants` their kernels
+with the variant hooks. The work layout is the plan kernel's (``block_m`` packed rows per item,
+one split per CTA, no fold).
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ class Sm90Tile:
             raise ValueError(f"tanh is the soft-cap's form with the variant hooks (0, 1, 2): {self}")
         if self.kv_bytes == 1 and self.head_dim % 64:
             raise ValueError(f"an fp8 tile takes whole 64-byte rows of e4m3 (head dims 64, 128, 256): {self}")
+        if self.block_n % 16 or self.block_n % self.copy_rows:
+            raise ValueError(f"block_n must be whole k-steps of 16 keys and whole passes of the producer's "
+                             f"{self.copy_rows} rows: {self}")
+
+    @property
+    def copy_rows(self):
+        """Rows of a K / V tile one pass of the producer's 128 threads copies (sm90/load.cuh
+        KVProducer::RP): whole rows of 16-byte chunks where they divide the threads, else one
+        column block of them (16-bit D 96: 32 rows, D 192: 16)."""
+        chunks = self.head_dim * self.kv_bytes // 16
+        per_row = chunks if 128 % chunks == 0 else self.swizzle // 16
+        return 128 // per_row
 
     @property
     def swizzle(self):
@@ -89,11 +103,15 @@ class Sm90Tile:
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
         same rows per CTA, so the same work layout; with three consumer warpgroups at most 64 keys
-        a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9). The keys a
-        tile holds never move a split (plan_kernel cuts splits; the kernel masks a split's last,
-        partial tile), so the hooked kernel runs the plain tile's plan."""
-        block_n = min(self.block_n, 64) if self.consumer_wgs == 3 else self.block_n
-        return dataclasses.replace(self, variants=True, block_n=block_n)
+        a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9), with two at
+        most 80 (a window's reads stay within one such tile of it: tests/test_variants_gpu.py), the
+        soft-cap's tanh of :data:`SOFT_CAP_TANH`, and an fp8 tile without the warp-uniform
+        warpgroup index (with it the fp16-query build spills). The keys a tile holds never move a
+        split (plan_kernel cuts splits; the kernel masks a split's last, partial tile), so the hooked
+        kernel runs the plain tile's plan."""
+        block_n = min(self.block_n, 64 if self.consumer_wgs == 3 else 80)
+        uniform_wg = self.uniform_wg and self.kv_bytes == 2
+        return dataclasses.replace(self, variants=True, block_n=block_n, tanh=SOFT_CAP_TANH, uniform_wg=uniform_wg)
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
@@ -122,13 +140,40 @@ class Sm90Tile:
 #   hides behind two others' GEMMs), at D = 128 with 80 keys a tile (S, O and P fit the 160
 #   registers a consumer gets only with 64 or 80): +5-9% on prefill, +18% at D = 64; the producer
 #   needs 32 registers with lean copies.
+# * D 96 (64-byte swizzled blocks of 32 columns; a pass of the producer copies 32 rows of one
+#   block, so 32, 64 or 96 keys a tile): D 128's options at 96 keys (128 spill 144 bytes);
+#   D 192 (three 64-column blocks, 16 rows a pass): two consumer warpgroups at 96 keys (112 with
+#   these options spill 44 bytes; 128 keys do not fit two stages). Not yet timed against others.
 DEFAULT_TILES = {
     64: Sm90Tile(64, 128, stages=4, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
                  producer_regs=32),
+    96: Sm90Tile(96, 96, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
+                 producer_regs=32),
     128: Sm90Tile(128, 80, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
                   producer_regs=32),
+    192: Sm90Tile(192, 96, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=2,
+                  producer_regs=56),
     256: Sm90Tile(256, 80, stages=2, pingpong=False),
 }
+
+# An fp8 cache's tile of each head dim: the 16-bit tile's shape with two staging slots of raw
+# e4m3 tiles (the producer copies one tile ahead of the one it widens); at D 256, 64 keys a tile
+# (80 with the staging slots would pass the shared memory). 0 spills (NVRTC 12.9) with the
+# producer's widening one 16-byte chunk at a time.
+FP8_TILES = {
+    64: dataclasses.replace(DEFAULT_TILES[64], kv_bytes=1, staging=2),
+    128: dataclasses.replace(DEFAULT_TILES[128], kv_bytes=1, staging=2),
+    256: dataclasses.replace(DEFAULT_TILES[256], kv_bytes=1, staging=2, block_n=64),
+}
+
+# The soft-cap's tanh in the hooked kernels (Sm90Tile.tanh; kernels/sm90/softmax.cuh soft_cap_tile):
+# 0 the exact form, 1 tanh.approx, 2 the Newton form.
+SOFT_CAP_TANH = 0
+
+
+def prefill_tile(head_dim, kv_bytes=2):
+    """The family's tile of a head dim for K / V elements of ``kv_bytes``, or None where it has none."""
+    return (FP8_TILES if kv_bytes == 1 else DEFAULT_TILES).get(head_dim)
 
 
 def kernel(types, tile):

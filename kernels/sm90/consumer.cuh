@@ -117,7 +117,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // the soft-cap's argument (the variant hooks: scores capped before the mask, sm90/softmax.cuh
   // soft_cap_tile, then taken with scale 1, or cap log2 e where the tanh comes unscaled)
   const bool capped = Tr::kVariants && p.soft_cap_log2 > 0.f;
-  typedef typename TypeIf<Tr::kFp8, RowScale, UniformScale>::type Scale;
+  // (per row only where bf16 queries are rewritten as fp16, each row by its own power of two)
+  constexpr bool kRowScaled = Tr::kFp8 && SameType<QT, __nv_bfloat16>::value;
+  typedef typename TypeIf<kRowScaled, RowScale, UniformScale>::type Scale;
   Scale scale_log2, cap_arg;
   if constexpr (!Tr::kFp8) {
     scale_log2.s = capped ? soft_cap_fold_scale<Tr::kTanh>(p) : p.sm_scale_log2;
@@ -144,11 +146,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     }
   }
   mbar_wait(&bars.q_full, 0);
-  if constexpr (Tr::kFp8) {
+  if constexpr (Tr::kFp8 && !kRowScaled) {  // fp16 queries: k_scale of the KV head
+    const float k_scale = __ldg(p.k_scale + w.kv_head);
+    scale_log2.s = k_scale * (capped ? soft_cap_fold_scale<Tr::kTanh>(p) : p.sm_scale_log2);
+    cap_arg.s = k_scale * soft_cap_arg<Tr::kTanh>(p);
+  }
+  if constexpr (kRowScaled) {
     // k_scale of the KV head, times each row's 2^-e of bf16 queries rewritten as fp16
     const float k_scale = __ldg(p.k_scale + w.kv_head);
     float row[2] = {k_scale, k_scale};
-    if constexpr (SameType<QT, __nv_bfloat16>::value) {
+    {
       const unsigned row_scale = smem_addr(&bars) + Tr::kRowScaleOffset;
       q_rows_to_fp16<D, BM, SW>(q_addr, row_scale, wg, wtid);
       fence_async_shared();  // its stores, before this warpgroup's wgmmas read them

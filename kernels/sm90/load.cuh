@@ -208,7 +208,7 @@ struct KVProducer {
     static_assert(kFp8, "fp8 caches only");
     const char* base = static_cast<const char*>(is_k ? p.k_cache : p.v_cache) + head_bytes;
     const unsigned to0 = staging + (warp * 32 + lane) * 16;
-#pragma unroll 4
+#pragma unroll 2
     for (int i = 0; i < BN / RP; ++i) {
       const int slot = slot_of_pass(i, slots);
       const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)slot_bytes;
@@ -229,24 +229,20 @@ struct KVProducer {
     const unsigned to1 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk + 1);
 #pragma unroll 1  // one pass at a time: the producer's registers are few (32 beside three consumers)
     for (int i = 0; i < BN / RP; ++i) {
-      u32 x[4], h[8];
+      u32 x[4];
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
                    : "r"(from0 + i * 128 * 16)
                    : "memory");
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        u32 pair[2];
-        Fp8Widen<__half>::run(x[k], pair);
-        h[2 * k] = pair[0];
-        h[2 * k + 1] = pair[1];
+      for (int half = 0; half < 2; ++half) {  // each 16-bit chunk stored once widened: fewer registers live
+        u32 lo[2], hi[2];
+        Fp8Widen<__half>::run(x[2 * half], lo);
+        Fp8Widen<__half>::run(x[2 * half + 1], hi);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((half ? to1 : to0) + i * RP * 128), "r"(lo[0]),
+                     "r"(lo[1]), "r"(hi[0]), "r"(hi[1])
+                     : "memory");
       }
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(to0 + i * RP * 128), "r"(h[0]), "r"(h[1]),
-                   "r"(h[2]), "r"(h[3])
-                   : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(to1 + i * RP * 128), "r"(h[4]), "r"(h[5]),
-                   "r"(h[6]), "r"(h[7])
-                   : "memory");
     }
   }
 
@@ -336,23 +332,25 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
   }
 }
 
-// produce() over an fp8 cache (Traits::kFp8): the same order of K and V tiles (the jobs: K of
-// tile T-1, then K of the next tile and V of the one before, ..., V of tile 0), each first copied
-// by cp.async into staging slot j % kStaging, kStaging - 1 jobs ahead of its widening into the
-// ring's 16-bit stage (after that stage's `empty` barrier), which ends with the proxy fence and an
-// arrival on the stage's `full` barrier. A job's copies are one cp.async group, so waiting for
-// all but the kStaging - 1 newest groups is waiting for this thread's bytes of the job (Q's
-// copies ride in the first group).
+template <bool K> struct Ring { static constexpr bool value = K; };  // produce_fp8: K's ring (true) or V's
+
+// produce() over an fp8 cache (Traits::kFp8): the same order of K and V tiles (K of tile T-1,
+// then per step K of the next tile and V of the one before, ..., V of tile 0), each first copied
+// by cp.async into one of two staging slots, one tile copy ahead of its widening into the ring's
+// 16-bit stage (after that stage's `empty` barrier), which ends with the proxy fence and an
+// arrival on the stage's `full` barrier. A copy is one cp.async group, so waiting for all but the
+// newest group is waiting for this thread's bytes of the copy before (Q's copies ride in the
+// first group). The copies alternate between the slots: in the steady steps K in slot 1, V in 0.
 template <typename QT, typename KVT, typename Tr>
 __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
                                             PipeBarriers<Tr::kStages, Tr::kConsumerThreads>& bars,
                                             RingPos<Tr::kStages>& pos, unsigned q_addr, unsigned k_addr,
                                             unsigned v_addr, unsigned staging, int tid) {
-  constexpr int STAGE_BYTES = Tr::kKVTileBytes, NS = Tr::kStaging, SLOT_BYTES = Tr::kStagingSlotBytes;
-  static_assert(NS >= 2, "a staging slot being widened and one being copied");
+  constexpr int STAGE_BYTES = Tr::kKVTileBytes, SLOT_BYTES = Tr::kStagingSlotBytes;
+  static_assert(Tr::kStaging == 2, "two staging slots: one being widened, one being copied");
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
-  const int T = w.num_tiles, J = 2 * T;
+  const int T = w.num_tiles;
   prod.fetch_pages(T - 1);
   auto slots_of = [&](int tile, int (&slots)[P::LOOKUPS]) {  // as produce()'s
     if (prod.slots_of(tile, slots)) {
@@ -364,48 +362,45 @@ __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const Pref
   cp_async_arrive(&bars.q_full);
   PipeState<Tr::kStages>& ks = pos.ks;
   PipeState<Tr::kStages>& vs = pos.vs;
-  if (T == 0) return;
-  // job j is K of a tile for j = 0 and odd j < J - 1, else V (j even, and the last, V of tile 0)
-  auto is_k = [&](int j) { return j != J - 1 && (j == 0 || (j & 1) != 0); };
-  int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
-  // job j's bytes into staging slot j % NS (an empty group past the last job)
-  auto fetch = [&](int j) {
-    if (j < J) {
-      const bool k = is_k(j);
-      if (k) {  // a new tile: its slots (V of the tile before takes the previous ones)
-        const int tile = T - 1 - (j + 1) / 2;
-#pragma unroll
-        for (int l = 0; l < P::LOOKUPS; ++l) slots_v[l] = slots_k[l];
-        slots_of(tile, slots_k);
-        prod.fetch_pages(tile - 1);
-      }
-      int use[P::LOOKUPS];  // V of tile 0 (the last job) takes the newest slots
-#pragma unroll
-      for (int l = 0; l < P::LOOKUPS; ++l) use[l] = (k || j == J - 1) ? slots_k[l] : slots_v[l];
-      prod.stage_fp8(k, staging + (j % NS) * SLOT_BYTES, use);
-    }
+  // a K (V) tile's bytes into staging slot `slot`, one cp.async group
+  auto fetch = [&](bool is_k, int slot, const int (&slots)[P::LOOKUPS]) {
+    prod.stage_fp8(is_k, staging + slot * SLOT_BYTES, slots);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
+  // the copy before the newest one (in staging slot `slot`) widened into the next K stage (a
+  // Ring<true>) or V stage (Ring<false>)
+  auto widen = [&](auto ring, int slot) {
+    constexpr bool K = decltype(ring)::value;
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's bytes of that copy
+    PipeState<Tr::kStages>& s = K ? ks : vs;
+    mbar_wait(K ? &bars.k_empty[s.stage] : &bars.v_empty[s.stage], s.phase ^ 1);
+    prod.widen_fp8(staging + slot * SLOT_BYTES, (K ? k_addr : v_addr) + s.stage * STAGE_BYTES);
+    fence_async_shared();
+    mbar_arrive(K ? &bars.k_full[s.stage] : &bars.v_full[s.stage]);
+    s.advance();
+  };
+  if (T > 0) {
+    int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
+    slots_of(T - 1, slots_k);
+    prod.fetch_pages(T - 2);
+    fetch(true, 0, slots_k);  // K of tile T-1
+    for (int i = 1; i < T; ++i) {
+      const int tile = T - 1 - i;
 #pragma unroll
-  for (int j = 0; j < NS - 1; ++j) fetch(j);
-#pragma unroll 1
-  for (int j = 0; j < J; ++j) {
-    fetch(j + NS - 1);
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(NS - 1) : "memory");  // this thread's bytes of job j
-    const unsigned from = staging + (j % NS) * SLOT_BYTES;
-    if (is_k(j)) {
-      mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-      prod.widen_fp8(from, k_addr + ks.stage * STAGE_BYTES);
-      fence_async_shared();
-      mbar_arrive(&bars.k_full[ks.stage]);
-      ks.advance();
-    } else {
-      mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-      prod.widen_fp8(from, v_addr + vs.stage * STAGE_BYTES);
-      fence_async_shared();
-      mbar_arrive(&bars.v_full[vs.stage]);
-      vs.advance();
+      for (int j = 0; j < P::LOOKUPS; ++j) slots_v[j] = slots_k[j];
+      slots_of(tile, slots_k);
+      prod.fetch_pages(tile - 1);
+      fetch(true, 1, slots_k);  // K of `tile`
+      if (i == 1) widen(Ring<true>(), 0);  // K of tile T-1 (the first step)
+      else widen(Ring<false>(), 0);        // V of tile + 2
+      fetch(false, 0, slots_v);  // V of tile + 1
+      widen(Ring<true>(), 1);    // K of `tile`
     }
+    fetch(false, 1, slots_k);  // V of tile 0
+    if (T == 1) widen(Ring<true>(), 0);  // K of tile 0 (one tile)
+    else widen(Ring<false>(), 0);        // V of tile 1
+    asm volatile("cp.async.commit_group;\n" ::: "memory");  // (an empty group: widen waits for all but the newest)
+    widen(Ring<false>(), 1);  // V of tile 0
   }
 }
 

@@ -75,9 +75,10 @@ struct RowScale {
 //   1  tanh.approx.f32 (one operation; the hardware's approximation, about 2^-11 relative), the
 //      cap's log2 e folded into the softmax's own multiply-add (scale = cap log2 e);
 //   2  t = 2^(-2 log2 e |x|) on the special-function unit (one operation), then (1 - t) / (1 + t)
-//      with the reciprocal of 1 + t in [1, 2] by a quadratic seed (70/33 - 16/11 d + 32/99 d^2,
-//      relative error 1/99) and two Newton steps on the FMA pipe (1e-8), the sign copied back:
-//      within 1.4e-7 of tanh (absolute; float32 emulation over [-12, 12]), cap log2 e folded as in 1.
+//      with the reciprocal of d = 1 + t in [1, 2] by a quadratic seed (70/33 - 16/11 d + 32/99 d^2,
+//      relative error 1/99) and two Newton steps on the FMA pipe (1e-8), 1 - t as 2 - d, the sign
+//      copied back: within 2e-7 of tanh (absolute; float32 emulation over [-12, 12]), cap log2 e
+//      folded as in 1.
 // AttentionParams::soft_cap_scale is 2 log2 e sm_scale / cap (form 0's and 2's argument per raw
 // score; form 1's is that times ln 2 / 2).
 
@@ -98,16 +99,14 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return y;
 }
 
-// tanh(x) from y = 2 log2 e x (form 2 above).
+// tanh(x) from y = 2 log2 e x (form 2 above): 1 - t = 2 - d is exact (d in [1, 2]; the rounding
+// of 1 + t is an absolute 2^-24), so t need not stay live past d.
 __device__ __forceinline__ float tanh_newton_of_exp2_arg(float y) {
-  const float t = fast_exp2(-fabsf(y));  // e^(-2 |x|) in (0, 1]
-  const float d = 1.f + t;
+  const float d = 1.f + fast_exp2(-fabsf(y));  // 1 + e^(-2 |x|), in [1, 2]
   float r = fmaf(d, fmaf(d, 0.32323232323232326f, -1.4545454545454546f), 2.121212121212121f);
-  float e = fmaf(-d, r, 1.f);
-  r = fmaf(r, e, r);
-  e = fmaf(-d, r, 1.f);
-  r = fmaf(r, e, r);
-  return copysignf(fmaf(-t, r, r), y);  // (1 - t) / (1 + t)
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  return copysignf((2.f - d) * r, y);  // (1 - t) / (1 + t)
 }
 
 // A tile's raw scores soft-capped in place by tanh form TANH, the argument per row half (arg[h]):
