@@ -134,7 +134,8 @@ RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
 
 
 def _nvrtc_compile(text, expression, options, name="cupy_fa.cu"):
-    """``(lowered name, cubin, log)`` of one program: NVRTC alone, no device. The cubin is
+    """``(lowered name, image, log)`` of one program: NVRTC alone, no device. The image is NUL-ended
+    PTX for a virtual target (``-arch=compute_NN``), else a cubin: 
     ``getCUBIN``'s bytes as they are, the image ``cupy.RawModule`` hands the driver. (The program
     ``name`` and the compiling process's id end up in the names of internal-linkage symbols, so
     two processes' cubins of one program differ in those bytes only.)"""
@@ -147,7 +148,11 @@ def _nvrtc_compile(text, expression, options, name="cupy_fa.cu"):
             nvrtc.compileProgram(prog, list(options))
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC failed on {expression}:\n{nvrtc.getProgramLog(prog)}") from exc
-        return nvrtc.getLoweredName(prog, expression), nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+        # a virtual target (compute_NN: a build forced for another arch than the device's) gives
+        # PTX, which the driver compiles for the device at load; a real one (sm_NN) a cubin
+        virtual = any(o.startswith("-arch=compute_") for o in options)
+        image = nvrtc.getPTX(prog).rstrip(b"\0") + b"\0" if virtual else nvrtc.getCUBIN(prog)
+        return nvrtc.getLoweredName(prog, expression), image, nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -322,14 +327,29 @@ def _worker_main():
 
 
 def _run_workers(tasks, workers, finished):
-    """Runs ``tasks`` ((kernel, task) pairs) on ``workers`` processes, one thread of this process
-    feeding each; ``finished(kernel, task, status, lowered, cubin)`` is called under a lock as each
-    one ends. The first failure is raised (naming the kernel) once every worker has stopped."""
+    """Runs ``tasks`` ((kernel, task) pairs) on ``workers`` workers: this process (a thread
+    compiling in it) and ``workers - 1`` processes, one thread of this process feeding each;
+    ``finished(kernel, task, status, lowered, cubin)`` is called under a lock as each one ends. The
+    first failure is raised (naming the kernel) once every worker has stopped."""
     import base64
     import json
 
     command = [sys.executable, "-c", _WORKER.format(root=str(pathlib.Path(__file__).resolve().parent.parent))]
     queue, lock, errors = list(reversed(tasks)), threading.Lock(), []
+
+    def local():  # one worker is this process (NVRTC releases the GIL): no process to start for it
+        try:
+            while True:
+                with lock:
+                    if not queue or errors:
+                        return
+                    kernel, task = queue.pop()
+                result = _build_entry(task)
+                with lock:
+                    finished(kernel, task, *result)
+        except BaseException as exc:  # noqa: BLE001 - collected, raised by the caller's thread
+            with lock:
+                errors.append(exc)
 
     def feed():
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -361,7 +381,9 @@ def _run_workers(tasks, workers, finished):
                 proc.stdin.close()
             proc.wait()
 
-    threads = [threading.Thread(target=feed, daemon=True) for _ in range(workers)]
+    # the processes first (they take a moment to start), then this process's own worker
+    threads = [threading.Thread(target=feed, daemon=True) for _ in range(workers - 1)]
+    threads.append(threading.Thread(target=local, daemon=True))
     for t in threads:
         t.start()
     for t in threads:

@@ -207,14 +207,24 @@ def test_read_only_directory_with_entries_loads_them(cache, monkeypatch):
 # ---- compile_many ----------------------------------------------------------------------------
 
 
-def test_compile_many_in_worker_processes(cache):
+def test_compile_many_in_worker_processes(cache, monkeypatch):
+    """jobs=2: this process compiles one kernel (its own worker, held here until the other worker,
+    a process, has had time to take the other two) while the worker process compiles the rest."""
     directory, compiles = cache
     seen = []
+    real = _compile._build_entry
+
+    def held(task):  # this process's worker: its first kernel, slowly
+        time.sleep(3)
+        return real(task)
+
+    monkeypatch.setattr(_compile, "_build_entry", held)
     summary = _compile.compile_many([PLAN, SMALL, SMALL_BF16, SMALL], "sm_90a", jobs=2,
                                   progress=lambda done, total, variant, status: seen.append((done, total, status)))
+    monkeypatch.setattr(_compile, "_build_entry", real)
     assert summary["kernels"] == 3 and summary["compiled"] == 3 and summary["cached"] == 0
     assert summary["jobs"] == 2 and summary["stored"] is True
-    assert compiles == []  # all three compiled in the workers, none here
+    assert compiles == [PLAN.expression]  # the first here, the other two in the worker process
     assert [s[:2] for s in seen] == [(1, 3), (2, 3), (3, 3)] and {s[2] for s in seen} == {"compiled"}
     assert entries(directory) == sorted(key_of(v) + ".cubin" for v in (PLAN, SMALL, SMALL_BF16))
     for v in (PLAN, SMALL, SMALL_BF16):
@@ -222,7 +232,7 @@ def test_compile_many_in_worker_processes(cache):
     again = _compile.compile_many([PLAN, SMALL, SMALL_BF16], "sm_90a", jobs=2, progress=False)
     assert again["compiled"] == 0 and again["cached"] == 3
     _compile.binary(SMALL, "sm_90a")
-    assert compiles == []  # what the workers wrote is what this process loads
+    assert compiles == [PLAN.expression]  # what the worker process wrote is what this process loads
 
 
 def test_compile_many_reports_a_failing_variant(cache):
@@ -415,3 +425,27 @@ def test_loader_api_is_cupys():
     assert driver.funcGetAttribute.__doc__.startswith("funcGetAttribute(int attribute, intptr_t f)")
     assert driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES == 8  # cuda.h
     assert "UnownedMemory(intptr_t ptr, size_t size, owner, int device_id=-1)" in memory.UnownedMemory.__doc__
+
+
+def test_a_build_for_another_compute_capability_loads_as_ptx(cache, monkeypatch):
+    """CUPY_FA_ARCH=sm_80 on a Hopper device: a cubin runs only on its own compute capability, so
+    the module is built for the virtual target compute_80 (NUL-ended PTX the driver compiles at
+    load), cached like a cubin and read back; the device's own arch (or sm_90 on sm_90a) stays a cubin."""
+    directory, compiles = cache
+    fake = FakeLoader(monkeypatch)
+    monkeypatch.setattr(_build, "_functions", {})
+    monkeypatch.setattr(_build, "_modules", {})
+    monkeypatch.setattr(_build, "_native_arch", lambda device_id: "sm_90a")
+    monkeypatch.setenv("CUPY_FA_ARCH", "sm_80")
+    knobs.reload()
+    assert _build.loadable_arch(0) == "compute_80"
+    _build.get_function(SMALL, 0)
+    (image,) = fake.loaded
+    assert image.startswith(b"//") and image.endswith(b"\0") and b".target sm_80" in image
+    assert _compile.binary(SMALL, "compute_80")[1] == image and compiles == [SMALL.expression]  # from the cache
+    monkeypatch.setenv("CUPY_FA_ARCH", "sm_90")
+    knobs.reload()
+    assert _build.loadable_arch(0) == "sm_90"
+    monkeypatch.delenv("CUPY_FA_ARCH")
+    knobs.reload()
+    assert _build.loadable_arch(0) == "sm_90a"
