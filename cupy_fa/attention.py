@@ -23,7 +23,7 @@ from . import _arrays, _build, _memo, _views, catalog as _catalog, knobs as _kno
 from .families import common as _common
 from .kv_cache import PagedKVCache
 from .launch import StepLauncher, check_run
-from .variants import checked_soft_cap, checked_window
+from .variants import checked_soft_cap, checked_window, refuse_fp8_variants
 
 
 class BatchAttention:
@@ -213,10 +213,13 @@ class BatchAttention:
             RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words; another
                 thread inside ``plan`` / ``run`` of this instance at the same time.
             ValueError (``check``): a request whose device metadata broke the contract, after a sync.
+            NotImplementedError: a ``window`` or a ``logits_soft_cap`` on an instance built with an
+                fp8 ``kv_dtype`` (the fp8 kernels have no build with the variant hooks yet).
         """
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be True or False, got {causal!r}")
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
+        refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
         if self._split_checked is not _knobs.knobs():  # the split size knob against this head dim, once per knobs
             _schedule.check_split_size(self.head_dim, self._types.kv_bytes)
             self._split_checked = _knobs.knobs()
@@ -399,12 +402,15 @@ class BatchAttention:
                 enough for ``ceil(kv_len / page_size)`` pages (a device page table: widths only).
             ValueError (a plan with ``check``): a request whose device metadata broke the
                 contract (a page id outside ``cache``, ...), after the launch and a sync.
+            NotImplementedError: ``sinks`` on an instance built with an fp8 ``kv_dtype``.
         Nothing is launched when it raises (but for ``check``'s, raised after the run).
 
         Device page ids are checked by the kernel against ``cache.num_pages``: a request that
         reads one outside the cache reads page 0 instead, its rows that depend on it are NaN and
         :meth:`status` names it; the others are computed exactly as without it.
         """
+        if sinks is not None:
+            refuse_fp8_variants(self.kv_dtype_name, sinks=sinks)
         with self.device_scope():
             self._enter("run")
             try:

@@ -18,6 +18,17 @@ TAIL = 3
 
 
 @pytest.fixture(autouse=True)
+def _wgmma_all(monkeypatch):
+    """CUPY_FA_WGMMA_ALL=1: the policy takes the kernels this file holds to float64 (compiled, not yet
+    run on a GPU before it; without the knob an fp8 cache's long requests run on the mma.sync family
+    and its variants are refused). tests/conftest.py puts the knobs back after each test."""
+    import cupy_fa
+
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
+    cupy_fa.knobs.reload()
+
+
+@pytest.fixture(autouse=True)
 def _needs_sm90():
     import cupy
 

@@ -15,6 +15,17 @@ from test_variants_gpu import VARIANTS, draw
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _wgmma_all(monkeypatch):
+    """CUPY_FA_WGMMA_ALL=1: the policy takes the kernels this file holds to float64 (compiled, not yet
+    run on a GPU before it; without the knob an fp8 cache's long requests run on the mma.sync family
+    and its variants are refused). tests/conftest.py puts the knobs back after each test."""
+    import cupy_fa
+
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
+    cupy_fa.knobs.reload()
+
+
 def nan_before_windows(k, v, table, q_lens, kv_lens, window, page_size, poison_keys):
     """Copies of the fp8 bytes whose keys before each request's first window, less ``poison_keys``
     (one tile of the largest hooked fp8 tile), are an e4m3 NaN."""

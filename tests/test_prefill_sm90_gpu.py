@@ -1,6 +1,7 @@
 """GPU correctness of the sm_90a prefill family (kernels/sm90/prefill.cu) through BatchAttention,
-against the float64 reference, and its batch invariance. Hopper only: on another GPU these skip
-with that reason."""
+against the float64 reference, and its batch invariance, at every head dim (96 / 192 with
+CUPY_FA_WGMMA_ALL=1, which every test here sets) and with the soft-cap's tanh forms. Hopper only: on
+another GPU these skip with that reason."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,17 @@ import pytest
 from cases import POISON, check_attention, new_rng, np_dtype, paged_case, poisoned, random_lengths
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _wgmma_all(monkeypatch):
+    """CUPY_FA_WGMMA_ALL=1: the policy takes the kernels this file holds to float64 (compiled, not yet
+    run on a GPU before it; without the knob an fp8 cache's long requests run on the mma.sync family
+    and its variants are refused). tests/conftest.py puts the knobs back after each test."""
+    import cupy_fa
+
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
+    cupy_fa.knobs.reload()
 
 
 @pytest.fixture(autouse=True)

@@ -166,6 +166,12 @@ FP8_TILES = {
     256: dataclasses.replace(DEFAULT_TILES[256], kv_bytes=1, staging=2, block_n=64),
 }
 
+# The tiles first built on 2026-12-05 (head dims 96 / 192 over a 16-bit cache, every fp8 tile, and
+# with them an fp8 cache's kernels with the variant hooks): compiled without spills, not yet run on
+# a GPU. The policy takes them only with CUPY_FA_WGMMA_ALL=1 (schedule.prefill_tile,
+# variants.refuse_fp8_variants) until a device run holds them to float64.
+NOT_YET_RUN = {(96, 2), (192, 2), (64, 1), (128, 1), (256, 1)}  # (head dim, K / V element bytes)
+
 # The soft-cap's tanh in the hooked kernels (Sm90Tile.tanh; kernels/sm90/softmax.cuh soft_cap_tile):
 # 0 the exact form, 1 tanh.approx, 2 the Newton form.
 SOFT_CAP_TANH = 0
