@@ -46,14 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_workloads() -> str:
-    head = (f"{'workload':27s} {'shape':17s} {'B':>3s} {'q_len':>6s} {'kv_len':>7s} {'KV MB':>9s} {'q+o MB':>8s} "
+    head = (f"{'workload':27s} {'shape':23s} {'B':>3s} {'q_len':>6s} {'kv_len':>7s} {'KV MB':>9s} {'q+o MB':>8s} "
             f"{'GFLOP':>9s} {'bytes floor us':>15s} {'flop floor us':>14s}  metric")
     lines = [head]
     for w in W.WORKLOADS:
         fb, ff = w.floors_us()
         lengths = (f"{w.q_len:6d} {w.kv_len:7d}" if w.uniform else
                    f"{'/'.join(str(q) for _, q, _ in w.ragged):>6s} {'/'.join(str(kv) for _, _, kv in w.ragged):>7s}")
-        lines.append(f"{w.name:27s} {w.shape:17s} {w.batch:3d} {lengths} {w.kv_bytes() / 1e6:9.1f} "
+        lines.append(f"{w.name:27s} {w.shape:23s} {w.batch:3d} {lengths} {w.kv_bytes() / 1e6:9.1f} "
                      f"{w.qo_bytes() / 1e6:8.1f} {w.flops() / 1e9:9.1f} {fb:15.1f} {ff:14.1f}  {w.metric}")
     lines.append(f"floors: min bytes (KV + q + out) / {W.REFERENCE_READ_TBPS} TB/s; "
                  f"flops / {W.REFERENCE_GEMM_TFLOPS:.0f} TFLOP/s")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .workloads import H_KV, H_Q, Workload
+from .workloads import FP8_SCALE, H_KV, H_Q, Workload
 
 BF16_NAN_BITS = 0x7FC0
 FP16_NAN_BITS = 0x7E00
@@ -144,6 +144,13 @@ def make_inputs(w: Workload, page_size: int, n_sets: int, seed: int) -> Inputs:
         cache = cupy_fa.PagedKVCache.allocate(n_pages, page_size, H_KV, w.head_dim, dtype=w.dtype)
         fill_normal(cache.k)
         fill_normal(cache.v)
+        if w.fp8:  # the 16-bit values quantised on the device (PagedKVCache.append), one scale per tensor
+            fp8 = cupy_fa.PagedKVCache.allocate(n_pages, page_size, H_KV, w.head_dim, w.kv_dtype,
+                                                k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+            slots = cupy.arange(cache.num_slots, dtype=cupy.int64)
+            fp8.append(cache.k.reshape(-1, H_KV, w.head_dim), cache.v.reshape(-1, H_KV, w.head_dim), slots)
+            del cache
+            cache = fp8
         q = fill_normal(cupy.empty((w.num_q_rows, H_Q, w.head_dim), elem))
         out = cupy.empty(q.shape, elem)
         poison(out)
@@ -172,13 +179,17 @@ def reference_windows(inp: Inputs, s: InputSet, windows) -> dict:
         kv_eff = kl - ql + r1 if inp.workload.causal else kl
         n_pages = -(-kv_eff // inp.page_size)
         pages = cupy.asarray(inp.page_table[b, :n_pages].astype(np.int64))
-        k = to_host_elems(s.cache.k, pages)
-        v = to_host_elems(s.cache.v, pages)
+        if s.cache.is_fp8:  # the e4m3 bytes and their scales (the reference dequantises)
+            k, v = s.cache.k[pages].get(), s.cache.v[pages].get()
+            scales = dict(k_scale=s.cache.k_scale, v_scale=s.cache.v_scale)
+        else:
+            k, v = to_host_elems(s.cache.k, pages), to_host_elems(s.cache.v, pages)
+            scales = {}
         q = to_host_elems(s.q[cu[b] + r0: cu[b] + r1])
         refs[(b, r0, r1)] = reference.paged_attention(
             q, k, v, np.array([r1 - r0], np.int32), np.array([kv_eff], np.int32),
             np.arange(n_pages, dtype=np.int32)[None], causal=inp.workload.causal,
-            window=inp.workload.window or None, soft_cap=inp.workload.soft_cap or None, sinks=inp.sinks)
+            window=inp.workload.window or None, soft_cap=inp.workload.soft_cap or None, sinks=inp.sinks, **scales)
     return refs
 
 

@@ -79,6 +79,9 @@ def bench_sdpa(inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
     if w.variant:
         why = "n/a: SDPA's flash and cuDNN backends take no soft-cap, sinks or sliding window (only a dense mask)"
         return {name: cell("n/a", error=why) for name in SDPA_BACKENDS}
+    if w.fp8:
+        why = "n/a: SDPA's flash and cuDNN backends take no fp8 K / V beside 16-bit queries"
+        return {name: cell("n/a", error=why) for name in SDPA_BACKENDS}
     dense = [dense_copy(inp, s) for s in inp.sets]
     torch.cuda.synchronize()
     results = {}
@@ -183,12 +186,19 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
     kv_indices = torch.as_tensor(np.concatenate([inp.page_table[b, :n] for b, n in enumerate(pages)]), **dev)
     last_page_len = torch.as_tensor([kv - (n - 1) * ps for kv, n in zip(w.kv_lens, pages)], **dev)
     qo_indptr = torch.as_tensor([0] + list(np.cumsum(w.q_lens)), **dev)
-    # [pages, 2, page_size, H_kv, D], same shuffled page order as ours.
-    kv_sets = [torch.stack([as_torch(s.cache.k), as_torch(s.cache.v)], dim=1) for s in inp.sets]
+    # [pages, 2, page_size, H_kv, D], same shuffled page order as ours (an fp8 cache's bytes as e4m3)
+    if w.fp8:
+        kv_sets = [torch.stack([torch.from_dlpack(s.cache.k), torch.from_dlpack(s.cache.v)], dim=1)
+                   .view(torch.float8_e4m3fn) for s in inp.sets]
+    else:
+        kv_sets = [torch.stack([as_torch(s.cache.k), as_torch(s.cache.v)], dim=1) for s in inp.sets]
     q_sets = [as_torch(s.q) for s in inp.sets]
     outs = [torch.empty_like(q) for q in q_sets]
     elem = {"bfloat16": torch.bfloat16, "float16": torch.float16}[w.dtype]
-    dt = dict(q_data_type=elem, kv_data_type=elem)
+    dt = dict(q_data_type=elem, kv_data_type=torch.float8_e4m3fn if w.fp8 else elem)
+    # an fp8 cache: its per-tensor scales, to run()
+    scales = dict(k_scale=float(inp.sets[0].cache.k_scale[0]), v_scale=float(inp.sets[0].cache.v_scale[0])) \
+        if w.fp8 else {}
     # the variants: FlashInfer's window_left is W - 1 (a query sees itself and W - 1 keys before it)
     if w.window:
         dt["window_left"] = w.window - 1
@@ -213,13 +223,14 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
                                     causal=w.causal, **dt)
         how = f"BatchPrefillWithPagedKVCacheWrapper(causal={w.causal})"
     knobs = [f"{k}={v}" for k, v in dt.items() if k in ("window_left", "logits_soft_cap")]
+    knobs += ["kv_data_type=float8_e4m3fn, k_scale / v_scale per tensor"] if w.fp8 else []
     how += f" with {', '.join(knobs)}" if knobs else ""
     plan()
 
     def run(i):
         if extra:  # the sink variant's run takes its extra tensor and scalar positionally
             return wrapper.run(q_sets[i], kv_sets[i], *extra, out=outs[i])
-        return wrapper.run(q_sets[i], kv_sets[i], out=outs[i])
+        return wrapper.run(q_sets[i], kv_sets[i], out=outs[i], **scales)
     return plan, run, outs, how
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
 DTYPE, DTYPE_BYTES = "bfloat16", 2
+FP8 = "float8_e4m3fn"
+FP8_SCALE = 6.0 / 448  # the fp8 cells' per-tensor scale: N(0, 1) values to 6 sigma at e4m3's 448
 PAGE_SIZES = (16, 1)
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 
@@ -40,6 +42,9 @@ class Workload:
     window: int = 0
     soft_cap: float = 0.0
     sinks: bool = False
+    # an fp8 (e4m3) KV cache (kv_dtype "float8_e4m3fn"): the bf16 cache's values quantised with one
+    # scale per tensor (the scale kind FlashInfer's paged wrappers take); "" = the 16-bit dtype's
+    kv_dtype: str = ""
 
     def __post_init__(self):
         if self.ragged:
@@ -82,12 +87,18 @@ class Workload:
 
     @property
     def elem_bytes(self) -> int:
-        return 2  # bf16 and fp16
+        """Bytes of a K / V element: 1 over an fp8 cache, else 2 (bf16, fp16)."""
+        return 1 if self.fp8 else 2
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == FP8
 
     @property
     def shape(self) -> str:
         """'bf16 D128 causal' and the like: what the table's rows differ in besides the lengths."""
-        return f"{SHORT_DTYPE[self.dtype]} D{self.head_dim} {'causal' if self.causal else 'full'}" + self.variant
+        return (f"{SHORT_DTYPE[self.dtype]}{' fp8kv' if self.fp8 else ''} D{self.head_dim} "
+                f"{'causal' if self.causal else 'full'}" + self.variant)
 
     @property
     def variant(self) -> str:
@@ -121,8 +132,8 @@ class Workload:
         return keys * H_KV * self.head_dim * self.elem_bytes * 2
 
     def qo_bytes(self) -> int:
-        """q read once plus out written once."""
-        return 2 * self.num_q_rows * H_Q * self.head_dim * self.elem_bytes
+        """q read once plus out written once (16-bit both)."""
+        return 2 * self.num_q_rows * H_Q * self.head_dim * 2
 
     def min_bytes(self) -> int:
         """The fewest bytes through device memory: KV once, q once, out once."""
@@ -198,10 +209,13 @@ WORKLOADS = [
              window=4096),
     Workload("decode_b64_l4096_d96", 64, 1, 4096, "head dim 96", head_dim=96),
     Workload("decode_b64_l4096_d192", 64, 1, 4096, "head dim 192", head_dim=192),
-    Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96 (the mma.sync prefill tile on sm_90a too)",
-             head_dim=96),
-    Workload("prefill_b4_l4096_d192", 4, 4096, 4096, "head dim 192 (the mma.sync prefill tile on sm_90a too)",
-             head_dim=192),
+    Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96", head_dim=96),
+    Workload("prefill_b4_l4096_d192", 4, 4096, 4096, "head dim 192", head_dim=192),
+    # an fp8 KV cache (issue 42): the prefill and extend cells over it (ours: the wgmma family's fp8 tile)
+    Workload("prefill_b4_l4096_fp8", 4, 4096, 4096, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),
+    Workload("prefill_b2_l8192_fp8", 2, 8192, 8192, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),
+    Workload("extend_b4_q1024_l16384_fp8", 4, 1024, 16384, "fp8 KV cache: a chunk of 1024 over 15360 keys",
+             kv_dtype=FP8),
 ]
 BY_NAME = {w.name: w for w in WORKLOADS}
 

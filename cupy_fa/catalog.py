@@ -22,7 +22,7 @@ from ._compile import Kernel
 from .families import is_small_q_tile, mma_sync, sm90
 from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes, is_sm90a
 from .families.mma_sync import MmaTile
-from .knobs import STAGE_CHOICES
+from .knobs import STAGE_CHOICES, knobs
 
 _BUILDERS = {mma_sync.MMA_SYNC: mma_sync.kernel, sm90.SM90_WGMMA: sm90.kernel}
 
@@ -35,9 +35,6 @@ def attention_kernel(dtype, tile):
     types = ElementTypes.of(dtype)
     if tile.kv_bytes != types.kv_bytes:
         raise ValueError(f"internal: tile {tile} is for {tile.kv_bytes}-byte K/V, the KV type is {types.kv}")
-    if types.kv_bytes == 1 and tile.variants:
-        raise ValueError(f"internal: an fp8 cache's kernels have no build with the variant hooks (tile {tile}; "
-                         f"attention.refuse_fp8_variants refuses the step)")
     return _BUILDERS[tile.family](types, tile)
 
 
@@ -95,8 +92,8 @@ def all_kernels(arch=None):
         for head_dim in HEAD_DIMS:
             out += _merge_kernels(dtype_name, head_dim)
             tiles = [MmaTile(head_dim, 4, 1)]  # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
-            if arch is None or is_sm90a(arch):
-                tiles.append(schedule.prefill_tile(head_dim, SMEM_LIMIT, "sm_90a"))
+            if arch is None or is_sm90a(arch):  # the wgmma family's tile (every head dim, whatever CUPY_FA_WGMMA_ALL)
+                tiles.append(sm90.prefill_tile(head_dim))
             for warps_m in (1, 2):
                 for stages in STAGE_CHOICES:
                     for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
@@ -117,6 +114,8 @@ def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)
     with their folding tiles, and the one-row-half tiles with a producer warpgroup where ``arch``
     is sm_90a or None (any); ``stage_choices``: the depths (default the policy's)."""
     tiles = [schedule.prefill_tile(head_dim, kv_bytes=1)]
+    if arch is None or is_sm90a(arch):  # the wgmma family's fp8 tile (whatever CUPY_FA_WGMMA_ALL)
+        tiles.append(sm90.prefill_tile(head_dim, kv_bytes=1))
     for warps_m in (1, 2):
         for stages in stage_choices or (mma_sync.fp8_small_q_shape(head_dim)[1],):
             for limit in limits:
@@ -132,10 +131,11 @@ def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT)
 
 
 def fp8_kernels(dtype_name, head_dim, tiles=None):
-    """The attention kernels over an fp8 cache with ``dtype_name`` queries and outputs, each once
-    (the merge, plan and append kernels are the 16-bit ones')."""
+    """The attention kernels over an fp8 cache with ``dtype_name`` queries and outputs, each once,
+    plain and with the variant hooks (the merge, plan and append kernels are the 16-bit ones')."""
     types = ElementTypes(dtype_name, FP8, dtype_name)
-    kernels = (attention_kernel(types, t) for t in (fp8_tiles(head_dim) if tiles is None else tiles))
+    tiles = fp8_tiles(head_dim) if tiles is None else tiles
+    kernels = (attention_kernel(types, t) for t in tiles + [t.with_variants() for t in tiles])
     return list({k.expression: k for k in kernels}.values())
 
 
@@ -145,9 +145,9 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
     prefill family of the arch, the merges, plan and append, and merge_states'). ``kv_dtypes``: the
     cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
-    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each 16-bit cache's attention
-    kernel with the variant hooks too (what steps with a window, a soft-cap or sinks run; an fp8
-    cache has none)."""
+    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each attention kernel with the
+    variant hooks too (what steps with a window, a soft-cap or sinks run; an fp8 cache's with
+    ``CUPY_FA_WGMMA_ALL=1`` only)."""
     wanted = [PLAN_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
     wanted += [merge_states_kernel(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
@@ -165,8 +165,8 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
                     tile = schedule.tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
                     folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
                     picked = [t for t in (tile, folded) if t is not None]
-                    # (an fp8 cache's kernels have no hooked build: BatchAttention refuses the variants there)
-                    picked += [t.with_variants() for t in picked] if variants and kv != FP8 else []
+                    # (an fp8 cache takes the variants only with CUPY_FA_WGMMA_ALL=1: variants.refuse_fp8_variants)
+                    picked += [t.with_variants() for t in picked] if variants and (kv != FP8 or knobs().wgmma_all) else []
                     wanted += [attention_kernel(types, t) for t in picked]
     return list({k: None for k in wanted})
 

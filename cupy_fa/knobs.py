@@ -46,6 +46,10 @@ class Knobs:
                                      # 16-row softmax (schedule.tile_for; for A/B runs)
     producer_warp: bool = True       # CUPY_FA_PRODUCER_WARP: "0" keeps the fp8 one-row-half decode tile's
                                      # copies on its consumer warps (schedule.tile_for; for A/B runs)
+    wgmma_all: bool = False          # CUPY_FA_WGMMA_ALL: "1" runs the long requests of an fp8 cache and of
+                                     # head dims 96 / 192 on the wgmma family and lets an fp8 cache take the
+                                     # variants (schedule.prefill_tile, variants.refuse_fp8_variants): those
+                                     # kernels are compiled but not yet run on a GPU (2026-12-05)
 
     def __post_init__(self):
         _check(self.decode_stages in STAGE_CHOICES, "CUPY_FA_DECODE_STAGES",
@@ -96,6 +100,7 @@ class Knobs:
                    fold_splits=get("CUPY_FA_FOLD_SPLITS") or "auto",
                    half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
                    producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
+                   wgmma_all=flag("CUPY_FA_WGMMA_ALL", cls.wgmma_all),
                    pdl=flag("CUPY_FA_PDL", cls.pdl), trace=flag("CUPY_FA_TRACE", cls.trace),
                    debug=flag("CUPY_FA_DEBUG", cls.debug))
 

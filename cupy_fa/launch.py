@@ -51,9 +51,8 @@ class PreparedStep:
             # one CTA per (work item, KV head), heads fastest (kernels/mma_sync/work.cuh): schedule.launch_grid
             plain = _build.PackedLaunch(catalog.attention_kernel(launcher.types, launch.tile), (launch.ctas,), packed,
                                         device_id)
-            hooked = None if launcher.types.kv_bytes == 1 else _build.PackedLaunch(  # (an fp8 cache has no hooks)
-                catalog.attention_kernel(launcher.types, launch.tile.with_variants()), (launch.ctas,), packed,
-                device_id)
+            hooked = _build.PackedLaunch(catalog.attention_kernel(launcher.types, launch.tile.with_variants()),
+                                         (launch.ctas,), packed, device_id)
             self.attention.append((plain, hooked, packed.data.cast("B")))
         self.merge = None
         if sched.needs_merge:

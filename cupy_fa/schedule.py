@@ -12,8 +12,9 @@ For a planned step :func:`schedule_step` answers everything the host decides:
      of a pure decode step whatever else the batch holds (docs/design.md, "Batch invariance");
    * longer requests (prefill, extend, chunked prefill, the long rows of a mixed batch) take
      :func:`prefill_tile`: the sm_90a wgmma family (:mod:`cupy_fa.families.sm90`) where the
-     target is sm_90a, the cache 16-bit and the head dim 64, 128 or 256, else the mma.sync
-     prefill tile (4 warps over 64 query rows). One split per CTA, no fold.
+     target is sm_90a (head dims 64 / 128 / 256 over a 16-bit cache; with CUPY_FA_WGMMA_ALL=1
+     also 96 / 192 and an fp8 cache, compiled but not yet run on a GPU), else the mma.sync prefill
+     tile (4 warps over 64 query rows). One split per CTA, no fold.
 2. **The fold** (:func:`fold_tile`): whether the small-q CTAs fold their splits themselves
    (whole rows, or groups of ``MERGE_GROUP``) instead of leaving partials for the merge kernel;
    only in steps without long requests (one merge launch reads one partial layout).
@@ -85,20 +86,19 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
 
 def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
     """The tile of requests of more than SMALL_Q_LEN tokens, one KV split per CTA: on an sm_90a
-    target the wgmma family's default tile for the head dim (``sm90.DEFAULT_TILES``,
-    192 packed rows per CTA at D 64 / 128, 128 at D 256) when it fits ``smem_limit``; on any other target (sm_80, sm_89, an
-    ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target
-    named), and at the head dims the wgmma family lacks (96, 192: docs/design.md "Head dims"),
-    the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA). An fp8
-    cache (``kv_bytes=1``) takes the mma.sync prefill tile with fp8 K/V stages on every target,
-    sm_90a included (the wgmma family reads 16-bit K/V only)."""
-    if kv_bytes == 1:
-        return MmaTile(head_dim, 4, 1, kv_bytes=1)
-    if is_sm90a(arch) and head_dim in sm90.DEFAULT_TILES:
-        tile = sm90.DEFAULT_TILES[head_dim]
-        if tile.smem_bytes <= smem_limit:
+    target the wgmma family's tile for the head dim and cache (``sm90.DEFAULT_TILES``: 192 packed
+    rows per CTA at D 64 / 96 / 128, 128 at D 192 / 256; an fp8 cache's ``sm90.FP8_TILES`` at
+    D 64 / 128 / 256, its K / V widened to fp16 by the producer) when it fits ``smem_limit`` (the
+    tiles of ``sm90.NOT_YET_RUN``, D 96 / 192 and fp8, only with ``CUPY_FA_WGMMA_ALL=1``: compiled,
+    not yet run on a GPU); on any other target (sm_80, sm_89, an ``sm_90`` or ``sm_80`` build
+    forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target named), and for those tiles without the
+    knob, the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA; with fp8 K/V
+    stages over an fp8 cache)."""
+    if is_sm90a(arch) and ((head_dim, kv_bytes) not in sm90.NOT_YET_RUN or knobs().wgmma_all):
+        tile = sm90.prefill_tile(head_dim, kv_bytes)
+        if tile is not None and tile.smem_bytes <= smem_limit:
             return tile
-    return MmaTile(head_dim, 4, 1)
+    return MmaTile(head_dim, 4, 1, kv_bytes=kv_bytes)
 
 
 # ---- splits -----------------------------------------------------------------------------------
@@ -344,8 +344,8 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     ``batch_size``. Up to SMALL_Q_LEN the step is small-q only and the fold is by groups, where
     even the shortest such batch (every request max_q_len tokens, one split) fills the GPU;
     above it both launches are planned (either may find no work; no fold). The bits never
-    depend on any of it. ``kv_bytes=1``: an fp8 cache's tiles (both classes on the mma.sync
-    family).
+    depend on any of it. ``kv_bytes=1``: an fp8 cache's tiles (the small-q class on the mma.sync
+    family, the long one on :func:`prefill_tile`'s).
 
     With a sliding ``window`` (> 0) a request's splits cut only the keys from its key_base on
     (:func:`window_spans`; kernels/shared/plan.cu), and every split count, grid and merge below is that of

@@ -11,7 +11,7 @@ import pathlib
 import sys
 
 # S = Q K^T has N = BLOCK_N keys; O += P V has N = HEAD_DIM.
-N_VALUES = (64, 80, 128, 256)  # the default tiles' BLOCK_N (64 with the variant hooks, 80, 128) and head dims
+N_VALUES = (64, 80, 96, 112, 128, 192, 256)  # the tiles' BLOCK_N (S = Q K^T) and head dims (O += P V)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 OUT = pathlib.Path(__file__).resolve().parent.parent / "kernels" / "sm90" / "wgmma_ops.cuh"
 

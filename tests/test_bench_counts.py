@@ -8,7 +8,7 @@ from bench import workloads as W
 
 def test_workload_set():
     names = [w.name for w in W.WORKLOADS]
-    assert len(names) == len(set(names)) == 28
+    assert len(names) == len(set(names)) == 31
     for w in W.WORKLOADS:
         assert all(1 <= q <= kv for q, kv in w.requests()) and len(w.requests()) == w.batch
         assert w.head_dim in (64, 96, 128, 192, 256) and w.dtype in ("bfloat16", "float16")
@@ -16,7 +16,8 @@ def test_workload_set():
         "prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384", "prefill_b2_l8192_d64",
         "prefill_b2_l8192_d256", "prefill_b2_l8192_full", "prefill_b2_l8192_fp16", "extend_b8_q512_l8192",
         "prefill_b4_l4096_w1024", "prefill_b4_l4096_cap50", "prefill_b4_l4096_sinks",
-        "prefill_b4_l4096_d96", "prefill_b4_l4096_d192"]
+        "prefill_b4_l4096_d96", "prefill_b4_l4096_d192", "prefill_b4_l4096_fp8", "prefill_b2_l8192_fp8",
+        "extend_b4_q1024_l16384_fp8"]
     assert [w.name for w in W.WORKLOADS if not w.causal] == ["prefill_b2_l8192_full"]
     assert [w.name for w in W.WORKLOADS if w.kind == "mixed"] == ["mixed_q2048_d63_l4096"]
 
@@ -113,10 +114,10 @@ def test_select_and_windows():
         "decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "draft_extend_q4_b64_l4096",
         "decode_b64_l4096_w1024", "decode_b64_l4096_cap50", "decode_b64_l4096_sinks",
         "decode_b64_l4096_d96", "decode_b64_l4096_d192"]
-    assert len(W.select([])) == 28
+    assert len(W.select([])) == 31
     assert [w.name for w in W.select(["prefill_b2_l8192*"])] == [
         "prefill_b2_l8192", "prefill_b2_l8192_d64", "prefill_b2_l8192_d256", "prefill_b2_l8192_full",
-        "prefill_b2_l8192_fp16"]
+        "prefill_b2_l8192_fp16", "prefill_b2_l8192_fp8"]
     assert [w.name for w in W.select(["prefill_b2_l8192"])] == ["prefill_b2_l8192"]  # an exact name: that one
     # the order given (a --budget keeps the first cells), each pattern's matches in the table's order, once each
     assert [w.name for w in W.select(["prefill_b4_l4096_sinks", "decode_b1_", "prefill_b4_l4096_sinks"])] == [
@@ -164,3 +165,15 @@ def test_plot(tmp_path):
 
     path = plot.plot(_fake_results(), str(tmp_path / "bench.png"))
     assert path and (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_the_fp8_kv_workloads():
+    """Issue 42's fp8 cells: the bf16 prefill / extend shapes over an fp8 cache (per-tensor scale):
+    the same flops, half the K / V bytes, q and out still 16-bit."""
+    for name in ("prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384"):
+        w, bf16 = W.BY_NAME[name + "_fp8"], W.BY_NAME[name]
+        assert w.fp8 and w.kv_dtype == W.FP8 and w.elem_bytes == 1 and not bf16.fp8
+        assert (w.batch, w.q_len, w.kv_len, w.head_dim, w.dtype) == (bf16.batch, bf16.q_len, bf16.kv_len, 128,
+                                                                     "bfloat16")
+        assert w.flops() == bf16.flops() and w.kv_bytes() * 2 == bf16.kv_bytes() and w.qo_bytes() == bf16.qo_bytes()
+        assert w.shape == "bf16 fp8kv D128 causal" and w.metric == "TFLOP/s"

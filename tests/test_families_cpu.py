@@ -22,17 +22,23 @@ A100 = dict(smem_limit=families.common.SM80_SMEM_LIMIT, sm_count=108, arch="sm_8
 L40 = dict(smem_limit=99 * 1024, sm_count=142, arch="sm_89")
 
 
-def test_long_requests_take_the_wgmma_family_on_sm90a_only():
+@pytest.mark.parametrize("wgmma_all", ["0", "1"])
+def test_long_requests_take_the_wgmma_family_on_sm90a_only(wgmma_all, monkeypatch):
+    """Every head dim's long requests take the wgmma family on sm_90a; 96 and 192 (tiles compiled,
+    not yet run on a GPU) only with CUPY_FA_WGMMA_ALL=1, else the mma.sync prefill tile."""
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", wgmma_all)
+    knobs.reload()
     q, kv = [4096, 1024], [4096, 16384]
     for head_dim in families.common.HEAD_DIMS:
         long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **H200).long
-        if head_dim in s9.DEFAULT_TILES:
-            assert families.family_of(long.tile) is families.SM90_WGMMA
-            rows = {64: 192, 128: 192, 256: 128}[head_dim]  # 3 consumer warpgroups at D 64 / 128, 2 at 256
-            assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == rows
-            assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == sum(-(-n * 4 // rows) for n in q)
-        else:  # 96, 192: no wgmma tile, the mma.sync prefill tile on sm_90a too
-            assert head_dim in (96, 192) and long.tile == families.mma_sync.MmaTile(head_dim, 4, 1)
+        if head_dim in (96, 192) and wgmma_all == "0":
+            assert long.tile == families.mma_sync.MmaTile(head_dim, 4, 1)
+            continue
+        assert families.family_of(long.tile) is families.SM90_WGMMA
+        # 3 consumer warpgroups at D 64 / 96 / 128, 2 at 192 / 256
+        rows = {64: 192, 96: 192, 128: 192, 192: 128, 256: 128}[head_dim]
+        assert long.tile == s9.DEFAULT_TILES[head_dim] and long.tile.block_m == rows
+        assert long.work_grid == schedule.work_bound(q, kv, 4, long.tile) == sum(-(-n * 4 // rows) for n in q)
         for target in (A100, dict(H200, arch="sm_90"), dict(H200, arch=None)):  # sm_80, a plain sm_90 build, none
             long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **target).long
             assert families.family_of(long.tile) is families.mma_sync.MMA_SYNC
@@ -230,20 +236,40 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
               for dt in _compile.CTYPES for t in s9.DEFAULT_TILES.values()}
     # the fp8 tiles with a producer warpgroup (setmaxnreg): sm_90a only as well
     ring = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _compile.CTYPES
-            for d in families.common.FP8_HEAD_DIMS for t in catalog.fp8_tiles(d, arch="sm_90a") if t.producer_warps}
-    assert ring and not ring & sm80
-    assert (wgmma | hooked | ring) <= everything and not (wgmma | hooked) & sm80
-    assert everything - sm80 == wgmma | hooked | ring
-    assert hooked <= set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True))
-    assert set(catalog.all_kernels("sm_90a")) == everything
+            for d in families.common.FP8_HEAD_DIMS for t in catalog.fp8_tiles(d, arch="sm_90a")
+            if getattr(t, "producer_warps", 0)}
+    # the wgmma family's fp8 tiles, plain and hooked: sm_90a only too
+    fp8 = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _compile.CTYPES
+           for tile in s9.FP8_TILES.values() for t in (tile, tile.with_variants())}
+    assert ring and not ring & sm80 and fp8 and not fp8 & sm80
+    assert (wgmma | hooked | ring | fp8) <= everything and not (wgmma | hooked) & sm80
+    assert everything - sm80 == wgmma | hooked | ring | fp8
+    # what a Hopper warms by default: the tiles already run on a GPU (not those of s9.NOT_YET_RUN)
+    run = [t for t in s9.DEFAULT_TILES.values() if (t.head_dim, 2) not in s9.NOT_YET_RUN]
+    assert {t.head_dim for t in run} == {64, 128, 256}
     hopper = catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True)
+    assert {catalog.attention_kernel(dt, t.with_variants()) for dt in _compile.CTYPES for t in run} <= set(hopper)
+    assert set(catalog.all_kernels("sm_90a")) == everything
     ampere = catalog.warmup_kernels(smem_limit=families.common.SM80_SMEM_LIMIT, arch="sm_80", variants=True)
-    assert wgmma <= set(hopper) <= everything and set(ampere) <= sm80
+    assert {catalog.attention_kernel(dt, t) for dt in _compile.CTYPES for t in run} <= set(hopper) <= everything
+    assert set(ampere) <= sm80
     mma_prefill = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES
-                   for d in s9.DEFAULT_TILES}
+                   for d in (64, 128, 256)}
+    assert set(s9.DEFAULT_TILES) == set(families.common.HEAD_DIMS)  # every head dim has a wgmma tile
     assert mma_prefill <= set(ampere) and not mma_prefill & set(hopper)  # Hopper never selects it
-    no_wgmma = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES for d in (96, 192)}
-    assert no_wgmma <= set(ampere) and no_wgmma <= set(hopper)  # head dims without a wgmma tile: everywhere
+    # D 96 / 192: the mma.sync prefill tile on Hopper too unless CUPY_FA_WGMMA_ALL=1 (their wgmma
+    # tiles are compiled, not yet run on a GPU)
+    not_yet = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES for d in (96, 192)}
+    assert not_yet <= set(ampere) and not_yet <= set(hopper)
+    monkeypatch_env = pytest.MonkeyPatch()
+    try:
+        monkeypatch_env.setenv("CUPY_FA_WGMMA_ALL", "1")
+        knobs.reload()
+        hopper_all = set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True))
+    finally:
+        monkeypatch_env.undo()
+        knobs.reload()
+    assert not not_yet & hopper_all and wgmma <= hopper_all <= everything
     variant = catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128])
     assert variant == catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128]) and variant.source == "sm90/prefill.cu"
     with pytest.raises(ValueError, match="one element type"):
@@ -259,7 +285,8 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
     rows = compile_check.compile_all("sm_80", only="prefill_sm90_kernel", jobs=1)
     assert rows == [] and seen == []  # no wgmma variant in an sm_80 build
     rows = compile_check.compile_all("sm_90a", only="prefill_sm90_kernel", jobs=1)
-    assert len(rows) == 2 * 2 * len(s9.DEFAULT_TILES) and {a for _, a in seen} == {"sm_90a"}  # plain and hooked
+    # each dtype, plain and hooked, over a 16-bit cache and (D 64 / 128 / 256) an fp8 one
+    assert len(rows) == 2 * 2 * (len(s9.DEFAULT_TILES) + len(s9.FP8_TILES)) and {a for _, a in seen} == {"sm_90a"}
 
 
 # ---- what BatchAttention launches for a step (no GPU: the launches recorded) ---------------------

@@ -16,6 +16,7 @@ from cupy_fa import _compile
 from cupy_fa.kv_cache import checked_scales
 from cupy_fa import families
 from cupy_fa import catalog
+from cupy_fa.families import sm90 as s9
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -129,16 +130,63 @@ def test_kv_dtype_spellings():
 
 # ---- the tiling policy's fp8 tiles --------------------------------------------------------------
 
-def test_fp8_tiles_are_mma_sync_everywhere():
-    """An fp8 cache runs both classes of requests on the mma.sync family, sm_90a included (the
-    wgmma family reads 16-bit K/V only), with fp8 K/V stages."""
+def test_fp8_tiles_are_mma_sync_by_default():
+    """Without CUPY_FA_WGMMA_ALL an fp8 cache runs both classes of requests on the mma.sync family,
+    sm_90a included (the wgmma family's fp8 tiles are compiled, not yet run on a GPU)."""
     for arch in ("sm_90a", "sm_80", None):
         sched = schedule.schedule_step(128, 4, 8, q_lens=[1, 4, 300], kv_lens=[5000, 90, 300], arch=arch, kv_bytes=1)
-        assert sched.long is not None and sched.small is not None
         for launch in sched.launches:
             assert isinstance(launch.tile, families.mma_sync.MmaTile) and launch.tile.kv_bytes == 1, launch.tile
     assert schedule.prefill_tile(128, arch="sm_90a", kv_bytes=1) == families.mma_sync.MmaTile(128, 4, 1, kv_bytes=1)
-    assert not isinstance(schedule.prefill_tile(128, arch="sm_90a"), families.mma_sync.MmaTile)  # 16-bit: wgmma
+    assert schedule.prefill_tile(128, arch="sm_90a") == s9.DEFAULT_TILES[128]  # 16-bit: wgmma
+
+
+def test_fp8_long_requests_take_the_wgmma_family_on_sm90a_with_the_knob(monkeypatch):
+    """With CUPY_FA_WGMMA_ALL=1 an fp8 cache runs its small-q requests on the mma.sync family
+    everywhere (fp8 K/V stages) and its long ones on the wgmma family's fp8 tile where the target is
+    sm_90a (the producer widens K / V to fp16: kv_bytes 1 with two staging slots), on the mma.sync
+    prefill tile elsewhere."""
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
+    cupy_fa.knobs.reload()
+    for arch in ("sm_90a", "sm_80", None):
+        sched = schedule.schedule_step(128, 4, 8, q_lens=[1, 4, 300], kv_lens=[5000, 90, 300], arch=arch, kv_bytes=1)
+        assert sched.long is not None and sched.small is not None
+        assert isinstance(sched.small.tile, families.mma_sync.MmaTile) and sched.small.tile.kv_bytes == 1
+        if arch == "sm_90a":
+            assert sched.long.tile == s9.FP8_TILES[128] and sched.long.tile.kv_bytes == 1
+        else:
+            assert sched.long.tile == families.mma_sync.MmaTile(128, 4, 1, kv_bytes=1)
+    for head_dim in families.common.FP8_HEAD_DIMS:
+        tile = schedule.prefill_tile(head_dim, arch="sm_90a", kv_bytes=1)
+        assert tile.family is s9.SM90_WGMMA and (tile.kv_bytes, tile.staging) == (1, 2), tile
+        assert tile.smem_bytes <= families.common.SMEM_LIMIT
+        plain = s9.DEFAULT_TILES[head_dim]  # the 16-bit tile's shape (D 256: 64 keys, by shared memory)
+        assert (tile.consumer_wgs, tile.stages) == (plain.consumer_wgs, plain.stages)
+        assert tile.block_n == (64 if head_dim == 256 else plain.block_n)
+        assert schedule.prefill_tile(head_dim, tile.smem_bytes - 1, "sm_90a", kv_bytes=1) == \
+            families.mma_sync.MmaTile(head_dim, 4, 1, kv_bytes=1)  # a device with less shared memory
+    assert schedule.prefill_tile(128, arch="sm_90a") == s9.DEFAULT_TILES[128]  # 16-bit
+
+
+def test_fp8_wgmma_tile_mirrors_the_traits():
+    """Shared memory of the fp8 tile at D 128: the 16-bit tile's, then (at 16 bytes past the
+    barriers) a factor per row for bf16 queries and two staging slots of raw e4m3 tiles; the
+    traits name spells KV_BYTES, STAGING and TANH only where one is not the 16-bit default."""
+    tile = s9.FP8_TILES[128]
+    plain = s9.DEFAULT_TILES[128]
+    barriers = ((4 * 2 + 1) * 8 + 384 * 4 + 4 + 7) // 8 * 8
+    assert plain.smem_bytes == 1024 + 192 * 128 * 2 + 2 * 2 * 80 * 128 * 2 + barriers
+    assert tile.smem_bytes == plain.smem_bytes - barriers + (barriers + 15) // 16 * 16 + 192 * 4 + 2 * 80 * 128
+    assert tile.traits() == plain.traits()[:-1] + ", 1, 2, 0>" and not plain.traits().endswith(", 2, 0, 0>")
+    assert tile.with_variants().traits().endswith(f", true, 1, 2, {s9.SOFT_CAP_TANH}>")
+    for bad in (dict(staging=0), dict(staging=1), dict(kv_bytes=2), dict(head_dim=96)):
+        with pytest.raises(ValueError):
+            dataclasses.replace(tile, **bad)
+    types = families.common.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
+    assert catalog.attention_kernel(types, tile).expression == (
+        f"cupy_fa::prefill_sm90_kernel<__nv_bfloat16, cupy_fa::fp8_e4m3, __nv_bfloat16, {tile.traits()}>")
+    with pytest.raises(ValueError, match="1-byte K/V"):  # an fp8 tile over a 16-bit cache
+        catalog.attention_kernel("bfloat16", tile)
 
 
 def test_fp8_tile_numbers():
@@ -223,9 +271,9 @@ def test_fp8_one_row_half_takes_a_producer_warpgroup_on_sm90a(monkeypatch):
     for bad in (dict(head_dim=256), dict(row_halves=2), dict(kv_bytes=2)):
         with pytest.raises(ValueError, match="producer warpgroup"):
             dataclasses.replace(ring, **bad)
-    listed = {t.traits() for t in catalog.fp8_tiles(128, arch="sm_90a") if t.producer_warps}
+    listed = {t.traits() for t in catalog.fp8_tiles(128, arch="sm_90a") if getattr(t, "producer_warps", 0)}
     assert listed == {ring.traits()}
-    assert not any(t.producer_capable for t in catalog.fp8_tiles(128, arch="sm_80"))
+    assert not any(getattr(t, "producer_capable", False) for t in catalog.fp8_tiles(128, arch="sm_80"))
     monkeypatch.setenv("CUPY_FA_PRODUCER_WARP", "0")
     cupy_fa.knobs.reload()
     try:
@@ -241,7 +289,7 @@ def test_fp8_variants():
     assert v.expression.startswith("cupy_fa::attention_kernel<__nv_bfloat16, cupy_fa::fp8_e4m3, __nv_bfloat16, ")
     assert catalog.append_kernel(np.int64, "float16").expression == \
         "cupy_fa::append_quantize_kernel<long long, __half>"
-    with pytest.raises(ValueError, match="2-byte K/V"):  # the wgmma family's tile reads 16-bit K/V only
+    with pytest.raises(ValueError, match="2-byte K/V"):  # a 16-bit tile over an fp8 cache
         catalog.attention_kernel(types, schedule.prefill_tile(128, arch="sm_90a"))
     warm = catalog.warmup_kernels(("bfloat16",), (128,), kv_dtypes=("bfloat16", "float8_e4m3fn"))
     assert any("fp8_e4m3" in x.expression for x in warm) and any("append_quantize" in x.expression for x in warm)
@@ -259,9 +307,10 @@ def test_every_selectable_fp8_tile_is_compiled_in_ci():
                 for group in (1, 4, 8):
                     for limit in (families.common.SMEM_LIMIT, families.common.SM80_SMEM_LIMIT):
                         tile = schedule.tile_for(head_dim, max_q_len, group, limit, "sm_90a", kv_bytes=1)
-                        assert tile.fits_in(limit)
+                        assert tile.smem_bytes <= limit
                         for t in (tile, tile.folding(smem_limit=limit) if families.is_small_q_tile(tile) else None):
-                            if t is not None:
+                            if t is not None:  # plain, and with the variant hooks
                                 assert catalog.attention_kernel(types, t).expression in compiled, t
+                                assert catalog.attention_kernel(types, t.with_variants()).expression in compiled, t
         for index in (np.int32, np.int64):
             assert catalog.append_kernel(index, dtype).expression in compiled

@@ -1,7 +1,7 @@
-"""Head dims 96 and 192 in the tiling policy (no GPU): the tiles the policy picks for them, the
-mma.sync prefill tile on sm_90a (the wgmma family has no tile at these head dims), merges of whole
-warps, and the error for separate qk / vo head dims. (That every such variant compiles without
-spills is tests/test_compile_cpu.py's.)"""
+"""Head dims 96 and 192 in the tiling policy (no GPU): the tiles the policy picks for them (the
+wgmma family's on sm_90a, the mma.sync prefill tile elsewhere), merges of whole warps, and the error
+for separate qk / vo head dims. (That every such variant compiles without spills is
+tests/test_compile_cpu.py's.)"""
 
 import pytest
 
@@ -14,12 +14,32 @@ NEW = (96, 192)
 
 
 @pytest.mark.parametrize("head_dim", NEW)
-def test_long_requests_take_the_mma_sync_prefill_tile_everywhere(head_dim):
-    assert head_dim not in s9.DEFAULT_TILES
+def test_long_requests_take_the_mma_sync_prefill_tile_by_default(head_dim):
+    """Without CUPY_FA_WGMMA_ALL the wgmma tiles of these head dims (compiled, not yet run on a GPU)
+    are not taken: the mma.sync prefill tile on every target."""
     for arch in ("sm_90a", "sm_90", "sm_80", None):
         assert schedule.prefill_tile(head_dim, families.common.SMEM_LIMIT, arch) == families.mma_sync.MmaTile(head_dim, 4, 1)
     sched = schedule.schedule_step(head_dim, 4, 8, q_lens=[300, 1], kv_lens=[300, 5000], arch="sm_90a")
-    assert sched.long.tile == families.mma_sync.MmaTile(head_dim, 4, 1) and families.is_small_q_tile(sched.small.tile)
+    assert families.family_of(sched.long.tile) is families.mma_sync.MMA_SYNC
+
+
+@pytest.mark.parametrize("head_dim", NEW)
+def test_long_requests_take_the_wgmma_tile_on_sm90a_with_the_knob(head_dim, monkeypatch):
+    import cupy_fa
+
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
+    cupy_fa.knobs.reload()
+    wgmma = s9.DEFAULT_TILES[head_dim]
+    assert schedule.prefill_tile(head_dim, families.common.SMEM_LIMIT, "sm_90a") == wgmma
+    # D 96: 64-byte swizzled blocks (three of 32 columns), three consumer warpgroups; D 192: three
+    # 128-byte blocks, two consumer warpgroups (O holds 96 registers a thread)
+    assert (wgmma.swizzle, wgmma.consumer_wgs) == ({96: 64, 192: 128}[head_dim], {96: 3, 192: 2}[head_dim])
+    for arch in ("sm_90", "sm_80", None):
+        assert schedule.prefill_tile(head_dim, families.common.SMEM_LIMIT, arch) == families.mma_sync.MmaTile(head_dim, 4, 1)
+    sched = schedule.schedule_step(head_dim, 4, 8, q_lens=[300, 1], kv_lens=[300, 5000], arch="sm_90a")
+    assert sched.long.tile == wgmma and families.is_small_q_tile(sched.small.tile)
+    assert families.family_of(sched.long.tile) is families.sm90.SM90_WGMMA
+    sched = schedule.schedule_step(head_dim, 4, 8, q_lens=[300, 1], kv_lens=[300, 5000], arch="sm_80")
     assert families.family_of(sched.long.tile) is families.mma_sync.MMA_SYNC
 
 

@@ -134,29 +134,35 @@ def test_a_plan_of_the_same_shape_shares_the_prepared_step(monkeypatch):
     assert not prepared.matches(same, buffers, 1)
 
 
-def test_an_fp8_plan_prepares_without_the_hooked_kernels(monkeypatch):
-    """An fp8 cache's kernels have no build with the variant hooks (catalog.attention_kernel refuses
-    one): its prepared step holds the plain launches only, and runs them."""
+def test_an_fp8_plan_prepares_its_hooked_kernels_too(monkeypatch):
+    """An fp8 cache's tiles have builds with the variant hooks: its prepared step holds the plain and
+    the hooked launch of each tile, runs the plain ones without a variant and the hooked ones with
+    sinks."""
     attn = BatchAttention(32, 8, 128, "bfloat16", kv_dtype="float8_e4m3fn")
     calls = []
     monkeypatch.setattr(_build, "launch_packed", record(calls, lambda kernel, grid, params, programmatic: kernel))
     names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
              "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
     buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((8, 300)))
-    sched = schedule.schedule_step(128, 4, 8, q_lens=[1] * 8, kv_lens=[8192] * 8, kv_bytes=1, **H200)
-    state = plan.PlanState(8, 8, sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300, 0, None)
+    sched = schedule.schedule_step(128, 4, 8, q_lens=[1] * 4 + [300] * 4, kv_lens=[8192] * 8, kv_bytes=1, **H200)
+    state = plan.PlanState(8, 1204, sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300, 0, None)
     cache = _cache(16)
     cache.is_fp8 = False  # (its scale fields read as 0 here: only the launches are checked)
-    attn._launcher.launch(state, buffers, cache, 1 << 41, 1 << 42, 0, 8, 7, 0, 0)
-    assert all(hooked is None for _, hooked, _ in state.prepared.attention)
-    assert calls and all(k == catalog.attention_kernel(attn._types, x.tile) for k, x in
-                         zip(calls, [x for x in sched.launches if x.work_grid > 0]))
+    attn._launcher.launch(state, buffers, cache, 1 << 41, 1 << 42, 0, 1204, 7, 0, 0)
+    launches = [x for x in sched.launches if x.work_grid > 0]
+    assert len(launches) == 2  # the wgmma family's fp8 tile and the mma.sync small-q one
+    hooked = [catalog.attention_kernel(attn._types, x.tile.with_variants()) for x in launches]
+    assert [h.kernel for _, h, _ in state.prepared.attention] == hooked
+    assert calls[:2] == [catalog.attention_kernel(attn._types, x.tile) for x in launches]  # (then the merge)
+    calls.clear()
+    attn._launcher.launch(state, buffers, cache, 1 << 41, 1 << 42, 0, 1204, 7, 1 << 44, 0)  # with sinks
+    assert calls[:2] == hooked
 
 
 @pytest.mark.parametrize("q_lens,kv_lens", [([1] * 64, [4096] * 64), ([4096, 1], [4096, 3000]), ([4, 4], [900, 5000])])
 def test_an_fp8_cache_packs_and_launches_its_plain_kernels(monkeypatch, q_lens, kv_lens):
-    """An fp8 cache's tiles have no build with the variant hooks (its steps with a window, a soft-cap
-    or sinks are refused earlier): packing a plan's launches must not ask for one."""
+    """An fp8 cache's plan without a variant packs and launches its plain kernels (the wgmma family's
+    fp8 tile for its long requests on sm_90a, the mma.sync fp8 tiles for the others)."""
     attn = BatchAttention(32, 8, 128, "bfloat16", kv_dtype="float8_e4m3fn")
     names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
              "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")

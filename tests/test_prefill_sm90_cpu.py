@@ -20,9 +20,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 DEFAULT_KERNELS = [catalog.attention_kernel(dtype, tile) for dtype in _compile.CTYPES for tile in s9.DEFAULT_TILES.values()]
+# an fp8 cache's (bf16 / fp16 queries over e4m3 K / V) and every tile with the variant hooks
+FP8_KERNELS = [catalog.attention_kernel(families.common.ElementTypes(dtype, families.common.FP8, dtype), tile)
+               for dtype in _compile.CTYPES for tile in s9.FP8_TILES.values()]
+HOOKED_KERNELS = [catalog.attention_kernel(k_types, tile.with_variants()) for dtype in _compile.CTYPES
+                  for tiles, k_types in ((s9.DEFAULT_TILES, families.common.ElementTypes.of(dtype)),
+                                         (s9.FP8_TILES, families.common.ElementTypes(dtype, families.common.FP8, dtype)))
+                  for tile in tiles.values()]
 
 
-@pytest.mark.parametrize("kernel", DEFAULT_KERNELS, ids=lambda k: k.expression.replace(" ", ""))
+@pytest.mark.parametrize("kernel", DEFAULT_KERNELS + FP8_KERNELS + HOOKED_KERNELS,
+                         ids=lambda k: k.expression.replace(" ", ""))
 def test_kernel_compiles_for_sm90a_without_spills(kernel):
     cubin, res = _compile.compile_cubin(kernel, "sm_90a")  # also checks kSmemBytes / kConsumerRegs mirrors
     assert cubin[:4] == b"\x7fELF"
@@ -66,8 +74,8 @@ def test_default_tiles_fit_and_split_registers(head_dim):
     tile = s9.DEFAULT_TILES[head_dim]
     assert tile.head_dim == head_dim and tile.block_n % 16 == 0
     assert tile.smem_bytes <= families.common.SMEM_LIMIT
-    wgs = tile.consumer_wgs  # 3 at D 64 / 128 (192 rows, 512 threads), 2 at D 256 (128 rows, 384 threads)
-    assert wgs == (2 if head_dim == 256 else 3)
+    wgs = tile.consumer_wgs  # 3 at D 64 / 96 / 128 (192 rows, 512 threads), 2 at D 192 / 256 (128 rows, 384 threads)
+    assert wgs == (2 if head_dim in (192, 256) else 3)
     assert (tile.threads, tile.block_m, tile.entry_regs) == (128 * (1 + wgs), 64 * wgs, {2: 168, 3: 128}[wgs])
     assert 128 * tile.producer_regs + 128 * wgs * tile.consumer_regs <= tile.threads * tile.entry_regs
     assert tile.consumer_regs % 8 == 0 and tile.consumer_regs >= {2: 216, 3: 160}[wgs]
@@ -110,3 +118,17 @@ def test_work_layout_is_the_plans_with_128_rows():
     assert list(schedule.max_splits(q, kv)) == [1, 4, 1, 1]  # q = 17 over 2000 keys: 4 splits of 512
     assert schedule.work_bound(q, kv, 4, tile) == 128 + 4 + 32 + 1
     assert schedule.needs_merge(tile, q, kv)
+
+
+def test_head_dims_96_and_192_tile_by_column_blocks():
+    """D 96 has no whole 64-column block: its tiles are 64-byte swizzled blocks of 32 columns, and a
+    pass of the producer copies one block of 32 rows (so 32, 64 or 96 keys a tile); D 192 is three
+    128-byte blocks, 16 rows a pass. The host refuses a tile the kernel's static_asserts would."""
+    d96, d192 = s9.DEFAULT_TILES[96], s9.DEFAULT_TILES[192]
+    assert (d96.swizzle, d96.copy_rows, d96.block_n % 32) == (64, 32, 0)
+    assert (d192.swizzle, d192.copy_rows) == (128, 16)
+    assert (s9.DEFAULT_TILES[128].copy_rows, s9.FP8_TILES[128].copy_rows, s9.FP8_TILES[256].copy_rows) == (8, 16, 8)
+    with pytest.raises(ValueError, match="whole passes of the producer's 32 rows"):
+        s9.Sm90Tile(96, 80, consumer_wgs=3, producer_regs=32)
+    for tile in (d96, d192, d96.with_variants(), d192.with_variants()):
+        assert tile.smem_bytes <= families.common.SMEM_LIMIT and tile.block_n % tile.copy_rows == 0

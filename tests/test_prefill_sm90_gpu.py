@@ -1,6 +1,7 @@
 """GPU correctness of the sm_90a prefill family (kernels/sm90/prefill.cu) through BatchAttention,
-against the float64 reference, and its batch invariance. Hopper only: on another GPU these skip
-with that reason."""
+against the float64 reference, and its batch invariance, at every head dim (96 / 192 with
+CUPY_FA_WGMMA_ALL=1, which every test here sets) and with the soft-cap's tanh forms. Hopper only: on
+another GPU these skip with that reason."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,17 @@ import pytest
 from cases import POISON, check_attention, new_rng, np_dtype, paged_case, poisoned, random_lengths
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _wgmma_all(monkeypatch):
+    """CUPY_FA_WGMMA_ALL=1: the policy takes the kernels this file holds to float64 (compiled, not yet
+    run on a GPU before it; without the knob an fp8 cache's long requests run on the mma.sync family
+    and its variants are refused). tests/conftest.py puts the knobs back after each test."""
+    import cupy_fa
+
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
+    cupy_fa.knobs.reload()
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +62,8 @@ def run(dtype, heads, head_dim, page_size, causal, q_lens, kv_lens, rng, tail=3)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("page_size", [1, 16, 48])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 48, 64])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_random_ragged_batch(dtype, head_dim, page_size, causal):
     rng, seed = new_rng()
@@ -66,7 +78,8 @@ def test_random_ragged_batch(dtype, head_dim, page_size, causal):
 
 
 @pytest.mark.parametrize("dtype,head_dim,with_lse", [("bfloat16", 128, True), ("float16", 128, False),
-                                                     ("bfloat16", 64, True), ("float16", 256, True)])
+                                                     ("bfloat16", 64, True), ("float16", 256, True),
+                                                     ("bfloat16", 96, True), ("float16", 192, True)])
 def test_a_request_keeps_its_bits_in_any_batch(dtype, head_dim, with_lse):
     """Rows never mix: a request's out and lse are bit-identical alone and inside a batch of
     other requests (prefill, a split extend, a decode row), at another position."""
@@ -90,3 +103,46 @@ def test_a_request_keeps_its_bits_in_any_batch(dtype, head_dim, with_lse):
         assert (out[cu[b]:cu[b + 1]].view(cupy.uint16) == one.view(cupy.uint16)).all(), f"request {b} out"
         if with_lse:
             assert (lse[cu[b]:cu[b + 1]].view(cupy.uint32) == one_lse.view(cupy.uint32)).all(), f"request {b} lse"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+@pytest.mark.parametrize("tanh", [0, 2], ids=["tanh-exact", "tanh-newton"])
+def test_soft_cap_near_saturation(dtype, head_dim, tanh, monkeypatch):
+    """The hooked tile's soft-cap where tanh saturates: caps of 5 and 50 with scores that reach
+    several times the cap (sm_scale up to 40 / sqrt(D)), so many keys of a row sit on the cap and the
+    softmax weighs them by the tanh's last bits; with a window and sinks too. Both shippable forms of
+    the tanh (Sm90Tile.tanh: 0 the exact, 2 the Newton), against float64 with the LSE."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import catalog, reference
+    from cupy_fa.families import sm90
+
+    monkeypatch.setattr(sm90, "SOFT_CAP_TANH", tanh)
+    catalog.attention_kernel.cache_clear()  # it caches by tile: the hooked tile's tanh just changed
+    try:
+        rng, seed = new_rng()
+        heads, page_size = (16, 4), 16
+        q_lens, kv_lens = np.array([257, 40, 500]), np.array([257, 900, 1100])
+        total = int(q_lens.sum())
+        table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, total)
+        for cap, scale, window, sinks in ((5.0, 1.0 / np.sqrt(head_dim) * 4, None, None),
+                                          (50.0, 40.0 / np.sqrt(head_dim), None, None),
+                                          (50.0, 20.0 / np.sqrt(head_dim), 300, rng.normal(30.0, 10.0, heads[0]))):
+            sinks = None if sinks is None else sinks.astype(np.float32)
+            out = poisoned((total, heads[0], head_dim), np_dtype(dtype), 3)
+            lse = poisoned((total, heads[0]), np.float32, 3)
+            attn = cupy_fa.BatchAttention(*heads, head_dim, dtype)
+            attn.plan(q_lens, kv_lens, table, sm_scale=float(scale), logits_soft_cap=cap, window=window)
+            assert attn.planned.long_tile.family is sm90.SM90_WGMMA
+            attn.run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total],
+                     sinks=None if sinks is None else cupy.asarray(sinks))
+            ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv_lens, table, sm_scale=scale,
+                                                     soft_cap=cap, window=window, sinks=sinks, return_lse=True)
+            check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse,
+                                    poison=POISON, label=f"seed {seed} tanh {tanh} cap {cap} scale {scale:.3g} "
+                                                         f"window {window} sinks {sinks is not None}")
+            print(check.summary())
+            check.assert_ok()
+    finally:
+        catalog.attention_kernel.cache_clear()

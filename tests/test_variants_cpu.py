@@ -130,10 +130,10 @@ def test_the_none_values():
 
 @pytest.mark.parametrize("variant", ["window", "logits_soft_cap", "sinks"])
 def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, variant):
-    """The fp8 kernels have no build with the variant hooks: each variant with an fp8 kv_dtype raises
-    NotImplementedError naming it (plan, run, GraphRunner and its run), before anything touches the
-    device (which here would raise RuntimeError); without the variant, or on a 16-bit cache, the
-    same calls go on to the device."""
+    """By default (CUPY_FA_WGMMA_ALL unset) the fp8 kernels with the variant hooks, not yet run on a
+    GPU, are not taken: each variant with an fp8 kv_dtype raises NotImplementedError naming it (plan,
+    run, GraphRunner and its run), before anything touches the device (which here would raise
+    RuntimeError); without the variant, or on a 16-bit cache, the same calls go on to the device."""
     from cupy_fa import GraphRunner, _arrays
 
     monkeypatch.setattr(_arrays, "_cuda_ready", False)
@@ -165,13 +165,55 @@ def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, varian
             GraphRunner(8, 2, 64, "bfloat16", **sizes, **kwargs)
 
 
-def test_no_fp8_kernel_with_the_variant_hooks_is_listed_or_built():
-    warm = catalog.warmup_kernels(("bfloat16",), (128,), kv_dtypes=("float8_e4m3fn",), variants=True)
-    assert any("fp8_e4m3" in v.expression for v in warm)
-    assert not any("fp8_e4m3" in v.expression and v.expression.endswith(", true>>") for v in warm)
+@pytest.mark.parametrize("variant", ["window", "logits_soft_cap", "sinks"])
+def test_an_fp8_cache_takes_each_variant_with_the_knob(monkeypatch, variant):
+    """With CUPY_FA_WGMMA_ALL=1 an fp8 kv_dtype with each variant is planned and run as a 16-bit
+    cache's: plan and the GraphRunner go on to the device (which here raises RuntimeError), run with
+    sinks to its plan check; no refusal of its own."""
+    import cupy_fa
+    from cupy_fa import GraphRunner, _arrays
+
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
+    cupy_fa.knobs.reload()
+
+    monkeypatch.setattr(_arrays, "_cuda_ready", False)
+    monkeypatch.setattr(_arrays, "cuda_problem", lambda: "no NVIDIA driver was found (simulated here)")
+    fp8 = dict(kv_dtype="float8_e4m3fn")
+    sizes = dict(max_batch_size=4, max_q_len=4, max_pages_per_request=2, page_size=16)
+    on = {"window": dict(window=8), "logits_soft_cap": dict(logits_soft_cap=30.0), "sinks": {}}[variant]
+    if variant == "sinks":
+        with pytest.raises(RuntimeError, match="before plan"):
+            attention.BatchAttention(8, 2, 64, **fp8).run(np.zeros((1, 8, 64), np.float16), None,
+                                                          sinks=np.zeros(8, np.float32))
+        return
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        attention.BatchAttention(8, 2, 64, **fp8).plan([1], [4], [[0]], **on)
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        GraphRunner(8, 2, 64, "bfloat16", **sizes, **fp8, **on)
+
+
+def test_fp8_kernels_with_the_variant_hooks_are_listed_with_the_knob(monkeypatch):
+    """CI compiles each fp8 kernel's hooked twin (both families); warm-up with variants lists them
+    with CUPY_FA_WGMMA_ALL=1 only (without it an fp8 step refuses the variants)."""
+    import cupy_fa
+
+    kw = dict(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", kv_dtypes=("float8_e4m3fn",))
+    plain = set(catalog.warmup_kernels(("bfloat16",), (128,), **kw))
+    assert set(catalog.warmup_kernels(("bfloat16",), (128,), variants=True, **kw)) == plain
+    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
+    cupy_fa.knobs.reload()
+    warm = catalog.warmup_kernels(("bfloat16",), (128,), smem_limit=families.common.SMEM_LIMIT, arch="sm_90a",
+                                  kv_dtypes=("float8_e4m3fn",), variants=True)
     types8 = families.common.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
-    with pytest.raises(ValueError, match="no build with the variant hooks"):
-        catalog.attention_kernel(types8, schedule.tile_for(128, 1, 4, kv_bytes=1).with_variants())
+    for tile in (schedule.tile_for(128, 1, 4, kv_bytes=1, arch="sm_90a"), s9.FP8_TILES[128]):
+        assert catalog.attention_kernel(types8, tile.with_variants()) in warm
+    hooked8 = [v for v in warm if "fp8_e4m3" in v.expression and v.source in ("mma_sync/attention.cu", "sm90/prefill.cu")]
+    plain8 = catalog.warmup_kernels(("bfloat16",), (128,), smem_limit=families.common.SMEM_LIMIT, arch="sm_90a",
+                                    kv_dtypes=("float8_e4m3fn",))
+    added = set(hooked8) - set(plain8)  # the hooked twins (tiles of one or two row halves share one)
+    assert added and all(", true" in v.expression.split("Traits<")[1] for v in added)
+    assert len(added) == len({v.expression for v in added})
+    assert set(warm) <= set(catalog.all_kernels())
 
 
 # ---- what a step with a variant launches ---------------------------------------------------------
@@ -220,21 +262,23 @@ def test_every_attention_kernel_has_a_hooked_twin_and_the_plain_names_stay():
     """CI compiles each attention kernel twice: plain and with the hooks (the mma.sync traits' one
     more template argument, true; the wgmma traits' VARIANTS argument true)."""
     everything = catalog.all_kernels()
-    # the 16-bit kernels (an fp8 cache's, KV_BYTES = 1, have no hooked twin yet)
+    # the 16-bit kernels (an fp8 cache's hooked twins: test_fp8_kernels_with_the_variant_hooks_are_listed)
     attention_kernels = {v.expression for v in everything if v.source in ("mma_sync/attention.cu", "sm90/prefill.cu")
                          and "fp8_e4m3" not in v.expression}
     # the hooked twin: VARIANTS = true after the traits' last argument (the mma.sync traits' KV_BYTES
-    # is then spelled out); a wgmma tile of three consumer warpgroups holds 64 keys a tile hooked
-    # (Sm90Tile.with_variants: the hooks' registers)
+    # is then spelled out); a wgmma tile of three consumer warpgroups holds 64 keys a tile hooked, of
+    # two at most 80 (Sm90Tile.with_variants: the hooks' registers, the window test's bound), and
+    # the soft-cap's tanh form (SOFT_CAP_TANH) spelled after it where it is not the exact one
     def hooked_name(e):
         if "TileTraits<" in e and "Sm90PrefillTraits<" not in e:
             return e[:-2] + ", 2, true>>"
         if not e.endswith(", false>>"):
             return None  # a hooked wgmma kernel already
-        if ", 3, false>>" in e:
-            head_dim, block_n = e.split("Sm90PrefillTraits<")[1].split(", ")[:2]
-            e = e.replace(f"Sm90PrefillTraits<{head_dim}, {block_n},", f"Sm90PrefillTraits<{head_dim}, 64,")
-        return e[:-len(", false>>")] + ", true>>"
+        head_dim, block_n = e.split("Sm90PrefillTraits<")[1].split(", ")[:2]
+        hooked_n = min(int(block_n), 64 if ", 3, false>>" in e else 80)
+        e = e.replace(f"Sm90PrefillTraits<{head_dim}, {block_n},", f"Sm90PrefillTraits<{head_dim}, {hooked_n},")
+        tanh = f", 2, 0, {s9.SOFT_CAP_TANH}" if s9.SOFT_CAP_TANH else ""
+        return e[:-len(", false>>")] + ", true" + tanh + ">>"
     twin = {e: hooked_name(e) for e in attention_kernels}
     plain = {e for e in twin if twin[e] in attention_kernels}
     hooked = attention_kernels - plain
@@ -268,3 +312,9 @@ def test_no_hooked_tile_holds_more_keys_than_the_window_poison_leaves():
     hooked += [schedule.prefill_tile(d).with_variants() for d in families.common.HEAD_DIMS]  # mma.sync prefill
     hooked += [families.mma_sync.small_q_tile(d, w, 2).with_variants() for d in families.common.HEAD_DIMS for w in (1, 2)]
     assert max(t.block_n for t in hooked) == bound == 80
+    # an fp8 cache's (tests/test_fp8_variants_gpu.py poisons with its own bound: the small-q tiles' 128)
+    import test_fp8_variants_gpu
+
+    bound8 = inspect.signature(test_fp8_variants_gpu.run_case).parameters["poison_keys"].default
+    hooked8 = [t.with_variants() for d in families.common.FP8_HEAD_DIMS for t in catalog.fp8_tiles(d, arch="sm_90a")]
+    assert max(t.block_n for t in hooked8) == bound8 == families.mma_sync.FP8_BLOCK_N == 128

@@ -173,8 +173,8 @@ class MmaTile:
     def _ctas_per_sm(self, threads, smem_bytes):
         by_smem = SMEM_LIMIT // (smem_bytes + 1024)
         by_registers = 65536 // (threads * 128)
-        # TileTraits::kOneCtaForRegisters: a 96-column two-row tile with the variant hooks
-        one_for_registers = self.variants and self.warps_m > 1 and self.head_dim % 64 != 0
+        # TileTraits::kOneCtaForRegisters: a 96-column or fp8 two-row tile with the variant hooks
+        one_for_registers = self.variants and self.warps_m > 1 and (self.head_dim % 64 != 0 or self.kv_bytes == 1)
         return 1 if self.warps_n == 1 or by_smem < 1 or one_for_registers else min(by_smem, by_registers)
 
     @property
@@ -205,8 +205,10 @@ class MmaTile:
         """This tile's kernel with the variant hooks compiled in (kernels/shared/variant.cuh: sliding
         window, logits soft-cap, attention sinks; each on at run time by its AttentionParams field): the
         same schedule and work layout, only the kernel differs (no producer warpgroup: it has no build
-        with the hooks)."""
-        return dataclasses.replace(self, variants=True, producer_capable=False)
+        with the hooks; an fp8 tile of one row half takes both, which the hooks' registers fit, with
+        the same bits a row)."""
+        return dataclasses.replace(self, variants=True, producer_capable=False,
+                                   row_halves=2 if self.kv_bytes == 1 else self.row_halves)
 
     def traits(self):
         """The C++ traits type of this tile's kernel."""

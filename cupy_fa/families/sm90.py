@@ -1,14 +1,16 @@
 """The sm_90a wgmma family (``kernels/sm90/prefill.cu``; Hopper's architecture-specific target
-only): requests of more than ``schedule.SMALL_Q_LEN`` tokens over a 16-bit cache at head dims
-64, 128 and 256.
+only): requests of more than ``schedule.SMALL_Q_LEN`` tokens at head dims 64, 96, 128, 192 and
+256 over a 16-bit cache, and at 64, 128 and 256 over an fp8 (e4m3) cache.
 
 FlashAttention-3's structure in inline PTX: a producer warpgroup copies Q once and the paged
-K / V tiles into a ring of mbarrier-guarded stages; two or three consumer warpgroups of 64 rows
-run S = Q K^T and O += P V on wgmma around the mask and the online softmax, the next tile's
-Q K^T issued with this tile's P V. :class:`Sm90Tile` is the host mirror of
-``Sm90PrefillTraits`` (its shared memory, registers and rows per CTA are compiled into every
-kernel as checks); :data:`DEFAULT_TILES` is the tile of each head dim. The work layout is the
-plan kernel's (``block_m`` packed rows per item, one split per CTA, no fold).
+K / V tiles into a ring of mbarrier-guarded stages (an fp8 cache's bytes through staging slots,
+widened to fp16 on the way); two or three consumer warpgroups of 64 rows run S = Q K^T and
+O += P V on wgmma around the mask and the online softmax, the next tile's Q K^T issued with this
+tile's P V. :class:`Sm90Tile` is the host mirror of ``Sm90PrefillTraits`` (its shared memory,
+registers and rows per CTA are compiled into every kernel as checks); :data:`DEFAULT_TILES` and
+:data:`FP8_TILES` are the tiles of each head dim, :meth:`Sm90Tile.with_variants` their kernels
+with the variant hooks. The work layout is the plan kernel's (``block_m`` packed rows per item,
+one split per CTA, no fold).
 """
 
 from __future__ import annotations
@@ -35,11 +37,39 @@ class Sm90Tile:
     lean_copy: bool = False     # the producer's cp.async loop at ~9 instructions a copy instead of ~18
     consumer_wgs: int = 2       # consumer warpgroups of 64 rows: 2 (block_m 128) or 3 (block_m 192, 512 threads)
     variants: bool = False      # the variant hooks compiled in (window, soft-cap, sinks; Sm90PrefillTraits VARIANTS)
+    kv_bytes: int = 2           # 2: fp16 / bf16 K/V; 1: an fp8 (e4m3) cache, widened to fp16 by the producer
+    staging: int = 0            # an fp8 cache's staging slots of raw tiles (the producer runs staging - 1 tiles ahead)
+    tanh: int = 0               # the soft-cap's tanh with the hooks: 0 exact (2^y, reciprocal), 1 tanh.approx, 2 Newton
 
     family = SM90_WGMMA
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
     fold_splits = False
-    kv_bytes = 2                # 16-bit K/V only (an fp8 cache's long rows run on the mma.sync family)
+
+    def __post_init__(self):
+        if (self.kv_bytes, bool(self.staging)) not in ((2, False), (1, True)) or (self.kv_bytes == 1 and self.staging < 2):
+            raise ValueError(f"an fp8 tile (kv_bytes=1) takes 2 or more staging slots, a 16-bit one none: {self}")
+        if self.tanh not in (0, 1, 2) or (self.tanh and not self.variants):
+            raise ValueError(f"tanh is the soft-cap's form with the variant hooks (0, 1, 2): {self}")
+        if self.kv_bytes == 1 and self.head_dim % 64:
+            raise ValueError(f"an fp8 tile takes whole 64-byte rows of e4m3 (head dims 64, 128, 256): {self}")
+        if self.block_n % 16 or self.block_n % self.copy_rows:
+            raise ValueError(f"block_n must be whole k-steps of 16 keys and whole passes of the producer's "
+                             f"{self.copy_rows} rows: {self}")
+
+    @property
+    def copy_rows(self):
+        """Rows of a K / V tile one pass of the producer's 128 threads copies (sm90/load.cuh
+        KVProducer::RP): whole rows of 16-byte chunks where they divide the threads, else one
+        column block of them (16-bit D 96: 32 rows, D 192: 16)."""
+        chunks = self.head_dim * self.kv_bytes // 16
+        per_row = chunks if 128 % chunks == 0 else self.swizzle // 16
+        return 128 // per_row
+
+    @property
+    def swizzle(self):
+        """Sm90PrefillTraits::kSwizzle: bytes a row of a column block (128, or 64 where the head dim
+        is not whole 64-column blocks: 96)."""
+        return 128 if self.head_dim % 64 == 0 else 64
 
     @property
     def block_m(self):
@@ -64,23 +94,33 @@ class Sm90Tile:
     def smem_bytes(self):
         """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, the K and V rings, barriers, scratch."""
         d = self.head_dim
-        barriers = (4 * self.stages + 1) * 8 + 128 * self.consumer_wgs * 4 + 4  # + the page flag
-        return 1024 + self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2 + (barriers + 7) // 8 * 8
+        barriers = ((4 * self.stages + 1) * 8 + 128 * self.consumer_wgs * 4 + 4 + 7) // 8 * 8  # + the page flag
+        fp8 = 0
+        if self.kv_bytes == 1:  # each row's factor of bf16 queries, then the staging slots (at 16 bytes)
+            fp8 = (barriers + 15) // 16 * 16 + self.block_m * 4 + self.staging * self.block_n * d - barriers
+        return 1024 + self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2 + barriers + fp8
 
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
         same rows per CTA, so the same work layout; with three consumer warpgroups at most 64 keys
-        a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9). The keys a
-        tile holds never move a split (plan_kernel cuts splits; the kernel masks a split's last,
-        partial tile), so the hooked kernel runs the plain tile's plan."""
-        block_n = min(self.block_n, 64) if self.consumer_wgs == 3 else self.block_n
-        return dataclasses.replace(self, variants=True, block_n=block_n)
+        a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9), with two at
+        most 80 (a window's reads stay within one such tile of it: tests/test_variants_gpu.py), the
+        soft-cap's tanh of :data:`SOFT_CAP_TANH`, and an fp8 tile without the warp-uniform
+        warpgroup index (with it the fp16-query build spills). The keys a tile holds never move a
+        split (plan_kernel cuts splits; the kernel masks a split's last, partial tile), so the hooked
+        kernel runs the plain tile's plan."""
+        block_n = min(self.block_n, 64 if self.consumer_wgs == 3 else 80)
+        uniform_wg = self.uniform_wg and self.kv_bytes == 2
+        return dataclasses.replace(self, variants=True, block_n=block_n, tanh=SOFT_CAP_TANH, uniform_wg=uniform_wg)
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
+        # the 16-bit kernels with the exact tanh keep their names: the last three only where one differs
+        extra = (f", {self.kv_bytes}, {self.staging}, {self.tanh}" if (self.kv_bytes, self.staging, self.tanh) != (2, 0, 0)
+                 else "")
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.pingpong)}, "
                 f"{self.producer_regs}, {b(self.uniform_wg)}, {b(self.joint_rows)}, {b(self.lean_copy)}, "
-                f"{int(self.consumer_wgs)}, {b(self.variants)}>")
+                f"{int(self.consumer_wgs)}, {b(self.variants)}{extra}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -100,20 +140,54 @@ class Sm90Tile:
 #   hides behind two others' GEMMs), at D = 128 with 80 keys a tile (S, O and P fit the 160
 #   registers a consumer gets only with 64 or 80): +5-9% on prefill, +18% at D = 64; the producer
 #   needs 32 registers with lean copies.
+# * D 96 (64-byte swizzled blocks of 32 columns; a pass of the producer copies 32 rows of one
+#   block, so 32, 64 or 96 keys a tile): D 128's options at 96 keys (128 spill 144 bytes);
+#   D 192 (three 64-column blocks, 16 rows a pass): two consumer warpgroups at 96 keys (112 with
+#   these options spill 44 bytes; 128 keys do not fit two stages). Not yet timed against others.
 DEFAULT_TILES = {
     64: Sm90Tile(64, 128, stages=4, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
                  producer_regs=32),
+    96: Sm90Tile(96, 96, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
+                 producer_regs=32),
     128: Sm90Tile(128, 80, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=3,
                   producer_regs=32),
+    192: Sm90Tile(192, 96, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=2,
+                  producer_regs=56),
     256: Sm90Tile(256, 80, stages=2, pingpong=False),
 }
+
+# An fp8 cache's tile of each head dim: the 16-bit tile's shape with two staging slots of raw
+# e4m3 tiles (the producer copies one tile ahead of the one it widens); at D 256, 64 keys a tile
+# (80 with the staging slots would pass the shared memory). 0 spills (NVRTC 12.9) with the
+# producer's widening one 16-byte chunk at a time.
+FP8_TILES = {
+    64: dataclasses.replace(DEFAULT_TILES[64], kv_bytes=1, staging=2),
+    128: dataclasses.replace(DEFAULT_TILES[128], kv_bytes=1, staging=2),
+    256: dataclasses.replace(DEFAULT_TILES[256], kv_bytes=1, staging=2, block_n=64),
+}
+
+# The tiles first built on 2026-12-05 (head dims 96 / 192 over a 16-bit cache, every fp8 tile, and
+# with them an fp8 cache's kernels with the variant hooks): compiled without spills, not yet run on
+# a GPU. The policy takes them only with CUPY_FA_WGMMA_ALL=1 (schedule.prefill_tile,
+# variants.refuse_fp8_variants) until a device run holds them to float64.
+NOT_YET_RUN = {(96, 2), (192, 2), (64, 1), (128, 1), (256, 1)}  # (head dim, K / V element bytes)
+
+# The soft-cap's tanh in the hooked kernels (Sm90Tile.tanh; kernels/sm90/softmax.cuh soft_cap_tile):
+# 0 the exact form, 1 tanh.approx, 2 the Newton form.
+SOFT_CAP_TANH = 0
+
+
+def prefill_tile(head_dim, kv_bytes=2):
+    """The family's tile of a head dim for K / V elements of ``kv_bytes``, or None where it has none."""
+    return (FP8_TILES if kv_bytes == 1 else DEFAULT_TILES).get(head_dim)
 
 
 def kernel(types, tile):
     """The compiled kernel of ``tile`` for element types ``types`` (a ``common.ElementTypes``):
-    this family takes one element type for Q, K, V and O."""
-    if not types.q == types.kv == types.out:
-        raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q, KV and O, got {types}")
-    ctype = _compile.CTYPES[types.q]
-    return _compile.Kernel(SM90_WGMMA.source, f"{SM90_WGMMA.kernel}<{ctype}, {ctype}, {ctype}, {tile.traits()}>",
+    this family takes one element type for Q and O, and that one or an fp8 cache's for K / V."""
+    if types.q != types.out or types.kv_bytes != tile.kv_bytes or (tile.kv_bytes == 2 and types.kv != types.q):
+        raise ValueError(f"the {SM90_WGMMA.name} family takes one element type for Q and O and that one for KV "
+                         f"(or an fp8 cache on a kv_bytes=1 tile), got {types} for {tile}")
+    q, kv, out = types.ctypes()
+    return _compile.Kernel(SM90_WGMMA.source, f"{SM90_WGMMA.kernel}<{q}, {kv}, {out}, {tile.traits()}>",
                          tile.threads, tile.smem_bytes, tile.checks())

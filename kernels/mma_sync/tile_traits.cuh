@@ -122,9 +122,9 @@ struct TileTraits {
   // registers (compute-bound, 2 CTAs per SM by shared memory anyway).
   static constexpr int kCtasBySmem = (227 * 1024) / (kSmemBytes + 1024);
   static constexpr int kCtasBy128Regs = 65536 / (kCtaThreads * 128);
-  // (The two-row tile of a 96-column head dim with the variant hooks needs a register past 128:
-  // it is held to one CTA per SM, as a prefill tile is.)
-  static constexpr bool kOneCtaForRegisters = VARIANTS && WARPS_M > 1 && HEAD_DIM % 64 != 0;
+  // (The two-row tile of a 96-column head dim, or over an fp8 cache, with the variant hooks needs
+  // registers past 128: it is held to one CTA per SM, as a prefill tile is.)
+  static constexpr bool kOneCtaForRegisters = VARIANTS && WARPS_M > 1 && (HEAD_DIM % 64 != 0 || KV_BYTES == 1);
   static constexpr int kMinCtasPerSm =
       (WARPS_N == 1 || kCtasBySmem < 1 || kOneCtaForRegisters)
           ? 1

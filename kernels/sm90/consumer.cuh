@@ -1,5 +1,5 @@
-// A consumer warpgroup of the sm90 prefill family: 64 of the CTA's 128 packed rows, over the
-// key tiles the producer (sm90/load.cuh) puts in the K / V rings, last tile first.
+// A consumer warpgroup of the sm90 prefill family: 64 of the CTA's 128 (192) packed rows, over
+// the key tiles the producer (sm90/load.cuh) puts in the K / V rings, last tile first.
 //
 // Per tile: S = Q K^T (wgmma, Q and K from shared memory), the mask on the tiles that need one,
 // the online softmax and P in registers (sm90/softmax.cuh), O += P V (wgmma, P as the register
@@ -8,16 +8,66 @@
 // tile i - 1 together and runs the softmax of tile i while P V is in the tensor cores. With
 // Traits::kPingPong the consumer warpgroups take turns at issuing Q K^T (named barriers 1, 2,
 // 3), so one's softmax runs during the others' GEMMs.
+//
+// An fp8 cache (Traits::kFp8): the rings hold K and V widened to fp16, so both products run in
+// fp16 (P too); bf16 queries are first rewritten in place as fp16 times a power of two per row
+// (q_rows_to_fp16, each warpgroup its own 64 rows), and the scores' scale into base 2 is per row:
+// k_scale of the KV head times the row's 2^-e (RowScale); V's scale joins each row's 1 / l.
+#pragma once
 #pragma once
 
 namespace cupy_fa {
 namespace sm90 {
 
+// Over an fp8 cache with bf16 queries, the products run in fp16 (the K / V stages are fp16): once
+// Q's tile has arrived each warpgroup rewrites its 64 rows in place as fp16 times 2^e_r, e_r per
+// row so that its largest |q| lands in [2^14, 2^15) (clamped to +-64; 0 for a row of zeros): a
+// bf16 value has 8 significant bits, so every element down to 2^-17 of the row's largest is exact
+// in fp16 and the scores come out 2^e_r times Q K^T; row_scale[r] = 2^-e_r (the mma.sync family's
+// rule, kernels/mma_sync/paged_kv.cuh q_rows_to_fp16: a row's bits depend on its own q only).
+// A row's D / 8 chunks are D / 8 consecutive lanes of a warp (D 64, 128, 256).
+template <int D, int BM, int SW>
+__device__ __forceinline__ void q_rows_to_fp16(unsigned q_addr, unsigned row_scale, int wg, int wtid) {
+  constexpr int CH = D / 8, RP = 128 / CH;
+  static_assert(128 % CH == 0 && CH <= 32 && 64 % RP == 0, "a row's chunks in one warp, whole passes");
+  const int chunk = wtid % CH;
+#pragma unroll
+  for (int i = 0; i < 64 / RP; ++i) {
+    const int r = wg * 64 + wtid / CH + RP * i;
+    const unsigned at = q_addr + swizzled_offset<BM, SW>(r, chunk);
+    u32 x[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(at)
+                 : "memory");
+    float m = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = ElemTraits<__nv_bfloat16>::unpack(x[j]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+#pragma unroll
+    for (int o = 1; o < CH; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    // (NaN in a row: fmaxf ignores it, the NaN stays NaN through the conversion)
+    const int exponent = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;  // floor(log2 m), m normal
+    const int e = m > 0.f ? min(64, max(-64, 14 - exponent)) : 0;
+    const float up = __uint_as_float(static_cast<u32>(127 + e) << 23);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = ElemTraits<__nv_bfloat16>::unpack(x[j]);
+      x[j] = ElemTraits<__half>::pack(f.x * up, f.y * up);  // exact (see above)
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3])
+                 : "memory");
+    if (chunk == 0) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(row_scale + 4 * r), "f"(__uint_as_float(static_cast<u32>(127 - e) << 23)) : "memory");
+  }
+}
+
 template <typename QT, typename OT, typename Tr>
 __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
                                         PipeBarriers<Tr::kStages, Tr::kConsumerThreads>& bars,
                                         RingPos<Tr::kStages>& pos, unsigned q_addr, unsigned k_addr, unsigned v_addr, int wg, int wtid) {
-  constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
+  constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages, SW = Tr::kSwizzle;
+  // the products' element type: Q's, or fp16 over an fp8 cache (its stages hold fp16)
+  typedef typename TypeIf<Tr::kFp8, __half, QT>::type AT;
   const int lane = wtid % 32, quad = lane % 4;
   const int first_row = wg * 64 + (wtid / 32) * 16 + lane / 4;  // tile row of row half 0
   RowInfo ri;
@@ -40,17 +90,18 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // the descriptors of this warpgroup's 64 Q rows (of every column block) and of stage 0's K
   // and V; a stage and a k-step are constant steps from them
   // (kUniformWg: the Q tile's address from lane 0 too, so ptxas keeps it in uniform registers)
-  const unsigned q_wg = q_addr + wg * 64 * 128;
-  const u64 q_desc = kmajor_desc(Tr::kUniformWg ? __shfl_sync(0xffffffffu, q_wg, 0) : q_wg), k_desc = kmajor_desc(k_addr);
-  const u64 v_desc = mnmajor_desc<BN>(v_addr);
+  const unsigned q_wg = q_addr + wg * 64 * SW;
+  const u64 q_desc = kmajor_desc<SW>(Tr::kUniformWg ? __shfl_sync(0xffffffffu, q_wg, 0) : q_wg),
+            k_desc = kmajor_desc<SW>(k_addr);
+  const u64 v_desc = mnmajor_desc<BN, SW>(v_addr);
   // S = Q K^T of the K tile in `stage` (issue only)
   auto issue_qk = [&](int stage) {
     const u64 k_tile = desc_at(k_desc, stage * Tr::kKVTileBytes);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const u64 kd = desc_at(k_tile, kmajor_step<BN>(kk));
-      Wgmma<BN, QT>::ss_kk(s, desc_at(q_desc, kmajor_step<BM>(kk)), kd, kk > 0);
+      const u64 kd = desc_at(k_tile, kmajor_step<BN, SW>(kk));
+      Wgmma<BN, AT>::ss_kk(s, desc_at(q_desc, kmajor_step<BM, SW>(kk)), kd, kk > 0);
     }
     wgmma_commit();
   };
@@ -59,16 +110,25 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     const u64 v_tile = desc_at(v_desc, stage * Tr::kKVTileBytes);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks) Wgmma<D, QT>::rs_mn(o, frag[ks], desc_at(v_tile, mnmajor_step(ks)), 1);
+    for (int ks = 0; ks < BN / 16; ++ks) Wgmma<D, AT>::rs_mn(o, frag[ks], desc_at(v_tile, mnmajor_step<SW>(ks)), 1);
     wgmma_commit();
   };
-  // mask (the tiles that need it) and fold tile `tile`'s scores into the state
-  // (the variant hooks' soft-cap: scores capped in base 2 before the mask, then taken with scale 1)
+  // The scores' scale into base 2 (an fp8 cache: per row, RowScale, set once Q has arrived) and
+  // the soft-cap's argument (the variant hooks: scores capped before the mask, sm90/softmax.cuh
+  // soft_cap_tile, then taken with scale 1, or cap log2 e where the tanh comes unscaled)
   const bool capped = Tr::kVariants && p.soft_cap_log2 > 0.f;
-  const float scale_log2 = capped ? 1.f : p.sm_scale_log2;
+  // (per row only where bf16 queries are rewritten as fp16, each row by its own power of two)
+  constexpr bool kRowScaled = Tr::kFp8 && SameType<QT, __nv_bfloat16>::value;
+  typedef typename TypeIf<kRowScaled, RowScale, UniformScale>::type Scale;
+  Scale scale_log2, cap_arg;
+  if constexpr (!Tr::kFp8) {
+    scale_log2.s = capped ? soft_cap_fold_scale<Tr::kTanh>(p) : p.sm_scale_log2;
+    cap_arg.s = soft_cap_arg<Tr::kTanh>(p);
+  }
+  // mask (the tiles that need it) and fold tile `tile`'s scores into the state
   auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
     if constexpr (Tr::kVariants) {
-      if (capped) soft_cap_tile<BN>(s, p);
+      if (capped) soft_cap_tile<BN, Tr::kTanh>(s, cap_arg, p.soft_cap_log2);
     }
     if (masked) mask_tile<BN, Tr::kVariants>(s, p, w, ri, w.kv_begin + tile * BN, quad);
     if constexpr (Tr::kJointRows) return st.template fold_joint<BN>(s, scale_log2, factor);
@@ -86,6 +146,33 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     }
   }
   mbar_wait(&bars.q_full, 0);
+  if constexpr (Tr::kFp8 && !kRowScaled) {  // fp16 queries: k_scale of the KV head
+    const float k_scale = __ldg(p.k_scale + w.kv_head);
+    scale_log2.s = k_scale * (capped ? soft_cap_fold_scale<Tr::kTanh>(p) : p.sm_scale_log2);
+    cap_arg.s = k_scale * soft_cap_arg<Tr::kTanh>(p);
+  }
+  if constexpr (kRowScaled) {
+    // k_scale of the KV head, times each row's 2^-e of bf16 queries rewritten as fp16
+    const float k_scale = __ldg(p.k_scale + w.kv_head);
+    float row[2] = {k_scale, k_scale};
+    {
+      const unsigned row_scale = smem_addr(&bars) + Tr::kRowScaleOffset;
+      q_rows_to_fp16<D, BM, SW>(q_addr, row_scale, wg, wtid);
+      fence_async_shared();  // its stores, before this warpgroup's wgmmas read them
+      named_sync(4 + wg, 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float f;
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(f) : "r"(row_scale + 4 * (first_row + 8 * h)) : "memory");
+        row[h] *= f;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      scale_log2.s[h] = row[h] * (capped ? soft_cap_fold_scale<Tr::kTanh>(p) : p.sm_scale_log2);
+      cap_arg.s[h] = row[h] * soft_cap_arg<Tr::kTanh>(p);
+    }
+  }
   if (T > 0) {
     PipeState<ST>& ks = pos.ks;  // K runs one tile ahead of V
     PipeState<ST>& vs = pos.vs;
@@ -107,7 +194,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
       float factor[2];
       softmax(T - 1, w.masked_tiles > 0 || (Tr::kVariants && T - 1 < low_masked), factor);  // o is still zero
     }
-    to_fragments<QT, BN>(s, frag);
+    to_fragments<AT, BN>(s, frag);
     ks.advance();
     // O += P V of the tile in frag from the V stage in turn, waited for, that stage freed (the
     // last tile's)
@@ -145,7 +232,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
       pin(frag);
       mbar_arrive(&bars.v_empty[vs.stage]);
       if (__any_sync(0xffffffffu, moved)) rescale(o, factor);
-      to_fragments<QT, BN>(s, frag);
+      to_fragments<AT, BN>(s, frag);
       ks.advance();
       vs.advance();
     }
@@ -154,7 +241,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // A page id outside the cache in this item: the producer set the flag before its last
   // arrival, which the waits above saw.
   const unsigned page_flag = bars.page_flag(smem_addr(bars.k_full));
-  store_rows<OT, D, Tr::kVariants>(p, w, ri, by_group, o, st, w.row0 + first_row, quad, shared_load(page_flag) != 0);
+  const float v_scale = Tr::kFp8 ? __ldg(p.v_scale + w.kv_head) : 1.f;  // an fp8 cache: out = o v_scale / l
+  store_rows<OT, D, Tr::kVariants, Tr::kFp8>(p, w, ri, by_group, o, st, w.row0 + first_row, quad,
+                                             shared_load(page_flag) != 0, v_scale);
 }
 
 }  // namespace sm90

@@ -1,17 +1,29 @@
 // The producer warpgroup of the sm90 prefill family: Q once, then the paged K and V tiles
-// through the mbarrier rings (sm90/pipeline.cuh), with cp.async into the 128-byte swizzled
-// layout the wgmma descriptors read (sm90/wgmma.cuh swizzled_offset), for any page size.
+// through the mbarrier rings (sm90/pipeline.cuh), with cp.async into the swizzled layout the
+// wgmma descriptors read (sm90/wgmma.cuh swizzled_offset), for any page size.
 //
-// Thread t of the 128 copies 16-byte chunk t % (D / 8) of rows t / (D / 8), + 128 / (D / 8),
-// ... of a tile, so a warp's threads share 32 / (D / 8) rows per pass and a tile's BLOCK_N
-// keys fall BLOCK_N / 4 to each warp. Before copying a tile, each lane of a warp looks up
-// the cache slot of one (or two) of its warp's keys: the page id from the page table (read
-// one tile ahead, so its L2 round trip hides behind the copies of the tile before), then
-// page x page_size + offset (a shift for power-of-two pages). The copies take their row's
-// slot from that lane by a shuffle. A slot of -1 marks a key past the CTA's range: its
-// chunks are zero-filled (so a masked key's V row is 0, never stale NaN) and nothing is read.
-// K and V of a tile share the slots (the caches have one layout): V of a tile is copied one
-// step after its K, the order the consumers read them (S of tile i with P V of tile i - 1).
+// A pass of the 128 threads copies CPR 16-byte chunks of each of 128 / CPR rows: whole rows
+// where they divide the 128 threads (16-bit K/V at D 64, 128, 256: thread t copies chunk t % CH
+// of rows t / CH, + 128 / CH, ...), else one column block of them, block after block over the
+// same rows (D 96, 192: CH = 12 or 24 chunks a row). A warp's threads share 32 / CPR rows per
+// pass and a tile's BLOCK_N keys fall BLOCK_N / 4 to each warp. Before copying a tile, each lane
+// of a warp looks up the cache slot of one (or two) of its warp's keys: the page id from the page
+// table (read one tile ahead, so its L2 round trip hides behind the copies of the tile before),
+// then page x page_size + offset (a shift for power-of-two pages). The copies take their row's
+// slot from that lane by a shuffle. A slot of -1 marks a key past the CTA's range: its chunks are
+// zero-filled (so a masked key's V row is 0, never stale NaN) and nothing is read. K and V of a
+// tile share the slots (the caches have one layout): V of a tile is copied one step after its K,
+// the order the consumers read them (S of tile i with P V of tile i - 1).
+//
+// An fp8 (e4m3) cache (Traits::kFp8): the producer copies a tile's bytes by cp.async into a
+// staging slot of its own (Traits::kStaging slots, raw bytes laid out thread by thread), runs
+// kStaging - 1 tiles ahead there, and widens each tile into the 16-bit stage the consumers read
+// (fp16: every e4m3 value is exact in it; common.cuh Fp8Widen), with st.shared, then the proxy
+// fence and an ordinary arrival on the stage's `full` barrier. Each thread widens the bytes it
+// copied itself, so the staging needs no barrier between the producer's threads. Its 16-byte
+// chunk of 16 bytes is two 16-bit chunks of a row; the lanes of a warp are laid out so that each
+// quarter-warp's stores hit 8 distinct 16-byte bank groups (rows r and r ^ 1, whose swizzle
+// phases differ in the last bit: produce_fp8).
 #pragma once
 
 namespace cupy_fa {
@@ -19,32 +31,57 @@ namespace sm90 {
 
 template <typename KVT, typename Tr>
 struct KVProducer {
-  static constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM;
-  static constexpr int CH = D / 8;                 // 16-byte chunks per row
-  static constexpr int RP = 128 / CH;              // rows per pass of the 128 threads
-  static constexpr int WARP_ROWS = 32 / CH;        // rows a warp copies per pass
+  static constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM, SW = Tr::kSwizzle;
+  static constexpr bool kFp8 = KVBytes<KVT>::value == 1;
+  static constexpr int CH = D * KVBytes<KVT>::value / 16;  // 16-byte chunks per row
+  // chunks of a row a pass copies: the whole row where the rows divide the threads, else one
+  // column block of it (16-bit D 96, 192; passes over the same rows, block after block)
+  static constexpr int CPR = 128 % CH == 0 ? CH : SW / 16;
+  static constexpr int NPB = CH / CPR;             // column blocks a row takes in turn (1: whole rows)
+  static constexpr int RP = 128 / CPR;             // rows per pass of the 128 threads
+  static constexpr int WARP_ROWS = 32 / CPR;       // rows a warp copies per pass
   static constexpr int KEYS_PER_WARP = BN / 4;     // a tile's keys a warp copies
   static constexpr int LOOKUPS = (KEYS_PER_WARP + 31) / 32;  // slots each lane looks up per tile
-  static_assert(BN % RP == 0 && BM % RP == 0, "whole passes per tile");
+  static_assert(CH % CPR == 0 && 128 % CPR == 0 && (NPB == 1 || CPR == SW / 16), "passes of whole rows or blocks");
+  static_assert(BN % RP == 0, "whole passes per tile");
+  static_assert(!kFp8 || CH % 4 == 0, "fp8: a quarter-warp holds 4 chunks of two rows (produce_fp8's lanes)");
 
   const AttentionParams& p;
   const PrefillWork& w;
   const int* page_row;
   const char* k_base;  // this thread's chunk of the KV head in cache slot 0
   const char* v_base;
+  int head_bytes;      // that chunk's offset in a slot (an fp8 cache's copies add it to the params' pointers)
   int slot_bytes, chunk, row_in_pass, warp, lane;
   int pages_next[LOOKUPS];  // page ids of the next tile to look up, loaded ahead
 
   __device__ __forceinline__ KVProducer(const AttentionParams& p_, const PrefillWork& w_, int tid)
       : p(p_), w(w_) {
-    chunk = tid % CH;
-    row_in_pass = tid / CH;
     warp = tid / 32;
     lane = tid % 32;
+    if constexpr (kFp8) {
+      // a quarter-warp (8 lanes) takes 4 chunks of rows 2m and 2m + 1: their 16-bit chunks land
+      // on 8 distinct bank groups (see the file comment)
+      constexpr int PB = CH / 4;  // quarter-warps per row pair
+      const int quarter = lane / 8;
+      chunk = 4 * (quarter % PB) + lane % 4;
+      row_in_pass = warp * WARP_ROWS + 2 * (quarter / PB) + (lane / 4) % 2;
+    } else {
+      chunk = tid % CPR;
+      row_in_pass = tid / CPR;
+    }
     page_row = p.page_table + (i64)w.b * p.page_table_stride;
     slot_bytes = p.num_kv_heads * D * (int)sizeof(KVT);
-    k_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + w.kv_head * D + chunk * 8);
-    v_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + w.kv_head * D + chunk * 8);
+    constexpr int ELEMS = 16 / (int)sizeof(KVT);  // elements of a 16-byte chunk
+    k_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + w.kv_head * D + chunk * ELEMS);
+    v_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + w.kv_head * D + chunk * ELEMS);
+    head_bytes = (w.kv_head * D + chunk * ELEMS) * (int)sizeof(KVT);
+  }
+
+  // This thread's row among its warp's rows of a pass (the lane that looked its slot up).
+  __device__ __forceinline__ int warp_row() const {
+    if constexpr (kFp8) return 2 * ((lane / 8) / (CH / 4)) + (lane / 4) % 2;
+    return lane / CPR;
   }
 
   // The key of this warp's li-th row of tile `tile` (the rows its threads copy, pass-major).
@@ -91,6 +128,17 @@ struct KVProducer {
     return highest > last;
   }
 
+  // The slot of this thread's row of pass i (key_of's order): lane (i WARP_ROWS) % 32 + its warp
+  // row looked it up, in register (i WARP_ROWS) / 32 (selected, not indexed: i need not be a
+  // constant).
+  __device__ __forceinline__ int slot_of_pass(int i, const int (&slots)[LOOKUPS]) const {
+    const int reg = (i * WARP_ROWS) / 32;
+    int mine = slots[0];
+#pragma unroll
+    for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
+    return __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + warp_row());
+  }
+
   // cp.async of one K or V tile (cache `base`) into the stage at shared address `dst`.
   __device__ __forceinline__ void copy_tile(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
     // 4 rows at a time: fully unrolled, the compiler keeps every row's address live at once,
@@ -104,12 +152,15 @@ struct KVProducer {
       int mine = slots[0];
 #pragma unroll
       for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
-      const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CH);
+      const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CPR);
       const int row = row_in_pass + RP * i;
       const char* src = base + (i64)max(slot, 0) * slot_bytes;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + swizzled_offset<BN>(row, chunk)),
-                   "l"(src), "r"(slot >= 0 ? 16 : 0)
-                   : "memory");
+#pragma unroll
+      for (int b = 0; b < NPB; ++b) {  // the row's column blocks (one: whole rows)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + swizzled_offset<BN, SW>(row, b * CPR + chunk)),
+                     "l"(src + b * CPR * 16), "r"(slot >= 0 ? 16 : 0)
+                     : "memory");
+      }
     }
   }
 
@@ -117,25 +168,28 @@ struct KVProducer {
   // shuffled as before, then its source by one 32 x 32 -> 64-bit multiply-add (slots and slot
   // bytes are non-negative: no sign extension, no 64 x 64 product), the zero fill by the
   // copy's ignore-src predicate (one compare instead of a size register ptxas turns back into
-  // a predicate) and the shared address stepped by a constant (the row's swizzle phase
-  // row % 8 is the same for every pass when a pass covers a multiple of 8 rows).
+  // a predicate) and the shared address stepped by a constant (the row's swizzle phase is the
+  // same for every pass when a pass covers a multiple of 8 rows).
   __device__ __forceinline__ void copy_tile_lean(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
-    constexpr unsigned PASS_BYTES = RP * 128;  // a pass's rows in one 64-column block
-    const unsigned dst0 = dst + swizzled_offset<BN>(row_in_pass, chunk);
+    constexpr unsigned PASS_BYTES = RP * SW;  // a pass's rows in one column block
+    const unsigned dst0 = dst + swizzled_offset<BN, SW>(row_in_pass, chunk);
 #pragma unroll 4
     for (int i = 0; i < BN / RP; ++i) {
       const int reg = (i * WARP_ROWS) / 32;
       int mine = slots[0];
 #pragma unroll
       for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
-      const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CH);
+      const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CPR);
       const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)slot_bytes;
-      const unsigned to = RP % 8 == 0 ? dst0 + i * PASS_BYTES : dst + swizzled_offset<BN>(row_in_pass + RP * i, chunk);
-      asm volatile(
-          "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
-          "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to),
-          "l"(src), "r"(slot)
-          : "memory");
+      const unsigned to = RP % 8 == 0 ? dst0 + i * PASS_BYTES : dst + swizzled_offset<BN, SW>(row_in_pass + RP * i, chunk);
+#pragma unroll
+      for (int b = 0; b < NPB; ++b) {  // the row's column blocks (one: whole rows), a block's bytes apart
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
+            "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to + b * (BN * SW)),
+            "l"(src + b * CPR * 16), "r"(slot)
+            : "memory");
+      }
     }
   }
 
@@ -144,23 +198,78 @@ struct KVProducer {
     else copy_tile(base, dst, slots);
   }
 
-  // Q's BLOCK_M packed rows (zero past the request's rows) into the Q tile at `dst`.
+  // ---- an fp8 cache (produce_fp8) ----
+
+  // cp.async of one K (is_k) or V tile's e4m3 bytes into a staging slot at `staging`: this
+  // thread's chunk of pass i at staging + (128 i + tid) x 16 (the thread's own bytes, read back
+  // only by it). The cache's pointer from the params (no 64-bit base held in the producer's few
+  // registers).
+  __device__ __forceinline__ void stage_fp8(bool is_k, unsigned staging, const int (&slots)[LOOKUPS]) const {
+    static_assert(kFp8, "fp8 caches only");
+    const char* base = static_cast<const char*>(is_k ? p.k_cache : p.v_cache) + head_bytes;
+    const unsigned to0 = staging + (warp * 32 + lane) * 16;
+#pragma unroll 2
+    for (int i = 0; i < BN / RP; ++i) {
+      const int slot = slot_of_pass(i, slots);
+      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)slot_bytes;
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
+          "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to0 + i * 128 * 16),
+          "l"(src), "r"(slot)
+          : "memory");
+    }
+  }
+
+  // The staged bytes of this thread (stage_fp8) widened to fp16 into the 16-bit stage at `dst`:
+  // its chunk c of row r (16 e4m3 values, columns 16 c ..) is the 16-bit chunks 2 c and 2 c + 1.
+  __device__ __forceinline__ void widen_fp8(unsigned staging, unsigned dst) const {
+    static_assert(kFp8 && SW == 128 && RP % 8 == 0, "the swizzle phase is the same for every pass");
+    const unsigned from0 = staging + (warp * 32 + lane) * 16;
+    const unsigned to0 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk);
+    const unsigned to1 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk + 1);
+#pragma unroll 1  // one pass at a time: the producer's registers are few (32 beside three consumers)
+    for (int i = 0; i < BN / RP; ++i) {
+      u32 x[4];
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+                   : "r"(from0 + i * 128 * 16)
+                   : "memory");
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // each 16-bit chunk stored once widened: fewer registers live
+        u32 lo[2], hi[2];
+        Fp8Widen<__half>::run(x[2 * half], lo);
+        Fp8Widen<__half>::run(x[2 * half + 1], hi);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((half ? to1 : to0) + i * RP * 128), "r"(lo[0]),
+                     "r"(lo[1]), "r"(hi[0]), "r"(hi[1])
+                     : "memory");
+      }
+    }
+  }
+
+  // Q's BLOCK_M packed rows (zero past the request's rows) into the Q tile at `dst`, in 16-bit
+  // chunks: the K / V copies' rows and chunks (an fp8 cache's are bytes: Q's own from `tid`).
   template <typename QT>
-  __device__ __forceinline__ void copy_q(unsigned dst, const FastDiv& by_group) const {
+  __device__ __forceinline__ void copy_q(unsigned dst, const FastDiv& by_group, int tid) const {
+    constexpr int QCH = D / 8, QCPR = 128 % QCH == 0 ? QCH : SW / 16, QNPB = QCH / QCPR, QRP = 128 / QCPR;
+    static_assert(BM % QRP == 0, "whole passes over Q's rows");
+    const int q_chunk = kFp8 ? tid % QCPR : chunk, q_row = kFp8 ? tid / QCPR : row_in_pass;
     const QT* q = static_cast<const QT*>(p.q);
     const int group = by_group.divisor;
 #pragma unroll 1  // once per CTA: rolled, so its addresses do not all live at once (the producer has few registers)
-    for (int i = 0; i < BM / RP; ++i) {
-      const int r = row_in_pass + RP * i, row = w.row0 + r;
+    for (int i = 0; i < BM / QRP; ++i) {
+      const int r = q_row + QRP * i, row = w.row0 + r;
       const bool valid = row < w.rows;
       const QT* src = q;
       if (valid) {
         const int token = w.q_start + by_group.div(row), head = w.kv_head * group + by_group.mod(row);
-        src = q + ((i64)token * p.num_qo_heads + head) * D + chunk * 8;
+        src = q + ((i64)token * p.num_qo_heads + head) * D + q_chunk * 8;
       }
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + swizzled_offset<BM>(r, chunk)),
-                   "l"(src), "r"(valid ? 16 : 0)
-                   : "memory");
+#pragma unroll
+      for (int b = 0; b < QNPB; ++b) {  // the row's column blocks (one: whole rows)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + swizzled_offset<BM, SW>(r, b * QCPR + q_chunk)),
+                     "l"(src + b * QCPR * 8), "r"(valid ? 16 : 0)
+                     : "memory");
+      }
     }
   }
 };
@@ -193,7 +302,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
       __threadfence_block();
     }
   };
-  prod.template copy_q<QT>(q_addr, by_group);
+  prod.template copy_q<QT>(q_addr, by_group, tid);
   cp_async_arrive(&bars.q_full);
   PipeState<Tr::kStages>& ks = pos.ks;
   PipeState<Tr::kStages>& vs = pos.vs;
@@ -220,6 +329,78 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
     load(false, v_addr + vs.stage * STAGE_BYTES, slots_k, &bars.v_full[vs.stage]);
     vs.advance();
+  }
+}
+
+template <bool K> struct Ring { static constexpr bool value = K; };  // produce_fp8: K's ring (true) or V's
+
+// produce() over an fp8 cache (Traits::kFp8): the same order of K and V tiles (K of tile T-1,
+// then per step K of the next tile and V of the one before, ..., V of tile 0), each first copied
+// by cp.async into one of two staging slots, one tile copy ahead of its widening into the ring's
+// 16-bit stage (after that stage's `empty` barrier), which ends with the proxy fence and an
+// arrival on the stage's `full` barrier. A copy is one cp.async group, so waiting for all but the
+// newest group is waiting for this thread's bytes of the copy before (Q's copies ride in the
+// first group). The copies alternate between the slots: in the steady steps K in slot 1, V in 0.
+template <typename QT, typename KVT, typename Tr>
+__device__ __forceinline__ void produce_fp8(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
+                                            PipeBarriers<Tr::kStages, Tr::kConsumerThreads>& bars,
+                                            RingPos<Tr::kStages>& pos, unsigned q_addr, unsigned k_addr,
+                                            unsigned v_addr, unsigned staging, int tid) {
+  constexpr int STAGE_BYTES = Tr::kKVTileBytes, SLOT_BYTES = Tr::kStagingSlotBytes;
+  static_assert(Tr::kStaging == 2, "two staging slots: one being widened, one being copied");
+  KVProducer<KVT, Tr> prod(p, w, tid);
+  typedef KVProducer<KVT, Tr> P;
+  const int T = w.num_tiles;
+  prod.fetch_pages(T - 1);
+  auto slots_of = [&](int tile, int (&slots)[P::LOOKUPS]) {  // as produce()'s
+    if (prod.slots_of(tile, slots)) {
+      shared_store(bars.page_flag(smem_addr(bars.k_full)), 1);
+      __threadfence_block();
+    }
+  };
+  prod.template copy_q<QT>(q_addr, by_group, tid);
+  cp_async_arrive(&bars.q_full);
+  PipeState<Tr::kStages>& ks = pos.ks;
+  PipeState<Tr::kStages>& vs = pos.vs;
+  // a K (V) tile's bytes into staging slot `slot`, one cp.async group
+  auto fetch = [&](bool is_k, int slot, const int (&slots)[P::LOOKUPS]) {
+    prod.stage_fp8(is_k, staging + slot * SLOT_BYTES, slots);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  // the copy before the newest one (in staging slot `slot`) widened into the next K stage (a
+  // Ring<true>) or V stage (Ring<false>)
+  auto widen = [&](auto ring, int slot) {
+    constexpr bool K = decltype(ring)::value;
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's bytes of that copy
+    PipeState<Tr::kStages>& s = K ? ks : vs;
+    mbar_wait(K ? &bars.k_empty[s.stage] : &bars.v_empty[s.stage], s.phase ^ 1);
+    prod.widen_fp8(staging + slot * SLOT_BYTES, (K ? k_addr : v_addr) + s.stage * STAGE_BYTES);
+    fence_async_shared();
+    mbar_arrive(K ? &bars.k_full[s.stage] : &bars.v_full[s.stage]);
+    s.advance();
+  };
+  if (T > 0) {
+    int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
+    slots_of(T - 1, slots_k);
+    prod.fetch_pages(T - 2);
+    fetch(true, 0, slots_k);  // K of tile T-1
+    for (int i = 1; i < T; ++i) {
+      const int tile = T - 1 - i;
+#pragma unroll
+      for (int j = 0; j < P::LOOKUPS; ++j) slots_v[j] = slots_k[j];
+      slots_of(tile, slots_k);
+      prod.fetch_pages(tile - 1);
+      fetch(true, 1, slots_k);  // K of `tile`
+      if (i == 1) widen(Ring<true>(), 0);  // K of tile T-1 (the first step)
+      else widen(Ring<false>(), 0);        // V of tile + 2
+      fetch(false, 0, slots_v);  // V of tile + 1
+      widen(Ring<true>(), 1);    // K of `tile`
+    }
+    fetch(false, 1, slots_k);  // V of tile 0
+    if (T == 1) widen(Ring<true>(), 0);  // K of tile 0 (one tile)
+    else widen(Ring<false>(), 0);        // V of tile 1
+    asm volatile("cp.async.commit_group;\n" ::: "memory");  // (an empty group: widen waits for all but the newest)
+    widen(Ring<false>(), 1);  // V of tile 0
   }
 }
 

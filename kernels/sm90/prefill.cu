@@ -35,17 +35,30 @@ namespace cupy_fa {
 
 // One instance per (head dim, keys per tile, pipeline depth, ping-pong, producer registers,
 // warp-uniform warpgroup index, joint two-row softmax, lean copies, consumer warpgroups, variant
-// hooks); the host mirror is cupy_fa/families/sm90.py Sm90Tile.
+// hooks, K/V element bytes, fp8 staging slots, the soft-cap's tanh); the host mirror is
+// cupy_fa/families/sm90.py Sm90Tile.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool PINGPONG, int PRODUCER_REGS, bool UNIFORM_WG, bool JOINT_ROWS,
-          bool LEAN_COPY, int CONSUMER_WGS, bool VARIANTS>
+          bool LEAN_COPY, int CONSUMER_WGS, bool VARIANTS, int KV_BYTES = 2, int STAGING = 0, int TANH = 0>
 struct Sm90PrefillTraits {
   static constexpr int kHeadDim = HEAD_DIM;
+  // the tiles' column blocks (sm90/wgmma.cuh): 128-byte rows of 64 columns, or 64-byte rows of 32
+  // for a head dim that is not whole 64-column blocks (96)
+  static constexpr int kSwizzle = HEAD_DIM % 64 == 0 ? 128 : 64;
   // the variant hooks compiled in (variant.cuh: sliding window, soft-cap, sinks; each on at run time)
   static constexpr bool kVariants = VARIANTS;
+  // the soft-cap's tanh with the hooks (sm90/softmax.cuh SoftCapTanh): 0 variant.cuh's (2^y and a
+  // reciprocal), 1 tanh.approx, 2 2^y and a reciprocal by Newton steps on the FMA pipe
+  static constexpr int kTanh = TANH;
+  static_assert(TANH >= 0 && TANH <= 2 && (VARIANTS || TANH == 0), "a soft-cap tanh with the hooks only");
+  // an fp8 (e4m3) cache (KV_BYTES = 1): the producer stages each tile's bytes (STAGING slots of
+  // them, sm90/load.cuh produce_fp8) and widens them into 16-bit stages; both products run in fp16
+  static constexpr bool kFp8 = KV_BYTES == 1;
+  static constexpr int kStaging = STAGING;
+  static_assert((KV_BYTES == 2 && STAGING == 0) || (KV_BYTES == 1 && STAGING >= 2), "fp8: two staging slots or more");
   // consumer warpgroups of 64 packed rows each: 2 (128 rows), or 3 (192 rows: each
   // warpgroup's softmax then has two others' GEMMs to hide behind, and the producer's
   // K / V tiles serve 3 x 64 rows; 512 threads start at 128 registers, so only tiles whose
-  // consumers fit 160 with the producer at 32: D = 64, or D = 128 with 64 / 80 keys a tile)
+  // consumers fit 160 with the producer at 32: D = 64, 96, or D = 128 with 64 / 80 keys a tile)
   static constexpr int kConsumerWgs = CONSUMER_WGS;
   static_assert(CONSUMER_WGS == 2 || CONSUMER_WGS == 3, "2 or 3 consumer warpgroups");
   static constexpr int kConsumerThreads = 128 * CONSUMER_WGS;
@@ -76,22 +89,31 @@ struct Sm90PrefillTraits {
   static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= kEntryRegs, "setmaxnreg range");
   static_assert(kConsumerRegs <= 256, "setmaxnreg range");
   static constexpr int kQTileBytes = kBlockM * HEAD_DIM * 2;
-  static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;
+  static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;  // a ring stage: 16-bit elements (an fp8 tile widened)
   // sm90/pipeline.cuh PipeBarriers: the ring's and Q's barriers, the consumers' scratch words and
   // the page flag, padded to the barriers' 8 bytes
   static constexpr int kBarrierBytes = ((4 * STAGES + 1) * 8 + kConsumerThreads * 4 + 4 + 7) / 8 * 8;
+  // an fp8 cache, after the barriers (at 16 bytes): each row's factor of bf16 queries rewritten as
+  // fp16 (sm90/consumer.cuh q_rows_to_fp16), then the staging slots of raw tiles
+  static constexpr int kStagingSlotBytes = BLOCK_N * HEAD_DIM;
+  static constexpr int kRowScaleOffset = (kBarrierBytes + 15) / 16 * 16;
+  static constexpr int kStagingOffset = kRowScaleOffset + kBlockM * 4;
+  static constexpr int kFp8Bytes = kFp8 ? kStagingOffset + STAGING * kStagingSlotBytes - kBarrierBytes : 0;
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
-  static constexpr int kSmemBytes = 1024 + kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes;
-  static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 64-column swizzle blocks, one wgmma N");
+  static constexpr int kSmemBytes = 1024 + kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes + kFp8Bytes;
+  static_assert(HEAD_DIM % (kSwizzle / 2) == 0 && HEAD_DIM <= 256, "whole column blocks, one wgmma N");
+  static_assert(!kFp8 || HEAD_DIM % 64 == 0, "fp8: whole 64-byte rows of e4m3 (D 64, 128, 256)");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "whole k-steps of P V, one wgmma N");
+  static_assert((kQTileBytes | kKVTileBytes) % 1024 == 0, "every tile and stage on the swizzle's period");
   static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
 };
 
 // The kernel's body.
 template <typename QT, typename KVT, typename OT, typename Tr>
 __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p) {
-  static_assert(sizeof(QT) == 2 && sizeof(KVT) == 2 && sizeof(OT) == 2, "16-bit elements");
-  static_assert(sm90::SameType<QT, KVT>::value, "one wgmma element type for Q, K and V");
+  static_assert(sizeof(QT) == 2 && sizeof(OT) == 2, "16-bit queries and outputs");
+  static_assert(Tr::kFp8 ? SameType<KVT, fp8_e4m3>::value : SameType<QT, KVT>::value,
+                "one wgmma element type for Q, K and V, or an fp8 cache (KV_BYTES 1) widened to fp16");
   using namespace sm90;
   constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
 
@@ -118,7 +140,12 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p) {
   const int warpgroup = Tr::kUniformWg ? __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0) : (int)(threadIdx.x / 128);
   if (warpgroup == 0) {
     regs_release<Tr::kProducerRegs>();
-    produce<QT, KVT, Tr>(p, first, by_group, bars, pos, q_addr, k_addr, v_addr, threadIdx.x);
+    if constexpr (Tr::kFp8) {
+      const unsigned staging = smem_addr(&bars) + Tr::kStagingOffset;
+      produce_fp8<QT, KVT, Tr>(p, first, by_group, bars, pos, q_addr, k_addr, v_addr, staging, threadIdx.x);
+    } else {
+      produce<QT, KVT, Tr>(p, first, by_group, bars, pos, q_addr, k_addr, v_addr, threadIdx.x);
+    }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // an exited thread's copies are not relied on
   } else {
     regs_claim<Tr::kConsumerRegs>();

@@ -54,12 +54,72 @@ __device__ __forceinline__ void mask_tile(float (&s)[BN / 2], const AttentionPar
   }
 }
 
-// A tile's raw scores soft-capped in place, in base 2 (variant.cuh soft_capped): the softmax then
-// takes them with scale 1.
-template <int BN>
-__device__ __forceinline__ void soft_cap_tile(float (&s)[BN / 2], const AttentionParams& p) {
+// The scale a score takes into base 2 (RowState::fold): one for every row (UniformScale), or one per
+// row half of the thread (RowScale: an fp8 cache's k_scale times each row's 2^-e, sm90/consumer.cuh).
+struct UniformScale {
+  float s;
+  __device__ __forceinline__ float operator[](int) const { return s; }
+};
+struct RowScale {
+  float s[2];
+  __device__ __forceinline__ float operator[](int h) const { return s[h]; }
+};
+
+// ---- the soft-cap (the variant hooks): cap x tanh(score x sm_scale / cap), in base 2 ----
+//
+// Three forms of the tanh (Traits::kTanh), each a score's special-function operations besides the
+// softmax's 2^x:
+//   0  variant.cuh tanh_of_exp2_arg: 1 - 2 / (2^y + 1), the 2^y and the reciprocal on the
+//      special-function unit (two operations; within 2e-7), the capped score scaled by cap log2 e
+//      in place, then folded with scale 1 (the mma.sync family's form);
+//   1  tanh.approx.f32 (one operation; the hardware's approximation, about 2^-11 relative), the
+//      cap's log2 e folded into the softmax's own multiply-add (scale = cap log2 e);
+//   2  t = 2^(-2 log2 e |x|) on the special-function unit (one operation), then (1 - t) / (1 + t)
+//      with the reciprocal of d = 1 + t in [1, 2] by a quadratic seed (70/33 - 16/11 d + 32/99 d^2,
+//      relative error 1/99) and two Newton steps on the FMA pipe (1e-8), 1 - t as 2 - d, the sign
+//      copied back: within 2e-7 of tanh (absolute; float32 emulation over [-12, 12]), cap log2 e
+//      folded as in 1.
+// AttentionParams::soft_cap_scale is 2 log2 e sm_scale / cap (form 0's and 2's argument per raw
+// score; form 1's is that times ln 2 / 2).
+
+// The fold's scale of capped scores.
+template <int TANH>
+__device__ __forceinline__ float soft_cap_fold_scale(const AttentionParams& p) {
+  return TANH == 0 ? 1.f : p.soft_cap_log2;
+}
+// The tanh form's argument per raw score (an fp8 cache's row factor multiplies it).
+template <int TANH>
+__device__ __forceinline__ float soft_cap_arg(const AttentionParams& p) {
+  return TANH == 1 ? p.soft_cap_scale * 0.34657359027997264f : p.soft_cap_scale;  // ln 2 / 2
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// tanh(x) from y = 2 log2 e x (form 2 above): 1 - t = 2 - d is exact (d in [1, 2]; the rounding
+// of 1 + t is an absolute 2^-24), so t need not stay live past d.
+__device__ __forceinline__ float tanh_newton_of_exp2_arg(float y) {
+  const float d = 1.f + fast_exp2(-fabsf(y));  // 1 + e^(-2 |x|), in [1, 2]
+  float r = fmaf(d, fmaf(d, 0.32323232323232326f, -1.4545454545454546f), 2.121212121212121f);
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  return copysignf((2.f - d) * r, y);  // (1 - t) / (1 + t)
+}
+
+// A tile's raw scores soft-capped in place by tanh form TANH, the argument per row half (arg[h]):
+// form 0 leaves them in base 2 (times cap_log2), forms 1 and 2 as tanh (the fold scales them).
+template <int BN, int TANH, typename Arg>
+__device__ __forceinline__ void soft_cap_tile(float (&s)[BN / 2], const Arg& arg, float cap_log2) {
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) s[i] = soft_capped(p, s[i]);
+  for (int i = 0; i < BN / 2; ++i) {
+    const float a = arg[(i >> 1) & 1];
+    if constexpr (TANH == 0) s[i] = cap_log2 * tanh_of_exp2_arg(s[i] * a);
+    else if constexpr (TANH == 1) s[i] = tanh_approx(s[i] * a);
+    else s[i] = tanh_newton_of_exp2_arg(s[i] * a);
+  }
 }
 
 // The online-softmax state of the thread's two rows: the offset m (base 2, at most
@@ -79,8 +139,8 @@ struct RowState {
   // Folds a tile's raw scores s (in place: they become 2^(s scale - m), P in fp32) into the
   // state; returns each row's factor for the accumulators (1 unless its m moved) and whether
   // any row of this thread moved (then O must be rescaled by `factor`).
-  template <int BN>
-  __device__ __forceinline__ bool fold(float (&s)[BN / 2], float scale_log2, float (&factor)[2]) {
+  template <int BN, typename Scale>
+  __device__ __forceinline__ bool fold(float (&s)[BN / 2], const Scale& scale, float (&factor)[2]) {
     bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -92,6 +152,7 @@ struct RowState {
       float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float scale_log2 = scale[h];
       const float mx2 = mx * scale_log2;  // -inf stays -inf (scale > 0)
       factor[h] = 1.f;
       if (mx2 > m[h] + kLazyRescale) {  // also a row's first keys (m = -inf)
@@ -120,8 +181,8 @@ struct RowState {
   // ex2.approx as exp2f here), in one scheduling region, so ptxas interleaves the two rows'
   // max chains, shuffles and exp2s; each row's max chains start from its first pairs (no
   // -inf seeds).
-  template <int BN>
-  __device__ __forceinline__ bool fold_joint(float (&s)[BN / 2], float scale_log2, float (&factor)[2]) {
+  template <int BN, typename Scale>
+  __device__ __forceinline__ bool fold_joint(float (&s)[BN / 2], const Scale& scale, float (&factor)[2]) {
     constexpr int J = BN / 8, C = J < 4 ? J : 4;  // 8-column blocks; max / sum chains per row
     float mx[2];
 #pragma unroll
@@ -145,7 +206,7 @@ struct RowState {
     float offset[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float mx2 = mx[h] * scale_log2;           // -inf stays -inf (scale > 0)
+      const float mx2 = mx[h] * scale[h];             // -inf stays -inf (scale > 0)
       const bool take = mx2 > m[h] + kLazyRescale;    // also a row's first keys (m = -inf)
       factor[h] = take ? fast_exp2(m[h] - mx2) : 1.f;  // m = -inf: 2^-inf = 0
       moved = moved || (take && m[h] != -INFINITY);   // from -inf the accumulators are still zero
@@ -160,7 +221,7 @@ struct RowState {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
-          x = fast_exp2(fmaf(x, scale_log2, -offset[h]));
+          x = fast_exp2(fmaf(x, scale[h], -offset[h]));
           sums[h][(2 * j + e) % 4] += x;
         }
       }
@@ -194,10 +255,10 @@ __device__ __forceinline__ void to_fragments(const float (&s)[BN / 2], unsigned 
 // lse) for a request of one split, else into the split's partial row (normalised the same
 // way, so a row whose only real split is merged x 1.0 keeps these bits) with its base-2 lse,
 // for merge_kernel: the mma.sync family's contract (kernels/mma_sync/attention.cu).
-template <typename OT, int D, bool VARIANTS = false>
+template <typename OT, int D, bool VARIANTS = false, bool V_SCALED = false>
 __device__ __forceinline__ void store_rows(const AttentionParams& p, const PrefillWork& w, const RowInfo& ri,
                                            const FastDiv& by_group, const float (&o)[D / 2], RowState& st,
-                                           int first_row, int quad, bool page_bad) {
+                                           int first_row, int quad, bool page_bad, float v_scale = 1.f) {
   const int partial_base = w.splits > 1 ? __ldg(p.partial_indptr + w.b) : 0;
   // a request that breaks the contract, or an item that fetched a page id outside the cache:
   // its rows NaN (status.cuh)
@@ -220,6 +281,7 @@ __device__ __forceinline__ void store_rows(const AttentionParams& p, const Prefi
         inv = r.inv, sunk_lse = r.lse, sunk = true;
       }
     }
+    if constexpr (V_SCALED) inv *= v_scale;  // an fp8 cache: out = o v_scale / l (NaN stays NaN)
     OT* dst;
     if (w.splits == 1) {
       const i64 slot = (i64)(w.q_start + ri.token[h]) * p.num_qo_heads + head;

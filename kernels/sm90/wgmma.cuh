@@ -1,5 +1,5 @@
 // Hopper (sm_90a) tensor-core building blocks of the prefill family, in inline PTX (no
-// CUTLASS): shared-memory matrix descriptors for the 128-byte swizzled tiles, the wgmma
+// CUTLASS): shared-memory matrix descriptors for the swizzled tiles (128- and 64-byte), the wgmma
 // fence / commit / wait protocol, register reallocation between warpgroups and named
 // barriers. The wgmma instructions themselves are in sm90/wgmma_ops.cuh (generated).
 #pragma once
@@ -21,22 +21,28 @@ template <typename A> struct SameType<A, A> { static constexpr bool value = true
 
 // ---- the shared-memory tile layout every wgmma operand of the family uses ---------------
 //
-// A [rows][cols] tile of 16-bit elements is stored as cols / 64 column blocks, each
-// [rows][64] (128 bytes a row), block after block; inside a block, row r's 16-byte chunk c
-// sits at chunk c ^ (r % 8) (the 128-byte swizzle, Swizzle<3,4,3>). Tiles start at a
-// multiple of 1024 bytes (8 rows x 128 bytes, the swizzle's period), so the hardware's
-// swizzle of the absolute address is this one.
-template <int ROWS>
+// A [rows][cols] tile of 16-bit elements is stored as column blocks of SW bytes a row (SW = 128:
+// 64 columns, or SW = 64: 32 columns, for head dims that are not whole 64-column blocks: 96),
+// each [rows][SW / 2], block after block; inside a block, row r's 16-byte chunk c sits at chunk
+// c ^ (r % 8) (SW 128: the 128-byte swizzle, Swizzle<3,4,3>) or c ^ ((r / 2) % 4) (SW 64: the
+// 64-byte swizzle, Swizzle<2,4,3>): the chunk's bits XOR the address bits of 128 bytes and up.
+// Tiles and blocks start at a multiple of 8 x SW bytes (the swizzle's period; tiles at 1024), so
+// the hardware's swizzle of the absolute address is this one.
+template <int ROWS, int SW = 128>
 __device__ __forceinline__ unsigned swizzled_offset(int row, int chunk) {  // bytes, chunk of 8 elements
-  return (unsigned)((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+  static_assert(SW == 128 || SW == 64, "128- or 64-byte swizzle");
+  if constexpr (SW == 128) return (unsigned)((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+  return (unsigned)((chunk >> 2) * (ROWS * 64) + row * 64 + (((chunk & 3) ^ ((row >> 1) & 3)) << 4));
 }
 
 // Matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address, leading and stride
-// byte offsets (each >> 4), layout type 1 = 128-byte swizzle in bits 62-63, base offset 0
-// (tiles are 1024-byte aligned).
+// byte offsets (each >> 4), the layout type in bits 62-63 (1 = 128-byte swizzle, 2 = 64-byte),
+// base offset 0 (tiles start on the swizzle's period).
+template <int SW = 128>
 __device__ __forceinline__ u64 make_desc(unsigned smem_addr, unsigned lead_bytes, unsigned stride_bytes) {
+  constexpr u64 kLayout = SW == 128 ? 1ull : 2ull;
   return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)(lead_bytes >> 4) << 16) | ((u64)(stride_bytes >> 4) << 32) |
-         (1ull << 62);
+         (kLayout << 62);
 }
 
 // A descriptor `bytes` further on (a multiple of 16): the start address is the low field, and
@@ -45,22 +51,25 @@ __device__ __forceinline__ u64 make_desc(unsigned smem_addr, unsigned lead_bytes
 __device__ __forceinline__ u64 desc_at(u64 desc, unsigned bytes) { return desc + (bytes >> 4); }
 
 // K-major operand (Q as A, K as B of S = Q K^T): rows of the tile are M (or N), columns K.
-// Core groups of 8 rows are 1024 bytes apart (SBO); the leading offset is unused with the
-// swizzle. Step kk (16 columns) starts kk % 4 x 32 bytes into its column block: the swizzle
-// is applied by the hardware to the absolute address, so a start inside the 128-byte row
-// selects the right chunks.
-__device__ __forceinline__ u64 kmajor_desc(unsigned tile_addr) { return make_desc(tile_addr, 16, 1024); }
-template <int ROWS>
+// Core groups of 8 rows are 8 x SW bytes apart (SBO); the leading offset is unused with the
+// swizzle. Step kk (16 columns, 32 bytes) starts (kk % (SW / 32)) x 32 bytes into its column
+// block: the swizzle is applied by the hardware to the absolute address, so a start inside the
+// row selects the right chunks.
+template <int SW = 128>
+__device__ __forceinline__ u64 kmajor_desc(unsigned tile_addr) { return make_desc<SW>(tile_addr, 16, 8 * SW); }
+template <int ROWS, int SW = 128>
 __device__ __forceinline__ constexpr unsigned kmajor_step(int kk) {  // bytes from step 0 to step kk
-  return (kk >> 2) * (ROWS * 128) + (kk & 3) * 32;
+  constexpr int STEPS = SW / 32;  // k-steps per column block
+  return (kk / STEPS) * (ROWS * SW) + (kk % STEPS) * 32;
 }
 
 // MN-major operand (V as B of O = P V, transposed): rows of the tile are K (keys), columns N
-// (the head dim). N advances 64 elements per column block (LBO = a block's bytes), K 8 rows
-// per 1024 bytes (SBO); step ks (16 keys) starts 16 rows = 2048 bytes further.
-template <int ROWS>
-__device__ __forceinline__ u64 mnmajor_desc(unsigned tile_addr) { return make_desc(tile_addr, ROWS * 128, 1024); }
-__device__ __forceinline__ constexpr unsigned mnmajor_step(int ks) { return ks * 2048; }
+// (the head dim). N advances SW / 2 elements per column block (LBO = a block's bytes), K 8 rows
+// per 8 x SW bytes (SBO); step ks (16 keys) starts 16 rows = 16 x SW bytes further.
+template <int ROWS, int SW = 128>
+__device__ __forceinline__ u64 mnmajor_desc(unsigned tile_addr) { return make_desc<SW>(tile_addr, ROWS * SW, 8 * SW); }
+template <int SW = 128>
+__device__ __forceinline__ constexpr unsigned mnmajor_step(int ks) { return ks * 16 * SW; }
 
 // ---- the wgmma protocol -----------------------------------------------------------------
 
@@ -73,6 +82,11 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+
+// Shared memory written by ordinary stores (st.shared) that the tensor cores read next (wgmma
+// operands: an fp8 tile widened by the producer, Q rewritten by its consumers) needs this fence in
+// each writing thread before the barrier that hands it over (the async proxy's view).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Pins an accumulator array in registers across the asynchronous window, so the compiler
 // neither reads nor moves it between a wgmma and its wait (CUTLASS's warpgroup_fence_operand).

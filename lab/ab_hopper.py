@@ -1,0 +1,141 @@
+"""Interleaved A/B of the wgmma family's tile choices on issue 42's cells (tuning only; lab probe).
+
+Each point is a bench workload (bench/workloads.py) run through ``bench.ours.bench_ours`` (checked
+against float64 on its row windows first, then timed by CUDA-graph replays) with the family's tile
+tables patched for that point (``families.sm90.DEFAULT_TILES`` / ``FP8_TILES``, the soft-cap's tanh
+``SOFT_CAP_TANH``, the hooked tile's keys) and ``CUPY_FA_WGMMA_ALL`` on, restored after. Written
+2026-12-05 for the first device run of these tiles; not yet run on a GPU. Inputs are built once per workload and
+shared by its points; the points of a workload run in turn, ``--rounds`` times (A B C A B C ...).
+
+    python3 lab/ab_hopper.py                    # every point of POINTS
+    python3 lab/ab_hopper.py --only fp8 --rounds 3
+    python3 lab/ab_hopper.py --once --exact --only prefill_b4_l4096,prefill_b4_l4096_cap50  # once each, for ncu
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+
+from cupy_fa import catalog, knobs
+from cupy_fa.families import sm90
+
+R = dataclasses.replace
+T128, F128 = sm90.DEFAULT_TILES[128], sm90.FP8_TILES[128]
+
+
+@contextlib.contextmanager
+def patched(default=None, fp8=None, tanh=None, hooked_block_n=None):
+    """The family's tables with ``default`` / ``fp8`` ({head dim: tile}) merged in, the soft-cap's
+    tanh form and the hooked tiles' keys a tile (None: as shipped); restored on exit."""
+    saved = dict(sm90.DEFAULT_TILES), dict(sm90.FP8_TILES), sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants
+    before = knobs.use(dataclasses.replace(knobs.knobs(), wgmma_all=True))  # the tiles not yet run on a GPU too
+    try:
+        sm90.DEFAULT_TILES.update(default or {})
+        sm90.FP8_TILES.update(fp8 or {})
+        if tanh is not None:
+            sm90.SOFT_CAP_TANH = tanh
+        if hooked_block_n is not None:
+            shipped = saved[3]
+            sm90.Sm90Tile.with_variants = lambda self: R(shipped(self), block_n=hooked_block_n)
+        catalog.attention_kernel.cache_clear()
+        yield
+    finally:
+        sm90.DEFAULT_TILES.clear(), sm90.DEFAULT_TILES.update(saved[0])
+        sm90.FP8_TILES.clear(), sm90.FP8_TILES.update(saved[1])
+        sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants = saved[2], saved[3]
+        knobs.use(before)
+        catalog.attention_kernel.cache_clear()
+
+
+# (workload, point name, patch): the first point of a workload is the table's (with CUPY_FA_WGMMA_ALL=1)
+POINTS = [
+    ("prefill_b4_l4096", "shipped", {}),
+    ("prefill_b4_l4096", "bn64 (the hooked tile's shape, no hooks)", dict(default={128: R(T128, block_n=64)})),
+    ("prefill_b4_l4096_fp8", "table (3 wg, 80 keys)", {}),
+    ("prefill_b4_l4096_fp8", "2 wg, 128 keys", dict(fp8={128: R(F128, consumer_wgs=2, producer_regs=56, block_n=128)})),
+    ("prefill_b4_l4096_fp8", "3 wg, 64 keys", dict(fp8={128: R(F128, block_n=64)})),
+    ("prefill_b4_l4096_cap50", "tanh exact (shipped)", dict(tanh=0)),
+    ("prefill_b4_l4096_cap50", "tanh.approx", dict(tanh=1)),
+    ("prefill_b4_l4096_cap50", "tanh newton", dict(tanh=2)),
+    ("prefill_b4_l4096_cap50", "tanh.approx 80 keys (spills 16 B)", dict(tanh=1, hooked_block_n=80)),
+    ("prefill_b4_l4096_sinks", "shipped (hooked, 64 keys)", {}),
+    ("prefill_b4_l4096_d96", "table (3 wg, 96 keys)", {}),
+    ("prefill_b4_l4096_d96", "3 wg, 64 keys", dict(default={96: R(sm90.DEFAULT_TILES[96], block_n=64)})),
+    ("prefill_b4_l4096_d192", "table (2 wg, 96 keys)", {}),
+    ("prefill_b4_l4096_d192", "2 wg, 112 keys, plain options",
+     dict(default={192: sm90.Sm90Tile(192, 112, stages=2, pingpong=False)})),
+    ("prefill_b4_l4096_d192", "2 wg, 80 keys", dict(default={192: R(sm90.DEFAULT_TILES[192], block_n=80)})),
+    ("prefill_b2_l8192_d64", "shipped", {}),
+    ("prefill_b2_l8192_d256", "shipped", {}),
+]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated substrings of the workload names to run")
+    parser.add_argument("--exact", action="store_true", help="--only names whole workload names")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--once", action="store_true", help="run each point's kernel once, untimed (for ncu)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    import cupy
+
+    from bench import inputs, ours, workloads as W
+
+    results = []
+    by_workload = {}
+    wanted = args.only.split(",")
+    for name, point, patch in POINTS:
+        if any((name == x) if args.exact else (x in name) for x in wanted):
+            by_workload.setdefault(name, []).append((point, patch))
+    for name, points in by_workload.items():
+        w = W.BY_NAME[name]
+        inp = inputs.make_inputs(w, args.page_size, 2, seed=int(time.time()) % 100000)
+        refs = {0: inputs.reference_windows(inp, inp.sets[0], W.check_windows(w))}
+        for rnd in range(1 if args.once else args.rounds):
+            for point, patch in points:
+                with patched(**patch):
+                    if args.once:
+                        import cupy_fa
+
+                        attn = cupy_fa.BatchAttention(W.H_Q, W.H_KV, w.head_dim, w.dtype, kv_dtype=w.kv_dtype or None)
+                        attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, logits_soft_cap=w.soft_cap or None)
+                        attn.run(inp.sets[0].q, inp.sets[0].cache, out=inp.sets[0].out)
+                        cupy.cuda.Device().synchronize()
+                        print(f"once {name} {point}: {attn.planned.long_tile}", flush=True)
+                        continue
+                    cell = ours.bench_ours(inp, refs, dict(warmup=5, reps=args.reps, cpu_repeat=1), n_launch=4)
+                tile = cell.get("families", ["?"])[0]
+                value = cell.get("value")
+                line = (f"ab {name:28s} {point:40s} round {rnd}  " +
+                        (f"{value:7.1f} TFLOP/s  {cell['time_us']:9.1f} us  err {cell['err']:.2e}  {cell['status']}"
+                         if value else f"{cell.get('status')} {cell.get('error', '')[:300]}"))
+                print(line, flush=True)
+                results.append(dict(workload=name, point=point, round=rnd, tile=tile, **{
+                    k: cell.get(k) for k in ("value", "time_us", "err", "status", "error")}))
+        del inp
+        cupy.get_default_memory_pool().free_all_blocks()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    summary = {}
+    for r in results:
+        if r["value"]:
+            summary.setdefault((r["workload"], r["point"]), []).append(r["value"])
+    print("\nmeans over rounds (TFLOP/s), and against the workload's first point:")
+    firsts = {}
+    for (name, point), values in summary.items():
+        mean = sum(values) / len(values)
+        firsts.setdefault(name, mean)
+        print(f"  {name:28s} {point:40s} {mean:7.1f}  x{mean / firsts[name]:.3f}  ({len(values)} rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The wgmma family's kernels in SASS (lab probe): each compiled with the package's own NVRTC, then
+cuobjdump's disassembly counted: HGMMA (the 16-bit tensor-core instruction; QGMMA would be fp8's),
+local-memory traffic (STL / LDL: spills), the special-function operations a score takes (MUFU.EX2,
+MUFU.RCP, MUFU.TANH) and the fp8 widening (F2FP ... E4M3), beside ptxas' registers and spill bytes.
+
+    python3 lab/sass_hopper.py [--only SUBSTRING] [--cuobjdump PATH] [--jobs N]
+
+Needs cuobjdump on PATH (or --cuobjdump); without it, prints ptxas' figures alone.
+"""
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from cupy_fa import _compile, catalog
+
+OPS = ("HGMMA", "QGMMA", "STL", "LDL", "MUFU.EX2", "MUFU.RCP", "MUFU.TANH", "F2FP.F16.E4M3")
+
+
+def kernels(only=""):
+    return [k for k in catalog.all_kernels("sm_90a") if k.source == "sm90/prefill.cu" and only in k.expression]
+
+
+def one(task):
+    kernel, tool = task
+    cubin, res = _compile.compile_cubin(kernel, "sm_90a")
+    counts = {}
+    if tool:
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(cubin)
+        try:
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        finally:
+            os.unlink(f.name)
+        for op in OPS:
+            counts[op] = len(re.findall(r"\b" + re.escape(op) + r"\b", sass))
+    return kernel.expression, res, counts
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="")
+    parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump"))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    args = parser.parse_args(argv)
+    ks = kernels(args.only)
+    print(f"{len(ks)} wgmma kernels, NVRTC {_compile.nvrtc_version()}, cuobjdump {args.cuobjdump or 'absent'}")
+    bad = 0
+    with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs)) as pool:
+        for expr, res, counts in pool.map(one, [(k, args.cuobjdump) for k in ks]):
+            name = expr.split("Sm90PrefillTraits")[1] + " " + expr.split("<")[1].split(",")[1].strip()
+            ops = "  ".join(f"{op} {n}" for op, n in counts.items() if n)
+            spills = res["spill_stores"] + res["spill_loads"]
+            flag = "" if not spills and (not counts or counts.get("HGMMA")) else "  <-- CHECK"
+            bad += bool(flag)
+            print(f"{name:80s} regs {res['registers']:3d} spill {res['spill_stores']}/{res['spill_loads']}  {ops}{flag}")
+    print(f"{len(ks)} kernels, {bad} with spills or without HGMMA")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
