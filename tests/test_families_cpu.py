@@ -233,7 +233,8 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
             for d in families.common.FP8_HEAD_DIMS for t in catalog.fp8_tiles(d, arch="sm_90a") if t.producer_warps}
     assert ring and not ring & sm80
     assert (wgmma | hooked | ring) <= everything and not (wgmma | hooked) & sm80
-    assert everything - sm80 == wgmma | hooked | ring
+    mla_wgmma = {families.mla.kernel(dt, families.mla.MlaWgmmaTile()) for dt in _compile.CTYPES}  # cupy_fa.mla
+    assert everything - sm80 == wgmma | hooked | ring | mla_wgmma
     assert hooked <= set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True))
     assert set(catalog.all_kernels("sm_90a")) == everything
     hopper = catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True)

@@ -1,0 +1,10 @@
+"""Multi-head latent attention (DeepSeek V2 / V3 / R1, Kimi K2), the absorbed form engines run for
+decode-like steps: :class:`PagedLatentCache` (one ``[num_pages, page_size, 576]`` array of c_kv and
+k_pe rows, 16-bit or fp8 with a scale) and :class:`MLAAttention` (``plan`` a step, ``run`` it per
+layer: q ``[T, H, 576]`` -> out ``[T, H, 512]`` and LSE). docs/usage.md, "Multi-head latent attention",
+says which call an engine makes for which step, and how the non-absorbed prefill joins it."""
+
+from .attention import DEFAULT_SM_SCALE, MLAAttention
+from .cache import PagedLatentCache
+
+__all__ = ["DEFAULT_SM_SCALE", "MLAAttention", "PagedLatentCache"]

@@ -1,0 +1,250 @@
+"""Multi-head latent attention on the CPU: the float64 reference against a direct computation, the
+params mirrors against kernels/mla/params.cuh, the MLA policy (tiles, splits, grids) against the
+plan kernel's layout, and the API's argument checks (raised before anything touches a device)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from cases import new_rng, tree_masks
+from test_params_layout import parse_structs
+
+from cupy_fa import _compile, _mla_params, catalog, reference
+from cupy_fa.families import mla as family
+from cupy_fa.mla import schedule as mla_schedule
+from cupy_fa.plan import Capacity
+
+H_SMALL = 4
+
+
+def direct_mla(q, latent, q_lens, kv_lens, page_table, sm_scale, causal=True, masks=None):
+    """MLA written out per (request, query, head) in float64, straight from the definition."""
+    page_size = latent.shape[1]
+    out = np.zeros(q.shape[:2] + (512,))
+    lse = np.full(q.shape[:2], -np.inf)
+    row = 0
+    for b, (n, kv) in enumerate(zip(q_lens, kv_lens)):
+        keys = np.stack([latent[page_table[b, j // page_size], j % page_size] for j in range(kv)]).astype(np.float64)
+        for i in range(n):
+            pos = kv - n + i
+            if masks is not None:
+                seen = np.array([j < kv - n or masks[b][i, j - (kv - n)] for j in range(kv)])
+            else:
+                seen = np.arange(kv) <= pos if causal else np.ones(kv, bool)
+            for h in range(q.shape[1]):
+                s = keys @ q[row + i, h].astype(np.float64) * sm_scale
+                s[~seen] = -np.inf
+                m = s.max()
+                p = np.exp(s - m)
+                out[row + i, h] = p @ keys[:, :512] / p.sum()
+                lse[row + i, h] = m + math.log(p.sum())
+        row += n
+    return out, lse
+
+
+def random_case(rng, page_size, q_lens, kv_lens):
+    pages = sum(-(-k // page_size) for k in kv_lens) + 2
+    perm = rng.permutation(pages)
+    width = max(-(-k // page_size) for k in kv_lens)
+    table = np.zeros((len(q_lens), width), np.int32)
+    at = 0
+    for b, kv in enumerate(kv_lens):
+        n = -(-kv // page_size)
+        table[b, :n] = perm[at:at + n]
+        at += n
+    latent = rng.standard_normal((pages, page_size, 576))
+    q = rng.standard_normal((int(sum(q_lens)), H_SMALL, 576))
+    return q, latent, table
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("mode", ["causal", "full", "tree"])
+def test_reference_is_the_definition(page_size, mode):
+    rng, seed = new_rng()
+    q_lens, kv_lens = np.array([1, 4, 3, 1]), np.array([70, 9, 130, 1])
+    q, latent, table = random_case(rng, page_size, q_lens, kv_lens)
+    masks = tree_masks(rng, q_lens) if mode == "tree" else None
+    scale = 0.07
+    got, got_lse = reference.mla_attention(q, latent, q_lens, kv_lens, table, causal=mode == "causal", sm_scale=scale,
+                                           custom_mask=masks, return_lse=True)
+    want, want_lse = direct_mla(q, latent, q_lens, kv_lens, table, scale, causal=mode == "causal", masks=masks)
+    assert got.shape == (int(q_lens.sum()), H_SMALL, 512)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-12, err_msg=f"seed {seed}")
+
+
+def test_reference_takes_q_pe_apart_and_a_four_dim_cache():
+    rng, _ = new_rng()
+    q_lens, kv_lens = np.array([2, 1]), np.array([20, 33])
+    q, latent, table = random_case(rng, 16, q_lens, kv_lens)
+    whole = reference.mla_attention(q, latent, q_lens, kv_lens, table)
+    apart = reference.mla_attention(q[..., :512], latent[:, :, None], q_lens, kv_lens, table, q_pe=q[..., 512:])
+    np.testing.assert_array_equal(whole, apart)
+    # the default scale is DeepSeek's qk head before absorption, 1 / sqrt(192)
+    np.testing.assert_array_equal(whole, reference.mla_attention(q, latent, q_lens, kv_lens, table,
+                                                                 sm_scale=1 / math.sqrt(192)))
+
+
+def test_reference_reads_fp8_bytes_with_their_scale():
+    rng, _ = new_rng()
+    q_lens, kv_lens = np.array([1, 3]), np.array([40, 17])
+    q, latent, table = random_case(rng, 16, q_lens, kv_lens)
+    scale = 0.0125
+    raw = reference.quantize_e4m3(latent.reshape(-1, 1, 576), scale).reshape(latent.shape)
+    values = reference.dequantize_e4m3(raw, scale)
+    np.testing.assert_array_equal(reference.mla_attention(q, raw, q_lens, kv_lens, table, scale=scale),
+                                  reference.mla_attention(q, values, q_lens, kv_lens, table))
+
+
+def test_reference_names_bad_shapes():
+    rng, _ = new_rng()
+    q, latent, table = random_case(rng, 16, [1], [5])
+    with pytest.raises(ValueError, match=r"q must be \[T, H, 576\]"):
+        reference.mla_attention(q[..., :512], latent, [1], [5], table)
+    with pytest.raises(ValueError, match="latent must be"):
+        reference.mla_attention(q, latent[..., :512], [1], [5], table)
+    with pytest.raises(ValueError, match="q_pe"):
+        reference.mla_attention(q[..., :512], latent, [1], [5], table, q_pe=q[..., :32])
+
+
+# ---- the params mirrors ---------------------------------------------------------------------------
+
+
+def test_params_match_header():
+    header = parse_structs((_compile.KERNEL_DIR / "mla" / "params.cuh").read_text())
+    assert set(header) == set(_mla_params.DTYPES)
+    for name, fields in header.items():
+        dtype = _mla_params.DTYPES[name]
+        assert list(dtype.names) == [f for f, _ in fields], name
+        for field, ctype in fields:
+            assert dtype.fields[field][0] == np.dtype(ctype), f"{name}.{field}"
+    with pytest.raises(TypeError, match="missing"):
+        _mla_params.make("MlaAppendParams", ckv=0)
+
+
+def test_every_mla_kernel_carries_the_size_checks():
+    for kernel in family.all_kernels():
+        if kernel.source.startswith("mla/"):
+            assert all(c in _compile.program_text(kernel) for c in _mla_params.size_checks()), kernel.expression
+
+
+def test_the_catalog_compiles_every_mla_kernel():
+    everything = set(catalog.all_kernels())
+    assert set(family.all_kernels()) <= everything
+    wgmma = {family.kernel(dt, family.MlaWgmmaTile()) for dt in _compile.CTYPES}
+    assert wgmma <= everything and not wgmma & set(catalog.all_kernels("sm_80"))
+
+
+# ---- the policy --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_small_q_tiles_share_their_key_layout(heads, fp8, arch):
+    """Every small-q tile of one (heads, cache, target) reduces a split's keys alike: decode and verify
+    of up to 16 tokens run the same kernel arithmetic per row (one family, one BLOCK_N, 4 warps over
+    the keys), and every tile the policy picks is compiled in CI."""
+    compiled = set(catalog.all_kernels())
+    tiles = {mla_schedule.small_q_tile(heads, fp8, arch, q) for q in range(1, mla_schedule.SMALL_Q_LEN + 1)}
+    assert len({(type(t), t.block_n) for t in tiles}) == 1, tiles
+    wgmma = not fp8 and arch == "sm_90a" and heads >= mla_schedule.WGMMA_MIN_HEADS
+    assert all(isinstance(t, family.MlaWgmmaTile) == wgmma for t in tiles)
+    for t in tiles | {mla_schedule.long_tile(heads, fp8, arch)}:
+        assert t.kv_fp8 == fp8 and t.smem_bytes <= family.SMEM_LIMIT
+        for dt in _compile.CTYPES:
+            assert family.kernel(dt, t) in compiled
+
+
+def plan_kernel_items(q_lens, kv_lens, heads, sched):
+    """The work items plan_kernel lays out for these host lengths (kernels/shared/plan.cu, no overflow):
+    per live request, row blocks of its list's block_m times its splits."""
+    c = mla_schedule.plan_constants(sched)
+    items = {"small": 0, "long": 0}
+    for q, kv in zip(q_lens, kv_lens):
+        if q == 0:
+            continue
+        splits = -(-max(kv, 1) // c["split_size"])
+        if q > c["small_q_len"]:
+            splits = min(splits, max(1, c["split_row_budget"] // q))
+        splits = max(1, min(splits, c["max_splits"]))
+        long = q >= c["long_q_len"]
+        block_m = c["long_block_m"] if long else c["block_m"]
+        items["long" if long else "small"] += -(-(q * heads) // block_m) * splits
+    return items
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_grids_cover_the_plan_kernels_layout(heads, arch):
+    rng, seed = new_rng()
+    capacity = Capacity(40, 4000, 600)
+    for _ in range(50):
+        batch = int(rng.integers(1, 41))
+        q_lens = rng.choice([0, 1, 2, 4, 16, 17, 100], size=batch)
+        q_lens = np.minimum(q_lens, 4000 // batch)
+        kv_lens = q_lens + rng.integers(0, 9000, size=batch)
+        sched = mla_schedule.schedule_step(heads, False, arch, q_lens=q_lens, kv_lens=kv_lens)
+        items = plan_kernel_items(q_lens, kv_lens, heads, sched)
+        if sched.one_list:
+            assert sum(x.work_grid for x in sched.launches) == items["small"] + items["long"], seed
+        else:
+            assert (sched.small.work_grid, sched.long.work_grid) == (items["small"], items["long"]), seed
+        splits = mla_schedule.max_splits(q_lens[q_lens > 0], kv_lens[q_lens > 0])
+        assert sched.needs_merge == bool((splits > 1).any()), seed
+        # the graph path's grids, from bounds, hold every such step
+        bound = mla_schedule.schedule_step(heads, False, arch, max_q_len=int(q_lens.max()) or 1,
+                                           max_kv_len=int(kv_lens.max()) or 1, capacity=capacity)
+        assert sum(x.work_grid for x in bound.launches) >= items["small"] + items["long"], seed
+        assert bound.needs_merge or not sched.needs_merge
+
+
+def test_splits_sit_at_fixed_positions_for_small_q():
+    """Decode and verify of the same keys split them alike (the key of batch invariance); longer
+    requests split less; no request past MAX_SPLITS."""
+    s = mla_schedule.SPLIT_SIZE
+    assert mla_schedule.max_splits([1], [4096])[0] == mla_schedule.max_splits([16], [4096])[0] == 4096 // s
+    assert mla_schedule.max_splits([100], [4096])[0] == 1
+    assert mla_schedule.max_splits([1], [10**7])[0] == mla_schedule.MAX_SPLITS == family.MAX_MERGE_SPLITS
+    assert s % 128 == 0 and s % family.MMA_BLOCK_N == 0
+
+
+def test_merge_shapes():
+    assert mla_schedule.merge_shape(64, 128) == family.MERGE_WIDE
+    assert mla_schedule.merge_shape(1, 128) == family.MERGE_DEEP
+    heads, ways = family.MERGE_DEEP
+    # merge.cu's shared memory at 512 columns: a float4 a lane per group of 8 splits, under 48 KiB
+    assert (family.MAX_MERGE_SPLITS // 8) * heads * 128 * 16 <= 48 * 1024
+
+
+# ---- the API's checks, before any device ----------------------------------------------------------
+
+
+def test_mla_attention_names_bad_arguments():
+    from cupy_fa import MLAAttention
+
+    with pytest.raises(ValueError, match="num_heads"):
+        MLAAttention(0)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        MLAAttention(16, kv_lora_rank=256)
+    with pytest.raises(TypeError):
+        MLAAttention(16, "float32")
+    with pytest.raises(ValueError, match="give all"):
+        MLAAttention(16, max_batch_size=4)
+    attn = MLAAttention(16)
+    with pytest.raises(ValueError, match="q_len"):
+        attn.plan([2], [1], [[0]])
+    with pytest.raises(ValueError, match="sum"):
+        attn.plan([2], [5], [[0]], custom_mask=np.ones(3, bool))
+    with pytest.raises(ValueError, match="sm_scale"):
+        attn.plan([1], [5], [[0]], sm_scale=-1.0)
+    with pytest.raises(TypeError, match="causal"):
+        attn.plan([1], [5], [[0]], causal=1)
+
+
+def test_latent_cache_refuses_host_arrays():
+    from cupy_fa import PagedLatentCache
+
+    with pytest.raises(TypeError, match="latent must be a CUDA device array"):
+        PagedLatentCache(np.zeros((4, 16, 576), np.float16))
