@@ -46,6 +46,8 @@ class Knobs:
                                      # 16-row softmax (schedule.tile_for; for A/B runs)
     producer_warp: bool = True       # CUPY_FA_PRODUCER_WARP: "0" keeps the fp8 one-row-half decode tile's
                                      # copies on its consumer warps (schedule.tile_for; for A/B runs)
+    mla_wgmma: bool = True           # CUPY_FA_MLA_WGMMA: "0" runs every MLA step on the mma.sync tile
+                                     # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
 
     def __post_init__(self):
         _check(self.decode_stages in STAGE_CHOICES, "CUPY_FA_DECODE_STAGES",
@@ -96,6 +98,7 @@ class Knobs:
                    fold_splits=get("CUPY_FA_FOLD_SPLITS") or "auto",
                    half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
                    producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
+                   mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
                    pdl=flag("CUPY_FA_PDL", cls.pdl), trace=flag("CUPY_FA_TRACE", cls.trace),
                    debug=flag("CUPY_FA_DEBUG", cls.debug))
 

@@ -248,3 +248,90 @@ def test_latent_cache_refuses_host_arrays():
 
     with pytest.raises(TypeError, match="latent must be a CUDA device array"):
         PagedLatentCache(np.zeros((4, 16, 576), np.float16))
+
+
+# ---- a step's launches, with the device calls stubbed ---------------------------------------------
+
+
+class _Buf:
+    _next = [0x10000]
+
+    def __init__(self, shape=(1,)):
+        import types
+
+        self.shape = shape
+        self.data = types.SimpleNamespace(ptr=_Buf._next[0])
+        _Buf._next[0] += 0x1000
+
+
+@pytest.mark.parametrize("heads,q_lens,kv_lens,arch", [
+    (128, [1] * 64, [4096] * 64, "sm_90a"),     # decode on the seesaw kernel, split, merged
+    (16, [1] * 64, [4096] * 64, "sm_90a"),      # decode on the mma.sync tile
+    (16, [4, 200, 1], [4000, 900, 10], "sm_90a"),  # small-q on mma.sync, a long request on wgmma: two lists
+    (128, [4, 200], [4000, 900], "sm_90a"),     # both classes on the seesaw kernel: one list
+    (128, [1], [300], "sm_80"),                 # one split, no merge, mma.sync (2 rows of warps)
+])
+def test_launch_step_fills_every_field(monkeypatch, heads, q_lens, kv_lens, arch):
+    import types
+
+    from cupy_fa import _build, plan
+    from cupy_fa.mla import launch as mla_launch
+    from cupy_fa.mla.plan import MlaPlanBuffers, MlaPlanState
+
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
+    sched = mla_schedule.schedule_step(heads, False, arch, q_lens=np.array(q_lens), kv_lens=np.array(kv_lens))
+    step = types.SimpleNamespace(page_columns=300)
+    state = MlaPlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.0721, step, None, None)
+    cache = types.SimpleNamespace(kernel_fields=lambda: dict(cache=0xCAC0, page_size=64, page_shift=6, num_pages=999,
+                                                             kv_scale=0))
+    calls = []
+    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
+                        calls.append((kernel, tuple(grid), params, programmatic)))
+    tokens = int(np.sum(q_lens))
+    q = ((0x1000, (heads * 576, 576)), (0x1000 + 1024, (heads * 576, 576)))
+    mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, _Buf(), _Buf(), tokens, None)
+    attention = [c for c in calls if c[0].source != "shared/merge.cu"]
+    assert [c[1] for c in attention] == [(x.work_grid,) for x in sched.launches]
+    for (kernel, _, params, programmatic), launch in zip(attention, sched.launches):
+        assert kernel == family.kernel("bfloat16", launch.tile) and not programmatic
+        assert params["num_heads"] == heads and params["cache"] == 0xCAC0 and params["page_shift"] == 6
+        assert params["q_pe"] - params["q_nope"] == 1024 and params["q_nope_token_stride"] == heads * 576
+        assert abs(params["sm_scale_log2"] - 0.0721 * 1.4426950408889634) < 1e-6
+        two_lists = len(sched.launches) == 2
+        want = buffers.long_work_indptr if two_lists and launch is sched.long else buffers.work_indptr
+        assert params["work_indptr"] == want.data.ptr
+        assert (params["head_multiplier"], params["head_shift"]) == tuple(_lib_fast_div(heads))
+    merges = [c for c in calls if c[0].source == "shared/merge.cu"]
+    assert len(merges) == int(sched.needs_merge)
+    if merges:
+        shape, grid = mla_schedule.merge_grid(tokens, heads)
+        assert merges[0][0] == family.merge_kernel("bfloat16", shape) and merges[0][1] == grid and merges[0][3]
+    # the plan kernel's constants for this schedule
+    fake = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
+    fake.partial_out = _Buf((5000, heads, 512))
+    params = MlaPlanBuffers.mla_plan_params(fake, len(q_lens), heads, sched, 300, 5000)
+    assert params["group_size"] == heads and params["split_size"] == mla_schedule.SPLIT_SIZE
+    assert params["long_q_len"] == (17 if len(sched.launches) == 2 else 2**31 - 1)
+    assert params["block_m"] == (sched.small or sched.long).tile.block_m and params["partial_capacity"] == 5000
+
+
+def _lib_fast_div(d):
+    from cupy_fa import _params
+
+    return _params.fast_divisor(d)
+
+
+def test_the_wgmma_knob_keeps_every_step_on_mma_sync():
+    import dataclasses
+
+    from cupy_fa import knobs
+
+    before = knobs.use(dataclasses.replace(knobs.knobs(), mla_wgmma=False))
+    try:
+        assert isinstance(mla_schedule.small_q_tile(128, False, "sm_90a"), family.MlaMmaTile)
+        assert isinstance(mla_schedule.long_tile(16, False, "sm_90a"), family.MlaMmaTile)
+    finally:
+        knobs.use(before)
+    assert isinstance(mla_schedule.small_q_tile(128, False, "sm_90a"), family.MlaWgmmaTile)

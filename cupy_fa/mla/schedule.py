@@ -26,6 +26,7 @@ import dataclasses
 import numpy as np
 
 from ..families.common import is_sm90a
+from ..knobs import knobs
 from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
 
 SMALL_Q_LEN = 16
@@ -37,7 +38,7 @@ WGMMA_MIN_HEADS = 64      # below, a decode token would leave most of a 64-row b
 
 def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
     """The tile of a step's small-q requests (the longest has ``max_q_len`` tokens)."""
-    if not kv_fp8 and is_sm90a(arch) and num_heads >= WGMMA_MIN_HEADS:
+    if _wgmma(kv_fp8, arch) and num_heads >= WGMMA_MIN_HEADS:
         return MlaWgmmaTile()
     rows = max(int(max_q_len), 1) * num_heads
     return MlaMmaTile(1 if rows <= 16 else 2, kv_fp8)
@@ -45,9 +46,14 @@ def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
 
 def long_tile(num_heads, kv_fp8, arch):
     """The tile of requests of more than SMALL_Q_LEN tokens."""
-    if not kv_fp8 and is_sm90a(arch):
+    if _wgmma(kv_fp8, arch):
         return MlaWgmmaTile()
     return MlaMmaTile(2, kv_fp8)
+
+
+def _wgmma(kv_fp8, arch):
+    """The seesaw kernel applies: a 16-bit cache on sm_90a (CUPY_FA_MLA_WGMMA=0: never)."""
+    return not kv_fp8 and is_sm90a(arch) and knobs().mla_wgmma
 
 
 def max_splits(q_lens, kv_lens):
