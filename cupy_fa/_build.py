@@ -26,6 +26,18 @@ def device_arch(device):
     return _native_arch(device if isinstance(device, int) else device.id)
 
 
+def loadable_arch(device_id):
+    """The target a device's modules are built for: :func:`device_arch`, or where CUPY_FA_ARCH
+    names another compute capability than the device's (an sm_80 build on a Hopper GPU) its
+    virtual target, ``compute_80``: PTX, which the driver compiles for the device at load (a
+    cubin runs only on its own compute capability)."""
+    arch = device_arch(device_id)
+    digits = re.match(r"(?:sm|compute)_(\d+)", arch).group(1)
+    if digits != re.match(r"sm_(\d+)", _native_arch(device_id)).group(1):
+        return f"compute_{digits}"
+    return arch
+
+
 def current_arch(device_id=None):
     """:func:`device_arch` of device ``device_id`` (default CuPy's current device), queried once
     per device."""
@@ -99,7 +111,7 @@ def get_function(kernel, device_id=None):
     with _lock, cupy.cuda.Device(device_id):  # compiled and loaded on that device, whatever is current
         fn = _functions.get(key)
         if fn is None:
-            lowered, cubin = _compile.binary(kernel, device_arch(device_id))
+            lowered, cubin = _compile.binary(kernel, loadable_arch(device_id))
             module = _load_module(cubin)
             fn = module.get_function(lowered)
             # the opt-in for more than 48 KiB counts static and dynamic shared memory together: a

@@ -108,9 +108,14 @@ def decode(data, entry_key):
         return None
     cubin = data[start + size:]
     if (stored_key != entry_key or not isinstance(lowered, str) or not lowered or length != len(cubin)
-            or hashlib.sha256(cubin).hexdigest() != digest or not cubin.startswith(b"\x7fELF")):
+            or hashlib.sha256(cubin).hexdigest() != digest or not _is_image(cubin)):
         return None
     return lowered, cubin
+
+
+def _is_image(data):
+    """A cubin (ELF) or the NUL-ended PTX text of a virtual target's build."""
+    return data.startswith(b"\x7fELF") or (data.startswith(b"//") and data.endswith(b"\0"))
 
 
 def load(directory, entry_key):

@@ -134,7 +134,8 @@ RAWMODULE_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
 
 
 def _nvrtc_compile(text, expression, options, name="cupy_fa.cu"):
-    """``(lowered name, cubin, log)`` of one program: NVRTC alone, no device. The cubin is
+    """``(lowered name, image, log)`` of one program: NVRTC alone, no device. The image is NUL-ended
+    PTX for a virtual target (``-arch=compute_NN``), else a cubin: 
     ``getCUBIN``'s bytes as they are, the image ``cupy.RawModule`` hands the driver. (The program
     ``name`` and the compiling process's id end up in the names of internal-linkage symbols, so
     two processes' cubins of one program differ in those bytes only.)"""
@@ -147,7 +148,11 @@ def _nvrtc_compile(text, expression, options, name="cupy_fa.cu"):
             nvrtc.compileProgram(prog, list(options))
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC failed on {expression}:\n{nvrtc.getProgramLog(prog)}") from exc
-        return nvrtc.getLoweredName(prog, expression), nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+        # a virtual target (compute_NN: a build forced for another arch than the device's) gives
+        # PTX, which the driver compiles for the device at load; a real one (sm_NN) a cubin
+        virtual = any(o.startswith("-arch=compute_") for o in options)
+        image = nvrtc.getPTX(prog).rstrip(b"\0") + b"\0" if virtual else nvrtc.getCUBIN(prog)
+        return nvrtc.getLoweredName(prog, expression), image, nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
 

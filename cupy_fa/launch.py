@@ -26,9 +26,17 @@ _MERGE = _params.DTYPES["MergeParams"]
 _CACHE_FIELDS = ("k_cache", "v_cache", "page_size", "page_shift", "num_pages", "k_scale", "v_scale")
 
 
+# struct's codes of standard size (``"<"``) by NumPy kind and size: NumPy's own ``char`` of a uint64
+# field is ``"L"``, which struct packs in 4 bytes under ``"<"``
+_STRUCT_CODES = {("u", 8): "Q", ("i", 8): "q", ("u", 4): "I", ("i", 4): "i", ("f", 4): "f", ("f", 8): "d"}
+
+
 def _setter(dtype, fields):
     """``set(buffer, values)``: writes ``values`` into ``fields`` of a packed ``dtype`` struct."""
-    packers = [(struct.Struct("<" + dtype.fields[f][0].char), dtype.fields[f][1]) for f in fields]
+    def code(field):
+        kind = dtype.fields[field][0]
+        return _STRUCT_CODES[kind.kind, kind.itemsize]
+    packers = [(struct.Struct("<" + code(f)), dtype.fields[f][1]) for f in fields]
 
     def write(buffer, values):
         for (packer, offset), value in zip(packers, values):
@@ -43,8 +51,8 @@ _set_merge_run = _setter(_MERGE, ("out", "lse", "sinks"))
 
 
 class PreparedStep:
-    """A plan's launches with their structs packed: per attention launch its kernels (plain and
-    with the variant hooks), grid and a one-element struct array whose bytes a run updates in
+    """A plan's launches with their structs packed: per attention launch its kernels (plain, and
+    with the variant hooks once a run takes them), tile, grid and a one-element struct array whose bytes a run updates in
     place; the merge's struct, and its kernel and grid per token count."""
 
     def __init__(self, launcher, state, buffers):
@@ -57,9 +65,10 @@ class PreparedStep:
         self.attention = []
         for launch in self.launches:
             packed = np.array([launcher.params(state, buffers, launch, **zero)], _ATTENTION)
-            self.attention.append((catalog.attention_kernel(launcher.types, launch.tile),
-                                   catalog.attention_kernel(launcher.types, launch.tile.with_variants()),
-                                   (launch.ctas,), packed, packed.data.cast("B")))
+            # the kernel with the variant hooks is looked up on the first run that takes it (an
+            # fp8 cache's tiles have none: attention.refuse_fp8_variants refuses such steps)
+            self.attention.append([catalog.attention_kernel(launcher.types, launch.tile), None, launch.tile,
+                                   (launch.ctas,), packed, packed.data.cast("B")])
         self.merge = None
         if sched.needs_merge:
             packed = np.array([launcher.merge_params(state, buffers, out=0, lse=0, sinks=0)], _MERGE)
@@ -94,12 +103,15 @@ class StepLauncher:
         # a window, a soft-cap or sinks: each tile's kernel with the hooks compiled in (the plain
         # kernels otherwise, unchanged)
         hooked = prepared.always_hooked or bool(sinks_ptr)
-        for plain, with_hooks, grid, packed, raw in prepared.attention:  # the long family's first
+        for entry in prepared.attention:  # the long family's first
+            plain, with_hooks, tile, grid, packed, raw = entry
             _set_run(raw, run)
             if new_cache:
                 _set_cache(raw, cache_values)
             if new_tokens:
                 _set_tokens(raw, (num_tokens,))
+            if hooked and with_hooks is None:
+                with_hooks = entry[1] = catalog.attention_kernel(self.types, tile.with_variants())
             # one CTA per (work item, KV head), heads fastest (kernels/mma_sync/work.cuh): schedule.launch_grid
             _build.launch(with_hooks if hooked else plain, grid, packed[0], stream)
         prepared.cache, prepared.num_tokens = cache, num_tokens

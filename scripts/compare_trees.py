@@ -96,7 +96,25 @@ def planned_facts(attn):
     long = getattr(getattr(state, "schedule", None), "long", None)  # trees with a launch per family
     return {"tile": {f: getattr(tile, f, None) for f in TILE_FIELDS}, "work_grid": int(state.work_grid),
             "needs_merge": bool(state.needs_merge),
-            "long": None if long is None else {"tile": repr(long.tile), "work_grid": int(long.work_grid)}}
+            "long": None if long is None else {"tile": _fields(long.tile), "work_grid": int(long.work_grid)}}
+
+
+def _fields(tile):
+    """A tile's fields by name (a dataclass), else its repr."""
+    import dataclasses
+
+    return dataclasses.asdict(tile) if dataclasses.is_dataclass(tile) else repr(tile)
+
+
+def same_long(a, b):
+    """The long launches agree: the same grid and every tile field both trees have the same (a
+    field one tree dropped, as an option no tile chose, is no change of schedule)."""
+    if a is None or b is None:
+        return a is b
+    x, y = a["tile"], b["tile"]
+    if isinstance(x, dict) and isinstance(y, dict):
+        x, y = ({k: d[k] for k in x.keys() & y.keys()} for d in (x, y))
+    return (x, a["work_grid"]) == (y, b["work_grid"])
 
 
 def save(out_dir, case, out, lse, facts):
@@ -275,12 +293,13 @@ def compare(old_dir, new_dir, grid, seed, small_q=False, only=None):
             y = np.load(new_dir / f"{key}_{part}.npy")
             differ = int((x != y).sum()) if x.shape == y.shape else -1
             verdicts.append("identical" if differ == 0 else ("shape!" if differ < 0 else f"{differ} differ"))
-        same_schedule = (a["tile"], a["work_grid"], a["needs_merge"], a.get("long")) == \
-            (b["tile"], b["work_grid"], b["needs_merge"], b.get("long"))
+        same_schedule = (a["tile"], a["work_grid"], a["needs_merge"]) == (b["tile"], b["work_grid"], b["needs_merge"]) \
+            and same_long(a.get("long"), b.get("long"))
         t = b["tile"]
         schedule = (f"{t['warps_m']}x{t['warps_n']} st{t['stages']} fold{int(bool(t['fold_splits']))} "
                     f"c{t['splits_per_cta']} grid {b['work_grid']} merge {int(b['needs_merge'])}")
-        flags = ("" if same_schedule else f"  SCHEDULE CHANGED (old {a['tile']}, grid {a['work_grid']})") + \
+        flags = ("" if same_schedule else f"  SCHEDULE CHANGED (old {a['tile']}, grid {a['work_grid']}, "
+                                          f"long {a.get('long')}; new long {b.get('long')})") + \
                 ("" if a["nan"] == b["nan"] == 0 else f"  NaN old {a['nan']} new {b['nan']}")
         ok = verdicts == ["identical", "identical"] and same_schedule and a["nan"] == b["nan"] == 0
         bad += not ok

@@ -415,3 +415,27 @@ def test_loader_api_is_cupys():
     assert driver.funcGetAttribute.__doc__.startswith("funcGetAttribute(int attribute, intptr_t f)")
     assert driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES == 8  # cuda.h
     assert "UnownedMemory(intptr_t ptr, size_t size, owner, int device_id=-1)" in memory.UnownedMemory.__doc__
+
+
+def test_a_build_for_another_compute_capability_loads_as_ptx(cache, monkeypatch):
+    """CUPY_FA_ARCH=sm_80 on a Hopper device: a cubin runs only on its own compute capability, so
+    the module is built for the virtual target compute_80 (NUL-ended PTX the driver compiles at
+    load), cached like a cubin and read back; the device's own arch (or sm_90 on sm_90a) stays a cubin."""
+    directory, compiles = cache
+    fake = FakeLoader(monkeypatch)
+    monkeypatch.setattr(_build, "_functions", {})
+    monkeypatch.setattr(_build, "_modules", {})
+    monkeypatch.setattr(_build, "_native_arch", lambda device_id: "sm_90a")
+    monkeypatch.setenv("CUPY_FA_ARCH", "sm_80")
+    knobs.reload()
+    assert _build.loadable_arch(0) == "compute_80"
+    _build.get_function(SMALL, 0)
+    (image,) = fake.loaded
+    assert image.startswith(b"//") and image.endswith(b"\0") and b".target sm_80" in image
+    assert _compile.binary(SMALL, "compute_80")[1] == image and compiles == [SMALL.expression]  # from the cache
+    monkeypatch.setenv("CUPY_FA_ARCH", "sm_90")
+    knobs.reload()
+    assert _build.loadable_arch(0) == "sm_90"
+    monkeypatch.delenv("CUPY_FA_ARCH")
+    knobs.reload()
+    assert _build.loadable_arch(0) == "sm_90a"

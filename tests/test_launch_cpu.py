@@ -17,7 +17,7 @@ A100 = dict(smem_limit=163 * 1024, sm_count=108, arch="sm_80")
 
 
 class _Buf:
-    _next = [0x10000]
+    _next = [0x7F3A_0000_0000]  # device addresses past 2**32, as CUDA hands them out
 
     def __init__(self, shape=(1,)):
         self.shape = shape
@@ -98,3 +98,26 @@ def test_a_new_plan_packs_anew(monkeypatch):
     attn._launcher.launch(state, one, cache, q, out, None, 1, None)
     attn._launcher.launch(state, two, cache, q, out, None, 1, None)
     assert calls[0] != calls[1] and state.prepared.buffers is two
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", [([1] * 64, [4096] * 64), ([4096, 1], [4096, 3000]), ([4, 4], [900, 5000])])
+def test_an_fp8_cache_packs_and_launches_its_plain_kernels(monkeypatch, q_lens, kv_lens):
+    """An fp8 cache's tiles have no build with the variant hooks (its steps with a window, a soft-cap
+    or sinks are refused earlier): packing a plan's launches must not ask for one."""
+    attn = BatchAttention(32, 8, 128, "bfloat16", kv_dtype="float8_e4m3fn")
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
+    sched = schedule.schedule_step(128, 4, 8, q_lens=q_lens, kv_lens=kv_lens, kv_bytes=1, **H200)
+    state = plan.PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300, 0,
+                           None)
+    calls = []
+    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
+                        calls.append(kernel))
+    cache = _cache(16)
+    cache.is_fp8, cache.k_scale_device, cache.v_scale_device = True, _Buf(), _Buf()
+    attn._launcher.launch(state, buffers, cache, _Buf(), _Buf(), _Buf(), int(np.sum(q_lens)), None)
+    types_ = attn._types
+    launches = [x for x in sched.launches if x.work_grid > 0]
+    assert calls[:len(launches)] == [catalog.attention_kernel(types_, x.tile) for x in launches]
+    assert all(x.tile.kv_bytes == 1 for x in launches)
