@@ -3,6 +3,7 @@ params mirrors against kernels/mla/params.cuh, the MLA policy (tiles, splits, gr
 plan kernel's layout, and the API's argument checks (raised before anything touches a device)."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -100,9 +101,9 @@ def test_reference_reads_fp8_bytes_with_their_scale():
 def test_reference_names_bad_shapes():
     rng, _ = new_rng()
     q, latent, table = random_case(rng, 16, [1], [5])
-    with pytest.raises(ValueError, match=r"q must be \[T, H, 576\]"):
+    with pytest.raises(ValueError, match=re.escape("q must be [T, H, 576]")):
         reference.mla_attention(q[..., :512], latent, [1], [5], table)
-    with pytest.raises(ValueError, match="latent must be"):
+    with pytest.raises(ValueError, match=re.escape("latent must be [num_pages, page_size, 576]")):
         reference.mla_attention(q, latent[..., :512], [1], [5], table)
     with pytest.raises(ValueError, match="q_pe"):
         reference.mla_attention(q[..., :512], latent, [1], [5], table, q_pe=q[..., :32])
@@ -222,24 +223,27 @@ def test_merge_shapes():
 
 
 def test_mla_attention_names_bad_arguments():
+    """docs/errors.md's rows of MLAAttention and its plan: each raised before anything touches a device."""
+    import re
+
     from cupy_fa import MLAAttention
 
-    with pytest.raises(ValueError, match="num_heads"):
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
         MLAAttention(0)
-    with pytest.raises(ValueError, match="kv_lora_rank"):
+    with pytest.raises(ValueError, match="kv_lora_rank and qk_rope_head_dim must be 512 and 64"):
         MLAAttention(16, kv_lora_rank=256)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="must be float16 or bfloat16"):
         MLAAttention(16, "float32")
-    with pytest.raises(ValueError, match="give all"):
+    with pytest.raises(ValueError, match="give all of max_batch_size"):
         MLAAttention(16, max_batch_size=4)
     attn = MLAAttention(16)
-    with pytest.raises(ValueError, match="q_len"):
+    with pytest.raises(ValueError, match="kv_len counts the valid keys AFTER"):
         attn.plan([2], [1], [[0]])
-    with pytest.raises(ValueError, match="sum"):
+    with pytest.raises(ValueError, match=re.escape("custom_mask has 3 entries, expected sum(q_lens**2)")):
         attn.plan([2], [5], [[0]], custom_mask=np.ones(3, bool))
-    with pytest.raises(ValueError, match="sm_scale"):
+    with pytest.raises(ValueError, match="sm_scale must be a positive finite number"):
         attn.plan([1], [5], [[0]], sm_scale=-1.0)
-    with pytest.raises(TypeError, match="causal"):
+    with pytest.raises(TypeError, match="causal must be True or False"):
         attn.plan([1], [5], [[0]], causal=1)
 
 
@@ -335,3 +339,14 @@ def test_the_wgmma_knob_keeps_every_step_on_mma_sync():
     finally:
         knobs.use(before)
     assert isinstance(mla_schedule.small_q_tile(128, False, "sm_90a"), family.MlaWgmmaTile)
+
+
+def test_warmup_lists_what_steps_select():
+    from cupy_fa.mla import warm
+
+    hopper = set(warm.warmup_kernels(("bfloat16",), ("bfloat16", "float8_e4m3fn"), "sm_90a"))
+    assert family.kernel("bfloat16", family.MlaWgmmaTile()) in hopper
+    assert family.kernel("bfloat16", family.MlaMmaTile(1, True)) in hopper
+    assert hopper <= set(catalog.all_kernels("sm_90a")) | {catalog.PLAN_KERNEL}
+    ampere = set(warm.warmup_kernels(("float16",), None, "sm_80"))
+    assert not any(k.source == "mla/wgmma.cu" for k in ampere)

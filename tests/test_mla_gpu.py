@@ -5,6 +5,8 @@ and 64 over shuffled, interleaved page tables whose unread slots hold NaN, outpu
 the run (a tail past the live rows must stay so); decode == verify bit for bit; the append bit-exact
 (fp8: the host quantiser's bytes); a page id outside the cache NaNs its request only."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -278,9 +280,11 @@ def test_idle_and_bad_inputs_launch_nothing():
     out = attn.run(cupy.zeros((0, 16, 576), np_dtype("bfloat16")), cache)
     assert out.shape == (0, 16, 512)
     attn.plan([1], [20], [[0, 1]])
-    with pytest.raises(ValueError, match="not a page of the cache"):
-        attn.plan([1], [20], [[0, 9]]).run(cupy.zeros((1, 16, 576), np_dtype("bfloat16")), cache)
-    with pytest.raises(ValueError, match=r"\[T, H, 576\]"):
-        attn.plan([1], [20], [[0, 1]]).run(cupy.zeros((1, 16, 512), np_dtype("bfloat16")), cache)
-    with pytest.raises(TypeError, match="PagedLatentCache"):
-        attn.run(cupy.zeros((1, 16, 576), np_dtype("bfloat16")), object())
+    out = cupy.full((1, 16, 512), POISON, np_dtype("bfloat16"))
+    with pytest.raises(ValueError, match="is not a page of the cache"):
+        attn.plan([1], [20], [[0, 9]]).run(cupy.zeros((1, 16, 576), np_dtype("bfloat16")), cache, out=out)
+    with pytest.raises(ValueError, match=re.escape("q must be [T, H, 576]")):
+        attn.plan([1], [20], [[0, 1]]).run(cupy.zeros((1, 16, 512), np_dtype("bfloat16")), cache, out=out)
+    with pytest.raises(TypeError, match="cache must be a cupy_fa.PagedLatentCache"):
+        attn.run(cupy.zeros((1, 16, 576), np_dtype("bfloat16")), object(), out=out)
+    assert (out.view(np.uint16) == cupy.full((1, 16, 512), POISON, np_dtype("bfloat16")).view(np.uint16)).all()

@@ -6,5 +6,6 @@ says which call an engine makes for which step, and how the non-absorbed prefill
 
 from .attention import DEFAULT_SM_SCALE, MLAAttention
 from .cache import PagedLatentCache
+from .warm import warmup
 
-__all__ = ["DEFAULT_SM_SCALE", "MLAAttention", "PagedLatentCache"]
+__all__ = ["DEFAULT_SM_SCALE", "MLAAttention", "PagedLatentCache", "warmup"]
