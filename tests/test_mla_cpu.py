@@ -350,3 +350,128 @@ def test_warmup_lists_what_steps_select():
     assert hopper <= set(catalog.all_kernels("sm_90a")) | {catalog.PLAN_KERNEL}
     ampere = set(warm.warmup_kernels(("float16",), None, "sm_80"))
     assert not any(k.source == "mla/wgmma.cu" for k in ampere)
+
+
+# ---- the kernels' softmax schedules, modelled in NumPy -------------------------------------------
+#
+# Not the kernels (they have not run on a GPU in this file's tests): their arithmetic schedules,
+# step by step in float32 with P rounded to bf16 where the kernels round it, held to float64. A
+# wrong factor in a schedule (an offset applied twice, a sum left at the old offset) fails here.
+
+LAZY = 8.0  # kernels/shared/softmax.cuh kLazyRescale
+
+
+def _bf16(x):
+    import ml_dtypes
+
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _factor(m_old, m_new):
+    with np.errstate(invalid="ignore"):
+        return np.where(m_new != m_old, np.where(m_old == -np.inf, 0.0, np.exp2(m_old - m_new)), 1.0).astype(np.float32)
+
+
+def _scores(q, keys, key0, n, kv_end, sees):
+    s = (q @ keys[key0:key0 + n].T).astype(np.float32)
+    cols = key0 + np.arange(n)
+    return np.where((cols[None, :] < kv_end) & sees(cols), s, -np.inf).astype(np.float32)
+
+
+def seesaw_model(q, keys, kv_end, scale_log2, sees):
+    """kernels/mla/seesaw.cuh's run(): pairs of 64-key blocks, warpgroup 0's block then 1's as one
+    offset chain, O split 256 / 256, each half taking both P's (rounded to bf16), each warpgroup's
+    sum of its own blocks rescaled by both factors, added at the end."""
+    rows = q.shape[0]
+    keys = np.concatenate([keys, np.zeros((256, keys.shape[1]), np.float32)])  # zero-filled past the end
+    m = np.full(rows, -np.inf, np.float32)
+    l0 = np.zeros(rows, np.float32)
+    l1 = np.zeros(rows, np.float32)
+    o_l = np.zeros((rows, 256), np.float32)
+    o_r = np.zeros((rows, 256), np.float32)
+    blocks = -(-kv_end // 64)
+    for i in range(-(-blocks // 2)):
+        s0 = _scores(q, keys, 128 * i, 64, kv_end, sees)
+        s1 = _scores(q, keys, 128 * i + 64, 64, kv_end, sees)
+        v0, v1 = keys[128 * i:128 * i + 64, :512], keys[128 * i + 64:128 * i + 128, :512]
+        # warpgroup 0
+        mx0 = s0.max(axis=1) * scale_log2
+        m0 = np.where(mx0 > m + LAZY, mx0, m).astype(np.float32)
+        fa = _factor(m, m0)
+        p0 = np.exp2(s0 * scale_log2 - np.where(m0 == -np.inf, 0, m0)[:, None]).astype(np.float32)
+        l0 = l0 * fa + p0.sum(axis=1)
+        p0 = _bf16(p0)
+        o_l = o_l * fa[:, None] + p0 @ v0[:, :256]
+        # warpgroup 1 (takes m0 and P0)
+        mx1 = s1.max(axis=1) * scale_log2
+        m1 = np.where(mx1 > m0 + LAZY, mx1, m0).astype(np.float32)
+        fb = _factor(m0, m1)
+        p1 = np.exp2(s1 * scale_log2 - np.where(m1 == -np.inf, 0, m1)[:, None]).astype(np.float32)
+        l1 = l1 * fa * fb + p1.sum(axis=1)
+        p1 = _bf16(p1)
+        o_r = (o_r * fa[:, None] + p0 @ v0[:, 256:]) * fb[:, None] + p1 @ v1[:, 256:]
+        # warpgroup 0 again (takes m1 and P1)
+        o_l = o_l * fb[:, None] + p1 @ v1[:, :256]
+        l0 = l0 * fb
+        m = m1
+    l = l0 + l1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.concatenate([o_l, o_r], axis=1) / l[:, None], (m + np.log2(l)) * math.log(2)
+
+
+def mma_tile_model(q, keys, kv_end, scale_log2, sees):
+    """kernels/mla/mma_tile.cuh: one softmax step per 64-key tile over its 4 warps' keys, each warp's
+    part of the sum kept apart (16 keys each) and added in warp order at the end."""
+    rows = q.shape[0]
+    keys = np.concatenate([keys, np.zeros((64, keys.shape[1]), np.float32)])
+    m = np.full(rows, -np.inf, np.float32)
+    parts = np.zeros((4, rows), np.float32)
+    o = np.zeros((rows, 512), np.float32)
+    for t in range(-(-kv_end // 64)):
+        s = _scores(q, keys, 64 * t, 64, kv_end, sees)
+        mx = s.max(axis=1) * scale_log2
+        new = np.where(mx > m + LAZY, mx, m).astype(np.float32)
+        f = _factor(m, new)
+        m = new
+        p = np.exp2(s * scale_log2 - np.where(m == -np.inf, 0, m)[:, None]).astype(np.float32)
+        parts = parts * f + p.reshape(rows, 4, 16).sum(axis=2).T
+        o = o * f[:, None] + _bf16(p) @ keys[64 * t:64 * t + 64, :512]
+    l = parts[0] + parts[1] + parts[2] + parts[3]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return o / l[:, None], (m + np.log2(l)) * math.log(2)
+
+
+@pytest.mark.parametrize("model", [seesaw_model, mma_tile_model], ids=["seesaw", "mma_tile"])
+@pytest.mark.parametrize("kv_len", [1, 63, 64, 65, 200, 1000])
+@pytest.mark.parametrize("mask", ["causal", "tree", "none"])
+def test_kernel_softmax_schedules_hold_to_float64(model, kv_len, mask):
+    """A block of query rows (4 tokens x 16 heads) over one split of kv_len keys, the scores in a range
+    that moves the lazy offset several times (a growing key norm): the model's output and LSE against
+    reference.mla_attention, at the bf16 bars."""
+    rng, seed = new_rng()
+    q_len, heads = 4, 16
+    kv_len = max(kv_len, q_len)
+    keys = _bf16(rng.standard_normal((kv_len, 576)).astype(np.float32) * np.linspace(0.3, 3.0, kv_len)[:, None])
+    q = _bf16(rng.standard_normal((q_len * heads, 576)).astype(np.float32))
+    masks = tree_masks(rng, [q_len]) if mask == "tree" else None
+    prefix = kv_len - q_len
+    token = np.arange(q_len * heads) // heads
+
+    def sees(cols):
+        if mask == "causal":
+            return cols[None, :] <= (prefix + token)[:, None]
+        if mask == "tree":
+            draft = np.clip(cols - prefix, 0, q_len - 1)
+            return (cols[None, :] < prefix) | masks[0][token[:, None], draft[None, :]]
+        return np.ones((1, cols.size), bool)
+
+    scale = 1 / math.sqrt(192)
+    out, lse = model(q, keys, kv_len, np.float32(scale * 1.4426950408889634), sees)
+    latent = keys.reshape(kv_len, 1, 576)
+    ref, ref_lse = reference.mla_attention(q.reshape(q_len, heads, 576), latent, [q_len], [kv_len],
+                                           np.arange(kv_len)[None], causal=mask == "causal",
+                                           custom_mask=masks, sm_scale=scale, return_lse=True)
+    ref, ref_lse = ref.reshape(-1, 512), ref_lse.reshape(-1)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < reference.TOL["bfloat16"] / 4, f"seed {seed}: rel err {err}"
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-4, rtol=1e-5, err_msg=f"seed {seed}")
