@@ -1,7 +1,7 @@
 // PagedLatentCache.append: writes a step's new latent rows (c_kv [T, 512] and k_pe [T, 64], each
 // with its own token stride) into the cache rows of their slots (slot = page x page_size + offset):
 // 16-byte copies into a 16-bit cache, or (an fp8 cache) each element quantised to e4m3(x / scale)
-// (common.cuh e4m3_from_float: round to nearest even, saturating at +-448, NaN kept), 8 elements
+// (common.cuh quantize8: round to nearest even, saturating at +-448, NaN kept), 8 elements
 // per item. Negative slots are skipped (a CUDA-graph bucket's padding); slots past the cache are
 // skipped too and the first such token recorded in the cache's status word (status.cuh).
 #include "shared/common.cuh"
@@ -28,15 +28,7 @@ __global__ void __launch_bounds__(256) latent_append_kernel(const __grid_constan
                                     : static_cast<const InT*>(p.kpe) + token * p.kpe_stride + (chunk - CKV_CH) * 8;
     const uint4 in = *reinterpret_cast<const uint4*>(src);
     if constexpr (FP8) {
-      const u32 words[4] = {in.x, in.y, in.z, in.w};
-      u32 out[2] = {0u, 0u};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = ElemTraits<InT>::unpack(words[i]);
-        const u32 lo = e4m3_from_float(__fdiv_rn(f.x, scale)), hi = e4m3_from_float(__fdiv_rn(f.y, scale));
-        out[i / 2] |= (lo | (hi << 8)) << (16 * (i % 2));
-      }
-      reinterpret_cast<uint2*>(p.cache)[slot * CH + chunk] = make_uint2(out[0], out[1]);
+      reinterpret_cast<uint2*>(p.cache)[slot * CH + chunk] = quantize8<InT>(in, scale);  // common.cuh
     } else {
       reinterpret_cast<uint4*>(p.cache)[slot * CH + chunk] = in;
     }

@@ -20,25 +20,16 @@ namespace mla {
 
 constexpr int kChunks16 = kLatentDim / 8;   // 16-byte chunks of a 16-bit latent row: 72
 constexpr int kChunks8 = kLatentDim / 16;   // of an e4m3 row: 36
-constexpr int kQNopeChunks = kValueDim / 8;  // of q_nope's row: 64 (then q_pe's 8)
 
 // The queries of packed rows row0 .. row0 + BM - 1 (zero past the request's rows) into sQ.
 template <int BM, int THREADS, typename QT>
 __device__ __forceinline__ void load_q_rows(const MlaParams& p, const Work& w, const FastDiv& by_head, QT* sQ,
                                             int tid) {
-  const QT* q_nope = static_cast<const QT*>(p.q_nope);
-  const QT* q_pe = static_cast<const QT*>(p.q_pe);
 #pragma unroll 1
   for (int idx = tid; idx < BM * kChunks16; idx += THREADS) {
     const int r = idx / kChunks16, c = idx - r * kChunks16, row = w.row0 + r;
     const bool valid = row < w.rows;
-    const QT* src = q_nope;
-    if (valid) {
-      const int token = w.q_start + by_head.div(row), head = by_head.mod(row);
-      src = c < kQNopeChunks ? q_nope + token * p.q_nope_token_stride + head * p.q_nope_head_stride + c * 8
-                             : q_pe + token * p.q_pe_token_stride + head * p.q_pe_head_stride + (c - kQNopeChunks) * 8;
-    }
-    cp_async_16(sQ + swizzled<kLatentDim>(r, c), src, valid);
+    cp_async_16(sQ + swizzled<kLatentDim>(r, c), q_chunk<QT>(p, w, by_head, row, c, valid), valid);
   }
 }
 

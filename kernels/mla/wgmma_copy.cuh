@@ -36,20 +36,12 @@ __device__ __forceinline__ void cp_async_shared(unsigned dst, const void* src, b
 template <int THREADS, typename QT>
 __device__ __forceinline__ void copy_q_block(const MlaParams& p, const Work& w, const FastDiv& by_head,
                                              unsigned q_addr, int tid) {
-  const QT* q_nope = static_cast<const QT*>(p.q_nope);
-  const QT* q_pe = static_cast<const QT*>(p.q_pe);
   constexpr int CH = kLatentDim / 8;
 #pragma unroll 2
   for (int idx = tid; idx < kBlockRows * CH; idx += THREADS) {
     const int r = idx / CH, c = idx - r * CH, row = w.row0 + r;
     const bool valid = row < w.rows;
-    const QT* src = q_nope;
-    if (valid) {
-      const int token = w.q_start + by_head.div(row), head = by_head.mod(row);
-      src = c < kValueDim / 8 ? q_nope + token * p.q_nope_token_stride + head * p.q_nope_head_stride + c * 8
-                              : q_pe + token * p.q_pe_token_stride + head * p.q_pe_head_stride + (c - kValueDim / 8) * 8;
-    }
-    cp_async_shared(q_addr + sm90::swizzled_offset<kBlockRows>(r, c), src, valid);
+    cp_async_shared(q_addr + sm90::swizzled_offset<kBlockRows>(r, c), q_chunk<QT>(p, w, by_head, row, c, valid), valid);
   }
 }
 

@@ -82,6 +82,21 @@ __device__ __forceinline__ bool row_sees(const MlaParams& p, const Work& w, int 
   return true;
 }
 
+// The source of 16-byte chunk c (0 .. 71: q_nope's 64, then q_pe's 8) of packed row `row` of the
+// request's queries; `valid` false (a row past the request's) gives some address, zero-filled by the
+// caller's copy.
+template <typename QT>
+__device__ __forceinline__ const QT* q_chunk(const MlaParams& p, const Work& w, const FastDiv& by_head, int row, int c,
+                                             bool valid) {
+  const QT* q_nope = static_cast<const QT*>(p.q_nope);
+  if (!valid) return q_nope;
+  const int token = w.q_start + by_head.div(row), head = by_head.mod(row);
+  return c < kValueDim / 8
+             ? q_nope + token * p.q_nope_token_stride + head * p.q_nope_head_stride + c * 8
+             : static_cast<const QT*>(p.q_pe) + token * p.q_pe_token_stride + head * p.q_pe_head_stride +
+                   (c - kValueDim / 8) * 8;
+}
+
 // The cache slot of key `key` of request b (a page id outside the cache is clamped to the last page
 // and flagged in `out_of_range`: the caller's rows are then written NaN).
 __device__ __forceinline__ i64 slot_of(const MlaParams& p, const int* page_row, int key, bool& out_of_range) {
