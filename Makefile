@@ -20,7 +20,7 @@ STAMP := $(VENV)/.installed-$(CUDA_EXTRA)
 # threads turn many small matmuls from milliseconds into seconds.
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: venv torch-venv test demo compile-check clean
+.PHONY: venv torch-venv sglang-site test demo compile-check clean
 
 venv: $(STAMP)
 
@@ -62,6 +62,14 @@ TORCH_DEPS      := $(TRANSFORMERS_REQ) numpy ml_dtypes pytest psutil
 # tests that import torch (or transformers) at module level: never collected in .venv
 TORCH_CPU_FILES := tests/test_engine_cpu.py tests/test_kinds_torch_cpu.py tests/test_hf_integration_cpu.py \
                    tests/test_tp_engine_cpu.py
+# The SGLang backend's tests (marker sglang) run with .venv-torch's python and sglang 0.5.17 installed
+# --no-deps into .sglang-site (tests/sglang_harness/requirements-cpu.txt: sglang, triton and the few
+# packages its attention kit's import needs; never sglang's pinned torch). On a CPU machine the GPU
+# file skips with "no CUDA device".
+SGL_SITE        := .sglang-site
+SGL_STAMP       := $(SGL_SITE)/.installed
+SGL_REQ         := tests/sglang_harness/requirements-cpu.txt
+SGL_FILES       := tests/test_sglang_cpu.py tests/test_sglang_graph_gpu.py
 # GPU tests that import torch inside (older than the `torch` marker): run with torch, deselected in .venv
 TORCH_GPU_TESTS := tests/test_attention_gpu.py::test_torch_interop_zero_copy \
                    tests/test_modes_graph_gpu.py::test_inside_torch_cuda_graph tests/test_engine_gpu.py
@@ -83,12 +91,20 @@ $(TORCH_STAMP): pyproject.toml
 
 torch-venv: $(TORCH_STAMP)
 
-test: venv $(TORCH_STAMP)
-	$(PY) -m pytest -q -m "not cpu_torch and not torch" $(addprefix --ignore=,$(TORCH_CPU_FILES)) \
-	    $(addprefix --deselect=,$(TORCH_GPU_TESTS)) tests
+$(SGL_STAMP): $(SGL_REQ) $(TORCH_STAMP)
+	rm -rf $(SGL_SITE)
+	$(TORCH_PY) -m pip install -q --no-deps --target $(SGL_SITE) -r $(SGL_REQ)
+	touch $@
+
+sglang-site: $(SGL_STAMP)
+
+test: venv $(TORCH_STAMP) $(SGL_STAMP)
+	$(PY) -m pytest -q -m "not cpu_torch and not torch and not sglang" \
+	    $(addprefix --ignore=,$(TORCH_CPU_FILES) $(SGL_FILES)) $(addprefix --deselect=,$(TORCH_GPU_TESTS)) tests
 	$(TORCH_PY) -m pytest -q -m "cpu_torch or torch" $(TORCH_CPU_FILES) tests/test_reference.py \
 	    tests/test_hf_integration_gpu.py
 	$(TORCH_PY) -m pytest -q $(TORCH_GPU_TESTS)
+	PYTHONPATH=$(CURDIR)/$(SGL_SITE) $(TORCH_PY) -m pytest -q -W ignore::UserWarning $(SGL_FILES)
 
 demo: venv
 	$(PY) -m cupy_fa.demo

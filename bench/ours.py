@@ -45,12 +45,34 @@ def bench_ours(inp: Inputs, refs_by_set: dict, opts: dict, n_launch: int) -> dic
                     for i in range(n_launch)]
         t = timing.cupy_graph(launches, warmup=opts["warmup"], reps=opts["reps"])
         res.update(t.as_dict(), value=w.figure(t.time_us), sets=n)
-        if w.kind == "memory":
-            s = sets[0]
-            res["launch"] = timing.cpu_launch_overhead(attn.run, (s.q, s.cache), {"out": s.out, "sinks": sinks},
-                                                       n_repeat=opts["cpu_repeat"])
+        res["host"] = host_times(attn, inp, opts["cpu_repeat"])
         res["status"] = "ok" if ok else "FAIL"
     except Exception as e:  # noqa: BLE001 - recorded as FAIL, the bench goes on
         res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         res["where"] = traceback.format_exc(limit=4)[-800:]
     return res
+
+
+def host_times(attn, inp: Inputs, repeats: int) -> dict:
+    """Host time of ``attn``'s run (set 0, out given) and plan (host lengths and page table, as an
+    engine gives them), as bench.timing.host_us takes it for every implementation: with torch
+    tensors where torch imports (what FlashInfer runs on, and an engine passes), CuPy arrays
+    otherwise (``run_us_cupy`` beside it either way)."""
+    import cupy
+
+    w, s, sync = inp.workload, inp.sets[0], cupy.cuda.Device().synchronize
+    out = {"run_us_cupy": timing.host_us(lambda: attn.run(s.q, s.cache, out=s.out, sinks=inp.sinks_dev), sync, repeats)}
+    try:
+        from .inputs import as_torch
+
+        q, o = as_torch(s.q), as_torch(s.out)
+        sinks = as_torch(inp.sinks_dev) if inp.sinks_dev is not None else None
+        out["arrays"] = "torch"
+    except Exception:  # noqa: BLE001 - no torch: CuPy arrays
+        q, o, sinks = s.q, s.out, inp.sinks_dev
+        out["arrays"] = "cupy"
+    out["run_us"] = timing.host_us(lambda: attn.run(q, s.cache, out=o, sinks=sinks), sync, repeats)
+    plan = lambda: attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=w.causal, window=w.window or None,
+                             logits_soft_cap=w.soft_cap or None)
+    out["plan_us"] = timing.host_us(plan, sync, max(repeats // 4, 10))
+    return out

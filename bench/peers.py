@@ -167,64 +167,77 @@ def load_flashinfer():
         return None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def bench_flashinfer(fi, inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
+def flashinfer_step(fi, inp: Inputs, workspace=None):
+    """FlashInfer's wrapper for workload ``inp`` (its q and caches as torch views): ``(plan, run,
+    outs, how)``, ``plan()`` its plan with this step's metadata (device tensors, as the bench has
+    always given them), ``run(i)`` its run on input set i into ``outs[i]``. ``plan`` is called once
+    here (the first call JIT-builds FlashInfer's kernels)."""
     import torch
 
     w, ps = inp.workload, inp.page_size
-    try:
-        pages = w.pages_of(ps)
-        dev = dict(dtype=torch.int32, device=DEVICE)
+    pages = w.pages_of(ps)
+    dev = dict(dtype=torch.int32, device=DEVICE)
+    if workspace is None:
         workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-        kv_indptr = torch.as_tensor([0] + list(np.cumsum(pages)), **dev)
-        kv_indices = torch.as_tensor(np.concatenate([inp.page_table[b, :n] for b, n in enumerate(pages)]), **dev)
-        last_page_len = torch.as_tensor([kv - (n - 1) * ps for kv, n in zip(w.kv_lens, pages)], **dev)
-        # [pages, 2, page_size, H_kv, D], same shuffled page order as ours.
-        kv_sets = [torch.stack([as_torch(s.cache.k), as_torch(s.cache.v)], dim=1) for s in inp.sets]
-        q_sets = [as_torch(s.q) for s in inp.sets]
-        outs = [torch.empty_like(q) for q in q_sets]
-        elem = {"bfloat16": torch.bfloat16, "float16": torch.float16}[w.dtype]
-        dt = dict(q_data_type=elem, kv_data_type=elem)
-        # the variants: FlashInfer's window_left is W - 1 (a query sees itself and W - 1 keys before it)
-        if w.window:
-            dt["window_left"] = w.window - 1
-        if w.soft_cap:
-            dt["logits_soft_cap"] = w.soft_cap
-        extra = ()
+    kv_indptr = torch.as_tensor([0] + list(np.cumsum(pages)), **dev)
+    kv_indices = torch.as_tensor(np.concatenate([inp.page_table[b, :n] for b, n in enumerate(pages)]), **dev)
+    last_page_len = torch.as_tensor([kv - (n - 1) * ps for kv, n in zip(w.kv_lens, pages)], **dev)
+    qo_indptr = torch.as_tensor([0] + list(np.cumsum(w.q_lens)), **dev)
+    # [pages, 2, page_size, H_kv, D], same shuffled page order as ours.
+    kv_sets = [torch.stack([as_torch(s.cache.k), as_torch(s.cache.v)], dim=1) for s in inp.sets]
+    q_sets = [as_torch(s.q) for s in inp.sets]
+    outs = [torch.empty_like(q) for q in q_sets]
+    elem = {"bfloat16": torch.bfloat16, "float16": torch.float16}[w.dtype]
+    dt = dict(q_data_type=elem, kv_data_type=elem)
+    # the variants: FlashInfer's window_left is W - 1 (a query sees itself and W - 1 keys before it)
+    if w.window:
+        dt["window_left"] = w.window - 1
+    if w.soft_cap:
+        dt["logits_soft_cap"] = w.soft_cap
+    extra = ()
+    if w.sinks:  # its attention-sink variant (a JIT module of its own), prefill and decode alike
+        wrapper = fi.BatchAttentionWithAttentionSinkWrapper(
+            workspace, "NHD", q_data_type=elem, kv_data_type=elem, head_dim_qk=w.head_dim, head_dim_vo=w.head_dim,
+            window_left=dt.get("window_left", -1))
+        plan = lambda: wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps,
+                                    causal=w.causal, **dt)
+        extra = (torch.as_tensor(inp.sinks, device=DEVICE), 1.0 / np.sqrt(w.head_dim))
+        how = f"BatchAttentionWithAttentionSinkWrapper(causal={w.causal}) run(q, kv, sinks, sm_scale)"
+    elif w.q_len == 1:
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        plan = lambda: wrapper.plan(kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps, **dt)
+        how = "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)"
+    else:  # prefill, extend and ragged (mixed) batches: one call, its own schedule
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        plan = lambda: wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps,
+                                    causal=w.causal, **dt)
+        how = f"BatchPrefillWithPagedKVCacheWrapper(causal={w.causal})"
+    knobs = [f"{k}={v}" for k, v in dt.items() if k in ("window_left", "logits_soft_cap")]
+    how += f" with {', '.join(knobs)}" if knobs else ""
+    plan()
+
+    def run(i):
+        if extra:  # the sink variant's run takes its extra tensor and scalar positionally
+            return wrapper.run(q_sets[i], kv_sets[i], *extra, out=outs[i])
+        return wrapper.run(q_sets[i], kv_sets[i], out=outs[i])
+    return plan, run, outs, how
+
+
+def bench_flashinfer(fi, inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
+    import torch
+
+    try:
         t0 = time.perf_counter()
-        if w.sinks:  # its attention-sink variant (a JIT module of its own), prefill and decode alike
-            wrapper = fi.BatchAttentionWithAttentionSinkWrapper(
-                workspace, "NHD", q_data_type=elem, kv_data_type=elem, head_dim_qk=w.head_dim, head_dim_vo=w.head_dim,
-                window_left=dt.get("window_left", -1))
-            qo_indptr = torch.as_tensor([0] + list(np.cumsum(w.q_lens)), **dev)
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps,
-                         causal=w.causal, **dt)
-            extra = (torch.as_tensor(inp.sinks, device=DEVICE), 1.0 / np.sqrt(w.head_dim))
-            how = f"BatchAttentionWithAttentionSinkWrapper(causal={w.causal}) run(q, kv, sinks, sm_scale)"
-        elif w.q_len == 1:
-            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-            wrapper.plan(kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps, **dt)
-            how = "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)"
-        else:  # prefill, extend and ragged (mixed) batches: one call, its own schedule
-            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            qo_indptr = torch.as_tensor([0] + list(np.cumsum(w.q_lens)), **dev)
-            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps,
-                         causal=w.causal, **dt)
-            how = f"BatchPrefillWithPagedKVCacheWrapper(causal={w.causal})"
-
-        knobs = [f"{k}={v}" for k, v in dt.items() if k in ("window_left", "logits_soft_cap")]
-        how += f" with {', '.join(knobs)}" if knobs else ""
-
-        def call(i):
-            if extra:  # the sink variant's run takes its extra tensor and scalar positionally
-                return wrapper.run(q_sets[i], kv_sets[i], *extra, out=outs[i])
-            return wrapper.run(q_sets[i], kv_sets[i], out=outs[i])
-
+        plan, call, outs, how = flashinfer_step(fi, inp)
         call(0)
         torch.cuda.synchronize()
         first_use_s = time.perf_counter() - t0
         rows_of = lambda lo, hi: to_host_f64(outs[0][lo:hi])
-        res = _finish(w, call, len(inp.sets), n_launch, rows_of, refs, inp, opts, how)
+        res = _finish(inp.workload, call, len(inp.sets), n_launch, rows_of, refs, inp, opts, how)
         res["first_use_s"] = first_use_s
+        if res.get("status") == "ok":  # host time of its run and plan, as ours (bench/timing.host_us)
+            res["host"] = {"run_us": timing.host_us(lambda: call(0), torch.cuda.synchronize, opts["cpu_repeat"]),
+                           "plan_us": timing.host_us(plan, torch.cuda.synchronize, opts["cpu_repeat"] // 4)}
         return res
     except Exception as e:  # noqa: BLE001
         return _failed(e)

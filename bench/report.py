@@ -71,8 +71,8 @@ def _fig(cell, metric) -> str:
 
 def table(rows) -> str:
     """One line per (workload, page size)."""
-    head = ["workload", "ps", "unit", "ours us", "cpu us", "ours", "%ceil", "cuDNN", "flash", "FlashInfer",
-            "ours/FI", "max rel err", "check"]
+    head = ["workload", "ps", "unit", "ours us", "run host", "FI run host", "plan host", "FI plan host", "ours",
+            "%ceil", "cuDNN", "flash", "FlashInfer", "ours/FI", "max rel err", "check"]
     lines = [head]
     for r in rows:
         impls, metric = r["impls"], r["metric"]
@@ -81,11 +81,12 @@ def table(rows) -> str:
         frac = r.get("ours_frac_ceiling")
         ratio = r.get("ours_over_flashinfer")
         err = ours.get("err")
-        cpu = (ours.get("launch") or {}).get("cpu_us")
+        host, fi_host = ours.get("host") or {}, (impls.get("flashinfer") or {}).get("host") or {}
+        us = lambda d, k: f"{d[k]:.1f}" if d.get(k) is not None else "-"
         lines.append([
             r["workload"], str(r["page_size"]), metric,
             f"{t:.1f}" if t is not None else "-",
-            f"{cpu:.1f}" if cpu is not None else "-",
+            us(host, "run_us"), us(fi_host, "run_us"), us(host, "plan_us"), us(fi_host, "plan_us"),
             _fig(ours, metric),
             f"{100 * frac:.0f}%" if frac is not None else "-",
             _fig(impls.get("sdpa_cudnn"), metric), _fig(impls.get("sdpa_flash"), metric),
@@ -110,7 +111,9 @@ def legend(results) -> str:
          f"copy {f'{copy:.2f} TB/s (read+write)' if copy else 'not measured'}"),
         (f"TB/s: K+V bytes of the cache once (H_kv={results['shape']['H_kv']}) for every implementation; "
          "TFLOP/s: 4*H_q*D*visible keys (causal counted exactly); us: a mixed batch's step time (lower is better)."),
-        ("cpu us: eager attn.run CPU time per call (decode-like); %ceil: ours over the read (TB/s) or GEMM (TFLOP/s) "
+        ("run host / plan host: host us of one run (out given) / one plan (host lengths), ours and FlashInfer's, "
+         "each timed alone after a sync, median (torch tensors both; bench.timing.host_us); "
+         "%ceil: ours over the read (TB/s) or GEMM (TFLOP/s) "
          "ceiling (mixed: the larger floor over the time); ours/FI: FlashInfer time / ours time; "
          f"n/a: peer unavailable or failed (JSON has why); wrong: peer over its dtype's rel err bar "
          f"({', '.join(f'{k} {v:g}' for k, v in TOL.items())}); SDPA is dense, timed once per workload "

@@ -115,13 +115,20 @@ def cupy_events(fn, warmup=5, reps=20) -> float:
     return statistics.median(times)
 
 
-def cpu_launch_overhead(fn, args=(), kwargs=None, n_repeat=200) -> dict:
-    """Eager CPU-side cost of one call (cupyx.profiler.benchmark cpu_times, median, us);
-    gpu_us is the eager per-call GPU time it saw, launch latency included."""
-    import numpy as np
-    from cupyx.profiler import benchmark
+def host_us(fn, sync, repeats=200, warmup=5) -> float:
+    """Host time of one call of ``fn`` in microseconds: ``sync()`` (the device idle, nothing
+    queued), then ``fn()`` timed alone on the host clock; the median of ``repeats`` such calls.
+    The same for every implementation (ours, FlashInfer), so the figures compare."""
+    import time
 
-    r = benchmark(fn, args, kwargs or {}, n_repeat=n_repeat, n_warmup=10)
-    return {"cpu_us": float(np.median(r.cpu_times) * 1e6),
-            "eager_gpu_us": float(np.median(r.gpu_times) * 1e6),
-            "n_repeat": n_repeat}
+    for _ in range(warmup):
+        sync()
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    sync()
+    return 1e6 * statistics.median(times)

@@ -12,17 +12,33 @@ Public API:
     warmup            compile kernels ahead of time (cupy_fa.catalog).
     knobs             the CUPY_FA_* environment variables, read once (cupy_fa.knobs).
     reference         float64 NumPy truth (cupy_fa.reference.paged_attention, .merge_states).
+
+Each name is imported on first use (PEP 562), so ``import cupy_fa`` is cheap and a compile worker
+(``cupy_fa._compile``) loads only what it runs.
 """
 
-from . import knobs, reference
-from .catalog import warmup
-from .attention import BatchAttention
-from .graph import GraphRunner
-from .kv_cache import PagedKVCache
-from .merge import merge_states
-from .mla import MLAAttention, PagedLatentCache
-from .modes import ForwardMode, contract_lengths, from_sglang
+import importlib
+
+_WHERE = {"BatchAttention": "attention", "ForwardMode": "modes", "GraphRunner": "graph", "PagedKVCache": "kv_cache",
+          "contract_lengths": "modes", "from_sglang": "modes", "merge_states": "merge", "warmup": "catalog",
+          "MLAAttention": "mla", "PagedLatentCache": "mla"}
+_MODULES = ("knobs", "reference")
 
 __all__ = ["BatchAttention", "ForwardMode", "GraphRunner", "MLAAttention", "PagedKVCache", "PagedLatentCache",
            "contract_lengths", "from_sglang", "knobs", "merge_states", "reference", "warmup"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'cupy_fa' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

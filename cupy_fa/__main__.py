@@ -14,26 +14,12 @@ when ``--arch`` is given.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from cupy_fa import families
 from cupy_fa import catalog
 
-# Dynamic shared memory one CTA may opt in to, by compute capability (the CUDA programming guide's
-# table): the tiles catalog.warmup_kernels picks depend on it, so --arch without a device needs it.
-SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024,
-               103: 227 * 1024, 120: 99 * 1024, 121: 99 * 1024}
+SMEM_LIMITS, smem_limit_of = catalog.SMEM_LIMITS, catalog.smem_limit_of  # (kept here: the CLI's names)
 DTYPES = ("float16", "bfloat16")
-
-
-def smem_limit_of(arch):
-    """The opt-in shared memory of a target such as ``sm_90a``; ``ValueError`` naming ``--arch``
-    for anything else."""
-    found = re.fullmatch(r"sm_(\d+)(a?)", arch or "")
-    if not found or int(found.group(1)) not in SMEM_LIMITS:
-        known = ", ".join(f"sm_{cc}" + ("a" if cc == 90 else "") for cc in sorted(SMEM_LIMITS))
-        raise ValueError(f"--arch must be one of {known} (sm_90a on Hopper), got {arch!r}")
-    return SMEM_LIMITS[int(found.group(1))]
 
 
 def _int_list(text):

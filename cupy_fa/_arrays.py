@@ -329,9 +329,12 @@ def _shape_text(shape):
     return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
 
 
-def host_or_device_ints(x, name, ndim):
+def host_or_device_ints(x, name, ndim, keep_dtype=False):
     """Integer metadata input: returns (numpy array, None) for host input
-    (list, tuple, NumPy) or (None, cupy array) for a device array."""
+    (list, tuple, NumPy) or (None, cupy array) for a device array. A host array comes back as
+    int64 (``keep_dtype``: a NumPy array of an integer type as it is, not copied)."""
+    if isinstance(x, np.ndarray) and x.ndim == ndim and x.dtype.kind in "iu" and x.size:
+        return (x if keep_dtype else x.astype(np.int64)), None
     if is_host(x) and not is_torch(x):
         try:
             arr = np.asarray(x)
@@ -346,7 +349,7 @@ def host_or_device_ints(x, name, ndim):
             raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
         return arr.astype(np.int64), None
     if is_torch(x) and x.device.type == "cpu":
-        return host_or_device_ints(x.numpy(), name, ndim)
+        return host_or_device_ints(x.numpy(), name, ndim, keep_dtype)
     dev = to_cupy(x, name)
     if dev.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(dev.shape)}")

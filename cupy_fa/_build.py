@@ -124,6 +124,19 @@ def get_function(kernel, device_id=None):
     return fn
 
 
+def load_all(kernels, device_id):
+    """Every kernel of ``kernels`` loaded on device ``device_id``, those missing from the disk cache
+    compiled at once first (``_compile.compile_many``: this process and one more process per
+    kernel, so a first call waits for its slowest kernel, not for their sum)."""
+    missing = [k for k in dict.fromkeys(kernels) if (device_id, k) not in _functions]
+    if len(missing) > 1:
+        arch = loadable_arch(device_id)
+        missing.sort(key=lambda k: k.source.startswith("shared/"))  # the attention kernels (the slowest) first
+        _compile.compile_many(missing, arch, jobs=min(len(missing), _compile.default_jobs()), progress=False)
+    for kernel in missing:
+        get_function(kernel, device_id)
+
+
 # ---- loading a cubin on the current device: what cupy.RawModule does with one ------------
 #
 # cupy.RawModule(code=..., name_expressions=...) (CuPy 14.2, cupy/cuda/compiler.py
@@ -209,6 +222,70 @@ def trace_buffer(kernel):
     return cupy.ndarray(_compile.TRACE_SHAPE, cupy.uint64, pointer)
 
 
+class PackedLaunch:
+    """One kernel's launch whose parameter struct lives in ``packed`` (a one-element NumPy record
+    array of the struct's dtype, ``cupy_fa._params``), owned here and updated in place between
+    launches (the driver copies the bytes at each launch): the kernel, its grid, the device it is
+    bound to, and, resolved at the first launch, its function, block and shared memory, so a launch
+    is one driver call (:func:`launch_packed`). ``programmatic``: a programmatic dependent launch
+    where the arch, the driver and the knob allow it (:func:`launch`)."""
+
+    __slots__ = ("kernel", "grid", "packed", "raw", "device_id", "programmatic", "_grid3", "_args", "_fn", "_config",
+                 "_ex")
+
+    def __init__(self, kernel, grid, packed, device_id, programmatic=False):
+        self.kernel, self.packed, self.device_id, self.programmatic = kernel, packed, device_id, programmatic
+        self.raw = packed.data.cast("B")  # its bytes, for _params.field_setter
+        self.grid = tuple(grid)
+        self._grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self._args = (ctypes.c_void_p * 1)(packed.ctypes.data)  # the one kernel parameter: the struct
+        self._fn = None
+        self._config = self._ex = None
+
+    @property
+    def args(self):
+        return ctypes.addressof(self._args)
+
+    def resolve(self):
+        """The kernel's CUfunction on its device (compiled or loaded on first use: get_function)."""
+        fn = get_function(self.kernel, self.device_id)
+        if self.programmatic and _programmatic_launch_supported(device_arch(self.device_id)):
+            attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attr.value[0] = 1  # programmaticStreamSerializationAllowed
+            self._config = _LaunchConfig((ctypes.c_uint * 3)(*self._grid3),
+                                         (ctypes.c_uint * 3)(self.kernel.threads, 1, 1), self.kernel.smem_bytes,
+                                         None, ctypes.pointer(attr), 1)
+            self._config._attr = attr  # kept alive with the config
+            self._ex = _driver()
+        self._fn = fn.kernel.ptr
+        return self._fn
+
+
+def launch_packed(launch, stream_ptr):
+    """Launches a :class:`PackedLaunch` on stream ``stream_ptr`` (a raw pointer of a stream of its
+    device, the device current): ``cuLaunchKernel`` with its struct's current bytes, or
+    ``cuLaunchKernelEx`` for a programmatic one while ``CUPY_FA_PDL`` allows."""
+    fn = launch._fn or launch.resolve()
+    if launch._config is not None and knobs().pdl:
+        config = launch._config
+        config.stream = stream_ptr
+        status = launch._ex(ctypes.byref(config), fn, launch._args, None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status} for {launch.kernel.expression} (a "
+                               "programmatic launch; CUPY_FA_PDL=0 launches it the ordinary way)")
+        return
+    grid = launch._grid3
+    _launch_kernel()(fn, grid[0], grid[1], grid[2], launch.kernel.threads, 1, 1, launch.kernel.smem_bytes,
+                        stream_ptr, ctypes.addressof(launch._args), 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_kernel():
+    from cupy_backends.cuda.api import driver  # cuLaunchKernel, as CuPy's own launches call it
+
+    return driver.launchKernel
+
+
 def launch(kernel, grid, params, stream, programmatic=False):
     """Launches one kernel with its params struct (one ``__grid_constant__`` parameter:
     kernels/params.cuh) on ``stream`` (a cupy Stream). On CuPy's current device: the callers
@@ -244,12 +321,31 @@ class _LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
 
 
 @functools.lru_cache(maxsize=None)
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def memset_d2d32(ptr, pitch, value, width, height, stream_ptr):
+    """``height`` rows of ``width`` 32-bit words set to ``value`` (an int, e.g. -1), the rows
+    ``pitch`` bytes apart from device address ``ptr``, on stream ``stream_ptr``
+    (``cuMemsetD2D32Async``: a memset, no kernel)."""
+    fn = _libcuda().cuMemsetD2D32Async
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
+    status = fn(ptr, pitch, value & 0xFFFFFFFF, width, height, stream_ptr)
+    if status != 0:
+        raise RuntimeError(f"cuMemsetD2D32Async failed with CUresult {status}")
+
+
+@functools.lru_cache(maxsize=None)
 def _driver():
     """libcuda's cuLaunchKernelEx (CUDA 12.0+ drivers), or None."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernelEx
-    except (OSError, AttributeError):
+        fn = _libcuda().cuLaunchKernelEx
+    except AttributeError:  # no libcuda (None has no attribute), or a driver older than CUDA 12.0
         return None
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]

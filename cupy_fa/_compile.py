@@ -327,14 +327,29 @@ def _worker_main():
 
 
 def _run_workers(tasks, workers, finished):
-    """Runs ``tasks`` ((kernel, task) pairs) on ``workers`` processes, one thread of this process
-    feeding each; ``finished(kernel, task, status, lowered, cubin)`` is called under a lock as each
-    one ends. The first failure is raised (naming the kernel) once every worker has stopped."""
+    """Runs ``tasks`` ((kernel, task) pairs) on ``workers`` workers: this process (a thread
+    compiling in it) and ``workers - 1`` processes, one thread of this process feeding each;
+    ``finished(kernel, task, status, lowered, cubin)`` is called under a lock as each one ends. The
+    first failure is raised (naming the kernel) once every worker has stopped."""
     import base64
     import json
 
     command = [sys.executable, "-c", _WORKER.format(root=str(pathlib.Path(__file__).resolve().parent.parent))]
     queue, lock, errors = list(reversed(tasks)), threading.Lock(), []
+
+    def local():  # one worker is this process (NVRTC releases the GIL): no process to start for it
+        try:
+            while True:
+                with lock:
+                    if not queue or errors:
+                        return
+                    kernel, task = queue.pop()
+                result = _build_entry(task)
+                with lock:
+                    finished(kernel, task, *result)
+        except BaseException as exc:  # noqa: BLE001 - collected, raised by the caller's thread
+            with lock:
+                errors.append(exc)
 
     def feed():
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -366,7 +381,9 @@ def _run_workers(tasks, workers, finished):
                 proc.stdin.close()
             proc.wait()
 
-    threads = [threading.Thread(target=feed, daemon=True) for _ in range(workers)]
+    # the processes first (they take a moment to start), then this process's own worker
+    threads = [threading.Thread(target=feed, daemon=True) for _ in range(workers - 1)]
+    threads.append(threading.Thread(target=local, daemon=True))
     for t in threads:
         t.start()
     for t in threads:

@@ -7,6 +7,8 @@ every compiled kernel and a CPU test compares names, types and order with the
 header, so a mismatch fails a build or a test, never misreads silently.
 """
 
+import struct
+
 import numpy as np
 
 _PTR = np.uint64
@@ -70,6 +72,38 @@ def make(struct_name, **values):
         unknown = values.keys() - _REQUIRED[struct_name]
         raise TypeError(f"{struct_name}: missing {sorted(missing)}, unknown {sorted(unknown)}")
     return np.array(tuple(values.get(field, 0) for field in dtype.names), dtype)[()]
+
+
+_STRUCT_CODES = {("u", 8): "Q", ("i", 8): "q", ("u", 4): "I", ("i", 4): "i", ("f", 4): "f", ("f", 8): "d"}
+
+
+def field_setter(struct_name, fields):
+    """``write(buffer, values)``: packs ``values`` into ``fields`` of a ``struct_name`` struct held
+    in ``buffer`` (a writable byte view of one packed struct), each in its own little-endian
+    standard-size format (uint64 pointers as 8 bytes: struct's ``L`` would be 4); fields that
+    follow one another in the struct with no padding between them go in one ``pack_into``."""
+    dtype = DTYPES[struct_name]
+    groups = []  # [offset, format codes, value count]
+    for name in fields:
+        field, offset = dtype.fields[name][:2]
+        code = _STRUCT_CODES[(field.kind, field.itemsize)]
+        last = groups[-1] if groups else None
+        if last is not None and last[0] + struct.calcsize("<" + last[1]) == offset:
+            last[1] += code
+            last[2] += 1
+        else:
+            groups.append([offset, code, 1])
+    packers = [(struct.Struct("<" + codes).pack_into, offset, count) for offset, codes, count in groups]
+    if len(packers) == 1:
+        pack, offset, _ = packers[0]
+        return lambda buffer, values: pack(buffer, offset, *values)
+
+    def write(buffer, values):
+        start = 0
+        for pack, offset, count in packers:
+            pack(buffer, offset, *values[start:start + count])
+            start += count
+    return write
 
 
 def fast_divisor(d):

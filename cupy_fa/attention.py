@@ -19,10 +19,10 @@ import threading
 
 import numpy as np
 
-from . import _arrays, _build, knobs as _knobs, plan as _plan, schedule as _schedule, status as _status
+from . import _arrays, _build, _memo, _views, catalog as _catalog, knobs as _knobs, plan as _plan, schedule as _schedule, status as _status
 from .families import common as _common
 from .kv_cache import PagedKVCache
-from .launch import StepLauncher
+from .launch import StepLauncher, check_run
 from .variants import checked_soft_cap, checked_window, refuse_fp8_variants
 
 
@@ -95,6 +95,12 @@ class BatchAttention:
                              f"(docs/design.md, \"Head dims\")")
         self._types = _common.ElementTypes(self.dtype_name, self.kv_dtype_name, self.dtype_name)
         self._launcher = StepLauncher(self._types, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype_name)
+        self._schedules = _memo.ScheduleMemo(self.head_dim, self.group_size, self.num_kv_heads, self._types.kv_bytes)
+        self._np_dtype = _arrays.DTYPES[self.dtype_name]
+        self._done = None  # the event each plan records after its plan kernel (made by the first)
+        self._split_checked = None  # the knobs the split size was checked under
+        self._facts = None  # (knobs, device id, what the schedule reads of the device)
+        self._loaded = None  # the last schedule whose kernels were loaded (_build.load_all)
         given = (max_batch_size, max_num_tokens, max_pages_per_request)
         self._fixed_capacity = all(v is not None for v in given)
         if any(v is not None for v in given) and not self._fixed_capacity:
@@ -214,7 +220,9 @@ class BatchAttention:
             raise TypeError(f"causal must be True or False, got {causal!r}")
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
-        _schedule.check_split_size(self.head_dim, self._types.kv_bytes)
+        if self._split_checked is not _knobs.knobs():  # the split size knob against this head dim, once per knobs
+            _schedule.check_split_size(self.head_dim, self._types.kv_bytes)
+            self._split_checked = _knobs.knobs()
         with self.device_scope():
             self._enter("plan")
             try:
@@ -229,12 +237,13 @@ class BatchAttention:
     def _enter(self, call):
         """One call at a time per instance: a second thread raises instead of racing on the buffers."""
         if not self._busy.acquire(blocking=False):
-            holder = self._busy_with or ("another thread", "plan() or run")  # it may just have left
+            holder = self._busy_with or (None, "plan() or run")  # it may just have left
+            name = holder[0].name if holder[0] is not None else "another thread"
             raise RuntimeError(
                 f"BatchAttention.{call}() on thread {threading.current_thread().name!r} while thread "
-                f"{holder[0]!r} is inside {holder[1]}() of the same instance: one instance's metadata buffers "
+                f"{name!r} is inside {holder[1]}() of the same instance: one instance's metadata buffers "
                 f"serve one call at a time; use one BatchAttention per thread")
-        self._busy_with = (threading.current_thread().name, call)
+        self._busy_with = (threading.current_thread(), call)
 
     def _leave(self):
         self._busy_with = None
@@ -256,7 +265,7 @@ class BatchAttention:
         step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len,
                                 device_id=self.device_id, bound=self._bound_text)
         sm_scale = _plan.checked_sm_scale(sm_scale, self.head_dim)
-        stream = step.stream if step.stream is not None else _arrays.caller_stream(device_id=self.device_id)
+        stream = step.stream if step.stream is not None else _views.current_stream(self.device_id)
         capturing = stream.is_capturing()
         self._order_after_previous(stream)
         if step.num_tokens is not None:
@@ -266,9 +275,9 @@ class BatchAttention:
         with stream:  # allocations (and their memsets) ordered with the copies below
             self._ensure_capacity(step.batch, tokens_needed, step.page_columns, step.mask_bytes if step.has_mask else 0,
                                   capturing)
-            _plan.stage_inputs(self._buffers, step)
+        stride = _plan.stage_inputs(self._buffers, step, stream=stream)
         mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
-        return self.plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, window, soft_cap)
+        return self.plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, window, soft_cap, stride)
 
     # ---- staged steps: the interface GraphRunner builds on ---------------------------
     #
@@ -282,38 +291,58 @@ class BatchAttention:
         instance sized on first use)."""
         return self._buffers
 
-    def plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check=None, window=0, soft_cap=0.0):
+    def plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check=None, window=0, soft_cap=0.0,
+                    stride=0):
         """The plan of a step whose inputs are in :attr:`plan_buffers` already (``step`` the
-        ``cupy_fa.plan.StepInputs`` they came from, ``sm_scale`` checked): its schedule
-        (cupy_fa.schedule) and the plan kernel on ``stream``."""
+        ``cupy_fa.plan.StepInputs`` they came from, ``sm_scale`` checked, the page table's rows
+        ``stride`` apart; 0: the buffer's width): its schedule (cupy_fa.schedule, memoised per
+        shape: cupy_fa._memo) and the plan kernel on ``stream``."""
         buffers = self._buffers
+        device_id = self.device_id
         # the bounds the plan kernel holds device lengths to (host lengths were checked already)
         if step.on_host:
-            max_q = step.max_q_len
-            kv_bound = int(step.kv_host.max()) if step.batch else 0
+            kv_bound = step.max_kv_len
+            sched = self._schedules.step(step.q_host, step.kv_host, **self._device_facts(device_id), window=window)
         else:
-            max_q = step.max_q_len
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
-        sched = _schedule.schedule_step(
-            self.head_dim, self.group_size, self.num_kv_heads,
-            q_lens=step.q_host if step.on_host else None, kv_lens=step.kv_host if step.on_host else None,
-            max_q_len=step.max_q_len, max_kv_len=max_kv_len, capacity=buffers.capacity, batch_size=step.batch,
-            smem_limit=_build.device_smem_limit(self.device_id),
-            sm_count=_build.device_attribute("MultiProcessorCount", self.device_id),
-            arch=_build.current_arch(self.device_id), kv_bytes=self._types.kv_bytes, window=window)
-        with stream:
-            tile, long_tile = sched.plan_tiles()
-            _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=max_q,
-                              max_kv_len=min(kv_bound, 2**31 - 1), window=window)
-        done = None if stream.is_capturing() else stream.record()
-        self._plan = _plan.PlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale,
-                                step.pt_host if step.on_host else None, step.q_host, step.kv_host,
-                                step.page_columns, stream.ptr, done, stream,
-                                mask_entries=step.mask_bytes if step.has_mask else 0,
-                                check=_knobs.knobs().debug if check is None else bool(check),
-                                window=window, soft_cap=soft_cap)
-        self._mine.plan = self._plan
+            sched = self._schedules.step(max_q_len=step.max_q_len, max_kv_len=max_kv_len, capacity=buffers.capacity,
+                                         batch_size=step.batch, **self._device_facts(device_id), window=window)
+        tile, long_tile = sched.plan_tiles()
+        if sched is not self._loaded:  # a new schedule: its kernels missing on this device compile at once
+            _build.load_all([_catalog.PLAN_KERNEL] + self._launcher.kernels(sched, bool(window or soft_cap),
+                                                                            step.num_tokens), device_id)
+            self._loaded = sched
+        _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=step.max_q_len,
+                          max_kv_len=min(kv_bound, 2**31 - 1), window=window)
+        done = None
+        if not stream.is_capturing():
+            if self._done is None:
+                import cupy
+
+                self._done = cupy.cuda.Event(disable_timing=True)
+            done = self._done
+            done.record(stream)  # (a later plan records it again: only the current plan's runs wait on it)
+        previous = self._plan
+        state = self._plan = _plan.PlanState(
+            step.batch, step.num_tokens, sched, mask_mode, sm_scale, step.pt_host if step.on_host else None,
+            step.q_host, step.kv_host, step.page_columns, stream.ptr, done, stream,
+            mask_entries=step.mask_bytes if step.has_mask else 0,
+            check=_knobs.knobs().debug if check is None else bool(check), window=window, soft_cap=soft_cap,
+            page_table_stride=stride or buffers.page_table.shape[1])
+        if previous is not None and previous.prepared is not None and previous.prepared.matches(state, buffers,
+                                                                                                device_id):
+            state.prepared = previous.prepared  # the same launches: their packed structs as they are
+        self._mine.plan = state
         return self
+
+    def _device_facts(self, device_id):
+        """What the schedule reads of the device (its shared memory, SMs, arch), once per knobs."""
+        facts = self._facts
+        if facts is None or facts[0] is not _knobs.knobs() or facts[1] != device_id:
+            facts = self._facts = (_knobs.knobs(), device_id, dict(
+                smem_limit=_build.device_smem_limit(device_id), arch=_build.current_arch(device_id),
+                sm_count=_build.device_attribute("MultiProcessorCount", device_id)))
+        return facts[2]
 
     def _ensure_capacity(self, batch, tokens, pages, mask_bytes, capturing):
         buffers = self._buffers
@@ -380,15 +409,15 @@ class BatchAttention:
         reads one outside the cache reads page 0 instead, its rows that depend on it are NaN and
         :meth:`status` names it; the others are computed exactly as without it.
         """
-        refuse_fp8_variants(self.kv_dtype_name, sinks=sinks)
+        if sinks is not None:
+            refuse_fp8_variants(self.kv_dtype_name, sinks=sinks)
         with self.device_scope():
             self._enter("run")
             try:
-                result = self._run_step(q, cache, out, lse, return_lse, sinks)
+                result, stream = self._run_step(q, cache, out, lse, return_lse, sinks)
             finally:
                 self._leave()
-            state = self._plan
-            if state.check and not _arrays.caller_stream(q, device_id=self.device_id).is_capturing():
+            if self._plan.check and not stream.is_capturing():
                 self._raise_on_bad("run")
         return result
 
@@ -399,8 +428,8 @@ class BatchAttention:
                              f"(its rows of out are NaN; docs/errors.md)")
 
     def _run_step(self, q, cache, out, lse, return_lse, sinks=None):
-        import cupy
-
+        """One run: the arrays read as views (cupy_fa._views: no DLPack exchange for CuPy and torch),
+        checked, then the plan's prepared launches on the caller's stream. Returns (result, stream)."""
         state = self._plan
         if state is None:
             raise RuntimeError("run() before plan(): plan the step's batch first")
@@ -412,75 +441,35 @@ class BatchAttention:
                 f"BatchAttention per thread")
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
-        stream = _arrays.caller_stream(q, out, lse, device_id=self.device_id)
-        with stream:
-            q_dev = _arrays.to_cupy(q, "q")
-            out_dev = _arrays.to_cupy(out, "out") if out is not None else None
-            lse_dev = _arrays.to_cupy(lse, "lse") if lse is not None else None
-            sinks_dev = _arrays.to_cupy(sinks, "sinks") if sinks is not None else None
-        self._check_run_inputs(state, q_dev, cache, out_dev, lse_dev)
-        if sinks_dev is not None:
-            _arrays.check_device_array(sinks_dev, "sinks", dtype=np.float32, ndim=1, shape=(self.num_qo_heads,),
+        stream = _views.caller_stream((q, out, lse), self.device_id)
+        q_v = _views.view(q, "q", stream)
+        out_v = _views.view(out, "out", stream) if out is not None else None
+        lse_v = _views.view(lse, "lse", stream) if lse is not None else None
+        sinks_v = _views.view(sinks, "sinks", stream) if sinks is not None else None
+        check_run(self, state, q_v, cache, out_v, lse_v)
+        if sinks_v is not None and not sinks_v.fits(np.float32, (self.num_qo_heads,), self.device_id, 4):
+            _arrays.check_device_array(sinks_v, "sinks", dtype=np.float32, ndim=1, shape=(self.num_qo_heads,),
                                        device_id=self.device_id, align=4, bound=self._bound_text)
-        num_tokens = int(q_dev.shape[0])
-
+        num_tokens = q_v.shape[0]
         capturing = stream.is_capturing()
-        with stream:
-            if out_dev is None:
-                if capturing:
-                    raise ValueError("out must be given when running inside a CUDA-graph capture")
-                out_dev = cupy.empty_like(q_dev)
-            if return_lse and lse_dev is None:
-                if capturing:
-                    raise ValueError("lse must be given to return it inside a CUDA-graph capture")
-                lse_dev = cupy.empty((num_tokens, self.num_qo_heads), np.float32)
-            if stream.ptr != state.stream_ptr and not capturing:
-                if state.done is not None:
-                    stream.wait_event(state.done)  # planned on another stream: order after its metadata
-                state.other_streams.setdefault(stream.ptr, stream)  # the next plan waits for it
-            self._launcher.launch(state, self._buffers, cache, q_dev, out_dev, lse_dev, num_tokens, stream, sinks_dev)
-
-        result = out if out is not None else _arrays.to_caller(out_dev, q)
+        if out_v is None:
+            if capturing:
+                raise ValueError("out must be given when running inside a CUDA-graph capture")
+            out_v = _views.allocate(q_v, q_v.shape, self._np_dtype, stream)
+        if return_lse and lse_v is None:
+            if capturing:
+                raise ValueError("lse must be given to return it inside a CUDA-graph capture")
+            lse_v = _views.allocate(q_v, (num_tokens, self.num_qo_heads), np.float32, stream)
+        if stream.ptr != state.stream_ptr and not capturing:
+            if state.done is not None:
+                stream.wait_event(state.done)  # planned on another stream: order after its metadata
+            state.other_streams.setdefault(stream.ptr, stream)  # the next plan waits for it
+        self._launcher.launch(state, self._buffers, cache, q_v.ptr, out_v.ptr, lse_v.ptr if lse_v is not None else 0,
+                              num_tokens, stream.ptr, sinks_v.ptr if sinks_v is not None else 0, self.device_id)
+        result = out if out is not None else _views.result(out_v, q, stream)
         if return_lse:
-            return result, (lse if lse is not None else _arrays.to_caller(lse_dev, q))
-        return result
-
-    def _check_run_inputs(self, state, q_dev, cache, out_dev, lse_dev):
-        h, d = self.num_qo_heads, self.head_dim
-        device, bound = self.device_id, self._bound_text
-        _arrays.check_device_array(q_dev, "q", dtype=self.dtype_name, ndim=3, shape=(state.num_tokens, h, d),
-                                   device_id=device, bound=bound)
-        if (cache.num_kv_heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
-            raise ValueError(f"cache has num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}; this "
-                             f"BatchAttention expects {self.num_kv_heads} and {self.head_dim}")
-        if cache.dtype_name != self.kv_dtype_name:
-            if self.kv_dtype_name == self.dtype_name:
-                raise TypeError(f"cache dtype is {cache.dtype_name}, q dtype is {self.dtype_name}"
-                                + (" (an fp8 cache needs BatchAttention(..., kv_dtype='float8_e4m3fn'))"
-                                   if cache.dtype_name == _arrays.FP8 else ""))
-            raise TypeError(f"cache dtype is {cache.dtype_name}, this BatchAttention was built for kv_dtype "
-                            f"{self.kv_dtype_name}")
-        if cache.k.device.id != device:
-            raise ValueError(f"cache is on device {cache.k.device.id}, expected device {device} ({bound})")
-        if q_dev.shape[0] > self._buffers.capacity.max_num_tokens and state.num_tokens is None:
-            raise ValueError(f"q has {q_dev.shape[0]} tokens, more than max_num_tokens "
-                             f"{self._buffers.capacity.max_num_tokens}")
-        if out_dev is not None:
-            _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, shape=q_dev.shape, device_id=device,
-                                       align=8, bound=bound)
-            if out_dev.ndim != 3:
-                raise ValueError(f"out must have shape {tuple(q_dev.shape)}, got {tuple(out_dev.shape)}")
-        if lse_dev is not None:
-            _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2, align=4,
-                                       shape=(q_dev.shape[0], h), device_id=device, bound=bound)
-        geometry = (cache.page_size, cache.num_pages)
-        if state.host_q_lens is not None and geometry not in state.checked_geometry:
-            if state.host_page_table is not None:
-                _plan.validate_page_table(state.host_page_table, state.host_kv_lens, state.host_q_lens, *geometry)
-            else:  # device page table: its ids can't be read without a sync, its width can
-                _plan.validate_page_table_width(state.page_table_columns, state.host_kv_lens, state.host_q_lens,
-                                                cache.page_size)
-            state.checked_geometry.add(geometry)
+            return (result, lse if lse is not None else _views.result(lse_v, q, stream)), stream
+        return result, stream
 
     @property
     def planned(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import numpy as np
 
@@ -189,7 +190,23 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, 
     with cupy.cuda.Device(device_id):
         arch = _build.device_arch(device_id)
         wanted = warmup_kernels(dtypes, head_dims, _build.device_smem_limit(device_id), arch, kv_dtypes, variants)
-        _compile.compile_many(wanted, arch, jobs, progress)
+        _compile.compile_many(wanted, _build.loadable_arch(device_id), jobs, progress)  # what get_function loads
         for kernel in wanted:
             _build.get_function(kernel, device_id)  # now a load from the cache
     return len(wanted)
+
+
+# Dynamic shared memory one CTA may opt in to, by compute capability (the CUDA programming guide's
+# table): the tiles warmup_kernels picks depend on it, so a target named without a device needs it.
+SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024,
+               103: 227 * 1024, 120: 99 * 1024, 121: 99 * 1024}
+
+
+def smem_limit_of(arch):
+    """The opt-in shared memory of a target such as ``sm_90a``; ``ValueError`` naming ``--arch``
+    for anything else."""
+    found = re.fullmatch(r"sm_(\d+)(a?)", arch or "")
+    if not found or int(found.group(1)) not in SMEM_LIMITS:
+        known = ", ".join(f"sm_{cc}" + ("a" if cc == 90 else "") for cc in sorted(SMEM_LIMITS))
+        raise ValueError(f"--arch must be one of {known} (sm_90a on Hopper), got {arch!r}")
+    return SMEM_LIMITS[int(found.group(1))]

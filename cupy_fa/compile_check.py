@@ -39,15 +39,16 @@ def _compile_one(task):
     return index, resources, time.perf_counter() - start
 
 
-def compile_all(arch="sm_90a", only="", jobs=None, progress=None):
-    """Every kernel an ``arch`` build can launch (the wgmma family only for sm_90a), compiled in
-    ``jobs`` processes at once (default: every core this process may use): returns
-    [(kernel, resources dict, seconds)] in the catalog's order; raises on the first failure, a
-    compile error or a kernel whose resource line is missing. ``progress``: a line on stderr as
-    they finish (``None``: when stderr is a terminal, else every tenth)."""
+def compile_all(arch="sm_90a", only="", jobs=None, progress=None, kernels=None):
+    """Every kernel an ``arch`` build can launch (the wgmma family only for sm_90a; ``kernels``: these
+    instead), compiled in ``jobs`` processes at once (default: every core this process may use):
+    returns [(kernel, resources dict, seconds)] in the catalog's order; raises on the first
+    failure, a compile error or a kernel whose resource line is missing. ``progress``: a line on
+    stderr as they finish (``None``: when stderr is a terminal, else every tenth)."""
     import concurrent.futures
 
-    kernels = [k for k in catalog.all_kernels(arch) if not only or only in k.expression]
+    kernels = [k for k in (catalog.all_kernels(arch) if kernels is None else kernels)
+               if not only or only in k.expression]
     jobs = _compile.default_jobs() if jobs is None else jobs
     tty = sys.stderr.isatty()
     show = tty if progress is None else bool(progress)

@@ -2,10 +2,11 @@
 
 With a GPU: a self-check of engine-like batches against the float64 reference,
 then a small timing table beside PyTorch SDPA, and decode step time under
-CUDA-graph replay vs eager. Without one: every kernel compiled for
-sm_90a through NVRTC, with registers and spills (the table is cached, keyed by the
-kernel sources, the NVRTC version and the options, so a second run prints it at
-once), and a plain statement of what is missing. Without CuPy: what to install.
+CUDA-graph replay vs eager. Without one: the kernels an sm_90a GPU compiles on first
+use (``cupy_fa.warmup``'s set; ``--all``: every kernel) compiled through NVRTC on every
+core, with registers and spills (the table is cached, keyed by the kernel sources, the
+NVRTC version and the options, so a second run prints it at once), and a plain
+statement of what is missing. Without CuPy: what to install.
 """
 
 import argparse
@@ -174,28 +175,39 @@ def compile_cache_dir():
     return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "cupy_fa"
 
 
-def _compile_key(arch):
+def demo_kernels(arch="sm_90a", every=False):
+    """What the no-GPU demo compiles: the kernels a GPU of ``arch`` compiles on first use for both
+    dtypes and every head dim (``catalog.warmup_kernels``: what ``cupy_fa.warmup()`` compiles
+    there; 75 for sm_90a), or with ``every`` every kernel the library can launch there
+    (``catalog.all_kernels``: what CI compiles)."""
+    from . import catalog
+
+    if every:
+        return catalog.all_kernels(arch)
+    return catalog.warmup_kernels(smem_limit=catalog.smem_limit_of(arch), arch=arch)
+
+
+def _compile_key(arch, kernels):
     import cupy
     from cupy.cuda import nvrtc
-
-    from . import catalog
 
     from . import _compile
 
     # the options without their -I paths: one key wherever the checkout or the venv lies
     options = [o for o in _compile.compile_options(arch) if not o.startswith("-I")]
     facts = (_compile.source_hash(), arch, nvrtc.getVersion(), cupy.__version__, options, _compile.RAWMODULE_OPTIONS,
-             [v.expression for v in catalog.all_kernels()])
+             [v.expression for v in kernels])
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 
-def compile_table(arch="sm_90a", recompile=False):
-    """Every kernel compiled for ``arch`` without a GPU: (rows, seconds, cached?), rows as
-    ``compile_check.compile_all`` gives them."""
-    from . import compile_check, catalog
+def compile_table(arch="sm_90a", recompile=False, every=False):
+    """The demo's kernels (:func:`demo_kernels`) compiled for ``arch`` without a GPU: (rows,
+    seconds, cached?), rows as ``compile_check.compile_all`` gives them."""
+    from . import compile_check
 
-    path = compile_cache_dir() / f"compile_check-{arch}-{_compile_key(arch)}.json"
-    kernels = {k.expression: k for k in catalog.all_kernels()}
+    wanted = demo_kernels(arch, every)
+    path = compile_cache_dir() / f"compile_check-{arch}-{_compile_key(arch, wanted)}.json"
+    kernels = {k.expression: k for k in wanted}
     if not recompile and path.is_file():
         try:
             saved = json.loads(path.read_text())
@@ -204,7 +216,7 @@ def compile_table(arch="sm_90a", recompile=False):
         except (KeyError, ValueError, TypeError):
             pass  # an unreadable entry: compile again
     start = time.perf_counter()
-    rows = compile_check.compile_all(arch)
+    rows = compile_check.compile_all(arch, kernels=wanted)
     seconds = time.perf_counter() - start
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,8 +231,10 @@ def _no_gpu(problem, args):
     from . import compile_check
 
     print(f"No usable GPU: {problem}.")
-    print(f"Compiling every kernel for {args.arch} with NVRTC instead (no GPU needed, every core).", flush=True)
-    rows, seconds, cached = compile_table(args.arch, args.recompile)
+    what = ("every kernel the library can launch there" if args.all else
+            "the kernels a GPU of that arch compiles on first use, both dtypes, every head dim (--all: every kernel)")
+    print(f"Compiling for {args.arch} with NVRTC instead (no GPU needed, every core): {what}.", flush=True)
+    rows, seconds, cached = compile_table(args.arch, args.recompile, args.all)
     if args.table:
         print(compile_check.format_table(rows))
     regs = [res["registers"] for _, res, _ in rows]
@@ -245,6 +259,9 @@ def parse_args(argv=None):
     parser.add_argument("--recompile", action="store_true", help="ignore the cached no-GPU compile table")
     parser.add_argument("--table", action="store_true",
                         help="without a GPU: print each kernel's registers, spills and shared memory")
+    parser.add_argument("--all", action="store_true",
+                        help="without a GPU: every kernel the library can launch (what CI compiles), not only "
+                             "those a GPU compiles on first use")
     return parser.parse_args(argv)
 
 

@@ -22,11 +22,12 @@ happens automatically) or, better, captures its whole forward with
 which works too (our kernels launch on torch's capture stream).
 """
 
+import sys
 import threading
 
 import numpy as np
 
-from . import _arrays, knobs as _knobs, plan as _plan, schedule as _schedule
+from . import _arrays, _views, knobs as _knobs, plan as _plan, schedule as _schedule
 from .attention import BatchAttention
 from .kv_cache import PagedKVCache
 from .modes import ForwardMode
@@ -103,7 +104,9 @@ class GraphRunner:
                                    max_mask_bytes=mask_bytes, kv_dtype=kv_dtype, device=device)
         self.device_id = self.attn.device_id
         self.tree_mask = tree_mask
-        elem = _arrays.DTYPES[self.attn.dtype_name]
+        self._sm_scale = _plan.checked_sm_scale(None, self.attn.head_dim)
+        elem = self._elem = _arrays.DTYPES[self.attn.dtype_name]
+        self._row_bytes = num_qo_heads * head_dim * elem.itemsize  # bytes of one token of q
         import cupy  # (the BatchAttention's buffers are allocated: CuPy and a device are there)
 
         with self.attn.device_scope():
@@ -112,6 +115,9 @@ class GraphRunner:
             self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
             self.sinks = cupy.zeros(num_qo_heads, np.float32)  # run(sinks=...) is copied here: the graphs read it
         self._graphs = {}
+        self._staged = {}     # (max q_len, bucket, tree) -> the StepInputs of the bucket's rows in the plan buffers
+        self._slices = {}     # token count -> (q, out, lse) views of the static buffers
+        self._torch = None    # (out, lse) as torch tensors, made at the first torch caller
         self._busy = threading.Lock()  # one run() at a time: the static buffers hold one step
         self._last_stream = None       # the stream of the last step (a step on another waits for it)
 
@@ -171,7 +177,7 @@ class GraphRunner:
         if tree and not (self.tree_mask and mode is ForwardMode.TARGET_VERIFY):
             raise ValueError("custom_mask is for TARGET_VERIFY on a runner built with tree_mask=True")
         with self.attn.device_scope():  # the runner's device, current for the whole step (staging, capture, replay)
-            stream = _arrays.caller_stream(q, q_lens, kv_lens, page_table, device_id=self.device_id)
+            stream = _views.caller_stream((q, q_lens, kv_lens, page_table), self.device_id)
             if stream.is_capturing():  # before anything is staged: none of it may land in the caller's graph
                 raise RuntimeError("GraphRunner captures its own graphs; call it outside another capture "
                                    "(or use BatchAttention directly inside torch.cuda.graph)")
@@ -200,33 +206,39 @@ class GraphRunner:
 
     def _run_step(self, mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph, return_lse,
                   stream, sinks=None):
-        with stream:
-            q_dev = _arrays.to_cupy(q, "q")
-            sinks_dev = _arrays.to_cupy(sinks, "sinks") if sinks is not None else None
-        if sinks_dev is not None:
-            _arrays.check_device_array(sinks_dev, "sinks", dtype=np.float32, ndim=1, shape=self.sinks.shape,
+        import cupy
+
+        q_v = _views.view(q, "q", stream)
+        sinks_v = _views.view(sinks, "sinks", stream) if sinks is not None else None
+        if sinks_v is not None and not sinks_v.fits(np.float32, self.sinks.shape, self.device_id, 0):
+            _arrays.check_device_array(sinks_v, "sinks", dtype=np.float32, ndim=1, shape=self.sinks.shape,
                                        device_id=self.device_id, align=0, bound=self._bound_text)  # copied
-        step = self._check_step(mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask)
-        num_tokens = int(q_dev.shape[0])
+        step = self._check_step(mode, q_v, q_lens, kv_lens, page_table, cache, custom_mask, stream)
+        num_tokens = q_v.shape[0]
         if step is None or step.batch == 0 or num_tokens == 0:  # IDLE, or an all-padding step: nothing to launch
             return self._result(num_tokens, q, return_lse)
         bucket = self.bucket_for(step.batch)
         if self._last_stream is not None and self._last_stream.ptr != stream.ptr:
             stream.wait_event(self._last_stream.record())  # the last step's kernels read what is staged next
         self._last_stream = stream
-        with stream:
-            _plan.stage_inputs(self.attn.plan_buffers, step, pad_to=bucket)  # once, straight into the plan buffers
-            self.q[:num_tokens] = q_dev
-            sunk = sinks_dev is not None
-            if sunk:
-                self.sinks[...] = sinks_dev
-            if use_graph:
-                key = (mode, bucket, tree, tuple(cache.attention_params().items()), sunk)
-                graph = self._graphs.get(key)
-                if graph is None:
+        # staged once, straight into the plan buffers and the static q (copies and memsets only)
+        _plan.stage_inputs(self.attn.plan_buffers, step, pad_to=bucket, stream=stream)
+        runtime = cupy.cuda.runtime
+        runtime.memcpyAsync(self.q.data.ptr, q_v.ptr, num_tokens * self._row_bytes, runtime.memcpyDeviceToDevice,
+                            stream.ptr)
+        sunk = sinks_v is not None
+        if sunk:
+            runtime.memcpyAsync(self.sinks.data.ptr, sinks_v.ptr, self.sinks.nbytes, runtime.memcpyDeviceToDevice,
+                                stream.ptr)
+        if use_graph:
+            key = (mode, bucket, tree, tuple(cache.attention_params().items()), sunk)
+            graph = self._graphs.get(key)
+            if graph is None:
+                with stream:
                     graph = self._graphs[key] = self._capture(mode, bucket, cache, tree, stream, sunk)
-                graph.launch(stream)
-            else:
+            graph.launch(stream)
+        else:
+            with stream:  # (the run's arrays are CuPy's: its current stream is the step's)
                 self._step(mode, bucket, cache, tree, stream, sunk)
         return self._result(num_tokens, q, return_lse)
 
@@ -243,21 +255,23 @@ class GraphRunner:
     def _max_q(self, mode):
         return 1 if mode is ForwardMode.DECODE else self.max_q_len
 
-    def _check_step(self, mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask):
+    def _check_step(self, mode, q_dev, q_lens, kv_lens, page_table, cache, custom_mask, stream=None):
         """The step's inputs checked (plan.check_step, the same checks as BatchAttention.plan) and
         against this runner's bounds; None for IDLE."""
         attn = self.attn
-        _arrays.check_device_array(q_dev, "q", dtype=attn.dtype_name, ndim=3, align=0,  # copied, any alignment
-                                   shape=(None, attn.num_qo_heads, attn.head_dim), device_id=self.device_id,
-                                   bound=self._bound_text)
-        if cache.k.device.id != self.device_id:
-            raise ValueError(f"cache is on device {cache.k.device.id}, expected device {self.device_id} "
+        want = (q_dev.shape[0], attn.num_qo_heads, attn.head_dim) if q_dev.ndim == 3 else ()
+        if not q_dev.fits(self._elem, want, self.device_id, 0):  # copied: any alignment
+            _arrays.check_device_array(q_dev, "q", dtype=attn.dtype_name, ndim=3, align=0,
+                                       shape=(None, attn.num_qo_heads, attn.head_dim), device_id=self.device_id,
+                                       bound=self._bound_text)
+        if cache.device_id != self.device_id:
+            raise ValueError(f"cache is on device {cache.device_id}, expected device {self.device_id} "
                              f"({self._bound_text})")
         if mode is ForwardMode.IDLE:
             return None
         max_q = self._max_q(mode)
         step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q, device_id=self.device_id,
-                                bound=self._bound_text)
+                                bound=self._bound_text, stream=stream)
         if q_dev.shape[0] > step.batch * max_q:
             raise ValueError(f"q has {q_dev.shape[0]} tokens, more than {step.batch} requests x max q_len "
                              f"{max_q} of {mode.name}")
@@ -282,17 +296,25 @@ class GraphRunner:
         max_q = self._max_q(mode)
         tokens = bucket * max_q
         attn = self.attn
-        buffers = attn.plan_buffers
-        staged = _plan.StepInputs(  # the bucket's rows as they sit in the plan buffers
-            batch=bucket, q_host=None, q_dev=buffers.q_lens[:bucket], kv_host=None, kv_dev=buffers.kv_lens[:bucket],
-            pt_host=None, pt_dev=buffers.page_table[:bucket], mask_host=None,
-            mask_dev=buffers.custom_mask[:bucket * max_q * max_q] if tree else None, num_tokens=None,
-            max_q_len=max_q, mask_bytes=bucket * max_q * max_q, stream=stream)
-        attn.plan_staged(staged, _plan.MASK_CUSTOM if tree else _plan.MASK_CAUSAL, _plan.checked_sm_scale(None, attn.head_dim),
-                          self.max_pages_per_request * self.page_size, stream, window=self.window,
-                          soft_cap=self.soft_cap)
-        attn.run(self.q[:tokens], cache, out=self.out[:tokens], lse=self.lse[:tokens],
-                 sinks=self.sinks if sunk else None)
+        staged = self._staged.get((max_q, bucket, tree))
+        if staged is None:  # the bucket's rows as they sit in the plan buffers
+            buffers = attn.plan_buffers
+            staged = self._staged[(max_q, bucket, tree)] = _plan.StepInputs(
+                batch=bucket, q_host=None, q_dev=buffers.q_lens[:bucket], kv_host=None,
+                kv_dev=buffers.kv_lens[:bucket], pt_host=None, pt_dev=buffers.page_table[:bucket], mask_host=None,
+                mask_dev=buffers.custom_mask[:bucket * max_q * max_q] if tree else None, num_tokens=None,
+                max_q_len=max_q, mask_bytes=bucket * max_q * max_q, stream=None)
+        attn.plan_staged(staged, _plan.MASK_CUSTOM if tree else _plan.MASK_CAUSAL, self._sm_scale,
+                         self.max_pages_per_request * self.page_size, stream, window=self.window,
+                         soft_cap=self.soft_cap)
+        q, out, lse = self._views_of(tokens)
+        attn.run(q, cache, out=out, lse=lse, sinks=self.sinks if sunk else None)
+
+    def _views_of(self, tokens):
+        found = self._slices.get(tokens)
+        if found is None:
+            found = self._slices[tokens] = (self.q[:tokens], self.out[:tokens], self.lse[:tokens])
+        return found
 
     def _capture(self, mode, bucket, cache, tree, stream, sunk=False):
         import cupy
@@ -310,7 +332,14 @@ class GraphRunner:
         return graph
 
     def _result(self, num_tokens, like, return_lse):
-        out = _arrays.to_caller(self.out[:num_tokens], like)
+        if _views.kind_of(like) == _views.TORCH:  # torch views of the static buffers, made once
+            if self._torch is None:
+                torch = sys.modules["torch"]
+                self._torch = (torch.from_dlpack(self.out), torch.from_dlpack(self.lse))
+            out_t, lse_t = self._torch
+            return (out_t[:num_tokens], lse_t[:num_tokens]) if return_lse else out_t[:num_tokens]
+        _, out, lse = self._views_of(num_tokens)
+        out = _arrays.to_caller(out, like)
         if return_lse:
-            return out, _arrays.to_caller(self.lse[:num_tokens], like)
+            return out, _arrays.to_caller(lse, like)
         return out

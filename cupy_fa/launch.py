@@ -14,11 +14,9 @@ fields when the cache is another one, the token count when it moved. The packed 
 full fill's, field for field (``tests/test_launch_cpu.py``).
 """
 
-import struct
-
 import numpy as np
 
-from . import _build, _params, catalog, schedule
+from . import _arrays, _build, _params, catalog, plan as _plan, schedule
 from .variants import LOG2E, soft_cap_params
 
 _ATTENTION = _params.DTYPES["AttentionParams"]
@@ -26,37 +24,22 @@ _MERGE = _params.DTYPES["MergeParams"]
 _CACHE_FIELDS = ("k_cache", "v_cache", "page_size", "page_shift", "num_pages", "k_scale", "v_scale")
 
 
-# struct's codes of standard size (``"<"``) by NumPy kind and size: NumPy's own ``char`` of a uint64
-# field is ``"L"``, which struct packs in 4 bytes under ``"<"``
-_STRUCT_CODES = {("u", 8): "Q", ("i", 8): "q", ("u", 4): "I", ("i", 4): "i", ("f", 4): "f", ("f", 8): "d"}
-
-
-def _setter(dtype, fields):
-    """``set(buffer, values)``: writes ``values`` into ``fields`` of a packed ``dtype`` struct."""
-    def code(field):
-        kind = dtype.fields[field][0]
-        return _STRUCT_CODES[kind.kind, kind.itemsize]
-    packers = [(struct.Struct("<" + code(f)), dtype.fields[f][1]) for f in fields]
-
-    def write(buffer, values):
-        for (packer, offset), value in zip(packers, values):
-            packer.pack_into(buffer, offset, value)
-    return write
-
-
-_set_run = _setter(_ATTENTION, ("q", "out", "lse", "sinks"))
-_set_cache = _setter(_ATTENTION, _CACHE_FIELDS)
-_set_tokens = _setter(_ATTENTION, ("num_tokens",))
-_set_merge_run = _setter(_MERGE, ("out", "lse", "sinks"))
+_set_run = _params.field_setter("AttentionParams", ("q", "out", "lse", "sinks"))
+_set_cache = _params.field_setter("AttentionParams", _CACHE_FIELDS)
+_set_tokens = _params.field_setter("AttentionParams", ("num_tokens",))
+_set_merge_run = _params.field_setter("MergeParams", ("out", "lse", "sinks"))
 
 
 class PreparedStep:
-    """A plan's launches with their structs packed: per attention launch its kernels (plain, and
-    with the variant hooks once a run takes them), tile, grid and a one-element struct array whose bytes a run updates in
-    place; the merge's struct, and its kernel and grid per token count."""
+    """A plan's launches with their structs packed: per attention launch a
+    :class:`cupy_fa._build.PackedLaunch` of its plain kernel and one of its kernel with the variant
+    hooks, sharing one struct whose bytes a run updates in place; the merge's struct, and its
+    launch per token count. Built for one device (``device_id``) and one set of buffers; a later
+    plan of the same shape on the same buffers reuses it (``BatchAttention``: :meth:`matches`)."""
 
-    def __init__(self, launcher, state, buffers):
-        self.buffers, self.cache, self.num_tokens = buffers, None, None
+    def __init__(self, launcher, state, buffers, device_id):
+        self.buffers, self.device_id, self.cache, self.num_tokens = buffers, device_id, None, None
+        self.signature = signature(state)
         sched = state.schedule
         self.launches = [x for x in sched.launches if x.work_grid > 0]
         self.empty = state.batch_size == 0 or not self.launches
@@ -65,14 +48,28 @@ class PreparedStep:
         self.attention = []
         for launch in self.launches:
             packed = np.array([launcher.params(state, buffers, launch, **zero)], _ATTENTION)
-            # the kernel with the variant hooks is looked up on the first run that takes it (an
-            # fp8 cache's tiles have none: attention.refuse_fp8_variants refuses such steps)
-            self.attention.append([catalog.attention_kernel(launcher.types, launch.tile), None, launch.tile,
-                                   (launch.ctas,), packed, packed.data.cast("B")])
+            # one CTA per (work item, KV head), heads fastest (kernels/mma_sync/work.cuh): schedule.launch_grid
+            plain = _build.PackedLaunch(catalog.attention_kernel(launcher.types, launch.tile), (launch.ctas,), packed,
+                                        device_id)
+            hooked = None if launcher.types.kv_bytes == 1 else _build.PackedLaunch(  # (an fp8 cache has no hooks)
+                catalog.attention_kernel(launcher.types, launch.tile.with_variants()), (launch.ctas,), packed,
+                device_id)
+            self.attention.append((plain, hooked, packed.data.cast("B")))
         self.merge = None
         if sched.needs_merge:
             packed = np.array([launcher.merge_params(state, buffers, out=0, lse=0, sinks=0)], _MERGE)
             self.merge = (packed, packed.data.cast("B"), {})
+
+    def matches(self, state, buffers, device_id):
+        """Whether this prepared step launches what a fresh one for ``state`` would."""
+        return self.buffers is buffers and self.device_id == device_id and self.signature == signature(state)
+
+
+def signature(state):
+    """Everything of a plan its packed structs and launches are made of (the plan's buffers and
+    device aside): two plans of one signature launch the same kernels with the same bytes."""
+    return (state.schedule, state.batch_size, state.mask_mode, state.sm_scale, state.page_table_columns,
+            state.page_table_stride, state.mask_entries, state.window, state.soft_cap)
 
 
 class StepLauncher:
@@ -84,18 +81,36 @@ class StepLauncher:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group_div = _params.fast_divisor(num_qo_heads // num_kv_heads)  # group_multiplier, group_shift
 
-    def launch(self, state, buffers, cache, q_dev, out_dev, lse_dev, num_tokens, stream, sinks_dev=None):
-        """The step's kernels on ``stream`` (CuPy's current device must be the buffers'): each
-        attention launch of ``state.schedule`` (the long family's first), then the merge where
-        the schedule needs one. Nothing for an IDLE or all-padding step."""
+    def kernels(self, sched, hooked=False, num_tokens=None):
+        """The kernels a plan of schedule ``sched`` launches (``hooked``: with the variant hooks; the
+        merge's for ``num_tokens`` where it is known): what its first run would compile, for
+        ``_build.load_all`` to compile at once."""
+        found = [catalog.attention_kernel(self.types, x.tile.with_variants() if hooked else x.tile)
+                 for x in sched.launches if x.work_grid > 0]
+        if sched.needs_merge and num_tokens:
+            found.append(catalog.merge_kernel(self.dtype_name, self.head_dim,
+                                              schedule.merge_grid(num_tokens, self.num_qo_heads)[0]))
+        return found
+
+    def prepare(self, state, buffers, device_id):
+        """The plan's :class:`PreparedStep` (made once per plan, on its first run)."""
         prepared = state.prepared
-        if prepared is None or prepared.buffers is not buffers:
-            prepared = state.prepared = PreparedStep(self, state, buffers)
+        if prepared is None or prepared.buffers is not buffers or prepared.device_id != device_id:
+            prepared = state.prepared = PreparedStep(self, state, buffers, device_id)
+        return prepared
+
+    def launch(self, state, buffers, cache, q_ptr, out_ptr, lse_ptr, num_tokens, stream_ptr, sinks_ptr=0,
+               device_id=None):
+        """The step's kernels on stream ``stream_ptr`` (a raw pointer; CuPy's current device must be
+        the buffers', ``device_id``): each attention launch of ``state.schedule`` (the long family's
+        first), then the merge where the schedule needs one, with this run's arrays (their
+        addresses; 0 for no lse / sinks). Nothing for an IDLE or all-padding step."""
+        prepared = state.prepared
+        if prepared is None or prepared.buffers is not buffers or prepared.device_id != device_id:
+            prepared = self.prepare(state, buffers, device_id)
         if prepared.empty or num_tokens == 0:
             return  # IDLE: nothing to read, nothing to write
-        lse_ptr = lse_dev.data.ptr if lse_dev is not None else 0
-        sinks_ptr = sinks_dev.data.ptr if sinks_dev is not None else 0
-        run = (q_dev.data.ptr, out_dev.data.ptr, lse_ptr, sinks_ptr)
+        run = (q_ptr, out_ptr, lse_ptr, sinks_ptr)
         new_cache, new_tokens = prepared.cache is not cache, prepared.num_tokens != num_tokens
         if new_cache:
             fields = cache.attention_params()
@@ -103,28 +118,26 @@ class StepLauncher:
         # a window, a soft-cap or sinks: each tile's kernel with the hooks compiled in (the plain
         # kernels otherwise, unchanged)
         hooked = prepared.always_hooked or bool(sinks_ptr)
-        for entry in prepared.attention:  # the long family's first
-            plain, with_hooks, tile, grid, packed, raw = entry
+        for plain, with_hooks, raw in prepared.attention:  # the long family's first
             _set_run(raw, run)
             if new_cache:
                 _set_cache(raw, cache_values)
             if new_tokens:
                 _set_tokens(raw, (num_tokens,))
-            if hooked and with_hooks is None:
-                with_hooks = entry[1] = catalog.attention_kernel(self.types, tile.with_variants())
-            # one CTA per (work item, KV head), heads fastest (kernels/mma_sync/work.cuh): schedule.launch_grid
-            _build.launch(with_hooks if hooked else plain, grid, packed[0], stream)
+            _build.launch_packed(with_hooks if hooked else plain, stream_ptr)
         prepared.cache, prepared.num_tokens = cache, num_tokens
         if prepared.merge is not None:
-            packed, raw, shapes = prepared.merge
-            _set_merge_run(raw, (run[1], lse_ptr, sinks_ptr))
-            found = shapes.get(num_tokens)
-            if found is None:
+            packed, raw, by_tokens = prepared.merge
+            _set_merge_run(raw, (out_ptr, lse_ptr, sinks_ptr))
+            merge = by_tokens.get(num_tokens)
+            if merge is None:
                 shape, grid = schedule.merge_grid(num_tokens, self.num_qo_heads)
-                found = shapes[num_tokens] = (catalog.merge_kernel(self.dtype_name, self.head_dim, shape), grid)
-            # programmatic: its CTAs start in the last attention kernel's last wave and wait there
-            # (an earlier launch in the stream finished before that one began)
-            _build.launch(found[0], found[1], packed[0], stream, programmatic=True)
+                # programmatic: its CTAs start in the last attention kernel's last wave and wait there
+                # (an earlier launch in the stream finished before that one began)
+                merge = by_tokens[num_tokens] = _build.PackedLaunch(
+                    catalog.merge_kernel(self.dtype_name, self.head_dim, shape), grid, packed, device_id,
+                    programmatic=True)
+            _build.launch_packed(merge, stream_ptr)
 
     def params(self, state, buffers, launch, *, q, out, lse, sinks, num_tokens, **cache_fields):
         """The ``AttentionParams`` of one attention launch of a plan (an ``np.void``), every field
@@ -141,7 +154,7 @@ class StepLauncher:
             kv_lens=buffers.kv_lens.data.ptr, work_indptr=work.data.ptr, num_splits=buffers.num_splits.data.ptr,
             split_keys=buffers.split_keys.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
             mask_indptr=buffers.mask_indptr.data.ptr, batch_size=state.batch_size,
-            page_table_stride=buffers.page_table.shape[1], num_qo_heads=self.num_qo_heads,
+            page_table_stride=state.page_table_stride, num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, mask_mode=state.mask_mode, sm_scale_log2=state.sm_scale * LOG2E,
             splits_per_cta=launch.tile.splits_per_cta, fold_splits=int(launch.tile.fold_splits),
             group_multiplier=self.group_div[0], group_shift=self.group_div[1],
@@ -163,3 +176,48 @@ class StepLauncher:
             partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
             num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
             batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups, sinks=sinks)
+
+
+def check_run(attn, state, q, cache, out, lse):
+    """A run's arrays (:class:`cupy_fa._views.View` of q, out, lse) and its cache against the plan
+    ``state`` of BatchAttention ``attn``, before anything is launched: what ``BatchAttention.run``
+    says it raises (the page table against the cache once per cache geometry). Each array's checks
+    pass in one comparison (``View.fits``); ``check_device_array`` names what failed."""
+    h, d = attn.num_qo_heads, attn.head_dim
+    device, bound = attn.device_id, attn._bound_text
+    want = (state.num_tokens, h, d)
+    if not (q.fits(attn._np_dtype, want, device, 16) if state.num_tokens is not None else
+            q.fits(attn._np_dtype, (q.shape[0], h, d) if q.ndim == 3 else want, device, 16)):
+        _arrays.check_device_array(q, "q", dtype=attn.dtype_name, ndim=3, shape=want, device_id=device, bound=bound)
+    if cache.num_kv_heads != attn.num_kv_heads or cache.head_dim != attn.head_dim:
+        raise ValueError(f"cache has num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}; this "
+                         f"BatchAttention expects {attn.num_kv_heads} and {attn.head_dim}")
+    if cache.dtype_name != attn.kv_dtype_name:
+        if attn.kv_dtype_name == attn.dtype_name:
+            raise TypeError(f"cache dtype is {cache.dtype_name}, q dtype is {attn.dtype_name}"
+                            + (" (an fp8 cache needs BatchAttention(..., kv_dtype='float8_e4m3fn'))"
+                               if cache.dtype_name == _arrays.FP8 else ""))
+        raise TypeError(f"cache dtype is {cache.dtype_name}, this BatchAttention was built for kv_dtype "
+                        f"{attn.kv_dtype_name}")
+    if cache.device_id != device:
+        raise ValueError(f"cache is on device {cache.device_id}, expected device {device} ({bound})")
+    if state.num_tokens is None and q.shape[0] > attn._buffers.capacity.max_num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens, more than max_num_tokens "
+                         f"{attn._buffers.capacity.max_num_tokens}")
+    if out is not None and not out.fits(attn._np_dtype, q.shape, device, 8):
+        _arrays.check_device_array(out, "out", dtype=attn.dtype_name, shape=q.shape, device_id=device, align=8,
+                                   bound=bound)
+        if out.ndim != 3:
+            raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    if lse is not None and not lse.fits(np.float32, (q.shape[0], h), device, 4):
+        _arrays.check_device_array(lse, "lse", dtype=np.float32, ndim=2, align=4, shape=(q.shape[0], h),
+                                   device_id=device, bound=bound)
+    geometry = (cache.page_size, cache.num_pages)
+    if state.host_q_lens is not None and geometry not in state.checked_geometry:
+        if state.host_page_table is not None:
+            _plan.validate_page_table(state.host_page_table, state.host_kv_lens, state.host_q_lens, *geometry)
+        else:  # device page table: its ids can't be read without a sync, its width can
+            _plan.validate_page_table_width(state.page_table_columns, state.host_kv_lens, state.host_q_lens,
+                                            cache.page_size)
+        state.checked_geometry.add(geometry)
+

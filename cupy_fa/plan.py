@@ -10,11 +10,13 @@ used by ``BatchAttention.plan`` and ``GraphRunner.run`` alike).
 """
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
 
 from . import _build, _params, catalog, schedule
+from .knobs import knobs
 
 
 MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
@@ -42,19 +44,23 @@ class Capacity:
 
 class PlanBuffers:
     """Device buffers for one capacity: the step's inputs (lengths, page table,
-    mask), the plan kernel's outputs, and the split-KV workspace."""
+    mask), the plan kernel's outputs, and the split-KV workspace, on the device current when they
+    are made (``device_id``). ``q_lens`` and ``kv_lens`` are the two halves of one array
+    (``lengths``), so host lengths go over in one copy (:func:`stage_inputs`)."""
 
-    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name):
+    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name, partial_rows=None):
+        # (partial_rows: the split partials' rows where a caller sizes them itself: cupy_fa.mla)
         from . import _arrays
 
         _arrays.require_cuda()  # a plain sentence, not CuPy's, where there is no usable device
         import cupy
 
         self.capacity = capacity
+        self.device_id = cupy.cuda.runtime.getDevice()
         b = capacity.max_batch_size
         i32 = np.int32
-        self.q_lens = cupy.zeros(b, i32)
-        self.kv_lens = cupy.zeros(b, i32)
+        self.lengths = cupy.zeros(2 * b, i32)
+        self.q_lens, self.kv_lens = self.lengths[:b], self.lengths[b:]
         self.page_table = cupy.zeros((b, max(capacity.max_pages_per_request, 1)), i32)
         self.custom_mask = cupy.zeros(max(capacity.max_mask_bytes, 1), np.uint8)
         self.q_indptr = cupy.zeros(b + 1, i32)
@@ -65,11 +71,17 @@ class PlanBuffers:
         self.num_splits = cupy.zeros(b, i32)
         self.split_keys = cupy.zeros(b, i32)
         self.key_base = cupy.zeros(b, i32)              # keys before each request's first split (a window's)
-        self.status = cupy.full(1, (1 << 64) - 1, np.uint64)  # kernels/shared/status.cuh: no bad request
+        self.status = cupy.empty(1, np.uint64)          # kernels/shared/status.cuh: all ones, no bad request
+        self.status.data.memset_async(0xFF, 8)          # (a memset: no CuPy kernel to compile on first use)
         dtype = _arrays.DTYPES[dtype_name]
-        rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
+        rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize) if partial_rows is None else partial_rows
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
+        self.host_lengths = np.zeros(2 * b, i32)  # what the last host step staged, zeros past its batch
+        self.host_lengths_ptr = self.host_lengths.ctypes.data
+        self.staged_batch = 0
+        self._plan_launch = None
+        self._plan_tiles = None  # (tile, long_tile, knobs, their plan constants) of the last plan
 
     def plan_params(self, batch_size, group_size, tile, long_tile=None, max_q_len=2**31 - 1,
                     max_kv_len=2**31 - 1, window=0):
@@ -89,6 +101,38 @@ class PlanBuffers:
             max_q_len=int(max_q_len), max_kv_len=int(max_kv_len),
             partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile, long_tile),
             key_base=self.key_base.data.ptr, window=int(window))
+
+    def plan_launch(self, batch_size, group_size, tile, long_tile=None, max_q_len=2**31 - 1, max_kv_len=2**31 - 1,
+                    window=0):
+        """The plan kernel's :class:`cupy_fa._build.PackedLaunch` with :meth:`plan_params`' bytes:
+        one struct per buffers, its per-step fields rewritten in place."""
+        launch = self._plan_launch
+        if launch is None:
+            packed = np.array([self.plan_params(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len,
+                                                window)], _PLAN)
+            launch = self._plan_launch = _build.PackedLaunch(catalog.PLAN_KERNEL, (1,), packed, self.device_id)
+        k, last = knobs(), self._plan_tiles
+        if last is None or last[0] is not tile or last[1] is not long_tile or last[2] is not k:
+            last = self._plan_tiles = (tile, long_tile, k, _plan_constants(tile, long_tile, k))
+        _set_plan(launch.raw, (batch_size, group_size) + last[3] + (int(max_q_len), int(max_kv_len), int(window)))
+        return launch
+
+
+_PLAN = _params.DTYPES["PlanParams"]
+_PLAN_CONSTANTS = ("block_m", "block_n", "long_q_len", "long_block_m", "long_block_n", "split_size", "max_splits",
+                   "small_q_len", "split_row_budget", "splits_per_cta", "fold_splits")
+
+
+# (in the struct's order: batch_size .. max_kv_len are one run of int32s, packed in one call)
+_set_plan = _params.field_setter("PlanParams", ("batch_size", "group_size") + _PLAN_CONSTANTS
+                                 + ("max_q_len", "max_kv_len", "window"))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_constants(tile, long_tile, knobs_in_force):
+    """schedule.plan_constants' values in _PLAN_CONSTANTS order, once per (tiles, knobs)."""
+    found = schedule.plan_constants(tile, long_tile)
+    return tuple(int(found[f]) for f in _PLAN_CONSTANTS)
 
 
 # ---- a planned step -------------------------------------------------------------------
@@ -119,6 +163,7 @@ class PlanState:
     window: int = 0            # sliding window W (keys a query sees, itself included); 0 = none
     soft_cap: float = 0.0      # logits soft-cap; 0 = none
     prepared: object = None    # its launches with their parameters packed (cupy_fa.launch), made by the first run
+    page_table_stride: int = 0  # entries between page-table rows in the buffer (0: the buffer's width)
 
     # what a decode-like step runs (the small-q launch; a step of long requests only: theirs)
     @property
@@ -160,6 +205,9 @@ def checked_sm_scale(sm_scale, head_dim):
 
 def validate_lengths(q_lens, kv_lens):
     """Contract checks on host lengths: raises naming the argument and request."""
+    if q_lens.shape == kv_lens.shape and (not q_lens.size or (
+            q_lens.min() >= 0 and not (q_lens > kv_lens).any() and kv_lens.max() < 2**31)):
+        return  # (q_len >= 0 and q_len <= kv_len bound kv_len below, kv_len < 2^31 bounds q_len above)
     if q_lens.shape != kv_lens.shape:
         raise ValueError(f"q_lens and kv_lens must have the same length, got {q_lens.shape[0]} and {kv_lens.shape[0]}")
     for name, arr in (("q_lens", q_lens), ("kv_lens", kv_lens)):
@@ -235,6 +283,7 @@ class StepInputs:
     max_q_len: int               # max(q_lens) on the host, else the bound the caller gave
     mask_bytes: int              # entries of the custom mask (or the bound batch x max_q_len^2)
     stream: object               # the stream of the DLPack exchange (device inputs), else None
+    max_kv_len: int | None = None  # max(kv_lens) when the lengths are on the host
 
     @property
     def on_host(self):
@@ -249,25 +298,53 @@ class StepInputs:
         return self.mask_host is not None or self.mask_dev is not None
 
 
-def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None, device_id=None, bound=None):
+def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None, device_id=None, bound=None,
+               stream=None):
     """Parses a step's inputs (lists, NumPy, CPU torch, or device arrays of any DLPack framework)
     and checks everything of the contract the host can see, before anything touches the device:
     one kv_len and one page-table row per request, lengths on the host valid (non-negative,
     ``q_len <= kv_len``, int32), a host custom mask of ``sum(q_lens**2)`` entries, and for device
     lengths a ``max_q_len`` bound, and with ``device_id`` that every device input lives on that
     device (``bound`` says why, for the message). Raises ``ValueError`` / ``TypeError`` naming
-    the argument.
+    the argument. ``stream``: the caller's stream where it is known (else found here).
     ``BatchAttention.plan`` and ``GraphRunner.run`` both check with it; the page table against
     the cache is :func:`check_page_table`."""
-    from . import _arrays
+    if (type(q_lens) is np.ndarray and type(kv_lens) is np.ndarray and type(page_table) is np.ndarray
+            and custom_mask is None and q_lens.ndim == 1 and page_table.ndim == 2 and q_lens.shape == kv_lens.shape
+            and q_lens.size and page_table.shape[0] == q_lens.shape[0] and q_lens.dtype.kind in "iu"
+            and kv_lens.dtype.kind in "iu" and page_table.dtype.kind in "iu"):  # NumPy lengths: what an engine gives
+        q, kv = q_lens.astype(np.int64), kv_lens.astype(np.int64)
+        max_q, max_kv = int(q.max()), int(kv.max())
+        if q.min() >= 0 and max_kv < 2**31 and not (q > kv).any():  # else the general path names the request
+            return StepInputs(q.shape[0], q, None, kv, None, page_table, None, None, None, int(q.sum()), max_q, 0,
+                              None, max_kv)
+    from . import _arrays, _views
 
+    kinds = (_views.kind_of(q_lens), _views.kind_of(kv_lens), _views.kind_of(page_table))
+    if (kinds == (_views.CUPY,) * 3 and custom_mask is None and max_q_len is not None and q_lens.ndim == 1
+            and kv_lens.ndim == 1 and page_table.ndim == 2 and q_lens.dtype.kind in "iu" and kv_lens.dtype.kind in "iu"
+            and page_table.dtype.kind in "iu"):  # CuPy lengths and table: a graph step's
+        if device_id is not None:
+            for name, x in (("q_lens", q_lens), ("kv_lens", kv_lens), ("page_table", page_table)):
+                if x.data.device_id != device_id:
+                    _arrays.check_device(x, name, device_id, bound)
+        batch = q_lens.shape[0]
+        validate_batch_shapes(batch, kv_lens.shape[0], page_table.shape[0])
+        max_q = int(max_q_len)
+        return StepInputs(batch, None, q_lens, None, kv_lens, None, page_table, None, None, None, max_q,
+                          batch * max_q * max_q, stream)
     inputs = (q_lens, kv_lens, page_table, custom_mask)
-    stream = None if all(x is None or _arrays.is_host(x) for x in inputs) else \
-        _arrays.caller_stream(*inputs, device_id=device_id)
+    if stream is None and not all(x is None or _arrays.is_host(x) for x in inputs):
+        _arrays.require_cuda()
+        stream = _views.caller_stream(inputs, device_id if device_id is not None else _arrays.current_device_id())
 
-    def parse():
-        return (_arrays.host_or_device_ints(q_lens, "q_lens", 1), _arrays.host_or_device_ints(kv_lens, "kv_lens", 1),
-                _arrays.host_or_device_ints(page_table, "page_table", 2))
+    def ints(x, name, ndim, keep_dtype=False):  # a CuPy array as it is; the rest through host_or_device_ints
+        if _views.kind_of(x) == _views.CUPY and x.ndim == ndim and x.dtype.kind in "iu":
+            return None, x
+        return _arrays.host_or_device_ints(x, name, ndim, keep_dtype)
+
+    def parse():  # (a host page table keeps its integer type: it is staged as int32, checked in run())
+        return (ints(q_lens, "q_lens", 1), ints(kv_lens, "kv_lens", 1), ints(page_table, "page_table", 2, True))
 
     if stream is None:  # host inputs: validated before the device is touched at all
         (q_host, q_dev), (kv_host, kv_dev), (pt_host, pt_dev) = parse()
@@ -288,12 +365,13 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
         validate_lengths(q_host, kv_host)
         num_tokens = int(q_host.sum())
         max_q = int(q_host.max()) if batch else 0
-        mask_bytes = int((q_host ** 2).sum())
+        max_kv = int(kv_host.max()) if batch else 0
+        mask_bytes = 0  # (no mask: not needed; with one, its own size below)
     else:
         if max_q_len is None:
             raise ValueError("max_q_len is required when q_lens / kv_lens are device arrays "
                              "(the host cannot read them without a sync)")
-        num_tokens, max_q = None, int(max_q_len)
+        num_tokens, max_q, max_kv = None, int(max_q_len), None
         mask_bytes = batch * max_q * max_q
     mask_host = mask_dev = None
     if custom_mask is not None:
@@ -305,7 +383,7 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
             validate_mask_size(n, q_host)
         mask_bytes = n
     return StepInputs(batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev, num_tokens, max_q,
-                      mask_bytes, stream)
+                      mask_bytes, stream, max_kv)
 
 
 def _mask_input(custom_mask, stream):
@@ -336,34 +414,96 @@ def check_page_table(step, page_size, num_pages):
         validate_page_table_width(step.page_columns, step.kv_host, step.q_host, page_size)
 
 
-def stage_inputs(buffers, step, pad_to=None):
-    """Copies a checked step's inputs into the plan buffers (on the current stream): lengths,
-    page-table rows, custom mask. Rows ``step.batch .. pad_to - 1`` become padding (q_len = 0,
+def stage_inputs(buffers, step, pad_to=None, stream=None):
+    """Copies a checked step's inputs into the plan buffers on ``stream`` (default: CuPy's current
+    one), with copies and memsets only (no CuPy kernel): host lengths in one copy, a host page
+    table in one, device ones device to device. Returns the page table's row stride in the buffer.
+
+    Without ``pad_to`` (``BatchAttention.plan``) the page table is written densely, its rows
+    ``page_columns`` apart (one copy of the caller's table). With ``pad_to`` (``GraphRunner``: a
+    graph captured for the buffers' full width) rows sit at the buffer's width, the columns the
+    caller's table lacks read as no page (-1: a kv_len past the caller's table is caught,
+    status.cuh, never stale), and rows ``step.batch .. pad_to - 1`` become padding (q_len = 0,
     kv_len = 0: they read and write nothing)."""
+    cupy = _cupy()
+    if stream is None:
+        stream = cupy.cuda.get_current_stream()
+    runtime, s = cupy.cuda.runtime, stream.ptr
+    batch, pages, cap = step.batch, step.page_columns, buffers.capacity.max_batch_size
+    width = buffers.page_table.shape[1]
+    dense = pad_to is None
+    stride = pages if dense else width
+    if step.on_host:
+        host = buffers.host_lengths
+        last = buffers.staged_batch
+        if last > batch:  # zeros past this batch (the padding rows a graph step reads)
+            host[batch:last] = 0
+            host[cap + batch:cap + last] = 0
+        host[:batch] = step.q_host
+        host[cap:cap + batch] = step.kv_host
+        buffers.staged_batch = batch
+        # q_lens whole (zeros past the batch) and kv_lens up to the padded batch: one copy
+        count = cap + max(batch, pad_to or 0)
+        runtime.memcpyAsync(buffers.lengths.data.ptr, buffers.host_lengths_ptr, 4 * count, runtime.memcpyHostToDevice,
+                            s)
+    else:
+        _copy_ints(buffers.q_lens, step.q_dev, batch, stream)
+        _copy_ints(buffers.kv_lens, step.kv_dev, batch, stream)
+        if pad_to is not None and pad_to > batch:
+            for half in (buffers.q_lens, buffers.kv_lens):
+                runtime.memsetAsync(half.data.ptr + 4 * batch, 0, 4 * (pad_to - batch), s)
+    dst = buffers.page_table.data.ptr
+    if batch and pages:
+        if step.pt_host is not None:
+            table = step.pt_host
+            if not dense and pages < width:  # the graph's width, -1 past the caller's columns
+                full = np.full((batch, width), -1, np.int32)
+                full[:, :pages] = table
+                table = full
+            elif table.dtype != np.int32 or not table.flags.c_contiguous:
+                table = np.ascontiguousarray(table, np.int32)
+            runtime.memcpyAsync(dst, table.__array_interface__["data"][0], table.nbytes, runtime.memcpyHostToDevice, s)
+        else:
+            table = step.pt_dev
+            if table.dtype == np.int32 and table.flags.c_contiguous:
+                if stride == pages:
+                    runtime.memcpyAsync(dst, table.data.ptr, 4 * batch * pages, runtime.memcpyDeviceToDevice, s)
+                else:
+                    runtime.memcpy2DAsync(dst, 4 * stride, table.data.ptr, 4 * pages, 4 * pages, batch,
+                                          runtime.memcpyDeviceToDevice, s)
+            else:  # another integer type, or strided: CuPy converts (its copy kernel)
+                with stream:
+                    rows = cupy.ndarray((batch, stride), np.int32, buffers.page_table.data)
+                    rows[:, :pages] = table
+            if not dense and pages < width:
+                _build.memset_d2d32(dst + 4 * pages, 4 * width, -1, width - pages, batch, s)
+    if step.mask_host is not None and step.mask_host.size:
+        buffers.custom_mask[:step.mask_host.size].set(step.mask_host, stream)
+    elif step.mask_dev is not None and step.mask_dev.size:
+        with stream:
+            buffers.custom_mask[:step.mask_dev.size] = step.mask_dev
+    return stride
+
+
+def _cupy():
     import cupy
 
-    batch, pages = step.batch, step.page_columns
-    if step.on_host:
-        buffers.q_lens[:batch].set(step.q_host.astype(np.int32))
-        buffers.kv_lens[:batch].set(step.kv_host.astype(np.int32))
+    return cupy
+
+
+def _copy_ints(dst, src, count, stream):
+    """``dst[:count] = src`` (int32 buffer, device ints): a device copy where ``src`` is int32 and
+    contiguous, else CuPy's converting copy."""
+    if not count:
+        return
+    if src.dtype == np.int32 and src.flags.c_contiguous:
+        import cupy
+
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, 4 * count, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                      stream.ptr)
     else:
-        buffers.q_lens[:batch] = step.q_dev
-        buffers.kv_lens[:batch] = step.kv_dev
-    if pad_to is not None and pad_to > batch:
-        buffers.q_lens[batch:pad_to] = 0
-        buffers.kv_lens[batch:pad_to] = 0
-    if step.pt_host is not None:
-        buffers.page_table[:batch, :pages] = cupy.asarray(step.pt_host.astype(np.int32))
-    else:
-        buffers.page_table[:batch, :pages] = step.pt_dev
-    if pad_to is not None and pages < buffers.page_table.shape[1]:
-        # a graph plan sees the buffer's whole width: columns the caller's table lacks read as
-        # no page (-1), so a kv_len past the caller's table is caught (status.cuh), never stale
-        buffers.page_table[:batch, pages:] = -1
-    if step.mask_host is not None and step.mask_host.size:
-        buffers.custom_mask[:step.mask_host.size].set(step.mask_host)
-    elif step.mask_dev is not None and step.mask_dev.size:
-        buffers.custom_mask[:step.mask_dev.size] = step.mask_dev
+        with stream:
+            dst[:count] = src
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None, max_q_len=2**31 - 1,
@@ -372,5 +512,5 @@ def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None, m
     ``long_tile``, the long family's list for the others (else every request on ``tile``).
     Requests whose lengths break the contract or the bounds (``max_q_len``, ``max_kv_len``) are
     refused and recorded in the buffers' status word (kernels/shared/status.cuh)."""
-    _build.launch(catalog.PLAN_KERNEL, (1,),
-                  buffers.plan_params(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len, window), stream)
+    _build.launch_packed(buffers.plan_launch(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len, window),
+                         stream.ptr)

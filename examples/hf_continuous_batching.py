@@ -4,10 +4,18 @@ A random model of Llama-3.2-1B's shape (4 of its 16 layers) is built in code, so
 downloaded; for a real one: AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16,
 device_map="cuda", attn_implementation="paged|cupy_fa").   PYTHONPATH=. python examples/hf_continuous_batching.py
 """
+import sys
+
 import torch
 import transformers
 
 import cupy_fa.integrations.transformers as cupy_fa_hf
+from cupy_fa import _arrays
+
+problem = _arrays.cuda_problem() or (None if torch.cuda.is_available() else f"this torch ({torch.__version__}) "
+                                                                             f"sees no CUDA device")
+if problem is not None:  # one line, not a traceback from deep inside torch
+    sys.exit(f"examples/hf_continuous_batching.py needs a GPU: {problem}")
 
 cupy_fa_hf.register()  # adds "paged|cupy_fa" (continuous batching) and "cupy_fa" (generate)
 config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,

@@ -16,13 +16,14 @@ On a GPU:
 Each measurement runs in a fresh process, so nothing is compiled or loaded before it:
 
 1. first calls, cold: a new CUDA context, then the first prefill call (BatchAttention plan + run of
-   one 4096-token prompt, bf16, 32 / 8 heads, D 128: the plan kernel and the prefill family's
-   variant compile), then the first decode call in the same process (the small-q variants), then a
-   first mixed step (a 2048-token chunk beside decodes: both families, the merge);
-2. ``cupy_fa.warmup()`` with an empty cache on every core (its compile processes), then, with
-   another empty cache, one variant at a time on one process (``jobs=1``: the single-core time,
-   each variant timed, the prefill family's (the sm_90a wgmma variants on Hopper) listed one by one);
-3. ``cupy_fa.warmup()`` again in a new process over the cache step 2 filled (a warm start).
+   one 4096-token prompt, fp16, 32 / 8 heads, D 128: the plan kernel and the prefill family's
+   kernel compile), then the first decode call in the same process (the small-q kernels), then a
+   first mixed step (a 2048-token chunk beside decodes: both families, the merge); and in another
+   fresh process over another empty cache a decode call first;
+2. ``cupy_fa.warmup()`` with an empty cache on every core (its compile processes), then
+   ``cupy_fa.warmup()`` in a new process over the cache it filled (a warm start);
+3. with another empty cache, one kernel at a time in one process (``jobs=1``: the single-core
+   time, each kernel timed; ``--serial-limit`` stops it, reporting the kernels done by then).
 
 Every process gets its own empty cache directory (CUPY_FA_CACHE_DIR, and CUPY_CACHE_DIR for
 CuPy's own kernels), removed afterwards; the NVRTC and CuPy versions are printed with the
@@ -38,7 +39,7 @@ import sys
 import tempfile
 
 FIRST_CALLS = r"""
-import json, time
+import json, sys, time
 import numpy as np
 t0 = time.perf_counter()
 import cupy
@@ -47,7 +48,7 @@ cupy.zeros(1).sum()
 cupy.cuda.Device().synchronize()
 t_ctx = time.perf_counter() - t0
 import cupy_fa
-from cupy_fa import schedule
+from cupy_fa import families
 
 def case(q_lens, kv_lens, ps=16, h_q=32, h_kv=8, d=128):
     pages = [-(-kv // ps) for kv in kv_lens]
@@ -57,14 +58,16 @@ def case(q_lens, kv_lens, ps=16, h_q=32, h_kv=8, d=128):
         table[b, :n] = np.arange(start, start + n)
         start += n
     k = cupy.zeros((start, ps, h_kv, d), np.float16)
-    cache = cupy_fa.PagedKVCache(k, k.copy())
+    cache = cupy_fa.PagedKVCache(k, cupy.zeros_like(k))
     q = cupy.zeros((sum(q_lens), h_q, d), np.float16)
     return q, cache, table
 
+STEPS = {"prefill": ([4096], [4096]), "decode": ([1] * 8, [4096] * 8), "mixed": ([2048] + [1] * 7, [4096] * 8)}
 out = {"context_s": t_ctx}
-for name, q_lens, kv_lens in (("prefill", [4096], [4096]), ("decode", [1] * 8, [4096] * 8),
-                              ("mixed", [2048] + [1] * 7, [4096] * 8)):
+for name in sys.argv[1].split(","):
+    q_lens, kv_lens = STEPS[name]
     q, cache, table = case(q_lens, kv_lens)
+    cupy.cuda.Device().synchronize()
     start = time.perf_counter()
     attn = cupy_fa.BatchAttention(32, 8, 128, "float16")
     attn.plan(q_lens, kv_lens, table).run(q, cache)
@@ -79,24 +82,23 @@ import json, os, sys, time
 import cupy
 cupy.cuda.Device(0).use()
 cupy.zeros(1).sum()
-from cupy_fa import _build, schedule
-from cupy_fa import _compile
+from cupy_fa import _build, _compile, catalog
 from cupy.cuda import nvrtc
 import cupy_fa
 jobs = int(sys.argv[1]) if len(sys.argv) > 1 else None
 arch = _build.device_arch(cupy.cuda.Device())
-wanted = catalog.warmup_kernels(smem_limit=_build.device_smem_limit(), arch=arch)
 rows, last = [], [time.perf_counter()]
-def progress(done, total, variant, status):  # one process (jobs=1): each variant's own seconds
+def progress(done, total, variant, status):  # one process (jobs=1): each kernel's own seconds, as it ends
     now = time.perf_counter()
     rows.append((variant.source, variant.expression, now - last[0]))
+    print("KERNEL " + json.dumps(rows[-1]), flush=True)
     last[0] = now
 start = time.perf_counter()
 n = cupy_fa.warmup(jobs=jobs, progress=progress if jobs == 1 else False)
 total = time.perf_counter() - start
 start = time.perf_counter()
 cupy_fa.warmup()  # all in memory now: what a second call in the process costs
-print("RESULT " + json.dumps({"arch": arch, "variants": n, "jobs": jobs or _compile.default_jobs(), "total_s": total,
+print("RESULT " + json.dumps({"arch": arch, "kernels": n, "jobs": jobs or _compile.default_jobs(), "total_s": total,
                               "rows": rows, "again_in_process_s": time.perf_counter() - start,
                               "nvrtc": ".".join(map(str, nvrtc.getVersion())), "cupy": cupy.__version__}))
 """
@@ -109,50 +111,59 @@ cupy.cuda.Device(0).use()
 cupy.zeros(1).sum()
 t_ctx = time.perf_counter() - t0
 import cupy_fa
-from cupy_fa import families
-from cupy_fa import catalog
 start = time.perf_counter()
 n = cupy_fa.warmup()
-print("RESULT " + json.dumps({"variants": n, "warm_s": time.perf_counter() - start, "context_s": t_ctx}))
+print("RESULT " + json.dumps({"kernels": n, "warm_s": time.perf_counter() - start, "context_s": t_ctx}))
 """
 
 
-def run(code, cache_dir, *args):
+def run(code, cache_dir, *args, limit=None):
+    """A fresh process over ``cache_dir`` (its kernel cache; CuPy's own beside it), its RESULT line
+    parsed; past ``limit`` seconds it is stopped and its KERNEL lines so far come back instead."""
     env = dict(os.environ, CUPY_FA_CACHE_DIR=cache_dir, CUPY_CACHE_DIR=os.path.join(cache_dir, "cupy"),
                PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                              timeout=limit)
+        stdout, stderr, code_ = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        rows = [json.loads(x[len("KERNEL "):]) for x in stdout.splitlines() if x.startswith("KERNEL ")]
+        return {"stopped_at_s": limit, "rows": rows, "kernels_done": len(rows)}
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"a measurement process failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}"
-                       f"\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"a measurement process failed (exit {code_}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--nvrtc", action="store_true", help="the CPU figures: NVRTC alone, no device")
+    parser.add_argument("--serial-limit", type=float, default=None,
+                        help="seconds the one-process warmup may take (stopped there: the kernels done by then)")
+    parser.add_argument("--no-serial", action="store_true", help="skip the one-process warmup")
+    parser.add_argument("--keep", help="leave the cache the every-core warmup filled in this directory")
     args = parser.parse_args(argv)
     if args.nvrtc:
         return nvrtc_main(args.json)
     scratch = tempfile.mkdtemp(prefix="cupy_fa_cold_")
+    warm_dir = args.keep or os.path.join(scratch, "warmup")
     try:
-        first = run(FIRST_CALLS, os.path.join(scratch, "first"))
-        cold = run(WARMUP, os.path.join(scratch, "warmup"))  # every core
-        serial = run(WARMUP, os.path.join(scratch, "serial"), "1")  # one process, each variant timed
-        warm = run(WARM, os.path.join(scratch, "warmup"))  # the cache the cold warm-up filled
+        first = run(FIRST_CALLS, os.path.join(scratch, "first"), "prefill,decode,mixed")
+        decode_first = run(FIRST_CALLS, os.path.join(scratch, "decode_first"), "decode")
+        cold = run(WARMUP, warm_dir)  # every core
+        warm = run(WARM, warm_dir)  # the cache the cold warm-up filled
+        serial = {"rows": [], "skipped": True} if args.no_serial else \
+            run(WARMUP, os.path.join(scratch, "serial"), "1", limit=args.serial_limit)  # one process
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    prefill_family = [r for r in serial["rows"] if r[0] == "prefill_sm90.cu"]
-    print(f"NVRTC {cold['nvrtc']}, CuPy {cold['cupy']}, target {cold['arch']}")
-    print("\nthe prefill family's variants, cold (each compiled alone, one after another):")
-    for _, expression, seconds in prefill_family:
-        print(f"  {seconds:6.2f} s  {expression}")
     by_source = {}
     for source, _, seconds in serial["rows"]:
         n, s = by_source.get(source, (0, 0.0))
         by_source[source] = (n + 1, s + seconds)
-    print("\nfirst use, cold cache                                   seconds")
+    print(f"NVRTC {cold['nvrtc']}, CuPy {cold['cupy']}, target {cold['arch']}")
+    print("\nfirst use, cold cache (each line a fresh process over an empty cache but for the 'then' lines)  seconds")
     print(f"  CUDA context (and CuPy's first kernel)                {first['context_s']:7.2f}")
     print(f"  first prefill call (plan + run, q 4096)               {first['prefill_s']:7.2f}   "
           f"{'+'.join(first['prefill_families'])}")
@@ -160,16 +171,24 @@ def main(argv=None):
           f"{'+'.join(first['decode_families'])}")
     print(f"  then the first mixed step (2048 + 7 decodes)          {first['mixed_s']:7.2f}   "
           f"{'+'.join(first['mixed_families'])}")
-    print(f"  warmup(): {cold['variants']} variants, empty cache, {cold['jobs']:2d} processes  {cold['total_s']:7.2f}")
-    print(f"  warmup(jobs=1): the same, one process                 {serial['total_s']:7.2f}")
+    print(f"  first decode call, the process's first call           {decode_first['decode_s']:7.2f}")
+    print(f"  warmup(): {cold['kernels']} kernels, empty cache, {cold['jobs']:2d} processes  {cold['total_s']:7.2f}")
+    if "total_s" in serial:
+        print(f"  warmup(jobs=1): the same, one process                 {serial['total_s']:7.2f}")
+    elif serial.get("skipped"):
+        print("  warmup(jobs=1): not measured here (--no-serial)")
+    else:
+        done = sum(r[2] for r in serial["rows"])
+        print(f"  warmup(jobs=1): stopped at {serial['stopped_at_s']:.0f} s: {serial['kernels_done']} of "
+              f"{cold['kernels']} kernels in {done:.2f} s")
     for source, (n, s) in sorted(by_source.items()):
-        print(f"    {source:20s} {n:3d} variants                     {s:7.2f}")
+        print(f"    {source:22s} {n:3d} kernels                      {s:7.2f}   ({s / n:.2f} s each)")
     print(f"  warmup() again in that process                        {cold['again_in_process_s']:7.2f}")
     print(f"  warmup() in a new process, warm disk cache            {warm['warm_s']:7.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"first_calls": first, "warmup_cold": cold, "warmup_serial": serial, "warmup_warm": warm}, f,
-                      indent=1)
+            json.dump({"first_calls": first, "decode_first": decode_first, "warmup_cold": cold, "warmup_serial": serial,
+                       "warmup_warm": warm}, f, indent=1)
     return 0
 
 

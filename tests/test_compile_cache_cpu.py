@@ -207,14 +207,24 @@ def test_read_only_directory_with_entries_loads_them(cache, monkeypatch):
 # ---- compile_many ----------------------------------------------------------------------------
 
 
-def test_compile_many_in_worker_processes(cache):
+def test_compile_many_in_worker_processes(cache, monkeypatch):
+    """jobs=2: this process compiles one kernel (its own worker, held here until the other worker,
+    a process, has had time to take the other two) while the worker process compiles the rest."""
     directory, compiles = cache
     seen = []
+    real = _compile._build_entry
+
+    def held(task):  # this process's worker: its first kernel, slowly
+        time.sleep(3)
+        return real(task)
+
+    monkeypatch.setattr(_compile, "_build_entry", held)
     summary = _compile.compile_many([PLAN, SMALL, SMALL_BF16, SMALL], "sm_90a", jobs=2,
                                   progress=lambda done, total, variant, status: seen.append((done, total, status)))
+    monkeypatch.setattr(_compile, "_build_entry", real)
     assert summary["kernels"] == 3 and summary["compiled"] == 3 and summary["cached"] == 0
     assert summary["jobs"] == 2 and summary["stored"] is True
-    assert compiles == []  # all three compiled in the workers, none here
+    assert compiles == [PLAN.expression]  # the first here, the other two in the worker process
     assert [s[:2] for s in seen] == [(1, 3), (2, 3), (3, 3)] and {s[2] for s in seen} == {"compiled"}
     assert entries(directory) == sorted(key_of(v) + ".cubin" for v in (PLAN, SMALL, SMALL_BF16))
     for v in (PLAN, SMALL, SMALL_BF16):
@@ -222,7 +232,7 @@ def test_compile_many_in_worker_processes(cache):
     again = _compile.compile_many([PLAN, SMALL, SMALL_BF16], "sm_90a", jobs=2, progress=False)
     assert again["compiled"] == 0 and again["cached"] == 3
     _compile.binary(SMALL, "sm_90a")
-    assert compiles == []  # what the workers wrote is what this process loads
+    assert compiles == [PLAN.expression]  # what the worker process wrote is what this process loads
 
 
 def test_compile_many_reports_a_failing_variant(cache):

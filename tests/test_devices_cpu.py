@@ -9,11 +9,12 @@ import types
 import numpy as np
 import pytest
 
-from cupy_fa import _arrays, _build, plan as _plan
+from cupy_fa import _arrays, _build, _views, plan as _plan
 
 from cupy_fa import _compile
 from cupy_fa.attention import BatchAttention
 from cupy_fa.graph import GraphRunner
+from cupy_fa.launch import check_run
 
 
 class FakeDevices:
@@ -177,22 +178,27 @@ def bound_instance(monkeypatch, device_id):
     return BatchAttention(8, 2, 128, "float16")
 
 
+def view(device_id, shape=(4, 8, 128), dtype=np.float16):
+    """A run's array as BatchAttention.run reads it (cupy_fa._views.View), on ``device_id``."""
+    return _views.View(None, 1 << 20, shape, np.dtype(dtype), device_id, True, _views.CUPY)
+
+
 def test_run_inputs_on_another_device_are_refused(monkeypatch):
     attn = bound_instance(monkeypatch, 1)
     assert attn.device_id == 1
     state = types.SimpleNamespace(num_tokens=4)
-    cache = types.SimpleNamespace(num_kv_heads=2, head_dim=128, dtype_name="float16", k=FakeView(0, (3, 16, 2, 128)))
+    cache = types.SimpleNamespace(num_kv_heads=2, head_dim=128, dtype_name="float16", device_id=0)
     with pytest.raises(ValueError, match=r"^q is on device 0, expected device 1 \(the device this BatchAttention is "
                                          r"bound to \(device=1\)\)$"):
-        attn._check_run_inputs(state, FakeView(0), cache, None, None)
+        check_run(attn, state, view(0), cache, None, None)
     with pytest.raises(ValueError, match=r"^cache is on device 0, expected device 1 \(the device this BatchAttention"):
-        attn._check_run_inputs(state, FakeView(1), cache, None, None)
-    cache.k = FakeView(1, (3, 16, 2, 128))
+        check_run(attn, state, view(1), cache, None, None)
+    cache.device_id = 1
     attn._buffers = types.SimpleNamespace(capacity=_plan.Capacity(4, 4, 1))
     with pytest.raises(ValueError, match=r"^out is on device 2, expected device 1"):
-        attn._check_run_inputs(state, FakeView(1), cache, FakeView(2), None)
+        check_run(attn, state, view(1), cache, view(2), None)
     with pytest.raises(ValueError, match=r"^lse is on device 0, expected device 1"):
-        attn._check_run_inputs(state, FakeView(1), cache, None, FakeView(0, (4, 8), np.float32))
+        check_run(attn, state, view(1), cache, None, view(0, (4, 8), np.float32))
 
 
 def test_device_metadata_on_another_device_is_refused_before_staging(monkeypatch):
@@ -200,18 +206,20 @@ def test_device_metadata_on_another_device_is_refused_before_staging(monkeypatch
     in plan.check_step, before a byte is staged."""
     parsed = {"q_lens": FakeView(1, (3,), np.int32), "kv_lens": FakeView(1, (3,), np.int32),
               "page_table": FakeView(1, (3, 4), np.int32)}
-    monkeypatch.setattr(_arrays, "caller_stream", lambda *a, device_id=None: contextlib.nullcontext())
-    monkeypatch.setattr(_arrays, "host_or_device_ints", lambda x, name, ndim: (None, parsed[name]))
+    monkeypatch.setattr(_arrays, "require_cuda", lambda: None)
+    monkeypatch.setattr(_views, "caller_stream", lambda xs, device_id: contextlib.nullcontext())
+    monkeypatch.setattr(_arrays, "host_or_device_ints", lambda x, name, ndim, keep_dtype=False: (None, parsed[name]))
     step = _plan.check_step("q", "kv", "pt", max_q_len=4, device_id=1)
     assert step.batch == 3 and not step.on_host
     for name in parsed:
         moved = dict(parsed, **{name: FakeView(0, parsed[name].shape, np.int32)})
-        monkeypatch.setattr(_arrays, "host_or_device_ints", lambda x, n, ndim, moved=moved: (None, moved[n]))
+        monkeypatch.setattr(_arrays, "host_or_device_ints",
+                            lambda x, n, ndim, keep_dtype=False, moved=moved: (None, moved[n]))
         with pytest.raises(ValueError, match=rf"^{name} is on device 0, expected device 1 \(bound here\)$"):
             _plan.check_step("q", "kv", "pt", max_q_len=4, device_id=1, bound="bound here")
     mask = FakeView(0, (48,), np.uint8)
     mask.ravel = lambda: mask
-    monkeypatch.setattr(_arrays, "host_or_device_ints", lambda x, name, ndim: (None, parsed[name]))
+    monkeypatch.setattr(_arrays, "host_or_device_ints", lambda x, name, ndim, keep_dtype=False: (None, parsed[name]))
     monkeypatch.setattr(_arrays, "to_cupy", lambda x, name: mask)
     monkeypatch.setattr(_arrays, "host_to_numpy", lambda x: x)
     with pytest.raises(ValueError, match=r"^custom_mask is on device 0, expected device 1"):

@@ -268,7 +268,7 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
 
 class _Buf:
     """A stand-in device buffer: a distinct pointer, and a shape."""
-    _next = [0x10000]
+    _next = [1 << 40]  # device addresses above 4 GiB, as on a GPU
 
     def __init__(self, shape=(1,)):
         self.shape = shape
@@ -294,11 +294,12 @@ def recorded_launches(monkeypatch, head_dim, h_q, h_kv, q_lens, kv_lens, target,
     state = plan.PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None,
                            300, 0, None, window=window, soft_cap=soft_cap)
     calls = []
-    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
-                        calls.append((kernel, tuple(grid), params, programmatic)))
+    monkeypatch.setattr(_build, "launch_packed", lambda launch, stream_ptr: calls.append(
+        (launch.kernel, launch.grid, launch.packed[0].copy(), launch.programmatic)))
     cache = types.SimpleNamespace(k=_Buf(), v=_Buf(), page_size=16, num_pages=1000, is_fp8=False)
     cache.attention_params = types.MethodType(PagedKVCache.attention_params, cache)  # the cache's kernel parameters
-    attn._launcher.launch(state, attn._buffers, cache, _Buf(), _Buf(), _Buf(), int(np.sum(q_lens)), None, sinks)
+    attn._launcher.launch(state, attn._buffers, cache, _Buf().data.ptr, _Buf().data.ptr, _Buf().data.ptr,
+                          int(np.sum(q_lens)), 7, sinks.data.ptr if sinks is not None else 0, 0)
     return attn, sched, calls
 
 

@@ -101,8 +101,9 @@ def test_demo_no_gpu_compile_is_cached(monkeypatch, tmp_path):
     calls = []
     some = catalog.all_kernels()[:3]
 
-    def fake_compile_all(arch="sm_90a", only="", jobs=None, progress=None):
+    def fake_compile_all(arch="sm_90a", only="", jobs=None, progress=None, kernels=None):
         calls.append(arch)
+        assert kernels == demo.demo_kernels(arch)  # the first-use set, not every kernel
         return [(v, {"registers": 40 + i, "spill_stores": 0, "spill_loads": 0, "stack": 0}, 0.5) for i, v in
                 enumerate(some)]
 

@@ -17,7 +17,7 @@ A100 = dict(smem_limit=163 * 1024, sm_count=108, arch="sm_80")
 
 
 class _Buf:
-    _next = [0x7F3A_0000_0000]  # device addresses past 2**32, as CUDA hands them out
+    _next = [1 << 40]  # device addresses above 4 GiB, as on a GPU
 
     def __init__(self, shape=(1,)):
         self.shape = shape
@@ -28,6 +28,14 @@ class _Buf:
 def fields(params):
     """Every field of a params struct, by name (its padding bytes are no field)."""
     return tuple((name, params[name].item()) for name in params.dtype.names)
+
+
+def record(calls, keep=lambda *call: call):
+    """A stand-in for _build.launch_packed: the launch's kernel, grid, struct fields (its bytes
+    as they are at the launch) and whether it is programmatic, on the stream it was given."""
+    def launch_packed(launch, stream_ptr):
+        calls.append(keep(launch.kernel, launch.grid, fields(launch.packed[0]), launch.programmatic))
+    return launch_packed
 
 
 def _cache(page_size):
@@ -57,8 +65,7 @@ def test_every_run_launches_the_full_fill(monkeypatch, q_lens, kv_lens, target, 
     state = plan.PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300,
                            0, None, window=window, soft_cap=soft_cap)
     calls = []
-    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
-                        calls.append((kernel, tuple(grid), fields(params), programmatic)))
+    monkeypatch.setattr(_build, "launch_packed", record(calls))
     caches = [_cache(16), _cache(1), _cache(64)]
     runs = [(caches[0], None, sum(q_lens)), (caches[0], _Buf(), sum(q_lens)), (caches[1], None, sum(q_lens)),
             (caches[2], _Buf(), max(sum(q_lens) - 1, 1)), (caches[2], None, sum(q_lens)), (caches[0], None, sum(q_lens))]
@@ -66,8 +73,8 @@ def test_every_run_launches_the_full_fill(monkeypatch, q_lens, kv_lens, target, 
     for cache, sinks, tokens in runs:
         q, out, lse = _Buf(), _Buf(), _Buf()
         calls.clear()
-        attn._launcher.launch(state, buffers, cache, q, out, lse, tokens, None, sinks)
         sinks_ptr = sinks.data.ptr if sinks is not None else 0
+        attn._launcher.launch(state, buffers, cache, q.data.ptr, out.data.ptr, lse.data.ptr, tokens, 7, sinks_ptr, 0)
         hooked = bool(window or soft_cap or sinks_ptr)
         want = []
         for launch in launches:
@@ -78,7 +85,7 @@ def test_every_run_launches_the_full_fill(monkeypatch, q_lens, kv_lens, target, 
         if sched.needs_merge:
             shape, grid = schedule.merge_grid(tokens, 32)
             merge = attn._launcher.merge_params(state, buffers, out=out.data.ptr, lse=lse.data.ptr, sinks=sinks_ptr)
-            want.append((catalog.merge_kernel("bfloat16", 128, shape), grid, fields(merge), True))
+            want.append((catalog.merge_kernel("bfloat16", 128, shape), tuple(grid), fields(merge), True))
         assert calls == want
     assert len(calls) == len(launches) + int(sched.needs_merge) >= 1
 
@@ -87,17 +94,63 @@ def test_a_new_plan_packs_anew(monkeypatch):
     """The packed structs belong to one plan and its buffers: a later plan (or grown buffers) packs its own."""
     attn = BatchAttention(32, 8, 128, "bfloat16")
     calls = []
-    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
-                        calls.append(fields(params)))
+    monkeypatch.setattr(_build, "launch_packed", record(calls, lambda kernel, grid, params, programmatic: params))
     names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
              "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
     one, two = (types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((1, 300))) for _ in range(2))
     sched = schedule.schedule_step(128, 4, 8, q_lens=[1], kv_lens=[4096], **H200)
     state = plan.PlanState(1, 1, sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300, 0, None)
     cache, q, out = _cache(16), _Buf(), _Buf()
-    attn._launcher.launch(state, one, cache, q, out, None, 1, None)
-    attn._launcher.launch(state, two, cache, q, out, None, 1, None)
+    attn._launcher.launch(state, one, cache, q.data.ptr, out.data.ptr, 0, 1, 7, 0, 0)
+    attn._launcher.launch(state, two, cache, q.data.ptr, out.data.ptr, 0, 1, 7, 0, 0)
     assert calls[0] != calls[1] and state.prepared.buffers is two
+
+
+def test_a_plan_of_the_same_shape_shares_the_prepared_step(monkeypatch):
+    """A prepared step matches a later plan on the same buffers and device whose schedule, batch,
+    mask, scale, page-table columns and stride, mask entries and variants are all the same (what
+    BatchAttention.plan_staged reuses), and no other."""
+    import dataclasses
+
+    attn = BatchAttention(32, 8, 128, "bfloat16")
+    monkeypatch.setattr(_build, "launch_packed", lambda launch, stream_ptr: None)
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((64, 300)))
+    sched = schedule.schedule_step(128, 4, 8, q_lens=[1] * 64, kv_lens=[4096] * 64, **H200)
+    state = plan.PlanState(64, 64, sched, plan.MASK_CAUSAL, 0.088, None, None, None, 256, 0, None,
+                           page_table_stride=256)
+    attn._launcher.launch(state, buffers, _cache(16), 1 << 41, 1 << 42, 0, 64, 7, 0, 0)
+    prepared = state.prepared
+    same = dataclasses.replace(state, prepared=None, stream_ptr=9, checked_geometry=set())
+    assert prepared.matches(same, buffers, 0)
+    again = schedule.schedule_step(128, 4, 8, q_lens=[1] * 64, kv_lens=[4001] * 64, **H200)  # an equal schedule
+    assert prepared.matches(dataclasses.replace(same, schedule=again), buffers, 0)
+    for change in (dict(sm_scale=0.1), dict(batch_size=63), dict(page_table_columns=255), dict(page_table_stride=300),
+                   dict(mask_mode=plan.MASK_NONE), dict(window=64), dict(soft_cap=30.0), dict(mask_entries=4),
+                   dict(schedule=schedule.schedule_step(128, 4, 8, q_lens=[1] * 64, kv_lens=[40960] * 64, **H200))):
+        assert not prepared.matches(dataclasses.replace(same, **change), buffers, 0), change
+    assert not prepared.matches(same, types.SimpleNamespace(**vars(buffers)), 0)
+    assert not prepared.matches(same, buffers, 1)
+
+
+def test_an_fp8_plan_prepares_without_the_hooked_kernels(monkeypatch):
+    """An fp8 cache's kernels have no build with the variant hooks (catalog.attention_kernel refuses
+    one): its prepared step holds the plain launches only, and runs them."""
+    attn = BatchAttention(32, 8, 128, "bfloat16", kv_dtype="float8_e4m3fn")
+    calls = []
+    monkeypatch.setattr(_build, "launch_packed", record(calls, lambda kernel, grid, params, programmatic: kernel))
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((8, 300)))
+    sched = schedule.schedule_step(128, 4, 8, q_lens=[1] * 8, kv_lens=[8192] * 8, kv_bytes=1, **H200)
+    state = plan.PlanState(8, 8, sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300, 0, None)
+    cache = _cache(16)
+    cache.is_fp8 = False  # (its scale fields read as 0 here: only the launches are checked)
+    attn._launcher.launch(state, buffers, cache, 1 << 41, 1 << 42, 0, 8, 7, 0, 0)
+    assert all(hooked is None for _, hooked, _ in state.prepared.attention)
+    assert calls and all(k == catalog.attention_kernel(attn._types, x.tile) for k, x in
+                         zip(calls, [x for x in sched.launches if x.work_grid > 0]))
 
 
 @pytest.mark.parametrize("q_lens,kv_lens", [([1] * 64, [4096] * 64), ([4096, 1], [4096, 3000]), ([4, 4], [900, 5000])])
@@ -112,11 +165,10 @@ def test_an_fp8_cache_packs_and_launches_its_plain_kernels(monkeypatch, q_lens, 
     state = plan.PlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.088, None, None, None, 300, 0,
                            None)
     calls = []
-    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
-                        calls.append(kernel))
+    monkeypatch.setattr(_build, "launch_packed", record(calls, lambda kernel, grid, params, programmatic: kernel))
     cache = _cache(16)
     cache.is_fp8, cache.k_scale_device, cache.v_scale_device = True, _Buf(), _Buf()
-    attn._launcher.launch(state, buffers, cache, _Buf(), _Buf(), _Buf(), int(np.sum(q_lens)), None)
+    attn._launcher.launch(state, buffers, cache, 1 << 41, 1 << 42, 1 << 43, int(np.sum(q_lens)), 7, 0, 0)
     types_ = attn._types
     launches = [x for x in sched.launches if x.work_grid > 0]
     assert calls[:len(launches)] == [catalog.attention_kernel(types_, x.tile) for x in launches]

@@ -280,14 +280,15 @@ def test_launch_step_fills_every_field(monkeypatch, heads, q_lens, kv_lens, arch
 
     from cupy_fa import _build, plan
     from cupy_fa.mla import launch as mla_launch
-    from cupy_fa.mla.plan import MlaPlanBuffers, MlaPlanState
+    from cupy_fa.mla.plan import MlaPlanState, plan_params
 
     names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
              "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
     buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
     sched = mla_schedule.schedule_step(heads, False, arch, q_lens=np.array(q_lens), kv_lens=np.array(kv_lens))
     step = types.SimpleNamespace(page_columns=300)
-    state = MlaPlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.0721, step, None, None)
+    state = MlaPlanState(len(q_lens), int(np.sum(q_lens)), sched, plan.MASK_CAUSAL, 0.0721, step, None, None,
+                         page_table_stride=177)
     cache = types.SimpleNamespace(kernel_fields=lambda: dict(cache=0xCAC0, page_size=64, page_shift=6, num_pages=999,
                                                              kv_scale=0))
     calls = []
@@ -301,6 +302,7 @@ def test_launch_step_fills_every_field(monkeypatch, heads, q_lens, kv_lens, arch
     for (kernel, _, params, programmatic), launch in zip(attention, sched.launches):
         assert kernel == family.kernel("bfloat16", launch.tile) and not programmatic
         assert params["num_heads"] == heads and params["cache"] == 0xCAC0 and params["page_shift"] == 6
+        assert params["page_table_stride"] == 177  # stage_inputs' dense rows, not the buffer's width
         assert params["q_pe"] - params["q_nope"] == 1024 and params["q_nope_token_stride"] == heads * 576
         assert abs(params["sm_scale_log2"] - 0.0721 * 1.4426950408889634) < 1e-6
         two_lists = len(sched.launches) == 2
@@ -315,7 +317,7 @@ def test_launch_step_fills_every_field(monkeypatch, heads, q_lens, kv_lens, arch
     # the plan kernel's constants for this schedule
     fake = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
     fake.partial_out = _Buf((5000, heads, 512))
-    params = MlaPlanBuffers.mla_plan_params(fake, len(q_lens), heads, sched, 300, 5000)
+    params = plan_params(fake, len(q_lens), heads, sched, 300, 5000)
     assert params["group_size"] == heads and params["split_size"] == mla_schedule.SPLIT_SIZE
     assert params["long_q_len"] == (17 if len(sched.launches) == 2 else 2**31 - 1)
     assert params["block_m"] == (sched.small or sched.long).tile.block_m and params["partial_capacity"] == 5000

@@ -25,7 +25,7 @@ from ..families import mla as family
 from . import schedule as _schedule
 from .cache import PagedLatentCache, check_rows
 from .launch import launch_step
-from .plan import MlaPlanBuffers, MlaPlanState
+from .plan import MlaPlanState, plan_buffers, plan_params
 
 DEFAULT_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's qk head (nope 128 + rope 64) before absorption
 
@@ -89,9 +89,9 @@ class MLAAttention:
         self._busy = threading.Lock()
         if self._fixed:
             with self.device_scope():
-                self._buffers = MlaPlanBuffers(_plan.Capacity(int(max_batch_size), int(max_num_tokens),
-                                                              int(max_pages_per_request), int(max_mask_bytes)),
-                                               self.num_heads, self.dtype_name, self._workspace)
+                self._buffers = plan_buffers(_plan.Capacity(int(max_batch_size), int(max_num_tokens),
+                                                            int(max_pages_per_request), int(max_mask_bytes)),
+                                             self.num_heads, self.dtype_name, self._workspace)
 
     @property
     def kv_fp8(self):
@@ -156,9 +156,9 @@ class MLAAttention:
             tokens = step.num_tokens if step.num_tokens is not None else (0 if self._fixed else step.batch * step.max_q_len)
             with stream:
                 self._ensure_capacity(step, tokens, capturing)
-                _plan.stage_inputs(self._buffers, step)
+                stride = _plan.stage_inputs(self._buffers, step, stream=stream)  # dense rows, `stride` apart
             mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
-            self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check)
+            self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, stride)
         state = self._plan
         if state.check and state.done is not None:
             self._raise_on_bad("plan")
@@ -184,10 +184,10 @@ class MLAAttention:
         base = buffers.capacity if buffers is not None else _plan.Capacity(1, 1, 1, 0)
         if buffers is not None:
             self._retired.append(buffers)  # a run in flight may still read them
-        self._buffers = MlaPlanBuffers(base.grown_to(step.batch, tokens, step.page_columns, mask), self.num_heads,
-                                       self.dtype_name, self._workspace)
+        self._buffers = plan_buffers(base.grown_to(step.batch, tokens, step.page_columns, mask), self.num_heads,
+                                     self.dtype_name, self._workspace)
 
-    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check):
+    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check, page_table_stride):
         buffers = self._buffers
         arch = _build.current_arch(self.device_id)
         if step.on_host:
@@ -198,14 +198,15 @@ class MLAAttention:
                                             max_kv_len=max_kv_len, capacity=buffers.capacity)
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
         with stream:
-            params = buffers.mla_plan_params(step.batch, self.num_heads, sched, step.max_q_len, min(kv_bound, 2**31 - 1))
+            params = plan_params(buffers, step.batch, self.num_heads, sched, step.max_q_len, min(kv_bound, 2**31 - 1))
             from .. import catalog
 
             _build.launch(catalog.PLAN_KERNEL, (1,), params, stream)
         done = None if stream.is_capturing() else stream.record()
         self._plan = MlaPlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale, step, stream, done,
                                   mask_entries=step.mask_bytes if step.has_mask else 0,
-                                  check=_knobs.knobs().debug if check is None else bool(check))
+                                  check=_knobs.knobs().debug if check is None else bool(check),
+                                  page_table_stride=page_table_stride)
 
     # ---- run --------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ def attention_params(state, buffers, launch, num_heads, head_div, cache, q, out,
         mask_indptr=buffers.mask_indptr.data.ptr, status=buffers.status.data.ptr,
         q_nope_token_stride=nope_strides[0], q_nope_head_stride=nope_strides[1],
         q_pe_token_stride=pe_strides[0], q_pe_head_stride=pe_strides[1],
-        batch_size=state.batch_size, num_heads=num_heads, page_table_stride=buffers.page_table.shape[1],
+        batch_size=state.batch_size, num_heads=num_heads, page_table_stride=state.page_table_stride,
         mask_mode=state.mask_mode, sm_scale_log2=np.float32(state.sm_scale * LOG2E),
         head_multiplier=head_div[0], head_shift=head_div[1], page_table_columns=state.step.page_columns,
         num_tokens=num_tokens, mask_entries=state.mask_entries, **cache.kernel_fields())

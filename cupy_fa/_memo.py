@@ -1,0 +1,63 @@
+"""What a plan reuses of the plans before it: the schedule of a step of the same shape.
+
+``schedule.schedule_step`` is pure policy (no device), but it costs tens of microseconds of NumPy
+per call. A decode step's lengths change every step while its schedule changes every few hundred
+(when a request crosses a split boundary), so a :class:`ScheduleMemo` keeps the last schedules of
+an instance, keyed by exactly what the policy reads:
+
+* host lengths: ``q_lens`` and ``ceil(kv_len / split_size)`` per request (of each request's window
+  span where a sliding window cuts its keys). Every count the host policy derives from ``kv_len``
+  (``schedule.max_splits``: the splits a request gets, ``work_bound``, ``needs_merge``,
+  ``fold_tile``) is a function of that quotient and ``q_len``, so two batches of one key plan
+  alike (``tests/test_schedule_cpu.py`` holds memoised schedules to fresh ones over random
+  batches);
+* device lengths: the bounds (``max_q_len``, ``max_kv_len``), the capacity and the batch size;
+
+and the window, the device (shared memory, SMs, arch) and the knobs in force (a knob change
+empties the memo).
+"""
+
+from . import schedule
+from .knobs import knobs
+
+SIZE = 64  # schedules kept per instance (oldest out first)
+
+
+class ScheduleMemo:
+    """``schedule.schedule_step`` for one attention shape (head dim, group, KV heads, KV element
+    bytes), with the schedules of the last :data:`SIZE` keys kept."""
+
+    def __init__(self, head_dim, group_size, num_kv_heads, kv_bytes):
+        self.shape = (head_dim, group_size, num_kv_heads)
+        self.kv_bytes = kv_bytes
+        self._found, self._knobs = {}, None
+        self.hits = self.misses = 0
+
+    def step(self, q_lens=None, kv_lens=None, *, max_q_len=None, max_kv_len=None, capacity=None, batch_size=None,
+             smem_limit, sm_count, arch, window=0):
+        """What ``schedule.schedule_step`` gives for these arguments (host lengths ``q_lens`` /
+        ``kv_lens`` as int64 arrays, or device-length bounds)."""
+        k = knobs()
+        if k is not self._knobs:
+            self._found, self._knobs = {}, k
+        device = (smem_limit, sm_count, arch, window)
+        if q_lens is not None:
+            spans = kv_lens if not window else schedule.window_spans(q_lens, kv_lens, window, self.kv_bytes)
+            split = schedule.split_size(self.kv_bytes)
+            key = (device, q_lens.tobytes(), ((spans + (split - 1)) // split).tobytes())
+        else:
+            key = (device, max_q_len, max_kv_len, capacity, batch_size)
+        found = self._found.get(key)
+        if found is not None:
+            self.hits += 1
+            return found
+        self.misses += 1
+        found = schedule.schedule_step(*self.shape, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len,
+                                       max_kv_len=max_kv_len, capacity=capacity, batch_size=batch_size,
+                                       smem_limit=smem_limit, sm_count=sm_count, arch=arch, kv_bytes=self.kv_bytes,
+                                       window=window)
+        if len(self._found) >= SIZE:
+            del self._found[next(iter(self._found))]
+        self._found[key] = found
+        return found
+

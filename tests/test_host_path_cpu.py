@@ -1,0 +1,274 @@
+"""The host path of plan / run / GraphRunner without a GPU: what each keeps from one call to the
+next is what a fresh computation gives. The packed-field writers against whole-struct fills
+(pointers above 4 GiB included); the plan kernel's struct, rewritten in place step after step,
+against a full fill; memoised schedules against fresh ones over random batches; the bytes and
+layout one staging copies over (a fake runtime records them); a prepared step shared between plans
+of one shape only; a View's one-comparison check against check_device_array's."""
+
+import itertools
+import types
+
+import numpy as np
+import pytest
+
+from cupy_fa import _arrays, _build, _memo, _params, _views, catalog, knobs, plan, schedule
+from cupy_fa.families.common import SMEM_LIMIT
+
+H200 = dict(smem_limit=SMEM_LIMIT, sm_count=132, arch="sm_90a")
+
+
+# ---- the packed-field writers ----------------------------------------------------------------
+
+
+def fields(record):
+    """Every field of a packed struct by name (its padding bytes are no field: NumPy leaves them as
+    they come)."""
+    record = record[0] if record.shape else record
+    return tuple((name, record[name].item()) for name in record.dtype.names)
+
+
+@pytest.mark.parametrize("name", sorted(_params.DTYPES))
+def test_field_setter_writes_what_a_full_fill_gives(name):
+    """Any subset of a struct's fields, in its order, written into a packed struct: the bytes a
+    full fill with those values gives (8-byte pointers above 4 GiB, int32s, floats)."""
+    dtype = _params.DTYPES[name]
+    rng = np.random.default_rng(7)
+
+    def value(field):
+        kind = dtype.fields[field][0].kind
+        if kind == "f":
+            return float(np.float32(rng.normal()))
+        if dtype.fields[field][0].itemsize == 8:
+            return int(rng.integers(1 << 40, 1 << 48))
+        return int(rng.integers(-1000, 1000)) if kind == "i" else int(rng.integers(0, 1 << 31))
+
+    names = list(dtype.names)
+    for subset in (names, names[::2], names[1:4], names[-3:]):
+        before = {f: value(f) for f in names}
+        packed = np.array([_params.make(name, **before)], dtype)
+        after = dict(before, **{f: value(f) for f in subset})
+        _params.field_setter(name, subset)(packed.data.cast("B"), [after[f] for f in subset])
+        assert fields(packed) == fields(np.array([_params.make(name, **after)], dtype)), subset
+
+
+# ---- the plan kernel's struct ----------------------------------------------------------------
+
+
+class _Buf:
+    _next = [1 << 40]
+
+    def __init__(self, shape=(1,)):
+        self.shape = shape
+        self.data = types.SimpleNamespace(ptr=_Buf._next[0])
+        _Buf._next[0] += 1 << 20
+
+
+def fake_buffers(batch=64, pages=300, rows=4096):
+    buffers = plan.PlanBuffers.__new__(plan.PlanBuffers)
+    for name in ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "num_splits", "split_keys",
+                 "partial_indptr", "mask_indptr", "status", "key_base", "custom_mask", "partial_lse"):
+        setattr(buffers, name, _Buf())
+    buffers.partial_out, buffers.page_table = _Buf((rows, 32, 128)), _Buf((batch, pages))
+    buffers.capacity, buffers.device_id = plan.Capacity(batch, batch * 16, pages), 0
+    buffers._plan_launch = buffers._plan_tiles = None
+    return buffers
+
+
+def test_plan_struct_rewritten_in_place_is_the_full_fill(monkeypatch):
+    """Step after step (other tiles, both families, windows, bounds), the plan kernel's packed struct
+    holds exactly PlanBuffers.plan_params' fields for that step; knobs in force change its constants."""
+    buffers = fake_buffers()
+    steps = []
+    for q, kv, window in (([1] * 64, [4096] * 64, 0), ([1, 2048, 4], [4096, 4096, 300], 0), ([4096], [4096], 0),
+                          ([4] * 8, [9000] * 8, 700), ([1], [131072], 0)):
+        sched = schedule.schedule_step(128, 4, 8, q_lens=q, kv_lens=kv, window=window, **H200)
+        tile, long_tile = sched.plan_tiles()
+        steps.append((len(q), tile, long_tile, max(q), max(kv), window))
+    for batch, tile, long_tile, max_q, max_kv, window in steps + steps[::-1]:
+        launch = buffers.plan_launch(batch, 4, tile, long_tile, max_q, max_kv, window)
+        assert launch.kernel == catalog.PLAN_KERNEL and launch.grid == (1,)
+        want = buffers.plan_params(batch, 4, tile, long_tile, max_q, max_kv, window)
+        assert fields(launch.packed) == fields(np.array([want]))
+    monkeypatch.setenv("CUPY_FA_SPLIT_SIZE", "1024")
+    knobs.reload()
+    batch, tile, long_tile, max_q, max_kv, window = steps[0]
+    launch = buffers.plan_launch(batch, 4, tile, long_tile, max_q, max_kv, window)
+    assert launch.packed[0]["split_size"] == 1024
+    assert fields(launch.packed) == fields(np.array([buffers.plan_params(batch, 4, tile, long_tile, max_q, max_kv,
+                                                                         window)]))
+
+
+# ---- memoised schedules ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_bytes,window", [(2, 0), (2, 1000), (1, 0)])
+def test_memoised_schedules_are_fresh_ones(kv_bytes, window):
+    """Over random batches (decode, verify, prefill, mixed; lengths moved within and across split
+    boundaries), each memoised schedule equals schedule.schedule_step's, and a batch whose lengths
+    moved within their splits hits the memo."""
+    rng = np.random.default_rng(11 + kv_bytes + window)
+    memo = _memo.ScheduleMemo(128, 4, 8, kv_bytes)
+    split = schedule.split_size(kv_bytes)
+    for trial in range(60):
+        b = int(rng.integers(1, 40))
+        q = rng.choice([1, 1, 4, 8, 16, 17, 300, 2048], size=b).astype(np.int64)
+        kv = (q + rng.integers(0, 20000, size=b)).astype(np.int64)
+        for moved in (kv, kv + (split - 1 - (kv - 1) % split) * (kv % split != 0), kv + 1, kv + split):
+            moved = np.maximum(moved, q)
+            fresh = schedule.schedule_step(128, 4, 8, q_lens=q, kv_lens=moved, kv_bytes=kv_bytes, window=window,
+                                           **H200)
+            assert memo.step(q, moved, window=window, **H200) == fresh, (q, moved)
+    hits = memo.hits
+    q, kv = np.ones(8, np.int64), np.full(8, 3 * split + 5, np.int64)
+    memo.step(q, kv, window=window, **H200)
+    memo.step(q, kv + 1, window=window, **H200)  # one more token in the same split: the same schedule
+    assert memo.hits == hits + 1
+
+
+def test_memoised_device_length_schedules():
+    memo = _memo.ScheduleMemo(128, 4, 8, 2)
+    cap = plan.Capacity(64, 512, 256)
+    for max_q, max_kv, batch in itertools.product((1, 8, 300), (4096, None), (1, 64)):
+        fresh = schedule.schedule_step(128, 4, 8, max_q_len=max_q, max_kv_len=max_kv, capacity=cap, batch_size=batch,
+                                       **H200)
+        assert memo.step(max_q_len=max_q, max_kv_len=max_kv, capacity=cap, batch_size=batch, **H200) == fresh
+        assert memo.step(max_q_len=max_q, max_kv_len=max_kv, capacity=cap, batch_size=batch, **H200) is not None
+
+
+# ---- staging: what one copy carries -------------------------------------------------------------
+
+
+class FakeDevice:
+    """Device memory at fake addresses, and a runtime whose copies and memsets move real bytes in
+    it (host sources read at their NumPy address), so a test reads back what staging wrote."""
+
+    def __init__(self, monkeypatch):
+        import cupy
+
+        self.memory, self.calls = {}, []
+        runtime = cupy.cuda.runtime
+        monkeypatch.setattr(runtime, "memcpyAsync", self.memcpy)
+        monkeypatch.setattr(runtime, "memsetAsync", self.memset)
+        monkeypatch.setattr(runtime, "memcpy2DAsync", self.memcpy2d)
+        monkeypatch.setattr(_build, "memset_d2d32", self.memset_d2d32)
+        self._host = {}
+
+    def array(self, shape, dtype=np.int32):
+        host = np.zeros(shape, dtype)
+        ptr = host.__array_interface__["data"][0]
+        self.memory[ptr] = host
+        view = types.SimpleNamespace(shape=host.shape, dtype=host.dtype, host=host, nbytes=host.nbytes,
+                                     data=types.SimpleNamespace(ptr=ptr, device_id=0),
+                                     flags=types.SimpleNamespace(c_contiguous=True))
+        return view
+
+    def _bytes(self, ptr, size):
+        import ctypes
+
+        return (ctypes.c_char * size).from_address(ptr)
+
+    def memcpy(self, dst, src, size, kind, stream):
+        self.calls.append(("memcpy", kind, size))
+        self._bytes(dst, size)[:] = bytes(self._bytes(src, size))
+
+    def memset(self, ptr, value, size, stream):
+        self.calls.append(("memset", size))
+        self._bytes(ptr, size)[:] = bytes([value]) * size
+
+    def memcpy2d(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        self.calls.append(("memcpy2d", width, height))
+        for row in range(height):
+            self._bytes(dst + row * dpitch, width)[:] = bytes(self._bytes(src + row * spitch, width))
+
+    def memset_d2d32(self, ptr, pitch, value, width, height, stream_ptr):
+        self.calls.append(("memset2d", width, height))
+        for row in range(height):
+            np.frombuffer(self._bytes(ptr + row * pitch, 4 * width), np.int32)[:] = value
+
+
+def staged_buffers(device, batch, pages):
+    buffers = plan.PlanBuffers.__new__(plan.PlanBuffers)
+    lengths = device.array(2 * batch)
+    buffers.lengths = lengths
+    buffers.q_lens = types.SimpleNamespace(data=types.SimpleNamespace(ptr=lengths.data.ptr))
+    buffers.kv_lens = types.SimpleNamespace(data=types.SimpleNamespace(ptr=lengths.data.ptr + 4 * batch))
+    buffers.page_table = device.array((batch, pages))
+    buffers.capacity = plan.Capacity(batch, 16 * batch, pages)
+    buffers.host_lengths = np.zeros(2 * batch, np.int32)
+    buffers.host_lengths_ptr = buffers.host_lengths.ctypes.data
+    buffers.staged_batch = 0
+    buffers.custom_mask = None
+    return buffers
+
+
+def test_host_step_staged_in_one_copy_each(monkeypatch):
+    """Host lengths: one copy of q_lens (zeros past the batch, also after a larger batch) and kv_lens;
+    the page table: one copy, dense (rows page_columns apart), for an eager plan; at the buffers'
+    width with -1 past the caller's columns for a graph step, padding rows of q_len = kv_len = 0."""
+    device = FakeDevice(monkeypatch)
+    buffers = staged_buffers(device, 8, 6)
+    stream = types.SimpleNamespace(ptr=5)
+    for q, kv, table in (([1, 3, 2, 1, 1], [10, 30, 20, 5, 7], np.arange(20).reshape(5, 4)),
+                         ([2, 1], [9, 40], np.arange(6, dtype=np.int32).reshape(2, 3))):
+        device.calls.clear()
+        step = plan.check_step(np.array(q), np.array(kv), table)
+        stride = plan.stage_inputs(buffers, step, stream=stream)
+        lengths = buffers.lengths.host
+        assert lengths[:8].tolist() == q + [0] * (8 - len(q)) and lengths[8:8 + len(kv)].tolist() == kv
+        assert stride == table.shape[1]
+        assert buffers.page_table.host.ravel()[:table.size].tolist() == table.ravel().tolist()
+        assert [c[0] for c in device.calls] == ["memcpy", "memcpy"]
+    buffers.page_table.host[:] = 99
+    step = plan.check_step(np.array([1, 1]), np.array([3, 4]), np.array([[5, 6], [7, 8]]))
+    device.calls.clear()
+    stride = plan.stage_inputs(buffers, step, pad_to=4, stream=stream)
+    lengths = buffers.lengths.host  # (kv_lens past the padded batch are never read)
+    assert stride == 6 and lengths[:8].tolist() == [1, 1, 0, 0, 0, 0, 0, 0] and lengths[8:12].tolist() == [3, 4, 0, 0]
+    assert buffers.page_table.host[:2].tolist() == [[5, 6, -1, -1, -1, -1], [7, 8, -1, -1, -1, -1]]
+    assert [c[0] for c in device.calls] == ["memcpy", "memcpy"]
+
+
+def test_device_step_staged_device_to_device(monkeypatch):
+    device = FakeDevice(monkeypatch)
+    buffers = staged_buffers(device, 8, 6)
+    stream = types.SimpleNamespace(ptr=5)
+    q, kv, table = device.array(3), device.array(3), device.array((3, 4))
+    q.host[:], kv.host[:], table.host[:] = [1, 2, 1], [7, 8, 9], np.arange(12).reshape(3, 4)
+    buffers.lengths.host[:] = 77
+    step = plan.StepInputs(3, None, q, None, kv, None, table, None, None, None, 2, 12, stream)
+    stride = plan.stage_inputs(buffers, step, pad_to=4, stream=stream)  # a graph step: width 6, row 3 padding
+    assert stride == 6 and buffers.lengths.host[:4].tolist() == [1, 2, 1, 0]
+    assert buffers.lengths.host[8:12].tolist() == [7, 8, 9, 0]
+    assert buffers.page_table.host[:3].tolist() == [[4 * r + c for c in range(4)] + [-1, -1] for r in range(3)]
+    assert sorted(c[0] for c in device.calls) == ["memcpy", "memcpy", "memcpy2d", "memset", "memset", "memset2d"]
+    device.calls.clear()
+    stride = plan.stage_inputs(buffers, step, stream=stream)  # an eager plan: dense
+    assert stride == 4 and buffers.page_table.host.ravel()[:12].tolist() == list(range(12))
+    assert [c[0] for c in device.calls] == ["memcpy", "memcpy", "memcpy"]
+
+
+# ---- views ---------------------------------------------------------------------------------------
+
+
+def test_view_fits_exactly_when_check_device_array_passes():
+    """View.fits is the conjunction of check_device_array's checks (dtype, shape, contiguity,
+    alignment, device): over every combination, fits is True iff the full check raises nothing."""
+    bf16 = _arrays.DTYPES["bfloat16"]
+    want = (4, 8, 128)
+    cases = itertools.product((bf16, np.dtype(np.float16)), (want, (5, 8, 128), (4, 8)), (True, False),
+                              (1 << 20, (1 << 20) + 8, (1 << 20) + 2), (0, 1))
+    for dtype, shape, contiguous, ptr, device in cases:
+        view = _views.View(None, ptr, shape, dtype, device, contiguous, _views.CUPY)
+        try:
+            _arrays.check_device_array(view, "q", dtype="bfloat16", ndim=3, shape=want, device_id=0, align=16)
+            passed = True
+        except (TypeError, ValueError):
+            passed = False
+        assert view.fits(bf16, want, 0, 16) == passed, (dtype, shape, contiguous, ptr, device)
+
+
+def test_views_refuse_host_arrays_as_before():
+    with pytest.raises(TypeError, match="q must be a CUDA device array"):
+        _views.view(np.zeros((2, 8, 64), np.float16), "q")
+    with pytest.raises(TypeError, match="out must be a CUDA device array"):
+        _views.view([1, 2], "out")

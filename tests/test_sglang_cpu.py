@@ -1,0 +1,308 @@
+"""The SGLang backend's mapping on the CPU (marker sglang; `make test` runs it with sglang 0.5.17
+installed --no-deps beside the CPU torch): SGLang's own attention kit drives ``"cupy_fa"`` with the
+float64 reference in the kernels' place (tests/sglang_harness/reference_kernels.py), so every kit case
+that needs no CUDA checks the metadata mapping end to end; deliberately wrong mappings must fail those
+cases; the mapping's pieces, the registration, the EAGLE draft-backend hook and the refusals are
+checked on their own.
+"""
+
+import pathlib
+import types
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+torch = pytest.importorskip("torch")
+sglang_harness = pytest.importorskip("sglang_harness")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def kit():
+    sglang_harness.prepare()
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.kits.attention_unittest.attention_methods import dense_attention as dense
+
+    from sglang_harness import kit_cases
+
+    return types.SimpleNamespace(M=ForwardMode, dense=dense, cases=kit_cases)
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch, kit):
+    import cupy_fa.integrations.sglang.kernels as kernels
+    from sglang_harness.reference_kernels import RefKernels
+
+    monkeypatch.setattr(kernels, "Kernels", RefKernels)
+    RefKernels.made.clear()
+    return RefKernels
+
+
+def _configs():
+    sglang_harness.prepare()
+    from sglang_harness import kit_cases
+
+    return [kit_cases.Config(64, "float16", None, "cpu"), kit_cases.Config(64, "bfloat16", 64, "cpu"),
+            kit_cases.Config(128, "bfloat16", None, "cpu")]
+
+
+def _items():
+    from sglang_harness import kit_cases
+
+    return [it for c in _configs() for it in kit_cases.items("cupy_fa", c, graphs=False)]
+
+
+ITEMS = _items()
+
+
+@pytest.mark.parametrize("item", ITEMS, ids=[it.id for it in ITEMS])
+def test_kit_case_on_the_reference(item, kit, reference_kernels):
+    item.run(kit.cases.KitTestCase())
+    assert reference_kernels.made and all(a.plans for a in reference_kernels.made), "the backend never planned"
+
+
+# ---- a wrong mapping fails the kit ------------------------------------------------------------
+
+def _by_name(name, config=None):
+    from sglang_harness import kit_cases
+
+    config = config or kit_cases.Config(64, "float16", None, "cpu")
+    return next(it for it in kit_cases.items("cupy_fa", config, graphs=False) if it.case == name)
+
+
+def _mutated_lengths(change):
+    import cupy_fa.integrations.sglang.metadata as metadata
+
+    original = metadata.step_lengths
+
+    def wrong(mode, *args, **kwargs):
+        lengths = original(mode, *args, **kwargs)
+        return change(mode, lengths) or lengths
+
+    return wrong
+
+
+MUTATIONS = {
+    # FA3 / FA4's DRAFT_EXTEND_V2 bug: keys of the prefix only (the step's drafts unseen)
+    "dev2_prefix_only": ("runner_cuda_graph_eagle_draft_extend_v2_fixed_tokens[small_real,bs=4]",
+                         lambda m, L: setattr(L, "kv_lens", L.kv_lens - L.q_lens) if m.name == "DRAFT_EXTEND_V2"
+                         else None),
+    # TARGET_VERIFY's seq_lens taken as the whole extent
+    "verify_prefix_only": ("runner_eagle_verify_chain[eagle]",
+                           lambda m, L: setattr(L, "kv_lens", L.kv_lens - L.q_lens) if m.name == "TARGET_VERIFY"
+                           else None),
+    # decode seeing one key too few (the new token)
+    "decode_one_short": ("mha_decode_page_boundary",
+                         lambda m, L: setattr(L, "kv_lens", L.kv_lens - 1) if m.name == "DECODE" else None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_a_wrong_length_mapping_fails_the_kit(name, kit, reference_kernels, monkeypatch):
+    import cupy_fa.integrations.sglang.backend as backend
+
+    case_name, change = MUTATIONS[name]
+    item = _by_name(case_name)
+    item.run(kit.cases.KitTestCase())  # right mapping: passes
+    monkeypatch.setattr(backend, "step_lengths", _mutated_lengths(change))
+    with pytest.raises(AssertionError):
+        item.run(kit.cases.KitTestCase())
+
+
+def test_a_wrong_page_table_or_tree_mask_fails_the_kit(kit, reference_kernels, monkeypatch):
+    import cupy_fa.integrations.sglang.backend as backend
+
+    original = backend.gather_page_table
+    shifted = lambda *args, **kw: torch.roll(original(*args, **kw), 1, dims=1)  # noqa: E731 (slots one column off)
+    monkeypatch.setattr(backend, "gather_page_table", shifted)
+    with pytest.raises(AssertionError):
+        _by_name("layout_extend_two_request_ragged[interleaved_pages]").run(kit.cases.KitTestCase())
+    monkeypatch.undo()
+    import cupy_fa.integrations.sglang.kernels as kernels
+    from sglang_harness.reference_kernels import RefKernels
+
+    monkeypatch.setattr(kernels, "Kernels", RefKernels)
+    tree = _by_name("runner_eagle_verify_tree[eagle]")
+    tree.run(kit.cases.KitTestCase())
+    monkeypatch.setattr(backend.CupyFaAttnBackend, "_tree_mask", lambda self, *a, **k: None)  # causal instead
+    with pytest.raises(AssertionError):
+        tree.run(kit.cases.KitTestCase())
+
+
+# ---- the mapping's pieces -----------------------------------------------------------------------
+
+def test_step_lengths_follow_each_modes_convention():
+    from cupy_fa.integrations.sglang.metadata import ForwardMode as F, step_lengths
+
+    seq = torch.tensor([5, 9, 1], dtype=torch.int32)
+    ext = torch.tensor([2, 3, 1], dtype=torch.int32)
+    cases = {
+        F.DECODE: ([1, 1, 1], [5, 9, 1], {}),
+        F.EXTEND: ([2, 3, 1], [5, 9, 1], dict(extend_seq_lens=ext)),
+        F.MIXED: ([2, 3, 1], [5, 9, 1], dict(extend_seq_lens=ext)),
+        F.DRAFT_EXTEND: ([2, 3, 1], [5, 9, 1], dict(extend_seq_lens=ext)),
+        F.TARGET_VERIFY: ([4, 4, 4], [9, 13, 5], dict(num_draft_tokens=4)),
+        F.DRAFT_EXTEND_V2: ([4, 4, 0], [5, 9, 1], dict(num_draft_tokens=4)),  # row 2: graph padding (1 < N)
+    }
+    for mode, (q, kv, kw) in cases.items():
+        got = step_lengths(mode, seq, max_kv_bound=64, seq_lens_cpu=seq.tolist(), **kw)
+        assert got.q_lens.tolist() == q and got.kv_lens.tolist() == kv, mode
+        assert got.q_lens.dtype == got.kv_lens.dtype == torch.int32
+        assert got.max_q_len >= max(q) and got.max_kv_len >= max(kv), mode
+    no_mirror = step_lengths(F.TARGET_VERIFY, seq, num_draft_tokens=4, max_kv_bound=64)
+    assert no_mirror.max_kv_len == 64 and no_mirror.max_q_len == 4
+
+
+def test_draft_mask_indices_pick_each_requests_draft_block():
+    from cupy_fa.integrations.sglang.metadata import draft_mask_indices
+
+    rng = np.random.default_rng(3)
+    n, prefixes = 3, [4, 0, 7]
+    blocks, flat = [], []
+    for p in prefixes:
+        block = rng.random((n, n)) < 0.5
+        blocks.append(block.reshape(-1))
+        flat.append(np.concatenate([np.ones((n, p), bool), block], 1).reshape(-1))
+    flat = torch.from_numpy(np.concatenate(flat))
+    idx = draft_mask_indices(torch.tensor(prefixes), n, flat.numel())
+    assert torch.equal(flat[idx], torch.from_numpy(np.concatenate(blocks)))
+
+
+@pytest.mark.parametrize("page_size,topk", [(1, 2), (16, 1), (16, 2), (4, 3)])
+def test_draft_decode_page_table_lists_prefix_then_the_branchs_drafts(page_size, topk):
+    from cupy_fa.integrations.sglang.metadata import draft_decode_page_table
+
+    steps, width = 3, 64
+    rng = np.random.default_rng(page_size + topk)
+    r2t = torch.from_numpy(rng.permutation(10_000)[:4 * width].reshape(4, width).astype(np.int32))
+    rpi, seq = torch.tensor([2, 0]), torch.tensor([5, 13])
+    table = draft_decode_page_table(r2t, rpi, seq, topk=topk, num_steps=steps, page_size=page_size,
+                                    columns=13 + steps)
+    for b, (r, p) in enumerate(zip(rpi.tolist(), seq.tolist())):
+        for t in range(topk):
+            row = table[b * topk + t]
+            assert torch.equal(row[:p], r2t[r, :p])
+            for k in range(steps):  # SGLang's EAGLE allocation of branch t's draft k
+                if page_size == 1 or topk == 1:
+                    pos = p + t * steps + k
+                else:
+                    per = (p % page_size + steps + page_size - 1) // page_size
+                    pos = p // page_size * page_size + t * per * page_size + p % page_size + k
+                assert row[p + k] == r2t[r, pos], (b, t, k)
+
+
+def test_layer_variants_reach_the_plan_and_run(kit, reference_kernels):
+    """scaling, SGLang's sliding window W (W + 1 keys: cupy_fa's window), logit_cap and sinks."""
+    M, dense = kit.M, kit.dense
+    case = dense.DenseAttentionCase(name="variants", backend="cupy_fa", forward_mode=M.EXTEND, num_heads=4,
+                                    num_kv_heads=2, page_size=1, prefix_lens=(6, 3), extend_lens=(2, 4))
+    fixture = dense.build_dense_attention_fixture(kit.cases.KitTestCase(), case, head_dim=64, hidden_size=128,
+                                                  dtype=torch.float16, device="cpu")
+    layer = fixture.actual_module.attn
+    layer.scaling, layer.sliding_window_size, layer.logit_cap = 0.11, 3, 30.0
+    sinks = torch.tensor([0.5, -1.0, 0.0, 2.0])
+    with torch.no_grad():
+        q, k, v = fixture.actual_module.project_qkv(fixture.input_hidden)
+        fixture.backend.init_forward_metadata(fixture.forward_batch)
+        out = fixture.backend.forward(q, k.view(-1, 2, 64), v.view(-1, 2, 64), layer, fixture.forward_batch,
+                                      sinks=sinks)
+    attn = reference_kernels.made[-1]
+    assert attn.planned["sm_scale"] == 0.11 and attn.planned["window"] == 4 and attn.planned["soft_cap"] == 30.0
+    from cupy_fa import reference
+
+    pool = fixture.runner.token_to_kv_pool
+    ref = reference.paged_attention(
+        q.view(-1, 4, 64).float().numpy(), pool.get_key_buffer(0)[:, None].detach().float().numpy(),
+        pool.get_value_buffer(0)[:, None].detach().float().numpy(), [2, 4], [8, 7],
+        fixture.runner.req_to_token_pool.req_to_token[:2].numpy(), sm_scale=0.11, window=4, soft_cap=30.0,
+        sinks=sinks.double().numpy())
+    assert np.abs(out.view(-1, 4, 64).float().numpy() - ref).max() < 2e-3
+
+
+# ---- registration, the plugin entry point, the draft hook -----------------------------------------
+
+def test_register_adds_the_backend_and_the_server_choice(kit):
+    import cupy_fa.integrations.sglang as cupy_fa_sgl
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    assert cupy_fa_sgl.register() == "cupy_fa" == cupy_fa_sgl.register()  # idempotent
+    assert ATTENTION_BACKENDS["cupy_fa"] is cupy_fa_sgl.create_backend
+    assert ATTENTION_BACKEND_CHOICES.count("cupy_fa") == 1
+
+
+def test_the_plugin_entry_point_names_register():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["sglang.srt.plugins"]["cupy_fa"]
+    assert target == "cupy_fa.integrations.sglang:register"
+    assert "cupy_fa.integrations.sglang" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
+        "setuptools"]["packages"]
+
+
+def _draft_factory(kit, backend_name, decode_backend=None):
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    case = kit.dense.DenseAttentionCase(name="draft", backend="cupy_fa", forward_mode=kit.M.DECODE, num_heads=4,
+                                        num_kv_heads=4, page_size=1, prefix_lens=(4, 7))
+    fixture = kit.dense.build_dense_attention_fixture(kit.cases.KitTestCase(), case, head_dim=64, hidden_size=128,
+                                                      device="cpu")
+    args = types.SimpleNamespace(speculative_draft_attention_backend=None, attention_backend=backend_name,
+                                 decode_attention_backend=decode_backend or backend_name,
+                                 prefill_attention_backend=backend_name)
+    return DraftBackendFactory(args, fixture.runner, topk=2, speculative_num_steps=3)
+
+
+def test_the_draft_hook_makes_cupy_fa_an_eagle_draft_backend(kit):
+    from cupy_fa.integrations.sglang.backend import CupyFaAttnBackend
+    from cupy_fa.integrations.sglang.draft import CupyFaMultiStepDraftBackend
+
+    factory = _draft_factory(kit, "cupy_fa")
+    decode = factory.create_decode_backend()
+    assert isinstance(decode, CupyFaMultiStepDraftBackend) and len(decode.attn_backends) == 2
+    assert all(isinstance(b, CupyFaAttnBackend) for b in decode.attn_backends)
+    assert isinstance(factory.create_draft_extend_backend(), CupyFaAttnBackend)
+    with pytest.raises(ValueError, match="EAGLE is not supported in decode attention backend no_such"):
+        _draft_factory(kit, "no_such").create_decode_backend()  # every other name resolves as before
+
+
+def test_multi_step_draft_lengths_grow_by_one_a_step(kit, reference_kernels):
+    from cupy_fa.integrations.sglang.draft import CupyFaMultiStepDraftBackend
+
+    factory = _draft_factory(kit, "cupy_fa")
+    draft = CupyFaMultiStepDraftBackend(factory.draft_model_runner, topk=2, speculative_num_steps=4)
+    seq = torch.tensor([4, 7], dtype=torch.int32)
+    fb = types.SimpleNamespace(batch_size=2, seq_lens=seq, seq_lens_cpu=seq.clone(),
+                               req_pool_indices=torch.tensor([0, 1]))
+    draft.init_forward_metadata(fb)
+    for i, backend in enumerate(draft.attn_backends):
+        step = backend.forward_metadata
+        assert step.q_lens.tolist() == [1] * 4 and step.kv_lens.tolist() == [5 + i, 5 + i, 8 + i, 8 + i]
+        assert step.page_table.shape[0] == 4 and step.max_kv_len >= 8 + i
+
+
+# ---- refusals (docs/errors.md rows) ------------------------------------------------------------------
+
+def test_refusals_name_what_cupy_fa_does_not_serve(kit):
+    from cupy_fa.integrations.sglang.backend import CupyFaAttnBackend
+    from cupy_fa.integrations.sglang.metadata import mode_of
+
+    with pytest.raises(NotImplementedError, match="does not serve forward mode"):
+        mode_of(types.SimpleNamespace(name="SPLIT_PREFILL"))
+    with pytest.raises(NotImplementedError, match="serves MHA / GQA / MQA models, not MLA"):
+        CupyFaAttnBackend(types.SimpleNamespace(use_mla_backend=True))
+    case = kit.dense.DenseAttentionCase(name="refuse", backend="cupy_fa", forward_mode=kit.M.DECODE, num_heads=4,
+                                        num_kv_heads=4, page_size=1, prefix_lens=(4,))
+    fixture = kit.dense.build_dense_attention_fixture(kit.cases.KitTestCase(), case, head_dim=64, hidden_size=128,
+                                                      device="cpu")
+    layer = fixture.actual_module.attn
+    layer.v_head_dim = 32
+    with pytest.raises(NotImplementedError, match="one head dim for q, K, V and out"):
+        fixture.backend._variant(layer, torch.zeros(1, 4, 64), torch.float16)
+    layer.v_head_dim, layer.is_cross_attention = 64, True
+    with pytest.raises(NotImplementedError, match="does not serve cross attention"):
+        fixture.backend._variant(layer, torch.zeros(1, 4, 64), torch.float16)
