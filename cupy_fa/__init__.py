@@ -6,6 +6,8 @@ Public API:
     BatchAttention    ``plan(q_lens, kv_lens, page_table, ...)`` then ``run(q, cache, out=None)``.
     ForwardMode, contract_lengths   serving modes -> the contract's q_len / kv_len (cupy_fa.modes).
     GraphRunner       CUDA-graph capture and replay per (mode, batch bucket) (cupy_fa.graph).
+    MLAAttention, PagedLatentCache   multi-head latent attention (DeepSeek V2 / V3, Kimi K2), the absorbed
+                      form, over a paged latent cache [num_pages, page_size, 576] (cupy_fa.mla).
     merge_states      two attention states (out, natural-log lse) over disjoint keys into one (cupy_fa.merge).
     warmup            compile kernels ahead of time (cupy_fa.catalog).
     knobs             the CUPY_FA_* environment variables, read once (cupy_fa.knobs).
@@ -18,11 +20,12 @@ Each name is imported on first use (PEP 562), so ``import cupy_fa`` is cheap and
 import importlib
 
 _WHERE = {"BatchAttention": "attention", "ForwardMode": "modes", "GraphRunner": "graph", "PagedKVCache": "kv_cache",
-          "contract_lengths": "modes", "from_sglang": "modes", "merge_states": "merge", "warmup": "catalog"}
+          "contract_lengths": "modes", "from_sglang": "modes", "merge_states": "merge", "warmup": "catalog",
+          "MLAAttention": "mla", "PagedLatentCache": "mla"}
 _MODULES = ("knobs", "reference")
 
-__all__ = ["BatchAttention", "ForwardMode", "GraphRunner", "PagedKVCache", "contract_lengths", "from_sglang",
-           "knobs", "merge_states", "reference", "warmup"]
+__all__ = ["BatchAttention", "ForwardMode", "GraphRunner", "MLAAttention", "PagedKVCache", "PagedLatentCache",
+           "contract_lengths", "from_sglang", "knobs", "merge_states", "reference", "warmup"]
 __version__ = "0.1.0"
 
 

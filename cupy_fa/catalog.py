@@ -20,6 +20,7 @@ import numpy as np
 from . import _arrays, _build, _compile, schedule
 from ._compile import Kernel
 from .families import is_small_q_tile, mma_sync, sm90
+from .families import mla as mla_family
 from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes, is_sm90a
 from .families.mma_sync import MmaTile
 from .knobs import STAGE_CHOICES, knobs
@@ -105,6 +106,7 @@ def all_kernels(arch=None):
             out += list({k.expression: k for k in kernels}.values())  # one per distinct kernel
             if head_dim in FP8_HEAD_DIMS:
                 out += fp8_kernels(dtype_name, head_dim, fp8_tiles(head_dim, arch=arch))
+    out += mla_family.all_kernels(arch)  # multi-head latent attention (cupy_fa.mla)
     return out
 
 

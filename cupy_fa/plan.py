@@ -49,7 +49,8 @@ class PlanBuffers:
     one array (``inputs``), so a host step's lengths and page table go over in one copy from a host
     mirror (``host_inputs``; :func:`stage_inputs`)."""
 
-    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name):
+    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name, partial_rows=None):
+        # (partial_rows: the split partials' rows where a caller sizes them itself: cupy_fa.mla)
         from . import _arrays
 
         _arrays.require_cuda()  # a plain sentence, not CuPy's, where there is no usable device
@@ -78,7 +79,7 @@ class PlanBuffers:
         self.status = cupy.empty(1, np.uint64)          # kernels/shared/status.cuh: all ones, no bad request
         self.status.data.memset_async(0xFF, 8)          # (a memset: no CuPy kernel to compile on first use)
         dtype = _arrays.DTYPES[dtype_name]
-        rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize)
+        rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize) if partial_rows is None else partial_rows
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
         self.host_inputs = np.zeros(2 * b + b * width, i32)  # what host steps stage (lengths: zeros past the batch)

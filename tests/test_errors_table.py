@@ -848,9 +848,11 @@ def test_every_public_entry_point_has_rows():
     for name in ("BatchAttention(...)", "BatchAttention.plan", "BatchAttention.run", "PagedKVCache(k, v)",
                  "PagedKVCache.allocate", "PagedKVCache.append", "GraphRunner(...)", "GraphRunner.run",
                  "contract_lengths", "from_sglang", "warmup", "reference.paged_attention", "knobs.use",
-                 "merge_states", "reference.merge_states"):
+                 "merge_states", "reference.merge_states", "MLAAttention(...)", "MLAAttention.plan",
+                 "MLAAttention.run", "PagedLatentCache(latent)", "reference.mla_attention"):
         assert name in entries, f"docs/errors.md has no row for {name}"
     public = set(cupy_fa.__all__)
     assert public <= {"BatchAttention", "ForwardMode", "GraphRunner", "PagedKVCache", "contract_lengths",
-                      "from_sglang", "knobs", "merge_states", "reference", "warmup"}, \
+                      "from_sglang", "knobs", "merge_states", "reference", "warmup", "MLAAttention",
+                      "PagedLatentCache"}, \
         f"a new public name needs its rows: {public}"

@@ -241,9 +241,10 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     # the wgmma family's fp8 tiles, plain and hooked: sm_90a only too
     fp8 = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _compile.CTYPES
            for tile in s9.FP8_TILES.values() for t in (tile, tile.with_variants())}
-    assert ring and not ring & sm80 and fp8 and not fp8 & sm80
-    assert (wgmma | hooked | ring | fp8) <= everything and not (wgmma | hooked) & sm80
-    assert everything - sm80 == wgmma | hooked | ring | fp8
+    mla_wgmma = {families.mla.kernel(dt, families.mla.MlaWgmmaTile()) for dt in _compile.CTYPES}  # cupy_fa.mla
+    assert ring and not ring & sm80 and fp8 and not fp8 & sm80 and mla_wgmma and not mla_wgmma & sm80
+    assert (wgmma | hooked | ring | fp8 | mla_wgmma) <= everything and not (wgmma | hooked) & sm80
+    assert everything - sm80 == wgmma | hooked | ring | fp8 | mla_wgmma
     # what a Hopper warms by default: the tiles already run on a GPU (not those of s9.NOT_YET_RUN)
     run = [t for t in s9.DEFAULT_TILES.values() if (t.head_dim, 2) not in s9.NOT_YET_RUN]
     assert {t.head_dim for t in run} == {64, 128, 256}

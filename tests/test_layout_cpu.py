@@ -71,7 +71,7 @@ def test_no_module_much_over_500_lines():
 
 def test_kernels_live_in_their_familys_folder_and_include_from_the_root():
     files = [p.relative_to(KERNELS) for p in KERNELS.rglob("*") if p.is_file()]
-    assert files and {p.parts[0] for p in files} == {"shared", "mma_sync", "sm90"}
+    assert files and {p.parts[0] for p in files} == {"shared", "mma_sync", "sm90", "mla"}
     assert all(len(p.parts) == 2 and p.suffix in (".cu", ".cuh") for p in files), files
     names = {p.as_posix() for p in files}
     for path in KERNELS.rglob("*.cu*"):
@@ -86,5 +86,6 @@ def test_every_kernel_source_the_catalog_names_exists():
 
     sources = {k.source for k in catalog.all_kernels()}
     assert sources == {"shared/plan.cu", "shared/merge.cu", "shared/merge_states.cu", "shared/kv_append.cu",
-                       "mma_sync/attention.cu", "sm90/prefill.cu"}
+                       "mma_sync/attention.cu", "sm90/prefill.cu",
+                       "mla/attention.cu", "mla/wgmma.cu", "mla/latent_append.cu"}  # cupy_fa.mla
     assert all((KERNELS / s).is_file() for s in sources)

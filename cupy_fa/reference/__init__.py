@@ -15,7 +15,8 @@ included); everything is computed in float64 on the host. Per request it is a fe
 calls (33 requests x kv_len 8192 take about a second); on a small, busy machine set
 ``OPENBLAS_NUM_THREADS=1`` (``make test`` does) or the BLAS threads' waits dominate.
 
-The package's modules: :mod:`.attention` (paged attention, the merge of two states),
+The package's modules: :mod:`.attention` (paged attention, the merge of two states), :mod:`.mla`
+(multi-head latent attention over a paged latent cache),
 :mod:`.fp8` (the e4m3 quantiser and its inverse), :mod:`.check` (the error bars and the
 per-request checker).
 """
@@ -24,6 +25,7 @@ from ._host import to_numpy
 from .attention import merge_states, paged_attention
 from .check import LSE_TOL, MAX_ABS, TOL, AttentionCheck, check_attention, relative_error
 from .fp8 import E4M3_MAX, dequantize_e4m3, quantize_e4m3
+from .mla import mla_attention
 
 __all__ = ["paged_attention", "merge_states", "relative_error", "check_attention", "AttentionCheck", "TOL", "MAX_ABS",
-           "LSE_TOL", "quantize_e4m3", "dequantize_e4m3", "E4M3_MAX", "to_numpy"]
+           "LSE_TOL", "quantize_e4m3", "dequantize_e4m3", "E4M3_MAX", "to_numpy", "mla_attention"]

@@ -125,6 +125,21 @@ __device__ __forceinline__ unsigned char e4m3_from_float(float x) {
   return static_cast<unsigned char>(sign | m);
 }
 
+// 8 fp16 / bf16 values (16 bytes) as 8 e4m3 bytes of x / scale (IEEE division, as the host's
+// quantiser computes it): the fp8 caches' appends (shared/kv_append.cu, mla/latent_append.cu).
+template <typename InT>
+__device__ __forceinline__ uint2 quantize8(uint4 in, float scale) {
+  const u32 words[4] = {in.x, in.y, in.z, in.w};
+  u32 out[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = ElemTraits<InT>::unpack(words[i]);
+    const u32 lo = e4m3_from_float(__fdiv_rn(f.x, scale)), hi = e4m3_from_float(__fdiv_rn(f.y, scale));
+    out[i / 2] |= (lo | (hi << 8)) << (16 * (i % 2));
+  }
+  return make_uint2(out[0], out[1]);
+}
+
 // ---- the special-function unit ------------------------------------------------
 
 // 2^x on the special-function unit (ex2.approx, flush to zero): 2^-inf = 0.

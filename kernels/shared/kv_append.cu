@@ -9,21 +9,6 @@
 
 namespace cupy_fa {
 
-// 8 fp16 / bf16 values (16 bytes) as 8 e4m3 bytes of x / scale (IEEE division, as the host's
-// quantiser computes it).
-template <typename InT>
-__device__ __forceinline__ uint2 quantize8(uint4 in, float scale) {
-  const u32 words[4] = {in.x, in.y, in.z, in.w};
-  u32 out[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = ElemTraits<InT>::unpack(words[i]);
-    const u32 lo = e4m3_from_float(__fdiv_rn(f.x, scale)), hi = e4m3_from_float(__fdiv_rn(f.y, scale));
-    out[i / 2] |= (lo | (hi << 8)) << (16 * (i % 2));
-  }
-  return make_uint2(out[0], out[1]);
-}
-
 // Every (token, 16-byte input chunk) of this step's rows, grid-strided, at its token's slot:
 // `store(slot, chunk, idx)` writes chunk `chunk` of the token's K and V rows (input chunk `idx`)
 // into the cache row of `slot`. A negative slot is skipped (a graph bucket's padding); a slot

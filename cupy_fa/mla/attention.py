@@ -1,0 +1,346 @@
+"""``MLAAttention``: multi-head latent attention (DeepSeek V2 / V3 / R1, Kimi K2), the absorbed form,
+over a :class:`~cupy_fa.mla.PagedLatentCache`: ``plan()`` a step's batch once, ``run()`` it per layer.
+
+Shapes (T = sum of q_lens, B requests, H heads on this rank):
+    q              [T, H, 576]: each head's absorbed query (q_nope W_UK, 512) then its rotary part (64);
+                   or q_nope [T, H, 512] with q_pe=[T, H, 64] (two arrays, or two views of one)
+    cache          PagedLatentCache [num_pages, page_size, 576]: c_kv (512) then k_pe (64) a token
+    out            [T, H, 512]: softmax(q . [c_kv, k_pe] x sm_scale) c_kv (the engine applies W_UV)
+    lse            [T, H] float32, natural log of the softmax denominator
+    q_lens, kv_lens, page_table, custom_mask: the contract of cupy_fa.BatchAttention (kv_len counts
+                   the keys AFTER this step's latent rows were appended; docs/design.md "The contract")
+
+Every serving mode (cupy_fa.modes gives each one's q_len / kv_len): DECODE, TARGET_VERIFY (chain:
+causal; tree: custom_mask), DRAFT_EXTEND (v1 / V2), MIXED and chunked EXTEND over a prefix.
+"""
+
+import contextlib
+import math
+import threading
+
+import numpy as np
+
+from .. import _arrays, _build, knobs as _knobs, plan as _plan, status as _status
+from ..families import mla as family
+from . import schedule as _schedule
+from .cache import PagedLatentCache, check_rows
+from .launch import launch_step
+from .plan import MlaPlanState, plan_buffers, plan_params
+
+DEFAULT_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's qk head (nope 128 + rope 64) before absorption
+
+
+class MLAAttention:
+    """Absorbed multi-head latent attention of a ragged batch over a paged latent cache.
+
+    Args:
+        num_heads: query heads on this rank (128 for DeepSeek V3 on one GPU, 16 under TP 8), >= 1.
+        dtype: "bfloat16" or "float16": q, out (and a 16-bit cache).
+        kv_dtype: the cache's dtype: None (``dtype``) or "float8_e4m3fn" (an fp8 cache with its scale).
+        kv_lora_rank, qk_rope_head_dim: 512 and 64 (DeepSeek V2 / V3 / R1, Kimi K2): the only sizes.
+        max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes: the capacity of the
+            preallocated metadata buffers (all of the first three, or none: then sized on first use and
+            grown by eager plans). Needed before a CUDA-graph capture.
+        workspace_bytes: the split partials' size (default 256 MiB, at least 8 splits per token of the
+            capacity); a batch that would need more splits caps every request's (results may then
+            depend on the batch).
+        device: the CUDA device it is bound to (as for ``BatchAttention``).
+    Raises:
+        ValueError: ``num_heads`` not a positive int, another ``kv_lora_rank`` / ``qk_rope_head_dim``,
+            some but not all capacities, a capacity that is not a positive int, a ``device`` that is no
+            CUDA device here. TypeError: a dtype other than float16 / bfloat16, a kv_dtype other than
+            ``dtype`` or float8_e4m3fn. RuntimeError: capacities given where there is no usable device.
+
+    Which kernel runs (cupy_fa.mla.schedule): the sm_90a seesaw kernel (wgmma) for a 16-bit cache at
+    64 heads or more and for long requests, else the mma.sync tile; a token's bits are the same in
+    decode and in verify / draft extend of up to 16 tokens (docs/design.md, "Multi-head latent attention").
+    One call at a time per instance (another thread inside plan / run raises RuntimeError).
+    """
+
+    def __init__(self, num_heads, dtype="bfloat16", *, kv_dtype=None, kv_lora_rank=512, qk_rope_head_dim=64,
+                 max_batch_size=None, max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0,
+                 workspace_bytes=None, device=None):
+        if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        if (kv_lora_rank, qk_rope_head_dim) != (family.VALUE_DIM, family.ROPE_DIM):
+            raise ValueError(f"kv_lora_rank and qk_rope_head_dim must be {family.VALUE_DIM} and {family.ROPE_DIM} "
+                             f"(DeepSeek V2 / V3 / R1, Kimi K2), got {kv_lora_rank!r} and {qk_rope_head_dim!r}")
+        self.num_heads = int(num_heads)
+        self.dtype_name = _arrays.resolve_dtype(dtype)
+        self.kv_dtype_name = self.dtype_name if kv_dtype is None else _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
+        if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
+            raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
+        given = (max_batch_size, max_num_tokens, max_pages_per_request)
+        self._fixed = all(v is not None for v in given)
+        if any(v is not None for v in given) and not self._fixed:
+            raise ValueError("give all of max_batch_size, max_num_tokens, max_pages_per_request, or none")
+        if self._fixed:
+            for name, value in zip(("max_batch_size", "max_num_tokens", "max_pages_per_request"), given):
+                _plan.check_count(name, value, 1)
+        _plan.check_count("max_mask_bytes", max_mask_bytes, 0)
+        if workspace_bytes is not None:
+            _plan.check_count("workspace_bytes", workspace_bytes, 1)
+        self._workspace = workspace_bytes
+        self.device_id = _arrays.resolve_device(device) if device is not None else _arrays.current_device_id()
+        self._device = None
+        self._buffers = None
+        self._retired = []
+        self._plan = None
+        self._busy = threading.Lock()
+        if self._fixed:
+            with self.device_scope():
+                self._buffers = plan_buffers(_plan.Capacity(int(max_batch_size), int(max_num_tokens),
+                                                            int(max_pages_per_request), int(max_mask_bytes)),
+                                             self.num_heads, self.dtype_name, self._workspace)
+
+    @property
+    def kv_fp8(self):
+        return self.kv_dtype_name == _arrays.FP8
+
+    def device_scope(self):
+        """The bound device as a ``cupy.cuda.Device`` context (a null context where there is none yet)."""
+        if self._device is None:
+            if self.device_id is None:
+                self.device_id = _arrays.current_device_id()
+                if self.device_id is None:
+                    return contextlib.nullcontext()
+            import cupy
+
+            self._device = cupy.cuda.Device(self.device_id)
+        return self._device
+
+    @property
+    def _bound(self):
+        return f"the device this MLAAttention is bound to (device={self.device_id})"
+
+    @contextlib.contextmanager
+    def _one_call(self, call):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"MLAAttention.{call}() on thread {threading.current_thread().name!r} while another "
+                               f"thread is inside plan() or run() of the same instance: use one per thread")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    # ---- plan ------------------------------------------------------------------------
+
+    def plan(self, q_lens, kv_lens, page_table, *, causal=True, sm_scale=None, custom_mask=None, max_q_len=None,
+             max_kv_len=None, check=None):
+        """Plans one step's batch (its metadata on the device); then :meth:`run` once per layer.
+
+        Args:
+            q_lens, kv_lens, page_table, custom_mask, causal, max_q_len, max_kv_len, check: as for
+                :meth:`cupy_fa.BatchAttention.plan` (host or device values; device lengths need
+                ``max_q_len``; ``custom_mask``: tree verify, ``sum(q_len**2)`` entries).
+            sm_scale: the softmax scale, a positive float: DeepSeek's ``1 / sqrt(192)`` times the YaRN
+                mscale squared where the model has one (V3: the engine's ``layer.scaling``). Default
+                ``1 / sqrt(192)``.
+        Returns:
+            self.
+        Raises:
+            ValueError / TypeError: what ``BatchAttention.plan`` raises for the lengths, page table and
+                mask; a bad ``sm_scale``; a step beyond the capacity. RuntimeError: no usable CUDA
+                device; another thread inside this instance. ValueError (``check``): a request whose
+                device metadata broke the contract, after a sync.
+        """
+        if not isinstance(causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be True or False, got {causal!r}")
+        with self.device_scope(), self._one_call("plan"):
+            step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len,
+                                    device_id=self.device_id, bound=self._bound)
+            sm_scale = _plan.checked_sm_scale(DEFAULT_SM_SCALE if sm_scale is None else sm_scale, 576)
+            stream = step.stream if step.stream is not None else _arrays.caller_stream(device_id=self.device_id)
+            capturing = stream.is_capturing()
+            self._order_after_previous(stream)
+            tokens = step.num_tokens if step.num_tokens is not None else (0 if self._fixed else step.batch * step.max_q_len)
+            with stream:
+                self._ensure_capacity(step, tokens, capturing)
+                stride = _plan.stage_inputs(self._buffers, step, stream=stream)  # dense rows, `stride` apart
+            mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
+            self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, stride)
+        state = self._plan
+        if state.check and state.done is not None:
+            self._raise_on_bad("plan")
+        return self
+
+    def _order_after_previous(self, stream):
+        previous = self._plan
+        if previous is None or stream.is_capturing():
+            return
+        for other in (previous.stream, *previous.other_streams.values()):
+            if other is not None and other.ptr != stream.ptr and not other.is_capturing():
+                stream.wait_event(other.record())
+
+    def _ensure_capacity(self, step, tokens, capturing):
+        mask = step.mask_bytes if step.has_mask else 0
+        buffers = self._buffers
+        if buffers is not None and buffers.capacity.fits(step.batch, tokens, step.page_columns, mask):
+            return
+        if self._fixed or capturing:
+            raise ValueError(f"step (batch {step.batch}, tokens {tokens}, page-table columns {step.page_columns}, "
+                             f"mask bytes {mask}) exceeds the capacity "
+                             f"{buffers.capacity if buffers is not None else None} of this MLAAttention")
+        base = buffers.capacity if buffers is not None else _plan.Capacity(1, 1, 1, 0)
+        if buffers is not None:
+            self._retired.append(buffers)  # a run in flight may still read them
+        self._buffers = plan_buffers(base.grown_to(step.batch, tokens, step.page_columns, mask), self.num_heads,
+                                     self.dtype_name, self._workspace)
+
+    def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check, page_table_stride):
+        buffers = self._buffers
+        arch = _build.current_arch(self.device_id)
+        if step.on_host:
+            sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, q_lens=step.q_host, kv_lens=step.kv_host)
+            kv_bound = int(step.kv_host.max()) if step.batch else 0
+        else:
+            sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, max_q_len=step.max_q_len,
+                                            max_kv_len=max_kv_len, capacity=buffers.capacity)
+            kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
+        with stream:
+            params = plan_params(buffers, step.batch, self.num_heads, sched, step.max_q_len, min(kv_bound, 2**31 - 1))
+            from .. import catalog
+
+            _build.launch(catalog.PLAN_KERNEL, (1,), params, stream)
+        done = None if stream.is_capturing() else stream.record()
+        self._plan = MlaPlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale, step, stream, done,
+                                  mask_entries=step.mask_bytes if step.has_mask else 0,
+                                  check=_knobs.knobs().debug if check is None else bool(check),
+                                  page_table_stride=page_table_stride)
+
+    # ---- run --------------------------------------------------------------------------
+
+    def run(self, q, cache, out=None, *, q_pe=None, lse=None, return_lse=False):
+        """Attention of the planned batch over ``cache``, on the caller's stream.
+
+        Args:
+            q: ``[T, H, 576]`` (q_nope then q_pe), or q_nope ``[T, H, 512]`` with ``q_pe`` ``[T, H, 64]``;
+                device arrays of this instance's dtype with a contiguous last dimension and 16-byte
+                aligned rows (any token and head strides). ``T = sum(q_lens)`` for host lengths.
+            cache: the :class:`PagedLatentCache` this step's rows were appended to, of ``kv_dtype``.
+            out: optional ``[T, H, 512]`` destination, C-contiguous, of q's dtype; a new array
+                otherwise (in q's framework). Rows of padded requests are not written.
+            lse: optional float32 ``[T, H]`` destination of the natural-log LSE; return_lse: return it.
+        Returns:
+            ``out``, or ``(out, lse)`` with ``return_lse``.
+        Raises:
+            RuntimeError: ``run`` before ``plan``; another thread inside this instance.
+            TypeError: ``cache`` not a PagedLatentCache; q, q_pe, out or the cache of another dtype.
+            ValueError: shapes that do not fit (T, H, 576 / 512 + 64), a strided last dimension or
+                misaligned rows, ``out`` / ``lse`` missing inside a CUDA-graph capture, arrays on the
+                CPU or another device; a page id the step reads outside ``cache`` or a page table too
+                narrow for a kv_len (host-planned steps, checked once per cache geometry).
+        Nothing is launched when it raises. Device page ids outside the cache make the request's rows
+        NaN and :meth:`status` names it.
+        """
+        with self.device_scope(), self._one_call("run"):
+            result = self._run(q, cache, out, q_pe, lse, return_lse)
+        state = self._plan
+        if state.check and not state.stream.is_capturing():
+            self._raise_on_bad("run")
+        return result
+
+    def _run(self, q, cache, out, q_pe, lse, return_lse):
+        import cupy
+
+        state = self._plan
+        if state is None:
+            raise RuntimeError("run() before plan(): plan the step's batch first")
+        if not isinstance(cache, PagedLatentCache):
+            raise TypeError(f"cache must be a cupy_fa.PagedLatentCache, got {type(cache).__name__}")
+        if cache.dtype_name != self.kv_dtype_name:
+            raise TypeError(f"cache dtype is {cache.dtype_name}, this MLAAttention was built for kv_dtype "
+                            f"{self.kv_dtype_name}")
+        stream = _arrays.caller_stream(q, q_pe, out, lse, device_id=self.device_id)
+        with stream:
+            q_dev = _arrays.to_cupy(q, "q")
+            pe_dev = _arrays.to_cupy(q_pe, "q_pe") if q_pe is not None else None
+            out_dev = _arrays.to_cupy(out, "out") if out is not None else None
+            lse_dev = _arrays.to_cupy(lse, "lse") if lse is not None else None
+        queries, num_tokens = self._queries(q_dev, pe_dev, state)
+        if cache.device_id != self.device_id:
+            raise ValueError(f"cache is on device {cache.device_id}, expected device {self.device_id} ({self._bound})")
+        h = self.num_heads
+        if out_dev is not None:
+            _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, ndim=3, shape=(num_tokens, h, 512),
+                                       device_id=self.device_id, align=8, bound=self._bound)
+        if lse_dev is not None:
+            _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2, shape=(num_tokens, h),
+                                       device_id=self.device_id, align=4, bound=self._bound)
+        self._check_pages(state, cache)
+        capturing = stream.is_capturing()
+        with stream:
+            if out_dev is None:
+                if capturing:
+                    raise ValueError("out must be given when running inside a CUDA-graph capture")
+                out_dev = cupy.empty((num_tokens, h, 512), _arrays.DTYPES[self.dtype_name])
+            if return_lse and lse_dev is None:
+                if capturing:
+                    raise ValueError("lse must be given to return it inside a CUDA-graph capture")
+                lse_dev = cupy.empty((num_tokens, h), np.float32)
+            if stream.ptr != state.stream.ptr and not capturing:
+                if state.done is not None:
+                    stream.wait_event(state.done)
+                state.other_streams.setdefault(stream.ptr, stream)
+            launch_step(state, self._buffers, h, self.dtype_name, cache, queries, out_dev, lse_dev, num_tokens, stream)
+        result = out if out is not None else _arrays.to_caller(out_dev, q)
+        if return_lse:
+            return result, (lse if lse is not None else _arrays.to_caller(lse_dev, q))
+        return result
+
+    def _queries(self, q_dev, pe_dev, state):
+        """((q_nope pointer, (token, head) strides), (q_pe pointer, strides)) in elements, checked."""
+        h, bound = self.num_heads, self._bound
+        width = 576 if pe_dev is None else 512
+        if q_dev.ndim != 3 or q_dev.shape[1:] != (h, width):
+            what = "[T, H, 576] (or q_nope [T, H, 512] with q_pe)" if pe_dev is None else "q_nope [T, H, 512]"
+            raise ValueError(f"q must be {what} with H = {h}, got shape {tuple(q_dev.shape)}")
+        parts = [("q", q_dev)] + ([("q_pe", pe_dev)] if pe_dev is not None else [])
+        for name, x in parts:
+            if x.dtype != _arrays.DTYPES[self.dtype_name]:
+                raise TypeError(f"{name} must have dtype {self.dtype_name}, got {_arrays.dtype_name(x.dtype)}")
+            check_rows(x, name, self.device_id, bound)
+        num_tokens = int(q_dev.shape[0])
+        if pe_dev is not None and pe_dev.shape != (num_tokens, h, 64):
+            raise ValueError(f"q_pe must be [T, H, 64] = {(num_tokens, h, 64)}, got {tuple(pe_dev.shape)}")
+        if state.num_tokens is not None and num_tokens != state.num_tokens:
+            raise ValueError(f"q has {num_tokens} tokens, the plan's sum(q_lens) is {state.num_tokens}")
+        if state.num_tokens is None and num_tokens > self._buffers.capacity.max_num_tokens:
+            raise ValueError(f"q has {num_tokens} tokens, more than max_num_tokens {self._buffers.capacity.max_num_tokens}")
+        item = q_dev.itemsize
+        strides = lambda x: (x.strides[0] // item, x.strides[1] // item)
+        nope = (q_dev.data.ptr, strides(q_dev))
+        pe = (pe_dev.data.ptr, strides(pe_dev)) if pe_dev is not None else (q_dev.data.ptr + 512 * item, strides(q_dev))
+        return (nope, pe), num_tokens
+
+    def _check_pages(self, state, cache):
+        step, geometry = state.step, (cache.page_size, cache.num_pages)
+        if step.on_host and geometry not in state.checked_geometry:
+            _plan.check_page_table(step, *geometry)
+            state.checked_geometry.add(geometry)
+
+    # ---- state ------------------------------------------------------------------------
+
+    @property
+    def planned(self):
+        """The current plan (its ``schedule``: the launches, tiles, grids and merge), for logs and tests."""
+        return self._plan
+
+    def status(self):
+        """The device status word of the current plan and its runs (syncs): as ``BatchAttention.status``."""
+        if self._buffers is None or self._plan is None:
+            return _status.Status(_status.OK)
+        state = self._plan
+        with self.device_scope() as device:
+            if state.done is None:
+                device.synchronize()
+            for stream in (state.stream, *state.other_streams.values()):
+                if stream is not None and not stream.is_capturing():
+                    stream.synchronize()
+            return _status.read(self._buffers.status)
+
+    def _raise_on_bad(self, call):
+        found = self.status()
+        if not found.ok:
+            raise ValueError(f"{call}(check=True): {found}: the device metadata breaks the contract "
+                             f"(its rows of out are NaN; docs/errors.md)")

@@ -1,0 +1,244 @@
+"""The paged latent cache of multi-head latent attention: one array ``[num_pages, page_size, 576]``.
+
+A token's row is its c_kv (``kv_lora_rank`` = 512 columns: the compressed key-value, which is also
+the value the absorbed form multiplies P by) then its k_pe (``qk_rope_head_dim`` = 64: the rotary
+key). One array, not c_kv and k_pe apart, because that is what engines hold and what the fastest
+kernels read: SGLang's ``MLATokenToKVPool`` keeps one ``[slots, 1, 576]`` buffer per layer
+(FlashInfer's MLA wrapper is handed its two column slices as views of it), vLLM and FlashMLA one
+``[blocks, block_size, 576]`` array; a key tile of 576 contiguous columns is one gather per token,
+and the values are its first 512 columns in place. Token j of a request lives in page
+``page_table[b, j // page_size]`` at offset ``j % page_size``, its slot ``page x page_size + offset``.
+
+An fp8 cache holds e4m3fn bytes and one dequantisation scale for the whole cache (value = e4m3 x
+scale), as SGLang's fp8 MLA pool does with its layer's k_scale.
+"""
+
+import numpy as np
+
+from .. import _arrays, _build
+from ..families import mla as family
+from ..kv_cache import checked_scales
+from .. import _mla_params as _params
+
+LATENT_DIM, KV_LORA_RANK, ROPE_DIM = family.LATENT_DIM, family.VALUE_DIM, family.ROPE_DIM
+
+
+class PagedLatentCache:
+    """MLA latent pages, allocated here or wrapped zero-copy from any DLPack array.
+
+    Args:
+        latent: a device array ``[num_pages, page_size, 576]`` (or ``[num_pages, page_size, 1, 576]``,
+            SGLang's ``[slots, 1, 576]`` buffer being page size 1), float16, bfloat16 or
+            float8_e4m3fn (a torch ``float8_e4m3fn`` tensor, a CuPy array of ml_dtypes'
+            ``float8_e4m3fn``, or uint8 bytes with ``dtype="float8_e4m3fn"``), C-contiguous,
+            16-byte aligned. Written in place; the caller's object is kept alive.
+        dtype: None (the array's own) or ``"float8_e4m3fn"`` to read a uint8 array as e4m3 bytes.
+        scale: an fp8 cache's dequantisation scale (value = e4m3 x scale): a positive, finite,
+            normal float32 (a float, or a 0-d / 1-element array, host or device). Default 1.0.
+    Attributes:
+        latent: the CuPy view (uint8 for fp8) ``[num_pages, page_size, 576]``; ckv / kpe: its
+        column slices ``[..., :512]`` / ``[..., 512:]`` (views, e.g. for FlashInfer's MLA wrapper);
+        num_pages, page_size, dtype_name, scale (float, fp8) and scale_device, device_id.
+    Raises:
+        TypeError: a NumPy array, an unsupported dtype, a uint8 array without
+            ``dtype="float8_e4m3fn"``, a ``dtype`` other than the array's own.
+        ValueError: a CPU tensor, a shape other than the above (the last dimension must be 576: a
+            ``kv_lora_rank`` of 512 and a rope part of 64), not C-contiguous, misaligned, empty; a
+            scale that is not one positive finite normal float32, or a scale for a 16-bit cache.
+    """
+
+    def __init__(self, latent, *, dtype=None, scale=None):
+        self.source = latent
+        want = None if dtype is None else _arrays.resolve_kv_dtype(dtype)
+        _arrays.refuse_host(latent, "latent")
+        _arrays.require_cuda()
+        raw = _arrays.fp8_bytes(latent, "latent")
+        dev = raw if raw is not None else _arrays.to_cupy(latent, "latent")
+        if dev.ndim == 4 and dev.shape[2] == 1:
+            dev = dev.reshape(dev.shape[0], dev.shape[1], dev.shape[3])
+        if dev.ndim != 3 or dev.shape[-1] != LATENT_DIM:
+            raise ValueError(f"latent must be [num_pages, page_size, {LATENT_DIM}] (kv_lora_rank {KV_LORA_RANK} + "
+                             f"rope {ROPE_DIM}) or [num_pages, page_size, 1, {LATENT_DIM}], got shape "
+                             f"{tuple(getattr(latent, 'shape', dev.shape))}")
+        if raw is not None or (dev.dtype == np.uint8 and want == _arrays.FP8):
+            self.dtype_name = _arrays.FP8
+        elif dev.dtype == np.uint8:
+            raise TypeError("latent is uint8: a uint8 array is read as e4m3fn bytes only with dtype='float8_e4m3fn'")
+        else:
+            self.dtype_name = _arrays.resolve_dtype(dev.dtype, "latent.dtype")
+        if want is not None and want != self.dtype_name:
+            raise TypeError(f"dtype={want!r} but latent holds {self.dtype_name}")
+        _arrays.check_device_array(dev, "latent")
+        self.latent = dev
+        self.device_id = int(dev.device.id)
+        self.num_pages, self.page_size = int(dev.shape[0]), int(dev.shape[1])
+        if self.num_pages < 1 or self.page_size < 1:
+            raise ValueError(f"latent must have at least one page of at least one token, got shape {tuple(dev.shape)}")
+        if not self.is_fp8 and scale is not None:
+            raise ValueError(f"scale is for an fp8 (float8_e4m3fn) cache; this one is {self.dtype_name}")
+        self.scale = self.scale_device = None
+        import cupy
+
+        self._device = cupy.cuda.Device(self.device_id)
+        with self._device:
+            self._status = cupy.full(1, (1 << 64) - 1, np.uint64)
+            if self.is_fp8:
+                self.scale = float(checked_scales(scale, "scale", 1)[0])
+                self.scale_device = cupy.asarray(np.array([self.scale], np.float32))
+
+    @classmethod
+    def allocate(cls, num_pages, page_size, dtype="bfloat16", *, scale=None, device=None):
+        """A zero-filled cache ``[num_pages, page_size, 576]`` of ``dtype`` ("bfloat16", "float16",
+        "float8_e4m3fn" with its ``scale``) on ``device`` (default CuPy's current device).
+
+        Raises:
+            ValueError: a dimension below 1; a bad scale; a ``device`` that is no CUDA device here.
+            TypeError: another dtype.
+        """
+        name = _arrays.resolve_kv_dtype(dtype)
+        if int(num_pages) < 1 or int(page_size) < 1:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages} and {page_size}")
+        _arrays.require_cuda()
+        import cupy
+
+        with cupy.cuda.Device(_arrays.resolve_device(device)):
+            arr = cupy.zeros((int(num_pages), int(page_size), LATENT_DIM),
+                             np.uint8 if name == _arrays.FP8 else _arrays.DTYPES[name])
+        return cls(arr, dtype=name, scale=scale)
+
+    @property
+    def is_fp8(self):
+        return self.dtype_name == _arrays.FP8
+
+    @property
+    def num_slots(self):
+        return self.num_pages * self.page_size
+
+    @property
+    def ckv(self):
+        """The c_kv columns ``[num_pages, page_size, 512]`` (a strided view)."""
+        return self.latent[..., :KV_LORA_RANK]
+
+    @property
+    def kpe(self):
+        """The k_pe columns ``[num_pages, page_size, 64]`` (a strided view)."""
+        return self.latent[..., KV_LORA_RANK:]
+
+    def kernel_fields(self):
+        """The MLA kernels' parameters this cache sets (MlaParams): a captured step bakes these in."""
+        size = self.page_size
+        return dict(cache=self.latent.data.ptr, page_size=size,
+                    page_shift=size.bit_length() - 1 if size & (size - 1) == 0 else -1, num_pages=self.num_pages,
+                    kv_scale=self.scale_device.data.ptr if self.is_fp8 else 0)
+
+    def append(self, ckv, kpe, slots):
+        """Writes new tokens' latent rows at their slots, on the caller's stream.
+
+        Args:
+            ckv: ``[T, 512]`` (or ``[T, 1, 512]``) device array, each token's c_kv; kpe: ``[T, 64]`` (or
+                ``[T, 1, 64]``), its rotary key (after RoPE). The cache's dtype for a 16-bit cache;
+                float16 or bfloat16 (both the same) for an fp8 one, quantised on the fly to
+                ``e4m3(x / scale)`` (round to nearest even, saturating at +-448, NaN kept). Last
+                dimension contiguous, rows on 16-byte boundaries (any token stride: two column
+                slices of one ``[T, 576]`` array work).
+            slots: ``[T]`` ints ``page x page_size + offset``: host (checked against the cache before
+                anything is written) or device int32 / int64 (negative: skipped, as a graph bucket's
+                padding; past the cache: skipped and reported by :meth:`status`).
+        Raises:
+            TypeError: NumPy arrays, another dtype, non-integer slots.
+            ValueError: shapes that do not fit the cache or each other, a host slot outside the cache,
+                arrays on the CPU or another device, a strided last dimension, misaligned rows.
+        Nothing is written when it raises.
+        """
+        with self._device:
+            self._append(ckv, kpe, slots)
+
+    def _append(self, ckv, kpe, slots):
+        stream = _arrays.caller_stream(ckv, kpe, slots, device_id=self.device_id)
+        with stream:
+            c = _arrays.to_cupy(ckv, "ckv")
+            k = _arrays.to_cupy(kpe, "kpe")
+            host, dev = _arrays.host_or_device_ints(slots, "slots", 1)
+        want = None if self.is_fp8 else self.dtype_name
+        c = _rows(c, "ckv", KV_LORA_RANK, want, self.device_id)
+        k = _rows(k, "kpe", ROPE_DIM, want, self.device_id)
+        if c.dtype != k.dtype:
+            raise TypeError(f"ckv and kpe must have one dtype, got {_arrays.dtype_name(c.dtype)} and "
+                            f"{_arrays.dtype_name(k.dtype)}")
+        if c.shape[0] != k.shape[0]:
+            raise ValueError(f"ckv has {c.shape[0]} tokens, kpe has {k.shape[0]}")
+        tokens = int(c.shape[0])
+        if host is not None:
+            if host.shape[0] != tokens:
+                raise ValueError(f"slots has {host.shape[0]} entries, ckv has {tokens} tokens")
+            bad = np.flatnonzero((host < 0) | (host >= self.num_slots))
+            if bad.size:
+                raise ValueError(f"slots[{bad[0]}] = {host[bad[0]]} is outside the cache "
+                                 f"(0 <= slot < num_pages * page_size = {self.num_slots})")
+            import cupy
+
+            with stream:
+                dev = cupy.asarray(host.astype(np.int64))
+        else:
+            if dev.shape[0] != tokens:
+                raise ValueError(f"slots has {dev.shape[0]} entries, ckv has {tokens} tokens")
+            if dev.dtype not in (np.int32, np.int64):
+                raise TypeError(f"slots must be int32 or int64, got {dev.dtype}")
+            _arrays.check_device_array(dev, "slots", device_id=self.device_id, align=dev.itemsize,
+                                       bound="the device of this cache")
+        if tokens == 0:
+            return
+        params = _params.make(
+            "MlaAppendParams", ckv=c.data.ptr, kpe=k.data.ptr, cache=self.latent.data.ptr, slots=dev.data.ptr,
+            status=self._status.data.ptr, scale=self.scale_device.data.ptr if self.is_fp8 else 0,
+            num_slots=self.num_slots, ckv_stride=c.strides[0] // c.itemsize, kpe_stride=k.strides[0] // k.itemsize,
+            num_tokens=tokens)
+        kernel = family.append_kernel(dev.dtype, _arrays.dtype_name(c.dtype), self.is_fp8)
+        blocks = min(-(-tokens * (LATENT_DIM // 8) // kernel.threads), 65535)
+        _build.launch(kernel, (blocks,), params, stream)
+
+    def status(self):
+        """The first token the appends since the last ``status()`` skipped because its slot lies past
+        the cache (a :class:`cupy_fa.status.Status`, 0 when none), then clears it; syncs the device."""
+        from .. import status as _status
+
+        with self._device as device:
+            device.synchronize()
+            found = _status.read(self._status, "token")
+            self._status.fill((1 << 64) - 1)
+            device.synchronize()
+        return found
+
+    def __repr__(self):
+        return f"PagedLatentCache(num_pages={self.num_pages}, page_size={self.page_size}, dtype={self.dtype_name})"
+
+
+def _rows(x, name, width, dtype_name, device_id):
+    """A ``[T, width]`` (or ``[T, 1, width]``) view with a contiguous last dimension and 16-byte
+    aligned rows, of ``dtype_name`` (None: float16 or bfloat16)."""
+    if x.ndim == 3 and x.shape[1] == 1:
+        x = x.reshape(x.shape[0], x.shape[2]) if x.flags.c_contiguous else x[:, 0, :]
+    if x.ndim != 2 or x.shape[1] != width:
+        raise ValueError(f"{name} must be [T, {width}] (or [T, 1, {width}]), got shape {tuple(x.shape)}")
+    try:
+        got = _arrays.resolve_dtype(x.dtype, f"{name}.dtype")
+    except TypeError:
+        got = None
+    if got is None or (dtype_name is not None and got != dtype_name):
+        want = dtype_name or "float16 or bfloat16 (quantised into the fp8 cache)"
+        raise TypeError(f"{name} must have dtype {want}, got {_arrays.dtype_name(x.dtype)}")
+    check_rows(x, name, device_id)
+    return x
+
+
+def check_rows(x, name, device_id, bound="the device of this cache"):
+    """A strided device view whose rows the kernels move in 16-byte pieces: its last dimension
+    contiguous, every row start on a 16-byte boundary (base pointer and strides), on ``device_id``."""
+    if x.size == 0:
+        return
+    if x.strides[-1] != x.itemsize:
+        raise ValueError(f"{name} must have a contiguous last dimension (got strides {x.strides})")
+    if x.data.ptr % 16 or any(s % 16 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1):
+        raise ValueError(f"{name}'s rows must start on 16-byte boundaries (address {x.data.ptr:#x}, strides "
+                         f"{x.strides})")
+    _arrays.check_device(x, name, device_id, bound)

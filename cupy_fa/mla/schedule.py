@@ -1,0 +1,177 @@
+"""The MLA tiling policy: which kernel, tile, splits and merge a step of multi-head latent attention
+runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; the kernels are
+:mod:`cupy_fa.families.mla`'s).
+
+* **Classes and tiles.** A request is small-q (``q_len <= SMALL_Q_LEN``: decode, verify, draft
+  extend, a mixed batch's decode rows) or long (prefill-like extends). Small-q requests take one
+  tile per (head count, cache type, target): the seesaw wgmma kernel for 16-bit caches at
+  ``num_heads >= WGMMA_MIN_HEADS`` on sm_90a (a decode token fills its 64-row blocks), else the
+  mma.sync tile (16 rows a row of warps; one row of warps when a request packs at most 16 rows,
+  two otherwise, the same arithmetic per row). Long requests take the seesaw kernel on sm_90a
+  with a 16-bit cache, else the mma.sync tile with two rows of warps. Where both classes take the
+  same tile, the step has one work list.
+* **Splits** (``kernels/shared/plan.cu`` applies them on the device): small-q requests split their
+  keys at the fixed positions 0, S, 2S, ... (S = SPLIT_SIZE), whatever their q_len or batch, so a
+  token's bits are the same in decode and verify; long ones only while q_len x splits <=
+  SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
+  on the batch: a context past MAX_SPLITS x S keys, 65536).
+* **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (8 heads a CTA) for many rows,
+  deep (4 ways over a row's groups of splits) for a few.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..families.common import is_sm90a
+from ..knobs import knobs
+from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
+
+SMALL_Q_LEN = 16
+SPLIT_SIZE = 512          # keys a split of a small-q request: 512 x 1152 bytes of a 16-bit cache
+MAX_SPLITS = MAX_MERGE_SPLITS
+SPLIT_ROW_BUDGET = 128
+WGMMA_MIN_HEADS = 64      # below, a decode token would leave most of a 64-row block empty
+
+
+def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
+    """The tile of a step's small-q requests (the longest has ``max_q_len`` tokens)."""
+    if _wgmma(kv_fp8, arch) and num_heads >= WGMMA_MIN_HEADS:
+        return MlaWgmmaTile()
+    rows = max(int(max_q_len), 1) * num_heads
+    return MlaMmaTile(1 if rows <= 16 else 2, kv_fp8)
+
+
+def long_tile(num_heads, kv_fp8, arch):
+    """The tile of requests of more than SMALL_Q_LEN tokens."""
+    if _wgmma(kv_fp8, arch):
+        return MlaWgmmaTile()
+    return MlaMmaTile(2, kv_fp8)
+
+
+def _wgmma(kv_fp8, arch):
+    """The seesaw kernel applies: a 16-bit cache on sm_90a (CUPY_FA_MLA_WGMMA=0: never)."""
+    return not kv_fp8 and is_sm90a(arch) and knobs().mla_wgmma
+
+
+def max_splits(q_lens, kv_lens):
+    """Upper bound on each request's splits under plan.cu's rule (its overflow cap only lowers it)."""
+    q = np.maximum(np.asarray(q_lens), 1)
+    splits = -(-np.maximum(np.asarray(kv_lens), 1) // SPLIT_SIZE)
+    splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
+    return np.maximum(1, np.minimum(splits, MAX_SPLITS))
+
+
+def row_blocks(q_lens, num_heads, tile):
+    return -(-(np.asarray(q_lens) * num_heads) // tile.block_m)
+
+
+def work_bound(q_lens, kv_lens, num_heads, tile):
+    """Work items (CTAs) of a launch over these host lengths."""
+    q, kv = np.asarray(q_lens), np.asarray(kv_lens)
+    live = q > 0
+    return int((row_blocks(q[live], num_heads, tile) * max_splits(q[live], kv[live])).sum())
+
+
+def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_len=1):
+    """Work items of any step within ``capacity`` whose requests have ``min_q_len .. max_q_len``
+    tokens and at most ``max_kv_len`` keys (the fixed grid of a graph-captured step)."""
+    b, t = capacity.max_batch_size, capacity.max_num_tokens
+    max_q_len = max(1, min(int(max_q_len), t))
+    if min_q_len > max_q_len:
+        return 0
+    q = np.arange(max(1, min_q_len), max_q_len + 1)
+    splits = int(max_splits(q, np.full_like(q, max(int(max_kv_len), 1))).max())
+    per_request = int(row_blocks(max_q_len, num_heads, tile))
+    tokens_bound = int(row_blocks(min(t, b * max_q_len), num_heads, tile)) + b  # rows of the batch, a block each
+    return min(b * per_request, tokens_bound) * splits
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One attention launch: its tile, work items (its grid) and the most splits a request gets."""
+    tile: object
+    work_grid: int
+    max_splits: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaSchedule:
+    """A planned MLA step: the launch of each class (None where the step has none) and the merge."""
+    small: Launch | None
+    long: Launch | None
+    needs_merge: bool
+
+    @property
+    def launches(self):
+        """The long class's launch first (its CTAs take the longest), then the small-q one."""
+        return tuple(x for x in (self.long, self.small) if x is not None)
+
+    @property
+    def one_list(self):
+        """Both classes on one tile: every request in work_indptr."""
+        return self.long is None or self.small is None
+
+
+def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_len=None, max_kv_len=None,
+                  capacity=None):
+    """The launches and merge of a step, from host lengths (exact) or from bounds (device lengths:
+    ``max_q_len``, ``max_kv_len`` (None: any), the buffers' ``capacity``)."""
+    small_tile_of = lambda longest: small_q_tile(num_heads, kv_fp8, arch, longest)
+    big = long_tile(num_heads, kv_fp8, arch)
+    if q_lens is not None:
+        q, kv = np.asarray(q_lens), np.asarray(kv_lens)
+        is_long = q > SMALL_Q_LEN
+        small = long = None
+        if is_long.any():
+            long = Launch(big, work_bound(q[is_long], kv[is_long], num_heads, big),
+                          int(max_splits(q[is_long], kv[is_long]).max()))
+        small_q = q[~is_long]
+        if not is_long.any() or (small_q > 0).any():
+            tile = small_tile_of(int(small_q.max()) if small_q.size else 1)
+            live = small_q > 0
+            small = Launch(tile, work_bound(small_q, kv[~is_long], num_heads, tile),
+                           int(max_splits(small_q[live], kv[~is_long][live]).max()) if live.any() else 0)
+        return _merged(small, long, num_heads)
+    max_q = int(max_q_len)
+    kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
+    tile = small_tile_of(min(max_q, SMALL_Q_LEN))
+    small = Launch(tile, capacity_work_bound(capacity, num_heads, tile, min(max_q, SMALL_Q_LEN), kv_bound),
+                   int(max_splits([1], [kv_bound])[0]))
+    long = None
+    if max_q > SMALL_Q_LEN:
+        long = Launch(big, capacity_work_bound(capacity, num_heads, big, max_q, kv_bound, SMALL_Q_LEN + 1),
+                      int(max_splits([SMALL_Q_LEN + 1], [kv_bound])[0]))
+    return _merged(small, long, num_heads)
+
+
+def _merged(small, long, num_heads):
+    """One launch where both classes take the same tile (one work list), and whether a merge runs."""
+    if small is not None and long is not None and small.tile == long.tile:
+        small = Launch(small.tile, small.work_grid + long.work_grid, max(small.max_splits, long.max_splits))
+        long = None
+    merge = any(x is not None and x.max_splits > 1 for x in (small, long))
+    return MlaSchedule(small, long, merge)
+
+
+def plan_constants(schedule):
+    """PlanParams' policy fields for plan_kernel: the small-q tile's list in work_indptr and, with a
+    long launch, the long tile's in long_work_indptr (else every request in work_indptr)."""
+    first = (schedule.small or schedule.long).tile
+    other = schedule.long.tile if schedule.long is not None and schedule.small is not None else first
+    two_lists = schedule.long is not None and schedule.small is not None
+    return dict(block_m=first.block_m, block_n=first.block_n, long_q_len=SMALL_Q_LEN + 1 if two_lists else 2**31 - 1,
+                long_block_m=other.block_m, long_block_n=other.block_n, split_size=SPLIT_SIZE, max_splits=MAX_SPLITS,
+                small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=1, fold_splits=0)
+
+
+def merge_shape(num_tokens, num_heads):
+    """Wide (8 heads a CTA) when the step's rows give every SM work, else deep (4 ways a row)."""
+    return MERGE_WIDE if num_tokens * num_heads >= 1024 and num_heads % MERGE_WIDE[0] == 0 else MERGE_DEEP
+
+
+def merge_grid(num_tokens, num_heads):
+    shape = merge_shape(num_tokens, num_heads)
+    return shape, (num_tokens, -(-num_heads // shape[0]))

@@ -1,0 +1,327 @@
+// The two warpgroups of the MLA seesaw kernel (kernels/mla/wgmma.cu): 64 query rows of one request
+// over one split of its keys, in 64-key blocks taken in pairs. Warpgroup 0 computes S = Q K^T of the
+// even blocks (K buffer 0), warpgroup 1 of the odd ones (buffer 1), so the 576-column products are
+// shared evenly; the output is split by columns: warpgroup 0 holds O's left 256 columns, warpgroup 1
+// the right 256 (128 fp32 registers a thread each), and each multiplies both blocks' P into its
+// half, its own block's P from registers and the other's through shared memory: P of a block is
+// left in its K buffer's rope column block (S is done with it), where the other warpgroup reads it.
+//
+// Per pair (blocks b0 = 2i, b1 = 2i + 1), a row's online softmax runs b0 then b1, as one chain:
+//   warpgroup 0: m0 = its offset after S0 (lazy: moved only when a score passes it by kLazyRescale),
+//                P0 = 2^(S0 - m0) -> registers and shared memory, m0 -> shared memory   [arrive P0]
+//                O_L = O_L f0 + P0 V0_L
+//   warpgroup 1: [wait P0]  m1 = its offset after m0 and S1, P1 -> shared memory, m1    [arrive P1]
+//                O_R = (O_R f0 + P0 V0_R) f1 + P1 V1_R
+//   warpgroup 0: [wait P1]  O_L = O_L f1 + P1 V1_L
+// (f0 = 2^(m - m0), f1 = 2^(m0 - m1), 1 unless the offset moved), and each keeps its part of the row's
+// sum: warpgroup 0 of the even blocks' P, warpgroup 1 of the odd ones', each rescaled by both
+// factors; the two parts add up at the end (0's, then 1's). Thread t of both warpgroups holds the
+// same two rows (the m64nN accumulator layout), so the exchanges are per thread: P as 16 packed
+// words a thread (the A fragments of P V) and the offsets as a float2, in slots only the two thread
+// t's use, ordered by named barriers (each alternates strictly: neither warpgroup can arrive twice
+// before the other waited once); a third tells warpgroup 1 that P1 was read before it refills
+// buffer 1's high half.
+//
+// The K buffers are refilled for the next pair as soon as their last reader is done with each half
+// (kernels/mla/wgmma_copy.cuh): buffer 0's low half after O_L += P0 V0_L, its high half after
+// O_R += P0 V0_R; buffer 1's after the P1 products. S of a block never waits for more than that.
+//
+// Batch invariance: a row's arithmetic depends on its own queries, its keys and the fixed block
+// positions from its split's first key only (rows never mix in wgmma, a masked key adds an exact
+// zero, the exchanges are per row), so a token's bits are the same in decode and in verify.
+#pragma once
+
+#include "shared/common.cuh"
+#include "shared/softmax.cuh"
+#include "shared/pipeline_sync.cuh"
+#include "sm90/wgmma.cuh"
+#include "mla/params.cuh"
+#include "mla/work.cuh"
+#include "mla/wgmma_copy.cuh"
+
+namespace cupy_fa {
+namespace mla {
+
+constexpr int kBarP0 = 1, kBarP1 = 2, kBarP1Read = 3, kBarEnd = 4;  // named barriers (0: __syncthreads)
+
+// The shared-memory plan: the query block, two K buffers (each one's rope column block carries its P
+// once S is done with it), the offset and sum exchanges, the barriers and the page flag.
+struct SeesawSmem {
+  static constexpr int kQ = 0;                                  // 9 column blocks of 64 x 64
+  static constexpr int kPInBuffer = 8 * kColumnBlockBytes;      // P's slots: a K buffer's rope block
+  static constexpr int kK0 = kTileBytes64;
+  static constexpr int kK1 = 2 * kTileBytes64;
+  static constexpr int kM0 = 3 * kTileBytes64;                  // float2 [128]: warpgroup 0's offsets
+  static constexpr int kM1 = kM0 + 128 * 8;                     // warpgroup 1's
+  static constexpr int kL = kM1 + 128 * 8;                      // float2 [2][128]: the sums at the end
+  static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][half]
+  static constexpr int kFlag = kBars + 5 * 8;
+  static constexpr int kBytes = kFlag + 8;
+  static constexpr int kAllocBytes = kBytes + 1024;             // the tiles start on a 1024-byte boundary
+  static_assert(kAllocBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
+};
+
+template <typename T>
+struct SeesawRole {
+  static constexpr int NB = 32;  // 8-column blocks of a thread's O half (64 x 256 over 128 threads)
+  const MlaParams& p;
+  const Work& w;
+  const FastDiv& by_head;
+  unsigned base;  // the aligned shared-memory base
+  int wtid, lane, quad;
+  int first_row;  // the thread's row half 0 in the block (+ 8: half 1)
+  int num_blocks, num_pairs, mask_blocks_from;
+  float scale_log2;
+  float o[4 * NB];
+  float s[32];
+  unsigned own[4][4];
+  float m[2], l[2];
+
+  __device__ __forceinline__ SeesawRole(const MlaParams& p_, const Work& w_, const FastDiv& by_head_, unsigned base_,
+                                        int wtid_)
+      : p(p_), w(w_), by_head(by_head_), base(base_), wtid(wtid_) {
+    lane = wtid & 31, quad = lane & 3;
+    first_row = (wtid >> 5) * 16 + (lane >> 2);
+    num_blocks = (w.kv_end - w.kv_begin + kBlockRows - 1) / kBlockRows;
+    num_pairs = (num_blocks + 1) / 2;
+    mask_blocks_from = (w.mask_from - w.kv_begin) / kBlockRows;
+    scale_log2 = p.sm_scale_log2;
+#pragma unroll
+    for (int i = 0; i < 4 * NB; ++i) o[i] = 0.f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+  }
+
+  __device__ __forceinline__ unsigned buffer(int b) const { return base + (b ? SeesawSmem::kK1 : SeesawSmem::kK0); }
+  __device__ __forceinline__ unsigned full_bar(int b, int half) const { return base + SeesawSmem::kBars + 8 * (1 + 2 * b + half); }
+  __device__ __forceinline__ int* flag() const {
+    return reinterpret_cast<int*>(__cvta_shared_to_generic(base + SeesawSmem::kFlag));
+  }
+
+  static __device__ __forceinline__ sm90::u64 opaque(sm90::u64 x) {
+    asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+    return x;
+  }
+
+  // S = Q K^T of the block in buffer b (issue only): 36 k16 steps over the 576 columns
+  __device__ __forceinline__ void issue_scores(int b) {
+    // (the descriptors through opaque moves: hoisted out of the pair loop, their 36 steps would take 72
+    // registers the accumulators need)
+    const sm90::u64 q_desc = opaque(sm90::kmajor_desc(base + SeesawSmem::kQ)), k_desc = opaque(sm90::kmajor_desc(buffer(b)));
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kLatentDim / 16; ++kk) {
+      sm90::Wgmma<64, T>::ss_kk(s, sm90::desc_at(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
+                                sm90::desc_at(k_desc, sm90::kmajor_step<kBlockRows>(kk)), kk > 0);
+    }
+    sm90::wgmma_commit();
+  }
+
+  // O_half += P V of the block in buffer b, V's columns 256 half .. (issue, commit and wait)
+  __device__ __forceinline__ void pv(int b, int half, const unsigned (&frag)[4][4]) {
+    const sm90::u64 v_desc = opaque(sm90::mnmajor_desc<kBlockRows>(buffer(b) + 4 * half * kColumnBlockBytes));
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) sm90::Wgmma<256, T>::rs_mn(o, frag[ks], sm90::desc_at(v_desc, sm90::mnmajor_step(ks)), 1);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::pin(o);
+    pin_frag(frag);  // held in registers until the products have read them
+  }
+
+  static __device__ __forceinline__ void pin_frag(const unsigned (&frag)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) asm volatile("" ::"r"(frag[i][j]) : "memory");
+  }
+
+  __device__ __forceinline__ void wait_full(int b, int pair) {
+    const int parity = pair & 1;
+    mbar::wait(full_bar(b, 0), parity);
+    mbar::wait(full_bar(b, 1), parity);
+  }
+
+  // -inf for keys past the split or that a row may not see (the blocks that need it)
+  __device__ __forceinline__ void mask(int block) {
+    if (block < mask_blocks_from) return;
+    const int key0 = w.kv_begin + block * kBlockRows;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = w.row0 + first_row + 8 * h;
+      const bool real = row < w.rows;
+      const int token = by_head.div(min(row, max(w.rows - 1, 0)));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + 8 * j + 2 * quad + e;
+          if (!(key < w.kv_end && (!real || row_sees(p, w, token, key)))) s[4 * j + 2 * h + e] = -INFINITY;
+        }
+      }
+    }
+  }
+
+  // the rows' raw maxima over the block, times the scale (base 2)
+  __device__ __forceinline__ void block_max(float (&mx)[2]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float x = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x = fmaxf(x, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+      mx[h] = x * scale_log2;  // -inf stays -inf (scale > 0)
+    }
+  }
+
+  // the lazy offset after a block of maxima mx: moved only when a score passes it by kLazyRescale
+  static __device__ __forceinline__ float next_offset(float m_now, float mx) { return mx > m_now + kLazyRescale ? mx : m_now; }
+  static __device__ __forceinline__ float factor_of(float m_old, float m_new) {
+    return m_new != m_old ? rescale_factor(m_old, m_new) : 1.f;
+  }
+
+  // P = 2^(S scale - offset) in place, this thread's part of its sums; P's A fragments into `frag`
+  __device__ __forceinline__ void exponentials(const float (&offset_of)[2], float (&sum)[2], unsigned (&frag)[4][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float offset = safe_offset(offset_of[h]);
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * h + e];
+          x = exp2f(fmaf(x, scale_log2, -offset));
+          acc += x;
+        }
+      }
+      sum[h] = acc;
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      frag[ks][0] = ElemTraits<T>::pack(s[8 * ks + 0], s[8 * ks + 1]);
+      frag[ks][1] = ElemTraits<T>::pack(s[8 * ks + 2], s[8 * ks + 3]);
+      frag[ks][2] = ElemTraits<T>::pack(s[8 * ks + 4], s[8 * ks + 5]);
+      frag[ks][3] = ElemTraits<T>::pack(s[8 * ks + 6], s[8 * ks + 7]);
+    }
+  }
+
+  __device__ __forceinline__ void rescale(const float (&f)[2]) {
+    const bool moved = f[0] != 1.f || f[1] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int i = 0; i < 4 * NB; ++i) o[i] *= f[(i >> 1) & 1];
+    }
+  }
+
+  // P's fragments (in buffer b's rope block) and the offsets through the exchange slots of thread wtid
+  __device__ __forceinline__ void put_p(int b, const unsigned (&frag)[4][4]) const {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const unsigned addr = buffer(b) + SeesawSmem::kPInBuffer + 4 * (i * 128 + wtid);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(frag[i >> 2][i & 3]) : "memory");
+    }
+  }
+  __device__ __forceinline__ void get_p(int b, unsigned (&frag)[4][4]) const {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const unsigned addr = buffer(b) + SeesawSmem::kPInBuffer + 4 * (i * 128 + wtid);
+      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(frag[i >> 2][i & 3]) : "r"(addr) : "memory");
+    }
+  }
+  __device__ __forceinline__ void put_m(int slot, const float (&mm)[2]) const {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(base + slot + 8 * wtid), "f"(mm[0]), "f"(mm[1]) : "memory");
+  }
+  __device__ __forceinline__ void get_m(int slot, float (&mm)[2]) const {
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(mm[0]), "=f"(mm[1]) : "r"(base + slot + 8 * wtid) : "memory");
+  }
+
+  // One body for both warpgroups (wg 0: even blocks, O's left half, the K buffers' low halves;
+  // wg 1: odd blocks, the right half, the high halves), so each product is issued from one place
+  // (the kernel's code, and its compile time, stay half): `frag` holds the P each product takes, this
+  // warpgroup's own (packed from S) or the other's (from the exchange slots).
+  __device__ __forceinline__ void run(int wg) {
+    unsigned frag[4][4];
+    for (int i = 0; i < num_pairs; ++i) {
+      const bool more = i + 1 < num_pairs;
+      sm90::wgmma_wait<0>();
+      sm90::pin(s);
+      mask(2 * i + wg);
+      float mx[2], m0[2], m_new[2], fa[2], fb[2], sum[2];
+      block_max(mx);  // (the mask and maxima need nothing of the other warpgroup's)
+      if (wg == 1) {
+        sm90::named_sync(kBarP0, 256);  // warpgroup 0's offsets and P0
+        get_m(SeesawSmem::kM0, m0);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (wg == 0) {
+          m_new[h] = m0[h] = next_offset(m[h], mx[h]);
+          fa[h] = factor_of(m[h], m0[h]);
+          fb[h] = 1.f;
+        } else {
+          fa[h] = factor_of(m[h], m0[h]);
+          m_new[h] = next_offset(m0[h], mx[h]);
+          fb[h] = factor_of(m0[h], m_new[h]);
+        }
+      }
+      exponentials(m_new, sum, own);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) l[h] = l[h] * fa[h] * fb[h] + sum[h];
+      if (wg == 1) {
+        get_p(0, frag);  // P0
+        put_p(1, own);
+        put_m(SeesawSmem::kM1, m_new);
+        sm90::named_arrive(kBarP1, 256);
+      } else {
+        put_p(0, own);
+        put_m(SeesawSmem::kM0, m_new);
+        sm90::named_arrive(kBarP0, 256);
+        copy_frag(frag, own);
+      }
+      rescale(fa);
+      pv(0, wg, frag);  // O_half += P0 V0_half; this half of buffer 0 is free
+      if (more) fill(0, 2 * i + 2, wg);
+      if (wg == 0) {
+        sm90::named_sync(kBarP1, 256);  // warpgroup 1's offsets and P1
+        float m1[2];
+        get_m(SeesawSmem::kM1, m1);
+        get_p(1, frag);
+        sm90::named_arrive(kBarP1Read, 256);  // buffer 1's rope block may be refilled
+#pragma unroll
+        for (int h = 0; h < 2; ++h) fb[h] = factor_of(m0[h], m1[h]), l[h] *= fb[h], m_new[h] = m1[h];
+      } else {
+        copy_frag(frag, own);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) m[h] = m_new[h];
+      rescale(fb);
+      pv(1, wg, frag);  // O_half += P1 V1_half; this half of buffer 1 is free
+      if (wg == 1) sm90::named_sync(kBarP1Read, 256);  // (every pair: the barrier alternates strictly)
+      if (more) {
+        fill(1, 2 * i + 3, wg);
+        wait_full(wg, i + 1);
+        issue_scores(wg);
+      }
+    }
+    sm90::wgmma_wait<0>();  // none in flight past the loop (ptxas cannot tell the last pair issued none)
+    sm90::pin(s);
+  }
+
+  static __device__ __forceinline__ void copy_frag(unsigned (&to)[4][4], const unsigned (&from)[4][4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) to[k][e] = from[k][e];
+  }
+
+  // this warpgroup's half of buffer b for key block `block`
+  __device__ __forceinline__ void fill(int b, int block, int wg) {
+    if (wg == 0) fill_half<0>(p, w, buffer(b), block, full_bar(b, 0), wtid, flag());
+    else fill_half<1>(p, w, buffer(b), block, full_bar(b, 1), wtid, flag());
+  }
+};
+
+}  // namespace mla
+}  // namespace cupy_fa

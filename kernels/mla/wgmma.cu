@@ -1,0 +1,88 @@
+// Multi-head latent attention over a paged latent cache on Hopper tensor cores (sm_90a only), the
+// seesaw kernel: 64 packed (token, head) rows of one request over one split of its keys, two
+// warpgroups that share the 576-column Q K^T products block by block and split the 512-column P V
+// products by columns (kernels/mla/seesaw.cuh: the schedule, the exchanges and their barriers;
+// kernels/mla/wgmma_copy.cuh: the cp.async copies into two 64 x 576 K buffers; mla/epilogue.cuh:
+// out and LSE, or a split partial for merge_kernel). 16-bit caches; the queries' element type.
+//
+// Shared memory (kernels/mla/seesaw.cuh SeesawSmem): the query block (73728 bytes), two K buffers
+// (73728 each), the exchanges and barriers: one CTA an SM, 256 threads.
+#include "shared/common.cuh"
+#include "shared/softmax.cuh"
+#include "shared/pipeline_sync.cuh"
+#include "sm90/wgmma.cuh"
+#include "mla/params.cuh"
+#include "mla/work.cuh"
+#include "mla/wgmma_copy.cuh"
+#include "mla/seesaw.cuh"
+#include "mla/epilogue.cuh"
+
+namespace cupy_fa {
+namespace mla {
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant__ MlaParams p) {
+  static_assert(sizeof(T) == 2, "16-bit queries, cache and output");
+  allow_dependent_launch();
+  const FastDiv by_head{p.head_multiplier, p.head_shift, p.num_heads};
+  Work w;
+  if (!find_work<kBlockRows>(p, by_head, blockIdx.x, w)) return;  // the whole CTA, before any barrier
+
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw = mbar::smem_addr(smem_raw);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  // the warpgroup index from lane 0: ptxas then knows it is warp-uniform (the roles' branches hold wgmma)
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wtid = tid & 127;
+
+  if (tid == 0) {
+    mbar::init(base + SeesawSmem::kBars, 256);  // q_full: every thread's copies of Q
+#pragma unroll
+    for (int i = 1; i < 5; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][half]
+    *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kFlag) = 0;
+    mbar::init_fence();
+  }
+  __syncthreads();
+
+  SeesawRole<T> role(p, w, by_head, base, wtid);
+  copy_q_block<256, T>(p, w, by_head, base + SeesawSmem::kQ, tid);
+  mbar::cp_async_arrive_noinc(base + SeesawSmem::kBars);
+  if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      if (wg == 0) fill_half<0>(p, w, role.buffer(b), b, role.full_bar(b, 0), wtid, role.flag());
+      else fill_half<1>(p, w, role.buffer(b), b, role.full_bar(b, 1), wtid, role.flag());
+    }
+  }
+  mbar::wait(base + SeesawSmem::kBars, 0);
+  if (role.num_blocks > 0) {
+    role.wait_full(wg, 0);
+    role.issue_scores(wg);
+    role.run(wg);
+  }
+
+  // the row's sum: warpgroup 0's part of it, then warpgroup 1's (the same order in both)
+  float l[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] = role.l[h];
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  float2* sums = reinterpret_cast<float2*>(smem_raw + (base - raw) + SeesawSmem::kL);
+  sums[wg * 128 + wtid] = make_float2(l[0], l[1]);
+  sm90::named_sync(kBarEnd, 256);
+  const float2 l0 = sums[wtid], l1 = sums[128 + wtid];
+  l[0] = l0.x + l1.x;
+  l[1] = l0.y + l1.y;
+  // the work item's metadata again (a few cached loads), rather than registers held across the loop
+  Work done;
+  find_work<kBlockRows>(p, by_head, blockIdx.x, done);
+  const int flagged = *role.flag();
+  const bool bad = done.bad != 0 || flagged != 0;
+  if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
+  store_rows<T, SeesawRole<T>::NB>(p, done, by_head, reinterpret_cast<const float(&)[SeesawRole<T>::NB][4]>(role.o),
+                                   done.row0 + role.first_row, wg * 256, role.quad, role.m, l, bad, 1.f, wg == 0);
+}
+
+}  // namespace mla
+}  // namespace cupy_fa
