@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from cupy_fa import _arrays, _build, _memo, _params, _views, catalog, knobs, plan, schedule
+from cupy_fa import _arrays, _build, _memo, _params, _staging, _views, catalog, knobs, plan, schedule
 from cupy_fa.families.common import SMEM_LIMIT
 
 H200 = dict(smem_limit=SMEM_LIMIT, sm_count=132, arch="sm_90a")
@@ -242,7 +242,7 @@ def test_host_step_staged_in_one_copy(monkeypatch):
     assert stride == 6 and lengths[:8].tolist() == [1, 1, 0, 0, 0, 0, 0, 0] and lengths[8:12].tolist() == [3, 4, 0, 0]
     assert table_of(buffers)[:12].reshape(2, 6).tolist() == [[5, 6, -1, -1, -1, -1], [7, 8, -1, -1, -1, -1]]
     assert [c[0] for c in device.calls] == ["memcpy"]
-    monkeypatch.setattr(plan, "MIRRORED_TABLE_BYTES", 16)
+    monkeypatch.setattr(_staging, "MIRRORED_TABLE_BYTES", 16)
     device.calls.clear()
     table = np.arange(12, dtype=np.int64).reshape(3, 4) + 40
     stride = plan.stage_inputs(buffers, plan.check_step(np.array([1, 1, 1]), np.array([5, 5, 5]), table), stream=stream)
