@@ -222,6 +222,33 @@ def test_merge_shapes():
 # ---- the API's checks, before any device ----------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def mla_on(monkeypatch):
+    """MLAAttention runs only with CUPY_FA_MLA=1 until its kernels have run on a GPU."""
+    from cupy_fa import knobs
+
+    monkeypatch.setenv("CUPY_FA_MLA", "1")
+    knobs.reload()
+    yield
+    monkeypatch.delenv("CUPY_FA_MLA")
+    knobs.reload()
+
+
+def test_mla_attention_waits_for_its_first_gpu_run(monkeypatch):
+    """Without CUPY_FA_MLA=1 the constructor refuses, saying why, after checking its arguments."""
+    from cupy_fa import MLAAttention, knobs
+
+    monkeypatch.delenv("CUPY_FA_MLA")
+    knobs.reload()
+    with pytest.raises(NotImplementedError, match="not yet run on a GPU"):
+        MLAAttention(16)
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        MLAAttention(0)
+    monkeypatch.setenv("CUPY_FA_MLA", "1")
+    knobs.reload()
+    assert MLAAttention(16).num_heads == 16
+
+
 def test_mla_attention_names_bad_arguments():
     """docs/errors.md's rows of MLAAttention and its plan: each raised before anything touches a device."""
     import re

@@ -22,6 +22,18 @@ TAIL = 3
 SCALE = 4.0 / 448  # an fp8 cache's scale: N(0, 1) values' 4 sigma at e4m3's largest
 
 
+@pytest.fixture(autouse=True)
+def mla_on(monkeypatch):
+    """These tests are what lifts CUPY_FA_MLA's gate: they run the MLA kernels with it on."""
+    from cupy_fa import knobs
+
+    monkeypatch.setenv("CUPY_FA_MLA", "1")
+    knobs.reload()
+    yield
+    monkeypatch.delenv("CUPY_FA_MLA")
+    knobs.reload()
+
+
 def latent_case(rng, dtype, page_size, kv_lens, kv_dtype=None):
     """(page_table, host latent (what the reference reads), PagedLatentCache, scale): a shuffled
     interleaved paged layout, NaN in every slot no request may read."""

@@ -81,6 +81,11 @@ class MLAAttention:
         if workspace_bytes is not None:
             _plan.check_count("workspace_bytes", workspace_bytes, 1)
         self._workspace = workspace_bytes
+        if not _knobs.knobs().mla:
+            raise NotImplementedError(
+                "MLAAttention's kernels are compiled and tested on the CPU but have not yet run on a GPU "
+                "(cupy_fa 0.1.0, 2026-12-05): set CUPY_FA_MLA=1 to run them (docs/usage.md, "
+                "\"Multi-head latent attention\")")
         self.device_id = _arrays.resolve_device(device) if device is not None else _arrays.current_device_id()
         self._device = None
         self._buffers = None
