@@ -89,3 +89,19 @@ def test_every_kernel_source_the_catalog_names_exists():
                        "mma_sync/attention.cu", "sm90/prefill.cu",
                        "mla/attention.cu", "mla/wgmma.cu", "mla/latent_append.cu"}  # cupy_fa.mla
     assert all((KERNELS / s).is_file() for s in sources)
+
+
+def test_the_wheel_lists_every_package_and_kernel_folder():
+    """pyproject.toml's setuptools packages hold every package of cupy_fa/ (a folder with an
+    __init__.py), so an installed wheel imports what the checkout does; its package data takes every
+    kernel folder's sources."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= set(tool["packages"]), f"packages missing from pyproject.toml: {sorted(found - set(tool['packages']))}"
+    assert set(tool["packages"]) - found == {"cupy_fa.kernels"}  # kernels/, mapped by package-dir
+    assert tool["package-dir"] == {"cupy_fa.kernels": "kernels"}
+    sources = {p.relative_to(ROOT / "kernels") for p in (ROOT / "kernels").rglob("*") if p.suffix in (".cu", ".cuh")}
+    assert sources and all(len(p.parts) == 2 for p in sources)  # each in one folder: the "*/*.cu*" globs take it
+    assert tool["package-data"]["cupy_fa.kernels"] == ["*/*.cu", "*/*.cuh"]
