@@ -197,7 +197,7 @@ WORKLOADS = [
     Workload("mixed_q2048_d63_l4096", 64, 2048, 4096,
              "MIXED: one 2048-token chunk (over a 2048-token prefix) and 63 decode rows, all at kv_len 4096",
              ragged=((1, 2048, 4096), (63, 1, 4096))),
-    # the attention variants (issue 21): a window of 1024 (Mistral-like; a quarter of L), Gemma 2's
+    # the attention variants: a window of 1024 (Mistral-like; a quarter of L), Gemma 2's
     # soft-cap of 50, gpt-oss's sinks; and a window of 4096 over 131072 keys, whose read is the window's
     Workload("decode_b64_l4096_w1024", 64, 1, 4096, "sliding window of 1024 keys", window=1024),
     Workload("decode_b64_l4096_cap50", 64, 1, 4096, "logits soft-cap 50", soft_cap=50.0),
@@ -211,7 +211,7 @@ WORKLOADS = [
     Workload("decode_b64_l4096_d192", 64, 1, 4096, "head dim 192", head_dim=192),
     Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96", head_dim=96),
     Workload("prefill_b4_l4096_d192", 4, 4096, 4096, "head dim 192", head_dim=192),
-    # an fp8 KV cache (issue 42): the prefill and extend cells over it (ours: the wgmma family's fp8 tile)
+    # an fp8 KV cache: the prefill and extend cells over it (ours: the wgmma fp8 tile with CUPY_FA_WGMMA_ALL=1)
     Workload("prefill_b4_l4096_fp8", 4, 4096, 4096, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),
     Workload("prefill_b2_l8192_fp8", 2, 8192, 8192, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),
     Workload("extend_b4_q1024_l16384_fp8", 4, 1024, 16384, "fp8 KV cache: a chunk of 1024 over 15360 keys",

@@ -213,7 +213,7 @@ def compiled_kernels(source=None, device_id=None):
 def trace_buffer(kernel):
     """The timeline stamps of ``kernel`` on the current device (builds with the knob
     ``CUPY_FA_TRACE=1``, attention kernels only): a uint64 cupy array [kTraceCtas, kTraceStamps]
-    (kernels/trace.cuh) of (start, first K/V tile, done, ns in epilogues, ns waiting at the loop
+    (kernels/shared/trace.cuh) of (start, first K/V tile, done, ns in epilogues, ns waiting at the loop
     top, SM id) per CTA, written by each launch (zero it in between to tell launches apart)."""
     import cupy
 
@@ -289,12 +289,12 @@ def _launch_kernel():
 
 def launch(kernel, grid, params, stream, programmatic=False):
     """Launches one kernel with its params struct (one ``__grid_constant__`` parameter:
-    kernels/params.cuh) on ``stream`` (a cupy Stream). On CuPy's current device: the callers
+    kernels/shared/params.cuh) on ``stream`` (a cupy Stream). On CuPy's current device: the callers
     (BatchAttention, GraphRunner, PagedKVCache, merge_states) make the device they are bound to
     current once per call, and ``stream`` must be a stream of that device.
 
     ``programmatic=True`` launches it as a programmatic dependent of the kernel
-    before it in the stream (sm_90+; kernels/common.cuh wait_for_prior_grid): its
+    before it in the stream (sm_90+; kernels/shared/common.cuh wait_for_prior_grid): its
     CTAs may start while that kernel's last wave still runs. Only for kernels that
     wait before reading what their predecessor writes; elsewhere (older GPUs, no
     driver entry point, the knob ``CUPY_FA_PDL=0``) it is an ordinary launch."""

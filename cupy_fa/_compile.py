@@ -108,7 +108,7 @@ def compile_options(arch):
     options.append(f"-arch={arch}")
     if arch.endswith("90a"):
         options.append("-DCUPY_FA_REQUIRE_SM90A")
-    if knobs().trace:  # kernels/trace.cuh: the timeline stamps, diagnosis builds only
+    if knobs().trace:  # kernels/shared/trace.cuh: the timeline stamps, diagnosis builds only
         options.append("-DCUPY_FA_TRACE")
     return tuple(options)
 

@@ -1,4 +1,4 @@
-"""CUDA-graph replay timing, shared by the demo, the bench (bench/timing.py) and the probes (scripts/).
+"""CUDA-graph replay timing, shared by the demo, the bench (bench/timing.py) and the probes (lab/).
 
 Small kernels are timed as replays of one graph holding many launches: per-launch
 time = replay time / launches, with no CPU launch cost in it.

@@ -68,7 +68,7 @@ class GraphRunner:
             at head dim 64 / 128 with a ``CUPY_FA_SPLIT_SIZE`` that is not a multiple of 128 keys
             (all before anything is allocated). RuntimeError: no
             usable CUDA device. NotImplementedError: a ``window`` or ``logits_soft_cap`` with an
-            fp8 ``kv_dtype``.
+            fp8 ``kv_dtype``, without CUPY_FA_WGMMA_ALL=1.
 
     It allocates its static buffers at construction: q, out, lse for ``max_batch_size x max_q_len``
     tokens here, the lengths, page table and mask in its :class:`BatchAttention`'s plan buffers
@@ -165,7 +165,8 @@ class GraphRunner:
                 metadata broke the contract (after a sync). TypeError: cache not a PagedKVCache.
                 RuntimeError: called inside another capture, no usable CUDA device, from a second
                 thread while another is inside ``run`` (one runner serves one call at a time).
-                NotImplementedError: ``sinks`` on a runner of an fp8 ``kv_dtype``.
+                NotImplementedError: ``sinks`` on a runner of an fp8 ``kv_dtype``, without
+                CUPY_FA_WGMMA_ALL=1.
         """
         mode = ForwardMode(mode)
         refuse_fp8_variants(self.attn.kv_dtype_name, sinks=sinks)

@@ -108,7 +108,7 @@ def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
 # split holds the same bytes of K and V (64 KiB a KV head at D 128) over either cache. A CTA that
 # folds its splits runs one epilogue per split; over an fp8 cache 512-key splits held decode
 # B=64 L=4096 at 138.9 us, 1024 at 135.6 us, 2048 at 133.4 us (`bench.fp8 --ab`, H200,
-# 2026-12-02, bench/NOTES.md); bf16 at 1024 the same as at 512 there (243.3 us), but a batch of
+# 2026-12-02, lab/NOTES.md); bf16 at 1024 the same as at 512 there (243.3 us), but a batch of
 # one gets half the CTAs: 16-bit caches keep 512.
 SPLIT_SIZE = 512
 FP8_SPLIT_SIZE = 1024

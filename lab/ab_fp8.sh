@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fp8 decode A/B in one device call: the GPU fp8 tests on this tree, then `python -m bench.fp8`
+# fp8 decode A/B in one GPU run: the GPU fp8 tests on this tree, then `python -m bench.fp8`
 # (ours only, no prefill) on each tree in turn, ROUNDS times interleaved (A B A B ...), then one
 # table of the decode cells per (tree, round) and each later tree's mean against the first's.
 # A tree is a directory holding cupy_fa/, kernels/ and bench/ (e.g. exp/fp8-base/ from

@@ -1,4 +1,5 @@
-"""Interleaved A/B of the wgmma family's tile choices on issue 42's cells (tuning only; lab probe).
+"""Interleaved A/B of the wgmma family's tile choices on its new cells (fp8 K/V, head dims 96 / 192,
+the soft-cap's tanh forms; tuning only; lab probe).
 
 Each point is a bench workload (bench/workloads.py) run through ``bench.ours.bench_ours`` (checked
 against float64 on its row windows first, then timed by CUDA-graph replays) with the family's tile

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 42 on an H200 in one call (about 4-5 minutes): the wgmma family's kernels compiled by the
-# device's NVRTC (registers, spills, HGMMA in the SASS), the kernels the tests take warmed on every
+# Every prefill on the wgmma family (2026-12-05), on an H200 in one run (about 4-5 minutes): its
+# kernels compiled by the device's NVRTC (registers, spills, HGMMA in the SASS), the kernels the tests take warmed on every
 # core, the GPU tests of fp8 prefill, the variants over fp8, head dims 96 / 192 and the soft-cap's
 # forms, then the interleaved A/B of the tile choices (lab/ab_hopper.py), and, with FI=1, the bench
-# cells of issue 42's table beside FlashInfer and cuDNN. Every step bounded by `timeout`.
+# cells of its table beside FlashInfer and cuDNN. Every step bounded by `timeout`.
 # Usage, from the repository root: OUT=... bash lab/hopper_check.sh (not yet run on a GPU: written
 # 2026-12-05 for the first device run of these kernels)
 # Knobs: TESTS (pytest files, default below), TEST_SECONDS (default 200), AB (1: the A/B, default 1),
@@ -63,7 +63,7 @@ if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
   echo "ncu exit $?" >> "$summary"
 fi
 
-# 6. issue 42's table: ours beside FlashInfer (its fp8-KV, soft-cap and head-dim prefill) and cuDNN
+# 6. the table: ours beside FlashInfer (its fp8-KV, soft-cap and head-dim prefill) and cuDNN
 if [ "${FI:-0}" = 1 ]; then
   stamp "bench"
   [ -f /work-fi.sh ] && source /work-fi.sh

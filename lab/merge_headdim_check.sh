@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check of merge_states, the cascade example and head dims 96 / 192 (issue 21, part B),
+# The device check of merge_states, the cascade example and head dims 96 / 192 (2026-12-01),
 # in one call of at most CHECK_SECONDS (default 150), from the repository root on a GPU machine:
 #   bash lab/merge_headdim_check.sh
 # 1. the kernels these checks use into the disk cache (8 processes);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for multi-head latent attention (cupy_fa.mla), 2026-12-05: the first MLA call's
+# One GPU run for multi-head latent attention (cupy_fa.mla), 2026-12-05: the first MLA call's
 # compile on an empty cache, the GPU tests on the mma.sync tile alone (CUPY_FA_MLA_WGMMA=0) and then
 # with the sm_90a seesaw kernel (so a fault of one kernel leaves the other's results), the bench
 # beside FlashInfer's MLA wrapper, and the 128-head cells on the mma.sync tile for comparison.

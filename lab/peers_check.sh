@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Bench cells beside FlashInfer (and SDPA cuDNN) in one device call, with FlashInfer's JIT builds
+# Bench cells beside FlashInfer (and SDPA cuDNN) in one GPU run, with FlashInfer's JIT builds
 # kept off the timed runs: first each warm-up wave (`;`-separated in WARM) builds the FlashInfer
 # modules of its cells, one process per cell, the cells of a wave at the same time, the waves in
 # turn (each cell also runs once, 4 launches x 2 replays, which writes FlashInfer's module to its

@@ -22,7 +22,7 @@
 # GRID (12 random cases), COLD (1; 0 skips step 1), TESTS (the GPU test files of step 3), FI_WARM (the bench
 # cells whose FlashInfer modules step 2 builds; FI_WARM_SECONDS, 300, bounds each), PS16_CELLS / PS1_CELLS (the
 # bench cells of step 4: page size 1 first). TESTS=none skips the GPU tests (a run right after the whole suite).
-# At most 8 files come back from a device call: the warm-up logs stay in /tmp (their tails in one file).
+# The run keeps at most 8 files under $OUT: the warm-up logs stay in /tmp (their tails in one file).
 # Cost (H200, 2026-12-02): our 255 variants compile in 48 s alone but took 258 s beside eleven
 # FlashInfer JIT builds, which left the bench 290 s of a 590 s call for 9 cells: warm few modules a call.
 set -uo pipefail

@@ -7,7 +7,7 @@ kernel too, which fail it by construction); it counts NaN outputs (poisoned befo
 run, so an element left unwritten counts).
 
 On the device machine, from a tree's root: ``PYTHONPATH=$PWD python3 lab/probe_fp8_layout.py``
-(bench/NOTES.md, "The one-group fold tile for fp8 decode", for the figures of 2026-12-02).
+(lab/NOTES.md, "The one-group fold tile for fp8 decode", for the figures of 2026-12-02).
 ``--kv-len 8192 16384`` times the bench layout (B=64 H 32/8 page 16) at 4096 and at those lengths
 instead of the four layouts: the same CTAs with more keys each, which separates a per-launch cost
 from a per-byte one."""

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The safety checks of issue 20 in one device call (about 5-7 minutes on an H200), a table last:
+# The safety checks (bounds, properties, concurrency, the error table) in one GPU run (about 5-7
+# minutes on an H200), a table last:
 #   1. GPU tests: garbage device metadata (tests/test_bounds_gpu.py), concurrency, the hypothesis
 #      properties against float64, the error table's GPU rows, decode == verify invariance;
 #   2. the soak: 10,000 engine steps through CUDA graphs, checked every 100 (scripts/soak.py);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of the decode tuning knobs in one device call: for each setting of
+# A/B of the decode tuning knobs in one GPU run: for each setting of
 # (CUPY_FA_DECODE_STAGES, CUPY_FA_SPLIT_SIZE, CUPY_FA_DECODE_WARPS_M[, CUPY_FA_SPLITS_PER_CTA[, CUPY_FA_PDL
 # [, CUPY_FA_FOLD_SPLITS]]]) runs the
 # decode-like bench workloads (ours only, fp64-checked, --quick) and prints one

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of source trees in one device call: bench workloads, ours only (fp64-checked, --quick), for
+# A/B of source trees in one GPU run: bench workloads, ours only (fp64-checked, --quick), for
 # each tree in turn, ROUNDS times interleaved (A B A B ...), then one table of each cell's figure
 # (TB/s or TFLOP/s) per (tree, round), and each later tree's mean over the rounds against the first
 # tree's, flagged where it is more than 1% slower on a memory-bound cell or 2% on a compute-bound one.

@@ -24,7 +24,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} CUPY_FA_CACHE_DIR=${CUPY_FA_CACHE_DIR:-/tmp/cupy_fa_cache}
 stages=${1:-all}; kexpr=${2:-}
 want() { [[ " $stages " == *" $1 "* ]] || { [ "$stages" = all ] && [[ " ab ncu sanitizer soak " != *" $1 "* ]]; }; }
-t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the device call's budget: the bench gets what is left
+t0=$(date +%s); limit=${CHECK_SECONDS:-560}  # the whole run's budget: the bench gets what is left
 summary=$OUT/summary.txt; : > "$summary"
 check_failed=0  # 1 once a stage that checks something (the GPU tests) found a problem
 

@@ -67,7 +67,7 @@ def _knobs_put_back():
 
 def pytest_runtest_logreport(report):
     """With CUPY_FA_FAILURE_LOG set, append each failure's reason to that file as it
-    happens: a device call cut short by its time limit still tells why a test failed."""
+    happens: a GPU run cut short by its time limit still tells why a test failed."""
     path = os.environ.get("CUPY_FA_FAILURE_LOG")
     if path and report.failed:
         with open(path, "a") as f:

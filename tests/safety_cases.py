@@ -1,4 +1,4 @@
-"""Helpers of the safety tests (issue 20: bounds, properties, concurrency, the error table):
+"""Helpers of the safety tests (bounds, properties, concurrency, the error table):
 a step's inputs on the device, and its check against the float64 reference request by request."""
 
 import numpy as np

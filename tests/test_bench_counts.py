@@ -23,7 +23,7 @@ def test_workload_set():
 
 
 def test_the_variant_workloads():
-    """Issue 21's cells: decode B=64 and prefill B=4 at L=4096 with a window, a soft-cap or sinks,
+    """The attention variants' cells: decode B=64 and prefill B=4 at L=4096 with a window, a soft-cap or sinks,
     and a window of 4096 over 131072 keys, whose bytes are the window's."""
     variants = {w.name: w for w in W.WORKLOADS if w.variant}
     assert sorted(variants) == sorted([f"{kind}_l4096_{v}" for kind in ("decode_b64", "prefill_b4")
@@ -168,7 +168,7 @@ def test_plot(tmp_path):
 
 
 def test_the_fp8_kv_workloads():
-    """Issue 42's fp8 cells: the bf16 prefill / extend shapes over an fp8 cache (per-tensor scale):
+    """The fp8 prefill cells: the bf16 prefill / extend shapes over an fp8 cache (per-tensor scale):
     the same flops, half the K / V bytes, q and out still 16-bit."""
     for name in ("prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384"):
         w, bf16 = W.BY_NAME[name + "_fp8"], W.BY_NAME[name]

@@ -1,7 +1,7 @@
 """Batch invariance: a token's attention output has the same bits whether it is
 computed by decode (q_len = 1), by verify with N drafts (q_len = N, causal), or
-in a different batch. Speculative decoding is lossless only if this holds
-(issue 5): the verify pass must reproduce what plain decode would have seen."""
+in a different batch. Speculative decoding is lossless only if this holds:
+the verify pass must reproduce what plain decode would have seen."""
 
 import os
 

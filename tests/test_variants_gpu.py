@@ -1,4 +1,4 @@
-"""The attention variants (issue 21): sliding window, logits soft-cap and attention sinks, each
+"""The attention variants: sliding window, logits soft-cap and attention sinks, each
 and all together, against the float64 reference in every serving mode, eager and under
 CUDA-graph replay, page sizes 1 and 16, fp16 and bf16, requests of both kernel families
 (q_len > 16 takes the sm_90a wgmma family on Hopper), windows smaller than a split and windows

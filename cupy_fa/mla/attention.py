@@ -50,10 +50,13 @@ class MLAAttention:
             some but not all capacities, a capacity that is not a positive int, a ``device`` that is no
             CUDA device here. TypeError: a dtype other than float16 / bfloat16, a kv_dtype other than
             ``dtype`` or float8_e4m3fn. RuntimeError: capacities given where there is no usable device.
+            NotImplementedError: valid arguments without CUPY_FA_MLA=1 (the MLA kernels are
+            compiled, not yet run on a GPU: 2026-12-05).
 
     Which kernel runs (cupy_fa.mla.schedule): the sm_90a seesaw kernel (wgmma) for a 16-bit cache at
     64 heads or more and for long requests, else the mma.sync tile; a token's bits are the same in
-    decode and in verify / draft extend of up to 16 tokens (docs/design.md, "Multi-head latent attention").
+    decode and in verify / draft extend of up to 16 tokens by construction (docs/design.md,
+    "Multi-head latent attention"; its GPU test has not yet run).
     One call at a time per instance (another thread inside plan / run raises RuntimeError).
     """
 

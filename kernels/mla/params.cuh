@@ -1,5 +1,5 @@
 // The parameter structs of the MLA family (multi-head latent attention, the absorbed form), one
-// __grid_constant__ argument each. cupy_fa/mla/_params.py mirrors them as NumPy structured dtypes
+// __grid_constant__ argument each. cupy_fa/_mla_params.py mirrors them as NumPy structured dtypes
 // (align=True); every MLA kernel's compile checks their sizes (the host's Kernel checks) and a CPU
 // test compares names, types and order with this header.
 //

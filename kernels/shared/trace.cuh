@@ -1,4 +1,4 @@
-// Timeline stamps for diagnosis (scripts/probe_timeline.py), and the one place that knows the
+// Timeline stamps for diagnosis (lab/probe_timeline.py), and the one place that knows the
 // compile flag CUPY_FA_TRACE.
 //
 // Shipped builds never define it: every call below is then an empty inline function and
