@@ -333,12 +333,18 @@ def memset_d2d32(ptr, pitch, value, width, height, stream_ptr):
     """``height`` rows of ``width`` 32-bit words set to ``value`` (an int, e.g. -1), the rows
     ``pitch`` bytes apart from device address ``ptr``, on stream ``stream_ptr``
     (``cuMemsetD2D32Async``: a memset, no kernel)."""
+    status = _memset_d2d32()(ptr, pitch, value & 0xFFFFFFFF, width, height, stream_ptr)
+    if status != 0:
+        raise RuntimeError(f"cuMemsetD2D32Async failed with CUresult {status}")
+
+
+@functools.lru_cache(maxsize=None)
+def _memset_d2d32():
+    """libcuda's cuMemsetD2D32Async with its argument types set (once: a graph step's staging calls it)."""
     fn = _libcuda().cuMemsetD2D32Async
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
-    status = fn(ptr, pitch, value & 0xFFFFFFFF, width, height, stream_ptr)
-    if status != 0:
-        raise RuntimeError(f"cuMemsetD2D32Async failed with CUresult {status}")
+    return fn
 
 
 @functools.lru_cache(maxsize=None)

@@ -337,45 +337,43 @@ def _run_workers(tasks, workers, finished):
     command = [sys.executable, "-c", _WORKER.format(root=str(pathlib.Path(__file__).resolve().parent.parent))]
     queue, lock, errors = list(reversed(tasks)), threading.Lock(), []
 
-    def local():  # one worker is this process (NVRTC releases the GIL): no process to start for it
+    def work(build):  # take tasks until none is left (or one failed): ``build(kernel, task)`` each
         try:
             while True:
                 with lock:
                     if not queue or errors:
                         return
                     kernel, task = queue.pop()
-                result = _build_entry(task)
+                result = build(kernel, task)
                 with lock:
                     finished(kernel, task, *result)
         except BaseException as exc:  # noqa: BLE001 - collected, raised by the caller's thread
             with lock:
                 errors.append(exc)
 
+    def local():  # one worker is this process (NVRTC releases the GIL): no process to start for it
+        work(lambda kernel, task: _build_entry(task))
+
     def feed():
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            while True:
-                with lock:
-                    if not queue or errors:
-                        return
-                    kernel, task = queue.pop()
-                proc.stdin.write(json.dumps(task) + "\n")
-                proc.stdin.flush()
+
+        def ask(kernel, task):  # the task to the worker process, its reply back
+            proc.stdin.write(json.dumps(task) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            while line and not line.startswith(_REPLY):  # anything else a library printed
                 line = proc.stdout.readline()
-                while line and not line.startswith(_REPLY):  # anything else a library printed
-                    line = proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"a compile worker exited (code {proc.wait()}) while compiling "
-                                       f"{kernel.expression}")
-                reply = json.loads(line[len(_REPLY):])
-                if "error" in reply:
-                    raise RuntimeError(f"compiling {kernel.expression} failed: {reply['error']}")
-                cubin = base64.b64decode(reply["cubin"]) if reply["cubin"] is not None else None
-                with lock:
-                    finished(kernel, task, reply["status"], reply["lowered"], cubin)
-        except BaseException as exc:  # noqa: BLE001 - collected, raised by the caller's thread
-            with lock:
-                errors.append(exc)
+            if not line:
+                raise RuntimeError(f"a compile worker exited (code {proc.wait()}) while compiling "
+                                   f"{kernel.expression}")
+            reply = json.loads(line[len(_REPLY):])
+            if "error" in reply:
+                raise RuntimeError(f"compiling {kernel.expression} failed: {reply['error']}")
+            cubin = base64.b64decode(reply["cubin"]) if reply["cubin"] is not None else None
+            return reply["status"], reply["lowered"], cubin
+
+        try:
+            work(ask)
         finally:
             with contextlib.suppress(OSError):
                 proc.stdin.close()

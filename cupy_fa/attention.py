@@ -14,12 +14,12 @@ kv_len - q_len + j iff mask[i, j]. A request with q_len = 0 is padding: it
 reads and writes nothing. Query head h reads KV head h // (num_qo_heads // num_kv_heads).
 """
 
-import contextlib
 import threading
 
 import numpy as np
 
-from . import _arrays, _build, _memo, _views, catalog as _catalog, knobs as _knobs, plan as _plan, schedule as _schedule, status as _status
+from . import _arrays, _build, _memo, _views, catalog as _catalog, knobs as _knobs, plan as _plan, schedule as _schedule
+from ._instance import PlannedInstance, checked_capacity
 from .families import common as _common
 from .kv_cache import PagedKVCache
 from .launch import StepLauncher, check_run
@@ -29,7 +29,7 @@ from .variants import checked_soft_cap, checked_window, refuse_fp8_variants
 _RUN_ARRAYS = ("q", "out", "lse", "sinks")
 
 
-class BatchAttention:
+class BatchAttention(PlannedInstance):
     """Attention of a ragged batch of queries over a paged KV cache: :meth:`plan` a step,
     then :meth:`run` it for each layer.
 
@@ -78,6 +78,8 @@ class BatchAttention:
     without it, and :meth:`status` names the first such request (docs/errors.md).
     """
 
+    _NAME = "BatchAttention"
+
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
                  max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None, device=None):
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
@@ -107,47 +109,12 @@ class BatchAttention:
         self._split_checked = None  # the knobs the split size was checked under
         self._facts = None  # (knobs, device id, what the schedule reads of the device)
         self._loaded = None  # the last schedule whose kernels were loaded (_build.load_all)
-        given = (max_batch_size, max_num_tokens, max_pages_per_request)
-        self._fixed_capacity = all(v is not None for v in given)
-        if any(v is not None for v in given) and not self._fixed_capacity:
-            raise ValueError("give all of max_batch_size, max_num_tokens, max_pages_per_request, or none")
-        if self._fixed_capacity:
-            for name, value in zip(("max_batch_size", "max_num_tokens", "max_pages_per_request"), given):
-                _plan.check_count(name, value, 1)
-        _plan.check_count("max_mask_bytes", max_mask_bytes, 0)
-        # the bound device: given, else the current one (None on a machine without CUDA, where the
-        # first plan raises saying why)
-        self.device_id = _arrays.resolve_device(device) if device is not None else _arrays.current_device_id()
-        self._device = None  # its cupy.cuda.Device (_bound), made on first use
-        self._buffers = None
-        self._retired = []  # outgrown buffers, kept alive (see _ensure_capacity)
-        self._plan = None
-        self._busy = threading.Lock()  # held by the thread inside plan() or run() (see the class docstring)
-        self._busy_with = None
+        capacity = checked_capacity(max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes)
         self._mine = threading.local()  # .plan: the last plan this thread made
-        if self._fixed_capacity:
-            with self.device_scope():
-                self._buffers = _plan.PlanBuffers(
-                    _plan.Capacity(int(max_batch_size), int(max_num_tokens), int(max_pages_per_request),
-                                   int(max_mask_bytes)), self.num_qo_heads, self.head_dim, self.dtype_name)
+        self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 
-    def device_scope(self):
-        """The bound device as a ``cupy.cuda.Device``, a context manager: every plan and run enters
-        it once (allocations, kernel lookups, launches and captures happen on it)."""
-        device = self._device
-        if device is None:
-            if self.device_id is None:
-                self.device_id = _arrays.current_device_id()
-                if self.device_id is None:  # no usable CUDA device: host inputs are still checked first,
-                    return contextlib.nullcontext()  # then the first call that needs the device says why
-            import cupy
-
-            device = self._device = cupy.cuda.Device(self.device_id)
-        return device
-
-    @property
-    def _bound_text(self):
-        return f"the device this BatchAttention is bound to (device={self.device_id})"
+    def _new_buffers(self, capacity):
+        return _plan.PlanBuffers(capacity, self.num_qo_heads, self.head_dim, self.dtype_name)
 
     # ---- plan ------------------------------------------------------------------------
 
@@ -241,32 +208,6 @@ class BatchAttention:
                 self._raise_on_bad("plan")
         return self
 
-    def _enter(self, call):
-        """One call at a time per instance: a second thread raises instead of racing on the buffers."""
-        if not self._busy.acquire(blocking=False):
-            holder = self._busy_with or (None, "plan() or run")  # it may just have left
-            name = holder[0].name if holder[0] is not None else "another thread"
-            raise RuntimeError(
-                f"BatchAttention.{call}() on thread {threading.current_thread().name!r} while thread "
-                f"{name!r} is inside {holder[1]}() of the same instance: one instance's metadata buffers "
-                f"serve one call at a time; use one BatchAttention per thread")
-        self._busy_with = (threading.current_thread(), call)
-
-    def _leave(self):
-        self._busy_with = None
-        self._busy.release()
-
-    def _order_after_previous(self, stream, capturing):
-        """A plan on another stream than the previous plan (or its runs) first waits for the work
-        queued there: it rewrites the metadata those kernels read. An event per stream that
-        changed, no host sync; inside a capture the capturing code orders the capture itself."""
-        previous = self._plan
-        if previous is None or capturing:
-            return
-        for other in (previous.stream, *previous.other_streams.values()):
-            if other is not None and other.ptr != stream.ptr and not other.is_capturing():
-                stream.wait_event(other.record())
-
     def _plan_step(self, q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check,
                    window=0, soft_cap=0.0):
         step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len,
@@ -352,27 +293,6 @@ class BatchAttention:
                 sm_count=_build.device_attribute("MultiProcessorCount", device_id)))
         return facts[2]
 
-    def _ensure_capacity(self, batch, tokens, pages, mask_bytes, capturing, stream):
-        buffers = self._buffers
-        if buffers is not None and buffers.capacity.fits(batch, tokens, pages, mask_bytes):
-            return
-        with stream:  # allocations (and their memsets) ordered with the copies that follow
-            self._grow(batch, tokens, pages, mask_bytes, capturing)
-
-    def _grow(self, batch, tokens, pages, mask_bytes, capturing):
-        buffers = self._buffers
-        if self._fixed_capacity or capturing:
-            cap = buffers.capacity if buffers is not None else None
-            raise ValueError(f"step (batch {batch}, tokens {tokens}, page-table columns {pages}, mask bytes "
-                             f"{mask_bytes}) exceeds the capacity {cap} this BatchAttention was built with")
-        base = buffers.capacity if buffers is not None else _plan.Capacity(1, 1, 1, 0)
-        if buffers is not None:
-            # a graph captured earlier (or a run still in flight on another stream) may read
-            # the old buffers: keep them alive rather than hand their memory back
-            self._retired.append(buffers)
-        self._buffers = _plan.PlanBuffers(base.grown_to(batch, tokens, pages, mask_bytes),
-                                          self.num_qo_heads, self.head_dim, self.dtype_name)
-
     # ---- run --------------------------------------------------------------------------
 
     def run(self, q, cache, out=None, *, lse=None, return_lse=False, sinks=None):
@@ -435,12 +355,6 @@ class BatchAttention:
                 self._raise_on_bad("run")
         return result
 
-    def _raise_on_bad(self, call):
-        found = self.status()
-        if not found.ok:
-            raise ValueError(f"{call}(check=True): {found}: the device metadata breaks the contract "
-                             f"(its rows of out are NaN; docs/errors.md)")
-
     def _run_step(self, q, cache, out, lse, return_lse, sinks=None):
         """One run: the arrays read as views (cupy_fa._views: no DLPack exchange for CuPy and torch),
         checked, then the plan's prepared launches on the caller's stream. Returns (result, stream)."""
@@ -470,10 +384,7 @@ class BatchAttention:
             if capturing:
                 raise ValueError("lse must be given to return it inside a CUDA-graph capture")
             lse_v = _views.allocate(q_v, (num_tokens, self.num_qo_heads), np.float32, stream)
-        if stream.ptr != state.stream_ptr and not capturing:
-            if state.done is not None:
-                stream.wait_event(state.done)  # planned on another stream: order after its metadata
-            state.other_streams.setdefault(stream.ptr, stream)  # the next plan waits for it
+        self._after_plan(state, stream, capturing)
         self._launcher.launch(state, self._buffers, cache, q_v.ptr, out_v.ptr, lse_v.ptr if lse_v is not None else 0,
                               num_tokens, stream.ptr, sinks_v.ptr if sinks_v is not None else 0, self.device_id)
         result = out if out is not None else _views.result(out_v, q, stream)
@@ -487,22 +398,3 @@ class BatchAttention:
         their tiles and grids; ``tile`` / ``work_grid`` of the small-q launch, ``long_tile``), for
         logs and tests."""
         return self._plan
-
-    def status(self):
-        """The device status word of the current plan and its runs so far (syncs on their streams):
-        a :class:`cupy_fa.status.Status`, an ``int`` that is 0 when every request was within the
-        contract, else 1 + the first bad request's index, with ``.request``, ``.reason`` and
-        ``.what`` and a sentence for ``str()``: e.g. ``request 3: a page id it reads is not a page
-        of the cache``. The plan kernel records refused lengths (negative q_len, q_len > kv_len,
-        q_len > max_q_len, kv_len > max_kv_len), the attention kernel the rest (page ids outside
-        the cache, kv_len past the page table's columns, rows past q, a custom mask too short)."""
-        if self._buffers is None or self._plan is None:
-            return _status.Status(_status.OK)
-        state = self._plan
-        with self.device_scope() as device:
-            if state.done is None:  # planned inside a capture: its replays run on streams unknown here
-                device.synchronize()
-            for stream in (state.stream, *state.other_streams.values()):
-                if stream is not None and not stream.is_capturing():
-                    stream.synchronize()
-            return _status.read(self._buffers.status)

@@ -198,8 +198,8 @@ def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, 
 
 # Dynamic shared memory one CTA may opt in to, by compute capability (the CUDA programming guide's
 # table): the tiles warmup_kernels picks depend on it, so a target named without a device needs it.
-SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024,
-               103: 227 * 1024, 120: 99 * 1024, 121: 99 * 1024}
+SMEM_LIMITS = {80: SM80_SMEM_LIMIT, 86: 99 * 1024, 87: SM80_SMEM_LIMIT, 89: 99 * 1024, 90: SMEM_LIMIT, 100: SMEM_LIMIT,
+               103: SMEM_LIMIT, 120: 99 * 1024, 121: 99 * 1024}
 
 
 def smem_limit_of(arch):

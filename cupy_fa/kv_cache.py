@@ -138,10 +138,8 @@ class PagedKVCache:
         else -1, they divide), the page count (the page-id bound) and an fp8 cache's scale arrays
         (0 for a 16-bit one). A captured step bakes exactly these in, so GraphRunner keys its
         graphs by them."""
-        page_size = self.page_size
-        return dict(k_cache=self.k.data.ptr, v_cache=self.v.data.ptr, page_size=page_size,
-                    page_shift=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
-                    num_pages=self.num_pages,
+        return dict(k_cache=self.k.data.ptr, v_cache=self.v.data.ptr, page_size=self.page_size,
+                    page_shift=page_shift(self.page_size), num_pages=self.num_pages,
                     k_scale=self.k_scale_device.data.ptr if self.is_fp8 else 0,
                     v_scale=self.v_scale_device.data.ptr if self.is_fp8 else 0)
 
@@ -193,23 +191,7 @@ class PagedKVCache:
         _arrays.check_device_array(v_dev, "v_new", dtype=new_dtype, shape=k_dev.shape, device_id=self.device_id,
                                    bound=bound)
         num_tokens = int(k_dev.shape[0])
-        if host is not None:
-            if host.shape[0] != num_tokens:
-                raise ValueError(f"slots has {host.shape[0]} entries, k_new has {num_tokens} tokens")
-            bad = np.flatnonzero((host < 0) | (host >= self.num_slots))
-            if bad.size:
-                raise ValueError(f"slots[{bad[0]}] = {host[bad[0]]} is outside the cache "
-                                 f"(0 <= slot < num_pages * page_size = {self.num_slots})")
-            import cupy
-
-            with stream:  # on the cache's device (append made it current)
-                dev = cupy.asarray(host.astype(np.int64))
-        else:
-            if dev.shape[0] != num_tokens:
-                raise ValueError(f"slots has {dev.shape[0]} entries, k_new has {num_tokens} tokens")
-            if dev.dtype not in (np.int32, np.int64):
-                raise TypeError(f"slots must be int32 or int64, got {dev.dtype}")
-            _arrays.check_device_array(dev, "slots", device_id=self.device_id, align=dev.itemsize, bound=bound)
+        dev = staged_slots(host, dev, num_tokens, "k_new", self.num_slots, self.device_id, stream)
         if num_tokens == 0:
             return
         row_chunks = self.num_kv_heads * self.head_dim // 8  # 16-byte chunks of a new row
@@ -229,20 +211,59 @@ class PagedKVCache:
         past the cache (negative slots are padding, not errors), then clears it; syncs the
         device. A :class:`cupy_fa.status.Status` (``int``): 0 when none, else 1 + the token's
         index in its ``append`` call, ``str()`` e.g. ``token 2: its slot is outside the cache``."""
-        import cupy
-
-        from . import status as _status
-
-        with self._device as device:
-            device.synchronize()
-            found = _status.read(self._status, "token")
-            self._status.fill((1 << 64) - 1)
-            device.synchronize()
-        return found
+        return read_append_status(self._status, self._device)
 
     def __repr__(self):
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype_name})")
+
+
+# ---- what both paged caches (this one and cupy_fa.mla.PagedLatentCache) share -------------------
+
+
+def page_shift(page_size):
+    """log2 of a power-of-two page size (the kernels shift), else -1 (they divide)."""
+    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+
+
+def staged_slots(host, dev, num_tokens, rows_name, num_slots, device_id, stream):
+    """An append's slots (``_arrays.host_or_device_ints``' pair: host NumPy or device CuPy), checked
+    against its ``num_tokens`` new rows (of argument ``rows_name``) and a cache of ``num_slots``
+    slots, as the device array the append kernel reads: host slots range-checked (ValueError
+    naming the first outside the cache) and copied on ``stream`` as int64; device slots int32 or
+    int64 on ``device_id`` (TypeError / ValueError), as they are."""
+    if host is not None:
+        if host.shape[0] != num_tokens:
+            raise ValueError(f"slots has {host.shape[0]} entries, {rows_name} has {num_tokens} tokens")
+        bad = np.flatnonzero((host < 0) | (host >= num_slots))
+        if bad.size:
+            raise ValueError(f"slots[{bad[0]}] = {host[bad[0]]} is outside the cache "
+                             f"(0 <= slot < num_pages * page_size = {num_slots})")
+        import cupy
+
+        with stream:  # on the cache's device (append made it current)
+            return cupy.asarray(host.astype(np.int64))
+    if dev.shape[0] != num_tokens:
+        raise ValueError(f"slots has {dev.shape[0]} entries, {rows_name} has {num_tokens} tokens")
+    if dev.dtype not in (np.int32, np.int64):
+        raise TypeError(f"slots must be int32 or int64, got {dev.dtype}")
+    _arrays.check_device_array(dev, "slots", device_id=device_id, align=dev.itemsize,
+                               bound="the device of this cache")
+    return dev
+
+
+def read_append_status(status, device):
+    """A cache's append status word (``status``, on ``device``): the first token the appends since
+    the last read skipped because its slot lies past the cache (a :class:`cupy_fa.status.Status`,
+    0 when none), then cleared; syncs the device."""
+    from . import status as _status
+
+    with device:
+        device.synchronize()
+        found = _status.read(status, "token")
+        status.fill((1 << 64) - 1)
+        device.synchronize()
+    return found
 
 
 SMALLEST_SCALE = float(np.finfo(np.float32).tiny)  # the kernels flush float32 subnormals (-ftz)

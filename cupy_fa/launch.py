@@ -213,10 +213,7 @@ def check_run(attn, state, q, cache, out, lse):
                                    device_id=device, bound=bound)
     geometry = (cache.page_size, cache.num_pages)
     if state.host_q_lens is not None and geometry not in state.checked_geometry:
-        if state.host_page_table is not None:
-            _plan.validate_page_table(state.host_page_table, state.host_kv_lens, state.host_q_lens, *geometry)
-        else:  # device page table: its ids can't be read without a sync, its width can
-            _plan.validate_page_table_width(state.page_table_columns, state.host_kv_lens, state.host_q_lens,
-                                            cache.page_size)
+        _plan.check_table(state.host_page_table, state.page_table_columns, state.host_kv_lens, state.host_q_lens,
+                          *geometry)
         state.checked_geometry.add(geometry)
 

@@ -412,12 +412,18 @@ def check_page_table(step, page_size, num_pages):
     """A host page table names pages of a cache of ``num_pages`` pages and covers every live
     request's kv_len; of a device page table only its width can be checked. Needs host lengths
     (a device-planned step is the caller's contract)."""
-    if not step.on_host:
-        return
-    if step.pt_host is not None:
-        validate_page_table(step.pt_host, step.kv_host, step.q_host, page_size, num_pages)
-    else:
-        validate_page_table_width(step.page_columns, step.kv_host, step.q_host, page_size)
+    if step.on_host:
+        check_table(step.pt_host, step.page_columns, step.kv_host, step.q_host, page_size, num_pages)
+
+
+def check_table(page_table, columns, kv_lens, q_lens, page_size, num_pages):
+    """:func:`check_page_table` of a host step kept as its parts (``cupy_fa.launch.check_run``
+    reads them from the plan state): a host ``page_table`` (NumPy) in full, else (None: a device
+    table) its ``columns`` against the lengths."""
+    if page_table is not None:
+        validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages)
+    else:  # device page table: its ids can't be read without a sync, its width can
+        validate_page_table_width(columns, kv_lens, q_lens, page_size)
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None, max_q_len=2**31 - 1,

@@ -139,10 +139,18 @@ def max_splits(q_lens, kv_lens, kv_bytes=2):
     applies (its overflow cap and rounding only lower it), over a cache of ``kv_bytes``-byte
     K/V elements (:func:`split_size`). The host uses it for grid sizes and to know whether a
     merge can be needed; the schedule itself is only ever computed on the device."""
+    return split_rule(q_lens, kv_lens, split_size(kv_bytes), MAX_SPLITS, SMALL_Q_LEN, SPLIT_ROW_BUDGET)
+
+
+def split_rule(q_lens, kv_lens, split, most, small_q_len, row_budget):
+    """plan.cu's split rule for the constants a plan passes it (PlanParams split_size, max_splits,
+    small_q_len, split_row_budget): a request of at most ``small_q_len`` tokens splits every
+    ``split`` keys, a longer one only while ``q_len x splits <= row_budget``; 1 to ``most`` splits.
+    :func:`max_splits` is this policy's, ``cupy_fa.mla.schedule.max_splits`` MLA's."""
     q = np.maximum(np.asarray(q_lens), 1)
-    splits = -(-np.maximum(np.asarray(kv_lens), 1) // split_size(kv_bytes))
-    splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
-    return np.maximum(1, np.minimum(splits, MAX_SPLITS))
+    splits = -(-np.maximum(np.asarray(kv_lens), 1) // split)
+    splits = np.where(q > small_q_len, np.minimum(splits, np.maximum(1, row_budget // q)), splits)
+    return np.maximum(1, np.minimum(splits, most))
 
 
 def key_base(q_lens, kv_lens, window, kv_bytes=2):

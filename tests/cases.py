@@ -240,3 +240,23 @@ def fp8_paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, num_tokens, 
     cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype=FP8, k_scale=k_scale, v_scale=v_scale)
     q_host = rng.standard_normal((num_tokens, h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
     return table, k, v, (k_scale, v_scale), cache, q_host
+
+
+# e4m3 subnormals (+-2^-9 .. 7 x 2^-9) and the smallest normals: what a flush to zero would lose
+SUBNORMAL_E4M3 = np.array([0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x81, 0x83, 0x86], np.uint8)
+
+
+def subnormal_fp8_case(rng, kv_lens, page_size, head_dim):
+    """An fp8 cache of two KV heads whose every byte is drawn from SUBNORMAL_E4M3, with per-head
+    scales 1 and 2^-4, over a shuffled paged layout. Returns (page_table, k_bytes, v_bytes, scales,
+    cache)."""
+    import cupy
+    import cupy_fa
+
+    table, pages = paged_layout(rng, kv_lens, page_size)
+    shape = (pages, page_size, 2, head_dim)
+    k = SUBNORMAL_E4M3[rng.integers(0, SUBNORMAL_E4M3.size, shape)]
+    v = SUBNORMAL_E4M3[rng.integers(0, SUBNORMAL_E4M3.size, shape)]
+    scales = np.array([1.0, 2.0**-4], np.float32)
+    cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype=FP8, k_scale=scales, v_scale=scales)
+    return table, k, v, scales, cache

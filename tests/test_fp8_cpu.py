@@ -141,13 +141,11 @@ def test_fp8_tiles_are_mma_sync_by_default():
     assert schedule.prefill_tile(128, arch="sm_90a") == s9.DEFAULT_TILES[128]  # 16-bit: wgmma
 
 
-def test_fp8_long_requests_take_the_wgmma_family_on_sm90a_with_the_knob(monkeypatch):
+def test_fp8_long_requests_take_the_wgmma_family_on_sm90a_with_the_knob(wgmma_all):
     """With CUPY_FA_WGMMA_ALL=1 an fp8 cache runs its small-q requests on the mma.sync family
     everywhere (fp8 K/V stages) and its long ones on the wgmma family's fp8 tile where the target is
     sm_90a (the producer widens K / V to fp16: kv_bytes 1 with two staging slots), on the mma.sync
     prefill tile elsewhere."""
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
-    cupy_fa.knobs.reload()
     for arch in ("sm_90a", "sm_80", None):
         sched = schedule.schedule_step(128, 4, 8, q_lens=[1, 4, 300], kv_lens=[5000, 90, 300], arch=arch, kv_bytes=1)
         assert sched.long is not None and sched.small is not None

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from cases import (FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, fp8_scales, new_rng,
-                   np_dtype, paged_layout, poisoned, random_lengths, run_planned_in_graph, tree_masks)
+                   np_dtype, paged_layout, poisoned, random_lengths, run_planned_in_graph, subnormal_fp8_case,
+                   tree_masks)
 from test_modes_graph_gpu import Engine, check_engine_step, engine_setup, engine_steps
 
 from cupy_fa.modes import ForwardMode
@@ -181,13 +182,7 @@ def test_fp8_subnormal_bytes_read_exactly(dtype):
     rng, seed = new_rng()
     h_q, h_kv, d, page_size = 8, 2, 128, 16
     kv_lens = np.array([64, 37, 200])
-    table, pages = paged_layout(rng, kv_lens, page_size)
-    shape = (pages, page_size, h_kv, d)
-    small = np.array([0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x81, 0x83, 0x86], np.uint8)
-    k = small[rng.integers(0, small.size, shape)]
-    v = small[rng.integers(0, small.size, shape)]
-    scales = np.array([1.0, 2.0**-4], np.float32)
-    cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype=FP8, k_scale=scales, v_scale=scales)
+    table, k, v, scales, cache = subnormal_fp8_case(rng, kv_lens, page_size, d)
     q_host = (64 * rng.standard_normal((3, h_q, d), dtype=np.float32)).astype(np_dtype(dtype))
     attn = cupy_fa.BatchAttention(h_q, h_kv, d, dtype, kv_dtype=FP8).plan([1, 1, 1], kv_lens, table)
     out, lse = attn.run(cupy.asarray(q_host), cache, return_lse=True)

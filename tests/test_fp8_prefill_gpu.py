@@ -10,30 +10,11 @@ queries past fp16's range; subnormal e4m3 bytes; a request's bits alone and in a
 import numpy as np
 import pytest
 
-from cases import (FP8, POISON, check_attention, fp8_paged_case, new_rng, np_dtype, paged_layout, poisoned,
-                   random_lengths)
+from cases import (FP8, POISON, check_attention, fp8_paged_case, new_rng, np_dtype, poisoned, random_lengths,
+                   subnormal_fp8_case)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("wgmma_all", "needs_sm90")]  # tests/conftest.py
 TAIL = 3
-
-
-@pytest.fixture(autouse=True)
-def _wgmma_all(monkeypatch):
-    """CUPY_FA_WGMMA_ALL=1: the policy takes the kernels this file holds to float64 (compiled, not yet
-    run on a GPU before it; without the knob an fp8 cache's long requests run on the mma.sync family
-    and its variants are refused). tests/conftest.py puts the knobs back after each test."""
-    import cupy_fa
-
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
-    cupy_fa.knobs.reload()
-
-
-@pytest.fixture(autouse=True)
-def _needs_sm90():
-    import cupy
-
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("the sm_90a prefill family runs on compute capability 9.0 (Hopper) only")
 
 
 def planned(dtype, heads, head_dim, q_lens, kv_lens, table, causal=True):
@@ -133,19 +114,12 @@ def test_fp8_prefill_subnormal_bytes_read_exactly(dtype):
     """K and V of e4m3 subnormals (m x 2^-9) and the smallest normals only, per-head scales 1 and
     2^-4: widened exactly by the producer (a flush to zero would leave every score 0), prefill rows."""
     import cupy
-    import cupy_fa
     from cupy_fa import reference
 
     rng, seed = new_rng()
     h_q, h_kv, d, page_size = 8, 2, 128, 16
     q_lens, kv_lens = np.array([40, 130]), np.array([64, 200])
-    table, pages = paged_layout(rng, kv_lens, page_size)
-    shape = (pages, page_size, h_kv, d)
-    small = np.array([0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x81, 0x83, 0x86], np.uint8)
-    k = small[rng.integers(0, small.size, shape)]
-    v = small[rng.integers(0, small.size, shape)]
-    scales = np.array([1.0, 2.0**-4], np.float32)
-    cache = cupy_fa.PagedKVCache(cupy.asarray(k), cupy.asarray(v), dtype=FP8, k_scale=scales, v_scale=scales)
+    table, k, v, scales, cache = subnormal_fp8_case(rng, kv_lens, page_size, d)
     total = int(q_lens.sum())
     q_host = (64 * rng.standard_normal((total, h_q, d), dtype=np.float32)).astype(np_dtype(dtype))
     out, lse = planned(dtype, (h_q, h_kv), d, q_lens, kv_lens, table).run(cupy.asarray(q_host), cache,

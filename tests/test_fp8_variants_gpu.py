@@ -12,18 +12,7 @@ import pytest
 from cases import FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, new_rng, np_dtype, poisoned
 from test_variants_gpu import VARIANTS, draw
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _wgmma_all(monkeypatch):
-    """CUPY_FA_WGMMA_ALL=1: the policy takes the kernels this file holds to float64 (compiled, not yet
-    run on a GPU before it; without the knob an fp8 cache's long requests run on the mma.sync family
-    and its variants are refused). tests/conftest.py puts the knobs back after each test."""
-    import cupy_fa
-
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
-    cupy_fa.knobs.reload()
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("wgmma_all")]  # tests/conftest.py
 
 
 def nan_before_windows(k, v, table, q_lens, kv_lens, window, page_size, poison_keys):

@@ -24,11 +24,7 @@ def test_long_requests_take_the_mma_sync_prefill_tile_by_default(head_dim):
 
 
 @pytest.mark.parametrize("head_dim", NEW)
-def test_long_requests_take_the_wgmma_tile_on_sm90a_with_the_knob(head_dim, monkeypatch):
-    import cupy_fa
-
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
-    cupy_fa.knobs.reload()
+def test_long_requests_take_the_wgmma_tile_on_sm90a_with_the_knob(head_dim, wgmma_all):
     wgmma = s9.DEFAULT_TILES[head_dim]
     assert schedule.prefill_tile(head_dim, families.common.SMEM_LIMIT, "sm_90a") == wgmma
     # D 96: 64-byte swizzled blocks (three of 32 columns), three consumer warpgroups; D 192: three

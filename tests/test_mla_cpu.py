@@ -16,6 +16,10 @@ from cupy_fa.families import mla as family
 from cupy_fa.mla import schedule as mla_schedule
 from cupy_fa.plan import Capacity
 
+# CUPY_FA_MLA=1 for every test here (tests/conftest.py): MLAAttention runs only with it until its
+# kernels have run on a GPU
+pytestmark = pytest.mark.usefixtures("mla_on")
+
 H_SMALL = 4
 
 
@@ -220,18 +224,6 @@ def test_merge_shapes():
 
 
 # ---- the API's checks, before any device ----------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def mla_on(monkeypatch):
-    """MLAAttention runs only with CUPY_FA_MLA=1 until its kernels have run on a GPU."""
-    from cupy_fa import knobs
-
-    monkeypatch.setenv("CUPY_FA_MLA", "1")
-    knobs.reload()
-    yield
-    monkeypatch.delenv("CUPY_FA_MLA")
-    knobs.reload()
 
 
 def test_mla_attention_waits_for_its_first_gpu_run(monkeypatch):

@@ -14,24 +14,12 @@ from cases import POISON, check_attention, new_rng, np_dtype, paged_layout, pois
 
 from cupy_fa.modes import ForwardMode, contract_lengths
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("mla_on")]  # tests/conftest.py: CUPY_FA_MLA=1
 M = ForwardMode
 FP8 = "float8_e4m3fn"
 FP8_NAN = 0x7F
 TAIL = 3
 SCALE = 4.0 / 448  # an fp8 cache's scale: N(0, 1) values' 4 sigma at e4m3's largest
-
-
-@pytest.fixture(autouse=True)
-def mla_on(monkeypatch):
-    """These tests are what lifts CUPY_FA_MLA's gate: they run the MLA kernels with it on."""
-    from cupy_fa import knobs
-
-    monkeypatch.setenv("CUPY_FA_MLA", "1")
-    knobs.reload()
-    yield
-    monkeypatch.delenv("CUPY_FA_MLA")
-    knobs.reload()
 
 
 def latent_case(rng, dtype, page_size, kv_lens, kv_dtype=None):

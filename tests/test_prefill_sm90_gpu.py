@@ -8,26 +8,7 @@ import pytest
 
 from cases import POISON, check_attention, new_rng, np_dtype, paged_case, poisoned, random_lengths
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _wgmma_all(monkeypatch):
-    """CUPY_FA_WGMMA_ALL=1: the policy takes the kernels this file holds to float64 (compiled, not yet
-    run on a GPU before it; without the knob an fp8 cache's long requests run on the mma.sync family
-    and its variants are refused). tests/conftest.py puts the knobs back after each test."""
-    import cupy_fa
-
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
-    cupy_fa.knobs.reload()
-
-
-@pytest.fixture(autouse=True)
-def _needs_sm90():
-    import cupy
-
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("the sm_90a prefill family runs on compute capability 9.0 (Hopper) only")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("wgmma_all", "needs_sm90")]  # tests/conftest.py
 
 
 def attention(dtype, heads, head_dim, q_lens, kv_lens, table, causal=True):

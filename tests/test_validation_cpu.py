@@ -92,3 +92,17 @@ def test_dtype_message_names_the_expected_dtype(want, array, text):
 
     with pytest.raises(TypeError, match=text):
         _arrays.check_device_array(array, "lse", dtype=want)
+
+
+@pytest.mark.parametrize("slots,rows,text", [
+    ([0, 1], 3, "slots has 2 entries, ckv has 3 tokens"),
+    ([0, 12, 1], 3, r"slots\[1\] = 12 is outside the cache \(0 <= slot < num_pages \* page_size = 12\)"),
+    ([0, -1], 2, r"slots\[1\] = -1 is outside the cache"),
+])
+def test_append_slots_are_checked_before_the_device(slots, rows, text):
+    """Both caches' appends (PagedKVCache, PagedLatentCache) check host slots in one place,
+    kv_cache.staged_slots, naming the caller's rows: bad ones raise before anything is copied."""
+    from cupy_fa.kv_cache import staged_slots
+
+    with pytest.raises(ValueError, match=text):
+        staged_slots(np.asarray(slots, np.int64), None, rows, "ckv", 12, 0, stream=None)

@@ -166,15 +166,11 @@ def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, varian
 
 
 @pytest.mark.parametrize("variant", ["window", "logits_soft_cap", "sinks"])
-def test_an_fp8_cache_takes_each_variant_with_the_knob(monkeypatch, variant):
+def test_an_fp8_cache_takes_each_variant_with_the_knob(monkeypatch, wgmma_all, variant):
     """With CUPY_FA_WGMMA_ALL=1 an fp8 kv_dtype with each variant is planned and run as a 16-bit
     cache's: plan and the GraphRunner go on to the device (which here raises RuntimeError), run with
     sinks to its plan check; no refusal of its own."""
-    import cupy_fa
     from cupy_fa import GraphRunner, _arrays
-
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
-    cupy_fa.knobs.reload()
 
     monkeypatch.setattr(_arrays, "_cuda_ready", False)
     monkeypatch.setattr(_arrays, "cuda_problem", lambda: "no NVIDIA driver was found (simulated here)")

@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from .. import _compile, _mla_params
-from .common import KernelFamily
+from .common import SMEM_LIMIT, KernelFamily  # noqa: F401 - SMEM_LIMIT: what every tile here must fit
 
 LATENT_DIM = 576   # kv_lora_rank 512 + qk_rope_head_dim 64 (kernels/mla/params.cuh kLatentDim)
 VALUE_DIM = 512
@@ -36,7 +36,6 @@ MLA_WGMMA = KernelFamily("mla_wgmma", "mla/wgmma.cu", "cupy_fa::mla::mla_wgmma_k
 MMA_BLOCK_N = 64   # keys per tile of every mma.sync MLA tile: one value, so decode and verify agree bit for bit
 MMA_STAGES = 2
 WGMMA_BLOCK = 64   # rows and keys of a seesaw block
-SMEM_LIMIT = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,13 +14,12 @@ Every serving mode (cupy_fa.modes gives each one's q_len / kv_len): DECODE, TARG
 causal; tree: custom_mask), DRAFT_EXTEND (v1 / V2), MIXED and chunked EXTEND over a prefix.
 """
 
-import contextlib
 import math
-import threading
 
 import numpy as np
 
-from .. import _arrays, _build, knobs as _knobs, plan as _plan, status as _status
+from .. import _arrays, _build, knobs as _knobs, plan as _plan
+from .._instance import PlannedInstance, checked_capacity
 from ..families import mla as family
 from . import schedule as _schedule
 from .cache import PagedLatentCache, check_rows
@@ -30,7 +29,7 @@ from .plan import MlaPlanState, plan_buffers, plan_params
 DEFAULT_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's qk head (nope 128 + rope 64) before absorption
 
 
-class MLAAttention:
+class MLAAttention(PlannedInstance):
     """Absorbed multi-head latent attention of a ragged batch over a paged latent cache.
 
     Args:
@@ -60,6 +59,8 @@ class MLAAttention:
     One call at a time per instance (another thread inside plan / run raises RuntimeError).
     """
 
+    _NAME = "MLAAttention"
+
     def __init__(self, num_heads, dtype="bfloat16", *, kv_dtype=None, kv_lora_rank=512, qk_rope_head_dim=64,
                  max_batch_size=None, max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0,
                  workspace_bytes=None, device=None):
@@ -73,14 +74,7 @@ class MLAAttention:
         self.kv_dtype_name = self.dtype_name if kv_dtype is None else _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
         if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
             raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
-        given = (max_batch_size, max_num_tokens, max_pages_per_request)
-        self._fixed = all(v is not None for v in given)
-        if any(v is not None for v in given) and not self._fixed:
-            raise ValueError("give all of max_batch_size, max_num_tokens, max_pages_per_request, or none")
-        if self._fixed:
-            for name, value in zip(("max_batch_size", "max_num_tokens", "max_pages_per_request"), given):
-                _plan.check_count(name, value, 1)
-        _plan.check_count("max_mask_bytes", max_mask_bytes, 0)
+        capacity = checked_capacity(max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes)
         if workspace_bytes is not None:
             _plan.check_count("workspace_bytes", workspace_bytes, 1)
         self._workspace = workspace_bytes
@@ -89,47 +83,14 @@ class MLAAttention:
                 "MLAAttention's kernels are compiled and tested on the CPU but have not yet run on a GPU "
                 "(cupy_fa 0.1.0, 2026-12-05): set CUPY_FA_MLA=1 to run them (docs/usage.md, "
                 "\"Multi-head latent attention\")")
-        self.device_id = _arrays.resolve_device(device) if device is not None else _arrays.current_device_id()
-        self._device = None
-        self._buffers = None
-        self._retired = []
-        self._plan = None
-        self._busy = threading.Lock()
-        if self._fixed:
-            with self.device_scope():
-                self._buffers = plan_buffers(_plan.Capacity(int(max_batch_size), int(max_num_tokens),
-                                                            int(max_pages_per_request), int(max_mask_bytes)),
-                                             self.num_heads, self.dtype_name, self._workspace)
+        self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
+
+    def _new_buffers(self, capacity):
+        return plan_buffers(capacity, self.num_heads, self.dtype_name, self._workspace)
 
     @property
     def kv_fp8(self):
         return self.kv_dtype_name == _arrays.FP8
-
-    def device_scope(self):
-        """The bound device as a ``cupy.cuda.Device`` context (a null context where there is none yet)."""
-        if self._device is None:
-            if self.device_id is None:
-                self.device_id = _arrays.current_device_id()
-                if self.device_id is None:
-                    return contextlib.nullcontext()
-            import cupy
-
-            self._device = cupy.cuda.Device(self.device_id)
-        return self._device
-
-    @property
-    def _bound(self):
-        return f"the device this MLAAttention is bound to (device={self.device_id})"
-
-    @contextlib.contextmanager
-    def _one_call(self, call):
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(f"MLAAttention.{call}() on thread {threading.current_thread().name!r} while another "
-                               f"thread is inside plan() or run() of the same instance: use one per thread")
-        try:
-            yield
-        finally:
-            self._busy.release()
 
     # ---- plan ------------------------------------------------------------------------
 
@@ -154,46 +115,32 @@ class MLAAttention:
         """
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be True or False, got {causal!r}")
-        with self.device_scope(), self._one_call("plan"):
-            step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len,
-                                    device_id=self.device_id, bound=self._bound)
-            sm_scale = _plan.checked_sm_scale(DEFAULT_SM_SCALE if sm_scale is None else sm_scale, 576)
-            stream = step.stream if step.stream is not None else _arrays.caller_stream(device_id=self.device_id)
-            capturing = stream.is_capturing()
-            self._order_after_previous(stream)
-            tokens = step.num_tokens if step.num_tokens is not None else (0 if self._fixed else step.batch * step.max_q_len)
-            with stream:
-                self._ensure_capacity(step, tokens, capturing)
-                stride = _plan.stage_inputs(self._buffers, step, stream=stream)  # dense rows, `stride` apart
-            mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
-            self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, stride)
+        with self.device_scope():
+            self._enter("plan")
+            try:
+                self._plan_step(q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len,
+                                check)
+            finally:
+                self._leave()
         state = self._plan
         if state.check and state.done is not None:
             self._raise_on_bad("plan")
         return self
 
-    def _order_after_previous(self, stream):
-        previous = self._plan
-        if previous is None or stream.is_capturing():
-            return
-        for other in (previous.stream, *previous.other_streams.values()):
-            if other is not None and other.ptr != stream.ptr and not other.is_capturing():
-                stream.wait_event(other.record())
-
-    def _ensure_capacity(self, step, tokens, capturing):
-        mask = step.mask_bytes if step.has_mask else 0
-        buffers = self._buffers
-        if buffers is not None and buffers.capacity.fits(step.batch, tokens, step.page_columns, mask):
-            return
-        if self._fixed or capturing:
-            raise ValueError(f"step (batch {step.batch}, tokens {tokens}, page-table columns {step.page_columns}, "
-                             f"mask bytes {mask}) exceeds the capacity "
-                             f"{buffers.capacity if buffers is not None else None} of this MLAAttention")
-        base = buffers.capacity if buffers is not None else _plan.Capacity(1, 1, 1, 0)
-        if buffers is not None:
-            self._retired.append(buffers)  # a run in flight may still read them
-        self._buffers = plan_buffers(base.grown_to(step.batch, tokens, step.page_columns, mask), self.num_heads,
-                                     self.dtype_name, self._workspace)
+    def _plan_step(self, q_lens, kv_lens, page_table, causal, sm_scale, custom_mask, max_q_len, max_kv_len, check):
+        step = _plan.check_step(q_lens, kv_lens, page_table, custom_mask, max_q_len=max_q_len,
+                                device_id=self.device_id, bound=self._bound_text)
+        sm_scale = _plan.checked_sm_scale(DEFAULT_SM_SCALE if sm_scale is None else sm_scale, 576)
+        stream = step.stream if step.stream is not None else _arrays.caller_stream(device_id=self.device_id)
+        capturing = stream.is_capturing()
+        self._order_after_previous(stream, capturing)
+        tokens = step.num_tokens if step.num_tokens is not None else (
+            0 if self._fixed_capacity else step.batch * step.max_q_len)
+        self._ensure_capacity(step.batch, tokens, step.page_columns, step.mask_bytes if step.has_mask else 0,
+                              capturing, stream)
+        stride = _plan.stage_inputs(self._buffers, step, stream=stream)  # dense rows, `stride` apart
+        mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
+        self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, stride)
 
     def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check, page_table_stride):
         buffers = self._buffers
@@ -241,8 +188,12 @@ class MLAAttention:
         Nothing is launched when it raises. Device page ids outside the cache make the request's rows
         NaN and :meth:`status` names it.
         """
-        with self.device_scope(), self._one_call("run"):
-            result = self._run(q, cache, out, q_pe, lse, return_lse)
+        with self.device_scope():
+            self._enter("run")
+            try:
+                result = self._run(q, cache, out, q_pe, lse, return_lse)
+            finally:
+                self._leave()
         state = self._plan
         if state.check and not state.stream.is_capturing():
             self._raise_on_bad("run")
@@ -267,14 +218,14 @@ class MLAAttention:
             lse_dev = _arrays.to_cupy(lse, "lse") if lse is not None else None
         queries, num_tokens = self._queries(q_dev, pe_dev, state)
         if cache.device_id != self.device_id:
-            raise ValueError(f"cache is on device {cache.device_id}, expected device {self.device_id} ({self._bound})")
+            raise ValueError(f"cache is on device {cache.device_id}, expected device {self.device_id} ({self._bound_text})")
         h = self.num_heads
         if out_dev is not None:
             _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, ndim=3, shape=(num_tokens, h, 512),
-                                       device_id=self.device_id, align=8, bound=self._bound)
+                                       device_id=self.device_id, align=8, bound=self._bound_text)
         if lse_dev is not None:
             _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2, shape=(num_tokens, h),
-                                       device_id=self.device_id, align=4, bound=self._bound)
+                                       device_id=self.device_id, align=4, bound=self._bound_text)
         self._check_pages(state, cache)
         capturing = stream.is_capturing()
         with stream:
@@ -286,10 +237,7 @@ class MLAAttention:
                 if capturing:
                     raise ValueError("lse must be given to return it inside a CUDA-graph capture")
                 lse_dev = cupy.empty((num_tokens, h), np.float32)
-            if stream.ptr != state.stream.ptr and not capturing:
-                if state.done is not None:
-                    stream.wait_event(state.done)
-                state.other_streams.setdefault(stream.ptr, stream)
+            self._after_plan(state, stream, capturing)
             launch_step(state, self._buffers, h, self.dtype_name, cache, queries, out_dev, lse_dev, num_tokens, stream)
         result = out if out is not None else _arrays.to_caller(out_dev, q)
         if return_lse:
@@ -298,7 +246,7 @@ class MLAAttention:
 
     def _queries(self, q_dev, pe_dev, state):
         """((q_nope pointer, (token, head) strides), (q_pe pointer, strides)) in elements, checked."""
-        h, bound = self.num_heads, self._bound
+        h, bound = self.num_heads, self._bound_text
         width = 576 if pe_dev is None else 512
         if q_dev.ndim != 3 or q_dev.shape[1:] != (h, width):
             what = "[T, H, 576] (or q_nope [T, H, 512] with q_pe)" if pe_dev is None else "q_nope [T, H, 512]"
@@ -333,22 +281,3 @@ class MLAAttention:
     def planned(self):
         """The current plan (its ``schedule``: the launches, tiles, grids and merge), for logs and tests."""
         return self._plan
-
-    def status(self):
-        """The device status word of the current plan and its runs (syncs): as ``BatchAttention.status``."""
-        if self._buffers is None or self._plan is None:
-            return _status.Status(_status.OK)
-        state = self._plan
-        with self.device_scope() as device:
-            if state.done is None:
-                device.synchronize()
-            for stream in (state.stream, *state.other_streams.values()):
-                if stream is not None and not stream.is_capturing():
-                    stream.synchronize()
-            return _status.read(self._buffers.status)
-
-    def _raise_on_bad(self, call):
-        found = self.status()
-        if not found.ok:
-            raise ValueError(f"{call}(check=True): {found}: the device metadata breaks the contract "
-                             f"(its rows of out are NaN; docs/errors.md)")

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _arrays, _build
 from ..families import mla as family
-from ..kv_cache import checked_scales
+from ..kv_cache import checked_scales, page_shift, read_append_status, staged_slots
 from .. import _mla_params as _params
 
 LATENT_DIM, KV_LORA_RANK, ROPE_DIM = family.LATENT_DIM, family.VALUE_DIM, family.ROPE_DIM
@@ -126,9 +126,8 @@ class PagedLatentCache:
 
     def kernel_fields(self):
         """The MLA kernels' parameters this cache sets (MlaParams): a captured step bakes these in."""
-        size = self.page_size
-        return dict(cache=self.latent.data.ptr, page_size=size,
-                    page_shift=size.bit_length() - 1 if size & (size - 1) == 0 else -1, num_pages=self.num_pages,
+        return dict(cache=self.latent.data.ptr, page_size=self.page_size, page_shift=page_shift(self.page_size),
+                    num_pages=self.num_pages,
                     kv_scale=self.scale_device.data.ptr if self.is_fp8 else 0)
 
     def append(self, ckv, kpe, slots):
@@ -168,24 +167,7 @@ class PagedLatentCache:
         if c.shape[0] != k.shape[0]:
             raise ValueError(f"ckv has {c.shape[0]} tokens, kpe has {k.shape[0]}")
         tokens = int(c.shape[0])
-        if host is not None:
-            if host.shape[0] != tokens:
-                raise ValueError(f"slots has {host.shape[0]} entries, ckv has {tokens} tokens")
-            bad = np.flatnonzero((host < 0) | (host >= self.num_slots))
-            if bad.size:
-                raise ValueError(f"slots[{bad[0]}] = {host[bad[0]]} is outside the cache "
-                                 f"(0 <= slot < num_pages * page_size = {self.num_slots})")
-            import cupy
-
-            with stream:
-                dev = cupy.asarray(host.astype(np.int64))
-        else:
-            if dev.shape[0] != tokens:
-                raise ValueError(f"slots has {dev.shape[0]} entries, ckv has {tokens} tokens")
-            if dev.dtype not in (np.int32, np.int64):
-                raise TypeError(f"slots must be int32 or int64, got {dev.dtype}")
-            _arrays.check_device_array(dev, "slots", device_id=self.device_id, align=dev.itemsize,
-                                       bound="the device of this cache")
+        dev = staged_slots(host, dev, tokens, "ckv", self.num_slots, self.device_id, stream)
         if tokens == 0:
             return
         params = _params.make(
@@ -200,14 +182,7 @@ class PagedLatentCache:
     def status(self):
         """The first token the appends since the last ``status()`` skipped because its slot lies past
         the cache (a :class:`cupy_fa.status.Status`, 0 when none), then clears it; syncs the device."""
-        from .. import status as _status
-
-        with self._device as device:
-            device.synchronize()
-            found = _status.read(self._status, "token")
-            self._status.fill((1 << 64) - 1)
-            device.synchronize()
-        return found
+        return read_append_status(self._status, self._device)
 
     def __repr__(self):
         return f"PagedLatentCache(num_pages={self.num_pages}, page_size={self.page_size}, dtype={self.dtype_name})"

@@ -25,6 +25,7 @@ import dataclasses
 
 import numpy as np
 
+from .. import schedule as _policy
 from ..families.common import is_sm90a
 from ..knobs import knobs
 from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
@@ -57,22 +58,17 @@ def _wgmma(kv_fp8, arch):
 
 
 def max_splits(q_lens, kv_lens):
-    """Upper bound on each request's splits under plan.cu's rule (its overflow cap only lowers it)."""
-    q = np.maximum(np.asarray(q_lens), 1)
-    splits = -(-np.maximum(np.asarray(kv_lens), 1) // SPLIT_SIZE)
-    splits = np.where(q > SMALL_Q_LEN, np.minimum(splits, np.maximum(1, SPLIT_ROW_BUDGET // q)), splits)
-    return np.maximum(1, np.minimum(splits, MAX_SPLITS))
+    """Upper bound on each request's splits under plan.cu's rule (its overflow cap only lowers it):
+    cupy_fa.schedule.split_rule with MLA's constants, the ones plan_constants passes the kernel."""
+    return _policy.split_rule(q_lens, kv_lens, SPLIT_SIZE, MAX_SPLITS, SMALL_Q_LEN, SPLIT_ROW_BUDGET)
 
-
-def row_blocks(q_lens, num_heads, tile):
-    return -(-(np.asarray(q_lens) * num_heads) // tile.block_m)
 
 
 def work_bound(q_lens, kv_lens, num_heads, tile):
     """Work items (CTAs) of a launch over these host lengths."""
     q, kv = np.asarray(q_lens), np.asarray(kv_lens)
     live = q > 0
-    return int((row_blocks(q[live], num_heads, tile) * max_splits(q[live], kv[live])).sum())
+    return int((_policy.row_blocks(q[live], num_heads, tile) * max_splits(q[live], kv[live])).sum())
 
 
 def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_len=1):
@@ -84,8 +80,8 @@ def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_
         return 0
     q = np.arange(max(1, min_q_len), max_q_len + 1)
     splits = int(max_splits(q, np.full_like(q, max(int(max_kv_len), 1))).max())
-    per_request = int(row_blocks(max_q_len, num_heads, tile))
-    tokens_bound = int(row_blocks(min(t, b * max_q_len), num_heads, tile)) + b  # rows of the batch, a block each
+    per_request = int(_policy.row_blocks(max_q_len, num_heads, tile))
+    tokens_bound = int(_policy.row_blocks(min(t, b * max_q_len), num_heads, tile)) + b  # rows of the batch, a block each
     return min(b * per_request, tokens_bound) * splits
 
 

@@ -60,16 +60,12 @@ __device__ __forceinline__ void load_q_block(const AttentionParams& p, QT* sQ, i
   }
 }
 
-// Over an fp8 cache with bf16 queries, the S = Q K^T products run in fp16 (warp_mma.cuh): the
-// e4m3 bytes widen to fp16 by one hardware conversion per two (sm_89+), where bf16 needs a byte
-// permute, shifts, masks and a multiply. Once Q's row block has arrived, each row of sQ is
-// rewritten in place as fp16 times 2^e_r, e_r chosen per row so that its largest |q| lands in
-// [2^14, 2^15) (clamped to +-64; 0 for a row of zeros): a bf16 value has 8 significant bits, so
-// every element down to 2^-32 of the row's largest is exact in fp16, and the scores come out
-// 2^e_r times Q K^T. s_row_unscale[r] = 2^-e_r, which the scores are multiplied by together with
-// k_scale (a power of two: the product rounds as k_scale alone would). Per row, so a row's bits
-// depend on its own q only (batch invariance; decode == verify). Every thread of the CTA calls
-// it, between two barriers; the elements keep their places (PAIRS_PERMUTED's order stays).
+// Over an fp8 cache with bf16 queries, the S = Q K^T products run in fp16 (warp_mma.cuh): once
+// Q's row block has arrived, each row of sQ is rewritten in place as fp16 times 2^e_r
+// (shared/common.cuh bf16_chunk_to_fp16); s_row_unscale[r] = 2^-e_r, which the scores are
+// multiplied by together with k_scale (a power of two: the product rounds as k_scale alone would).
+// Every thread of the CTA calls it, between two barriers; the elements keep their places
+// (PAIRS_PERMUTED's order stays).
 template <typename Traits>
 __device__ __forceinline__ void q_rows_to_fp16(unsigned char* sQ_bytes, float* s_row_unscale, int row_in_pass,
                                                int chunk) {
@@ -83,25 +79,9 @@ __device__ __forceinline__ void q_rows_to_fp16(unsigned char* sQ_bytes, float* s
     uint4* at = reinterpret_cast<uint4*>(sQ + swizzled<D>(r, chunk));
     uint4 v = *at;
     u32 w[4] = {v.x, v.y, v.z, v.w};
-    float m = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = ElemTraits<__nv_bfloat16>::unpack(w[j]);
-      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-#pragma unroll
-    for (int o = 1; o < CH; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    // (NaN in a row: fmaxf ignores it, the NaN stays NaN through the conversion)
-    const int exponent = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;  // floor(log2 m), m normal
-    const int e = m > 0.f ? min(64, max(-64, 14 - exponent)) : 0;
-    const float up = __uint_as_float(static_cast<u32>(127 + e) << 23);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = ElemTraits<__nv_bfloat16>::unpack(w[j]);
-      w[j] = ElemTraits<__half>::pack(f.x * up, f.y * up);  // exact (see above)
-    }
+    const int e = bf16_chunk_to_fp16<CH>(w);
     *at = make_uint4(w[0], w[1], w[2], w[3]);
-    if (chunk == 0) s_row_unscale[r] = __uint_as_float(static_cast<u32>(127 - e) << 23);
+    if (chunk == 0) s_row_unscale[r] = pow2(-e);
   }
 }
 

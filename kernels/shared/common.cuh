@@ -125,6 +125,45 @@ __device__ __forceinline__ unsigned char e4m3_from_float(float x) {
   return static_cast<unsigned char>(sign | m);
 }
 
+// ---- bf16 queries over an fp8 cache ---------------------------------------------
+//
+// Over an fp8 cache the products run in fp16 (the e4m3 bytes widen to fp16 by one conversion per
+// two, where bf16 needs a byte permute, shifts, masks and a multiply), so bf16 queries are first
+// rewritten as fp16 times 2^e_r, e_r per row so that the row's largest |q| lands in [2^14, 2^15)
+// (clamped to +-64; 0 for a row of zeros): a bf16 value has 8 significant bits, so every scaled
+// element down to 2^-17 (2^-31 of the row's largest) is exact in fp16 and the scores come out
+// 2^e_r times Q K^T, which the kernels multiply by 2^-e_r again. Per row, so a row's bits depend on its own q only (batch invariance;
+// decode == verify). The mma.sync family (mma_sync/paged_kv.cuh) and the wgmma family
+// (sm90/consumer.cuh) both rewrite their Q tiles with bf16_chunk_to_fp16.
+
+// 2^e as a float, for -126 <= e <= 127 (an exponent field, no rounding).
+__device__ __forceinline__ float pow2(int e) { return __uint_as_float(static_cast<u32>(127 + e) << 23); }
+
+// One 16-byte chunk of a row of bf16 queries (8 values, x), rewritten in place as fp16 times 2^e_r
+// (see above); the row's CH chunks are CH consecutive lanes of one warp (CH a power of two, at
+// most 32), which agree on e_r by shuffles. Returns e_r.
+template <int CH>
+__device__ __forceinline__ int bf16_chunk_to_fp16(u32 (&x)[4]) {
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = ElemTraits<__nv_bfloat16>::unpack(x[j]);
+    m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+#pragma unroll
+  for (int o = 1; o < CH; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  // (NaN in a row: fmaxf ignores it, the NaN stays NaN through the conversion)
+  const int exponent = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;  // floor(log2 m), m normal
+  const int e = m > 0.f ? min(64, max(-64, 14 - exponent)) : 0;
+  const float up = pow2(e);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = ElemTraits<__nv_bfloat16>::unpack(x[j]);
+    x[j] = ElemTraits<__half>::pack(f.x * up, f.y * up);  // exact (see above)
+  }
+  return e;
+}
+
 // 8 fp16 / bf16 values (16 bytes) as 8 e4m3 bytes of x / scale (IEEE division, as the host's
 // quantiser computes it): the fp8 caches' appends (shared/kv_append.cu, mla/latent_append.cu).
 template <typename InT>

@@ -14,17 +14,13 @@
 // (q_rows_to_fp16, each warpgroup its own 64 rows), and the scores' scale into base 2 is per row:
 // k_scale of the KV head times the row's 2^-e (RowScale); V's scale joins each row's 1 / l.
 #pragma once
-#pragma once
 
 namespace cupy_fa {
 namespace sm90 {
 
 // Over an fp8 cache with bf16 queries, the products run in fp16 (the K / V stages are fp16): once
-// Q's tile has arrived each warpgroup rewrites its 64 rows in place as fp16 times 2^e_r, e_r per
-// row so that its largest |q| lands in [2^14, 2^15) (clamped to +-64; 0 for a row of zeros): a
-// bf16 value has 8 significant bits, so every element down to 2^-17 of the row's largest is exact
-// in fp16 and the scores come out 2^e_r times Q K^T; row_scale[r] = 2^-e_r (the mma.sync family's
-// rule, kernels/mma_sync/paged_kv.cuh q_rows_to_fp16: a row's bits depend on its own q only).
+// Q's tile has arrived each warpgroup rewrites its 64 rows in place as fp16 times 2^e_r
+// (shared/common.cuh bf16_chunk_to_fp16, the mma.sync family's rule), row_scale[r] = 2^-e_r.
 // A row's D / 8 chunks are D / 8 consecutive lanes of a warp (D 64, 128, 256).
 template <int D, int BM, int SW>
 __device__ __forceinline__ void q_rows_to_fp16(unsigned q_addr, unsigned row_scale, int wg, int wtid) {
@@ -38,26 +34,10 @@ __device__ __forceinline__ void q_rows_to_fp16(unsigned q_addr, unsigned row_sca
     u32 x[4];
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(at)
                  : "memory");
-    float m = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = ElemTraits<__nv_bfloat16>::unpack(x[j]);
-      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-#pragma unroll
-    for (int o = 1; o < CH; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    // (NaN in a row: fmaxf ignores it, the NaN stays NaN through the conversion)
-    const int exponent = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;  // floor(log2 m), m normal
-    const int e = m > 0.f ? min(64, max(-64, 14 - exponent)) : 0;
-    const float up = __uint_as_float(static_cast<u32>(127 + e) << 23);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = ElemTraits<__nv_bfloat16>::unpack(x[j]);
-      x[j] = ElemTraits<__half>::pack(f.x * up, f.y * up);  // exact (see above)
-    }
+    const int e = bf16_chunk_to_fp16<CH>(x);
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3])
                  : "memory");
-    if (chunk == 0) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(row_scale + 4 * r), "f"(__uint_as_float(static_cast<u32>(127 - e) << 23)) : "memory");
+    if (chunk == 0) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(row_scale + 4 * r), "f"(pow2(-e)) : "memory");
   }
 }
 

@@ -93,7 +93,7 @@ struct KVProducer {
   // Page ids of the keys this lane looks up in tile `tile` (0 past the range), into pages_next.
   // Device metadata: each id is clamped into the cache (an unsigned min), so nothing is read
   // outside it, and one outside it records the request in the status word (status.cuh) and
-  // makes slots_of return true: its caller sets the item's flag (produce), and the consumers
+  // makes slots_of return true: slots_flagged sets the item's flag, and the consumers
   // then write the item's rows NaN.
   __device__ __forceinline__ void fetch_pages(int tile) {
 #pragma unroll
@@ -126,6 +126,17 @@ struct KVProducer {
     }
     if (highest > last) record_bad(p.status, w.b, kPageOutOfRange);
     return highest > last;
+  }
+
+  // slots_of, and where a page id was outside the cache the item's flag, set by any producer thread
+  // that saw it; the consumers read it after the item's last full barrier, which this thread
+  // arrives on later (rare: recomputed here rather than held in the producer's few registers).
+  template <typename Bars>
+  __device__ __forceinline__ void slots_flagged(int tile, int (&slots)[LOOKUPS], Bars& bars) const {
+    if (slots_of(tile, slots)) {
+      shared_store(bars.page_flag(smem_addr(bars.k_full)), 1);
+      __threadfence_block();
+    }
   }
 
   // The slot of this thread's row of pass i (key_of's order): lane (i WARP_ROWS) % 32 + its warp
@@ -246,6 +257,16 @@ struct KVProducer {
     }
   }
 
+  // The item's start, both producers alike: the page ids of its first tile (the last, T - 1) on
+  // their way, then Q's rows into the Q tile at `q_addr` (copy_q), completing `q_full`.
+  template <typename QT>
+  __device__ __forceinline__ void start(unsigned q_addr, const FastDiv& by_group, int tid,
+                                        unsigned long long* q_full) {
+    fetch_pages(w.num_tiles - 1);
+    copy_q<QT>(q_addr, by_group, tid);
+    cp_async_arrive(q_full);
+  }
+
   // Q's BLOCK_M packed rows (zero past the request's rows) into the Q tile at `dst`, in 16-bit
   // chunks: the K / V copies' rows and chunks (an fp8 cache's are bytes: Q's own from `tid`).
   template <typename QT>
@@ -292,23 +313,12 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     prod.copy(is_k ? prod.k_base : prod.v_base, dst, slots);
     cp_async_arrive(full);
   };
-  prod.fetch_pages(T - 1);
-  // A page id outside the cache among the item's: the flag, set by any producer thread that saw
-  // it; the consumers read it after the item's last full barrier, which this thread arrives on
-  // later (rare: recomputed here rather than held in the producer's few registers).
-  auto slots_of = [&](int tile, int (&slots)[P::LOOKUPS]) {
-    if (prod.slots_of(tile, slots)) {
-      shared_store(bars.page_flag(smem_addr(bars.k_full)), 1);
-      __threadfence_block();
-    }
-  };
-  prod.template copy_q<QT>(q_addr, by_group, tid);
-  cp_async_arrive(&bars.q_full);
+  prod.template start<QT>(q_addr, by_group, tid, &bars.q_full);
   PipeState<Tr::kStages>& ks = pos.ks;
   PipeState<Tr::kStages>& vs = pos.vs;
   if (T > 0) {
     int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
-    slots_of(T - 1, slots_k);
+    prod.slots_flagged(T - 1, slots_k, bars);
     prod.fetch_pages(T - 2);
     mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
     load(true, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
@@ -317,7 +327,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
       const int tile = T - 1 - i;
 #pragma unroll
       for (int j = 0; j < P::LOOKUPS; ++j) slots_v[j] = slots_k[j];
-      slots_of(tile, slots_k);
+      prod.slots_flagged(tile, slots_k, bars);
       prod.fetch_pages(tile - 1);
       mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
       load(true, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
@@ -351,15 +361,7 @@ __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const Pref
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;
-  prod.fetch_pages(T - 1);
-  auto slots_of = [&](int tile, int (&slots)[P::LOOKUPS]) {  // as produce()'s
-    if (prod.slots_of(tile, slots)) {
-      shared_store(bars.page_flag(smem_addr(bars.k_full)), 1);
-      __threadfence_block();
-    }
-  };
-  prod.template copy_q<QT>(q_addr, by_group, tid);
-  cp_async_arrive(&bars.q_full);
+  prod.template start<QT>(q_addr, by_group, tid, &bars.q_full);
   PipeState<Tr::kStages>& ks = pos.ks;
   PipeState<Tr::kStages>& vs = pos.vs;
   // a K (V) tile's bytes into staging slot `slot`, one cp.async group
@@ -381,14 +383,14 @@ __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const Pref
   };
   if (T > 0) {
     int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
-    slots_of(T - 1, slots_k);
+    prod.slots_flagged(T - 1, slots_k, bars);
     prod.fetch_pages(T - 2);
     fetch(true, 0, slots_k);  // K of tile T-1
     for (int i = 1; i < T; ++i) {
       const int tile = T - 1 - i;
 #pragma unroll
       for (int j = 0; j < P::LOOKUPS; ++j) slots_v[j] = slots_k[j];
-      slots_of(tile, slots_k);
+      prod.slots_flagged(tile, slots_k, bars);
       prod.fetch_pages(tile - 1);
       fetch(true, 1, slots_k);  // K of `tile`
       if (i == 1) widen(Ring<true>(), 0);  // K of tile T-1 (the first step)
