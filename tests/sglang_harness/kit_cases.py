@@ -48,13 +48,21 @@ class Item:
         return f"{self.backend}-{self.config.label}-{self.mode}-{self.case}"
 
 
+class KitSkipped(AssertionError):
+    """The kit declined a case (its ``skipTest``): a failure here, named, never a pytest skip."""
+
+
 class KitTestCase(unittest.TestCase):
-    """The kit wants a unittest.TestCase (skipTest, assert*)."""
+    """The kit wants a unittest.TestCase (assert*, skipTest). A case the kit skips fails with
+    :class:`KitSkipped` and the kit's reason: every case we drive must run."""
 
     __test__ = False
 
     def runTest(self):  # pragma: no cover
         pass
+
+    def skipTest(self, reason):
+        raise KitSkipped(f"the kit skipped this case: {reason}")
 
 
 def items(backend, config, *, graphs=True):

@@ -87,7 +87,7 @@ def main(argv=None):
                 except Exception as exc:
                     failed += 1
                     lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-                    row.update(result="SKIP" if type(exc).__name__ == "SkipTest" else "FAIL",
+                    row.update(result="SKIP" if isinstance(exc, kit_cases.KitSkipped) else "FAIL",
                                message=f"{type(exc).__name__}: {lines[0][:200] if lines else ''}")
                     if os.environ.get("KIT_TRACEBACK"):
                         traceback.print_exc(limit=-4)
