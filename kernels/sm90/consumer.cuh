@@ -127,8 +127,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   }
   mbar_wait(&bars.q_full, 0);
   if constexpr (Tr::kFp8 && !kRowScaled) {  // fp16 queries: k_scale of the KV head
+    // (capped: k_scale joins the tanh's argument only; the capped scores' own scale stays)
     const float k_scale = __ldg(p.k_scale + w.kv_head);
-    scale_log2.s = k_scale * (capped ? soft_cap_fold_scale<Tr::kTanh>(p) : p.sm_scale_log2);
+    scale_log2.s = capped ? soft_cap_fold_scale<Tr::kTanh>(p) : k_scale * p.sm_scale_log2;
     cap_arg.s = k_scale * soft_cap_arg<Tr::kTanh>(p);
   }
   if constexpr (kRowScaled) {
@@ -149,7 +150,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      scale_log2.s[h] = row[h] * (capped ? soft_cap_fold_scale<Tr::kTanh>(p) : p.sm_scale_log2);
+      scale_log2.s[h] = capped ? soft_cap_fold_scale<Tr::kTanh>(p) : row[h] * p.sm_scale_log2;
       cap_arg.s[h] = row[h] * soft_cap_arg<Tr::kTanh>(p);
     }
   }
