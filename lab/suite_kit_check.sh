@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One bounded GPU call (2026-12-05): any of the GPU suite (scripts/device_check.sh tests), SGLang's kit
+# over the matrix for one backend, the wgmma A/B (lab/ab_hopper.py), the SGLang bench, the prefill
+# bench cells beside FlashInfer. Stages run in the order given; each is bounded by `timeout`, and the
+# logs go to $OUT as one archive (logs.tgz) beside summary.txt.
+# Usage, from the repository root (carry .sgl for the suite / kit / sglang stages, .fi for fi):
+#   STAGES="suite kit-cupy ab" bash lab/suite_kit_check.sh
+# Knobs: TEST_SECONDS (suite's pytest, 300), KIT_CONFIGS, KIT_BUDGET (s, 120), AB_ONLY (cap50,fp8),
+# AB_SECONDS (100), BENCH_CELLS (fi), FI_SECONDS (200), TESTS (stage "tests": pytest files).
+set -u
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
+export TRITON_CACHE_DIR=/tmp/triton_cache
+t0=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/summary.txt"; }
+git log --oneline -1 2>/dev/null | tee -a "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
+KIT_CONFIGS=${KIT_CONFIGS:-d64-bf16-kit,d256-bf16-kit,d64-fp16-p64,d256-fp16-p64,d128-bf16-p64}
+sgl_site() {  # SGLang 0.5.17's wheels (scripts/pack_sglang.sh), once per machine
+  [ -d /tmp/sgl-site/sglang ] || timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target /tmp/sgl-site .sgl/*.whl || echo "PIP INSTALL FAILED" | tee -a "$OUT/summary.txt"
+}
+fi_site() {
+  [ -d /tmp/fi/flashinfer ] || { mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi; }
+}
+kit() {  # kit for backend $1 over $KIT_CONFIGS
+  sgl_site
+  stamp "kit $1: $KIT_CONFIGS"
+  PYTHONPATH=/tmp/sgl-site:$PWD OPENBLAS_NUM_THREADS=1 timeout $(( ${KIT_BUDGET:-120} + 40 )) \
+    python3 tests/sglang_harness/run_kit.py --backends "$1" --configs "$KIT_CONFIGS" --budget "${KIT_BUDGET:-120}" \
+    --json "$OUT/kit_$1.json" > "$OUT/kit_$1.txt" 2>&1
+  echo "kit $1 exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "^(FAIL|SKIP|NOT|TOTAL)|passed" "$OUT/kit_$1.txt" | head -40 | tee -a "$OUT/summary.txt"
+}
+for stage in ${STAGES:-suite}; do
+  case $stage in
+    suite)
+      stamp "suite"
+      TEST_SECONDS=${TEST_SECONDS:-300} CHECK_SECONDS=$(( ${TEST_SECONDS:-300} + 90 )) OUT=$OUT/suite \
+        bash scripts/device_check.sh tests > "$OUT/suite.log" 2>&1
+      echo "suite exit $?" | tee -a "$OUT/summary.txt"
+      grep -vE "^(DECODE|DRAFT|EXTEND|IDLE|MIXED|TARGET|mode |-)" "$OUT/suite/summary.txt" | head -60 | tee -a "$OUT/summary.txt" ;;
+    tests)
+      stamp "tests: ${TESTS:-}"
+      OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout ${TEST_SECONDS:-150} python3 -m pytest -q -p no:cacheprovider \
+        -n 8 -m gpu --timeout 120 ${TESTS:-} -rs > "$OUT/tests.log" 2>&1
+      echo "tests exit $?: $(tail -n 1 "$OUT/tests.log")" | tee -a "$OUT/summary.txt"
+      grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$OUT/summary.txt" ;;
+    kit-cupy) kit cupy_fa ;;
+    kit-triton) kit triton ;;
+    ab)
+      stamp "ab ${AB_ONLY:-cap50,fp8}"
+      timeout ${AB_SECONDS:-100} python3 lab/ab_hopper.py --only "${AB_ONLY:-cap50,fp8}" --rounds ${AB_ROUNDS:-2} \
+        --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
+      echo "ab exit $?" | tee -a "$OUT/summary.txt"
+      grep -E "^ab |^  " "$OUT/ab.txt" | tail -40 | tee -a "$OUT/summary.txt" ;;
+    sglang-bench)
+      sgl_site
+      stamp "sglang bench"
+      PYTHONPATH=/tmp/sgl-site:$PWD timeout ${SGL_BENCH_SECONDS:-120} python3 -m bench.sglang --json "$OUT/sglang_bench.json" \
+        > "$OUT/sglang_bench.txt" 2>&1
+      echo "sglang bench exit $?" | tee -a "$OUT/summary.txt"
+      grep -viE "warn" "$OUT/sglang_bench.txt" | tail -16 | tee -a "$OUT/summary.txt" ;;
+    fi)
+      fi_site
+      stamp "bench beside FlashInfer: ${BENCH_CELLS:-}"
+      PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout ${FI_SECONDS:-200} python3 -m bench \
+        ${BENCH_CELLS:-prefill_b4_l4096 prefill_b4_l4096_cap50 prefill_b4_l4096_fp8} --page-size 16 --quick --no-plot \
+        --out "$OUT/bench" > "$OUT/bench.txt" 2>&1
+      echo "bench exit $?" | tee -a "$OUT/summary.txt"
+      sed -n '/^workload /,$p' "$OUT/bench.txt" | tee -a "$OUT/summary.txt" ;;
+    *) echo "unknown stage $stage" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+stamp "done"
+cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=summary.txt . 2>/dev/null \
+  && find . -mindepth 1 -not -name logs.tgz -not -name summary.txt -delete
