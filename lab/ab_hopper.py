@@ -25,12 +25,18 @@ from cupy_fa.families import sm90
 
 R = dataclasses.replace
 T128, F128 = sm90.DEFAULT_TILES[128], sm90.FP8_TILES[128]
+# two consumer warpgroups of 128 keys (FlashAttention-3's D 128 shape; the consumers at 224 registers)
+T2W = R(T128, consumer_wgs=2, producer_regs=56, block_n=128)
+F2W = R(F128, consumer_wgs=2, producer_regs=56, block_n=128)
 
 
 @contextlib.contextmanager
-def patched(default=None, fp8=None, tanh=None, hooked_block_n=None):
+def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None):
     """The family's tables with ``default`` / ``fp8`` ({head dim: tile}) merged in, the soft-cap's
-    tanh form and the hooked tiles' keys a tile (None: as shipped); restored on exit."""
+    tanh form, the hooked tiles' keys a tile and other fields of theirs (``hooked``: a dict for
+    ``dataclasses.replace``; None: as shipped); restored on exit. The hooked kernel runs the plain
+    tile's plan, so a hooked tile of other rows per CTA (consumer warpgroups) needs ``default``'s
+    tile of those rows too."""
     saved = dict(sm90.DEFAULT_TILES), dict(sm90.FP8_TILES), sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants
     before = knobs.use(dataclasses.replace(knobs.knobs(), wgmma_all=True))  # the tiles not yet run on a GPU too
     try:
@@ -38,9 +44,10 @@ def patched(default=None, fp8=None, tanh=None, hooked_block_n=None):
         sm90.FP8_TILES.update(fp8 or {})
         if tanh is not None:
             sm90.SOFT_CAP_TANH = tanh
-        if hooked_block_n is not None:
+        if hooked_block_n is not None or hooked:
             shipped = saved[3]
-            sm90.Sm90Tile.with_variants = lambda self: R(shipped(self), block_n=hooked_block_n)
+            fields = dict(hooked or {}, **({} if hooked_block_n is None else {"block_n": hooked_block_n}))
+            sm90.Sm90Tile.with_variants = lambda self: R(shipped(self), **fields)
         catalog.attention_kernel.cache_clear()
         yield
     finally:
@@ -55,13 +62,27 @@ def patched(default=None, fp8=None, tanh=None, hooked_block_n=None):
 POINTS = [
     ("prefill_b4_l4096", "shipped", {}),
     ("prefill_b4_l4096", "bn64 (the hooked tile's shape, no hooks)", dict(default={128: R(T128, block_n=64)})),
-    ("prefill_b4_l4096_fp8", "table (3 wg, 80 keys)", {}),
-    ("prefill_b4_l4096_fp8", "2 wg, 128 keys", dict(fp8={128: R(F128, consumer_wgs=2, producer_regs=56, block_n=128)})),
-    ("prefill_b4_l4096_fp8", "3 wg, 64 keys", dict(fp8={128: R(F128, block_n=64)})),
-    ("prefill_b4_l4096_cap50", "tanh exact (shipped)", dict(tanh=0)),
-    ("prefill_b4_l4096_cap50", "tanh.approx", dict(tanh=1)),
-    ("prefill_b4_l4096_cap50", "tanh newton", dict(tanh=2)),
-    ("prefill_b4_l4096_cap50", "tanh.approx 80 keys (spills 16 B)", dict(tanh=1, hooked_block_n=80)),
+    # (every fp8 and cap50 point below: 0 spill bytes under NVRTC 12.9, sm_90a, bf16 and fp16 queries;
+    # the hooked tanh newton at 3 wg 64 keys spills 40 / 96 bytes with the warp-uniform warpgroup index)
+    # fp8 K / V (0.87x the 16-bit cell on the H100): the producer widens each tile after its ring
+    # stage's `empty`, so its copy and widening latency sits between the consumers and `full`
+    ("prefill_b4_l4096_fp8", "table (3 wg, 80 keys, 2 stages)", {}),
+    ("prefill_b4_l4096_fp8", "3 stages", dict(fp8={128: R(F128, stages=3)})),
+    ("prefill_b4_l4096_fp8", "ping-pong off", dict(fp8={128: R(F128, pingpong=False)})),
+    ("prefill_b4_l4096_fp8", "3 stages, ping-pong off", dict(fp8={128: R(F128, stages=3, pingpong=False)})),
+    ("prefill_b4_l4096_fp8", "2 wg, 128 keys", dict(fp8={128: F2W})),
+    ("prefill_b4_l4096_fp8", "3 wg, 64 keys, 3 stages", dict(fp8={128: R(F128, block_n=64, stages=3)})),
+    # soft-cap 50 (the hooked tile; 0.68x the plain cell): the tanh's special-function operations
+    # (form 0: 2^y and a reciprocal, 1: tanh.approx, 2: 2^y and Newton steps on the FMA pipe) and
+    # the hooked tile's shape; 2 wg tiles take the plain 2 wg tile too (the hooked kernel runs its plan)
+    ("prefill_b4_l4096_cap50", "tanh exact, 3 wg 64 keys (shipped)", dict(tanh=0)),
+    ("prefill_b4_l4096_cap50", "tanh.approx, 3 wg 64 keys (reference)", dict(tanh=1)),
+    ("prefill_b4_l4096_cap50", "tanh newton, 3 wg 64 keys, no uniform wg",
+     dict(tanh=2, hooked=dict(uniform_wg=False))),
+    ("prefill_b4_l4096_cap50", "tanh exact, 2 wg 128 keys", dict(tanh=0, default={128: T2W}, hooked_block_n=128)),
+    ("prefill_b4_l4096_cap50", "tanh newton, 2 wg 128 keys", dict(tanh=2, default={128: T2W}, hooked_block_n=128)),
+    ("prefill_b4_l4096_cap50", "tanh.approx, 2 wg 128 keys (reference)",
+     dict(tanh=1, default={128: T2W}, hooked_block_n=128)),
     ("prefill_b4_l4096_sinks", "shipped (hooked, 64 keys)", {}),
     ("prefill_b4_l4096_d96", "table (3 wg, 96 keys)", {}),
     ("prefill_b4_l4096_d96", "3 wg, 64 keys", dict(default={96: R(sm90.DEFAULT_TILES[96], block_n=64)})),
