@@ -76,7 +76,7 @@ struct RowScale {
 //      cap's log2 e folded into the softmax's own multiply-add (scale = cap log2 e);
 //   2  t = 2^(-2 log2 e |x|) on the special-function unit (one operation), then (1 - t) / (1 + t)
 //      with the reciprocal of d = 1 + t in [1, 2] by a quadratic seed (70/33 - 16/11 d + 32/99 d^2,
-//      relative error 1/99) and two Newton steps on the FMA pipe (1e-8), 1 - t as 2 - d, the sign
+//      relative error 1/99) and two Newton steps on the FMA pipe (1e-8), tanh as 2 r - 1, the sign
 //      copied back: within 2e-7 of tanh (absolute; float32 emulation over [-12, 12]), cap log2 e
 //      folded as in 1.
 // AttentionParams::soft_cap_scale is 2 log2 e sm_scale / cap (form 0's and 2's argument per raw
@@ -99,14 +99,14 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return y;
 }
 
-// tanh(x) from y = 2 log2 e x (form 2 above): 1 - t = 2 - d is exact (d in [1, 2]; the rounding
-// of 1 + t is an absolute 2^-24), so t need not stay live past d.
+// tanh(x) from y = 2 log2 e x (form 2 above): (1 - t) / (1 + t) = 2 / d - 1 with d = 1 + t in
+// [1, 2] (the rounding of 1 + t is an absolute 2^-24), so the result is one multiply-add of r ~ 1 / d.
 __device__ __forceinline__ float tanh_newton_of_exp2_arg(float y) {
   const float d = 1.f + fast_exp2(-fabsf(y));  // 1 + e^(-2 |x|), in [1, 2]
   float r = fmaf(d, fmaf(d, 0.32323232323232326f, -1.4545454545454546f), 2.121212121212121f);
   r = fmaf(r, fmaf(-d, r, 1.f), r);
   r = fmaf(r, fmaf(-d, r, 1.f), r);
-  return copysignf((2.f - d) * r, y);  // (1 - t) / (1 + t)
+  return copysignf(fmaf(2.f, r, -1.f), y);
 }
 
 // A tile's raw scores soft-capped in place by tanh form TANH, the argument per row half (arg[h]):
