@@ -105,12 +105,13 @@ class Sm90Tile:
         same rows per CTA, so the same work layout; with three consumer warpgroups at most 64 keys
         a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9), with two at
         most 80 (a window's reads stay within one such tile of it: tests/test_variants_gpu.py), the
-        soft-cap's tanh of :data:`SOFT_CAP_TANH`, and an fp8 tile without the warp-uniform
-        warpgroup index (with it the fp16-query build spills). The keys a tile holds never move a
+        soft-cap's tanh of :data:`SOFT_CAP_TANH`, and without the warp-uniform warpgroup index for
+        an fp8 tile (with it the fp16-query build spills) and with the Newton tanh (with it 40 / 96
+        bytes spill at 64 keys). The keys a tile holds never move a
         split (plan_kernel cuts splits; the kernel masks a split's last, partial tile), so the hooked
         kernel runs the plain tile's plan."""
         block_n = min(self.block_n, 64 if self.consumer_wgs == 3 else 80)
-        uniform_wg = self.uniform_wg and self.kv_bytes == 2
+        uniform_wg = self.uniform_wg and self.kv_bytes == 2 and SOFT_CAP_TANH != 2
         return dataclasses.replace(self, variants=True, block_n=block_n, tanh=SOFT_CAP_TANH, uniform_wg=uniform_wg)
 
     def traits(self):
@@ -173,8 +174,11 @@ FP8_TILES = {
 NOT_YET_RUN = {(96, 2), (192, 2), (64, 1), (128, 1), (256, 1)}  # (head dim, K / V element bytes)
 
 # The soft-cap's tanh in the hooked kernels (Sm90Tile.tanh; kernels/sm90/softmax.cuh soft_cap_tile):
-# 0 the exact form, 1 tanh.approx, 2 the Newton form.
-SOFT_CAP_TANH = 0
+# 0 the exact form, 1 tanh.approx, 2 the Newton form. The Newton form takes one special-function
+# operation a score besides the softmax's 2^x where the exact one takes two (2^y and a reciprocal):
+# the hooked kernel is bound by that unit (16 operations a clock an SM against one score's 512
+# tensor-core flops in about as long as 2), and its error stays within 2e-7 of tanh.
+SOFT_CAP_TANH = 2
 
 
 def prefill_tile(head_dim, kv_bytes=2):
