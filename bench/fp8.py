@@ -10,7 +10,7 @@ Cells (H_q 32, H_kv 8, D 128, bf16 queries and outputs, page size 16, a shuffled
   as a fraction of the read ceiling measured in the same run (bench/ceilings.py, a streaming
   16-byte-load kernel), and ours fp8 / ours bf16 in tokens per second.
 * prefill B=4 L=4096 causal: ours over the bf16 cache (the sm_90a wgmma family) and over the
-  fp8 cache (the mma.sync prefill tile with fp8 K/V stages), TFLOP/s.
+  fp8 cache (the wgmma family's fp8 tile), TFLOP/s.
 
 Every cell is checked against float64 before it is timed: decode on four of its requests,
 prefill on row windows (the first and the last 32 rows of two requests), on the dequantised

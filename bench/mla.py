@@ -217,14 +217,6 @@ def main(argv=None):
     parser.add_argument("--launches", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    # the bench times the MLA kernels, so it lifts MLAAttention's gate (CUPY_FA_MLA) for its process
-    import os
-
-    from cupy_fa import knobs
-
-    os.environ.setdefault("CUPY_FA_MLA", "1")
-    knobs.reload()
-
     import cupy
 
     from . import ceilings

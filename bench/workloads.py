@@ -211,7 +211,7 @@ WORKLOADS = [
     Workload("decode_b64_l4096_d192", 64, 1, 4096, "head dim 192", head_dim=192),
     Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96", head_dim=96),
     Workload("prefill_b4_l4096_d192", 4, 4096, 4096, "head dim 192", head_dim=192),
-    # an fp8 KV cache: the prefill and extend cells over it (ours: the wgmma fp8 tile with CUPY_FA_WGMMA_ALL=1)
+    # an fp8 KV cache: the prefill and extend cells over it (ours: the wgmma fp8 tile on sm_90a)
     Workload("prefill_b4_l4096_fp8", 4, 4096, 4096, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),
     Workload("prefill_b2_l8192_fp8", 2, 8192, 8192, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),
     Workload("extend_b4_q1024_l16384_fp8", 4, 1024, 16384, "fp8 KV cache: a chunk of 1024 over 15360 keys",

@@ -23,7 +23,7 @@ from ._instance import PlannedInstance, checked_capacity
 from .families import common as _common
 from .kv_cache import PagedKVCache
 from .launch import StepLauncher, check_run
-from .variants import checked_soft_cap, checked_window, refuse_fp8_variants
+from .variants import checked_soft_cap, checked_window
 
 
 _RUN_ARRAYS = ("q", "out", "lse", "sinks")
@@ -37,15 +37,13 @@ class BatchAttention(PlannedInstance):
         num_qo_heads, num_kv_heads: query and KV head counts (GQA/MQA: the first a multiple of the second).
         head_dim: 64, 96, 128, 192 or 256, of q, K, V and out alike (separate qk / vo head dims, such
             as DeepSeek's 192 / 128, are not supported). On sm_90a, requests of more than 16 tokens
-            take the wgmma family at 64, 128 and 256, the mma.sync prefill tile at 96 and 192 (the
-            wgmma family's with CUPY_FA_WGMMA_ALL=1: compiled, not yet run on a GPU).
+            take the wgmma family at every one of these head dims.
         dtype: "bfloat16" or "float16" (also NumPy / ml_dtypes / torch dtypes); q, cache and out share it.
         kv_dtype: the cache's dtype: None (``dtype``), or "float8_e4m3fn" for an fp8 cache
             (:class:`PagedKVCache` with its scales) beside ``dtype`` queries and outputs; the
-            plan's tiles depend on it (every class of requests on the mma.sync family; with
-            CUPY_FA_WGMMA_ALL=1 the long ones on sm_90a's wgmma fp8 tile). An fp8 cache takes no
-            attention variant (window, soft-cap, sinks) unless CUPY_FA_WGMMA_ALL=1 (those kernels
-            are compiled, not yet run on a GPU).
+            plan's tiles depend on it (small-q requests on the mma.sync family; the long ones on
+            sm_90a's wgmma fp8 tile at head dims 64 / 128 / 256, else on the mma.sync family). An
+            fp8 cache takes every attention variant (window, soft-cap, sinks).
         max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes: capacity of the
             preallocated metadata buffers (requests, sum of q_len, page-table columns, custom-mask
             bytes). Give the first three (all or none) to allocate everything up front (needed
@@ -186,14 +184,10 @@ class BatchAttention(PlannedInstance):
             RuntimeError: no usable CUDA device (no CuPy, no driver, ...), in plain words; another
                 thread inside ``plan`` / ``run`` of this instance at the same time.
             ValueError (``check``): a request whose device metadata broke the contract, after a sync.
-            NotImplementedError: a ``window`` or a ``logits_soft_cap`` on an instance built with an
-                fp8 ``kv_dtype``, without CUPY_FA_WGMMA_ALL=1 (the fp8 kernels with the variant hooks
-                are compiled, not yet run on a GPU).
         """
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be True or False, got {causal!r}")
         window, soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
-        refuse_fp8_variants(self.kv_dtype_name, window, soft_cap)
         if self._split_checked is not _knobs.knobs():  # the split size knob against this head dim, once per knobs
             _schedule.check_split_size(self.head_dim, self._types.kv_bytes)
             self._split_checked = _knobs.knobs()
@@ -335,16 +329,12 @@ class BatchAttention(PlannedInstance):
                 enough for ``ceil(kv_len / page_size)`` pages (a device page table: widths only).
             ValueError (a plan with ``check``): a request whose device metadata broke the
                 contract (a page id outside ``cache``, ...), after the launch and a sync.
-            NotImplementedError: ``sinks`` on an instance built with an fp8 ``kv_dtype``, without
-                CUPY_FA_WGMMA_ALL=1.
         Nothing is launched when it raises (but for ``check``'s, raised after the run).
 
         Device page ids are checked by the kernel against ``cache.num_pages``: a request that
         reads one outside the cache reads page 0 instead, its rows that depend on it are NaN and
         :meth:`status` names it; the others are computed exactly as without it.
         """
-        if sinks is not None:
-            refuse_fp8_variants(self.kv_dtype_name, sinks=sinks)
         with self.device_scope():
             self._enter("run")
             try:

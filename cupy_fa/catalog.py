@@ -23,7 +23,7 @@ from .families import is_small_q_tile, mma_sync, sm90
 from .families import mla as mla_family
 from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes, is_sm90a
 from .families.mma_sync import MmaTile
-from .knobs import STAGE_CHOICES, knobs
+from .knobs import STAGE_CHOICES
 
 _BUILDERS = {mma_sync.MMA_SYNC: mma_sync.kernel, sm90.SM90_WGMMA: sm90.kernel}
 
@@ -93,7 +93,7 @@ def all_kernels(arch=None):
         for head_dim in HEAD_DIMS:
             out += _merge_kernels(dtype_name, head_dim)
             tiles = [MmaTile(head_dim, 4, 1)]  # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
-            if arch is None or is_sm90a(arch):  # the wgmma family's tile (every head dim, whatever CUPY_FA_WGMMA_ALL)
+            if arch is None or is_sm90a(arch):  # the wgmma family's tile (every head dim)
                 tiles.append(sm90.prefill_tile(head_dim))
             for warps_m in (1, 2):
                 for stages in STAGE_CHOICES:
@@ -113,10 +113,11 @@ def all_kernels(arch=None):
 def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT), arch=None):
     """The tiles of an fp8 cache the policy can select at a head dim: the mma.sync prefill tile
     and the small-q tiles (both row layouts, each depth, Hopper's and an A100's shared memory)
-    with their folding tiles, and the one-row-half tiles with a producer warpgroup where ``arch``
-    is sm_90a or None (any); ``stage_choices``: the depths (default the policy's)."""
+    with their folding tiles and one-row-half tiles; where ``arch`` is sm_90a or None (any), also
+    the one-row-half tiles with a producer warpgroup and the wgmma family's fp8 tile;
+    ``stage_choices``: the depths (default the policy's)."""
     tiles = [schedule.prefill_tile(head_dim, kv_bytes=1)]
-    if arch is None or is_sm90a(arch):  # the wgmma family's fp8 tile (whatever CUPY_FA_WGMMA_ALL)
+    if arch is None or is_sm90a(arch):  # the wgmma family's fp8 tile
         tiles.append(sm90.prefill_tile(head_dim, kv_bytes=1))
     for warps_m in (1, 2):
         for stages in stage_choices or (mma_sync.fp8_small_q_shape(head_dim)[1],):
@@ -148,8 +149,7 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
     prefill family of the arch, the merges, plan and append, and merge_states'). ``kv_dtypes``: the
     cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
     dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each attention kernel with the
-    variant hooks too (what steps with a window, a soft-cap or sinks run; an fp8 cache's with
-    ``CUPY_FA_WGMMA_ALL=1`` only)."""
+    variant hooks too (what steps with a window, a soft-cap or sinks run)."""
     wanted = [PLAN_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
     wanted += [merge_states_kernel(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
@@ -167,8 +167,7 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
                     tile = schedule.tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
                     folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
                     picked = [t for t in (tile, folded) if t is not None]
-                    # (an fp8 cache takes the variants only with CUPY_FA_WGMMA_ALL=1: variants.refuse_fp8_variants)
-                    picked += [t.with_variants() for t in picked] if variants and (kv != FP8 or knobs().wgmma_all) else []
+                    picked += [t.with_variants() for t in picked] if variants else []
                     wanted += [attention_kernel(types, t) for t in picked]
     return list({k: None for k in wanted})
 

@@ -31,7 +31,7 @@ from . import _arrays, _views, knobs as _knobs, plan as _plan, schedule as _sche
 from .attention import BatchAttention
 from .kv_cache import PagedKVCache
 from .modes import ForwardMode
-from .variants import checked_soft_cap, checked_window, refuse_fp8_variants
+from .variants import checked_soft_cap, checked_window
 
 
 def default_buckets(max_batch_size):
@@ -67,8 +67,7 @@ class GraphRunner:
             dim and dtype, a ``device`` that is no CUDA device of this process, an fp8 ``kv_dtype``
             at head dim 64 / 128 with a ``CUPY_FA_SPLIT_SIZE`` that is not a multiple of 128 keys
             (all before anything is allocated). RuntimeError: no
-            usable CUDA device. NotImplementedError: a ``window`` or ``logits_soft_cap`` with an
-            fp8 ``kv_dtype``, without CUPY_FA_WGMMA_ALL=1.
+            usable CUDA device.
 
     It allocates its static buffers at construction: q, out, lse for ``max_batch_size x max_q_len``
     tokens here, the lengths, page table and mask in its :class:`BatchAttention`'s plan buffers
@@ -82,7 +81,6 @@ class GraphRunner:
         self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         if kv_dtype is not None:  # before anything is allocated
             kv_name = _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
-            refuse_fp8_variants(kv_name, self.window, self.soft_cap)
             if kv_name == _arrays.FP8 and isinstance(head_dim, (int, np.integer)):
                 _schedule.check_split_size(int(head_dim), kv_bytes=1)
 
@@ -165,11 +163,8 @@ class GraphRunner:
                 metadata broke the contract (after a sync). TypeError: cache not a PagedKVCache.
                 RuntimeError: called inside another capture, no usable CUDA device, from a second
                 thread while another is inside ``run`` (one runner serves one call at a time).
-                NotImplementedError: ``sinks`` on a runner of an fp8 ``kv_dtype``, without
-                CUPY_FA_WGMMA_ALL=1.
         """
         mode = ForwardMode(mode)
-        refuse_fp8_variants(self.attn.kv_dtype_name, sinks=sinks)
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a cupy_fa.PagedKVCache, got {type(cache).__name__}")
         if cache.page_size != self.page_size:

@@ -46,12 +46,6 @@ class Knobs:
                                      # 16-row softmax (schedule.tile_for; for A/B runs)
     producer_warp: bool = True       # CUPY_FA_PRODUCER_WARP: "0" keeps the fp8 one-row-half decode tile's
                                      # copies on its consumer warps (schedule.tile_for; for A/B runs)
-    wgmma_all: bool = False          # CUPY_FA_WGMMA_ALL: "1" runs the long requests of an fp8 cache and of
-                                     # head dims 96 / 192 on the wgmma family and lets an fp8 cache take the
-                                     # variants (schedule.prefill_tile, variants.refuse_fp8_variants): those
-                                     # kernels are compiled but not yet run on a GPU (2026-12-05)
-    mla: bool = False                # CUPY_FA_MLA: "1" lets MLAAttention run (cupy_fa.mla): its kernels are
-                                     # compiled and tested on the CPU, not yet run on a GPU (2026-12-05)
     mla_wgmma: bool = True           # CUPY_FA_MLA_WGMMA: "0" runs every MLA step on the mma.sync tile
                                      # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
 
@@ -104,8 +98,7 @@ class Knobs:
                    fold_splits=get("CUPY_FA_FOLD_SPLITS") or "auto",
                    half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
                    producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
-                   wgmma_all=flag("CUPY_FA_WGMMA_ALL", cls.wgmma_all),
-                   mla=flag("CUPY_FA_MLA", cls.mla), mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
+                   mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
                    pdl=flag("CUPY_FA_PDL", cls.pdl), trace=flag("CUPY_FA_TRACE", cls.trace),
                    debug=flag("CUPY_FA_DEBUG", cls.debug))
 

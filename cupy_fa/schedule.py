@@ -12,9 +12,9 @@ For a planned step :func:`schedule_step` answers everything the host decides:
      of a pure decode step whatever else the batch holds (docs/design.md, "Batch invariance");
    * longer requests (prefill, extend, chunked prefill, the long rows of a mixed batch) take
      :func:`prefill_tile`: the sm_90a wgmma family (:mod:`cupy_fa.families.sm90`) where the
-     target is sm_90a (head dims 64 / 128 / 256 over a 16-bit cache; with CUPY_FA_WGMMA_ALL=1
-     also 96 / 192 and an fp8 cache, compiled but not yet run on a GPU), else the mma.sync prefill
-     tile (4 warps over 64 query rows). One split per CTA, no fold.
+     target is sm_90a (head dims 64 / 96 / 128 / 192 / 256 over a 16-bit cache, 64 / 128 / 256
+     over an fp8 cache), else the mma.sync prefill tile (4 warps over 64 query rows). One split
+     per CTA, no fold.
 2. **The fold** (:func:`fold_tile`): whether the small-q CTAs fold their splits themselves
    (whole rows, or groups of ``MERGE_GROUP``) instead of leaving partials for the merge kernel;
    only in steps without long requests (one merge launch reads one partial layout).
@@ -88,13 +88,12 @@ def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
     """The tile of requests of more than SMALL_Q_LEN tokens, one KV split per CTA: on an sm_90a
     target the wgmma family's tile for the head dim and cache (``sm90.DEFAULT_TILES``: 192 packed
     rows per CTA at D 64 / 96 / 128, 128 at D 192 / 256; an fp8 cache's ``sm90.FP8_TILES`` at
-    D 64 / 128 / 256, its K / V widened to fp16 by the producer) when it fits ``smem_limit`` (the
-    tiles of ``sm90.NOT_YET_RUN``, D 96 / 192 and fp8, only with ``CUPY_FA_WGMMA_ALL=1``: compiled,
-    not yet run on a GPU); on any other target (sm_80, sm_89, an ``sm_90`` or ``sm_80`` build
-    forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target named), and for those tiles without the
-    knob, the mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA; with fp8 K/V
-    stages over an fp8 cache)."""
-    if is_sm90a(arch) and ((head_dim, kv_bytes) not in sm90.NOT_YET_RUN or knobs().wgmma_all):
+    D 64 / 128 / 256, its K / V widened to fp16 by the producer) when it fits ``smem_limit``; on
+    any other target (sm_80, sm_89, an ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or
+    ``arch=None``: no target named), and for a head dim or cache the family has no tile of, the
+    mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA; with fp8 K/V stages
+    over an fp8 cache)."""
+    if is_sm90a(arch):
         tile = sm90.prefill_tile(head_dim, kv_bytes)
         if tile is not None and tile.smem_bytes <= smem_limit:
             return tile

@@ -4,9 +4,9 @@ the soft-cap's tanh forms; tuning only; lab probe).
 Each point is a bench workload (bench/workloads.py) run through ``bench.ours.bench_ours`` (checked
 against float64 on its row windows first, then timed by CUDA-graph replays) with the family's tile
 tables patched for that point (``families.sm90.DEFAULT_TILES`` / ``FP8_TILES``, the soft-cap's tanh
-``SOFT_CAP_TANH``, the hooked tile's keys) and ``CUPY_FA_WGMMA_ALL`` on, restored after. Written
-2026-12-05 for the first device run of these tiles; not yet run on a GPU. Inputs are built once per workload and
-shared by its points; the points of a workload run in turn, ``--rounds`` times (A B C A B C ...).
+``SOFT_CAP_TANH``, the hooked tile's keys), restored after. Written 2026-12-05. Inputs are built
+once per workload and shared by its points; the points of a workload run in turn, ``--rounds``
+times (A B C A B C ...).
 
     python3 lab/ab_hopper.py                    # every point of POINTS
     python3 lab/ab_hopper.py --only fp8 --rounds 3
@@ -20,7 +20,7 @@ import json
 import sys
 import time
 
-from cupy_fa import catalog, knobs
+from cupy_fa import catalog
 from cupy_fa.families import sm90
 
 R = dataclasses.replace
@@ -38,7 +38,6 @@ def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None)
     tile's plan, so a hooked tile of other rows per CTA (consumer warpgroups) needs ``default``'s
     tile of those rows too."""
     saved = dict(sm90.DEFAULT_TILES), dict(sm90.FP8_TILES), sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants
-    before = knobs.use(dataclasses.replace(knobs.knobs(), wgmma_all=True))  # the tiles not yet run on a GPU too
     try:
         sm90.DEFAULT_TILES.update(default or {})
         sm90.FP8_TILES.update(fp8 or {})
@@ -54,11 +53,10 @@ def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None)
         sm90.DEFAULT_TILES.clear(), sm90.DEFAULT_TILES.update(saved[0])
         sm90.FP8_TILES.clear(), sm90.FP8_TILES.update(saved[1])
         sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants = saved[2], saved[3]
-        knobs.use(before)
         catalog.attention_kernel.cache_clear()
 
 
-# (workload, point name, patch): the first point of a workload is the table's (with CUPY_FA_WGMMA_ALL=1)
+# (workload, point name, patch): the first point of a workload is the table's
 POINTS = [
     ("prefill_b4_l4096", "shipped", {}),
     ("prefill_b4_l4096", "bn64 (the hooked tile's shape, no hooks)", dict(default={128: R(T128, block_n=64)})),

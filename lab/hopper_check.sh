@@ -4,8 +4,7 @@
 # core, the GPU tests of fp8 prefill, the variants over fp8, head dims 96 / 192 and the soft-cap's
 # forms, then the interleaved A/B of the tile choices (lab/ab_hopper.py), and, with FI=1, the bench
 # cells of its table beside FlashInfer and cuDNN. Every step bounded by `timeout`.
-# Usage, from the repository root: OUT=... bash lab/hopper_check.sh (not yet run on a GPU: written
-# 2026-12-05 for the first device run of these kernels)
+# Usage, from the repository root: OUT=... bash lab/hopper_check.sh (written 2026-12-05)
 # Knobs: TESTS (pytest files, default below), TEST_SECONDS (default 200), AB (1: the A/B, default 1),
 # AB_ARGS, AB_SECONDS (default 150), FI (1: the bench cells with the peers; needs /work-fi.sh),
 # BENCH_SECONDS (default 420), BENCH_CELLS, NCU (1: Nsight Compute on the soft-cap forms).
@@ -41,10 +40,6 @@ if [ "$TESTS" != none ]; then
   # the error lines the checks print (worst request / row errors), for the record
   grep -E "fp8 wgmma|tanh [02] cap|sm90 prefill" "$OUT/pytest.log" | grep -E "worst|max|err" | head -40 > "$OUT/errors.txt"
 fi
-
-# the A/B, ncu and bench steps plan with the new tiles (the tests set the knob themselves where they
-# need it: without it, fp8 and D 96 / 192 long requests stay on the mma.sync family)
-export CUPY_FA_WGMMA_ALL=1
 
 # 4. the interleaved A/B of the tile choices (ours only, each point checked against float64 first)
 if [ "${AB:-1}" = 1 ]; then

@@ -8,7 +8,6 @@ set -u
 OUT=${OUT:-/tmp/mla_out}
 mkdir -p "$OUT"
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-4}
-export CUPY_FA_MLA=1  # MLAAttention's gate until its kernels have run on a GPU (this call runs them)
 nvidia-smi -L || true
 python3 -c "import cupy, sys; print('cupy', cupy.__version__, 'python', sys.version.split()[0])"
 

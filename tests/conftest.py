@@ -66,28 +66,6 @@ def _knobs_put_back():
 
 
 @pytest.fixture
-def wgmma_all(monkeypatch):
-    """CUPY_FA_WGMMA_ALL=1 for the test: the policy takes the kernels compiled but not yet run on a
-    GPU (head dims 96 / 192 and an fp8 cache's long requests on the wgmma family, an fp8 cache with
-    the variants); without it an fp8 cache's long requests run on the mma.sync family and its
-    variants are refused. _knobs_put_back puts the knobs back after the test."""
-    from cupy_fa import knobs
-
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
-    knobs.reload()
-
-
-@pytest.fixture
-def mla_on(monkeypatch):
-    """CUPY_FA_MLA=1 for the test: MLAAttention runs only with it until its kernels have run on a
-    GPU (the GPU tests are what lifts the gate). _knobs_put_back puts the knobs back after it."""
-    from cupy_fa import knobs
-
-    monkeypatch.setenv("CUPY_FA_MLA", "1")
-    knobs.reload()
-
-
-@pytest.fixture
 def needs_sm90():
     """Skips a GPU test on anything but compute capability 9.0: the sm_90a wgmma family's kernels."""
     import cupy

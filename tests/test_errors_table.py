@@ -207,11 +207,6 @@ def _(ctx):
     return _plan([1], [4], [[0]], logits_soft_cap=float("inf")), []
 
 
-@case("plan-fp8-variants")
-def _(ctx):
-    return lambda: cupy_fa.BatchAttention(8, 2, 64, kv_dtype="float8_e4m3fn").plan([1], [4], [[0]], window=8), []
-
-
 @case("plan-mask-size")
 def _(ctx):
     return _plan([2], [4], [[0]], custom_mask=np.ones(3, bool)), []
@@ -281,12 +276,6 @@ def _(ctx):
 @case("run-before-plan")
 def _(ctx):
     return lambda: cupy_fa.BatchAttention(8, 2, 64).run(np.zeros((1, 8, 64), np.float16), None), []
-
-
-@case("run-fp8-sinks")
-def _(ctx):
-    attn = cupy_fa.BatchAttention(8, 2, 64, kv_dtype="float8_e4m3fn")
-    return lambda: attn.run(np.zeros((1, 8, 64), np.float16), None, sinks=np.zeros(8, np.float32)), []
 
 
 @case("run-cache-type", gpu=True)
@@ -587,11 +576,6 @@ def _(ctx):
 @case("modes-misspelled")
 def _(ctx):
     return lambda: contract_lengths("decod", prefix_lens=[1]), []
-
-
-@case("runner-fp8-variants")
-def _(ctx):
-    return lambda: _runner(kv_dtype="float8_e4m3fn", logits_soft_cap=30.0), []
 
 
 def _runner_step(ctx, mode=ForwardMode.DECODE, q_lens=(1, 1), kv_lens=(5, 20), table=((0, 1), (2, 3)),

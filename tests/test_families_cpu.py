@@ -22,18 +22,12 @@ A100 = dict(smem_limit=families.common.SM80_SMEM_LIMIT, sm_count=108, arch="sm_8
 L40 = dict(smem_limit=99 * 1024, sm_count=142, arch="sm_89")
 
 
-@pytest.mark.parametrize("wgmma_all", ["0", "1"])
-def test_long_requests_take_the_wgmma_family_on_sm90a_only(wgmma_all, monkeypatch):
-    """Every head dim's long requests take the wgmma family on sm_90a; 96 and 192 (tiles compiled,
-    not yet run on a GPU) only with CUPY_FA_WGMMA_ALL=1, else the mma.sync prefill tile."""
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", wgmma_all)
-    knobs.reload()
+def test_long_requests_take_the_wgmma_family_on_sm90a_only():
+    """Every head dim's long requests take the wgmma family on sm_90a, the mma.sync prefill tile
+    on any other target."""
     q, kv = [4096, 1024], [4096, 16384]
     for head_dim in families.common.HEAD_DIMS:
         long = schedule.schedule_step(head_dim, 4, 8, q_lens=q, kv_lens=kv, **H200).long
-        if head_dim in (96, 192) and wgmma_all == "0":
-            assert long.tile == families.mma_sync.MmaTile(head_dim, 4, 1)
-            continue
         assert families.family_of(long.tile) is families.SM90_WGMMA
         # 3 consumer warpgroups at D 64 / 96 / 128, 2 at 192 / 256
         rows = {64: 192, 96: 192, 128: 192, 192: 128, 256: 128}[head_dim]
@@ -245,32 +239,20 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     assert ring and not ring & sm80 and fp8 and not fp8 & sm80 and mla_wgmma and not mla_wgmma & sm80
     assert (wgmma | hooked | ring | fp8 | mla_wgmma) <= everything and not (wgmma | hooked) & sm80
     assert everything - sm80 == wgmma | hooked | ring | fp8 | mla_wgmma
-    # what a Hopper warms by default: the tiles already run on a GPU (not those of s9.NOT_YET_RUN)
-    run = [t for t in s9.DEFAULT_TILES.values() if (t.head_dim, 2) not in s9.NOT_YET_RUN]
-    assert {t.head_dim for t in run} == {64, 128, 256}
-    hopper = catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True)
-    assert {catalog.attention_kernel(dt, t.with_variants()) for dt in _compile.CTYPES for t in run} <= set(hopper)
+    # what a Hopper warms: every head dim's wgmma tile, plain and hooked
+    hopper = set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True))
+    assert wgmma | hooked <= hopper <= everything
     assert set(catalog.all_kernels("sm_90a")) == everything
     ampere = catalog.warmup_kernels(smem_limit=families.common.SM80_SMEM_LIMIT, arch="sm_80", variants=True)
-    assert {catalog.attention_kernel(dt, t) for dt in _compile.CTYPES for t in run} <= set(hopper) <= everything
     assert set(ampere) <= sm80
     mma_prefill = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES
-                   for d in (64, 128, 256)}
+                   for d in families.common.HEAD_DIMS}
     assert set(s9.DEFAULT_TILES) == set(families.common.HEAD_DIMS)  # every head dim has a wgmma tile
-    assert mma_prefill <= set(ampere) and not mma_prefill & set(hopper)  # Hopper never selects it
-    # D 96 / 192: the mma.sync prefill tile on Hopper too unless CUPY_FA_WGMMA_ALL=1 (their wgmma
-    # tiles are compiled, not yet run on a GPU)
-    not_yet = {catalog.attention_kernel(dt, families.mma_sync.MmaTile(d, 4, 1)) for dt in _compile.CTYPES for d in (96, 192)}
-    assert not_yet <= set(ampere) and not_yet <= set(hopper)
-    monkeypatch_env = pytest.MonkeyPatch()
-    try:
-        monkeypatch_env.setenv("CUPY_FA_WGMMA_ALL", "1")
-        knobs.reload()
-        hopper_all = set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True))
-    finally:
-        monkeypatch_env.undo()
-        knobs.reload()
-    assert not not_yet & hopper_all and wgmma <= hopper_all <= everything
+    assert mma_prefill <= set(ampere) and not mma_prefill & hopper  # Hopper never selects it
+    # an fp8 cache: its wgmma tiles, plain and hooked, on a Hopper
+    hopper_fp8 = set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a",
+                                            kv_dtypes=(families.common.FP8,), variants=True))
+    assert fp8 <= hopper_fp8 <= everything
     variant = catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128])
     assert variant == catalog.attention_kernel("bfloat16", s9.DEFAULT_TILES[128]) and variant.source == "sm90/prefill.cu"
     with pytest.raises(ValueError, match="one element type"):

@@ -130,22 +130,10 @@ def test_kv_dtype_spellings():
 
 # ---- the tiling policy's fp8 tiles --------------------------------------------------------------
 
-def test_fp8_tiles_are_mma_sync_by_default():
-    """Without CUPY_FA_WGMMA_ALL an fp8 cache runs both classes of requests on the mma.sync family,
-    sm_90a included (the wgmma family's fp8 tiles are compiled, not yet run on a GPU)."""
-    for arch in ("sm_90a", "sm_80", None):
-        sched = schedule.schedule_step(128, 4, 8, q_lens=[1, 4, 300], kv_lens=[5000, 90, 300], arch=arch, kv_bytes=1)
-        for launch in sched.launches:
-            assert isinstance(launch.tile, families.mma_sync.MmaTile) and launch.tile.kv_bytes == 1, launch.tile
-    assert schedule.prefill_tile(128, arch="sm_90a", kv_bytes=1) == families.mma_sync.MmaTile(128, 4, 1, kv_bytes=1)
-    assert schedule.prefill_tile(128, arch="sm_90a") == s9.DEFAULT_TILES[128]  # 16-bit: wgmma
-
-
-def test_fp8_long_requests_take_the_wgmma_family_on_sm90a_with_the_knob(wgmma_all):
-    """With CUPY_FA_WGMMA_ALL=1 an fp8 cache runs its small-q requests on the mma.sync family
-    everywhere (fp8 K/V stages) and its long ones on the wgmma family's fp8 tile where the target is
-    sm_90a (the producer widens K / V to fp16: kv_bytes 1 with two staging slots), on the mma.sync
-    prefill tile elsewhere."""
+def test_fp8_long_requests_take_the_wgmma_family_on_sm90a():
+    """An fp8 cache runs its small-q requests on the mma.sync family everywhere (fp8 K/V stages)
+    and its long ones on the wgmma family's fp8 tile where the target is sm_90a (the producer widens
+    K / V to fp16: kv_bytes 1 with two staging slots), on the mma.sync prefill tile elsewhere."""
     for arch in ("sm_90a", "sm_80", None):
         sched = schedule.schedule_step(128, 4, 8, q_lens=[1, 4, 300], kv_lens=[5000, 90, 300], arch=arch, kv_bytes=1)
         assert sched.long is not None and sched.small is not None

@@ -101,7 +101,7 @@ def run_fp8_case(rng, dtype, heads, head_dim, page_size, lengths, scale_kind, ca
     attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, kv_dtype=FP8)
     attn.plan(q_lens, kv_lens, table, causal=causal, custom_mask=custom_mask)
     attn.run(q, cache, out=out_buf[:total], lse=lse_buf[:total])
-    for launch in attn.planned.schedule.launches:  # fp8: every class on the mma.sync family, fp8 tiles
+    for launch in attn.planned.schedule.launches:  # fp8: every class on an fp8 tile
         assert launch.tile.kv_bytes == 1, launch.tile
     ref, ref_lse = reference.paged_attention(q_host, k, v, q_lens, kv_lens, table, causal=causal,
                                              custom_mask=custom_mask, return_lse=True, k_scale=ks, v_scale=vs)

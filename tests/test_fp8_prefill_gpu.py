@@ -13,7 +13,7 @@ import pytest
 from cases import (FP8, POISON, check_attention, fp8_paged_case, new_rng, np_dtype, poisoned, random_lengths,
                    subnormal_fp8_case)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("wgmma_all", "needs_sm90")]  # tests/conftest.py
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("needs_sm90")]  # tests/conftest.py
 TAIL = 3
 
 

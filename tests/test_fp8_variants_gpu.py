@@ -12,7 +12,7 @@ import pytest
 from cases import FP8, FP8_NAN, POISON, check_attention, fp8_paged_case, new_rng, np_dtype, poisoned
 from test_variants_gpu import VARIANTS, draw
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("wgmma_all")]  # tests/conftest.py
+pytestmark = pytest.mark.gpu
 
 
 def nan_before_windows(k, v, table, q_lens, kv_lens, window, page_size, poison_keys):

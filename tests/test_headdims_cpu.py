@@ -14,17 +14,9 @@ NEW = (96, 192)
 
 
 @pytest.mark.parametrize("head_dim", NEW)
-def test_long_requests_take_the_mma_sync_prefill_tile_by_default(head_dim):
-    """Without CUPY_FA_WGMMA_ALL the wgmma tiles of these head dims (compiled, not yet run on a GPU)
-    are not taken: the mma.sync prefill tile on every target."""
-    for arch in ("sm_90a", "sm_90", "sm_80", None):
-        assert schedule.prefill_tile(head_dim, families.common.SMEM_LIMIT, arch) == families.mma_sync.MmaTile(head_dim, 4, 1)
-    sched = schedule.schedule_step(head_dim, 4, 8, q_lens=[300, 1], kv_lens=[300, 5000], arch="sm_90a")
-    assert families.family_of(sched.long.tile) is families.mma_sync.MMA_SYNC
-
-
-@pytest.mark.parametrize("head_dim", NEW)
-def test_long_requests_take_the_wgmma_tile_on_sm90a_with_the_knob(head_dim, wgmma_all):
+def test_long_requests_take_the_wgmma_tile_on_sm90a(head_dim):
+    """The long requests of these head dims plan the wgmma family's tile where the target is
+    sm_90a, the mma.sync prefill tile on any other target."""
     wgmma = s9.DEFAULT_TILES[head_dim]
     assert schedule.prefill_tile(head_dim, families.common.SMEM_LIMIT, "sm_90a") == wgmma
     # D 96: 64-byte swizzled blocks (three of 32 columns), three consumer warpgroups; D 192: three

@@ -1,5 +1,6 @@
 """Head dims 96 and 192 (the mma.sync family: 12 and 24 16-byte chunks a row, loads that do not
-tile a CTA's threads evenly, the swizzles' tails) on the GPU: ragged batches against float64,
+tile a CTA's threads evenly, the swizzles' tails; on sm_90a the long requests on the wgmma family's
+64-byte swizzled column blocks) on the GPU: ragged batches against float64,
 every serving mode eager and under graph replay, decode == verify bit for bit, and the merge's
 shapes never changing a bit, and the variant hooks (window, soft-cap, sinks) at these head dims.
 The checks are the suite's own (test_attention_gpu.run_case, test_modes_graph_gpu's engine loop,
@@ -26,7 +27,9 @@ def test_random_ragged_batch(dtype, head_dim, page_size):
     """Decodes, verifies, prefills and extends in one batch (some over 16 tokens: the prefill tile),
     causal in bf16 and full in fp16; every request, row and LSE within the bar, the poisoned
     tail untouched, and a device-planned run of the same batch bit-identical (run_case). The
-    requests of more than 16 tokens run on the mma.sync prefill tile, on sm_90a too."""
+    requests of more than 16 tokens run on the wgmma family where the target is sm_90a, else on
+    the mma.sync prefill tile."""
+    from cupy_fa import _build
 
     rng, seed = new_rng()
     heads = (32, 8) if head_dim == 96 else (16, 2)
@@ -34,7 +37,10 @@ def test_random_ragged_batch(dtype, head_dim, page_size):
     lengths[0][0], lengths[1][0] = 70, max(70, int(lengths[1][0]))  # at least one long request
     check, attn = attention_cases.run_case(rng, dtype, heads, head_dim, page_size, dtype == "bfloat16", lengths)
     long_tile = attn.planned.long_tile
-    assert isinstance(long_tile, families.mma_sync.MmaTile) and long_tile.warps_n == 1, long_tile
+    if families.common.is_sm90a(_build.current_arch()):
+        assert families.family_of(long_tile) is families.SM90_WGMMA, long_tile
+    else:
+        assert isinstance(long_tile, families.mma_sync.MmaTile) and long_tile.warps_n == 1, long_tile
     print(f"seed={seed} B={len(lengths[0])} max q_len {lengths[0].max()} max kv_len {lengths[1].max()} "
           f"long tile {long_tile}")
 
@@ -71,9 +77,9 @@ def test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch):
     invariance.test_merge_shape_never_changes_a_bit(dtype, head_dim, monkeypatch)
 
 
-def test_new_head_dims_route_to_mma_sync_on_sm90a():
-    """On the device's own target the long requests of head dims 96 / 192 plan the mma.sync prefill
-    tile (64, 128, 256: the wgmma family where the target is sm_90a)."""
+def test_long_requests_route_to_the_wgmma_family_on_sm90a_only():
+    """On the device's own target the long requests of every head dim plan the wgmma family where
+    the target is sm_90a, else the mma.sync prefill tile."""
     import cupy_fa
     from cupy_fa import _build
 
@@ -82,8 +88,8 @@ def test_new_head_dims_route_to_mma_sync_on_sm90a():
         attn = cupy_fa.BatchAttention(8, 1, head_dim, "bfloat16")
         attn.plan([300], [300], np.zeros((1, 300), np.int32))
         tile = attn.planned.long_tile
-        wgmma = families.common.is_sm90a(arch) and head_dim in (64, 128, 256)
-        assert (families.family_of(tile) is families.SM90_WGMMA) == wgmma, (arch, head_dim, tile)
+        assert (families.family_of(tile) is families.SM90_WGMMA) == families.common.is_sm90a(arch), \
+            (arch, head_dim, tile)
 
 
 @pytest.mark.parametrize("dtype,head_dim,heads,page_size", [("bfloat16", 96, (32, 8), 16), ("float16", 192, (8, 1), 1)])

@@ -16,10 +16,6 @@ from cupy_fa.families import mla as family
 from cupy_fa.mla import schedule as mla_schedule
 from cupy_fa.plan import Capacity
 
-# CUPY_FA_MLA=1 for every test here (tests/conftest.py): MLAAttention runs only with it until its
-# kernels have run on a GPU
-pytestmark = pytest.mark.usefixtures("mla_on")
-
 H_SMALL = 4
 
 
@@ -226,19 +222,14 @@ def test_merge_shapes():
 # ---- the API's checks, before any device ----------------------------------------------------------
 
 
-def test_mla_attention_waits_for_its_first_gpu_run(monkeypatch):
-    """Without CUPY_FA_MLA=1 the constructor refuses, saying why, after checking its arguments."""
+def test_mla_attention_constructs_under_the_default_knobs():
+    """Valid arguments construct an MLAAttention (16-bit or fp8 cache) with every knob at its
+    default (without capacities nothing is allocated, so this runs without a device too)."""
     from cupy_fa import MLAAttention, knobs
 
-    monkeypatch.delenv("CUPY_FA_MLA")
-    knobs.reload()
-    with pytest.raises(NotImplementedError, match="not yet run on a GPU"):
-        MLAAttention(16)
-    with pytest.raises(ValueError, match="num_heads must be a positive int"):
-        MLAAttention(0)
-    monkeypatch.setenv("CUPY_FA_MLA", "1")
-    knobs.reload()
-    assert MLAAttention(16).num_heads == 16
+    knobs.use(knobs.Knobs())  # tests/conftest.py puts the knobs in force back after the test
+    assert MLAAttention(16).num_heads == 16 and not MLAAttention(16).kv_fp8
+    assert MLAAttention(128, "float16", kv_dtype="float8_e4m3fn").kv_fp8
 
 
 def test_mla_attention_names_bad_arguments():
@@ -375,7 +366,7 @@ def test_warmup_lists_what_steps_select():
 
 # ---- the kernels' softmax schedules, modelled in NumPy -------------------------------------------
 #
-# Not the kernels (they have not run on a GPU in this file's tests): their arithmetic schedules,
+# Not the kernels (this CPU file runs none; tests/test_mla_gpu.py does): their arithmetic schedules,
 # step by step in float32 with P rounded to bf16 where the kernels round it, held to float64. A
 # wrong factor in a schedule (an offset applied twice, a sum left at the old offset) fails here.
 

@@ -14,7 +14,7 @@ from cases import POISON, check_attention, new_rng, np_dtype, paged_layout, pois
 
 from cupy_fa.modes import ForwardMode, contract_lengths
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("mla_on")]  # tests/conftest.py: CUPY_FA_MLA=1
+pytestmark = pytest.mark.gpu
 M = ForwardMode
 FP8 = "float8_e4m3fn"
 FP8_NAN = 0x7F

@@ -1,14 +1,13 @@
 """GPU correctness of the sm_90a prefill family (kernels/sm90/prefill.cu) through BatchAttention,
-against the float64 reference, and its batch invariance, at every head dim (96 / 192 with
-CUPY_FA_WGMMA_ALL=1, which every test here sets) and with the soft-cap's tanh forms. Hopper only: on
-another GPU these skip with that reason."""
+against the float64 reference, and its batch invariance, at every head dim and with the soft-cap's
+tanh forms. Hopper only: on another GPU these skip with that reason."""
 
 import numpy as np
 import pytest
 
 from cases import POISON, check_attention, new_rng, np_dtype, paged_case, poisoned, random_lengths
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("wgmma_all", "needs_sm90")]  # tests/conftest.py
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("needs_sm90")]  # tests/conftest.py
 
 
 def attention(dtype, heads, head_dim, q_lens, kv_lens, table, causal=True):

@@ -129,11 +129,10 @@ def test_the_none_values():
 
 
 @pytest.mark.parametrize("variant", ["window", "logits_soft_cap", "sinks"])
-def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, variant):
-    """By default (CUPY_FA_WGMMA_ALL unset) the fp8 kernels with the variant hooks, not yet run on a
-    GPU, are not taken: each variant with an fp8 kv_dtype raises NotImplementedError naming it (plan,
-    run, GraphRunner and its run), before anything touches the device (which here would raise
-    RuntimeError); without the variant, or on a 16-bit cache, the same calls go on to the device."""
+def test_an_fp8_cache_takes_each_variant(monkeypatch, variant):
+    """An fp8 kv_dtype with each variant is planned and run as a 16-bit cache's: plan and the
+    GraphRunner go on to the device (which here raises RuntimeError), run with sinks to its plan
+    check, GraphRunner.run with sinks to its cache check; no refusal of its own."""
     from cupy_fa import GraphRunner, _arrays
 
     monkeypatch.setattr(_arrays, "_cuda_ready", False)
@@ -141,46 +140,13 @@ def test_an_fp8_cache_refuses_each_variant_before_the_device(monkeypatch, varian
     fp8 = dict(kv_dtype="float8_e4m3fn")
     sizes = dict(max_batch_size=4, max_q_len=4, max_pages_per_request=2, page_size=16)
     on = {"window": dict(window=8), "logits_soft_cap": dict(logits_soft_cap=30.0), "sinks": {}}[variant]
-    words = f"{variant} with an fp8 KV cache"
     if variant == "sinks":
         sinks = np.zeros(8, np.float32)
-        with pytest.raises(NotImplementedError, match="sinks with an fp8 KV cache"):
+        with pytest.raises(RuntimeError, match="before plan"):
             attention.BatchAttention(8, 2, 64, **fp8).run(np.zeros((1, 8, 64), np.float16), None, sinks=sinks)
         runner = types.SimpleNamespace(attn=types.SimpleNamespace(kv_dtype_name=_arrays.FP8))
-        with pytest.raises(NotImplementedError, match=words):
+        with pytest.raises(TypeError, match="cache must be a cupy_fa.PagedKVCache"):
             GraphRunner.run(runner, "decode", None, None, [1], [4], [[0]], sinks=sinks)
-        with pytest.raises(RuntimeError, match="before plan"):  # 16-bit: on to the plan check
-            attention.BatchAttention(8, 2, 64).run(np.zeros((1, 8, 64), np.float16), None, sinks=sinks)
-        return
-    with pytest.raises(NotImplementedError, match=words):
-        attention.BatchAttention(8, 2, 64, **fp8).plan([1], [4], [[0]], **on)
-    with pytest.raises(NotImplementedError, match=words):
-        GraphRunner(8, 2, 64, "bfloat16", **sizes, **fp8, **on)
-    with pytest.raises(RuntimeError, match="cannot run here"):  # an fp8 cache alone: on to the device
-        attention.BatchAttention(8, 2, 64, **fp8).plan([1], [4], [[0]])
-    with pytest.raises(RuntimeError, match="cannot run here"):  # the variant on a 16-bit cache: likewise
-        attention.BatchAttention(8, 2, 64).plan([1], [4], [[0]], **on)
-    for kwargs in (fp8, on):
-        with pytest.raises(RuntimeError, match="cannot run here"):
-            GraphRunner(8, 2, 64, "bfloat16", **sizes, **kwargs)
-
-
-@pytest.mark.parametrize("variant", ["window", "logits_soft_cap", "sinks"])
-def test_an_fp8_cache_takes_each_variant_with_the_knob(monkeypatch, wgmma_all, variant):
-    """With CUPY_FA_WGMMA_ALL=1 an fp8 kv_dtype with each variant is planned and run as a 16-bit
-    cache's: plan and the GraphRunner go on to the device (which here raises RuntimeError), run with
-    sinks to its plan check; no refusal of its own."""
-    from cupy_fa import GraphRunner, _arrays
-
-    monkeypatch.setattr(_arrays, "_cuda_ready", False)
-    monkeypatch.setattr(_arrays, "cuda_problem", lambda: "no NVIDIA driver was found (simulated here)")
-    fp8 = dict(kv_dtype="float8_e4m3fn")
-    sizes = dict(max_batch_size=4, max_q_len=4, max_pages_per_request=2, page_size=16)
-    on = {"window": dict(window=8), "logits_soft_cap": dict(logits_soft_cap=30.0), "sinks": {}}[variant]
-    if variant == "sinks":
-        with pytest.raises(RuntimeError, match="before plan"):
-            attention.BatchAttention(8, 2, 64, **fp8).run(np.zeros((1, 8, 64), np.float16), None,
-                                                          sinks=np.zeros(8, np.float32))
         return
     with pytest.raises(RuntimeError, match="cannot run here"):
         attention.BatchAttention(8, 2, 64, **fp8).plan([1], [4], [[0]], **on)
@@ -188,24 +154,17 @@ def test_an_fp8_cache_takes_each_variant_with_the_knob(monkeypatch, wgmma_all, v
         GraphRunner(8, 2, 64, "bfloat16", **sizes, **fp8, **on)
 
 
-def test_fp8_kernels_with_the_variant_hooks_are_listed_with_the_knob(monkeypatch):
+def test_fp8_kernels_with_the_variant_hooks_are_listed():
     """CI compiles each fp8 kernel's hooked twin (both families); warm-up with variants lists them
-    with CUPY_FA_WGMMA_ALL=1 only (without it an fp8 step refuses the variants)."""
-    import cupy_fa
-
+    beside the plain kernels."""
     kw = dict(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", kv_dtypes=("float8_e4m3fn",))
-    plain = set(catalog.warmup_kernels(("bfloat16",), (128,), **kw))
-    assert set(catalog.warmup_kernels(("bfloat16",), (128,), variants=True, **kw)) == plain
-    monkeypatch.setenv("CUPY_FA_WGMMA_ALL", "1")
-    cupy_fa.knobs.reload()
-    warm = catalog.warmup_kernels(("bfloat16",), (128,), smem_limit=families.common.SMEM_LIMIT, arch="sm_90a",
-                                  kv_dtypes=("float8_e4m3fn",), variants=True)
+    warm = catalog.warmup_kernels(("bfloat16",), (128,), variants=True, **kw)
     types8 = families.common.ElementTypes("bfloat16", "float8_e4m3fn", "bfloat16")
     for tile in (schedule.tile_for(128, 1, 4, kv_bytes=1, arch="sm_90a"), s9.FP8_TILES[128]):
         assert catalog.attention_kernel(types8, tile.with_variants()) in warm
     hooked8 = [v for v in warm if "fp8_e4m3" in v.expression and v.source in ("mma_sync/attention.cu", "sm90/prefill.cu")]
-    plain8 = catalog.warmup_kernels(("bfloat16",), (128,), smem_limit=families.common.SMEM_LIMIT, arch="sm_90a",
-                                    kv_dtypes=("float8_e4m3fn",))
+    plain8 = catalog.warmup_kernels(("bfloat16",), (128,), **kw)
+    assert set(plain8) < set(warm)
     added = set(hooked8) - set(plain8)  # the hooked twins (tiles of one or two row halves share one)
     assert added and all(", true" in v.expression.split("Traits<")[1] for v in added)
     assert len(added) == len({v.expression for v in added})

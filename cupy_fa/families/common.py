@@ -12,7 +12,7 @@ import dataclasses
 
 from .. import _compile
 
-HEAD_DIMS = (64, 96, 128, 192, 256)  # of q, K, V and out alike; 96 and 192: the mma.sync family only
+HEAD_DIMS = (64, 96, 128, 192, 256)  # of q, K, V and out alike; each has tiles in both families
 MERGE_GROUP = 8  # splits folded in order before the groups are (kernels/shared/softmax.cuh kMergeGroup)
 FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/shared/common.cuh fp8_e4m3): its tiles have kv_bytes=1
 # Head dims an fp8 cache takes: its rows are D / 16 chunks of 16 bytes (6 at D = 96, 12 at 192),

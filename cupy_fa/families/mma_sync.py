@@ -7,7 +7,7 @@ One kernel template, ``attention_kernel<Q, KV, O, TileTraits<...>>``, serves two
   pipeline of 2 to 4 stages, optionally a fold state (the CTA merges its own splits), one row
   half (fp8 decode of at most 8 packed rows) and, on sm_90a, a producer warpgroup (fp8 only);
 * the prefill tile: 4 warps over 64 query rows, used where the sm_90a family does not apply
-  (other archs, head dims 96 / 192, an fp8 cache).
+  (any target but sm_90a, or an sm_90a device whose shared memory the wgmma tile does not fit).
 
 :class:`MmaTile` is the host mirror of ``TileTraits`` (``kernels/mma_sync/tile_traits.cuh``): the
 numbers the host uses (shared memory, CTAs per SM, whether the epilogue fits a stage) are

@@ -4,9 +4,9 @@ k_pe rows, 16-bit or fp8 with a scale) and :class:`MLAAttention` (``plan`` a ste
 layer: q ``[T, H, 576]`` -> out ``[T, H, 512]`` and LSE). docs/usage.md, "Multi-head latent attention",
 says which call an engine makes for which step, and how the non-absorbed prefill joins it.
 
-Status (2026-12-05): the kernels are compiled (no spills) and their host side and softmax schedules
-are tested on the CPU; they have not yet run on a GPU (``bash lab/mla_check.sh`` runs the GPU tests
-and the bench)."""
+The kernels compile without spills; their host side and softmax schedules are tested on the CPU,
+the kernels against float64 on the GPU (``tests/test_mla_gpu.py``; ``bash lab/mla_check.sh`` runs
+those tests and the bench)."""
 
 from .attention import DEFAULT_SM_SCALE, MLAAttention
 from .cache import PagedLatentCache

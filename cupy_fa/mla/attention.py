@@ -49,13 +49,11 @@ class MLAAttention(PlannedInstance):
             some but not all capacities, a capacity that is not a positive int, a ``device`` that is no
             CUDA device here. TypeError: a dtype other than float16 / bfloat16, a kv_dtype other than
             ``dtype`` or float8_e4m3fn. RuntimeError: capacities given where there is no usable device.
-            NotImplementedError: valid arguments without CUPY_FA_MLA=1 (the MLA kernels are
-            compiled, not yet run on a GPU: 2026-12-05).
 
     Which kernel runs (cupy_fa.mla.schedule): the sm_90a seesaw kernel (wgmma) for a 16-bit cache at
     64 heads or more and for long requests, else the mma.sync tile; a token's bits are the same in
     decode and in verify / draft extend of up to 16 tokens by construction (docs/design.md,
-    "Multi-head latent attention"; its GPU test has not yet run).
+    "Multi-head latent attention"; tests/test_mla_gpu.py checks it).
     One call at a time per instance (another thread inside plan / run raises RuntimeError).
     """
 
@@ -78,11 +76,6 @@ class MLAAttention(PlannedInstance):
         if workspace_bytes is not None:
             _plan.check_count("workspace_bytes", workspace_bytes, 1)
         self._workspace = workspace_bytes
-        if not _knobs.knobs().mla:
-            raise NotImplementedError(
-                "MLAAttention's kernels are compiled and tested on the CPU but have not yet run on a GPU "
-                "(cupy_fa 0.1.0, 2026-12-05): set CUPY_FA_MLA=1 to run them (docs/usage.md, "
-                "\"Multi-head latent attention\")")
         self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 
     def _new_buffers(self, capacity):
