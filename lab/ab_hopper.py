@@ -74,8 +74,8 @@ POINTS = [
     # (form 0: 2^y and a reciprocal, 1: tanh.approx, 2: 2^y and Newton steps on the FMA pipe) and
     # the hooked tile's shape; 2 wg tiles take the plain 2 wg tile too (the hooked kernel runs its plan)
     ("prefill_b4_l4096_cap50", "tanh exact, 3 wg 64 keys (before)", dict(tanh=0)),
-    ("prefill_b4_l4096_cap50", "tanh.approx, 3 wg 64 keys (reference)", dict(tanh=1)),
-    ("prefill_b4_l4096_cap50", "tanh newton, 3 wg 64 keys, no uniform wg (shipped)",
+    ("prefill_b4_l4096_cap50", "tanh.approx, 3 wg 64 keys (shipped)", dict(tanh=1)),
+    ("prefill_b4_l4096_cap50", "tanh newton, 3 wg 64 keys, no uniform wg",
      dict(tanh=2, hooked=dict(uniform_wg=False))),
     ("prefill_b4_l4096_cap50", "tanh exact, 2 wg 128 keys", dict(tanh=0, default={128: T2W}, hooked_block_n=128)),
     ("prefill_b4_l4096_cap50", "tanh newton, 2 wg 128 keys", dict(tanh=2, default={128: T2W}, hooked_block_n=128)),

@@ -87,12 +87,12 @@ def test_a_request_keeps_its_bits_in_any_batch(dtype, head_dim, with_lse):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
-@pytest.mark.parametrize("tanh", [0, 2], ids=["tanh-exact", "tanh-newton"])
+@pytest.mark.parametrize("tanh", [0, 1, 2], ids=["tanh-exact", "tanh-approx", "tanh-newton"])
 def test_soft_cap_near_saturation(dtype, head_dim, tanh, monkeypatch):
     """The hooked tile's soft-cap where tanh saturates: caps of 5 and 50 with scores that reach
     several times the cap (sm_scale up to 40 / sqrt(D)), so many keys of a row sit on the cap and the
-    softmax weighs them by the tanh's last bits; with a window and sinks too. Both shippable forms of
-    the tanh (Sm90Tile.tanh: 0 the exact, 2 the Newton), against float64 with the LSE."""
+    softmax weighs them by the tanh's last bits; with a window and sinks too. Each form of the tanh
+    (Sm90Tile.tanh: 0 the exact, 1 tanh.approx, 2 the Newton), against float64 with the LSE."""
     import cupy
     import cupy_fa
     from cupy_fa import catalog, reference
