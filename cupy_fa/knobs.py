@@ -23,6 +23,7 @@ import threading
 
 STAGE_CHOICES = (2, 3, 4)  # cp.async pipeline depths a decode-like tile may use
 MAX_SPLITS_PER_CTA = 64  # keeps the kernels' split arithmetic in int32
+SOFT_CAP_TANH_FORMS = ("exact", "approx", "newton")  # the soft-cap's tanh forms 0, 1, 2 (families.sm90)
 # the spellings a boolean knob takes (case-insensitive); anything else raises
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -48,6 +49,8 @@ class Knobs:
                                      # copies on its consumer warps (schedule.tile_for; for A/B runs)
     mla_wgmma: bool = True           # CUPY_FA_MLA_WGMMA: "0" runs every MLA step on the mma.sync tile
                                      # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
+    soft_cap_tanh: str | None = None  # CUPY_FA_SOFT_CAP_TANH: approx, exact or newton, the wgmma prefill
+                                     # family's tanh of a soft-cap (None: families.sm90.SOFT_CAP_TANH)
 
     def __post_init__(self):
         _check(self.decode_stages in STAGE_CHOICES, "CUPY_FA_DECODE_STAGES",
@@ -59,6 +62,8 @@ class Knobs:
         _check(isinstance(self.splits_per_cta, int) and 1 <= self.splits_per_cta <= MAX_SPLITS_PER_CTA,
                "CUPY_FA_SPLITS_PER_CTA", f"an int in 1..{MAX_SPLITS_PER_CTA}", self.splits_per_cta)
         _check(self.fold_splits in ("auto", "0", "1"), "CUPY_FA_FOLD_SPLITS", "auto, 0 or 1", self.fold_splits)
+        _check(self.soft_cap_tanh in (None,) + SOFT_CAP_TANH_FORMS, "CUPY_FA_SOFT_CAP_TANH",
+               ", ".join(SOFT_CAP_TANH_FORMS[:-1]) + " or " + SOFT_CAP_TANH_FORMS[-1], self.soft_cap_tanh)
 
     @classmethod
     def from_environ(cls, environ=None) -> Knobs:
@@ -99,6 +104,7 @@ class Knobs:
                    half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
                    producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
                    mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
+                   soft_cap_tanh=(get("CUPY_FA_SOFT_CAP_TANH") or "").strip().lower() or None,
                    pdl=flag("CUPY_FA_PDL", cls.pdl), trace=flag("CUPY_FA_TRACE", cls.trace),
                    debug=flag("CUPY_FA_DEBUG", cls.debug))
 

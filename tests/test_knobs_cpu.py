@@ -29,7 +29,7 @@ def test_defaults_and_parsing():
     ("CUPY_FA_SPLIT_SIZE", "100"), ("CUPY_FA_SPLIT_SIZE", "0"), ("CUPY_FA_SPLITS_PER_CTA", "0"),
     ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"), ("CUPY_FA_HALF_ROWS", "nope"),
     ("CUPY_FA_PRODUCER_WARP", "2"), ("CUPY_FA_PDL", "false-ish"), ("CUPY_FA_DEBUG", "enabled"),
-    ("CUPY_FA_TRACE", "2"),
+    ("CUPY_FA_TRACE", "2"), ("CUPY_FA_SOFT_CAP_TANH", "fast"), ("CUPY_FA_SOFT_CAP_TANH", "1"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
@@ -89,3 +89,23 @@ def test_nothing_else_reads_the_environment():
     for field in dataclasses.fields(knobs.Knobs):
         variable = "CUPY_FA_" + field.name.upper()
         assert f"`{variable}`" in readme, variable
+
+
+def test_soft_cap_tanh_picks_the_hooked_wgmma_kernels_form():
+    """CUPY_FA_SOFT_CAP_TANH names the tanh form the sm_90a hooked kernels compile (any case); unset,
+    the family's default; the Newton form's kernel drops the warp-uniform warpgroup index."""
+    from cupy_fa.families import sm90
+
+    tile = sm90.DEFAULT_TILES[128]
+    before = knobs.knobs()
+    try:
+        assert knobs.Knobs.from_environ({}).soft_cap_tanh is None
+        for word, form in (("exact", 0), ("APPROX", 1), (" newton ", 2)):
+            knobs.use(knobs.Knobs.from_environ({"CUPY_FA_SOFT_CAP_TANH": word}))
+            hooked = tile.with_variants()
+            assert hooked.tanh == form and hooked.variants and hooked.uniform_wg == (form != 2)
+            assert hooked.traits().endswith(f", true, 2, 0, {form}>") if form else hooked.traits().endswith(", true>")
+        knobs.use(knobs.Knobs())
+        assert tile.with_variants().tanh == sm90.SOFT_CAP_TANH
+    finally:
+        knobs.use(before)

@@ -2,6 +2,7 @@
 against the float64 reference, and its batch invariance, at every head dim and with the soft-cap's
 tanh forms. Hopper only: on another GPU these skip with that reason."""
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -88,18 +89,17 @@ def test_a_request_keeps_its_bits_in_any_batch(dtype, head_dim, with_lse):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
 @pytest.mark.parametrize("tanh", [0, 1, 2], ids=["tanh-exact", "tanh-approx", "tanh-newton"])
-def test_soft_cap_near_saturation(dtype, head_dim, tanh, monkeypatch):
+def test_soft_cap_near_saturation(dtype, head_dim, tanh):
     """The hooked tile's soft-cap where tanh saturates: caps of 5 and 50 with scores that reach
     several times the cap (sm_scale up to 40 / sqrt(D)), so many keys of a row sit on the cap and the
     softmax weighs them by the tanh's last bits; with a window and sinks too. Each form of the tanh
     (Sm90Tile.tanh: 0 the exact, 1 tanh.approx, 2 the Newton), against float64 with the LSE."""
     import cupy
     import cupy_fa
-    from cupy_fa import catalog, reference
+    from cupy_fa import knobs, reference
     from cupy_fa.families import sm90
 
-    monkeypatch.setattr(sm90, "SOFT_CAP_TANH", tanh)
-    catalog.attention_kernel.cache_clear()  # it caches by tile: the hooked tile's tanh just changed
+    before = knobs.use(dataclasses.replace(knobs.knobs(), soft_cap_tanh=knobs.SOFT_CAP_TANH_FORMS[tanh]))
     try:
         rng, seed = new_rng()
         heads, page_size = (16, 4), 16
@@ -125,4 +125,4 @@ def test_soft_cap_near_saturation(dtype, head_dim, tanh, monkeypatch):
             print(check.summary())
             check.assert_ok()
     finally:
-        catalog.attention_kernel.cache_clear()
+        knobs.use(before)

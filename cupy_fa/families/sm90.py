@@ -19,6 +19,7 @@ import dataclasses
 
 
 from .. import _compile
+from ..knobs import SOFT_CAP_TANH_FORMS, knobs
 from .common import KernelFamily
 
 SM90_WGMMA = KernelFamily("sm90_wgmma", "sm90/prefill.cu", "cupy_fa::prefill_sm90_kernel", 90)
@@ -105,14 +106,15 @@ class Sm90Tile:
         same rows per CTA, so the same work layout; with three consumer warpgroups at most 64 keys
         a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9), with two at
         most 80 (a window's reads stay within one such tile of it: tests/test_variants_gpu.py), the
-        soft-cap's tanh of :data:`SOFT_CAP_TANH`, and without the warp-uniform warpgroup index for
+        soft-cap's tanh of :func:`soft_cap_tanh`, and without the warp-uniform warpgroup index for
         an fp8 tile (with it the fp16-query build spills) and with the Newton tanh (with it 40 / 96
         bytes spill at 64 keys). The keys a tile holds never move a
         split (plan_kernel cuts splits; the kernel masks a split's last, partial tile), so the hooked
         kernel runs the plain tile's plan."""
         block_n = min(self.block_n, 64 if self.consumer_wgs == 3 else 80)
-        uniform_wg = self.uniform_wg and self.kv_bytes == 2 and SOFT_CAP_TANH != 2
-        return dataclasses.replace(self, variants=True, block_n=block_n, tanh=SOFT_CAP_TANH, uniform_wg=uniform_wg)
+        tanh = soft_cap_tanh()
+        uniform_wg = self.uniform_wg and self.kv_bytes == 2 and tanh != 2
+        return dataclasses.replace(self, variants=True, block_n=block_n, tanh=tanh, uniform_wg=uniform_wg)
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
@@ -178,6 +180,13 @@ FP8_TILES = {
 # hardware tanh FlashAttention-3 and FlashInfer take; tests/test_prefill_sm90_gpu.py holds every form
 # to float64 where the scores reach several times the cap.
 SOFT_CAP_TANH = 1
+
+
+def soft_cap_tanh():
+    """The hooked kernels' tanh form: CUPY_FA_SOFT_CAP_TANH's (exact, approx, newton) where set,
+    else :data:`SOFT_CAP_TANH`."""
+    chosen = knobs().soft_cap_tanh
+    return SOFT_CAP_TANH if chosen is None else SOFT_CAP_TANH_FORMS.index(chosen)
 
 
 def prefill_tile(head_dim, kv_bytes=2):
