@@ -8,8 +8,8 @@ changes a variable afterwards calls :func:`reload` to take it in, or :func:`use`
 
 What each knob means, its values and its default: the "Environment variables" table of
 README.md (the one table; each field below names its variable). The tuning knobs never change
-results, except ``CUPY_FA_SPLIT_SIZE``, which decode and verify must share for their bits to
-match (docs/design.md, "Batch invariance").
+results, except ``CUPY_FA_SPLIT_SIZE`` and ``CUPY_FA_MLA_SPLIT_SIZE``, which decode and verify must
+share for their bits to match (docs/design.md, "Batch invariance"), and ``CUPY_FA_SOFT_CAP_TANH``.
 
 Changing a knob that selects kernels (stages, warps, split size, splits per CTA, fold) affects
 plans made after the change; a graph captured before keeps what it froze.
@@ -49,6 +49,8 @@ class Knobs:
                                      # copies on its consumer warps (schedule.tile_for; for A/B runs)
     mla_wgmma: bool = True           # CUPY_FA_MLA_WGMMA: "0" runs every MLA step on the mma.sync tile
                                      # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
+    mla_split_size: int | None = None  # CUPY_FA_MLA_SPLIT_SIZE: keys a split of a small-q MLA request, a
+                                     # multiple of 64 (None: cupy_fa.mla.schedule.SPLIT_SIZE)
     soft_cap_tanh: str | None = None  # CUPY_FA_SOFT_CAP_TANH: approx, exact or newton, the wgmma prefill
                                      # family's tanh of a soft-cap (None: families.sm90.SOFT_CAP_TANH)
 
@@ -62,6 +64,9 @@ class Knobs:
         _check(isinstance(self.splits_per_cta, int) and 1 <= self.splits_per_cta <= MAX_SPLITS_PER_CTA,
                "CUPY_FA_SPLITS_PER_CTA", f"an int in 1..{MAX_SPLITS_PER_CTA}", self.splits_per_cta)
         _check(self.fold_splits in ("auto", "0", "1"), "CUPY_FA_FOLD_SPLITS", "auto, 0 or 1", self.fold_splits)
+        _check(self.mla_split_size is None or (isinstance(self.mla_split_size, int) and self.mla_split_size >= 64
+                                               and self.mla_split_size % 64 == 0),
+               "CUPY_FA_MLA_SPLIT_SIZE", "a positive multiple of 64 keys", self.mla_split_size)
         _check(self.soft_cap_tanh in (None,) + SOFT_CAP_TANH_FORMS, "CUPY_FA_SOFT_CAP_TANH",
                ", ".join(SOFT_CAP_TANH_FORMS[:-1]) + " or " + SOFT_CAP_TANH_FORMS[-1], self.soft_cap_tanh)
 
@@ -104,6 +109,7 @@ class Knobs:
                    half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
                    producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
                    mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
+                   mla_split_size=integer("CUPY_FA_MLA_SPLIT_SIZE", cls.mla_split_size),
                    soft_cap_tanh=(get("CUPY_FA_SOFT_CAP_TANH") or "").strip().lower() or None,
                    pdl=flag("CUPY_FA_PDL", cls.pdl), trace=flag("CUPY_FA_TRACE", cls.trace),
                    debug=flag("CUPY_FA_DEBUG", cls.debug))

@@ -29,7 +29,7 @@ def test_defaults_and_parsing():
     ("CUPY_FA_SPLIT_SIZE", "100"), ("CUPY_FA_SPLIT_SIZE", "0"), ("CUPY_FA_SPLITS_PER_CTA", "0"),
     ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"), ("CUPY_FA_HALF_ROWS", "nope"),
     ("CUPY_FA_PRODUCER_WARP", "2"), ("CUPY_FA_PDL", "false-ish"), ("CUPY_FA_DEBUG", "enabled"),
-    ("CUPY_FA_TRACE", "2"), ("CUPY_FA_SOFT_CAP_TANH", "fast"), ("CUPY_FA_SOFT_CAP_TANH", "1"),
+    ("CUPY_FA_TRACE", "2"), ("CUPY_FA_SOFT_CAP_TANH", "fast"), ("CUPY_FA_MLA_SPLIT_SIZE", "100"), ("CUPY_FA_MLA_SPLIT_SIZE", "0"), ("CUPY_FA_SOFT_CAP_TANH", "1"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
@@ -107,5 +107,25 @@ def test_soft_cap_tanh_picks_the_hooked_wgmma_kernels_form():
             assert hooked.traits().endswith(f", true, 2, 0, {form}>") if form else hooked.traits().endswith(", true>")
         knobs.use(knobs.Knobs())
         assert tile.with_variants().tanh == sm90.SOFT_CAP_TANH
+    finally:
+        knobs.use(before)
+
+
+def test_mla_split_size_moves_every_mla_split_and_the_plan_constants():
+    """CUPY_FA_MLA_SPLIT_SIZE sets the MLA small-q split (the host's bound and the plan kernel's
+    constant together, so decode and verify still split at the same keys); unset, SPLIT_SIZE."""
+    import numpy as np
+
+    from cupy_fa.mla import schedule as mla_schedule
+
+    before = knobs.knobs()
+    try:
+        knobs.use(knobs.Knobs())
+        assert mla_schedule.split_size() == mla_schedule.SPLIT_SIZE
+        knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_SPLIT_SIZE": "2048"}))
+        assert mla_schedule.split_size() == 2048
+        assert list(mla_schedule.max_splits(np.array([1, 4]), np.array([4096, 4099]))) == [2, 3]
+        sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=[1] * 4, kv_lens=[4096] * 4)
+        assert mla_schedule.plan_constants(sched)["split_size"] == 2048
     finally:
         knobs.use(before)

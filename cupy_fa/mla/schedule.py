@@ -11,7 +11,7 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   with a 16-bit cache, else the mma.sync tile with two rows of warps. Where both classes take the
   same tile, the step has one work list.
 * **Splits** (``kernels/shared/plan.cu`` applies them on the device): small-q requests split their
-  keys at the fixed positions 0, S, 2S, ... (S = SPLIT_SIZE), whatever their q_len or batch, so a
+  keys at the fixed positions 0, S, 2S, ... (S = split_size()), whatever their q_len or batch, so a
   token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
   on the batch: a context past MAX_SPLITS x S keys, 65536).
@@ -31,7 +31,8 @@ from ..knobs import knobs
 from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
 
 SMALL_Q_LEN = 16
-SPLIT_SIZE = 512          # keys a split of a small-q request: 512 x 1152 bytes of a 16-bit cache
+SPLIT_SIZE = 512          # keys a split of a small-q request (CUPY_FA_MLA_SPLIT_SIZE: split_size()):
+                          # 512 x 1152 bytes of a 16-bit cache
 MAX_SPLITS = MAX_MERGE_SPLITS
 SPLIT_ROW_BUDGET = 128
 WGMMA_MIN_HEADS = 64      # below, a decode token would leave most of a 64-row block empty
@@ -60,7 +61,15 @@ def _wgmma(kv_fp8, arch):
 def max_splits(q_lens, kv_lens):
     """Upper bound on each request's splits under plan.cu's rule (its overflow cap only lowers it):
     cupy_fa.schedule.split_rule with MLA's constants, the ones plan_constants passes the kernel."""
-    return _policy.split_rule(q_lens, kv_lens, SPLIT_SIZE, MAX_SPLITS, SMALL_Q_LEN, SPLIT_ROW_BUDGET)
+    return _policy.split_rule(q_lens, kv_lens, split_size(), MAX_SPLITS, SMALL_Q_LEN, SPLIT_ROW_BUDGET)
+
+
+def split_size():
+    """Keys a split of a small-q request: CUPY_FA_MLA_SPLIT_SIZE (default :data:`SPLIT_SIZE`). At
+    128 heads a split's partial output (128 x 512 floats) is 44% of the latent cache it read at 512
+    keys, so larger splits trade the merge's traffic for fewer CTAs a request (lab/NOTES.md)."""
+    chosen = knobs().mla_split_size
+    return SPLIT_SIZE if chosen is None else chosen
 
 
 
@@ -159,7 +168,7 @@ def plan_constants(schedule):
     other = schedule.long.tile if schedule.long is not None and schedule.small is not None else first
     two_lists = schedule.long is not None and schedule.small is not None
     return dict(block_m=first.block_m, block_n=first.block_n, long_q_len=SMALL_Q_LEN + 1 if two_lists else 2**31 - 1,
-                long_block_m=other.block_m, long_block_n=other.block_n, split_size=SPLIT_SIZE, max_splits=MAX_SPLITS,
+                long_block_m=other.block_m, long_block_n=other.block_n, split_size=split_size(), max_splits=MAX_SPLITS,
                 small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=1, fold_splits=0)
 
 
