@@ -44,3 +44,10 @@ timeout 240 python3 -m bench.mla --only "H=16" --json $OUT/mla_bench_h16.json 2>
 timeout 200 python3 -m bench.mla --only "H=128" --json $OUT/mla_bench_h128.json 2>&1 | grep -v "^$" | tail -20
 echo "== the 128-head cells on the mma.sync tile (CUPY_FA_MLA_WGMMA=0), ours only"
 CUPY_FA_MLA_WGMMA=0 timeout 90 python3 -m bench.mla --only "H=128" --no-peers --json $OUT/mla_bench_h128_mma.json 2>&1 | tail -8
+echo "== the 128-head cells at larger small-q splits (CUPY_FA_MLA_SPLIT_SIZE), ours only, interleaved rounds"
+for round in 1 2; do
+  for split in 512 1024 2048; do
+    echo "-- split $split round $round"
+    CUPY_FA_MLA_SPLIT_SIZE=$split timeout 60 python3 -m bench.mla --only "H=128" --no-peers 2>&1 | grep -E "^(decode|verify|fp8)" | cut -c1-110
+  done
+done
