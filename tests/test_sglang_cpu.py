@@ -52,7 +52,9 @@ def _configs():
 def _items():
     from sglang_harness import kit_cases
 
-    return [it for c in _configs() for it in kit_cases.items("cupy_fa", c, graphs=False)]
+    dense = [it for c in _configs() for it in kit_cases.items("cupy_fa", c, graphs=False)]
+    mla = [it for c in _configs()[:2] for it in kit_cases.mla_items("cupy_fa", c, graphs=False)]
+    return dense + mla
 
 
 ITEMS = _items()
@@ -60,17 +62,21 @@ ITEMS = _items()
 
 @pytest.mark.parametrize("item", ITEMS, ids=[it.id for it in ITEMS])
 def test_kit_case_on_the_reference(item, kit, reference_kernels):
+    from sglang_harness.reference_kernels import RefMLAAttention
+
     item.run(kit.cases.KitTestCase())
     assert reference_kernels.made and all(a.plans for a in reference_kernels.made), "the backend never planned"
+    assert all(isinstance(a, RefMLAAttention) == (item.method == "mla") for a in reference_kernels.made)
 
 
 # ---- a wrong mapping fails the kit ------------------------------------------------------------
 
-def _by_name(name, config=None):
+def _by_name(name, config=None, method="dense"):
     from sglang_harness import kit_cases
 
     config = config or kit_cases.Config(64, "float16", None, "cpu")
-    return next(it for it in kit_cases.items("cupy_fa", config, graphs=False) if it.case == name)
+    found = kit_cases.items if method == "dense" else kit_cases.mla_items
+    return next(it for it in found("cupy_fa", config, graphs=False) if it.case == name)
 
 
 def _mutated_lengths(change):
@@ -130,6 +136,120 @@ def test_a_wrong_page_table_or_tree_mask_fails_the_kit(kit, reference_kernels, m
     monkeypatch.setattr(backend.CupyFaAttnBackend, "_tree_mask", lambda self, *a, **k: None)  # causal instead
     with pytest.raises(AssertionError):
         tree.run(kit.cases.KitTestCase())
+
+
+def test_a_wrong_latent_mapping_fails_the_kits_mla_cases(kit, reference_kernels, monkeypatch):
+    """The MLA path's own mapping: the latent read one slot off, and the page table one column off."""
+    import cupy_fa.integrations.sglang.backend as backend
+
+    extend = _by_name("mla_extend_ragged_page_boundary", method="mla")
+    decode = _by_name("mla_decode_page_boundary", method="mla")
+    for item in (extend, decode):
+        item.run(kit.cases.KitTestCase())  # right mapping: passes
+    original = reference_kernels.latent_cache
+
+    def one_slot_off(self, layer_id, buffer, scale=None):
+        cache = original(self, layer_id, buffer, scale)
+        cache.latent = torch.roll(cache.latent, 1, dims=0)  # slot s read where s - 1 is
+        return cache
+
+    monkeypatch.setattr(reference_kernels, "latent_cache", one_slot_off)
+    for item in (extend, decode):
+        with pytest.raises(AssertionError):
+            item.run(kit.cases.KitTestCase())
+    monkeypatch.setattr(reference_kernels, "latent_cache", original)
+    shifted = backend.gather_page_table
+    monkeypatch.setattr(backend, "gather_page_table", lambda *a, **k: torch.roll(shifted(*a, **k), 1, dims=1))
+    with pytest.raises(AssertionError):
+        _by_name("mla_layout_extend_two_request_ragged[interleaved_pages]", method="mla").run(kit.cases.KitTestCase())
+
+
+@pytest.mark.parametrize("name", ["mla_extend_ragged_page_boundary", "mla_decode_page_boundary"])
+def test_an_fp8_mla_pool_reads_its_e4m3_rows(kit, reference_kernels, monkeypatch, name):
+    """The kit's MLA case over an fp8 (e4m3) pool (``fp8_kv_cache``). The kit's reference keeps the latent
+    unquantized, and e4m3's rounding of 576 latent columns moves the output past the kit's 3e-2 even on
+    the float64 reference; with the reference's latent rounded through e4m3 as the pool stores it, the
+    case holds at the kit's tolerance."""
+    from sglang.test.kits.attention_unittest.attention_methods import mla_attention as mla
+
+    from sglang_harness.kit_cases import MLA_LATENT
+
+    case = next(c for c in mla.make_mla_cases("cupy_fa") if c.name == name)
+    run = lambda: mla.run_mla_attention_case(kit.cases.KitTestCase(), case, fp8_kv_cache=True, device="cpu",  # noqa: E731
+                                             **MLA_LATENT)
+    with pytest.raises(AssertionError, match="not close"):
+        run()  # against the unquantized latent
+    project = mla.ReferenceDeepseekMLAAttention.project_latent_qk
+    e4m3 = lambda x: x.to(torch.float8_e4m3fn).to(x.dtype)  # noqa: E731
+
+    def rounded(self, hidden):
+        q, k, q_rope, k_rope = project(self, hidden)
+        return q, e4m3(k), q_rope, e4m3(k_rope)
+
+    monkeypatch.setattr(mla.ReferenceDeepseekMLAAttention, "project_latent_qk", rounded)
+    run()
+    assert reference_kernels.made and all(a.plans for a in reference_kernels.made)
+
+
+def _mla_fixture(kit, mode_name="EXTEND", **kw):
+    from sglang.test.kits.attention_unittest.attention_methods import mla_attention as mla
+
+    from sglang_harness.kit_cases import MLA_LATENT
+
+    mode = getattr(kit.M, mode_name)
+    extend = (3, 2) if mode_name == "EXTEND" else ()
+    case = mla.MLAAttentionCase(name="mla_split", backend="cupy_fa", forward_mode=mode, num_heads=4, page_size=16,
+                                prefix_lens=(5, 17), extend_lens=extend)
+    latent = {**MLA_LATENT, **kw}
+    return mla, mla.build_mla_attention_fixture(kit.cases.KitTestCase(), case, device="cpu", **latent)
+
+
+@pytest.mark.parametrize("mode_name", ["EXTEND", "DECODE"])
+def test_deepseeks_two_mla_call_forms_write_and_read_the_same(kit, reference_kernels, mode_name):
+    """SGLang's DeepSeek code calls an MLA layer with q, k (c_kv then k_pe) and v = c_kv, the backend writing
+    the rows (set_kv_buffer); or with q_nope, c_kv and q_rope / k_rope apart (set_mla_kv_buffer). The kit
+    writes the rows itself and passes k None: all three read the same and give the kit's reference."""
+    mla, fixture = _mla_fixture(kit, mode_name)
+    module, fb, backend = fixture.actual_module, fixture.forward_batch, fixture.backend
+    layer, pool = module.attn_mqa, fixture.runner.token_to_kv_pool
+    expected = mla.expected_mla_fixture_output(fixture)
+    with torch.no_grad():
+        q_nope, k_nope, q_rope, k_rope = module.forward_absorb_prepare(fixture.input_hidden)
+        backend.init_forward_metadata(fb)
+        rows = torch.cat([k_nope, k_rope], -1).to(pool.dtype)  # [T, 1, 576]: c_kv then k_pe
+        outputs = []
+        for form in ("concatenated", "apart"):
+            pool.get_key_buffer(0)[fb.out_cache_loc] = 0  # the step's rows: written by the backend
+            if form == "concatenated":
+                out = backend.forward(torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1), k_nope, layer,
+                                      fb)
+            else:
+                out = backend.forward(q_nope, k_nope, k_nope, layer, fb, q_rope=q_rope, k_rope=k_rope)
+            assert torch.equal(pool.get_key_buffer(0)[fb.out_cache_loc], rows), form
+            assert out.shape == (q_nope.shape[0], 4 * 512)
+            outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1])
+    attn_out = outputs[0].view(-1, 4, 512)
+    got = torch.nn.functional.linear(torch.bmm(attn_out.transpose(0, 1), module.w_vc).transpose(0, 1).flatten(1, 2),
+                                     module.o_proj.weight)
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
+
+
+def test_deepseek_takes_the_absorbed_path_under_cupy_fa(kit):
+    """A prefill without prefix takes the non-absorbed MHA path under a name DeepSeek's code does not know
+    (triton's rule); register() gives "cupy_fa" the absorbed path for every step."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    from cupy_fa.integrations.sglang import mla
+
+    fb = types.SimpleNamespace(forward_mode=kit.M.EXTEND, extend_prefix_lens_cpu=[0, 0], seq_lens_cpu=[4, 4])
+    attn = types.SimpleNamespace(current_attention_backend="cupy_fa")
+    assert AttentionBackendRegistry.get_handler("cupy_fa") is mla.absorbed_mla
+    assert AttentionBackendRegistry.get_handler("no_such")(attn, fb) is AttnForwardMethod.MHA
+    for mode in (kit.M.EXTEND, kit.M.DECODE, kit.M.TARGET_VERIFY):
+        fb.forward_mode = mode
+        assert AttentionBackendRegistry.get_handler("cupy_fa")(attn, fb) is AttnForwardMethod.MLA
 
 
 # ---- the mapping's pieces -----------------------------------------------------------------------
@@ -289,13 +409,17 @@ def test_multi_step_draft_lengths_grow_by_one_a_step(kit, reference_kernels):
 # ---- refusals (docs/errors.md rows) ------------------------------------------------------------------
 
 def test_refusals_name_what_cupy_fa_does_not_serve(kit):
-    from cupy_fa.integrations.sglang.backend import CupyFaAttnBackend
+    from cupy_fa.integrations.sglang import mla
     from cupy_fa.integrations.sglang.metadata import mode_of
 
     with pytest.raises(NotImplementedError, match="does not serve forward mode"):
         mode_of(types.SimpleNamespace(name="SPLIT_PREFILL"))
-    with pytest.raises(NotImplementedError, match="serves MHA / GQA / MQA models, not MLA"):
-        CupyFaAttnBackend(types.SimpleNamespace(use_mla_backend=True))
+    with pytest.raises(NotImplementedError, match="kv_lora_rank 512 and qk_rope_head_dim 64"):
+        _mla_fixture(kit, kv_lora_rank=32, qk_rope_head_dim=0)  # the kit's default latent
+    mla_layer = _mla_fixture(kit)[1].actual_module.attn_mqa
+    mla_layer.qk_head_dim, mla_layer.v_head_dim, mla_layer.tp_k_head_num = 192, 128, 4  # DeepSeek's attn_mha
+    with pytest.raises(NotImplementedError, match="serves MLA layers in the absorbed form .* qk head 192, v head 128"):
+        mla.variant(mla_layer, torch.zeros(1, 4, 192), torch.bfloat16)
     case = kit.dense.DenseAttentionCase(name="refuse", backend="cupy_fa", forward_mode=kit.M.DECODE, num_heads=4,
                                         num_kv_heads=4, page_size=1, prefix_lens=(4,))
     fixture = kit.dense.build_dense_attention_fixture(kit.cases.KitTestCase(), case, head_dim=64, hidden_size=128,

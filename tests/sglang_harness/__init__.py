@@ -7,6 +7,8 @@ Never shipped: the package imports none of this. ``prepare()`` (idempotent):
 2. ``sgl_kernel``, ``flashinfer`` (and, on the CPU box, ``torchvision``) become placeholders when they
    are not installed (placeholders.py), with a working ``sgl_kernel.fast_topk`` in torch.
 3. cupy_fa is registered with SGLang (``cupy_fa.integrations.sglang.register()``).
+4. The MLA pool's row writer (a GPU kernel) gets a torch stand-in for CPU tensors
+   (``placeholders.install_cpu_mla_writer``).
 """
 
 import functools
@@ -32,4 +34,5 @@ def prepare():
     import cupy_fa.integrations.sglang as cupy_fa_sgl
 
     cupy_fa_sgl.register()
+    placeholders.install_cpu_mla_writer()
     return installed

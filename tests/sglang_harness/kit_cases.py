@@ -1,5 +1,6 @@
-"""The cases of SGLang 0.5.17's attention kit (``sglang.test.kits.attention_unittest``, dense method) as
-one table: ``items(backend, config)`` -> ``[Item]``, each running one kit function on one case.
+"""The cases of SGLang 0.5.17's attention kit (``sglang.test.kits.attention_unittest``) as one table:
+``items(backend, config)`` (the dense method) and ``mla_items(backend, config)`` (the MLA method) ->
+``[Item]``, each running one kit function on one case.
 
 What runs is what SGLang's own dense test files run for ``triton`` (the kit API of the 0.5.17 wheel):
 the eager extend / decode cases (``make_dense_cases``), the interleaved and non-monotonic layouts,
@@ -9,6 +10,10 @@ CUDA graphs (fixed tokens, both padding styles, the real EAGLE draft-extend grap
 EAGLE and Frozen-KV-MTP draft-decode graph runners. A :class:`Config` picks head dim, dtype and page
 size (``page=None``: the kit's own pages; ``page=64``: every case at page 64 but the EAGLE tree-draft
 runner, which the kit builds at page 1 only).
+
+The MLA method runs the kit's ``TinyDeepseekMLAAttention`` (absorbed MLA over ``MLATokenToKVPool``) at
+DeepSeek's latent size, ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64 (the kit's default of 32 and
+0 is a size no MLA kernel of cupy_fa's takes); the config's head dim plays no part there.
 """
 
 import dataclasses
@@ -28,6 +33,9 @@ class Config:
     def label(self):
         return f"d{self.head_dim}-{'fp16' if self.dtype == 'float16' else 'bf16'}-{'kit' if self.page is None else 'p' + str(self.page)}"
 
+    def label_for(self, method):
+        return self.label if method == "dense" else f"{method}-{self.label.split('-', 1)[1]}"
+
     @property
     def kw(self):
         return dict(head_dim=self.head_dim, hidden_size=2 * self.head_dim, dtype=getattr(torch, self.dtype),
@@ -42,10 +50,11 @@ class Item:
     graph: str
     case: str
     run: object  # run(testcase)
+    method: str = "dense"
 
     @property
     def id(self):
-        return f"{self.backend}-{self.config.label}-{self.mode}-{self.case}"
+        return f"{self.backend}-{self.config.label_for(self.method)}-{self.mode}-{self.case}"
 
 
 class KitSkipped(AssertionError):
@@ -154,4 +163,67 @@ def items(backend, config, *, graphs=True):
     c = case("runner_frozen_kv_mtp_decode_cuda_graph", M.DECODE, (4, 7))
     add("draft_decode", "cuda-graph(Frozen-KV-MTP runner)", c.name,
         lambda tc, c=c: dr.run_dense_frozen_kv_mtp_cuda_graph_runner_case(tc, c, **kw))
+    return out
+
+
+MLA_LATENT = dict(kv_lora_rank=512, qk_rope_head_dim=64)  # DeepSeek V2 / V3 / R1, Kimi K2
+
+
+def mla_items(backend, config, *, graphs=True):
+    """The kit's MLA cases for ``backend`` under ``config`` (its dtype, page and device; the latent is
+    :data:`MLA_LATENT`); ``graphs=False``: only those that need no CUDA."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode as M
+    from sglang.test.kits.attention_unittest.attention_methods import mla_attention as mla
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_extend_runner as dx
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as tv
+
+    kw = dict(MLA_LATENT, dtype=getattr(torch, config.dtype), device=config.device)
+    out = []
+
+    def case(name, mode, prefix, extend=(), page=16):
+        return mla.MLAAttentionCase(name=name, backend=backend, forward_mode=mode, num_heads=4,
+                                    page_size=config.page or page, prefix_lens=prefix, extend_lens=extend)
+
+    def add(mode, graph, name, fn):
+        out.append(Item(backend, config, mode, graph, name, fn, "mla"))
+
+    for c in mla.make_mla_cases(backend):
+        c = dataclasses.replace(c, page_size=config.page) if config.page else c
+        add("eager_" + c.forward_mode.name.lower(), "eager", c.name, lambda tc, c=c: mla.run_mla_attention_case(tc, c, **kw))
+    for c in (case("mla_layout_extend_two_request_ragged", M.EXTEND, (8, 16), (8, 16)),
+              case("mla_layout_decode_page_boundary", M.DECODE, (15, 16, 17))):
+        for layout in ("interleaved_pages", "non_monotonic_extend")[:1 if c.forward_mode.is_decode() else 2]:
+            add("layout_" + c.forward_mode.name.lower(), "eager", f"{c.name}[{layout}]",
+                lambda tc, c=c, layout=layout: mla.run_mla_attention_case(tc, c, loc_layout=layout, **kw))
+    for c in (case("mla_runner_cuda_graph_decode_page_boundary", M.DECODE, (14, 15, 16)),
+              case("mla_runner_cuda_graph_decode_bsz1", M.DECODE, (7,))):
+        add("decode", "cg-metadata", c.name, lambda tc, c=c: cg.run_mla_cuda_graph_decode_case(tc, c, **kw))
+    for name, topk, kind in (("eagle_verify_chain", 1, "eagle"), ("eagle_verify_tree", 2, "eagle")):
+        for graph, prefix, run in (("eager", "mla_runner_", tv.run_mla_eagle_verify_case),
+                                   ("cg-metadata", "mla_runner_cuda_graph_", tv.run_mla_eagle_verify_cuda_graph_case)):
+            c = case(prefix + name, M.TARGET_VERIFY, (4, 7), (3, 3))
+            add("target_verify", graph, f"{c.name}[{kind}]",
+                lambda tc, c=c, topk=topk, kind=kind, run=run: run(tc, c, topk=topk, spec_kind=kind, **kw))
+    c = case("mla_runner_cuda_graph_draft_extend_v2_fixed_tokens", M.DRAFT_EXTEND_V2, (4, 7), (3, 3))
+    for pad in ("small_real", "prod_fill"):
+        add("draft_extend_v2", "cg-metadata", f"{c.name}[{pad}]",
+            lambda tc, c=c, pad=pad: dx.run_mla_draft_extend_v2_cuda_graph_case(tc, c, pad_style=pad, **kw))
+    if not graphs:
+        return out
+
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
+    from sglang.test.kits.attention_unittest.runner_modes import split_op_runner as so
+
+    c = case("mla_runner_split_op_extend_ragged_page_boundary", M.EXTEND, (0, 8, 16), (15, 8, 1))
+    for breakable in (False, True):
+        g = "bcg" if breakable else "pcg"
+        add("extend", g, f"{c.name}[{g}]", lambda tc, c=c, b=breakable: so.run_mla_split_op_extend_case(
+            tc, c, breakable=b, static_num_tokens=32, **kw))
+    c = case("mla_runner_eagle_draft_extend_v2_cuda_graph_runner", M.DRAFT_EXTEND_V2, (4, 7), (3, 3))
+    add("draft_extend_v2", "cuda-graph(EAGLE draft-extend runner)", c.name,
+        lambda tc, c=c: dx.run_mla_eagle_draft_extend_v2_cuda_graph_runner_case(tc, c, **kw))
+    c = case("mla_runner_eagle_draft_decode_cuda_graph_chain", M.DECODE, (4, 7))
+    add("draft_decode", "cuda-graph(EAGLE draft runner)", c.name,
+        lambda tc, c=c: dr.run_mla_eagle_draft_cuda_graph_runner_case(tc, c, **kw))
     return out

@@ -6,6 +6,8 @@ Every attribute and submodule of a placeholder package resolves to a :class:`Mis
 ``NotImplementedError`` naming itself when called or instantiated, so a real use fails loudly. The
 few real bodies a package needs are given to :func:`install` (``sgl_kernel.fast_topk`` in torch,
 ``sgl_kernel.utils.is_arch_support_pdl`` -> False). ``calls`` counts what was called.
+:func:`install_cpu_mla_writer` gives the MLA pool's row writer (a GPU kernel) a torch stand-in for CPU
+tensors.
 """
 
 import importlib.abc
@@ -113,3 +115,26 @@ def install_all():
         if install(name):
             done.append(name)
     return done
+
+
+def install_cpu_mla_writer():
+    """SGLang's MLA pool writes a step's (c_kv, k_pe) rows with ``set_mla_kv_buffer_triton``, a GPU
+    kernel: on CPU tensors the same scatter in torch takes its place (CUDA tensors keep the kernel).
+    Returns the function installed in ``sglang.srt.mem_cache.memory_pool``."""
+    import sglang.srt.mem_cache.memory_pool as memory_pool
+
+    original = memory_pool.set_mla_kv_buffer_triton
+    if getattr(original, "cpu_stand_in", False):
+        return original
+
+    def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope):
+        if kv_buffer.is_cuda:
+            return original(kv_buffer, loc, cache_k_nope, cache_k_rope)
+        nope = cache_k_nope.shape[-1]
+        kv_buffer[loc.long(), ..., :nope] = cache_k_nope.reshape(-1, 1, nope).to(kv_buffer.dtype)
+        kv_buffer[loc.long(), ..., nope:] = cache_k_rope.reshape(-1, 1, cache_k_rope.shape[-1]).to(kv_buffer.dtype)
+        return None
+
+    set_mla_kv_buffer.cpu_stand_in = True
+    memory_pool.set_mla_kv_buffer_triton = set_mla_kv_buffer
+    return set_mla_kv_buffer

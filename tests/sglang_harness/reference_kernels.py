@@ -1,7 +1,8 @@
 """cupy_fa's kernels replaced by the float64 reference, for the CPU: what ``Kernels`` hands the
-backend (a cache view and BatchAttention-like objects), computing what the kernels compute from
-exactly what they are given, and holding the backend to the contract the kernels assume (bounds,
-q_len <= kv_len, page-table width, mask size) so a wrong mapping fails loudly on the CPU."""
+backend (cache views, BatchAttention- and MLAAttention-like objects), computing what the kernels
+compute from exactly what they are given, and holding the backend to the contract the kernels assume
+(bounds, q_len <= kv_len, page-table width, mask size, MLA's 512 + 64 latent) so a wrong mapping fails
+loudly on the CPU."""
 
 import dataclasses
 
@@ -19,6 +20,12 @@ class Cache:
     v: torch.Tensor
     k_scale: float = 1.0
     v_scale: float = 1.0
+
+
+@dataclasses.dataclass
+class LatentCache:
+    latent: torch.Tensor  # [slots, 1, 576]: one-token pages
+    scale: float = 1.0
 
 
 class RefAttention:
@@ -55,24 +62,58 @@ class RefAttention:
                  mask=None if custom_mask is None else custom_mask.cpu().numpy())
         return p
 
-    def run(self, q, cache, out=None, *, sinks=None):
+    def _rows(self, q, width):
+        """The planned step's inputs, checked against q ``[>= T, H, width]``; T = its query rows."""
         assert self.planned is not None, "run before plan"
         p = self._read()
         assert not q.requires_grad, "q requires grad: the kernels' DLPack import refuses it"
         total = int(p["q"].sum())
-        assert q.shape[0] >= total and q.shape[1:] == (self.heads, self.head_dim), (q.shape, total)
+        assert q.shape[0] >= total and q.shape[1:] == (self.heads, width), (q.shape, total)
+        return p, total, p["q"] > 0
+
+    def run(self, q, cache, out=None, *, sinks=None):
+        p, total, live = self._rows(q, self.head_dim)
         if total == 0:
             return out
         fp8 = cache.k.dtype == FP8
         k = cache.k.view(torch.uint8).numpy() if fp8 else cache.k.detach().float().numpy()
         v = cache.v.view(torch.uint8).numpy() if fp8 else cache.v.detach().float().numpy()
         scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale) if fp8 else {}
-        live = p["q"] > 0
         ref = reference.paged_attention(
             q[:total].detach().float().numpy(), k, v, p["q"][live], p["kv"][live], p["table"][live],
             causal=p["causal"], sm_scale=p["sm_scale"], window=p["window"], soft_cap=p["soft_cap"],
             sinks=None if sinks is None else sinks.detach().double().numpy(), custom_mask=_live_mask(p, live),
             **scales)
+        out[:total] = torch.from_numpy(ref).to(out.dtype)
+        return out
+
+
+class RefMLAAttention(RefAttention):
+    """MLAAttention's counterpart: ``cupy_fa.reference.mla_attention`` over the latent pages."""
+
+    def __init__(self, num_heads, capacity):
+        super().__init__(num_heads, 1, reference.mla.LATENT_DIM, capacity)
+
+    def plan(self, q_lens, kv_lens, page_table, *, causal=True, sm_scale=None, custom_mask=None, max_q_len=None,
+             max_kv_len=None):
+        return super().plan(q_lens, kv_lens, page_table, causal=causal, sm_scale=sm_scale, custom_mask=custom_mask,
+                            max_q_len=max_q_len, max_kv_len=max_kv_len)
+
+    def run(self, q, cache, out=None, *, q_pe=None):
+        rank = reference.mla.KV_LORA_RANK
+        p, total, live = self._rows(q, self.head_dim if q_pe is None else rank)
+        assert isinstance(cache, LatentCache), type(cache)
+        assert out.shape[1:] == (self.heads, rank) and out.is_contiguous(), out.shape
+        if q_pe is not None:
+            assert q_pe.shape[1:] == (self.heads, self.head_dim - rank) and not q_pe.requires_grad, q_pe.shape
+        if total == 0:
+            return out
+        fp8 = cache.latent.dtype == FP8
+        latent = cache.latent.view(torch.uint8).numpy() if fp8 else cache.latent.detach().float().numpy()
+        ref = reference.mla_attention(
+            q[:total].detach().float().numpy(), latent, p["q"][live], p["kv"][live], p["table"][live],
+            q_pe=None if q_pe is None else q_pe[:total].float().numpy(), causal=p["causal"],
+            sm_scale=p["sm_scale"], custom_mask=_live_mask(p, live), scale=cache.scale if fp8 else None)
         out[:total] = torch.from_numpy(ref).to(out.dtype)
         return out
 
@@ -98,7 +139,19 @@ class RefKernels:
         assert k.data_ptr() == k_buffer.data_ptr()  # zero copy
         return Cache(k, v, scale_value(k_scale), scale_value(v_scale))
 
+    def latent_cache(self, layer_id, buffer, scale=None):
+        from cupy_fa.integrations.sglang.kernels import scale_value
+
+        assert tuple(buffer.shape[1:]) == (1, reference.mla.LATENT_DIM), buffer.shape  # one-token pages
+        return LatentCache(buffer.detach(), scale_value(scale))
+
     def attention(self, num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype, device, capacity=None):
-        attn = RefAttention(num_qo_heads, num_kv_heads, head_dim, capacity)
+        return self._made(RefAttention(num_qo_heads, num_kv_heads, head_dim, capacity))
+
+    def mla_attention(self, num_heads, dtype, kv_dtype, device, capacity=None):
+        return self._made(RefMLAAttention(num_heads, capacity))
+
+    @staticmethod
+    def _made(attn):
         RefKernels.made.append(attn)
         return attn

@@ -1,10 +1,12 @@
-"""Runs SGLang's attention kit (dense) for some backends and configs and prints one line per case:
-result, backend, config, mode, graph or eager, case, max |actual - expected| over the kit's checks, time.
+"""Runs SGLang's attention kit (dense or MLA method) for some backends and configs and prints one line per
+case: result, backend, config, mode, graph or eager, case, max |actual - expected| over the kit's checks,
+time.
 
     python tests/sglang_harness/run_kit.py --backends triton,cupy_fa --configs d128-fp16-kit,d64-bf16-p64 \\
-        [--json FILE] [--budget SECONDS]
+        [--method dense|mla] [--json FILE] [--budget SECONDS]
 
-A config is ``d<head dim>-<fp16|bf16>-<kit|p<page>>`` (kit_cases.Config). Every case runs; a failure
+A config is ``d<head dim>-<fp16|bf16>-<kit|p<page>>`` (kit_cases.Config; the MLA method ignores the head
+dim: its latent is kit_cases.MLA_LATENT, and its configs print as ``mla-<dtype>-<pages>``). Every case runs; a failure
 prints its first line and the run goes on; the exit status is 1 when any case failed. ``--budget``
 stops starting new cases after that many seconds (those left are listed as NOT RUN, never passed).
 """
@@ -32,6 +34,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", default="triton,cupy_fa")
     ap.add_argument("--configs", default="d128-fp16-kit")
+    ap.add_argument("--method", default="dense", choices=("dense", "mla"), help="the kit's attention method")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
     ap.add_argument("--budget", type=float, default=None)
@@ -69,10 +72,12 @@ def main(argv=None):
     for config_text in args.configs.split(","):
         config = parse_config(config_text, args.device)
         for backend in args.backends.split(","):
-            for item in kit_cases.items(backend, config, graphs=args.device == "cuda"):
+            found = kit_cases.items if args.method == "dense" else kit_cases.mla_items
+            for item in found(backend, config, graphs=args.device == "cuda"):
                 if args.only and args.only not in item.id:
                     continue
-                row = dict(backend=backend, config=config.label, mode=item.mode, graph=item.graph, case=item.case)
+                label = config.label_for(args.method)
+                row = dict(backend=backend, config=label, mode=item.mode, graph=item.graph, case=item.case)
                 if args.budget is not None and time.time() - start > args.budget:
                     row.update(result="NOT RUN", max_err=None, seconds=0.0, message="time budget spent")
                     rows.append(row)
@@ -96,7 +101,7 @@ def main(argv=None):
                 row.update(max_err=max(errors) if errors else None, seconds=round(time.time() - t, 2))
                 rows.append(row)
                 err = "-" if row["max_err"] is None else f"{row['max_err']:.2e}"
-                print(f"{row['result']:4s} {backend:8s} {config.label:13s} {item.mode:16s} {item.graph:38s} "
+                print(f"{row['result']:4s} {backend:8s} {label:13s} {item.mode:16s} {item.graph:38s} "
                       f"{item.case:72s} {err:>9s} {row['seconds']:6.2f}s {row['message']}", flush=True)
     counts = {}
     for row in rows:

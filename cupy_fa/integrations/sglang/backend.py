@@ -3,7 +3,8 @@
 A step (every layer of one forward) is mapped once: :mod:`.metadata` turns the forward batch into
 cupy_fa's lengths, page table and tree mask on the device; each attention variant of the model's layers
 (scale, sliding window, soft-cap, head counts, dtypes) has a :class:`cupy_fa.BatchAttention` planned
-once per step; each layer then writes its K/V through the pool's own ``set_kv_buffer`` and runs.
+once per step; each layer then writes its K/V through the pool's own ``set_kv_buffer`` and runs. An MLA
+model's layers (``MLATokenToKVPool``) take the same step: :mod:`.mla` says what maps where.
 
 The 0.5.17 metadata split:
 
@@ -30,6 +31,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from . import kernels as _kernels
+from . import mla
 from .metadata import ForwardMode, draft_mask_indices, gather_page_table, mode_of, step_lengths
 
 
@@ -59,17 +61,19 @@ class CupyFaAttnBackend(AttentionBackend):
             ``server_args``, ``device``).
         skip_prefill: accepted for SGLang's draft-backend factories (no effect).
     Raises:
-        NotImplementedError: an MLA model, a hybrid sliding-window KV pool (separate SWA slots),
-            cross / encoder attention, a forward mode cupy_fa does not serve.
+        NotImplementedError: an MLA pool of another latent size (or DSA's, fp4), a hybrid sliding-window
+            KV pool (separate SWA slots), cross / encoder attention, a forward mode cupy_fa does not
+            serve, an MLA layer in the non-absorbed form.
     """
 
     def __init__(self, model_runner, skip_prefill=False):
         super().__init__()
-        if getattr(model_runner, "use_mla_backend", False):
-            raise NotImplementedError("cupy_fa serves MHA / GQA / MQA models, not MLA")
         self.device = torch.device(model_runner.device)
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.use_mla = bool(getattr(model_runner, "use_mla_backend", False))
+        if self.use_mla:
+            mla.check_pool(self.token_to_kv_pool)
         if hasattr(self.token_to_kv_pool, "translate_loc_from_full_to_swa"):
             raise NotImplementedError("cupy_fa does not read SGLang's hybrid sliding-window KV pool (its SWA "
                                       "layers keep their own slot ids); serve the model without it")
@@ -210,10 +214,13 @@ class CupyFaAttnBackend(AttentionBackend):
                 layer.qk_head_dim, str(q.dtype), str(kv_dtype))
 
     def _plan(self, entry, variant, step):
-        scale, window, cap = variant[:3]
-        entry[0].plan(step.q_lens, step.kv_lens, step.page_table, causal=True, sm_scale=scale,
-                      custom_mask=step.mask, max_q_len=step.max_q_len, max_kv_len=step.max_kv_len,
-                      window=window or None, logits_soft_cap=cap or None)
+        if variant[0] == mla.KIND:
+            kw = dict(sm_scale=variant[1])
+        else:
+            scale, window, cap = variant[:3]
+            kw = dict(sm_scale=scale, window=window or None, logits_soft_cap=cap or None)
+        entry[0].plan(step.q_lens, step.kv_lens, step.page_table, causal=True, custom_mask=step.mask,
+                      max_q_len=step.max_q_len, max_kv_len=step.max_kv_len, **kw)
         entry[1] = step.serial
 
     def _attention(self, variant, step):
@@ -221,19 +228,44 @@ class CupyFaAttnBackend(AttentionBackend):
         entry = self._plans.get(key)
         if entry is None:
             capacity = self._graph_state["capacity"] if step.graph else None
-            entry = self._plans[key] = [self.kernels.attention(variant[3], variant[4], variant[5], variant[6],
-                                                               variant[7], self.device, capacity), -1]
+            if variant[0] == mla.KIND:
+                instance = self.kernels.mla_attention(*variant[2:5], self.device, capacity)
+            else:
+                instance = self.kernels.attention(*variant[3:8], self.device, capacity)
+            entry = self._plans[key] = [instance, -1]
         if entry[1] != step.serial:
             self._plan(entry, variant, step)
         return entry[0]
 
-    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None):
+    def _step(self):
+        if self.forward_metadata is None:
+            raise RuntimeError("cupy_fa: forward before init_forward_metadata (or on an IDLE step)")
+        return self.forward_metadata
+
+    def _forward_mla(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, q_rope, k_rope):
+        """An MLA layer (:mod:`.mla`): out ``[T, H * 512]``."""
+        if sinks is not None:
+            raise NotImplementedError(f"cupy_fa's MLA layers take no attention sinks (layer {layer.layer_id})")
+        pool = self.token_to_kv_pool
+        if k is not None and save_kv_cache:
+            mla.write(pool, layer, forward_batch.out_cache_loc, k, v, k_rope)
+        step = self._step()
+        heads = layer.tp_q_head_num
+        q3, q_pe = mla.queries(q, q_rope, heads)
+        buffer = pool.get_key_buffer(layer.layer_id)
+        attn = self._attention(mla.variant(layer, q3, buffer.dtype), step)
+        cache = self.kernels.latent_cache(layer.layer_id, buffer, getattr(layer, "k_scale", None))
+        out = q3.new_empty(q3.shape[0], heads, mla.KV_LORA_RANK)
+        attn.run(q3, cache, out=out, q_pe=q_pe)
+        return out.view(-1, heads * mla.KV_LORA_RANK)
+
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None, q_rope=None, k_rope=None):
+        if self.use_mla:
+            return self._forward_mla(q, k, v, layer, forward_batch, save_kv_cache, sinks, q_rope, k_rope)
         pool = self.token_to_kv_pool
         if k is not None and save_kv_cache:
             pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
-        step = self.forward_metadata
-        if step is None:
-            raise RuntimeError("cupy_fa: forward before init_forward_metadata (or on an IDLE step)")
+        step = self._step()
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
         q3 = q.detach().reshape(-1, heads, dim)  # inference: DLPack refuses tensors that require grad
         if not q3.is_contiguous():
@@ -250,8 +282,10 @@ class CupyFaAttnBackend(AttentionBackend):
         attn.run(q3, cache, out=out, sinks=sinks)
         return out.view(-1, heads * layer.v_head_dim)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, q_rope=None,
+                       k_rope=None, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks, q_rope, k_rope)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks)
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, q_rope=None,
+                       k_rope=None, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, sinks, q_rope, k_rope)
