@@ -9,7 +9,8 @@ changes a variable afterwards calls :func:`reload` to take it in, or :func:`use`
 What each knob means, its values and its default: the "Environment variables" table of
 README.md (the one table; each field below names its variable). The tuning knobs never change
 results, except ``CUPY_FA_SPLIT_SIZE`` and ``CUPY_FA_MLA_SPLIT_SIZE``, which decode and verify must
-share for their bits to match (docs/design.md, "Batch invariance"), and ``CUPY_FA_SOFT_CAP_TANH``.
+share for their bits to match (docs/design.md, "Batch invariance"), ``CUPY_FA_SOFT_CAP_TANH`` and
+``CUPY_FA_MLA_WGMMA`` (another kernel for the same MLA step).
 
 Changing a knob that selects kernels (stages, warps, split size, splits per CTA, fold) affects
 plans made after the change; a graph captured before keeps what it froze.

@@ -2,9 +2,12 @@
 
 * :mod:`.mma_sync`: ``kernels/mma_sync/``, mma.sync m16n8k16 on sm_80 and newer; the small-q
   tiles (decode-like requests) and a prefill tile;
-* :mod:`.sm90`: ``kernels/sm90/``, wgmma with a producer warpgroup on sm_90a; prefill over
-  16-bit caches at head dims 64, 128 and 256;
+* :mod:`.sm90`: ``kernels/sm90/``, wgmma with a producer warpgroup on sm_90a; prefill at head
+  dims 64, 96, 128, 192 and 256 over a 16-bit cache, 64, 128 and 256 over an fp8 (e4m3) cache;
 * :mod:`.common`: what they share (head dims, element types, device limits).
+
+:mod:`.mla` (``kernels/mla/``) is multi-head latent attention's family, behind
+``cupy_fa.mla.MLAAttention`` (its tiles picked by :mod:`cupy_fa.mla.schedule`).
 
 A tile names its family (``tile.family``), its C++ traits (``tile.traits()``) and the host
 mirrors checked at compile time (``tile.checks()``); :mod:`cupy_fa.schedule` picks the tiles,

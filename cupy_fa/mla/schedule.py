@@ -14,7 +14,7 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   keys at the fixed positions 0, S, 2S, ... (S = split_size()), whatever their q_len or batch, so a
   token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
-  on the batch: a context past MAX_SPLITS x S keys, 65536).
+  on the batch: a context past MAX_SPLITS x S keys, 65536 at the default S of 512).
 * **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (8 heads a CTA) for many rows,
   deep (4 ways over a row's groups of splits) for a few.
 """
