@@ -66,8 +66,9 @@ def max_splits(q_lens, kv_lens):
 
 def split_size():
     """Keys a split of a small-q request: CUPY_FA_MLA_SPLIT_SIZE (default :data:`SPLIT_SIZE`). At
-    128 heads a split's partial output (128 x 512 floats) is 44% of the latent cache it read at 512
-    keys, so larger splits trade the merge's traffic for fewer CTAs a request (lab/NOTES.md)."""
+    128 heads a split's partial output (128 x 512 values in q's dtype) is 22% of the 16-bit latent
+    cache it read at 512 keys, written once and read again by the merge: larger splits trade that
+    traffic for fewer CTAs a request (lab/NOTES.md)."""
     chosen = knobs().mla_split_size
     return SPLIT_SIZE if chosen is None else chosen
 
