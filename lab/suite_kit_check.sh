@@ -43,7 +43,7 @@ for stage in ${STAGES:-suite}; do
     tests)
       stamp "tests: ${TESTS:-}"
       OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout ${TEST_SECONDS:-150} python3 -m pytest -q -p no:cacheprovider \
-        -n 8 -m gpu --timeout 120 ${TESTS:-} -rs > "$OUT/tests.log" 2>&1
+        -n 8 -m gpu --timeout 120 -rs ${TESTS:-} > "$OUT/tests.log" 2>&1  # (TESTS may add -rP for the prints)
       echo "tests exit $?: $(tail -n 1 "$OUT/tests.log")" | tee -a "$OUT/summary.txt"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$OUT/summary.txt" ;;
     kit-cupy) kit cupy_fa ;;
