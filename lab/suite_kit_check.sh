@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One bounded GPU call (2026-12-05): any of the GPU suite (scripts/device_check.sh tests), SGLang's kit
-# over the matrix for one backend, the wgmma A/B (lab/ab_hopper.py), the SGLang bench, the prefill
-# bench cells beside FlashInfer. Stages run in the order given; each is bounded by `timeout`, and the
+# over the matrix for one backend (kit-cupy, kit-triton) or its MLA method (kit-mla), the wgmma A/B
+# (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
+# and its split sizes (mla). Stages run in the order given; each is bounded by `timeout`, and the
 # logs go to $OUT as one archive (logs.tgz) beside summary.txt.
-# Usage, from the repository root (carry .sgl for the suite / kit / sglang stages, .fi for fi):
+# Usage, from the repository root (carry .sgl for the suite / kit / sglang stages, .fi for fi / mla):
 #   STAGES="suite kit-cupy ab" bash lab/suite_kit_check.sh
 # Knobs: TEST_SECONDS (suite's pytest, 340: about 275 s on an H100 with 8 workers), KIT_CONFIGS, KIT_BUDGET (s, 120), AB_ONLY (cap50,fp8),
 # AB_SECONDS (100), BENCH_CELLS (fi), FI_SECONDS (200), TESTS (stage "tests": pytest files).
@@ -48,6 +49,26 @@ for stage in ${STAGES:-suite}; do
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$OUT/summary.txt" ;;
     kit-cupy) kit cupy_fa ;;
     kit-triton) kit triton ;;
+    kit-mla)  # SGLang's MLA method for cupy_fa and triton (kv_lora_rank 512 + rope 64)
+      sgl_site
+      stamp "kit mla: ${KIT_MLA_CONFIGS:-d128-bf16-p64,d128-fp16-kit}"
+      PYTHONPATH=/tmp/sgl-site:$PWD OPENBLAS_NUM_THREADS=1 timeout $(( ${KIT_BUDGET:-120} + 40 )) \
+        python3 tests/sglang_harness/run_kit.py --method mla --backends cupy_fa,triton \
+        --configs "${KIT_MLA_CONFIGS:-d128-bf16-p64,d128-fp16-kit}" --budget "${KIT_BUDGET:-120}" \
+        --json "$OUT/kit_mla.json" > "$OUT/kit_mla.txt" 2>&1
+      echo "kit mla exit $?" | tee -a "$OUT/summary.txt"
+      grep -E "^(FAIL|SKIP|NOT|TOTAL)|passed" "$OUT/kit_mla.txt" | head -40 | tee -a "$OUT/summary.txt" ;;
+    mla)  # the MLA bench beside FlashInfer, then the 128-head cells at larger splits (ours)
+      fi_site
+      stamp "mla bench"
+      PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout ${MLA_SECONDS:-200} python3 -m bench.mla \
+        --json "$OUT/mla.json" > "$OUT/mla.txt" 2>&1
+      echo "mla bench exit $?" | tee -a "$OUT/summary.txt"
+      grep -E "^(decode|verify|fp8|ceilings)" "$OUT/mla.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
+      for split in 1024 2048; do
+        CUPY_FA_MLA_SPLIT_SIZE=$split timeout 60 python3 -m bench.mla --only "H=128" --no-peers 2>&1 \
+          | grep -E "^(decode|verify)" | cut -c1-110 | sed "s/^/split $split: /" | tee -a "$OUT/summary.txt"
+      done ;;
     ab)
       stamp "ab ${AB_ONLY:-cap50,fp8}"
       timeout ${AB_SECONDS:-100} python3 lab/ab_hopper.py --only "${AB_ONLY:-cap50,fp8}" --rounds ${AB_ROUNDS:-2} \
