@@ -337,10 +337,9 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
         batch = q_lens.shape[0]
         validate_batch_shapes(batch, kv_lens.shape[0], page_table.shape[0])
         max_q = int(max_q_len)
-        if stream is None:  # CuPy inputs: CuPy's current stream (a capture on it must be seen)
-            import cupy
-
-            stream = cupy.cuda.get_current_stream(device_id if device_id is not None else q_lens.data.device_id)
+        if stream is None:  # the general path's rule (CuPy's current stream here): a capture on it must be seen
+            stream = _views.caller_stream((q_lens, kv_lens, page_table),
+                                          device_id if device_id is not None else q_lens.data.device_id)
         return StepInputs(batch, None, q_lens, None, kv_lens, None, page_table, None, None, None, max_q,
                           batch * max_q * max_q, stream)
     inputs = (q_lens, kv_lens, page_table, custom_mask)
