@@ -246,6 +246,11 @@ class PackedLaunch:
     def args(self):
         return ctypes.addressof(self._args)
 
+    def set_grid(self, ctas):
+        """A one-dimensional grid of ``ctas`` for the next ordinary launches (a launch whose work
+        varies per step: kernels/shared/stage.cu; a programmatic launch's grid is fixed)."""
+        self._grid3 = (ctas, 1, 1)
+
     def resolve(self):
         """The kernel's CUfunction on its device (compiled or loaded on first use: get_function)."""
         fn = get_function(self.kernel, self.device_id)

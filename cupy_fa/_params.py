@@ -59,6 +59,14 @@ _FIELDS = {
 
 DTYPES = {name: np.dtype(fields, align=True) for name, fields in _FIELDS.items()}
 
+# kernels/shared/stage.cu's struct: a count, then STAGE_COPIES copies (an array of StageCopy)
+STAGE_COPIES = 6
+DTYPES["StageCopy"] = np.dtype([("src", _PTR), ("dst", _PTR), ("bytes", np.int64), ("rows", np.int32),
+                                ("src_pitch", np.int32), ("dst_pitch", np.int32), ("fill_bytes", np.int32),
+                                ("fill", np.int32)], align=True)
+DTYPES["StageParams"] = np.dtype([("count", np.int32), ("copies", DTYPES["StageCopy"], (STAGE_COPIES,))],
+                                 align=True)
+
 
 _REQUIRED = {name: frozenset(dtype.names) for name, dtype in DTYPES.items()}
 

@@ -1,21 +1,40 @@
-"""A checked step's inputs into the plan buffers (``cupy_fa.plan.PlanBuffers``) with copies and
-memsets only: no CuPy kernel (nothing to compile on first use) and as few driver calls as the
-layout allows (a host step's lengths and page table in one copy). ``cupy_fa.plan`` exports
-:func:`stage_inputs`; ``BatchAttention.plan`` and ``GraphRunner.run`` stage through it."""
+"""A checked step's inputs into the plan buffers (``cupy_fa.plan.PlanBuffers``) with as few
+driver calls as the layout allows and no CuPy kernel (nothing to compile on first use): a host
+step's lengths and page table in one copy from the host mirror; the device-to-device parts of a
+step (device lengths and page table, a device mask, and the caller's ``extra`` copies: a graph
+step's q and sinks) in one call, a memcpy where there is one plain part and the staging kernel
+(``kernels/shared/stage.cu``: every part's addresses and sizes in its parameter struct) where
+there are more. ``cupy_fa.plan`` exports :func:`stage_inputs`; ``BatchAttention.plan`` and
+``GraphRunner.run`` stage through it."""
+
+import struct
 
 import numpy as np
 
-from . import _build
+from . import _build, _params, catalog
 
 
 MIRRORED_TABLE_BYTES = 128 << 10  # host page tables up to this size go over with the lengths, in one copy
+STAGE_CTAS = 264                  # the staging kernel's largest grid (2 CTAs of 256 threads an SM on an H100)
+_CTA_BYTES = 16 << 10             # bytes of its largest part per CTA below that (4 passes of 16-byte units)
+
+_STAGE = _params.DTYPES["StageParams"]
+_COPIES_AT = _STAGE.fields["copies"][1]
+# a part: src, dst, bytes a row, rows, src pitch, dst pitch, fill bytes after each row, fill word (StageCopy)
+_PART = struct.Struct("<QQqiiiii4x")
+_COUNT = struct.Struct("<i")
+_INT32 = np.dtype(np.int32)
+assert _PART.size == _params.DTYPES["StageCopy"].itemsize
 
 
-def stage_inputs(buffers, step, pad_to=None, stream=None):
+def stage_inputs(buffers, step, pad_to=None, stream=None, extra=()):
     """Copies a checked step's inputs into the plan buffers on ``stream`` (default: CuPy's current
-    one), with copies and memsets only (no CuPy kernel): a host step's lengths and page table in
+    one), with copies, memsets and at most one staging-kernel launch (no CuPy kernel unless a
+    device input is of another integer type or strided): a host step's lengths and page table in
     one copy from the host mirror (a table over MIRRORED_TABLE_BYTES in a second one, from the
-    caller's array), device ones device to device. Returns the page table's row stride in the buffer.
+    caller's array); the device-to-device parts, with ``extra`` (parts as :func:`part` makes them,
+    e.g. a graph step's q), in one call (:func:`copy_parts`). Returns the page table's row stride
+    in the buffer.
 
     Without ``pad_to`` (``BatchAttention.plan``) the page table is written densely, its rows
     ``page_columns`` apart (one copy of the caller's table). With ``pad_to`` (``GraphRunner``: a
@@ -32,6 +51,7 @@ def stage_inputs(buffers, step, pad_to=None, stream=None):
     dense = pad_to is None
     stride = pages if dense else width
     dst = buffers.page_table.data.ptr
+    parts = list(extra)
     if step.on_host:
         host = buffers.host_inputs
         last = buffers.staged_batch
@@ -58,31 +78,82 @@ def stage_inputs(buffers, step, pad_to=None, stream=None):
             runtime.memcpyAsync(dst, table.__array_interface__["data"][0], table.nbytes, runtime.memcpyHostToDevice,
                                 s)
     else:
-        _copy_ints(buffers.q_lens, step.q_dev, batch, stream)
-        _copy_ints(buffers.kv_lens, step.kv_dev, batch, stream)
-        if pad_to is not None and pad_to > batch:
-            for half in (buffers.q_lens, buffers.kv_lens):
-                runtime.memsetAsync(half.data.ptr + 4 * batch, 0, 4 * (pad_to - batch), s)
+        pad = 4 * (pad_to - batch) if pad_to is not None and pad_to > batch else 0
+        for lengths, src in ((buffers.q_lens, step.q_dev), (buffers.kv_lens, step.kv_dev)):
+            if _int32_row_bytes(src) is not None:  # the batch's lengths, then zeros for the padding rows
+                if batch or pad:
+                    parts.append((src.data.ptr, lengths.data.ptr, 4 * batch, 1, 0, 0, pad, 0))
+            else:
+                _copy_ints(lengths, src, batch, stream)
+                if pad:
+                    runtime.memsetAsync(lengths.data.ptr + 4 * batch, 0, pad, s)
         if batch and pages:
             table = step.pt_dev
-            if table.dtype == np.int32 and table.flags.c_contiguous:
-                if stride == pages:
-                    runtime.memcpyAsync(dst, table.data.ptr, 4 * batch * pages, runtime.memcpyDeviceToDevice, s)
-                else:
-                    runtime.memcpy2DAsync(dst, 4 * stride, table.data.ptr, 4 * pages, 4 * pages, batch,
-                                          runtime.memcpyDeviceToDevice, s)
-            else:  # another integer type, or strided: CuPy converts (its copy kernel)
+            fill = 4 * (width - pages) if not dense and pages < width else 0  # -1 past the caller's columns
+            pitch = _int32_row_bytes(table)
+            if pitch is not None:
+                parts.append((table.data.ptr, dst, 4 * pages, batch, pitch, 4 * stride, fill, -1))
+            else:  # another integer type, or strided columns: CuPy converts (its copy kernel)
                 with stream:
                     rows = cupy.ndarray((batch, stride), np.int32, buffers.page_table.data)
                     rows[:, :pages] = table
-            if not dense and pages < width:
-                _build.memset_d2d32(dst + 4 * pages, 4 * width, -1, width - pages, batch, s)
+                if fill:
+                    _build.memset_d2d32(dst + 4 * pages, 4 * width, -1, width - pages, batch, s)
     if step.mask_host is not None and step.mask_host.size:
         buffers.custom_mask[:step.mask_host.size].set(step.mask_host, stream)
     elif step.mask_dev is not None and step.mask_dev.size:
-        with stream:
-            buffers.custom_mask[:step.mask_dev.size] = step.mask_dev
+        mask = step.mask_dev
+        if mask.dtype.itemsize == 1 and mask.flags.c_contiguous:  # bool / uint8 / int8: the same bytes
+            parts.append(part(mask.data.ptr, buffers.custom_mask.data.ptr, mask.size))
+        else:
+            with stream:
+                buffers.custom_mask[:mask.size] = mask
+    copy_parts(buffers, parts, s)
     return stride
+
+
+def part(src, dst, nbytes):
+    """A plain device-to-device part of a step: ``nbytes`` from ``src`` to ``dst`` (any alignment)."""
+    return (src, dst, nbytes, 1, 0, 0, 0, 0)
+
+
+def copy_parts(buffers, parts, stream_ptr):
+    """The device-to-device ``parts`` of a step (StageCopy fields, in their order) on stream
+    ``stream_ptr``: one memcpy for a lone plain part, else one launch of the staging kernel
+    (kernels/shared/stage.cu) with every part in its parameter struct."""
+    if not parts:
+        return
+    if len(parts) == 1 and parts[0][3] == 1 and not parts[0][6]:
+        src, dst, nbytes = parts[0][:3]
+        runtime = _cupy().cuda.runtime
+        runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToDevice, stream_ptr)
+        return
+    if len(parts) > _params.STAGE_COPIES:
+        raise RuntimeError(f"internal: {len(parts)} staging parts, the kernel takes {_params.STAGE_COPIES}")
+    launch = buffers.stage_launch
+    if launch is None:
+        launch = buffers.stage_launch = _build.PackedLaunch(catalog.STAGE_KERNEL, (1,), np.zeros(1, _STAGE),
+                                                            buffers.device_id)
+    raw, most = launch.raw, 0
+    _COUNT.pack_into(raw, 0, len(parts))
+    for i, fields in enumerate(parts):
+        _PART.pack_into(raw, _COPIES_AT + i * _PART.size, *fields)
+        most = max(most, fields[2] * fields[3])
+    launch.set_grid(min(max(1, -(-most // _CTA_BYTES)), STAGE_CTAS))
+    _build.launch_packed(launch, stream_ptr)
+
+
+def _int32_row_bytes(x):
+    """Bytes between rows of device ints ``x`` that are int32 with contiguous columns (the staging
+    kernel copies them as they are), else None."""
+    if x.dtype != _INT32:
+        return None
+    if x.flags.c_contiguous:
+        return 4 * x.shape[-1] if len(x.shape) > 1 else 0
+    strides = x.strides
+    if x.ndim == 2 and strides[1] == 4 and 0 < strides[0] < 2**31:
+        return strides[0]
+    return None
 
 
 def _cupy():
@@ -92,15 +163,8 @@ def _cupy():
 
 
 def _copy_ints(dst, src, count, stream):
-    """``dst[:count] = src`` (int32 buffer, device ints): a device copy where ``src`` is int32 and
-    contiguous, else CuPy's converting copy."""
-    if not count:
-        return
-    if src.dtype == np.int32 and src.flags.c_contiguous:
-        import cupy
-
-        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, 4 * count, cupy.cuda.runtime.memcpyDeviceToDevice,
-                                      stream.ptr)
-    else:
+    """``dst[:count] = src`` (int32 buffer, device ints of another type, or strided): CuPy's
+    converting copy."""
+    if count:
         with stream:
             dst[:count] = src

@@ -76,6 +76,8 @@ def append_kernel(index_dtype, quantize_from=None):
 
 
 PLAN_KERNEL = Kernel("shared/plan.cu", "cupy_fa::plan_kernel", 1024)
+# a step's device inputs into the static buffers in one launch (kernels/shared/stage.cu, cupy_fa._staging)
+STAGE_KERNEL = Kernel("shared/stage.cu", "cupy_fa::stage_kernel", 256)
 
 
 def _merge_kernels(dtype_name, head_dim):
@@ -86,7 +88,7 @@ def all_kernels(arch=None):
     """Every kernel the library can launch, on Hopper or on an A100, under any knob values (what
     CI compiles): with ``arch`` those an ``arch`` build can run (the wgmma family only for sm_90a);
     None: every one (they all compile for sm_90a)."""
-    out = [PLAN_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
+    out = [PLAN_KERNEL, STAGE_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
     out += [merge_states_kernel(dtype_name) for dtype_name in _compile.CTYPES]
     out += [append_kernel(i, d) for d in _compile.CTYPES for i in (np.int32, np.int64)]
     for dtype_name in _compile.CTYPES:
@@ -150,7 +152,7 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
     cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
     dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each attention kernel with the
     variant hooks too (what steps with a window, a soft-cap or sinks run)."""
-    wanted = [PLAN_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
+    wanted = [PLAN_KERNEL, STAGE_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
     wanted += [merge_states_kernel(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
         for head_dim in head_dims:

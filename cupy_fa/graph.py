@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays, _views, knobs as _knobs, plan as _plan, schedule as _schedule
+from . import _arrays, _staging, _views, knobs as _knobs, plan as _plan, schedule as _schedule
 from .attention import BatchAttention
 from .kv_cache import PagedKVCache
 from .modes import ForwardMode
@@ -112,6 +112,7 @@ class GraphRunner:
             self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
             self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
             self.sinks = cupy.zeros(num_qo_heads, np.float32)  # run(sinks=...) is copied here: the graphs read it
+        self._q_ptr, self._sinks_ptr, self._sinks_bytes = self.q.data.ptr, self.sinks.data.ptr, self.sinks.nbytes
         self._graphs = {}
         self._staged = {}     # (max q_len, bucket, tree) -> the StepInputs of the bucket's rows in the plan buffers
         self._slices = {}     # token count -> (q, out, lse) views of the static buffers
@@ -202,8 +203,6 @@ class GraphRunner:
 
     def _run_step(self, mode, q, cache, q_lens, kv_lens, page_table, custom_mask, tree, use_graph, return_lse,
                   stream, sinks=None):
-        import cupy
-
         q_v = _views.view(q, "q", stream)
         sinks_v = _views.view(sinks, "sinks", stream) if sinks is not None else None
         if sinks_v is not None and not sinks_v.fits(np.float32, self.sinks.shape, self.device_id, 0):
@@ -217,15 +216,12 @@ class GraphRunner:
         if self._last_stream is not None and self._last_stream.ptr != stream.ptr:
             stream.wait_event(self._last_stream.record())  # the last step's kernels read what is staged next
         self._last_stream = stream
-        # staged once, straight into the plan buffers and the static q (copies and memsets only)
-        _plan.stage_inputs(self.attn.plan_buffers, step, pad_to=bucket, stream=stream)
-        runtime = cupy.cuda.runtime
-        runtime.memcpyAsync(self.q.data.ptr, q_v.ptr, num_tokens * self._row_bytes, runtime.memcpyDeviceToDevice,
-                            stream.ptr)
+        # staged once, straight into the plan buffers and the static q and sinks: the device parts in one call
         sunk = sinks_v is not None
+        parts = [_staging.part(q_v.ptr, self._q_ptr, num_tokens * self._row_bytes)]
         if sunk:
-            runtime.memcpyAsync(self.sinks.data.ptr, sinks_v.ptr, self.sinks.nbytes, runtime.memcpyDeviceToDevice,
-                                stream.ptr)
+            parts.append(_staging.part(sinks_v.ptr, self._sinks_ptr, self._sinks_bytes))
+        _plan.stage_inputs(self.attn.plan_buffers, step, pad_to=bucket, stream=stream, extra=parts)
         if use_graph:
             key = (mode, bucket, tree, tuple(cache.attention_params().items()), sunk)
             graph = self._graphs.get(key)

@@ -88,6 +88,7 @@ class PlanBuffers:
         self.staged_batch = 0
         self._plan_launch = None
         self._plan_tiles = None  # (tile, long_tile, knobs, their plan constants) of the last plan
+        self.stage_launch = None  # the staging kernel's launch (cupy_fa._staging), made at its first use
 
     def plan_params(self, batch_size, group_size, tile, long_tile=None, max_q_len=2**31 - 1,
                     max_kv_len=2**31 - 1, window=0):

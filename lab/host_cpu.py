@@ -85,7 +85,7 @@ class FakeStream:
         pass
 
     def end_capture(self):
-        return types.SimpleNamespace(launch=lambda stream=None: None)
+        return types.SimpleNamespace(launch=counted("cudaGraphLaunch"))
 
 
 class FakeEvent:
@@ -96,8 +96,18 @@ class FakeEvent:
         pass
 
 
+CALLS = {}  # driver call -> how many, since the last CALLS.clear()
+
+
+def counted(name, fn=lambda *a: None):
+    def call(*args):
+        CALLS[name] = CALLS.get(name, 0) + 1
+        return fn(*args)
+    return call
+
+
 def install():
-    """Stubs for every device call; returns the cupy_fa modules."""
+    """Stubs for every device call (each counted in CALLS); returns the cupy_fa modules."""
     import cupy
 
     from cupy_fa import _arrays, _build, _views
@@ -113,7 +123,7 @@ def install():
     cupy.cuda.Device = lambda device_id=None: contextlib.nullcontext(types.SimpleNamespace(id=0))
     runtime = cupy.cuda.runtime
     for name in ("memcpyAsync", "memsetAsync", "memcpy2DAsync"):
-        setattr(runtime, name, lambda *a: None)
+        setattr(runtime, name, counted(name))
     runtime.getDevice = lambda: 0
     _views._KINDS[FakeArray] = _views.CUPY
     _arrays.require_cuda = lambda: None
@@ -124,9 +134,10 @@ def install():
     function = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=1))
     _build.get_function = lambda kernel, device_id=None: function
     _build.load_all = lambda kernels, device_id: None
-    _build._launch_kernel = lambda: (lambda *args: None)
-    _build._driver = lambda: (lambda *args: 0)
-    _build.memset_d2d32 = lambda *a: None
+    launch, launch_ex = counted("cuLaunchKernel"), counted("cuLaunchKernelEx", lambda *a: 0)
+    _build._launch_kernel = lambda: launch
+    _build._driver = lambda: launch_ex
+    _build.memset_d2d32 = counted("cuMemsetD2D32Async")
 
 
 def fake_cache(num_pages, page_size, h_kv=8, d=128):
@@ -189,27 +200,37 @@ def main(argv=None):
     runner = cupy_fa.GraphRunner(32, 8, 128, "bfloat16", max_batch_size=64, max_q_len=8, max_pages_per_request=256,
                                  page_size=16)
     steps = []
-    for b in (1, 8, 64):
-        cache = fake_cache(b * 256, 16)
-        q = FakeArray((b, 32, 128), bf16)
-        lens = (FakeArray((b,), np.int32), FakeArray((b,), np.int32), FakeArray((b, 256), np.int32))
-        replay = lambda: runner.run("decode", q, cache, *lens)
-        eager = lambda: runner.run("decode", q, cache, *lens, use_graph=False)
-        replay()
-        steps.append((b, median_us(replay), median_us(eager)))
-        if args.profile and b == 8:
-            for label, fn in (("replay", replay), ("eager", eager)):
-                prof = cProfile.Profile()
-                prof.runcall(lambda: [fn() for _ in range(3000)])
-                print(f"\n== GraphRunner decode B={b}: {label}")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    for lengths in ("device", "host"):
+        for b in (1, 8, 64):
+            cache = fake_cache(b * 256, 16)
+            q = FakeArray((b, 32, 128), bf16)
+            table = np.arange(b * 256, dtype=np.int32).reshape(b, 256)
+            if lengths == "device":
+                lens = (FakeArray((b,), np.int32), FakeArray((b,), np.int32), FakeArray((b, 256), np.int32))
+            else:
+                lens = (np.ones(b, np.int32), np.full(b, 4096, np.int32), table)
+            replay = lambda: runner.run("decode", q, cache, *lens)
+            eager = lambda: runner.run("decode", q, cache, *lens, use_graph=False)
+            replay()
+            calls = []
+            for fn in (replay, eager):
+                CALLS.clear()
+                fn()
+                calls.append(" ".join(f"{k} {v}" for k, v in sorted(CALLS.items())))
+            steps.append((f"{lengths} lengths B={b}", median_us(replay), median_us(eager), calls))
+            if args.profile and b == 8:
+                for label, fn in (("replay", replay), ("eager", eager)):
+                    prof = cProfile.Profile()
+                    prof.runcall(lambda: [fn() for _ in range(3000)])
+                    print(f"\n== GraphRunner decode B={b}, {lengths} lengths: {label}")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     print(f"\nhost us per call, device calls stubbed (median of 2000; {sys.version.split()[0]})")
     print(f"{'cell (bf16, 32/8 heads, D 128, page 16)':42s} {'plan':>7s} {'run':>7s}")
     for name, p, r in rows:
         print(f"{name:42s} {p:7.1f} {r:7.1f}")
-    print(f"{'GraphRunner decode':42s} {'replay':>7s} {'eager':>7s}")
-    for b, replay, eager in steps:
-        print(f"{'B=' + str(b):42s} {replay:7.1f} {eager:7.1f}")
+    print(f"\n{'GraphRunner decode, CuPy q, page 16':42s} {'replay':>7s} {'eager':>7s}   driver calls (replay | eager)")
+    for name, replay, eager, calls in steps:
+        print(f"{name:42s} {replay:7.1f} {eager:7.1f}   {calls[0]} | {calls[1]}")
     return 0
 
 

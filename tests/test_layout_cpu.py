@@ -85,8 +85,8 @@ def test_every_kernel_source_the_catalog_names_exists():
     from cupy_fa import catalog
 
     sources = {k.source for k in catalog.all_kernels()}
-    assert sources == {"shared/plan.cu", "shared/merge.cu", "shared/merge_states.cu", "shared/kv_append.cu",
-                       "mma_sync/attention.cu", "sm90/prefill.cu",
+    assert sources == {"shared/plan.cu", "shared/stage.cu", "shared/merge.cu", "shared/merge_states.cu",
+                       "shared/kv_append.cu", "mma_sync/attention.cu", "sm90/prefill.cu",
                        "mla/attention.cu", "mla/wgmma.cu", "mla/latent_append.cu"}  # cupy_fa.mla
     assert all((KERNELS / s).is_file() for s in sources)
 

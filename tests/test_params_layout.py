@@ -19,16 +19,19 @@ def parse_structs(text):
             line = line.split("//")[0].strip()
             if not line:
                 continue
-            m = re.match(r"(?:const )?([\w ]+?)\s*(\*?)\s*(\w+);$", line)
+            m = re.match(r"(?:const )?([\w ]+?)\s*(\*?)\s*(\w+)(?:\[(\w+)\])?;$", line)
             assert m, f"cannot parse field line {line!r} of {name}"
-            ctype, pointer, field = m.groups()
-            fields.append((field, np.uint64 if pointer else C_TYPES[ctype]))
+            ctype, pointer, field, count = m.groups()
+            base = np.uint64 if pointer else C_TYPES.get(ctype) or _params.DTYPES[ctype]  # a struct of the header
+            fields.append((field, (base, (_params.STAGE_COPIES,)) if count == "kStageCopies" else base))
         structs[name] = fields
     return structs
 
 
 def test_params_match_header():
-    header = parse_structs((_compile.KERNEL_DIR / "shared" / "params.cuh").read_text())
+    text = (_compile.KERNEL_DIR / "shared" / "params.cuh").read_text()
+    assert int(re.search(r"constexpr int kStageCopies = (\d+);", text).group(1)) == _params.STAGE_COPIES
+    header = parse_structs(text)
     assert set(header) == set(_params.DTYPES)
     for name, fields in header.items():
         dtype = _params.DTYPES[name]
@@ -52,6 +55,8 @@ def test_make_rejects_missing_and_unknown_fields():
 def test_make_matches_fieldwise_assignment():
     rng, _ = new_rng()
     for name, dtype in _params.DTYPES.items():
+        if name.startswith("Stage"):  # an array of structs: its writer is tests/test_graph_host_cpu.py's
+            continue
         values = {}
         for field in dtype.names:
             kind = dtype.fields[field][0]

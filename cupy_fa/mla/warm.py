@@ -8,8 +8,8 @@ from . import schedule
 def warmup_kernels(dtypes=("bfloat16",), kv_dtypes=None, arch="sm_90a", heads=(16, 128)):
     """The kernels MLA steps of these query dtypes, cache dtypes (default each query dtype's own; add
     "float8_e4m3fn" for an fp8 cache) and head counts can select on ``arch``: every tile either class
-    takes, the merges, the appends, and the plan kernel."""
-    wanted = [catalog.PLAN_KERNEL]
+    takes, the merges, the appends, and the plan and staging kernels."""
+    wanted = [catalog.PLAN_KERNEL, catalog.STAGE_KERNEL]
     for dtype in dtypes:
         for kv in kv_dtypes or (dtype,):
             fp8 = _arrays.resolve_kv_dtype(kv, "kv_dtypes") == _arrays.FP8

@@ -151,4 +151,27 @@ struct MergeStatesParams {
   int rows_per_cta;           // blockDim.x / (head_dim / 4): the rows one pass of a CTA merges
 };
 
+// A step's inputs copied into a GraphRunner's / BatchAttention's static buffers by one launch
+// (kernels/shared/stage.cu; cupy_fa/_staging.py): up to kStageCopies copies of `rows` rows of
+// `bytes` bytes each, rows `src_pitch` / `dst_pitch` bytes apart (one row: no pitch), each
+// destination row followed by `fill_bytes` bytes of the 32-bit word `fill` (the padding of a
+// page-table row, the zero lengths of a graph bucket's padding requests).
+constexpr int kStageCopies = 6;
+
+struct StageCopy {
+  const void* src;
+  void* dst;
+  long long bytes;            // bytes copied per row
+  int rows;
+  int src_pitch;              // bytes between source rows (rows > 1)
+  int dst_pitch;              // bytes between destination rows (rows > 1, or a fill)
+  int fill_bytes;             // a multiple of 4, at a 4-byte aligned address after each row
+  int fill;
+};
+
+struct StageParams {
+  int count;                  // copies in use, at most kStageCopies
+  StageCopy copies[kStageCopies];
+};
+
 }  // namespace cupy_fa
