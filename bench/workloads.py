@@ -220,7 +220,7 @@ WORKLOADS = [
     Workload("decode_b64_l4096_d192", 64, 1, 4096, "head dim 192", head_dim=192),
     Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96", head_dim=96),
     Workload("prefill_b4_l4096_d192", 4, 4096, 4096, "head dim 192", head_dim=192),
-    Workload("prefill_b4_l4096_qk192_vo128", 4, 4096, 4096, "qk / vo head dims 192 / 128 (mma.sync prefill tile)",
+    Workload("prefill_b4_l4096_qk192_vo128", 4, 4096, 4096, "qk / vo head dims 192 / 128 (sm_90a: the wgmma tile of the pair)",
              head_dim=192, head_dim_vo=128),
     # an fp8 KV cache: the prefill and extend cells over it (ours: the wgmma fp8 tile on sm_90a)
     Workload("prefill_b4_l4096_fp8", 4, 4096, 4096, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),

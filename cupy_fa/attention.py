@@ -37,8 +37,8 @@ class BatchAttention(PlannedInstance):
         num_qo_heads, num_kv_heads: query and KV head counts (GQA/MQA: the first a multiple of the second).
         head_dim: 64, 96, 128, 192 or 256, of q and K (and of V and out unless ``head_dim_vo``). On
             sm_90a, requests of more than 16 tokens take the wgmma family at every one of these
-            head dims (one head dim; a pair takes the mma.sync family: docs/design.md, "Separate
-            qk / vo head dims").
+            head dims, and at the pairs of ``head_dim_vo`` (docs/design.md, "Separate qk / vo head
+            dims").
         head_dim_vo: V's and out's head dim where it differs from q's and K's: None (``head_dim``),
             or a pair of ``families.common.HEAD_DIM_PAIRS`` (192 / 128: DeepSeek's non-absorbed
             MLA prefill) over a float16 / bfloat16 cache; ``out`` is then ``[T, H_q, head_dim_vo]``

@@ -108,10 +108,10 @@ def _tiles(head_dim, arch, head_dim_vo=None):
     """The 16-bit cache's tiles the policy can select at a head dim (or a pair), plain and with the
     variant hooks: the prefill tiles, the small-q tiles of both row layouts at each depth for
     Hopper's and an A100's shared memory, and their folding tiles."""
-    # mma.sync prefill: any target but sm_90a (there: no wgmma fit, or a pair of head dims)
+    # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
     tiles = [schedule.prefill_tile(head_dim, head_dim_vo=head_dim_vo)]
-    if (arch is None or is_sm90a(arch)) and head_dim_vo is None:  # the wgmma family's tile (every head dim)
-        tiles.append(sm90.prefill_tile(head_dim))
+    if arch is None or is_sm90a(arch):  # the wgmma family's tile (every head dim, and the pairs)
+        tiles.append(sm90.prefill_tile(head_dim, head_dim_vo=head_dim_vo))
     for warps_m in (1, 2):
         for stages in STAGE_CHOICES:
             for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick

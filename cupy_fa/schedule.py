@@ -89,15 +89,16 @@ def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2, head_di
     """The tile of requests of more than SMALL_Q_LEN tokens, one KV split per CTA: on an sm_90a
     target the wgmma family's tile for the head dim and cache (``sm90.DEFAULT_TILES``: 192 packed
     rows per CTA at D 64 / 96 / 128, 128 at D 192 / 256; an fp8 cache's ``sm90.FP8_TILES`` at
-    D 64 / 128 / 256, its K / V widened to fp16 by the producer) when it fits ``smem_limit``; on
-    any other target (sm_80, sm_89, an ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or
-    ``arch=None``: no target named), and for a head dim or cache the family has no tile of, the
-    mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA; with fp8 K/V stages
-    over an fp8 cache). Separate qk / vo head dims (``head_dim_vo``, a pair of ``HEAD_DIM_PAIRS``)
-    take the mma.sync prefill tile on every target: the wgmma family has no tile of a pair yet."""
+    D 64 / 128 / 256, its K / V widened to fp16 by the producer; separate qk / vo head dims,
+    ``head_dim_vo`` a pair of ``HEAD_DIM_PAIRS``: ``sm90.PAIR_TILES``, 128 rows at 192 / 128) when
+    it fits ``smem_limit``; on any other target (sm_80, sm_89, an ``sm_90`` or ``sm_80`` build
+    forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target named), and for a head dim, pair or
+    cache the family has no tile of, the mma.sync prefill tile, 4 warps over query rows (64 packed
+    rows per CTA; with fp8 K/V stages over an fp8 cache; with V's tiles and the accumulators at
+    ``head_dim_vo`` for a pair)."""
     split_dims = head_dim_vo is not None and head_dim_vo != head_dim
-    if is_sm90a(arch) and not split_dims:
-        tile = sm90.prefill_tile(head_dim, kv_bytes)
+    if is_sm90a(arch):
+        tile = sm90.prefill_tile(head_dim, kv_bytes, head_dim_vo)
         if tile is not None and tile.smem_bytes <= smem_limit:
             return tile
     if split_dims:

@@ -2,15 +2,16 @@
 batches against float64 at page sizes 1 / 16 / 64, every serving mode eager and through a
 GraphRunner (eager == replay bits), decode == verify bit for bit, a device-planned run inside a
 captured graph, and the append of rows of two widths. The small-q tiles and the mma.sync prefill
-tile carry the pair (TileTraits HEAD_DIM_VO); the wgmma family has no tile of it, so the long
-requests run on the mma.sync prefill tile on every target (docs/design.md, "Separate qk / vo head
-dims")."""
+tile carry the pair (TileTraits HEAD_DIM_VO); on sm_90a the long requests run on the wgmma family's
+tile of the pair (Sm90PrefillTraits D_VO: sm90.PAIR_TILES), checked on Hopper alone by the tests
+marked so: ragged prefills and split extends, causal and not, the variant hooks (window, soft-cap,
+sinks) and a request's bits in any batch (docs/design.md, "Separate qk / vo head dims")."""
 
 import numpy as np
 import pytest
 
-from cases import POISON, check_attention, new_rng, paged_case, poisoned, random_lengths, run_planned_in_graph, \
-    tree_masks
+from cases import POISON, check_attention, new_rng, np_dtype, paged_case, poisoned, random_lengths, \
+    run_planned_in_graph, tree_masks
 
 import cupy_fa
 from cupy_fa import ForwardMode, GraphRunner
@@ -142,3 +143,103 @@ def test_append_two_widths():
     others = np.setdiff1d(np.arange(96), slots)
     assert not cupy.any(k_flat[cupy.asarray(others)]) and not cupy.any(v_flat[cupy.asarray(others)])
     assert int(cache.status()) == 0
+
+
+# ---- the wgmma family's tile of the pair (sm_90a) ----------------------------------------------
+
+
+def _wgmma_attention(dtype, heads, q_lens, kv_lens, table, **plan):
+    """A BatchAttention at 192 / 128 planned for the step, and a check that its long requests run on
+    the wgmma family's tile of the pair."""
+    from cupy_fa import schedule
+    from cupy_fa.families import sm90
+
+    attn = cupy_fa.BatchAttention(*heads, D_QK, dtype, head_dim_vo=D_VO).plan(q_lens, kv_lens, table, **plan)
+    if (np.asarray(q_lens) > schedule.SMALL_Q_LEN).any():
+        assert attn.planned.long_tile == sm90.PAIR_TILES[(D_QK, D_VO)], attn.planned.long_tile
+    return attn
+
+
+@pytest.mark.usefixtures("needs_sm90")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("page_size", [1, 16, 48])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_wgmma_long_requests(dtype, page_size, causal):
+    """Prefills (several key tiles of 128, a partial last one) and extends over long prefixes (split
+    into partials of 128 columns, merged at 128) beside decode rows, on the wgmma tile of the pair:
+    out [T, H, 128] and the LSE within the bar against float64, the poisoned tail untouched."""
+    import cupy
+
+    rng, seed = new_rng()
+    heads = (16, 4)
+    q_lens, kv_lens = random_lengths(rng, max_requests=9, max_q=700, max_kv=4000, work_budget=1_500_000)
+    # a prefill of five key tiles and a partial one, an extend over a long prefix (more than one split)
+    q_lens, kv_lens = np.concatenate([[517, 33], q_lens]), np.concatenate([[517, 3999], kv_lens])
+    total = int(q_lens.sum())
+    table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, D_QK, page_size, kv_lens, total,
+                                                      head_dim_vo=D_VO)
+    out = poisoned((total, heads[0], D_VO), np_dtype(dtype), tail=3)
+    lse = poisoned((total, heads[0]), np.float32, tail=3)
+    _wgmma_attention(dtype, heads, q_lens, kv_lens, table, causal=causal).run(
+        cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total])
+    ref, ref_lse = _reference(q_host, k_host, v_host, q_lens, kv_lens, table, causal=causal)
+    check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse, poison=POISON,
+                            label=f"seed={seed} wgmma qk/vo 192/128 page {page_size} causal={causal}")
+    print(check.summary())
+    check.assert_ok()
+
+
+@pytest.mark.usefixtures("needs_sm90")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_wgmma_variant_hooks(dtype):
+    """The hooked wgmma kernel of the pair (80 keys a tile): a sliding window, a logits soft-cap
+    where tanh saturates, and attention sinks, each against float64 with the LSE."""
+    import cupy
+
+    rng, seed = new_rng()
+    heads, page_size = (16, 4), 16
+    q_lens, kv_lens = np.array([257, 40, 500, 1]), np.array([257, 900, 1100, 300])
+    total = int(q_lens.sum())
+    table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, D_QK, page_size, kv_lens, total,
+                                                      head_dim_vo=D_VO)
+    scale = 1.0 / np.sqrt(D_QK)
+    for cap, sm_scale, window, sinks in ((None, scale, 200, None), (50.0, 20 * scale, None, None),
+                                         (30.0, 4 * scale, 300, rng.normal(3.0, 2.0, heads[0]).astype(np.float32))):
+        out = poisoned((total, heads[0], D_VO), np_dtype(dtype), 3)
+        lse = poisoned((total, heads[0]), np.float32, 3)
+        attn = _wgmma_attention(dtype, heads, q_lens, kv_lens, table, sm_scale=float(sm_scale), logits_soft_cap=cap,
+                                window=window)
+        attn.run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total],
+                 sinks=None if sinks is None else cupy.asarray(sinks))
+        ref, ref_lse = _reference(q_host, k_host, v_host, q_lens, kv_lens, table, sm_scale=sm_scale, soft_cap=cap,
+                                  window=window, sinks=sinks)
+        check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse, poison=POISON,
+                                label=f"seed={seed} wgmma qk/vo cap {cap} window {window} sinks {sinks is not None}")
+        print(check.summary())
+        check.assert_ok()
+
+
+@pytest.mark.usefixtures("needs_sm90")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_wgmma_request_keeps_its_bits_in_any_batch(dtype):
+    """Rows never mix on the wgmma tile of the pair: a request's out and LSE are bit-identical alone
+    and inside a batch (a prefill, a split extend, a decode row), at another position."""
+    import cupy
+
+    rng, _ = new_rng()
+    heads, page_size = (32, 8), 16
+    q_lens, kv_lens = np.array([300, 20, 777, 1]), np.array([300, 3000, 1500, 60])
+    total = int(q_lens.sum())
+    table, _, _, cache, q_host = paged_case(rng, dtype, heads, D_QK, page_size, kv_lens, total, head_dim_vo=D_VO)
+    q = cupy.asarray(q_host)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    out = cupy.empty((total, heads[0], D_VO), np_dtype(dtype))
+    lse = cupy.empty((total, heads[0]), np.float32)
+    _wgmma_attention(dtype, heads, q_lens, kv_lens, table).run(q, cache, out, lse=lse)
+    for b in range(len(q_lens)):
+        one = cupy.empty((int(q_lens[b]), heads[0], D_VO), np_dtype(dtype))
+        one_lse = cupy.empty((int(q_lens[b]), heads[0]), np.float32)
+        _wgmma_attention(dtype, heads, q_lens[b:b + 1], kv_lens[b:b + 1], table[b:b + 1]).run(
+            q[cu[b]:cu[b + 1]], cache, one, lse=one_lse)
+        assert (out[cu[b]:cu[b + 1]].view(cupy.uint16) == one.view(cupy.uint16)).all(), f"request {b} out"
+        assert (lse[cu[b]:cu[b + 1]].view(cupy.uint32) == one_lse.view(cupy.uint32)).all(), f"request {b} lse"

@@ -19,7 +19,8 @@ FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/shared/common.cuh fp8_
 # which its loads and byte swizzle need to tile the CTA evenly (docs/design.md, "Head dims")
 FP8_HEAD_DIMS = (64, 128, 256)
 # Separate qk / vo head dims (q and K of the first, V and out of the second): DeepSeek's non-absorbed
-# MLA prefill (128 nope + 64 rope / 128). The mma.sync family's tiles only (TileTraits HEAD_DIM_VO),
+# MLA prefill (128 nope + 64 rope / 128). Every tile of the mma.sync family (TileTraits HEAD_DIM_VO)
+# and, on sm_90a, the wgmma family's prefill tile of the pair (Sm90PrefillTraits D_VO: sm90.PAIR_TILES),
 # over a 16-bit cache (docs/design.md, "Separate qk / vo head dims")
 HEAD_DIM_PAIRS = ((192, 128),)
 
