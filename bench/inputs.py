@@ -141,7 +141,8 @@ def make_inputs(w: Workload, page_size: int, n_sets: int, seed: int) -> Inputs:
     elem = elem_dtype(w.dtype)
     sets = []
     for _ in range(n_sets):
-        cache = cupy_fa.PagedKVCache.allocate(n_pages, page_size, H_KV, w.head_dim, dtype=w.dtype)
+        cache = cupy_fa.PagedKVCache.allocate(n_pages, page_size, H_KV, w.head_dim, dtype=w.dtype,
+                                              head_dim_v=w.head_dim_vo or None)
         fill_normal(cache.k)
         fill_normal(cache.v)
         if w.fp8:  # the 16-bit values quantised on the device (PagedKVCache.append), one scale per tensor
@@ -152,7 +153,7 @@ def make_inputs(w: Workload, page_size: int, n_sets: int, seed: int) -> Inputs:
             del cache
             cache = fp8
         q = fill_normal(cupy.empty((w.num_q_rows, H_Q, w.head_dim), elem))
-        out = cupy.empty(q.shape, elem)
+        out = cupy.empty((w.num_q_rows, H_Q, w.dim_vo), elem)
         poison(out)
         sets.append(InputSet(cache, q, out))
     sinks = rng.normal(1.0, 1.5, H_Q).astype(np.float32) if w.sinks else None  # logits that weigh in

@@ -20,7 +20,8 @@ def bench_ours(inp: Inputs, refs_by_set: dict, opts: dict, n_launch: int) -> dic
     limit = reference.TOL[w.dtype]
     res = {"status": "FAIL"}
     try:
-        attn = cupy_fa.BatchAttention(H_Q, H_KV, w.head_dim, dtype=w.dtype, kv_dtype=w.kv_dtype or None)
+        attn = cupy_fa.BatchAttention(H_Q, H_KV, w.head_dim, dtype=w.dtype, kv_dtype=w.kv_dtype or None,
+                                      head_dim_vo=w.head_dim_vo or None)
         attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=w.causal, window=w.window or None,
                   logits_soft_cap=w.soft_cap or None)
         sinks = inp.sinks_dev  # the attention variants (a plan's window and soft-cap, a run's sinks)

@@ -207,7 +207,7 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
     extra = ()
     if w.sinks:  # its attention-sink variant (a JIT module of its own), prefill and decode alike
         wrapper = fi.BatchAttentionWithAttentionSinkWrapper(
-            workspace, "NHD", q_data_type=elem, kv_data_type=elem, head_dim_qk=w.head_dim, head_dim_vo=w.head_dim,
+            workspace, "NHD", q_data_type=elem, kv_data_type=elem, head_dim_qk=w.head_dim, head_dim_vo=w.dim_vo,
             window_left=dt.get("window_left", -1))
         plan = lambda: wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps,
                                     causal=w.causal, **dt)

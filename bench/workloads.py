@@ -45,6 +45,13 @@ class Workload:
     # an fp8 (e4m3) KV cache (kv_dtype "float8_e4m3fn"): the bf16 cache's values quantised with one
     # scale per tensor (the scale kind FlashInfer's paged wrappers take); "" = the 16-bit dtype's
     kv_dtype: str = ""
+    # V's and out's head dim where it differs from q's and K's (separate qk / vo head dims); 0: head_dim
+    head_dim_vo: int = 0
+
+    @property
+    def dim_vo(self) -> int:
+        """V's and out's head dim (head_dim unless head_dim_vo is set)."""
+        return self.head_dim_vo or self.head_dim
 
     def __post_init__(self):
         if self.ragged:
@@ -97,7 +104,8 @@ class Workload:
     @property
     def shape(self) -> str:
         """'bf16 D128 causal' and the like: what the table's rows differ in besides the lengths."""
-        return (f"{SHORT_DTYPE[self.dtype]}{' fp8kv' if self.fp8 else ''} D{self.head_dim} "
+        dims = f"D{self.head_dim}" + (f"/{self.dim_vo}" if self.dim_vo != self.head_dim else "")
+        return (f"{SHORT_DTYPE[self.dtype]}{' fp8kv' if self.fp8 else ''} {dims} "
                 f"{'causal' if self.causal else 'full'}" + self.variant)
 
     @property
@@ -129,11 +137,11 @@ class Workload:
         """K and V bytes the batch attends, counted once: sum_b kv_len * H_kv * D * 2 B * 2 (with a
         window only the keys inside some query's window: window_keys)."""
         keys = sum(self.window_keys(q, kv) for q, kv in self.requests())
-        return keys * H_KV * self.head_dim * self.elem_bytes * 2
+        return keys * H_KV * (self.head_dim + self.dim_vo) * self.elem_bytes
 
     def qo_bytes(self) -> int:
         """q read once plus out written once (16-bit both)."""
-        return 2 * self.num_q_rows * H_Q * self.head_dim * 2
+        return self.num_q_rows * H_Q * (self.head_dim + self.dim_vo) * 2
 
     def min_bytes(self) -> int:
         """The fewest bytes through device memory: KV once, q once, out once."""
@@ -154,9 +162,10 @@ class Workload:
         return sum(n * of(q, kv) for n, q, kv in self.ragged)
 
     def flops(self) -> int:
-        """4 * H_q * D * sum_b(visible keys of b): QK^T and PV, 2 flops per multiply-add each."""
+        """2 * H_q * (D_qk + D_vo) * sum_b(visible keys of b): QK^T and PV, 2 flops per multiply-add
+        each (4 * H_q * D where the head dims are one)."""
         per = self.visible_keys()
-        return 4 * H_Q * self.head_dim * (per * self.batch if not self.ragged else per)
+        return 2 * H_Q * (self.head_dim + self.dim_vo) * (per * self.batch if not self.ragged else per)
 
     def floors_us(self, read_tbps: float = REFERENCE_READ_TBPS, gemm_tflops: float = REFERENCE_GEMM_TFLOPS):
         """(bytes floor, flops floor) in microseconds."""
@@ -211,6 +220,8 @@ WORKLOADS = [
     Workload("decode_b64_l4096_d192", 64, 1, 4096, "head dim 192", head_dim=192),
     Workload("prefill_b4_l4096_d96", 4, 4096, 4096, "head dim 96", head_dim=96),
     Workload("prefill_b4_l4096_d192", 4, 4096, 4096, "head dim 192", head_dim=192),
+    Workload("prefill_b4_l4096_qk192_vo128", 4, 4096, 4096, "qk / vo head dims 192 / 128 (sm_90a: the wgmma tile of the pair)",
+             head_dim=192, head_dim_vo=128),
     # an fp8 KV cache: the prefill and extend cells over it (ours: the wgmma fp8 tile on sm_90a)
     Workload("prefill_b4_l4096_fp8", 4, 4096, 4096, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),
     Workload("prefill_b2_l8192_fp8", 2, 8192, 8192, "fp8 KV cache (per-tensor scales)", kv_dtype=FP8),

@@ -27,9 +27,9 @@ class ScheduleMemo:
     """``schedule.schedule_step`` for one attention shape (head dim, group, KV heads, KV element
     bytes), with the schedules of the last :data:`SIZE` keys kept."""
 
-    def __init__(self, head_dim, group_size, num_kv_heads, kv_bytes):
+    def __init__(self, head_dim, group_size, num_kv_heads, kv_bytes, head_dim_vo=None):
         self.shape = (head_dim, group_size, num_kv_heads)
-        self.kv_bytes = kv_bytes
+        self.kv_bytes, self.head_dim_vo = kv_bytes, head_dim_vo
         self._found, self._knobs = {}, None
         self.hits = self.misses = 0
 
@@ -55,7 +55,7 @@ class ScheduleMemo:
         found = schedule.schedule_step(*self.shape, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len,
                                        max_kv_len=max_kv_len, capacity=capacity, batch_size=batch_size,
                                        smem_limit=smem_limit, sm_count=sm_count, arch=arch, kv_bytes=self.kv_bytes,
-                                       window=window)
+                                       window=window, head_dim_vo=self.head_dim_vo)
         if len(self._found) >= SIZE:
             del self._found[next(iter(self._found))]
         self._found[key] = found

@@ -35,9 +35,14 @@ class BatchAttention(PlannedInstance):
 
     Args:
         num_qo_heads, num_kv_heads: query and KV head counts (GQA/MQA: the first a multiple of the second).
-        head_dim: 64, 96, 128, 192 or 256, of q, K, V and out alike (separate qk / vo head dims, such
-            as DeepSeek's 192 / 128, are not supported). On sm_90a, requests of more than 16 tokens
-            take the wgmma family at every one of these head dims.
+        head_dim: 64, 96, 128, 192 or 256, of q and K (and of V and out unless ``head_dim_vo``). On
+            sm_90a, requests of more than 16 tokens take the wgmma family at every one of these
+            head dims, and at the pairs of ``head_dim_vo`` (docs/design.md, "Separate qk / vo head
+            dims").
+        head_dim_vo: V's and out's head dim where it differs from q's and K's: None (``head_dim``),
+            or a pair of ``families.common.HEAD_DIM_PAIRS`` (192 / 128: DeepSeek's non-absorbed
+            MLA prefill) over a float16 / bfloat16 cache; ``out`` is then ``[T, H_q, head_dim_vo]``
+            and the cache's V ``[..., head_dim_vo]`` (``PagedKVCache.allocate(..., head_dim_v=)``).
         dtype: "bfloat16" or "float16" (also NumPy / ml_dtypes / torch dtypes); q, cache and out share it.
         kv_dtype: the cache's dtype: None (``dtype``), or "float8_e4m3fn" for an fp8 cache
             (:class:`PagedKVCache` with its scales) beside ``dtype`` queries and outputs; the
@@ -56,7 +61,8 @@ class BatchAttention(PlannedInstance):
             device is current in the caller; the inputs must live there too (``device_id``).
     Raises:
         ValueError: head counts that are not positive ints or do not divide, an unsupported
-            head dim (or a pair of them), some but not all of the capacities, a capacity that is
+            head dim (or a pair of them: ``head_dim_vo`` not making a supported pair, or with an
+            fp8 ``kv_dtype``), some but not all of the capacities, a capacity that is
             not a positive int (``max_mask_bytes``: not negative); an fp8 ``kv_dtype`` at head dim 96
             or 192. TypeError: a dtype other than float16 / bfloat16, a kv_dtype other than
             ``dtype`` or float8_e4m3fn. ValueError: a ``device`` that is no CUDA device of this process.
@@ -79,29 +85,30 @@ class BatchAttention(PlannedInstance):
     _NAME = "BatchAttention"
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
-                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None, device=None):
+                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None, device=None,
+                 head_dim_vo=None):
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if isinstance(head_dim, (tuple, list)):
-            raise ValueError(f"separate qk / vo head dims {tuple(head_dim)} are not supported: q, K, V and out share "
-                             f"one head_dim, one of {_common.HEAD_DIMS} (docs/design.md, \"Head dims\")")
-        if head_dim not in _common.HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {_common.HEAD_DIMS}, got {head_dim!r}")
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        head_dim, head_dim_vo = _common.checked_head_dims(head_dim, head_dim_vo)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = int(num_qo_heads), int(num_kv_heads), head_dim
+        self.head_dim_vo = head_dim_vo  # V's and out's (= head_dim unless a pair)
         self.group_size = self.num_qo_heads // self.num_kv_heads
         self.dtype_name = _arrays.resolve_dtype(dtype)
         self.kv_dtype_name = self.dtype_name if kv_dtype is None else _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
         if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
             raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
+        _common.checked_head_dims(self.head_dim, self.head_dim_vo, self.kv_dtype_name)  # an fp8 cache: one dim
         if self.kv_dtype_name == _arrays.FP8 and self.head_dim not in _common.FP8_HEAD_DIMS:
             raise ValueError(f"an fp8 KV cache takes head_dim {_common.FP8_HEAD_DIMS}, got {self.head_dim} "
                              f"(docs/design.md, \"Head dims\")")
         self._types = _common.ElementTypes(self.dtype_name, self.kv_dtype_name, self.dtype_name)
-        self._launcher = StepLauncher(self._types, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype_name)
-        self._schedules = _memo.ScheduleMemo(self.head_dim, self.group_size, self.num_kv_heads, self._types.kv_bytes)
+        self._launcher = StepLauncher(self._types, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype_name,
+                                      self.head_dim_vo)
+        self._schedules = _memo.ScheduleMemo(self.head_dim, self.group_size, self.num_kv_heads, self._types.kv_bytes,
+                                             self.head_dim_vo)
         self._np_dtype = _arrays.DTYPES[self.dtype_name]
         self._done = None  # the event each plan records after its plan kernel (made by the first)
         self._split_checked = None  # the knobs the split size was checked under
@@ -112,7 +119,7 @@ class BatchAttention(PlannedInstance):
         self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 
     def _new_buffers(self, capacity):
-        return _plan.PlanBuffers(capacity, self.num_qo_heads, self.head_dim, self.dtype_name)
+        return _plan.PlanBuffers(capacity, self.num_qo_heads, self.head_dim_vo, self.dtype_name)  # partials: out's
 
     # ---- plan ------------------------------------------------------------------------
 
@@ -301,7 +308,7 @@ class BatchAttention(PlannedInstance):
                 request are neither read nor written).
             cache: the :class:`PagedKVCache` this step's K/V were already appended to, of the
                 same dtype, ``num_kv_heads`` and ``head_dim``.
-            out: optional ``[T, num_qo_heads, head_dim]`` destination of q's dtype (8-byte
+            out: optional ``[T, num_qo_heads, head_dim_vo]`` destination of q's dtype (8-byte
                 aligned); a new array otherwise. Rows of padded requests are not written.
             lse: optional float32 ``[T, num_qo_heads]`` destination of the natural-log LSE.
             return_lse: also return the LSE (allocated when ``lse`` is not given).
@@ -369,7 +376,7 @@ class BatchAttention(PlannedInstance):
         if out_v is None:
             if capturing:
                 raise ValueError("out must be given when running inside a CUDA-graph capture")
-            out_v = _views.allocate(q_v, q_v.shape, self._np_dtype, stream)
+            out_v = _views.allocate(q_v, (num_tokens, self.num_qo_heads, self.head_dim_vo), self._np_dtype, stream)
         if return_lse and lse_v is None:
             if capturing:
                 raise ValueError("lse must be given to return it inside a CUDA-graph capture")

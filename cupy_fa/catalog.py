@@ -21,7 +21,7 @@ from . import _arrays, _build, _compile, schedule
 from ._compile import Kernel
 from .families import is_small_q_tile, mma_sync, sm90
 from .families import mla as mla_family
-from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes, is_sm90a
+from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIM_PAIRS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes, is_sm90a
 from .families.mma_sync import MmaTile
 from .knobs import STAGE_CHOICES
 
@@ -94,22 +94,33 @@ def all_kernels(arch=None):
     for dtype_name in _compile.CTYPES:
         for head_dim in HEAD_DIMS:
             out += _merge_kernels(dtype_name, head_dim)
-            tiles = [MmaTile(head_dim, 4, 1)]  # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
-            if arch is None or is_sm90a(arch):  # the wgmma family's tile (every head dim)
-                tiles.append(sm90.prefill_tile(head_dim))
-            for warps_m in (1, 2):
-                for stages in STAGE_CHOICES:
-                    for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
-                        tile = mma_sync.small_q_tile(head_dim, warps_m, stages, limit)
-                        tiles += [tile, tile.folding(smem_limit=limit)]
-            tiles = [t for t in tiles if t is not None]
-            tiles += [t.with_variants() for t in tiles]  # each with the variant hooks (window, soft-cap, sinks)
-            kernels = (attention_kernel(dtype_name, t) for t in tiles)
+            kernels = (attention_kernel(dtype_name, t) for t in _tiles(head_dim, arch))
             out += list({k.expression: k for k in kernels}.values())  # one per distinct kernel
             if head_dim in FP8_HEAD_DIMS:
                 out += fp8_kernels(dtype_name, head_dim, fp8_tiles(head_dim, arch=arch))
     out += mla_family.all_kernels(arch)  # multi-head latent attention (cupy_fa.mla)
+    for dtype_name in _compile.CTYPES:  # separate qk / vo head dims (their merge is the vo head dim's)
+        for head_dim, head_dim_vo in HEAD_DIM_PAIRS:
+            kernels = (attention_kernel(dtype_name, t) for t in _tiles(head_dim, arch, head_dim_vo))
+            out += list({k.expression: k for k in kernels}.values())
     return out
+
+
+def _tiles(head_dim, arch, head_dim_vo=None):
+    """The 16-bit cache's tiles the policy can select at a head dim (or a pair), plain and with the
+    variant hooks: the prefill tiles, the small-q tiles of both row layouts at each depth for
+    Hopper's and an A100's shared memory, and their folding tiles."""
+    # mma.sync prefill: any target but sm_90a (there: no wgmma fit)
+    tiles = [schedule.prefill_tile(head_dim, head_dim_vo=head_dim_vo)]
+    if arch is None or is_sm90a(arch):  # the wgmma family's tile (every head dim, and the pairs)
+        tiles.append(sm90.prefill_tile(head_dim, head_dim_vo=head_dim_vo))
+    for warps_m in (1, 2):
+        for stages in STAGE_CHOICES:
+            for limit in (SMEM_LIMIT, SM80_SMEM_LIMIT):  # what Hopper and what A100 pick
+                tile = mma_sync.small_q_tile(head_dim, warps_m, stages, limit, head_dim_vo=head_dim_vo)
+                tiles += [tile, tile.folding(smem_limit=limit)]
+    tiles = [t for t in tiles if t is not None]
+    return tiles + [t.with_variants() for t in tiles]  # each with the variant hooks (window, soft-cap, sinks)
 
 
 def fp8_tiles(head_dim, stage_choices=None, limits=(SMEM_LIMIT, SM80_SMEM_LIMIT), arch=None):

@@ -46,8 +46,10 @@ class GraphRunner:
     """Replays one captured attention step per (mode, batch bucket, cache).
 
     Args:
-        num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype: as for :class:`BatchAttention`
-            (``kv_dtype="float8_e4m3fn"``: the caches are fp8).
+        num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype, head_dim_vo: as for
+            :class:`BatchAttention` (``kv_dtype="float8_e4m3fn"``: the caches are fp8;
+            ``head_dim_vo``: V's and out's head dim where it differs, the static out
+            ``[tokens, H_q, head_dim_vo]``).
         max_batch_size: largest batch (the largest bucket).
         max_q_len: largest q_len of any request in a non-DECODE mode (N for verify /
             draft-extend, the chunk for EXTEND / MIXED).
@@ -77,7 +79,7 @@ class GraphRunner:
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size, max_q_len,
                  max_pages_per_request, page_size, buckets=None, tree_mask=False, kv_dtype=None, window=None,
-                 logits_soft_cap=None, device=None):
+                 logits_soft_cap=None, device=None, head_dim_vo=None):
         self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         if kv_dtype is not None:  # before anything is allocated
             kv_name = _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
@@ -99,7 +101,8 @@ class GraphRunner:
         mask_bytes = self.max_batch_size * self.max_q_len ** 2 if tree_mask else 0
         self.attn = BatchAttention(num_qo_heads, num_kv_heads, head_dim, dtype, max_batch_size=self.max_batch_size,
                                    max_num_tokens=tokens, max_pages_per_request=self.max_pages_per_request,
-                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype, device=device)
+                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype, device=device,
+                                   head_dim_vo=head_dim_vo)
         self.device_id = self.attn.device_id
         self.tree_mask = tree_mask
         self._sm_scale = _plan.checked_sm_scale(None, self.attn.head_dim)
@@ -109,7 +112,7 @@ class GraphRunner:
 
         with self.attn.device_scope():
             self.q = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
-            self.out = cupy.zeros((tokens, num_qo_heads, head_dim), elem)
+            self.out = cupy.zeros((tokens, num_qo_heads, self.attn.head_dim_vo), elem)
             self.lse = cupy.zeros((tokens, num_qo_heads), np.float32)
             self.sinks = cupy.zeros(num_qo_heads, np.float32)  # run(sinks=...) is copied here: the graphs read it
         self._q_ptr, self._sinks_ptr, self._sinks_bytes = self.q.data.ptr, self.sinks.data.ptr, self.sinks.nbytes
@@ -152,7 +155,7 @@ class GraphRunner:
                 copied into a static buffer each step (steps with and without sinks are graphs of
                 their own).
         Returns:
-            A view ``[sum(q_lens), H_q, D]`` of the runner's static output, valid until the next
+            A view ``[sum(q_lens), H_q, D_vo]`` of the runner's static output, valid until the next
             ``run``, in q's framework; with ``return_lse`` also the ``[sum(q_lens), H_q]`` LSE view.
         Raises:
             ValueError: a batch beyond ``max_batch_size``, q_lens above the mode's bound, more

@@ -1,4 +1,5 @@
-"""The paged KV cache: K and V arrays ``[num_pages, page_size, H_kv, D]`` (NHD).
+"""The paged KV cache: K and V arrays ``[num_pages, page_size, H_kv, D]`` (NHD; V ``[..., D_v]``
+where the qk / vo head dims differ).
 
 Token j of a request lives in page ``page_table[b, j // page_size]`` at offset
 ``j % page_size``; its *slot* is ``page * page_size + offset``.
@@ -19,7 +20,8 @@ class PagedKVCache:
         k, v: device arrays ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD: a page
             holds ``page_size`` consecutive tokens of one request, each ``num_kv_heads x
             head_dim``), float16, bfloat16 or float8_e4m3fn, C-contiguous, 16-byte aligned, same
-            shape, dtype and device; ``head_dim`` a multiple of 8 (of 16 for fp8). Any page size
+            shape, dtype and device (a 16-bit cache's v may have its own last dim, ``head_dim_v``:
+            separate qk / vo head dims); ``head_dim`` a multiple of 8 (of 16 for fp8). Any page size
             (powers of two shift, others divide). The caller's objects are kept alive and
             written in place. fp8: torch ``float8_e4m3fn`` tensors (passed to CuPy as uint8
             bytes, zero copy: CuPy 14's DLPack carries no fp8 type), CuPy arrays of ml_dtypes'
@@ -36,7 +38,8 @@ class PagedKVCache:
     and refuse new rows on another device.
 
     Attributes:
-        k, v: the CuPy views (uint8 bytes for fp8); device_id; num_pages, page_size, num_kv_heads, head_dim;
+        k, v: the CuPy views (uint8 bytes for fp8); device_id; num_pages, page_size, num_kv_heads, head_dim,
+        head_dim_v (V's: head_dim unless separate);
         dtype_name; k_scale, v_scale: float32 ``[num_kv_heads]`` NumPy copies (fp8; else None),
         k_scale_device, v_scale_device: the same on the device, which the kernels read.
     Raises:
@@ -73,15 +76,18 @@ class PagedKVCache:
         if fp8 and v_fp8 is None and v_dev.dtype != np.uint8:
             raise TypeError(f"v must have dtype float8_e4m3fn like k, got {_arrays.dtype_name(v_dev.dtype)}")
         _arrays.check_device_array(k_dev, "k")
-        _arrays.check_device_array(v_dev, "v", dtype=np.uint8 if fp8 else self.dtype_name, shape=k_dev.shape,
+        # V may be narrower than K (separate qk / vo head dims, a 16-bit cache): its last dim is its own
+        v_shape = tuple(k_dev.shape[:3]) + ((v_dev.shape[3],) if v_dev.ndim == 4 and not fp8 else (k_dev.shape[3],))
+        _arrays.check_device_array(v_dev, "v", dtype=np.uint8 if fp8 else self.dtype_name, shape=v_shape,
                                    device_id=k_dev.device.id)
         multiple = 16 if fp8 else 8  # 16-byte chunks of the kernels' copies
-        if k_dev.shape[3] % multiple:
-            raise ValueError(f"head_dim (k.shape[3]) must be a multiple of {multiple} for a {self.dtype_name} "
-                             f"cache, got {k_dev.shape[3]}")
+        for name, dim in (("head_dim (k.shape[3])", k_dev.shape[3]), ("head_dim_v (v.shape[3])", v_dev.shape[3])):
+            if dim % multiple:
+                raise ValueError(f"{name} must be a multiple of {multiple} for a {self.dtype_name} cache, got {dim}")
         self.k, self.v = k_dev, v_dev
         self.device_id = int(k_dev.device.id)
         self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = (int(s) for s in k_dev.shape)
+        self.head_dim_v = int(v_dev.shape[3])  # V's head dim: head_dim, or V's own (separate qk / vo head dims)
         if self.page_size < 1 or self.num_pages < 1:
             raise ValueError(f"k must have at least one page of at least one token, got shape {tuple(k_dev.shape)}")
         if not fp8 and (k_scale is not None or v_scale is not None):
@@ -101,26 +107,38 @@ class PagedKVCache:
 
     @classmethod
     def allocate(cls, num_pages, page_size, num_kv_heads, head_dim, dtype="bfloat16", *, k_scale=None,
-                 v_scale=None, device=None):
+                 v_scale=None, device=None, head_dim_v=None):
         """A zero-filled cache ``[num_pages, page_size, num_kv_heads, head_dim]`` of ``dtype``
         ("bfloat16" / "float16" / "float8_e4m3fn", with its scales) on ``device`` (an int id, a
         ``cupy.cuda.Device``, a torch cuda device or ``"cuda:N"``; default CuPy's current device).
+        ``head_dim_v``: V's head dim where it differs from K's (separate qk / vo head dims, e.g.
+        192 / 128; a 16-bit cache only): V is then ``[num_pages, page_size, num_kv_heads, head_dim_v]``.
 
         Raises:
             ValueError: a dimension below 1 (or a head dim that is not a multiple of 8, of 16 for
-                fp8); bad scales (see the class); a ``device`` that is no CUDA device here.
+                fp8); a ``head_dim_v`` other than ``head_dim`` for an fp8 cache; bad scales (see the
+                class); a ``device`` that is no CUDA device here.
             TypeError: another dtype.
         """
         name = _arrays.resolve_kv_dtype(dtype)
         np_dtype = np.uint8 if name == _arrays.FP8 else _arrays.DTYPES[name]
         shape = (int(num_pages), int(page_size), int(num_kv_heads), int(head_dim))
-        if min(shape) < 1:
-            raise ValueError(f"cache dimensions must be positive, got {shape}")
+        v_shape = shape[:3] + (int(head_dim if head_dim_v is None else head_dim_v),)
+        if min(shape + v_shape) < 1:
+            raise ValueError(f"cache dimensions must be positive, got {shape}"
+                             + (f" (V: {v_shape})" if v_shape != shape else ""))
+        multiple = 16 if name == _arrays.FP8 else 8
+        for arg, dim in (("head_dim", shape[3]), ("head_dim_v", v_shape[3])):
+            if dim % multiple:
+                raise ValueError(f"{arg} must be a multiple of {multiple} for a {name} cache, got {dim}")
+        if name == _arrays.FP8 and v_shape != shape:
+            raise ValueError(f"head_dim_v={head_dim_v} with head_dim={head_dim}: an fp8 cache takes one head dim for "
+                             f"K and V (head_dim_v=None)")
         _arrays.require_cuda()
         import cupy
 
         with cupy.cuda.Device(_arrays.resolve_device(device)):
-            return cls(cupy.zeros(shape, np_dtype), cupy.zeros(shape, np_dtype), dtype=name, k_scale=k_scale,
+            return cls(cupy.zeros(shape, np_dtype), cupy.zeros(v_shape, np_dtype), dtype=name, k_scale=k_scale,
                        v_scale=v_scale)
 
     @property
@@ -152,7 +170,7 @@ class PagedKVCache:
         for torch tensors, else CuPy's).
 
         Args:
-            k_new, v_new: device arrays ``[T, num_kv_heads, head_dim]`` of the cache dtype (an
+            k_new, v_new: device arrays ``[T, num_kv_heads, head_dim]`` (v_new: ``head_dim_v``) of the cache dtype (an
                 fp8 cache: float16 or bfloat16, both the same, quantised on the fly to
                 ``e4m3(x / scale)`` of their KV head: round to nearest even, saturating at
                 +-448, NaN kept as NaN), C-contiguous, 16-byte aligned.
@@ -188,20 +206,30 @@ class PagedKVCache:
         bound = "the device of this cache"
         _arrays.check_device_array(k_dev, "k_new", dtype=new_dtype, ndim=3, shape=row, device_id=self.device_id,
                                    bound=bound)
-        _arrays.check_device_array(v_dev, "v_new", dtype=new_dtype, shape=k_dev.shape, device_id=self.device_id,
+        v_row = tuple(k_dev.shape[:2]) + (self.head_dim_v,)
+        _arrays.check_device_array(v_dev, "v_new", dtype=new_dtype, shape=v_row, device_id=self.device_id,
                                    bound=bound)
         num_tokens = int(k_dev.shape[0])
         dev = staged_slots(host, dev, num_tokens, "k_new", self.num_slots, self.device_id, stream)
         if num_tokens == 0:
             return
-        row_chunks = self.num_kv_heads * self.head_dim // 8  # 16-byte chunks of a new row
+        if self.head_dim_v != self.head_dim:  # rows of two widths: the copy kernel once per array (K, then V)
+            for new, cache, dim in ((k_dev, self.k, self.head_dim), (v_dev, self.v, self.head_dim_v)):
+                self._launch_append(new, new, cache, cache, dim, dev, num_tokens, new_dtype, stream)
+            return
+        self._launch_append(k_dev, v_dev, self.k, self.v, self.head_dim, dev, num_tokens, new_dtype, stream)
+
+    def _launch_append(self, k_dev, v_dev, k_cache, v_cache, head_dim, dev, num_tokens, new_dtype, stream):
+        """The append kernel: rows of ``head_dim`` from k_dev / v_dev into k_cache / v_cache at the
+        slots ``dev`` (with separate K / V widths, one array at a time: both pairs the same array)."""
+        row_chunks = self.num_kv_heads * head_dim // 8  # 16-byte chunks of a new row
         fp8 = self.is_fp8
         params = _params.make(
-            "AppendParams", k_new=k_dev.data.ptr, v_new=v_dev.data.ptr, k_cache=self.k.data.ptr,
-            v_cache=self.v.data.ptr, slots=dev.data.ptr, num_slots=self.num_slots,
+            "AppendParams", k_new=k_dev.data.ptr, v_new=v_dev.data.ptr, k_cache=k_cache.data.ptr,
+            v_cache=v_cache.data.ptr, slots=dev.data.ptr, num_slots=self.num_slots,
             num_tokens=num_tokens, row_chunks=row_chunks, status=self._status.data.ptr,
             k_scale=self.k_scale_device.data.ptr if fp8 else 0, v_scale=self.v_scale_device.data.ptr if fp8 else 0,
-            head_chunks=self.head_dim // 8)
+            head_chunks=head_dim // 8)
         kernel = catalog.append_kernel(dev.dtype, new_dtype if fp8 else None)
         blocks = min((num_tokens * row_chunks + kernel.threads - 1) // kernel.threads, 65535)
         _build.launch(kernel, (blocks,), params, stream)
@@ -215,7 +243,9 @@ class PagedKVCache:
 
     def __repr__(self):
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype_name})")
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                + (f"head_dim_v={self.head_dim_v}, " if self.head_dim_v != self.head_dim else "")
+                + f"dtype={self.dtype_name})")
 
 
 # ---- what both paged caches (this one and cupy_fa.mla.PagedLatentCache) share -------------------

@@ -73,11 +73,13 @@ def signature(state):
 
 class StepLauncher:
     """Launches planned steps of one attention shape: ``types`` (a ``families.ElementTypes``),
-    ``num_qo_heads`` / ``num_kv_heads``, ``head_dim`` and the output's ``dtype_name``."""
+    ``num_qo_heads`` / ``num_kv_heads``, ``head_dim`` (``head_dim_vo``: out's and the merge's, None
+    for ``head_dim``) and the output's ``dtype_name``."""
 
-    def __init__(self, types, num_qo_heads, num_kv_heads, head_dim, dtype_name):
+    def __init__(self, types, num_qo_heads, num_kv_heads, head_dim, dtype_name, head_dim_vo=None):
         self.types, self.dtype_name = types, dtype_name
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.head_dim_vo = head_dim if head_dim_vo is None else head_dim_vo
         self.group_div = _params.fast_divisor(num_qo_heads // num_kv_heads)  # group_multiplier, group_shift
 
     def kernels(self, sched, hooked=False, num_tokens=None):
@@ -87,7 +89,7 @@ class StepLauncher:
         found = [catalog.attention_kernel(self.types, x.tile.with_variants() if hooked else x.tile)
                  for x in sched.launches if x.work_grid > 0]
         if sched.needs_merge and num_tokens:
-            found.append(catalog.merge_kernel(self.dtype_name, self.head_dim,
+            found.append(catalog.merge_kernel(self.dtype_name, self.head_dim_vo,
                                               schedule.merge_grid(num_tokens, self.num_qo_heads)[0]))
         return found
 
@@ -134,7 +136,7 @@ class StepLauncher:
                 # programmatic: its CTAs start in the last attention kernel's last wave and wait there
                 # (an earlier launch in the stream finished before that one began)
                 merge = by_tokens[num_tokens] = _build.PackedLaunch(
-                    catalog.merge_kernel(self.dtype_name, self.head_dim, shape), grid, packed, device_id,
+                    catalog.merge_kernel(self.dtype_name, self.head_dim_vo, shape), grid, packed, device_id,
                     programmatic=True)
             _build.launch_packed(merge, stream_ptr)
 
@@ -182,15 +184,15 @@ def check_run(attn, state, q, cache, out, lse):
     ``state`` of BatchAttention ``attn``, before anything is launched: what ``BatchAttention.run``
     says it raises (the page table against the cache once per cache geometry). Each array's checks
     pass in one comparison (``View.fits``); ``check_device_array`` names what failed."""
-    h, d = attn.num_qo_heads, attn.head_dim
+    h, d, d_vo = attn.num_qo_heads, attn.head_dim, attn.head_dim_vo
     device, bound = attn.device_id, attn._bound_text
     want = (state.num_tokens, h, d)
     if not (q.fits(attn._np_dtype, want, device, 16) if state.num_tokens is not None else
             q.fits(attn._np_dtype, (q.shape[0], h, d) if q.ndim == 3 else want, device, 16)):
         _arrays.check_device_array(q, "q", dtype=attn.dtype_name, ndim=3, shape=want, device_id=device, bound=bound)
-    if cache.num_kv_heads != attn.num_kv_heads or cache.head_dim != attn.head_dim:
-        raise ValueError(f"cache has num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}; this "
-                         f"BatchAttention expects {attn.num_kv_heads} and {attn.head_dim}")
+    if cache.num_kv_heads != attn.num_kv_heads or cache.head_dim != d or cache.head_dim_v != d_vo:
+        raise ValueError(f"cache has num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}, head_dim_v="
+                         f"{cache.head_dim_v}; this BatchAttention expects {attn.num_kv_heads}, {d} and {d_vo}")
     if cache.dtype_name != attn.kv_dtype_name:
         if attn.kv_dtype_name == attn.dtype_name:
             raise TypeError(f"cache dtype is {cache.dtype_name}, q dtype is {attn.dtype_name}"
@@ -203,11 +205,12 @@ def check_run(attn, state, q, cache, out, lse):
     if state.num_tokens is None and q.shape[0] > attn._buffers.capacity.max_num_tokens:
         raise ValueError(f"q has {q.shape[0]} tokens, more than max_num_tokens "
                          f"{attn._buffers.capacity.max_num_tokens}")
-    if out is not None and not out.fits(attn._np_dtype, q.shape, device, 8):
-        _arrays.check_device_array(out, "out", dtype=attn.dtype_name, shape=q.shape, device_id=device, align=8,
+    out_shape = q.shape if d_vo == d else (q.shape[0], h, d_vo)  # [T, H_q, head_dim_vo]
+    if out is not None and not out.fits(attn._np_dtype, out_shape, device, 8):
+        _arrays.check_device_array(out, "out", dtype=attn.dtype_name, shape=out_shape, device_id=device, align=8,
                                    bound=bound)
         if out.ndim != 3:
-            raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
+            raise ValueError(f"out must have shape {tuple(out_shape)}, got {tuple(out.shape)}")
     if lse is not None and not lse.fits(np.float32, (q.shape[0], h), device, 4):
         _arrays.check_device_array(lse, "lse", dtype=np.float32, ndim=2, align=4, shape=(q.shape[0], h),
                                    device_id=device, bound=bound)

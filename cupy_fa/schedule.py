@@ -54,7 +54,7 @@ WHOLE_ROW_GROUPS = 2  # a CTA folds a whole row (no merge at all) of at most thi
 # ---- which tile for a batch ------------------------------------------------------------------
 
 
-def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
+def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2, head_dim_vo=None):
     """Tile for a batch whose longest request has ``max_q_len`` query tokens, on a device with
     ``smem_limit`` bytes of dynamic shared memory per CTA and target ``arch`` (e.g. ``sm_90a``;
     None: any).
@@ -67,14 +67,15 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
     cache): the same layouts with fp8_small_q_shape's keys a tile and depth, and where every
     request packs at most 8 rows (decode at a GQA group of at most 8) the one-row tile with one
     row half (``row_halves=1``: half the softmax issued, the same bits a row; CUPY_FA_HALF_ROWS=0
-    turns it off)."""
+    turns it off). ``head_dim_vo``: V's and out's head dim where it differs (a pair of
+    ``HEAD_DIM_PAIRS``: the same layouts, with V's tiles and the accumulators at that width)."""
     k = knobs()
     if max_q_len > SMALL_Q_LEN:
-        return prefill_tile(head_dim, smem_limit, arch, kv_bytes)
+        return prefill_tile(head_dim, smem_limit, arch, kv_bytes, head_dim_vo)
     rows = max(max_q_len, 1) * group_size
     warps_m = k.decode_warps_m or (1 if rows <= 16 else 2)
     stages = fp8_small_q_shape(head_dim)[1] if kv_bytes == 1 else k.decode_stages
-    tile = small_q_tile(head_dim, warps_m, stages, smem_limit, kv_bytes)
+    tile = small_q_tile(head_dim, warps_m, stages, smem_limit, kv_bytes, head_dim_vo)
     if kv_bytes == 1 and warps_m == 1 and rows <= tile.block_m // 2 and k.half_rows:  # the kernel traps past it
         tile = dataclasses.replace(tile, row_halves=1)
         if k.producer_warp and tile.producer_warp_layout and is_sm90a(arch):  # setmaxnreg: sm_90a
@@ -84,19 +85,24 @@ def tile_for(head_dim, max_q_len, group_size, smem_limit=SMEM_LIMIT, arch=None, 
     return tile
 
 
-def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2):
+def prefill_tile(head_dim, smem_limit=SMEM_LIMIT, arch=None, kv_bytes=2, head_dim_vo=None):
     """The tile of requests of more than SMALL_Q_LEN tokens, one KV split per CTA: on an sm_90a
     target the wgmma family's tile for the head dim and cache (``sm90.DEFAULT_TILES``: 192 packed
     rows per CTA at D 64 / 96 / 128, 128 at D 192 / 256; an fp8 cache's ``sm90.FP8_TILES`` at
-    D 64 / 128 / 256, its K / V widened to fp16 by the producer) when it fits ``smem_limit``; on
-    any other target (sm_80, sm_89, an ``sm_90`` or ``sm_80`` build forced by ``CUPY_FA_ARCH``, or
-    ``arch=None``: no target named), and for a head dim or cache the family has no tile of, the
-    mma.sync prefill tile, 4 warps over query rows (64 packed rows per CTA; with fp8 K/V stages
-    over an fp8 cache)."""
+    D 64 / 128 / 256, its K / V widened to fp16 by the producer; separate qk / vo head dims,
+    ``head_dim_vo`` a pair of ``HEAD_DIM_PAIRS``: ``sm90.PAIR_TILES``, 128 rows at 192 / 128) when
+    it fits ``smem_limit``; on any other target (sm_80, sm_89, an ``sm_90`` or ``sm_80`` build
+    forced by ``CUPY_FA_ARCH``, or ``arch=None``: no target named), and for a head dim, pair or
+    cache the family has no tile of, the mma.sync prefill tile, 4 warps over query rows (64 packed
+    rows per CTA; with fp8 K/V stages over an fp8 cache; with V's tiles and the accumulators at
+    ``head_dim_vo`` for a pair)."""
+    split_dims = head_dim_vo is not None and head_dim_vo != head_dim
     if is_sm90a(arch):
-        tile = sm90.prefill_tile(head_dim, kv_bytes)
+        tile = sm90.prefill_tile(head_dim, kv_bytes, head_dim_vo)
         if tile is not None and tile.smem_bytes <= smem_limit:
             return tile
+    if split_dims:
+        return MmaTile(head_dim, 4, 1, kv_bytes=kv_bytes, head_dim_vo=head_dim_vo)
     return MmaTile(head_dim, 4, 1, kv_bytes=kv_bytes)
 
 
@@ -340,7 +346,7 @@ class StepSchedule:
 
 def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=None, max_q_len=None,
                   max_kv_len=None, capacity=None, batch_size=None, smem_limit=SMEM_LIMIT, sm_count=132, arch=None,
-                  kv_bytes=2, window=0):
+                  kv_bytes=2, window=0, head_dim_vo=None):
     """The launches, tiles, grids and merge of one step, on a device with ``smem_limit`` bytes of
     shared memory per CTA, ``sm_count`` SMs and target ``arch`` (None: the mma.sync family only).
 
@@ -356,8 +362,9 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
 
     With a sliding ``window`` (> 0) a request's splits cut only the keys from its key_base on
     (:func:`window_spans`; kernels/shared/plan.cu), and every split count, grid and merge below is that of
-    those keys (with device lengths: of :func:`window_span_bound`)."""
-    long_tile = prefill_tile(head_dim, smem_limit, arch, kv_bytes)
+    those keys (with device lengths: of :func:`window_span_bound`). ``head_dim_vo``: V's and out's
+    head dim where it differs from ``head_dim`` (every tile at that pair)."""
+    long_tile = prefill_tile(head_dim, smem_limit, arch, kv_bytes, head_dim_vo)
     if window and q_lens is not None:
         kv_lens = window_spans(q_lens, kv_lens, window, kv_bytes)  # what the splits cut: every count below follows
     elif window:
@@ -381,7 +388,8 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
             merge = needs_merge(long_tile, q, kv)
         if not is_long.any() or (q_lens[is_small] > 0).any():
             q, kv = q_lens[is_small], kv_lens[is_small]
-            tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch, kv_bytes)
+            tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch, kv_bytes,
+                            head_dim_vo)
             if long is None:  # one merge reads one partial layout: no CTA folds beside a long launch
                 tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
             small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
@@ -389,7 +397,7 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
         return StepSchedule(small, long, merge)
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
-    tile = tile_for(head_dim, min(max_q, SMALL_Q_LEN), group_size, smem_limit, arch, kv_bytes)
+    tile = tile_for(head_dim, min(max_q, SMALL_Q_LEN), group_size, smem_limit, arch, kv_bytes, head_dim_vo)
     if max_q <= SMALL_Q_LEN:
         shortest = np.full(batch_size, max_q)
         tile = fold_tile(tile, shortest, shortest, group_size, num_kv_heads, sm_count, exact=False,

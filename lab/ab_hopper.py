@@ -1,9 +1,9 @@
 """Interleaved A/B of the wgmma family's tile choices on its new cells (fp8 K/V, head dims 96 / 192,
-the soft-cap's tanh forms; tuning only; lab probe).
+separate qk / vo head dims 192 / 128, the soft-cap's tanh forms; tuning only; lab probe).
 
 Each point is a bench workload (bench/workloads.py) run through ``bench.ours.bench_ours`` (checked
 against float64 on its row windows first, then timed by CUDA-graph replays) with the family's tile
-tables patched for that point (``families.sm90.DEFAULT_TILES`` / ``FP8_TILES``, the soft-cap's tanh
+tables patched for that point (``families.sm90.DEFAULT_TILES`` / ``FP8_TILES`` / ``PAIR_TILES``, the soft-cap's tanh
 ``SOFT_CAP_TANH``, the hooked tile's keys), restored after. Written 2026-12-05. Inputs are built
 once per workload and shared by its points; the points of a workload run in turn, ``--rounds``
 times (A B C A B C ...).
@@ -25,22 +25,30 @@ from cupy_fa.families import sm90
 
 R = dataclasses.replace
 T128, F128 = sm90.DEFAULT_TILES[128], sm90.FP8_TILES[128]
+P192 = sm90.PAIR_TILES[(192, 128)]
 # two consumer warpgroups of 128 keys (FlashAttention-3's D 128 shape; the consumers at 224 registers)
 T2W = R(T128, consumer_wgs=2, producer_regs=56, block_n=128)
 F2W = R(F128, consumer_wgs=2, producer_regs=56, block_n=128)
 
 
 @contextlib.contextmanager
-def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None):
-    """The family's tables with ``default`` / ``fp8`` ({head dim: tile}) merged in, the soft-cap's
+def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None, pair=None):
+    """The family's tables with ``default`` / ``fp8`` ({head dim: tile}) and ``pair`` ({(qk, vo):
+    tile, or None to drop the pair's tile: the mma.sync prefill tile then}) merged in, the soft-cap's
     tanh form, the hooked tiles' keys a tile and other fields of theirs (``hooked``: a dict for
     ``dataclasses.replace``; None: as shipped); restored on exit. The hooked kernel runs the plain
     tile's plan, so a hooked tile of other rows per CTA (consumer warpgroups) needs ``default``'s
     tile of those rows too."""
     saved = dict(sm90.DEFAULT_TILES), dict(sm90.FP8_TILES), sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants
+    saved_pairs = dict(sm90.PAIR_TILES)
     try:
         sm90.DEFAULT_TILES.update(default or {})
         sm90.FP8_TILES.update(fp8 or {})
+        for key, tile in (pair or {}).items():
+            if tile is None:
+                sm90.PAIR_TILES.pop(key, None)
+            else:
+                sm90.PAIR_TILES[key] = tile
         if tanh is not None:
             sm90.SOFT_CAP_TANH = tanh
         if hooked_block_n is not None or hooked:
@@ -53,6 +61,7 @@ def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None)
         sm90.DEFAULT_TILES.clear(), sm90.DEFAULT_TILES.update(saved[0])
         sm90.FP8_TILES.clear(), sm90.FP8_TILES.update(saved[1])
         sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants = saved[2], saved[3]
+        sm90.PAIR_TILES.clear(), sm90.PAIR_TILES.update(saved_pairs)
         catalog.attention_kernel.cache_clear()
 
 
@@ -88,6 +97,13 @@ POINTS = [
     ("prefill_b4_l4096_d192", "2 wg, 112 keys, plain options",
      dict(default={192: sm90.Sm90Tile(192, 112, stages=2, pingpong=False)})),
     ("prefill_b4_l4096_d192", "2 wg, 80 keys", dict(default={192: R(sm90.DEFAULT_TILES[192], block_n=80)})),
+    # separate qk / vo head dims 192 / 128 (0 spill bytes at 96 / 112 / 128 keys, NVRTC 12.9, bf16 and fp16;
+    # three consumer warpgroups spill 40+ bytes at 64 keys): the pair's wgmma tile against the mma.sync
+    # prefill tile it replaced on sm_90a, and its keys a tile
+    ("prefill_b4_l4096_qk192_vo128", "table (2 wg, 128 keys)", {}),
+    ("prefill_b4_l4096_qk192_vo128", "2 wg, 96 keys", dict(pair={(192, 128): R(P192, block_n=96)})),
+    ("prefill_b4_l4096_qk192_vo128", "2 wg, 112 keys", dict(pair={(192, 128): R(P192, block_n=112)})),
+    ("prefill_b4_l4096_qk192_vo128", "mma.sync prefill tile (before)", dict(pair={(192, 128): None})),
     ("prefill_b2_l8192_d64", "shipped", {}),
     ("prefill_b2_l8192_d256", "shipped", {}),
 ]
@@ -124,7 +140,8 @@ def main(argv=None):
                     if args.once:
                         import cupy_fa
 
-                        attn = cupy_fa.BatchAttention(W.H_Q, W.H_KV, w.head_dim, w.dtype, kv_dtype=w.kv_dtype or None)
+                        attn = cupy_fa.BatchAttention(W.H_Q, W.H_KV, w.head_dim, w.dtype, kv_dtype=w.kv_dtype or None,
+                                                      head_dim_vo=w.head_dim_vo or None)
                         attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, logits_soft_cap=w.soft_cap or None)
                         attn.run(inp.sets[0].q, inp.sets[0].cache, out=inp.sets[0].out)
                         cupy.cuda.Device().synchronize()

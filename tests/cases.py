@@ -103,11 +103,12 @@ def paged_layout(rng, kv_lens, page_size, extra_pages=3):
     return table, num_pages
 
 
-def fill_cache(rng, cache_shape, dtype, page_table, kv_lens, page_size):
+def fill_cache(rng, cache_shape, dtype, page_table, kv_lens, page_size, head_dim_vo=None):
     """Random K/V (host, float32 values exactly representable in dtype) with NaN
-    in every slot that no request may read."""
+    in every slot that no request may read (V of its own head dim ``head_dim_vo`` where given)."""
     k = rng.standard_normal(cache_shape, dtype=np.float32)
-    v = rng.standard_normal(cache_shape, dtype=np.float32)
+    v_shape = tuple(cache_shape[:3]) + ((head_dim_vo or cache_shape[3]),)
+    v = rng.standard_normal(v_shape, dtype=np.float32)
     valid = np.zeros(cache_shape[:2], bool)
     for b, kv in enumerate(kv_lens):
         tokens = np.arange(int(kv))
@@ -117,9 +118,10 @@ def fill_cache(rng, cache_shape, dtype, page_table, kv_lens, page_size):
     return k.astype(dtype), v.astype(dtype)
 
 
-def paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, num_tokens):
+def paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, num_tokens, head_dim_vo=None):
     """The setup of a GPU case: a shuffled paged cache holding kv_lens keys per request
-    (NaN in every other slot), on the device, and num_tokens fresh host queries.
+    (NaN in every other slot), on the device, and num_tokens fresh host queries (``head_dim_vo``:
+    V's own head dim, separate qk / vo head dims).
     Returns (page_table, k_host, v_host, cache, q_host)."""
     import cupy
     import cupy_fa
@@ -127,7 +129,7 @@ def paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, num_tokens):
     h_q, h_kv = heads
     table, num_pages = paged_layout(rng, kv_lens, page_size)
     k_host, v_host = fill_cache(rng, (num_pages, page_size, h_kv, head_dim), np_dtype(dtype), table, kv_lens,
-                                page_size)
+                                page_size, head_dim_vo)
     cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
     q_host = rng.standard_normal((num_tokens, h_q, head_dim), dtype=np.float32).astype(np_dtype(dtype))
     return table, k_host, v_host, cache, q_host
@@ -141,7 +143,7 @@ def run_planned_in_graph(attn, q_lens, kv_lens, page_table, q, cache, max_q_len,
     import cupy
 
     lens = [cupy.asarray(x, np.int32) for x in (q_lens, kv_lens, page_table)]
-    out = cupy.empty_like(q)
+    out = cupy.empty((q.shape[0], q.shape[1], attn.head_dim_vo), q.dtype)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for capture in (False, True):  # the first plan sizes the buffers outside the capture

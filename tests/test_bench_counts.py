@@ -8,7 +8,7 @@ from bench import workloads as W
 
 def test_workload_set():
     names = [w.name for w in W.WORKLOADS]
-    assert len(names) == len(set(names)) == 31
+    assert len(names) == len(set(names)) == 32
     for w in W.WORKLOADS:
         assert all(1 <= q <= kv for q, kv in w.requests()) and len(w.requests()) == w.batch
         assert w.head_dim in (64, 96, 128, 192, 256) and w.dtype in ("bfloat16", "float16")
@@ -16,10 +16,19 @@ def test_workload_set():
         "prefill_b4_l4096", "prefill_b2_l8192", "extend_b4_q1024_l16384", "prefill_b2_l8192_d64",
         "prefill_b2_l8192_d256", "prefill_b2_l8192_full", "prefill_b2_l8192_fp16", "extend_b8_q512_l8192",
         "prefill_b4_l4096_w1024", "prefill_b4_l4096_cap50", "prefill_b4_l4096_sinks",
-        "prefill_b4_l4096_d96", "prefill_b4_l4096_d192", "prefill_b4_l4096_fp8", "prefill_b2_l8192_fp8",
+        "prefill_b4_l4096_d96", "prefill_b4_l4096_d192", "prefill_b4_l4096_qk192_vo128", "prefill_b4_l4096_fp8", "prefill_b2_l8192_fp8",
         "extend_b4_q1024_l16384_fp8"]
     assert [w.name for w in W.WORKLOADS if not w.causal] == ["prefill_b2_l8192_full"]
     assert [w.name for w in W.WORKLOADS if w.kind == "mixed"] == ["mixed_q2048_d63_l4096"]
+
+
+def test_qk_vo_cell_counts():
+    """Separate qk / vo head dims: flops 2 H (D_qk + D_vo) per visible key, K and V bytes at their widths."""
+    w, d192 = W.BY_NAME["prefill_b4_l4096_qk192_vo128"], W.BY_NAME["prefill_b4_l4096_d192"]
+    assert (w.head_dim, w.dim_vo) == (192, 128) and w.shape == "bf16 D192/128 causal"
+    assert w.visible_keys() == d192.visible_keys()
+    assert w.flops() == 2 * W.H_Q * (192 + 128) * w.visible_keys() * 4 == d192.flops() * 320 // 384
+    assert w.kv_bytes() == 4 * 4096 * W.H_KV * (192 + 128) * 2
 
 
 def test_the_variant_workloads():
@@ -114,7 +123,7 @@ def test_select_and_windows():
         "decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "draft_extend_q4_b64_l4096",
         "decode_b64_l4096_w1024", "decode_b64_l4096_cap50", "decode_b64_l4096_sinks",
         "decode_b64_l4096_d96", "decode_b64_l4096_d192"]
-    assert len(W.select([])) == 31
+    assert len(W.select([])) == 32
     assert [w.name for w in W.select(["prefill_b2_l8192*"])] == [
         "prefill_b2_l8192", "prefill_b2_l8192_d64", "prefill_b2_l8192_d256", "prefill_b2_l8192_full",
         "prefill_b2_l8192_fp16", "prefill_b2_l8192_fp8"]

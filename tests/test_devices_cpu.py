@@ -187,7 +187,7 @@ def test_run_inputs_on_another_device_are_refused(monkeypatch):
     attn = bound_instance(monkeypatch, 1)
     assert attn.device_id == 1
     state = types.SimpleNamespace(num_tokens=4)
-    cache = types.SimpleNamespace(num_kv_heads=2, head_dim=128, dtype_name="float16", device_id=0)
+    cache = types.SimpleNamespace(num_kv_heads=2, head_dim=128, head_dim_v=128, dtype_name="float16", device_id=0)
     with pytest.raises(ValueError, match=r"^q is on device 0, expected device 1 \(the device this BatchAttention is "
                                          r"bound to \(device=1\)\)$"):
         check_run(attn, state, view(0), cache, None, None)

@@ -236,9 +236,13 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     fp8 = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _compile.CTYPES
            for tile in s9.FP8_TILES.values() for t in (tile, tile.with_variants())}
     mla_wgmma = {families.mla.kernel(dt, families.mla.MlaWgmmaTile()) for dt in _compile.CTYPES}  # cupy_fa.mla
+    # separate qk / vo head dims: the wgmma family's tile of each pair, plain and hooked
+    pairs = {catalog.attention_kernel(dt, t) for dt in _compile.CTYPES for tile in s9.PAIR_TILES.values()
+             for t in (tile, tile.with_variants())}
     assert ring and not ring & sm80 and fp8 and not fp8 & sm80 and mla_wgmma and not mla_wgmma & sm80
-    assert (wgmma | hooked | ring | fp8 | mla_wgmma) <= everything and not (wgmma | hooked) & sm80
-    assert everything - sm80 == wgmma | hooked | ring | fp8 | mla_wgmma
+    assert pairs and not pairs & sm80
+    assert (wgmma | hooked | ring | fp8 | mla_wgmma | pairs) <= everything and not (wgmma | hooked) & sm80
+    assert everything - sm80 == wgmma | hooked | ring | fp8 | mla_wgmma | pairs
     # what a Hopper warms: every head dim's wgmma tile, plain and hooked
     hopper = set(catalog.warmup_kernels(smem_limit=families.common.SMEM_LIMIT, arch="sm_90a", variants=True))
     assert wgmma | hooked <= hopper <= everything
@@ -268,8 +272,10 @@ def test_compile_check_lists_for_its_arch(monkeypatch):
     rows = compile_check.compile_all("sm_80", only="prefill_sm90_kernel", jobs=1)
     assert rows == [] and seen == []  # no wgmma variant in an sm_80 build
     rows = compile_check.compile_all("sm_90a", only="prefill_sm90_kernel", jobs=1)
-    # each dtype, plain and hooked, over a 16-bit cache and (D 64 / 128 / 256) an fp8 one
-    assert len(rows) == 2 * 2 * (len(s9.DEFAULT_TILES) + len(s9.FP8_TILES)) and {a for _, a in seen} == {"sm_90a"}
+    # each dtype, plain and hooked, over a 16-bit cache and (D 64 / 128 / 256) an fp8 one, and each
+    # pair of separate qk / vo head dims
+    tiles = len(s9.DEFAULT_TILES) + len(s9.FP8_TILES) + len(s9.PAIR_TILES)
+    assert len(rows) == 2 * 2 * tiles and {a for _, a in seen} == {"sm_90a"}
 
 
 # ---- what BatchAttention launches for a step (no GPU: the launches recorded) ---------------------

@@ -27,9 +27,12 @@ HOOKED_KERNELS = [catalog.attention_kernel(k_types, tile.with_variants()) for dt
                   for tiles, k_types in ((s9.DEFAULT_TILES, families.common.ElementTypes.of(dtype)),
                                          (s9.FP8_TILES, families.common.ElementTypes(dtype, families.common.FP8, dtype)))
                   for tile in tiles.values()]
+# separate qk / vo head dims (192 / 128): plain and hooked
+PAIR_KERNELS = [catalog.attention_kernel(dtype, t) for dtype in _compile.CTYPES for tile in s9.PAIR_TILES.values()
+                for t in (tile, tile.with_variants())]
 
 
-@pytest.mark.parametrize("kernel", DEFAULT_KERNELS + FP8_KERNELS + HOOKED_KERNELS,
+@pytest.mark.parametrize("kernel", DEFAULT_KERNELS + FP8_KERNELS + HOOKED_KERNELS + PAIR_KERNELS,
                          ids=lambda k: k.expression.replace(" ", ""))
 def test_kernel_compiles_for_sm90a_without_spills(kernel):
     cubin, res = _compile.compile_cubin(kernel, "sm_90a")  # also checks kSmemBytes / kConsumerRegs mirrors

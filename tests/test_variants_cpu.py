@@ -223,20 +223,25 @@ def test_every_attention_kernel_has_a_hooked_twin_and_the_plain_names_stay():
     # the hooked twin: VARIANTS = true after the traits' last argument (the mma.sync traits' KV_BYTES
     # is then spelled out); a wgmma tile of three consumer warpgroups holds 64 keys a tile hooked, of
     # two at most 80 (Sm90Tile.with_variants: the hooks' registers, the window test's bound), the
-    # soft-cap's tanh form (SOFT_CAP_TANH) spelled after it where it is not the exact one, and with
-    # the Newton form no warp-uniform warpgroup index
+    # soft-cap's tanh form (SOFT_CAP_TANH) spelled after it where it is not the exact one (or where
+    # V's head dim follows: separate qk / vo head dims), and with the Newton form no warp-uniform
+    # warpgroup index
     def hooked_name(e):
+        if "TileTraits<" in e and e.endswith(", 2, false, 2, 0, 128>>"):  # separate qk / vo head dims
+            return e[:-len(", 2, false, 2, 0, 128>>")] + ", 2, true, 2, 0, 128>>"
         if "TileTraits<" in e and "Sm90PrefillTraits<" not in e:
             return e[:-2] + ", 2, true>>"
-        if not e.endswith(", false>>"):
+        pair = e.endswith(", false, 2, 0, 0, 128>>")  # a wgmma tile of 192 / 128
+        if not e.endswith(", false>>") and not pair:
             return None  # a hooked wgmma kernel already
         head, args = e.split("Sm90PrefillTraits<")
         args = args[:-len(">>")].split(", ")  # D, block_n, stages, pingpong, producer regs, uniform_wg, ...
+        args, vo = (args[:10], args[13:]) if pair else (args, [])
         args[1] = str(min(int(args[1]), 64 if args[8] == "3" else 80))
         if s9.SOFT_CAP_TANH == 2:  # the Newton form's kernel without the warp-uniform warpgroup index
             args[5] = "false"
-        tanh = [f"2", "0", f"{s9.SOFT_CAP_TANH}"] if s9.SOFT_CAP_TANH else []
-        return head + "Sm90PrefillTraits<" + ", ".join(args[:-1] + ["true"] + tanh) + ">>"
+        tanh = [f"2", "0", f"{s9.SOFT_CAP_TANH}"] if s9.SOFT_CAP_TANH or vo else []
+        return head + "Sm90PrefillTraits<" + ", ".join(args[:-1] + ["true"] + tanh + vo) + ">>"
     twin = {e: hooked_name(e) for e in attention_kernels}
     plain = {e for e in twin if twin[e] in attention_kernels}
     hooked = attention_kernels - plain

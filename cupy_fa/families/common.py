@@ -18,6 +18,31 @@ FP8 = "float8_e4m3fn"  # the fp8 K/V cache dtype (kernels/shared/common.cuh fp8_
 # Head dims an fp8 cache takes: its rows are D / 16 chunks of 16 bytes (6 at D = 96, 12 at 192),
 # which its loads and byte swizzle need to tile the CTA evenly (docs/design.md, "Head dims")
 FP8_HEAD_DIMS = (64, 128, 256)
+# Separate qk / vo head dims (q and K of the first, V and out of the second): DeepSeek's non-absorbed
+# MLA prefill (128 nope + 64 rope / 128). Every tile of the mma.sync family (TileTraits HEAD_DIM_VO)
+# and, on sm_90a, the wgmma family's prefill tile of the pair (Sm90PrefillTraits D_VO: sm90.PAIR_TILES),
+# over a 16-bit cache (docs/design.md, "Separate qk / vo head dims")
+HEAD_DIM_PAIRS = ((192, 128),)
+
+
+def checked_head_dims(head_dim, head_dim_vo, kv_dtype_name=None, name="head_dim_vo"):
+    """(head_dim, head_dim_vo) as ints, ``head_dim_vo=None`` meaning ``head_dim``; ValueError naming
+    the argument unless ``head_dim`` is one of HEAD_DIMS and a separate ``head_dim_vo`` makes one of
+    HEAD_DIM_PAIRS over a 16-bit cache (``kv_dtype_name``: an fp8 cache is refused at a pair)."""
+    if isinstance(head_dim, (tuple, list)):
+        raise ValueError(f"separate qk / vo head dims {tuple(head_dim)} are not supported as head_dim: give q's and "
+                         f"K's as head_dim and V's and out's as {name}= (pairs {HEAD_DIM_PAIRS})")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
+    if head_dim_vo is None or head_dim_vo == head_dim:
+        return int(head_dim), int(head_dim)
+    if (head_dim, head_dim_vo) not in HEAD_DIM_PAIRS or isinstance(head_dim_vo, bool):
+        raise ValueError(f"{name}={head_dim_vo!r} with head_dim={head_dim!r}: separate qk / vo head dims take the "
+                         f"(head_dim, {name}) pairs {HEAD_DIM_PAIRS}, or {name}=None (= head_dim)")
+    if kv_dtype_name == FP8:
+        raise ValueError(f"an fp8 KV cache takes one head dim for K and V ({name}=None), got head_dim={head_dim}, "
+                         f"{name}={head_dim_vo} (separate qk / vo head dims take a float16 / bfloat16 cache)")
+    return int(head_dim), int(head_dim_vo)
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (the kernels' occupancy math)
 SM80_SMEM_LIMIT = 163 * 1024  # and on sm_80: tiles are chosen for the device's own limit
 

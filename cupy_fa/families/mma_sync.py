@@ -62,11 +62,16 @@ class MmaTile:
     variants: bool = False  # the variant hooks compiled in (window, soft-cap, sinks; TileTraits VARIANTS)
     row_halves: int = 2  # 1: a one-row small-q tile for requests of <= 8 packed rows (TileTraits ROW_HALVES)
     producer_capable: bool = False  # may take a producer warpgroup (producer_warps; schedule.tile_for: sm_90a only)
+    head_dim_vo: int = None  # V's and out's head dim (TileTraits HEAD_DIM_VO); None: head_dim
 
     family = MMA_SYNC
     whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/mma_sync/attention.cu)
 
     def __post_init__(self):
+        if self.head_dim_vo is None:
+            object.__setattr__(self, "head_dim_vo", self.head_dim)
+        if self.head_dim_vo != self.head_dim and (self.kv_bytes != 2 or self.producer_capable):
+            raise ValueError(f"separate qk / vo head dims take a 16-bit cache and no producer warpgroup, got {self}")
         if self.fold_capable and not self.fold_layout:
             raise ValueError(f"a fold state needs a small-q tile whose epilogue fits one stage (one row of "
                              f"warps, or two at D >= 128), got {self}")
@@ -128,7 +133,7 @@ class MmaTile:
         stage holds half the bytes: one row of warps at D >= 128)."""
         if self.kv_bytes == 1:
             return self.warps_n > 1 and self._fp8_epilogue_passes() > 0
-        return self.warps_n > 1 and (self.warps_m == 1 or self.head_dim >= 128)
+        return self.warps_n > 1 and (self.warps_m == 1 or self.head_dim_vo >= 128)
 
     def _fp8_epilogue_passes(self):
         """TileTraits::kEpiloguePasses of an fp8 tile: the warps' fp32 accumulators in one stage
@@ -148,13 +153,15 @@ class MmaTile:
         return self.warps_m * self.warps_n * 8 * (self.head_dim // max(self._fp8_epilogue_passes(), 1)) * 4
 
     def _smem_bytes(self, own):
-        fold = self.block_m * (2 * self.head_dim * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
+        fold = self.block_m * (2 * self.head_dim_vo * 4 + 16) if self.fold_capable else 0  # TileTraits::kSmemFold
         if self.kv_bytes == 1:  # TileTraits::kSmemKVRegion: room for an epilogue staged over every stage
             kv = 2 * self.stages * self.block_n * self.head_dim
             if not self.epilogue_in_stage:
                 kv = max(kv, self.warps_m * self.warps_n * 16 * self.head_dim * 4)
             return 2 * self.head_dim * self.block_m + kv + fold + own
-        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + fold + own
+        # Q's rows, then the stages' K (head_dim) and V (head_dim_vo) tiles
+        return 2 * (self.head_dim * self.block_m + self.stages * self.block_n * (self.head_dim + self.head_dim_vo)) \
+            + fold + own
 
     @property
     def epilogue_in_stage(self):
@@ -220,8 +227,13 @@ class MmaTile:
         hooks = f", {str(self.variants).lower()}" if self.variants or halves else ""
         rows = f", {self.row_halves}" if halves else ""
         producers = f", {self.producer_warps}" if producer else ""
+        vo = ""
+        if self.head_dim_vo != self.head_dim:  # the last template argument: every one before it spelled out
+            vo = (f", {self.kv_bytes}, {str(self.variants).lower()}, {self.row_halves}, {self.producer_warps}, "
+                  f"{self.head_dim_vo}")
+            kv = hooks = rows = producers = ""
         return (f"cupy_fa::TileTraits<{self.head_dim}, {self.warps_m}, {self.warps_n}, {self.block_n}, "
-                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}{rows}{producers}>")
+                f"{self.stages}, {str(self.fold_capable).lower()}{kv}{hooks}{rows}{producers}{vo}>")
 
     def checks(self):
         """The host's mirrors of the traits, compiled in as static_asserts."""
@@ -233,19 +245,20 @@ class MmaTile:
 
 
 
-def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT, kv_bytes=2):
+def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT, kv_bytes=2, head_dim_vo=None):
     """The small-q tile with the deepest pipeline up to ``stages`` that fits this head dim
     and ``smem_limit``. The two-row tile carries a fold state (where its layout can, at
     D >= 128) when it fits: registers already hold it at 2 CTAs per SM, which the state
     keeps (at D = 256 only Hopper's shared memory has room; elsewhere it runs without, one
     split per CTA). The one-row tile gets one per batch (its ``folding()``, chosen by
     ``schedule.fold_tile``), as it costs it a CTA per SM."""
-    base = MmaTile(head_dim, warps_m, 4, stages, kv_bytes=kv_bytes)
+    base = MmaTile(head_dim, warps_m, 4, stages, kv_bytes=kv_bytes, head_dim_vo=head_dim_vo)
     for fold in ((True, False) if warps_m == 2 and base.fold_layout else (False,)):
         tile = dataclasses.replace(base, fold_capable=fold).deepest_fit(smem_limit)
         if tile is not None:
             return tile
-    raise ValueError(f"no small-q tile of head dim {head_dim} fits {smem_limit} bytes of shared memory per CTA")
+    raise ValueError(f"no small-q tile of head dim {head_dim} (vo {base.head_dim_vo}) fits {smem_limit} bytes of "
+                     f"shared memory per CTA")
 
 
 def kernel(types, tile):

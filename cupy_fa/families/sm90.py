@@ -1,6 +1,7 @@
 """The sm_90a wgmma family (``kernels/sm90/prefill.cu``; Hopper's architecture-specific target
 only): requests of more than ``schedule.SMALL_Q_LEN`` tokens at head dims 64, 96, 128, 192 and
-256 over a 16-bit cache, and at 64, 128 and 256 over an fp8 (e4m3) cache.
+256 over a 16-bit cache, at 64, 128 and 256 over an fp8 (e4m3) cache, and at the separate qk / vo
+head dims 192 / 128 (q and K of 192, V and out of 128) over a 16-bit cache.
 
 FlashAttention-3's structure in inline PTX: a producer warpgroup copies Q once and the paged
 K / V tiles into a ring of mbarrier-guarded stages (an fp8 cache's bytes through staging slots,
@@ -8,8 +9,8 @@ widened to fp16 on the way); two or three consumer warpgroups of 64 rows run S =
 O += P V on wgmma around the mask and the online softmax, the next tile's Q K^T issued with this
 tile's P V. :class:`Sm90Tile` is the host mirror of ``Sm90PrefillTraits`` (its shared memory,
 registers and rows per CTA are compiled into every kernel as checks); :data:`DEFAULT_TILES` and
-:data:`FP8_TILES` are the tiles of each head dim, :meth:`Sm90Tile.with_variants` their kernels
-with the variant hooks. The work layout is the plan kernel's (``block_m`` packed rows per item,
+:data:`FP8_TILES` are the tiles of each head dim, :data:`PAIR_TILES` of each pair of qk / vo
+head dims, :meth:`Sm90Tile.with_variants` their kernels with the variant hooks. The work layout is the plan kernel's (``block_m`` packed rows per item,
 one split per CTA, no fold).
 """
 
@@ -41,12 +42,19 @@ class Sm90Tile:
     kv_bytes: int = 2           # 2: fp16 / bf16 K/V; 1: an fp8 (e4m3) cache, widened to fp16 by the producer
     staging: int = 0            # an fp8 cache's staging slots of raw tiles (the producer runs staging - 1 tiles ahead)
     tanh: int = 0               # the soft-cap's tanh with the hooks: 0 exact (2^y, reciprocal), 1 tanh.approx, 2 Newton
+    head_dim_vo: int = None     # V's and out's head dim (Sm90PrefillTraits D_VO); None: head_dim
 
     family = SM90_WGMMA
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
     fold_splits = False
 
     def __post_init__(self):
+        if self.head_dim_vo is None:
+            object.__setattr__(self, "head_dim_vo", self.head_dim)
+        if self.head_dim_vo != self.head_dim and (self.kv_bytes != 2 or self.head_dim_vo % 64 or self.head_dim % 64
+                                                  or self.head_dim_vo > self.head_dim):
+            raise ValueError(f"separate qk / vo head dims take a 16-bit cache and whole 64-column blocks of V "
+                             f"no wider than K's: {self}")
         if (self.kv_bytes, bool(self.staging)) not in ((2, False), (1, True)) or (self.kv_bytes == 1 and self.staging < 2):
             raise ValueError(f"an fp8 tile (kv_bytes=1) takes 2 or more staging slots, a 16-bit one none: {self}")
         if self.tanh not in (0, 1, 2) or (self.tanh and not self.variants):
@@ -93,13 +101,14 @@ class Sm90Tile:
 
     @property
     def smem_bytes(self):
-        """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, the K and V rings, barriers, scratch."""
+        """Sm90PrefillTraits::kSmemBytes: 1024 alignment slack, Q, the K and V rings (K's rows of
+        head_dim, V's of head_dim_vo), barriers, scratch."""
         d = self.head_dim
         barriers = ((4 * self.stages + 1) * 8 + 128 * self.consumer_wgs * 4 + 4 + 7) // 8 * 8  # + the page flag
         fp8 = 0
         if self.kv_bytes == 1:  # each row's factor of bf16 queries, then the staging slots (at 16 bytes)
             fp8 = (barriers + 15) // 16 * 16 + self.block_m * 4 + self.staging * self.block_n * d - barriers
-        return 1024 + self.block_m * d * 2 + 2 * self.stages * self.block_n * d * 2 + barriers + fp8
+        return 1024 + self.block_m * d * 2 + self.stages * self.block_n * (d + self.head_dim_vo) * 2 + barriers + fp8
 
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
@@ -118,9 +127,11 @@ class Sm90Tile:
 
     def traits(self):
         b = lambda x: str(bool(x)).lower()
-        # the 16-bit kernels with the exact tanh keep their names: the last three only where one differs
-        extra = (f", {self.kv_bytes}, {self.staging}, {self.tanh}" if (self.kv_bytes, self.staging, self.tanh) != (2, 0, 0)
-                 else "")
+        # the 16-bit kernels with the exact tanh and one head dim keep their names: the last three
+        # only where one differs, V's head dim (the last) only where it differs from K's
+        vo = f", {self.head_dim_vo}" if self.head_dim_vo != self.head_dim else ""
+        extra = (f", {self.kv_bytes}, {self.staging}, {self.tanh}{vo}"
+                 if (self.kv_bytes, self.staging, self.tanh) != (2, 0, 0) or vo else "")
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.pingpong)}, "
                 f"{self.producer_regs}, {b(self.uniform_wg)}, {b(self.joint_rows)}, {b(self.lean_copy)}, "
                 f"{int(self.consumer_wgs)}, {b(self.variants)}{extra}>")
@@ -171,6 +182,16 @@ FP8_TILES = {
     256: dataclasses.replace(DEFAULT_TILES[256], kv_bytes=1, staging=2, block_n=64),
 }
 
+# The tile of each pair of separate qk / vo head dims (common.HEAD_DIM_PAIRS; a 16-bit cache): K's
+# tiles and Q at the qk head dim, V's tiles, the O accumulators and the epilogue at the vo head dim.
+# At 192 / 128 the D 192 tile's options (two consumer warpgroups, K's three 64-column blocks) with
+# O at 128 columns (64 registers a thread instead of 96), which leaves room for 128 keys a tile:
+# two stages of K (128 x 192) and V (128 x 128) beside Q take 215 KB of shared memory.
+PAIR_TILES = {
+    (192, 128): Sm90Tile(192, 128, stages=2, uniform_wg=True, joint_rows=True, lean_copy=True, consumer_wgs=2,
+                         producer_regs=56, head_dim_vo=128),
+}
+
 # The soft-cap's tanh in the hooked kernels (Sm90Tile.tanh; kernels/sm90/softmax.cuh soft_cap_tile):
 # 0 the exact form, 1 tanh.approx, 2 the Newton form. tanh.approx is one special-function operation
 # a score besides the softmax's 2^x, the exact form two (2^y and a reciprocal), the Newton form one
@@ -189,8 +210,11 @@ def soft_cap_tanh():
     return SOFT_CAP_TANH if chosen is None else SOFT_CAP_TANH_FORMS.index(chosen)
 
 
-def prefill_tile(head_dim, kv_bytes=2):
-    """The family's tile of a head dim for K / V elements of ``kv_bytes``, or None where it has none."""
+def prefill_tile(head_dim, kv_bytes=2, head_dim_vo=None):
+    """The family's tile of a head dim (or of the pair ``head_dim`` / ``head_dim_vo``: PAIR_TILES)
+    for K / V elements of ``kv_bytes``, or None where it has none."""
+    if head_dim_vo is not None and head_dim_vo != head_dim:
+        return PAIR_TILES.get((head_dim, head_dim_vo)) if kv_bytes == 2 else None
     return (FP8_TILES if kv_bytes == 1 else DEFAULT_TILES).get(head_dim)
 
 

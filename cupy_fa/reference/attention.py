@@ -61,12 +61,13 @@ def paged_attention(
     Args:
         q: ``[sum(q_lens), H_q, D]`` queries.
         k_cache, v_cache: ``[num_pages, page_size, H_kv, D]`` (any float dtype; uint8 or
-            ml_dtypes float8_e4m3fn: an fp8 cache's bytes, see ``k_scale``).
+            ml_dtypes float8_e4m3fn: an fp8 cache's bytes, see ``k_scale``); v_cache may have
+            its own head dim ``D_vo`` (separate qk / vo head dims: ``[..., H_kv, D_vo]``).
         q_lens, kv_lens: ``[B]`` int; ``0 <= q_len <= kv_len`` (``q_len == 0``: padded row).
         page_table: ``[B, max_pages]`` int physical page ids.
         causal: bottom-right aligned; query i of b sees keys ``0 .. kv_len - q_len + i``.
             Otherwise every query sees all ``kv_len`` keys.
-        sm_scale: score scale, default ``1 / sqrt(D)``.
+        sm_scale: score scale, default ``1 / sqrt(D)`` (q's and K's head dim).
         custom_mask: ``None``, a list of B bool ``[q_len, q_len]`` masks, or one flat bool
             array (each request's mask row-major, concatenated). Query i then sees the whole
             prefix ``0 .. kv_len - q_len - 1`` and draft key ``kv_len - q_len + j`` iff
@@ -90,7 +91,7 @@ def paged_attention(
             sinks[h]``. None: none.
 
     Returns:
-        ``out`` float64 ``[sum(q_lens), H_q, D]``, and with ``return_lse`` also ``lse``
+        ``out`` float64 ``[sum(q_lens), H_q, D_vo]`` (``D_vo`` = v_cache's head dim), and with ``return_lse`` also ``lse``
         float64 ``[sum(q_lens), H_q]`` (natural log). A query that sees no key gets
         ``out = 0`` and ``lse = -inf`` (with sinks: ``lse = sinks[h]``).
     Raises:
@@ -114,7 +115,8 @@ def paged_attention(
     total_q, num_qo_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     batch = len(q_lens)
-    if k_cache.shape != v_cache.shape or k_cache.shape[-1] != head_dim:
+    head_dim_vo = v_cache.shape[-1] if v_cache.ndim == 4 else head_dim
+    if k_cache.shape[:-1] != v_cache.shape[:-1] or v_cache.ndim != 4 or k_cache.shape[-1] != head_dim:
         raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape} do not match q {q.shape}")
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"H_q={num_qo_heads} is not a multiple of H_kv={num_kv_heads}")
@@ -144,14 +146,14 @@ def paged_attention(
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     group = num_qo_heads // num_kv_heads
     masks = None if custom_mask is None else _masks_per_request(custom_mask, q_lens)
-    out = np.zeros((total_q, num_qo_heads, head_dim), np.float64)
+    out = np.zeros((total_q, num_qo_heads, head_dim_vo), np.float64)
     lse = np.full((total_q, num_qo_heads), -np.inf, np.float64)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
 
     # Work buffers reused across requests: paging in fresh large arrays dominates otherwise.
     max_kv = int(kv_lens[live].max()) if live.any() else 0
     k_buf = np.empty((max_kv, num_kv_heads, head_dim), np.float64)
-    v_buf = np.empty_like(k_buf)
+    v_buf = np.empty((max_kv, num_kv_heads, head_dim_vo), np.float64)
     max_q = int(q_lens.max(initial=0))
     s_buf = np.empty(min(num_qo_heads * max_q * max_kv, max(_SCORE_BUDGET, num_qo_heads * max_kv)), np.float64)
     for b in range(batch):
@@ -164,7 +166,7 @@ def paged_attention(
         # Gather whole pages in the cache dtype, then widen: [kv, H_kv, D] float64.
         k, v = k_buf[:kv], v_buf[:kv]
         k[...] = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv]
-        v[...] = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv]
+        v[...] = v_cache[pages].reshape(-1, num_kv_heads, head_dim_vo)[:kv]
         prefix = kv - n
         rows_per_chunk = max(1, _SCORE_BUDGET // (num_qo_heads * kv))
         for r0 in range(0, n, rows_per_chunk):
@@ -208,7 +210,7 @@ def paged_attention(
                 denom = denom + np.exp(sinks - m)
             if p_dtype is not None:  # the kernels multiply V by P rounded to q's dtype
                 p = p.astype(p_dtype).astype(np.float64)
-            o = (p.reshape(num_kv_heads, group * nr, hi) @ vt).reshape(num_qo_heads, nr, head_dim)
+            o = (p.reshape(num_kv_heads, group * nr, hi) @ vt).reshape(num_qo_heads, nr, head_dim_vo)
             with np.errstate(divide="ignore", invalid="ignore"):
                 o = np.where(denom > 0, o / denom, 0.0)
                 l = np.log(denom[..., 0]) + m[..., 0]

@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(Traits::kCtaThreads, Traits::kMinCtasPerSm)
 attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int CH = Traits::kChunks, STAGES = Traits::kStages;
+  constexpr int DV = Traits::kHeadDimVo;  // V's and out's head dim (D unless separate qk / vo head dims)
   typedef WarpMma<Traits, QT, KVT> Mma;
   constexpr bool kRing = Traits::kProducerWarps > 0;
   static_assert(!kRing || Traits::kEpilogueOwnBuffer, "the ring frees a stage before the epilogue");
@@ -165,7 +166,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
     if constexpr (!Mma::kQToFp16) Traits::sync_consumers();  // Q's block, which every consumer warp reads
   }
 
-  OnlineSoftmaxRows<D / 8> state;
+  OnlineSoftmaxRows<DV / 8> state;
   state.reset();
   const int mask_from = variant.mask_from(kv_end, w.row0);
   // With a window's skip, whole splits before the first tile left are empty for every row of the
@@ -215,7 +216,7 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
       mma.apply_variant(s, variant, tile_key0, w.row0, kv_end, rows,
                         tile_key0 + BN - 1 >= mask_from || (Traits::kVariants && tile_key0 < s_window_to));
       state.template update<Traits::kRowHalves>(s);
-      mma.accumulate(state.acc, s, sV + stage * BN * D);
+      mma.accumulate(state.acc, s, sV + stage * BN * DV);
     }
   };
   for (int tile = 0; tile < num_tiles; ++tile) {

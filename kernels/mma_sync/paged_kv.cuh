@@ -1,7 +1,7 @@
 // Paged K/V addressing and the cp.async producer: a CTA's K and V tiles from the paged cache
 // into shared memory, and Q's row block once.
 //
-// Cache layout [num_pages, page_size, H_kv, D] (NHD), K and V alike; key j of request b lives in
+// Cache layout [num_pages, page_size, H_kv, D] (NHD), K and V alike (V's D is D_VO where they differ); key j of request b lives in
 // page page_table[b][j / page_size], slot j % page_size (a shift and a mask when page_size is a
 // power of two: AttentionParams::page_shift). Each thread copies one 16-byte chunk column
 // (`chunk`) of kRows key rows per tile. Page ids are fetched one tile ahead (fetch_pages, into
@@ -90,13 +90,18 @@ __device__ __forceinline__ void q_rows_to_fp16(unsigned char* sQ_bytes, float* s
 template <typename Traits, typename KVT>
 struct PagedKVProducer {
   static constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN, STEP = Traits::kKVRowStep;
+  // V's head dim (Traits::kHeadDimVo): with separate qk / vo head dims V's rows are narrower than
+  // K's; a thread copies V's chunk `chunk` of the same rows where V has one (chunk < kVoChunks)
+  static constexpr int DV = Traits::kHeadDimVo;
+  static constexpr bool kSplitDims = DV != D;
   static constexpr int kRows = Traits::kPassesN;  // key rows this thread copies per tile (at most)
   static constexpr int kPerChunk = 16 / sizeof(KVT);  // elements per 16-byte chunk: 8, or 16 for fp8
   static_assert(sizeof(KVT) == Traits::kKVBytes, "the tile's K/V element size");
 
   const AttentionParams& p;
   const int* page_row;  // the request's page-table row
-  int slot_bytes;       // bytes from one cache slot to the next
+  int slot_bytes;       // bytes from one cache slot to the next (of K; of V too where D_VO = D)
+  int v_slot_bytes;     // of V (separate qk / vo head dims only)
   // Byte addresses of this thread's 16-byte chunk (of Traits::kKVChunks per row) of the head in
   // cache slot 0; a key's chunk is one 32 x 32 -> 64-bit multiply away (H_kv x D x sizeof(KVT) < 2^31).
   const char* k_chunk;
@@ -114,8 +119,9 @@ struct PagedKVProducer {
       : p(p),
         page_row(p.page_table + (i64)request * p.page_table_stride),
         slot_bytes(p.num_kv_heads * D * (int)sizeof(KVT)),
+        v_slot_bytes(p.num_kv_heads * DV * (int)sizeof(KVT)),
         k_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + kv_head * D + chunk * kPerChunk)),
-        v_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + kv_head * D + chunk * kPerChunk)),
+        v_chunk(reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + kv_head * DV + chunk * kPerChunk)),
         sK(sK),
         sV(sV),
         kv_begin(kv_begin),
@@ -149,7 +155,7 @@ struct PagedKVProducer {
   template <typename SlotOf>
   __device__ __forceinline__ void issue_rows(int tile, int stage, SlotOf slot_of) {
     KVT* dk = sK + stage * BN * D;
-    KVT* dv = sV + stage * BN * D;
+    KVT* dv = sV + stage * BN * DV;
     const unsigned last = static_cast<unsigned>(p.num_pages - 1);
     unsigned highest = 0;  // the largest id fetched, as unsigned (a negative one is huge)
 #pragma unroll
@@ -160,9 +166,15 @@ struct PagedKVProducer {
       const unsigned fetched = static_cast<unsigned>(pages[i]);
       highest = max(highest, fetched);
       const int page = static_cast<int>(min(fetched, last));  // inside the cache, whatever was fetched
-      const i64 offset = (i64)(valid ? slot_of(page, key) : 0) * slot_bytes;  // < 2^31 cache slots
-      cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
-      cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
+      if constexpr (kSplitDims) {
+        const int slot = valid ? slot_of(page, key) : 0;  // < 2^31 cache slots
+        cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + (i64)slot * slot_bytes, valid);
+        if (chunk < Traits::kVoChunks) cp_async_16(dv + swizzled_kv<DV, KVT>(r, chunk), v_chunk + (i64)slot * v_slot_bytes, valid);
+      } else {
+        const i64 offset = (i64)(valid ? slot_of(page, key) : 0) * slot_bytes;  // < 2^31 cache slots
+        cp_async_16(dk + swizzled_kv<D, KVT>(r, chunk), k_chunk + offset, valid);
+        cp_async_16(dv + swizzled_kv<D, KVT>(r, chunk), v_chunk + offset, valid);
+      }
     }
     if (highest > last) atomicOr(&bad, 1);  // an atomic: several threads may set it between two barriers
   }

@@ -45,7 +45,9 @@ namespace cupy_fa {
 
 template <typename Traits, typename KVT, typename OT>
 struct SplitEpilogue {
-  static constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  // D: the columns of out, the partials and the fold state, V's head dim (Traits::kHeadDimVo);
+  // DK: K's, which sizes a stage's K tile (equal unless separate qk / vo head dims)
+  static constexpr int D = Traits::kHeadDimVo, DK = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   static constexpr int D_BLOCKS = D / 8;
   static constexpr int W = Traits::kStagedCols;  // columns one epilogue pass stages
   typedef ElemTraits<OT> E;
@@ -110,7 +112,11 @@ struct SplitEpilogue {
       return reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sK) + Traits::kSmemKVRegion +
                                       Traits::kSmemFold) + wi * 8 * W;
     } else if constexpr (Traits::kEpilogueInStage) {
-      constexpr int kPerTile = BN * D * (int)sizeof(KVT) / (64 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
+      constexpr int kPerTile = BN * DK * (int)sizeof(KVT) / (64 * W);  // 16 x W fp32 slices in one stage's K (or V) tile
+      if constexpr (DK != D) {  // K's tile holds the first kPerTile slices, V's (narrower) the rest
+        if (wi < kPerTile) return reinterpret_cast<float*>(sK + stage * BN * DK) + wi * 16 * W;
+        return reinterpret_cast<float*>(sV + stage * BN * D) + (wi - kPerTile) * 16 * W;
+      }
       KVT* tile_base = (wi < kPerTile ? sK : sV) + stage * BN * D;
       return reinterpret_cast<float*>(tile_base) + (wi % kPerTile) * 16 * W;
     } else {

@@ -13,13 +13,20 @@
 
 namespace cupy_fa {
 
-// Tile constants per (head dim, warp layout, keys per tile, pipeline depth, fold state, variant hooks).
+// Tile constants per (head dim, warp layout, keys per tile, pipeline depth, fold state, variant hooks,
+// row halves, producer warps, V's head dim).
 // The host picks the instance (cupy_fa/schedule.py; its mirror: cupy_fa/families/mma_sync.py
 // MmaTile) and sizes the dynamic shared memory from the same numbers.
 template <int HEAD_DIM, int WARPS_M, int WARPS_N, int BLOCK_N, int STAGES, bool FOLD, int KV_BYTES = 2,
-          bool VARIANTS = false, int ROW_HALVES = 2, int PRODUCER_WARPS = 0>
+          bool VARIANTS = false, int ROW_HALVES = 2, int PRODUCER_WARPS = 0, int HEAD_DIM_VO = HEAD_DIM>
 struct TileTraits {
+  // HEAD_DIM is Q's and K's (the S = Q K^T GEMM's k); HEAD_DIM_VO is V's and out's (the P V GEMM's
+  // n, the accumulators, the epilogue, the partials): separate qk / vo head dims (192 / 128), else
+  // equal. Every constant of V, O and the epilogue below is of HEAD_DIM_VO; with the default they
+  // are the numbers they always were.
   static constexpr int kHeadDim = HEAD_DIM;
+  static constexpr int kHeadDimVo = HEAD_DIM_VO;
+  static constexpr int kVoChunks = HEAD_DIM_VO / 8;  // 16-byte chunks of a 16-bit V row
   // The halves of a warp's 16 mma rows the scores, the softmax and P run on: 2 (rows g and
   // g + 8 of each thread), or 1 for a one-row small-q tile whose requests pack at most 8 rows (decode
   // at a GQA group of at most 8): rows 8 .. 15 are then padding, kept an empty state (P = 0), and
@@ -46,15 +53,16 @@ struct TileTraits {
   static constexpr int kChunks = HEAD_DIM / 8;                                   // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;                            // rows one pass of the CTA loads
   static constexpr int kSmemQ = kBlockM * HEAD_DIM * 2;
-  static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * KV_BYTES;        // K, and again V
-  static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM * 4;               // fp32 per-warp accumulators
+  static constexpr int kSmemKV = kStages * kBlockN * HEAD_DIM * KV_BYTES;        // K (and V where D_VO = D)
+  static constexpr int kSmemV = kStages * kBlockN * HEAD_DIM_VO * KV_BYTES;      // V
+  static constexpr int kSmemEpilogue = kWarps * 16 * HEAD_DIM_VO * 4;            // fp32 per-warp accumulators
   // FOLD: the CTA carries a fold state and may run a whole row, or one group of kMergeGroup
   // splits of it, and fold them itself (AttentionParams::fold_splits): merge_kernel's steps,
   // so no split partials. The state costs shared memory, so the host picks this variant
   // only for batches whose longer CTAs still fill the GPU.
   static constexpr bool kFoldInCta = FOLD;
   // the fold state: merge_kernel's open group and total, o per element and (m, l) per row
-  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (2 * HEAD_DIM * 4 + 16) : 0;
+  static constexpr int kSmemFold = kFoldInCta ? kBlockM * (2 * HEAD_DIM_VO * 4 + 16) : 0;
   // K/V rows in 16-byte chunks (16 fp8 or 8 fp16 / bf16 elements each), and the rows one pass
   // of the CTA copies
   static constexpr int kKVBytes = KV_BYTES;
@@ -75,7 +83,7 @@ struct TileTraits {
   static __device__ __forceinline__ bool loads_kv_row(int row_in_pass, int r) {
     return kEvenKVLoads || (row_in_pass < kKVRowStep && r < kBlockN);
   }
-  static constexpr int kStageBytes = 2 * kBlockN * HEAD_DIM * KV_BYTES;          // one stage's K and V tiles
+  static constexpr int kStageBytes = kBlockN * (HEAD_DIM + HEAD_DIM_VO) * KV_BYTES;  // one stage's K and V tiles
   // With a producer warpgroup, the registers each side asks for (setmaxnreg, sm_90a) from the 128 a
   // thread the launch bounds give: a warp of each side per SM sub-partition per CTA, so at 2 CTAs
   // an SM a consumer and a producer thread share 512 / 2 registers.
@@ -97,14 +105,15 @@ struct TileTraits {
   // for a two-row fold tile), it uses only the stage just consumed, so the pipeline keeps
   // running: a CTA may then run several consecutive splits (splits_per_cta) without a
   // new start-up per split.
-  // (An fp8 stage holds half the bytes: one pass where it fits, else two where D >= 128.)
+  // (An fp8 stage holds half the bytes: one pass where it fits, else two where D >= 128. With
+  // D_VO < D a 16-bit stage holds more than the warps' D_VO-column slices need: the same test.)
   static constexpr int kEpiloguePasses =
       KV_BYTES == 2 ? (kWarps <= BLOCK_N / 16 ? 1 : (kFoldInCta ? 2 : 0))
                     : (kWarps * 16 * HEAD_DIM * 4 <= kStageBytes
                            ? 1
                            : (HEAD_DIM >= 128 && kWarps * 16 * (HEAD_DIM / 2) * 4 <= kStageBytes ? 2 : 0));
   static constexpr bool kEpilogueInStage = kEpiloguePasses > 0;
-  static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM / kEpiloguePasses : HEAD_DIM;  // per pass
+  static constexpr int kStagedCols = kEpilogueInStage ? HEAD_DIM_VO / kEpiloguePasses : HEAD_DIM_VO;  // per pass
   // The producer-warpgroup tile (one row half, folding) stages its epilogue in a buffer of its own,
   // its warps' real rows only (8 a warp), after the fold state: the consumers free the stage they
   // read at a split's end before the epilogue, and the producers refill it meanwhile (attention.cu).
@@ -114,7 +123,7 @@ struct TileTraits {
   // The K/V stages, and where the epilogue stages over all of them and they are too small (an
   // fp8 tile), the room it needs; then the fold state.
   static constexpr int kSmemKVRegion =
-      (kEpilogueInStage || kSmemEpilogue <= 2 * kSmemKV) ? 2 * kSmemKV : kSmemEpilogue;
+      (kEpilogueInStage || kSmemEpilogue <= kSmemKV + kSmemV) ? kSmemKV + kSmemV : kSmemEpilogue;
   static constexpr int kSmemBytes = kSmemQ + kSmemKVRegion + kSmemFold + kSmemEpilogueOwn;
   // Decode-like tiles (warps over keys) are memory-bound: they live on warps in
   // flight, so hold the compiler to the CTAs per SM that shared memory allows,
@@ -144,12 +153,21 @@ struct TileTraits {
   static_assert(kStages >= 2, "the pipeline refills one stage while another is consumed");
   static_assert(!kEpilogueInStage || kWarps * 16 * kStagedCols * 4 <= kStageBytes,
                 "a pass's fp32 slices fit one stage's K and V tiles");
-  static_assert(!kEpilogueInStage || (BLOCK_N * HEAD_DIM * KV_BYTES / 4) % (16 * kStagedCols) == 0,
+  static_assert(!kEpilogueInStage || ((BLOCK_N * HEAD_DIM * KV_BYTES / 4) % (16 * kStagedCols) == 0 &&
+                                      (BLOCK_N * HEAD_DIM_VO * KV_BYTES / 4) % (16 * kStagedCols) == 0),
                 "whole slices per K (or V) tile");
+  // the slices a stage's K tile does not hold go to its V tile (split_epilogue.cuh staged)
+  static_assert(!kEpilogueInStage || kEpilogueOwnBuffer ||
+                    kWarps <= (BLOCK_N * (HEAD_DIM + HEAD_DIM_VO) * KV_BYTES / 4) / (16 * kStagedCols),
+                "the warps' slices fit one stage's K and V tiles");
+  static_assert(HEAD_DIM_VO == HEAD_DIM || (KV_BYTES == 2 && PRODUCER_WARPS == 0 && HEAD_DIM_VO < HEAD_DIM &&
+                                            HEAD_DIM_VO % 64 == 0),
+                "separate qk / vo head dims: 16-bit K/V, no producer warpgroup, V's rows whole 64-column "
+                "blocks narrower than K's");
   static_assert(kStagedCols >= 64 || kEpiloguePasses <= 1, "staged_pair's swizzle needs 64 columns");
   static_assert(!FOLD || WARPS_N > 1, "a fold is for small-q tiles, whose requests split");
   static_assert(kRowStep >= 1 && HEAD_DIM % 16 == 0, "a pass loads whole rows of whole k16 steps");
-  static_assert(KV_BYTES == 1 || kSmemEpilogue <= 2 * kSmemKV, "epilogue reuses the K/V buffers");
+  static_assert(KV_BYTES == 1 || kSmemEpilogue <= kSmemKV + kSmemV, "epilogue reuses the K/V buffers");
   static_assert(KV_BYTES == 1 || KV_BYTES == 2, "fp8, or fp16 / bf16 K/V elements");
   static_assert(KV_BYTES == 2 || (kThreads % kKVChunks == 0 && kBlockN % kKVRowStep == 0),
                 "fp8 K/V loads must tile the CTA evenly (head dims 64, 128, 256)");

@@ -40,7 +40,9 @@ namespace cupy_fa {
 template <typename Traits, typename QT, typename KVT>
 struct WarpMma {
   static constexpr int D = Traits::kHeadDim, KW = Traits::kKeysPerWarp;
-  static constexpr int S_BLOCKS = KW / 8, D_BLOCKS = D / 8, K_STEPS = D / 16;
+  static constexpr int S_BLOCKS = KW / 8, K_STEPS = D / 16;
+  // P V's columns: V's and out's head dim (Traits::kHeadDimVo, D unless separate qk / vo head dims)
+  static constexpr int DV = Traits::kHeadDimVo, D_BLOCKS = DV / 8;
   // the fragment elements e of a score block that hold real rows: 0, 1 (row g) and, with both
   // row halves, 2, 3 (row g + 8)
   static constexpr int E_ROWS = 2 * Traits::kRowHalves;
@@ -206,7 +208,7 @@ struct WarpMma {
 #pragma unroll
         for (int db = 0; db < D_BLOCKS / 2; ++db) {
           u32 vb[4];
-          ldmatrix_x4_trans(vb, tV + swizzled<D>(wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+          ldmatrix_x4_trans(vb, tV + swizzled<DV>(wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
                                                  db * 2 + (lane >> 4)));
           Mma<KVT>::run(acc[2 * db], a, vb[0], vb[1]);
           Mma<KVT>::run(acc[2 * db + 1], a, vb[2], vb[3]);

@@ -4,7 +4,8 @@
 // Per tile: S = Q K^T (wgmma, Q and K from shared memory), the mask on the tiles that need one,
 // the online softmax and P in registers (sm90/softmax.cuh), O += P V (wgmma, P as the register
 // A operand, V transposed from shared memory); at the end O / l into `out` or the split's
-// partial. FlashAttention-3's intra-warpgroup pipelining: step i issues S of tile i and P V of
+// partial. With separate qk / vo head dims (Traits::kHeadDimVo < kHeadDim) S's k is the qk head
+// dim and O, P V's n and the epilogue the vo head dim's. FlashAttention-3's intra-warpgroup pipelining: step i issues S of tile i and P V of
 // tile i - 1 together and runs the softmax of tile i while P V is in the tensor cores. With
 // Traits::kPingPong the consumer warpgroups take turns at issuing Q K^T (named barriers 1, 2,
 // 3), so one's softmax runs during the others' GEMMs.
@@ -46,6 +47,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
                                         PipeBarriers<Tr::kStages, Tr::kConsumerThreads>& bars,
                                         RingPos<Tr::kStages>& pos, unsigned q_addr, unsigned k_addr, unsigned v_addr, int wg, int wtid) {
   constexpr int D = Tr::kHeadDim, BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages, SW = Tr::kSwizzle;
+  constexpr int DV = Tr::kHeadDimVo;  // O's columns: V's head dim (D unless separate qk / vo head dims)
   // the products' element type: Q's, or fp16 over an fp8 cache (its stages hold fp16)
   typedef typename TypeIf<Tr::kFp8, __half, QT>::type AT;
   const int lane = wtid % 32, quad = lane % 4;
@@ -59,9 +61,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   }
   const unsigned scratch = smem_addr(&bars.scratch[wg * 128 + wtid]);  // see the overlapped step
 
-  float o[D / 2];
+  float o[DV / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
   float s[BN / 2];
   unsigned frag[BN / 16][4];
   RowState st;
@@ -85,12 +87,12 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     }
     wgmma_commit();
   };
-  // O += P V of the V tile in `stage` (issue only)
+  // O += P V of the V tile in `stage` (issue only; DV columns: V's 64-column blocks)
   auto issue_pv = [&](int stage) {
-    const u64 v_tile = desc_at(v_desc, stage * Tr::kKVTileBytes);
+    const u64 v_tile = desc_at(v_desc, stage * Tr::kVTileBytes);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks) Wgmma<D, AT>::rs_mn(o, frag[ks], desc_at(v_tile, mnmajor_step<SW>(ks)), 1);
+    for (int ks = 0; ks < BN / 16; ++ks) Wgmma<DV, AT>::rs_mn(o, frag[ks], desc_at(v_tile, mnmajor_step<SW>(ks)), 1);
     wgmma_commit();
   };
   // The scores' scale into base 2 (an fp8 cache: per row, RowScale, set once Q has arrived) and
@@ -223,7 +225,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // arrival, which the waits above saw.
   const unsigned page_flag = bars.page_flag(smem_addr(bars.k_full));
   const float v_scale = Tr::kFp8 ? __ldg(p.v_scale + w.kv_head) : 1.f;  // an fp8 cache: out = o v_scale / l
-  store_rows<OT, D, Tr::kVariants, Tr::kFp8>(p, w, ri, by_group, o, st, w.row0 + first_row, quad,
+  store_rows<OT, DV, Tr::kVariants, Tr::kFp8>(p, w, ri, by_group, o, st, w.row0 + first_row, quad,
                                              shared_load(page_flag) != 0, v_scale);
 }
 

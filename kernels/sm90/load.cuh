@@ -13,7 +13,10 @@
 // slot from that lane by a shuffle. A slot of -1 marks a key past the CTA's range: its chunks are
 // zero-filled (so a masked key's V row is 0, never stale NaN) and nothing is read. K and V of a
 // tile share the slots (the caches have one layout): V of a tile is copied one step after its K,
-// the order the consumers read them (S of tile i with P V of tile i - 1).
+// the order the consumers read them (S of tile i with P V of tile i - 1). With separate qk / vo
+// head dims (Traits::kHeadDimVo < kHeadDim: 192 / 128) V's rows are copied the way K's are, by
+// the same threads and passes over the same rows (so the same slots), with fewer column blocks
+// (NPB_V: 2 of K's 3) and V's slot stride, into V's narrower ring stages.
 //
 // An fp8 (e4m3) cache (Traits::kFp8): the producer copies a tile's bytes by cp.async into a
 // staging slot of its own (Traits::kStaging slots, raw bytes laid out thread by thread), runs
@@ -38,12 +41,19 @@ struct KVProducer {
   // column block of it (16-bit D 96, 192; passes over the same rows, block after block)
   static constexpr int CPR = 128 % CH == 0 ? CH : SW / 16;
   static constexpr int NPB = CH / CPR;             // column blocks a row takes in turn (1: whole rows)
+  // V's head dim and column blocks: K's unless separate qk / vo head dims, where V's rows take
+  // K's passes (CPR chunks of a column block) with fewer blocks
+  static constexpr int DV = Tr::kHeadDimVo;
+  static constexpr bool kSplitDims = DV != D;
+  static constexpr int NPB_V = DV * KVBytes<KVT>::value / 16 / CPR;
   static constexpr int RP = 128 / CPR;             // rows per pass of the 128 threads
   static constexpr int WARP_ROWS = 32 / CPR;       // rows a warp copies per pass
   static constexpr int KEYS_PER_WARP = BN / 4;     // a tile's keys a warp copies
   static constexpr int LOOKUPS = (KEYS_PER_WARP + 31) / 32;  // slots each lane looks up per tile
   static_assert(CH % CPR == 0 && 128 % CPR == 0 && (NPB == 1 || CPR == SW / 16), "passes of whole rows or blocks");
   static_assert(BN % RP == 0, "whole passes per tile");
+  static_assert(!kSplitDims || (!kFp8 && NPB > 1 && (DV * 2 / 16) % CPR == 0 && NPB_V < NPB),
+                "separate qk / vo head dims: V's rows whole column blocks of K's passes");
   static_assert(!kFp8 || CH % 4 == 0, "fp8: a quarter-warp holds 4 chunks of two rows (produce_fp8's lanes)");
 
   const AttentionParams& p;
@@ -74,7 +84,7 @@ struct KVProducer {
     slot_bytes = p.num_kv_heads * D * (int)sizeof(KVT);
     constexpr int ELEMS = 16 / (int)sizeof(KVT);  // elements of a 16-byte chunk
     k_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + w.kv_head * D + chunk * ELEMS);
-    v_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + w.kv_head * D + chunk * ELEMS);
+    v_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + w.kv_head * DV + chunk * ELEMS);
     head_bytes = (w.kv_head * D + chunk * ELEMS) * (int)sizeof(KVT);
   }
 
@@ -150,8 +160,18 @@ struct KVProducer {
     return __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + warp_row());
   }
 
-  // cp.async of one K or V tile (cache `base`) into the stage at shared address `dst`.
-  __device__ __forceinline__ void copy_tile(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
+  // V's bytes from one cache slot to the next: K's (slot_bytes) unless separate qk / vo head dims,
+  // then from the params (no register more held in the producer)
+  __device__ __forceinline__ int v_slot_bytes() const {
+    if constexpr (kSplitDims) return p.num_kv_heads * DV * (int)sizeof(KVT);
+    return slot_bytes;
+  }
+
+  // cp.async of one K or V tile (cache `base`, BLOCKS column blocks a row, `row_bytes` from one
+  // cache slot to the next) into the stage at shared address `dst`.
+  template <int BLOCKS>
+  __device__ __forceinline__ void copy_tile(const char* base, unsigned dst, const int (&slots)[LOOKUPS],
+                                            int row_bytes) const {
     // 4 rows at a time: fully unrolled, the compiler keeps every row's address live at once,
     // more than the producer's registers hold
 #pragma unroll 4
@@ -165,9 +185,9 @@ struct KVProducer {
       for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
       const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CPR);
       const int row = row_in_pass + RP * i;
-      const char* src = base + (i64)max(slot, 0) * slot_bytes;
+      const char* src = base + (i64)max(slot, 0) * row_bytes;
 #pragma unroll
-      for (int b = 0; b < NPB; ++b) {  // the row's column blocks (one: whole rows)
+      for (int b = 0; b < BLOCKS; ++b) {  // the row's column blocks (one: whole rows)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + swizzled_offset<BN, SW>(row, b * CPR + chunk)),
                      "l"(src + b * CPR * 16), "r"(slot >= 0 ? 16 : 0)
                      : "memory");
@@ -181,7 +201,9 @@ struct KVProducer {
   // copy's ignore-src predicate (one compare instead of a size register ptxas turns back into
   // a predicate) and the shared address stepped by a constant (the row's swizzle phase is the
   // same for every pass when a pass covers a multiple of 8 rows).
-  __device__ __forceinline__ void copy_tile_lean(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
+  template <int BLOCKS>
+  __device__ __forceinline__ void copy_tile_lean(const char* base, unsigned dst, const int (&slots)[LOOKUPS],
+                                                 int row_bytes) const {
     constexpr unsigned PASS_BYTES = RP * SW;  // a pass's rows in one column block
     const unsigned dst0 = dst + swizzled_offset<BN, SW>(row_in_pass, chunk);
 #pragma unroll 4
@@ -191,10 +213,10 @@ struct KVProducer {
 #pragma unroll
       for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
       const int slot = __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + lane / CPR);
-      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)slot_bytes;
+      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)row_bytes;
       const unsigned to = RP % 8 == 0 ? dst0 + i * PASS_BYTES : dst + swizzled_offset<BN, SW>(row_in_pass + RP * i, chunk);
 #pragma unroll
-      for (int b = 0; b < NPB; ++b) {  // the row's column blocks (one: whole rows), a block's bytes apart
+      for (int b = 0; b < BLOCKS; ++b) {  // the row's column blocks (one: whole rows), a block's bytes apart
         asm volatile(
             "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
             "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to + b * (BN * SW)),
@@ -204,9 +226,14 @@ struct KVProducer {
     }
   }
 
-  __device__ __forceinline__ void copy(const char* base, unsigned dst, const int (&slots)[LOOKUPS]) const {
-    if constexpr (Tr::kLeanCopy) copy_tile_lean(base, dst, slots);
-    else copy_tile(base, dst, slots);
+  // K's tile (K's blocks and slot stride) or V's (V's) into the stage at `dst`
+  template <bool IS_K>
+  __device__ __forceinline__ void copy(unsigned dst, const int (&slots)[LOOKUPS]) const {
+    constexpr int BLOCKS = IS_K ? NPB : NPB_V;
+    const char* base = IS_K ? k_base : v_base;
+    const int row_bytes = IS_K ? slot_bytes : v_slot_bytes();
+    if constexpr (Tr::kLeanCopy) copy_tile_lean<BLOCKS>(base, dst, slots, row_bytes);
+    else copy_tile<BLOCKS>(base, dst, slots, row_bytes);
   }
 
   // ---- an fp8 cache (produce_fp8) ----
@@ -295,6 +322,8 @@ struct KVProducer {
   }
 };
 
+template <bool K> struct Ring { static constexpr bool value = K; };  // K's ring (true) or V's
+
 // The producer's whole job for the CTA's work item: Q into the Q tile, then K of tile T-1,
 // then per step K of the next tile and V of the one before, each after its stage's `empty`
 // barrier, ending with V of tile 0. The caller waits for the last copies (cp.async.wait_all)
@@ -304,13 +333,13 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
                                         PipeBarriers<Tr::kStages, Tr::kConsumerThreads>& bars,
                                         RingPos<Tr::kStages>& pos, unsigned q_addr, unsigned k_addr,
                                         unsigned v_addr, int tid) {
-  constexpr int STAGE_BYTES = Tr::kKVTileBytes;
+  constexpr int STAGE_BYTES = Tr::kKVTileBytes, V_STAGE_BYTES = Tr::kVTileBytes;
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;
-  // K or V of a tile into the stage at `dst` by cp.async, completing `full`
-  auto load = [&](bool is_k, unsigned dst, const int (&slots)[P::LOOKUPS], unsigned long long* full) {
-    prod.copy(is_k ? prod.k_base : prod.v_base, dst, slots);
+  // K (a Ring<true>) or V (Ring<false>) of a tile into the stage at `dst` by cp.async, completing `full`
+  auto load = [&](auto ring, unsigned dst, const int (&slots)[P::LOOKUPS], unsigned long long* full) {
+    prod.template copy<decltype(ring)::value>(dst, slots);
     cp_async_arrive(full);
   };
   prod.template start<QT>(q_addr, by_group, tid, &bars.q_full);
@@ -321,7 +350,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     prod.slots_flagged(T - 1, slots_k, bars);
     prod.fetch_pages(T - 2);
     mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-    load(true, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
+    load(Ring<true>(), k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
     ks.advance();
     for (int i = 1; i < T; ++i) {
       const int tile = T - 1 - i;
@@ -330,19 +359,17 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
       prod.slots_flagged(tile, slots_k, bars);
       prod.fetch_pages(tile - 1);
       mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
-      load(true, k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
+      load(Ring<true>(), k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
       ks.advance();
       mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-      load(false, v_addr + vs.stage * STAGE_BYTES, slots_v, &bars.v_full[vs.stage]);
+      load(Ring<false>(), v_addr + vs.stage * V_STAGE_BYTES, slots_v, &bars.v_full[vs.stage]);
       vs.advance();
     }
     mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
-    load(false, v_addr + vs.stage * STAGE_BYTES, slots_k, &bars.v_full[vs.stage]);
+    load(Ring<false>(), v_addr + vs.stage * V_STAGE_BYTES, slots_k, &bars.v_full[vs.stage]);
     vs.advance();
   }
 }
-
-template <bool K> struct Ring { static constexpr bool value = K; };  // produce_fp8: K's ring (true) or V's
 
 // produce() over an fp8 cache (Traits::kFp8): the same order of K and V tiles (K of tile T-1,
 // then per step K of the next tile and V of the one before, ..., V of tile 0), each first copied
@@ -358,6 +385,7 @@ __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const Pref
                                             unsigned v_addr, unsigned staging, int tid) {
   constexpr int STAGE_BYTES = Tr::kKVTileBytes, SLOT_BYTES = Tr::kStagingSlotBytes;
   static_assert(Tr::kStaging == 2, "two staging slots: one being widened, one being copied");
+  static_assert(Tr::kVTileBytes == STAGE_BYTES, "an fp8 cache: one head dim, one stage size for K and V");
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;

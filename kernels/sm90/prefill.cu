@@ -9,7 +9,9 @@
 // stages guarded by mbarriers (sm90/pipeline.cuh), and two (three) consumers of 64 rows each
 // (sm90/consumer.cuh) that run
 // S = Q K^T and O += P V on wgmma (sm90/wgmma.cuh) around the mask and online softmax in
-// registers (sm90/softmax.cuh), then write O / l. The producer gives registers back
+// registers (sm90/softmax.cuh), then write O / l. With separate qk / vo head dims (Traits D_VO <
+// HEAD_DIM: 192 / 128) Q and the K ring are of HEAD_DIM columns, the V ring, O and out of D_VO.
+// The producer gives registers back
 // (setmaxnreg) to the consumers. Key tiles are taken last to first: the tiles that need a mask
 // (the causal diagonal, the end of the keys) come first.
 //
@@ -35,12 +37,16 @@ namespace cupy_fa {
 
 // One instance per (head dim, keys per tile, pipeline depth, ping-pong, producer registers,
 // warp-uniform warpgroup index, joint two-row softmax, lean copies, consumer warpgroups, variant
-// hooks, K/V element bytes, fp8 staging slots, the soft-cap's tanh); the host mirror is
-// cupy_fa/families/sm90.py Sm90Tile.
+// hooks, K/V element bytes, fp8 staging slots, the soft-cap's tanh, V's head dim); the host mirror
+// is cupy_fa/families/sm90.py Sm90Tile.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool PINGPONG, int PRODUCER_REGS, bool UNIFORM_WG, bool JOINT_ROWS,
-          bool LEAN_COPY, int CONSUMER_WGS, bool VARIANTS, int KV_BYTES = 2, int STAGING = 0, int TANH = 0>
+          bool LEAN_COPY, int CONSUMER_WGS, bool VARIANTS, int KV_BYTES = 2, int STAGING = 0, int TANH = 0,
+          int D_VO = HEAD_DIM>
 struct Sm90PrefillTraits {
+  // HEAD_DIM is Q's and K's (the k of S = Q K^T); D_VO V's and out's (the n of O += P V, the O
+  // accumulators, the epilogue and the partials): separate qk / vo head dims (192 / 128), else equal
   static constexpr int kHeadDim = HEAD_DIM;
+  static constexpr int kHeadDimVo = D_VO;
   // the tiles' column blocks (sm90/wgmma.cuh): 128-byte rows of 64 columns, or 64-byte rows of 32
   // for a head dim that is not whole 64-column blocks (96)
   static constexpr int kSwizzle = HEAD_DIM % 64 == 0 ? 128 : 64;
@@ -89,7 +95,9 @@ struct Sm90PrefillTraits {
   static_assert(PRODUCER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && PRODUCER_REGS <= kEntryRegs, "setmaxnreg range");
   static_assert(kConsumerRegs <= 256, "setmaxnreg range");
   static constexpr int kQTileBytes = kBlockM * HEAD_DIM * 2;
-  static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;  // a ring stage: 16-bit elements (an fp8 tile widened)
+  static constexpr int kKVTileBytes = BLOCK_N * HEAD_DIM * 2;  // a K ring stage: 16-bit elements (an fp8 tile widened)
+  static constexpr int kVTileBytes = BLOCK_N * D_VO * 2;       // a V ring stage (kKVTileBytes unless D_VO differs)
+  static constexpr int kRingBytes = STAGES * (kKVTileBytes + kVTileBytes);  // the K ring, then the V ring
   // sm90/pipeline.cuh PipeBarriers: the ring's and Q's barriers, the consumers' scratch words and
   // the page flag, padded to the barriers' 8 bytes
   static constexpr int kBarrierBytes = ((4 * STAGES + 1) * 8 + kConsumerThreads * 4 + 4 + 7) / 8 * 8;
@@ -100,11 +108,13 @@ struct Sm90PrefillTraits {
   static constexpr int kStagingOffset = kRowScaleOffset + kBlockM * 4;
   static constexpr int kFp8Bytes = kFp8 ? kStagingOffset + STAGING * kStagingSlotBytes - kBarrierBytes : 0;
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
-  static constexpr int kSmemBytes = 1024 + kQTileBytes + 2 * STAGES * kKVTileBytes + kBarrierBytes + kFp8Bytes;
+  static constexpr int kSmemBytes = 1024 + kQTileBytes + kRingBytes + kBarrierBytes + kFp8Bytes;
   static_assert(HEAD_DIM % (kSwizzle / 2) == 0 && HEAD_DIM <= 256, "whole column blocks, one wgmma N");
   static_assert(!kFp8 || HEAD_DIM % 64 == 0, "fp8: whole 64-byte rows of e4m3 (D 64, 128, 256)");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "whole k-steps of P V, one wgmma N");
-  static_assert((kQTileBytes | kKVTileBytes) % 1024 == 0, "every tile and stage on the swizzle's period");
+  static_assert((kQTileBytes | kKVTileBytes | kVTileBytes) % 1024 == 0, "every tile and stage on the swizzle's period");
+  static_assert(D_VO == HEAD_DIM || (KV_BYTES == 2 && HEAD_DIM % 64 == 0 && D_VO % 64 == 0 && D_VO < HEAD_DIM),
+                "separate qk / vo head dims: a 16-bit cache, V's rows whole 64-column blocks narrower than K's");
   static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
 };
 
@@ -127,11 +137,11 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p) {
   unsigned char* smem = smem_raw + (base - raw);
   const unsigned q_addr = base;  // the Q tile, then the K ring, then the V ring
   const unsigned k_addr = q_addr + Tr::kQTileBytes;
-  const unsigned v_addr = k_addr + ST * Tr::kKVTileBytes;
+  const unsigned v_addr = k_addr + ST * Tr::kKVTileBytes;  // (stages of Tr::kVTileBytes)
   typedef PipeBarriers<ST, Tr::kConsumerThreads> Barriers;
   static_assert(sizeof(Barriers) == Tr::kBarrierBytes, "kBarrierBytes (and the host's smem_bytes) count every barrier byte");
   static_assert(sizeof(Barriers) == (Barriers::kPageBadOffset + 4 + 7) / 8 * 8, "page_bad: the last member, at kPageBadOffset");
-  auto& bars = *reinterpret_cast<Barriers*>(smem + Tr::kQTileBytes + 2 * ST * Tr::kKVTileBytes);
+  auto& bars = *reinterpret_cast<Barriers*>(smem + Tr::kQTileBytes + Tr::kRingBytes);
   if (threadIdx.x == 0) bars.init(128, Tr::kConsumerThreads);
   __syncthreads();
 
