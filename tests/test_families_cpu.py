@@ -357,3 +357,84 @@ def test_a_prefill_step_launches_the_wgmma_family_alone(monkeypatch):
     assert [c[0].source for c in calls] == ["sm90/prefill.cu"]  # q 4096, 300: one split each, no merge
     rows = sched.long.tile.block_m  # 192 at D 128: 3 consumer warpgroups
     assert rows == 192 and calls[0][1] == (sched.long.ctas,) == ((-(-4096 * 4 // rows) - (-300 * 4 // rows)) * 8,)
+
+
+def test_sm90_experiment_traits_are_off_in_every_shipped_tile_and_spelled_when_on():
+    """Sm90Tile.exp2_fma (the softmax's 2^x of some columns on the FMA pipe) and int_widen (an fp8
+    cache widened by integer operations): off in every table tile and its hooked kernel, so the
+    shipped names keep their parameters; where on, the traits spell all five after VARIANTS, and
+    neither moves the shared memory, registers or rows of the tile."""
+    tiles = list(s9.DEFAULT_TILES.values()) + list(s9.FP8_TILES.values())
+    for tile in tiles + [t.with_variants() for t in tiles]:
+        assert (tile.exp2_fma, tile.int_widen) == (0, False) and tile.traits().count(",") <= 12, tile
+    plain, fp8 = s9.DEFAULT_TILES[128], s9.FP8_TILES[128]
+    hooked = plain.with_variants()
+    R = dataclasses.replace
+    assert R(plain, exp2_fma=1).traits() == plain.traits()[:-1] + ", 2, 0, 0, 1, false>"
+    assert R(hooked, exp2_fma=4).traits() == hooked.traits()[:-1] + ", 4, false>"
+    assert R(fp8, int_widen=True).traits() == fp8.traits()[:-1] + ", 0, true>"
+    assert R(fp8, int_widen=True, exp2_fma=2).with_variants().traits().endswith(
+        f", true, 1, 2, {s9.soft_cap_tanh()}, 2, true>")
+    for tile, on in ((hooked, R(hooked, exp2_fma=3)), (fp8, R(fp8, int_widen=True))):
+        assert (on.smem_bytes, on.consumer_regs, on.block_m, on.threads) == (
+            tile.smem_bytes, tile.consumer_regs, tile.block_m, tile.threads)
+        assert [c.replace(on.traits(), tile.traits()) for c in on.checks()] == list(tile.checks())
+    assert R(hooked, exp2_fma=2).with_variants().exp2_fma == 2  # the hooked kernel keeps the tile's fields
+    for bad in (dict(exp2_fma=9), dict(exp2_fma=-1), dict(int_widen=True)):  # int_widen: an fp8 tile's only
+        with pytest.raises(ValueError):
+            R(plain, **bad)
+
+
+def exp2_fma_coefficients():
+    """The cubic of kernels/shared/common.cuh exp2_fma, as the source spells it (c3, c2, c1, 1)."""
+    import re
+
+    text = (_compile.KERNEL_DIR / "shared" / "common.cuh").read_text()
+    body = text[text.index("float exp2_fma(float x)"):]
+    body = body[:body.index("\n}\n")]
+    line = next(l for l in body.splitlines() if "fmaf(fmaf(fmaf(" in l)
+    c3, c2, c1, c0 = (np.float32(v) for v in re.findall(r"(-?\d+\.\d*)f", line))
+    assert "fmaxf(x, -127.f)" in body and "12582912.f" in body and "<< 23" in body
+    return c3, c2, c1, c0
+
+
+def exp2_fma_float32(x):
+    """exp2_fma's steps in float32 (NumPy's float32 adds round to nearest even as __fadd_rn does;
+    each fmaf as the float64 product of two float32 values, exact, plus the addend, rounded to
+    float32: a true fused multiply-add but for double rounding in a rare tie), the integer add of
+    r << 23 in uint32 arithmetic."""
+    c3, c2, c1, c0 = exp2_fma_coefficients()
+    fma = lambda a, b, c: (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+    x = np.asarray(x, np.float32)
+    xc = np.maximum(x, np.float32(-127))
+    k = np.float32(12582912)
+    t = (xc + k).astype(np.float32)
+    f = (xc - (t - k).astype(np.float32)).astype(np.float32)
+    p = fma(fma(fma(np.full_like(f, c3), f, c2), f, c1), f, c0)
+    bits = p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def test_exp2_fma_emulated_in_float32_within_its_bound():
+    """The softmax's 2^x on the FMA pipe (common.cuh exp2_fma, sm90 Traits::kExp2Fma): relative
+    error at most 1.1e-4 over the exponents the fold gives (from far below the row's offset up to
+    kLazyRescale = 8 above it, a little past for rounding), 2^n exact at integers n (p(0) = 1), and
+    a masked key's -inf, or anything at or below -127, an exact +0."""
+    c3, c2, c1, c0 = exp2_fma_coefficients()
+    assert c0 == 1
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(-126, 9, 2_000_001, dtype=np.float32),
+                        rng.uniform(-126, 9, 1_000_000).astype(np.float32),
+                        np.arange(-126, 10).astype(np.float32) + np.float32(0.5),  # the rounding's ties
+                        np.nextafter(np.arange(-126, 10).astype(np.float32) + np.float32(0.5), np.float32(0))])
+    got = exp2_fma_float32(x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    rel = np.abs(got / want - 1)
+    assert rel.max() <= 1.1e-4, rel.max()
+    assert rel.max() >= 0.8e-4  # the cubic's own error, not a looser function (degree 3 minimax: 1.0e-4)
+    n = np.arange(-126, 10).astype(np.float32)
+    assert np.array_equal(exp2_fma_float32(n), np.exp2(n.astype(np.float64)).astype(np.float32))
+    zero = exp2_fma_float32(np.array([-np.inf, -127, -127.25, -300, np.finfo(np.float32).min], np.float32))
+    assert np.all(zero.view(np.uint32) == 0)  # +0 exactly: a masked key adds nothing, an empty row stays empty
+    tiny = exp2_fma_float32(np.linspace(-127, -126.5, 101, dtype=np.float32))  # ex2.approx.ftz: 0 here
+    assert np.all((tiny >= 0) & (tiny < np.float32(2.0 ** -126)))

@@ -300,3 +300,49 @@ def test_every_selectable_fp8_tile_is_compiled_in_ci():
                                 assert catalog.attention_kernel(types, t.with_variants()).expression in compiled, t
         for index in (np.int32, np.int64):
             assert catalog.append_kernel(index, dtype).expression in compiled
+
+
+def e4m3x4_to_f16x2_unit(x):
+    """kernels/shared/common.cuh e4m3x4_to_f16x2_unit over uint32 words (NumPy): the lop3 select
+    (0xb8: the mask's bits from x, the others from x >> 1), x << 7, the two byte permutes and the
+    mask; returns the four fp16 values of each word, byte 0 first."""
+    x = np.asarray(x, np.uint32)
+    m = np.uint32(0x80808080)
+    hi = (x & m) | ((x >> np.uint32(1)) & ~m)
+    lo = (x << np.uint32(7)).astype(np.uint32)
+    both = np.stack([lo, hi], -1).view(np.uint8).reshape(-1, 8)  # bytes 0..3 lo, 4..7 hi
+
+    def perm(selector):
+        picks = [(selector >> (4 * k)) & 7 for k in range(4)]
+        return both[:, picks].copy().view(np.uint32).reshape(-1)
+
+    out = [perm(s) & np.uint32(0xbf80bf80) for s in (0x5140, 0x7362)]
+    return np.stack(out, -1).view(np.float16).reshape(-1, 4)
+
+
+def test_integer_widening_is_exact_for_every_finite_byte():
+    """The sm90 family's integer widening (Traits::kIntWiden) gives e4m3 x 2^-8 in fp16 for all 256
+    bytes at each of a word's four places, bit for bit once times 2^8 (signed zeros, subnormals, +-448
+    included; the consumers fold the 2^8 into k_scale and v_scale), and a NaN byte +-480 x 2^-8."""
+    text = (_compile.KERNEL_DIR / "shared" / "common.cuh").read_text()
+    body = text[text.index("void e4m3x4_to_f16x2_unit("):]
+    body = body[:body.index("\n}\n")]
+    for spelled in ("lop3.b32 %0, %1, 0x80808080, %2, 0xb8", "x >> 1", "x << 7", "0x5140u", "0x7362u", "0xbf80bf80u"):
+        assert spelled in body, spelled  # what the emulation above mirrors
+    assert ((0xCC & 0xAA) | (~0xCC & 0xF0)) & 0xFF == 0xb8  # lop3's table of b ? c : a (a 0xF0, b 0xCC, c 0xAA)
+    codes = np.arange(256, dtype=np.uint32)
+    values = codes.astype(np.uint8).view(E4M3).astype(np.float32)
+    finite = np.isfinite(values)
+    rng = np.random.default_rng(1)
+    for place in range(4):
+        others = rng.integers(0, 256, (256, 4)).astype(np.uint32)
+        others[:, place] = codes
+        words = others[:, 0] | others[:, 1] << 8 | others[:, 2] << 16 | others[:, 3] << 24
+        got = e4m3x4_to_f16x2_unit(words).astype(np.float32) * np.float32(256)
+        want = others.astype(np.uint8).view(E4M3).astype(np.float32)
+        for k in range(4):
+            ok = np.isfinite(want[:, k])
+            assert np.array_equal(got[ok, k], want[ok, k]), (place, k)
+            assert np.array_equal(np.signbit(got[ok, k]), np.signbit(want[ok, k])), (place, k)
+        assert np.array_equal(got[~finite, place], np.copysign(np.float32(480), values[~finite]))
+    assert finite.sum() == 254
