@@ -362,7 +362,7 @@ def test_a_prefill_step_launches_the_wgmma_family_alone(monkeypatch):
 def test_sm90_experiment_traits_are_off_in_every_shipped_tile_and_spelled_when_on():
     """Sm90Tile.exp2_fma (the softmax's 2^x of some columns on the FMA pipe) and int_widen (an fp8
     cache widened by integer operations): off in every table tile and its hooked kernel, so the
-    shipped names keep their parameters; where on, the traits spell all five after VARIANTS, and
+    shipped names keep their parameters; where on, the traits spell all six after VARIANTS, and
     neither moves the shared memory, registers or rows of the tile."""
     tiles = list(s9.DEFAULT_TILES.values()) + list(s9.FP8_TILES.values())
     for tile in tiles + [t.with_variants() for t in tiles]:
@@ -370,11 +370,12 @@ def test_sm90_experiment_traits_are_off_in_every_shipped_tile_and_spelled_when_o
     plain, fp8 = s9.DEFAULT_TILES[128], s9.FP8_TILES[128]
     hooked = plain.with_variants()
     R = dataclasses.replace
-    assert R(plain, exp2_fma=1).traits() == plain.traits()[:-1] + ", 2, 0, 0, 1, false>"
-    assert R(hooked, exp2_fma=4).traits() == hooked.traits()[:-1] + ", 4, false>"
-    assert R(fp8, int_widen=True).traits() == fp8.traits()[:-1] + ", 0, true>"
+    # V's head dim (D_VO) stands before them, spelled out where they are on
+    assert R(plain, exp2_fma=1).traits() == plain.traits()[:-1] + ", 2, 0, 0, 128, 1, false>"
+    assert R(hooked, exp2_fma=4).traits() == hooked.traits()[:-1] + ", 128, 4, false>"
+    assert R(fp8, int_widen=True).traits() == fp8.traits()[:-1] + ", 128, 0, true>"
     assert R(fp8, int_widen=True, exp2_fma=2).with_variants().traits().endswith(
-        f", true, 1, 2, {s9.soft_cap_tanh()}, 2, true>")
+        f", true, 1, 2, {s9.soft_cap_tanh()}, 128, 2, true>")
     for tile, on in ((hooked, R(hooked, exp2_fma=3)), (fp8, R(fp8, int_widen=True))):
         assert (on.smem_bytes, on.consumer_regs, on.block_m, on.threads) == (
             tile.smem_bytes, tile.consumer_regs, tile.block_m, tile.threads)
