@@ -149,7 +149,8 @@ def _int32_row_bytes(x):
     if x.dtype != _INT32:
         return None
     if x.flags.c_contiguous:
-        return 4 * x.shape[-1] if len(x.shape) > 1 else 0
+        row = 4 * x.shape[-1] if len(x.shape) > 1 else 0
+        return row if row < 2**31 else None  # (the kernel's pitches are int32: past them, the fallback copy)
     strides = x.strides
     if x.ndim == 2 and strides[1] == 4 and 0 < strides[0] < 2**31:
         return strides[0]

@@ -259,8 +259,9 @@ class BatchAttention(PlannedInstance):
                                          batch_size=step.batch, **self._device_facts(device_id), window=window)
         tile, long_tile = sched.plan_tiles()
         if sched is not self._loaded:  # a new schedule: its kernels missing on this device compile at once
-            _build.load_all([_catalog.PLAN_KERNEL] + self._launcher.kernels(sched, bool(window or soft_cap),
-                                                                            step.num_tokens), device_id)
+            # (the staging kernel with them: a later device-length step's staging finds it loaded)
+            _build.load_all([_catalog.PLAN_KERNEL, _catalog.STAGE_KERNEL]
+                            + self._launcher.kernels(sched, bool(window or soft_cap), step.num_tokens), device_id)
             self._loaded = sched
         _plan.launch_plan(buffers, step.batch, self.group_size, tile, stream, long_tile, max_q_len=step.max_q_len,
                           max_kv_len=min(kv_bound, 2**31 - 1), window=window)

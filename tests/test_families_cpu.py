@@ -403,24 +403,24 @@ def exp2_fma_float32(x):
     """exp2_fma's steps in float32 (NumPy's float32 adds round to nearest even as __fadd_rn does;
     each fmaf as the float64 product of two float32 values, exact, plus the addend, rounded to
     float32: a true fused multiply-add but for double rounding in a rare tie), the integer add of
-    r << 23 in uint32 arithmetic."""
+    r << 23 in uint32 arithmetic; the clamp as fmaxf (NaN to -127), a NaN x then passed through."""
     c3, c2, c1, c0 = exp2_fma_coefficients()
     fma = lambda a, b, c: (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
     x = np.asarray(x, np.float32)
-    xc = np.maximum(x, np.float32(-127))
+    xc = np.fmax(x, np.float32(-127))
     k = np.float32(12582912)
     t = (xc + k).astype(np.float32)
     f = (xc - (t - k).astype(np.float32)).astype(np.float32)
     p = fma(fma(fma(np.full_like(f, c3), f, c2), f, c1), f, c0)
     bits = p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))
-    return bits.astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(x), x, bits.astype(np.uint32).view(np.float32))
 
 
 def test_exp2_fma_emulated_in_float32_within_its_bound():
     """The softmax's 2^x on the FMA pipe (common.cuh exp2_fma, sm90 Traits::kExp2Fma): relative
     error at most 1.1e-4 over the exponents the fold gives (from far below the row's offset up to
     kLazyRescale = 8 above it, a little past for rounding), 2^n exact at integers n (p(0) = 1), and
-    a masked key's -inf, or anything at or below -127, an exact +0."""
+    a masked key's -inf, or anything at or below -127, an exact +0; a NaN stays NaN."""
     c3, c2, c1, c0 = exp2_fma_coefficients()
     assert c0 == 1
     rng = np.random.default_rng(0)
@@ -437,5 +437,7 @@ def test_exp2_fma_emulated_in_float32_within_its_bound():
     assert np.array_equal(exp2_fma_float32(n), np.exp2(n.astype(np.float64)).astype(np.float32))
     zero = exp2_fma_float32(np.array([-np.inf, -127, -127.25, -300, np.finfo(np.float32).min], np.float32))
     assert np.all(zero.view(np.uint32) == 0)  # +0 exactly: a masked key adds nothing, an empty row stays empty
+    nan = exp2_fma_float32(np.array([np.nan, -np.nan], np.float32))
+    assert np.isnan(nan).all()  # a NaN score poisons its row on every column, as ex2.approx's NaN does
     tiny = exp2_fma_float32(np.linspace(-127, -126.5, 101, dtype=np.float32))  # ex2.approx.ftz: 0 here
     assert np.all((tiny >= 0) & (tiny < np.float32(2.0 ** -126)))

@@ -61,7 +61,8 @@ class Sm90Tile:
             raise ValueError(f"an fp8 tile (kv_bytes=1) takes 2 or more staging slots, a 16-bit one none: {self}")
         if self.tanh not in (0, 1, 2) or (self.tanh and not self.variants):
             raise ValueError(f"tanh is the soft-cap's form with the variant hooks (0, 1, 2): {self}")
-        if not 0 <= self.exp2_fma <= 8 or (self.int_widen and self.kv_bytes != 1):
+        if (type(self.exp2_fma) is not int or not 0 <= self.exp2_fma <= 8 or type(self.int_widen) is not bool
+                or (self.int_widen and self.kv_bytes != 1)):
             raise ValueError(f"exp2_fma takes 0 to 8 columns of every 8, int_widen an fp8 tile: {self}")
         if self.kv_bytes == 1 and self.head_dim % 64:
             raise ValueError(f"an fp8 tile takes whole 64-byte rows of e4m3 (head dims 64, 128, 256): {self}")

@@ -212,10 +212,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // where that unit is the bound): 2^x = 2^r 2^f, r = x rounded to an integer (x + 1.5 x 2^23 holds
 // it in its low mantissa bits), f = x - r in [-1/2, 1/2], 2^f by a cubic with p(0) = 1 exactly
 // (minimax of the relative error under that constraint: 1.0e-4; the round of fp16 P alone is
-// 2.4e-4), 2^r added into its exponent field by an integer shift and add. x is first raised to
+// 4.9e-4), 2^r added into its exponent field by an integer shift and add. x is first raised to
 // -127, so -inf (a masked key) gives exactly +0 (r = -127, f = 0: p = 1's exponent field goes to
-// 0) and x in (-127, -126.5) a subnormal where ex2.approx.ftz gives 0; x up to kLazyRescale (8)
-// above the offset stays far from the top. A NaN x gives 0 here (ex2.approx: NaN).
+// 0) and x in (-127, -126.5) a subnormal where ex2.approx.ftz gives 0. Valid for x < 127.5 (r = 128
+// would fill the exponent field; the fold's x stays below kLazyRescale, 8). A NaN x stays NaN, as
+// ex2.approx's does (the clamp alone would make it 0: a NaN score must poison its row on every column).
 // tests/test_families_cpu.py holds a float32 emulation of these steps to 1.1e-4.
 __device__ __forceinline__ float exp2_fma(float x) {
   constexpr float kRound = 12582912.f;  // 1.5 x 2^23
@@ -223,7 +224,8 @@ __device__ __forceinline__ float exp2_fma(float x) {
   const float t = __fadd_rn(xc, kRound);  // rn adds: never contracted, never reassociated
   const float f = __fsub_rn(xc, __fsub_rn(t, kRound));
   const float p = fmaf(fmaf(fmaf(0.05500893294811249f, f, 0.2422109991312027f), f, 0.6932829022407532f), f, 1.f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));  // + r << 23: t's low 9 bits are r mod 2^9
+  const float y = __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));  // + r << 23: t's low 9 bits are r mod 2^9
+  return x != x ? x : y;
 }
 
 // ---- division by a divisor fixed per launch ------------------------------------

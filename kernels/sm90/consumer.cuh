@@ -15,7 +15,10 @@
 // (q_rows_to_fp16, each warpgroup its own 64 rows), and the scores' scale into base 2 is per row:
 // k_scale of the KV head times the row's 2^-e (RowScale); V's scale joins each row's 1 / l. With
 // Traits::kIntWiden the stages hold K and V times 2^-8 (common.cuh e4m3x4_to_f16x2_unit), and
-// both scales take the 2^8 back (fp8_scale): the same products, the same bits out.
+// both scales take the 2^8 back (fp8_scale): the same products and bits for every finite byte
+// (subnormal bytes become fp16 subnormal operands, which the tensor cores must not flush: a GPU
+// bit test of the trait on against off is its proof); a NaN byte reads as +-480 (finite) where the
+// conversion instruction keeps it NaN, so the trait is off in every shipped tile.
 #pragma once
 
 namespace cupy_fa {
