@@ -46,8 +46,8 @@ class GraphRunner:
     """Replays one captured attention step per (mode, batch bucket, cache).
 
     Args:
-        num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype: as for :class:`BatchAttention`
-            (``kv_dtype="float8_e4m3fn"``: the caches are fp8).
+        num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype, workspace_bytes: as for
+            :class:`BatchAttention` (``kv_dtype="float8_e4m3fn"``: the caches are fp8).
         max_batch_size: largest batch (the largest bucket).
         max_q_len: largest q_len of any request in a non-DECODE mode (N for verify /
             draft-extend, the chunk for EXTEND / MIXED).
@@ -77,7 +77,7 @@ class GraphRunner:
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size, max_q_len,
                  max_pages_per_request, page_size, buckets=None, tree_mask=False, kv_dtype=None, window=None,
-                 logits_soft_cap=None, device=None):
+                 logits_soft_cap=None, workspace_bytes=None, device=None):
         self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         if kv_dtype is not None:  # before anything is allocated
             kv_name = _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
@@ -99,7 +99,8 @@ class GraphRunner:
         mask_bytes = self.max_batch_size * self.max_q_len ** 2 if tree_mask else 0
         self.attn = BatchAttention(num_qo_heads, num_kv_heads, head_dim, dtype, max_batch_size=self.max_batch_size,
                                    max_num_tokens=tokens, max_pages_per_request=self.max_pages_per_request,
-                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype, device=device)
+                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype, workspace_bytes=workspace_bytes,
+                                   device=device)
         self.device_id = self.attn.device_id
         self.tree_mask = tree_mask
         self._sm_scale = _plan.checked_sm_scale(None, self.attn.head_dim)
