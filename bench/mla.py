@@ -109,7 +109,16 @@ def time_ours(heads, kv_dtype, table, sets, q_lens, kv_lens, n_launch, reps):
     from . import timing
     from .inputs import to_host_f64
 
-    attn = cupy_fa.MLAAttention(heads, "bfloat16", kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype)
+    from cupy_fa import _build
+    from cupy_fa.mla import schedule as mla_schedule
+
+    # a workspace that holds the batch's splits at their fixed positions (decode == verify bits kept),
+    # as an engine that serves such batches sizes it (the default holds 8 splits a token)
+    wanted = mla_schedule.schedule_step(heads, kv_dtype != "bfloat16", _build.current_arch(), q_lens=q_lens,
+                                        kv_lens=kv_lens).partial_rows
+    workspace = max(256 << 20, wanted * heads * (512 * 2 + 4))
+    attn = cupy_fa.MLAAttention(heads, "bfloat16", kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype,
+                                workspace_bytes=workspace)
     t0 = time.perf_counter()
     attn.plan(q_lens, kv_lens, table, sm_scale=SM_SCALE)
     attn.run(sets[0]["q"], sets[0]["cache"], out=sets[0]["out"])

@@ -8,6 +8,7 @@ Public API:
     GraphRunner       CUDA-graph capture and replay per (mode, batch bucket) (cupy_fa.graph).
     MLAAttention, PagedLatentCache   multi-head latent attention (DeepSeek V2 / V3, Kimi K2), the absorbed
                       form, over a paged latent cache [num_pages, page_size, 576] (cupy_fa.mla).
+    BatchInvarianceWarning   a batch whose split partials overflow the workspace (results may depend on it).
     merge_states      two attention states (out, natural-log lse) over disjoint keys into one (cupy_fa.merge).
     warmup            compile kernels ahead of time (cupy_fa.catalog).
     knobs             the CUPY_FA_* environment variables, read once (cupy_fa.knobs).
@@ -21,11 +22,11 @@ import importlib
 
 _WHERE = {"BatchAttention": "attention", "ForwardMode": "modes", "GraphRunner": "graph", "PagedKVCache": "kv_cache",
           "contract_lengths": "modes", "from_sglang": "modes", "merge_states": "merge", "warmup": "catalog",
-          "MLAAttention": "mla", "PagedLatentCache": "mla"}
+          "MLAAttention": "mla", "PagedLatentCache": "mla", "BatchInvarianceWarning": "plan"}
 _MODULES = ("knobs", "reference")
 
-__all__ = ["BatchAttention", "ForwardMode", "GraphRunner", "MLAAttention", "PagedKVCache", "PagedLatentCache",
-           "contract_lengths", "from_sglang", "knobs", "merge_states", "reference", "warmup"]
+__all__ = ["BatchAttention", "BatchInvarianceWarning", "ForwardMode", "GraphRunner", "MLAAttention", "PagedKVCache",
+           "PagedLatentCache",           "contract_lengths", "from_sglang", "knobs", "merge_states", "reference", "warmup"]
 __version__ = "0.1.0"
 
 

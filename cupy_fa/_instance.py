@@ -11,6 +11,7 @@ planned inside a capture) and ``other_streams`` (ptr -> stream of its runs on ot
 
 import contextlib
 import threading
+import warnings
 
 from . import _arrays, plan as _plan, status as _status
 
@@ -47,6 +48,7 @@ class PlannedInstance:
         self._plan = None
         self._busy = threading.Lock()  # held by the thread inside plan() or run() (see _enter)
         self._busy_with = None
+        self._overflow_said = False  # _check_partials has warned
         if capacity is not None:
             with self.device_scope():
                 self._buffers = self._new_buffers(capacity)
@@ -129,6 +131,23 @@ class PlannedInstance:
             self._retired.append(buffers)
         with stream:  # allocations (and their memsets) ordered with the copies that follow
             self._buffers = self._new_buffers(base.grown_to(batch, tokens, pages, mask_bytes))
+
+    def _check_partials(self, wanted):
+        """A host-planned batch that wants ``wanted`` split-partial rows (its schedule's
+        ``partial_rows``; None for device lengths): more than the buffers hold, and plan_kernel caps
+        its splits, so its results may depend on the batch. Said once per instance, with the
+        ``workspace_bytes`` that would hold it (plan.BatchInvarianceWarning)."""
+        buffers = self._buffers
+        if wanted is None or wanted <= buffers.partial_out.shape[0] or self._overflow_said:
+            return
+        self._overflow_said = True
+        have, row = buffers.partial_out.shape[0], buffers.partial_row_bytes
+        warnings.warn(
+            f"{self._NAME}.plan: this batch's split partials need {wanted} rows ({wanted * row / 2**20:.0f} MiB) "
+            f"and the workspace holds {have} ({have * row / 2**20:.0f} MiB): every request's splits are capped "
+            f"at an equal share, so results may depend on the rest of the batch (decode == verify bits are not "
+            f"kept for such steps). Construct with workspace_bytes >= {wanted * row} to keep them; said once "
+            f"per instance", _plan.BatchInvarianceWarning, stacklevel=5)
 
     # ---- the status word ---------------------------------------------------------------
 

@@ -54,6 +54,10 @@ class BatchAttention(PlannedInstance):
             bytes). Give the first three (all or none) to allocate everything up front (needed
             before a CUDA-graph capture); otherwise buffers are sized on first use and grown
             by eager plans as needed.
+        workspace_bytes: the split partials' size (default 128 MiB, at least 128 rows a request of
+            the capacity). A host-planned batch whose splits want more caps every request's
+            (results may then depend on the batch) and warns once (:class:`BatchInvarianceWarning`
+            naming the size that would hold it); a device-planned one caps silently.
         device: the CUDA device the instance is bound to: an int id, a ``cupy.cuda.Device``, a
             torch cuda device or ``"cuda:N"``; default CuPy's current device when it is made.
             Its buffers live there, and every plan and run makes that device current for its
@@ -85,8 +89,8 @@ class BatchAttention(PlannedInstance):
     _NAME = "BatchAttention"
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size=None,
-                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None, device=None,
-                 head_dim_vo=None):
+                 max_num_tokens=None, max_pages_per_request=None, max_mask_bytes=0, kv_dtype=None, workspace_bytes=None,
+                 device=None, head_dim_vo=None):
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -115,11 +119,15 @@ class BatchAttention(PlannedInstance):
         self._facts = None  # (knobs, device id, what the schedule reads of the device)
         self._loaded = None  # the last schedule whose kernels were loaded (_build.load_all)
         capacity = checked_capacity(max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes)
+        if workspace_bytes is not None:
+            _plan.check_count("workspace_bytes", workspace_bytes, 1)
+        self._workspace = workspace_bytes
         self._mine = threading.local()  # .plan: the last plan this thread made
         self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 
     def _new_buffers(self, capacity):
-        return _plan.PlanBuffers(capacity, self.num_qo_heads, self.head_dim_vo, self.dtype_name)  # partials: out's
+        return _plan.PlanBuffers(capacity, self.num_qo_heads, self.head_dim_vo, self.dtype_name,  # partials: out's
+                                 workspace_bytes=self._workspace)
 
     # ---- plan ------------------------------------------------------------------------
 
@@ -258,6 +266,7 @@ class BatchAttention(PlannedInstance):
             sched = self._schedules.step(max_q_len=step.max_q_len, max_kv_len=max_kv_len, capacity=buffers.capacity,
                                          batch_size=step.batch, **self._device_facts(device_id), window=window)
         tile, long_tile = sched.plan_tiles()
+        self._check_partials(sched.partial_rows)
         if sched is not self._loaded:  # a new schedule: its kernels missing on this device compile at once
             # (the staging kernel with them: a later device-length step's staging finds it loaded)
             _build.load_all([_catalog.PLAN_KERNEL, _catalog.STAGE_KERNEL]

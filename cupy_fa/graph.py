@@ -46,7 +46,7 @@ class GraphRunner:
     """Replays one captured attention step per (mode, batch bucket, cache).
 
     Args:
-        num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype, head_dim_vo: as for
+        num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype, workspace_bytes, head_dim_vo: as for
             :class:`BatchAttention` (``kv_dtype="float8_e4m3fn"``: the caches are fp8;
             ``head_dim_vo``: V's and out's head dim where it differs, the static out
             ``[tokens, H_q, head_dim_vo]``).
@@ -79,7 +79,7 @@ class GraphRunner:
 
     def __init__(self, num_qo_heads, num_kv_heads, head_dim, dtype="bfloat16", *, max_batch_size, max_q_len,
                  max_pages_per_request, page_size, buckets=None, tree_mask=False, kv_dtype=None, window=None,
-                 logits_soft_cap=None, device=None, head_dim_vo=None):
+                 logits_soft_cap=None, workspace_bytes=None, device=None, head_dim_vo=None):
         self.window, self.soft_cap = checked_window(window), checked_soft_cap(logits_soft_cap)
         if kv_dtype is not None:  # before anything is allocated
             kv_name = _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
@@ -101,8 +101,8 @@ class GraphRunner:
         mask_bytes = self.max_batch_size * self.max_q_len ** 2 if tree_mask else 0
         self.attn = BatchAttention(num_qo_heads, num_kv_heads, head_dim, dtype, max_batch_size=self.max_batch_size,
                                    max_num_tokens=tokens, max_pages_per_request=self.max_pages_per_request,
-                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype, device=device,
-                                   head_dim_vo=head_dim_vo)
+                                   max_mask_bytes=mask_bytes, kv_dtype=kv_dtype, workspace_bytes=workspace_bytes,
+                                   device=device, head_dim_vo=head_dim_vo)
         self.device_id = self.attn.device_id
         self.tree_mask = tree_mask
         self._sm_scale = _plan.checked_sm_scale(None, self.attn.head_dim)

@@ -43,6 +43,13 @@ class Capacity:
                 and pages <= self.max_pages_per_request and mask_bytes <= self.max_mask_bytes)
 
 
+class BatchInvarianceWarning(RuntimeWarning):
+    """A planned batch whose split partials do not fit the instance's workspace: plan_kernel caps
+    every request's splits at an equal share, so the step's results may depend on the rest of its
+    batch (decode == verify bits are not kept for it). Said once per instance; a larger
+    ``workspace_bytes`` (the number the message names) keeps them."""
+
+
 class PlanBuffers:
     """Device buffers for one capacity: the step's inputs (lengths, page table,
     mask), the plan kernel's outputs, and the split-KV workspace, on the device current when they
@@ -50,8 +57,9 @@ class PlanBuffers:
     one array (``inputs``), so a host step's lengths and page table go over in one copy from a host
     mirror (``host_inputs``; :func:`stage_inputs`)."""
 
-    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name, partial_rows=None):
-        # (partial_rows: the split partials' rows where a caller sizes them itself: cupy_fa.mla)
+    def __init__(self, capacity, num_qo_heads, head_dim, dtype_name, partial_rows=None, workspace_bytes=None):
+        # (partial_rows: the split partials' rows where a caller sizes them itself: cupy_fa.mla;
+        # else schedule.partial_rows of the capacity and workspace_bytes)
         from . import _arrays
 
         _arrays.require_cuda()  # a plain sentence, not CuPy's, where there is no usable device
@@ -80,7 +88,9 @@ class PlanBuffers:
         self.status = cupy.empty(1, np.uint64)          # kernels/shared/status.cuh: all ones, no bad request
         self.status.data.memset_async(0xFF, 8)          # (a memset: no CuPy kernel to compile on first use)
         dtype = _arrays.DTYPES[dtype_name]
-        rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize) if partial_rows is None else partial_rows
+        rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize, workspace_bytes) \
+            if partial_rows is None else partial_rows
+        self.partial_row_bytes = num_qo_heads * (head_dim * dtype.itemsize + 4)  # a row of out and its LSE
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
         self.host_inputs = np.zeros(2 * b + b * width, i32)  # what host steps stage (lengths: zeros past the batch)

@@ -301,9 +301,12 @@ def test_partial_workspace_overflow(dtype):
     out = poisoned(q_host.shape, np_dtype(dtype), TAIL)
     lse = poisoned(q_host.shape[:2], np.float32, TAIL)
     attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype)
-    attn.plan(q_lens, kv_lens, table).run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total])
+    with pytest.warns(cupy_fa.BatchInvarianceWarning, match="split partials need"):  # said, with the size
+        attn.plan(q_lens, kv_lens, table)
+    attn.run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total])
     bufs = attn._buffers
     wanted = int((q_lens * -(-kv_lens // schedule.split_size())).sum())
+    assert attn._plan.schedule.partial_rows == wanted
     assert wanted > bufs.partial_out.shape[0], "the case must overflow the workspace"
     assert int(bufs.partial_indptr[batch].get()) <= bufs.partial_out.shape[0]
     assert (bufs.num_splits[:batch].get() > 1).all()  # capped, not unsplit

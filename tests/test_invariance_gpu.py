@@ -4,6 +4,7 @@ in a different batch. Speculative decoding is lossless only if this holds:
 the verify pass must reproduce what plain decode would have seen."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -437,3 +438,35 @@ def test_beyond_131072_keys_splits_grow(dtype):
                             label="beyond 131072 keys")
     print(check.summary(), "splits", splits.tolist(), "keys per split", keys.tolist())
     check.assert_ok()
+
+
+def test_a_workspace_overflow_is_said_and_stays_correct():
+    """A batch whose split partials overflow the workspace (a request of 137 splits against an
+    instance sized for 128 rows a request): one BatchInvarianceWarning naming the workspace_bytes
+    that would hold it, rows still right against float64; an instance built with that workspace
+    plans the same batch silently and keeps the fixed 512-key splits."""
+    import warnings
+
+    import cupy
+    import cupy_fa
+    from cupy_fa import reference, schedule
+
+    rng, seed = new_rng()
+    h_q, h_kv, head_dim, page_size, dtype = 4, 1, 64, 16, "bfloat16"
+    S = schedule.split_size()
+    kv = np.array([137 * S - int(rng.integers(0, S))])
+    table, k_host, v_host, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, page_size, kv, 1)
+    small = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, workspace_bytes=1)  # 128 rows a request
+    with pytest.warns(cupy_fa.BatchInvarianceWarning, match=r"need 137 rows") as said:
+        small.plan([1], kv, table)
+    wanted = int(re.search(r"workspace_bytes >= (\d+)", str(said[0].message)).group(1))
+    out = small.run(cupy.asarray(q_host), cache).get()
+    assert small._buffers.split_keys[:1].get()[0] > S  # capped: longer splits
+    ref = reference.paged_attention(q_host, k_host, v_host, [1], kv, table)
+    check_attention(out, ref, dtype, q_lens=[1], label=f"seed {seed} capped splits").assert_ok()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cupy_fa.BatchInvarianceWarning)
+        roomy = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, workspace_bytes=wanted)
+        roomy.plan([1], kv, table)
+        assert roomy._buffers.split_keys[:1].get()[0] == S
+        small.plan([1], kv, table)  # said once per instance

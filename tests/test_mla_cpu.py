@@ -211,6 +211,29 @@ def test_splits_sit_at_fixed_positions_for_small_q():
     assert s % 128 == 0 and s % family.MMA_BLOCK_N == 0
 
 
+def test_the_workspace_says_when_a_batch_keeps_its_bits():
+    """The rows a host step's splits want (MLAAttention warns past the workspace, BatchInvarianceWarning):
+    q_len x splits at the fixed 512-key positions; at 128 heads the verify cell of 64 x 4 drafts over
+    4100 keys wants 9 splits a token, past the default's 8 a token of that capacity, and a
+    workspace_bytes of those rows holds it."""
+    from cupy_fa.mla import plan as mla_plan
+
+    rng, seed = new_rng()
+    for _ in range(50):
+        b = int(rng.integers(1, 65))
+        q = rng.integers(0, 17, size=b)
+        kv = q + rng.integers(0, 40000, size=b)
+        sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=q, kv_lens=kv)
+        splits = -(-np.maximum(kv, 1) // mla_schedule.split_size())
+        assert sched.partial_rows == int((q * splits)[(q > 0) & (splits > 1)].sum()), seed
+    q, kv = np.full(64, 4), np.full(64, 4100)
+    wanted = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=q, kv_lens=kv).partial_rows
+    capacity = Capacity(64, 256, 257)
+    row = 128 * (512 * 2 + 4)
+    assert wanted == 64 * 4 * 9 > mla_plan.partial_rows(capacity, 128, 2) == 2048
+    assert mla_plan.partial_rows(capacity, 128, 2, workspace_bytes=wanted * row) >= wanted
+
+
 def test_merge_shapes():
     assert mla_schedule.merge_shape(64, 128) == family.MERGE_WIDE
     assert mla_schedule.merge_shape(1, 128) == family.MERGE_DEEP

@@ -211,6 +211,43 @@ def test_decode_equals_verify_bit_for_bit(heads, kv_dtype):
                         f"{[type(x.tile).__name__ for x in verify.planned.schedule.launches]})")
 
 
+def test_decode_equals_verify_past_4096_keys_and_the_workspace_warning():
+    """At 128 heads (the seesaw kernel on sm_90a), drafts over 4097-6000 keys (9-12 splits a token):
+    decode == verify bit for bit with the default workspace, which holds the batch; an instance whose
+    workspace cannot hold it caps the splits and says so once (BatchInvarianceWarning)."""
+    import warnings
+
+    import cupy
+    import cupy_fa
+
+    rng, seed = new_rng()
+    n, batch, heads = 4, 4, 128
+    prefix = rng.integers(4097, 6000, size=batch)
+    kv_lens = prefix + n
+    table, _, cache, _ = latent_case(rng, "bfloat16", 16, kv_lens)
+    q_host = rng.standard_normal((batch * n, heads, 576), dtype=np.float32).astype(np_dtype("bfloat16"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cupy_fa.BatchInvarianceWarning)
+        verify = cupy_fa.MLAAttention(heads, "bfloat16")
+        verify.plan(np.full(batch, n), kv_lens, table)
+        assert verify.planned.schedule.partial_rows == n * int((-(-kv_lens // 512)).sum())
+        v_out = verify.run(cupy.asarray(q_host), cache).get()
+        order = rng.permutation(batch * n)
+        b_of, i_of = order // n, order % n
+        decode = cupy_fa.MLAAttention(heads, "bfloat16")
+        decode.plan(np.ones(batch * n, int), prefix[b_of] + i_of + 1, table[b_of])
+        d_out = decode.run(cupy.asarray(q_host[order]), cache).get()
+    back = np.empty_like(d_out)
+    back[order] = d_out
+    same = (back.view(np.uint16) == v_out.view(np.uint16)).all(axis=(1, 2))
+    assert same.all(), f"seed {seed}: decode rows {np.flatnonzero(~same)[:20].tolist()} differ from verify's"
+    small = cupy_fa.MLAAttention(heads, "bfloat16", workspace_bytes=1)  # 8 splits a token of its capacity
+    with pytest.warns(cupy_fa.BatchInvarianceWarning, match="workspace_bytes >="):
+        small.plan(np.full(batch, n), kv_lens, table)
+    capped = small.run(cupy.asarray(q_host), cache).get().astype(np.float32)
+    assert np.isfinite(capped).all() and np.abs(capped - v_out.astype(np.float32)).max() < 0.05, seed
+
+
 @pytest.mark.parametrize("dtype,fp8,slots_on", [("bfloat16", False, "host"), ("float16", False, "device"),
                                                  ("bfloat16", True, "device"), ("float16", True, "host")])
 def test_append_is_exact(dtype, fp8, slots_on):

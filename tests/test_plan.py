@@ -78,6 +78,7 @@ def model(q_lens, kv_lens, group, tile, partial_capacity=10**9, long_tile=None, 
     assert out["partial_indptr"][-1] <= partial_capacity
     result = {k: np.array(v) for k, v in out.items()}
     result["overflow"] = share is not None
+    result["want_rows"] = want_rows
     return result
 
 
@@ -111,6 +112,52 @@ def test_host_bounds_cover_the_schedule(head_dim, group):
             b = int(rng.integers(0, len(q)))
             alone = model(q[b:b + 1], kv[b:b + 1], group, tile, capacity)
             assert alone["num_splits"][0] == m["num_splits"][b] and alone["split_keys"][0] == m["split_keys"][b]
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (256, 8)])
+def test_host_schedule_counts_the_rows_plan_kernel_wants(head_dim, group):
+    """A host-planned step's ``partial_rows`` (what BatchInvarianceWarning is said on) is plan_kernel's
+    first pass: the plan caps splits exactly when they exceed the buffers' rows."""
+    rng, seed = new_rng()
+    for _ in range(150):
+        q, kv = random_batch(rng, int(rng.choice([1, 4, 16, 17, 300, 3000])))
+        window = int(rng.choice([0, 0, 700, 5000]))
+        arch = str(rng.choice(["sm_80", "sm_90a"]))
+        sched = schedule.schedule_step(head_dim, group, 8, q_lens=q, kv_lens=kv, arch=arch, window=window)
+        tile, long_tile = sched.plan_tiles()
+        rows = int(rng.integers(1, 3000))
+        m = model(q, kv, group, tile, rows, long_tile=long_tile, window=window)
+        assert sched.partial_rows == m["want_rows"], (seed, q.tolist(), kv.tolist(), window, arch)
+        assert m["overflow"] == (sched.partial_rows > rows)
+    bound = schedule.schedule_step(head_dim, group, 8, max_q_len=4, max_kv_len=9000, batch_size=8,
+                                   capacity=plan.Capacity(8, 32, 600))
+    assert bound.partial_rows is None  # device lengths: the host cannot count them
+
+
+def test_overflow_is_said_once_with_the_workspace_that_holds_it():
+    """_check_partials: silent for device lengths (None) and batches that fit; one
+    BatchInvarianceWarning per instance naming the rows and the workspace_bytes that hold them."""
+    import types
+    import warnings
+
+    from cupy_fa._instance import PlannedInstance
+
+    inst = PlannedInstance.__new__(PlannedInstance)
+    inst._NAME, inst._overflow_said = "BatchAttention", False
+    row = 32 * (128 * 2 + 4)
+    inst._buffers = types.SimpleNamespace(partial_out=types.SimpleNamespace(shape=(100, 32, 128)),
+                                          partial_row_bytes=row)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inst._check_partials(None)
+        inst._check_partials(100)
+    with pytest.warns(plan.BatchInvarianceWarning, match=rf"need 101 rows .* holds 100 .* workspace_bytes >= {101 * row}"):
+        inst._check_partials(101)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inst._check_partials(5000)  # said once per instance
+    assert schedule.partial_rows(4, 32, 128, 2, workspace_bytes=101 * row) == 4 * schedule.SPLIT_ROW_BUDGET
+    assert schedule.partial_rows(1, 32, 128, 2, workspace_bytes=1000 * row) == 1000
 
 
 def test_small_q_splits_sit_at_fixed_positions():

@@ -14,6 +14,8 @@ import cupy_fa
     ((0, 2, 64), {}, ValueError, "num_qo_heads"),
     ((8, 2, 64), {"dtype": "float32"}, TypeError, "float16 or bfloat16"),
     ((8, 2, 64), {"max_batch_size": 4}, ValueError, "give all"),
+    ((8, 2, 64), {"workspace_bytes": 0}, ValueError, "workspace_bytes"),
+    ((8, 2, 64), {"workspace_bytes": 1.5}, ValueError, "workspace_bytes"),
 ])
 def test_constructor_rejects(args, kwargs, exc, text):
     with pytest.raises(exc, match=text):

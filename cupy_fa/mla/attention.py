@@ -41,8 +41,9 @@ class MLAAttention(PlannedInstance):
             preallocated metadata buffers (all of the first three, or none: then sized on first use and
             grown by eager plans). Needed before a CUDA-graph capture.
         workspace_bytes: the split partials' size (default 256 MiB, at least 8 splits per token of the
-            capacity); a batch that would need more splits caps every request's (results may then
-            depend on the batch).
+            capacity); a batch that would need more caps every request's splits (results may then
+            depend on the batch): a host-planned one warns once (``cupy_fa.BatchInvarianceWarning``,
+            naming the size that would hold it).
         device: the CUDA device it is bound to (as for ``BatchAttention``).
     Raises:
         ValueError: ``num_heads`` not a positive int, another ``kv_lora_rank`` / ``qk_rope_head_dim``,
@@ -141,6 +142,7 @@ class MLAAttention(PlannedInstance):
         if step.on_host:
             sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, q_lens=step.q_host, kv_lens=step.kv_host)
             kv_bound = int(step.kv_host.max()) if step.batch else 0
+            self._check_partials(sched.partial_rows)
         else:
             sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, max_q_len=step.max_q_len,
                                             max_kv_len=max_kv_len, capacity=buffers.capacity)

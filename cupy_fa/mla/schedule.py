@@ -109,6 +109,7 @@ class MlaSchedule:
     small: Launch | None
     long: Launch | None
     needs_merge: bool
+    partial_rows: int | None = None  # host lengths: the rows its splits want (cupy_fa.schedule.wanted_partial_rows)
 
     @property
     def launches(self):
@@ -119,6 +120,12 @@ class MlaSchedule:
     def one_list(self):
         """Both classes on one tile: every request in work_indptr."""
         return self.long is None or self.small is None
+
+    def plan_tiles(self):
+        """(tile, long_tile) of the plan kernel's lists: every request on the first launch's tile in
+        work_indptr (long_tile None), or the small-q ones there and the longer ones on long_tile."""
+        first = (self.small or self.long).tile
+        return first, (None if self.one_list else self.long.tile)
 
 
 def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_len=None, max_kv_len=None,
@@ -140,7 +147,9 @@ def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_l
             live = small_q > 0
             small = Launch(tile, work_bound(small_q, kv[~is_long], num_heads, tile),
                            int(max_splits(small_q[live], kv[~is_long][live]).max()) if live.any() else 0)
-        return _merged(small, long, num_heads)
+        sched = _merged(small, long, num_heads)
+        rows = _policy.step_partial_rows(sched, q, kv, max_splits(q, kv), split_size())
+        return dataclasses.replace(sched, partial_rows=rows)
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
     tile = small_tile_of(min(max_q, SMALL_Q_LEN))
@@ -165,10 +174,10 @@ def _merged(small, long, num_heads):
 def plan_constants(schedule):
     """PlanParams' policy fields for plan_kernel: the small-q tile's list in work_indptr and, with a
     long launch, the long tile's in long_work_indptr (else every request in work_indptr)."""
-    first = (schedule.small or schedule.long).tile
-    other = schedule.long.tile if schedule.long is not None and schedule.small is not None else first
-    two_lists = schedule.long is not None and schedule.small is not None
-    return dict(block_m=first.block_m, block_n=first.block_n, long_q_len=SMALL_Q_LEN + 1 if two_lists else 2**31 - 1,
+    first, long_tile = schedule.plan_tiles()
+    other = long_tile or first
+    return dict(block_m=first.block_m, block_n=first.block_n,
+                long_q_len=SMALL_Q_LEN + 1 if long_tile is not None else 2**31 - 1,
                 long_block_m=other.block_m, long_block_n=other.block_n, split_size=split_size(), max_splits=MAX_SPLITS,
                 small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=1, fold_splits=0)
 
