@@ -147,6 +147,7 @@ def fake_cache(num_pages, page_size, h_kv=8, d=128):
     shape = (num_pages, page_size, h_kv, d)
     cache.k, cache.v = FakeArray(shape, np.float16), FakeArray(shape, np.float16)
     cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim = num_pages, page_size, h_kv, d
+    cache.head_dim_v = d
     cache.dtype_name, cache.device_id = "bfloat16", 0
     return cache
 
