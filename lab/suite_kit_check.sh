@@ -2,12 +2,13 @@
 # One bounded GPU call (2026-12-05): any of the GPU suite (scripts/device_check.sh tests), SGLang's kit
 # over the matrix for one backend (kit-cupy, kit-triton) or its MLA method (kit-mla), the wgmma A/B
 # (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
-# and its split sizes (mla). Stages run in the order given; each is bounded by `timeout`, and the
+# and its split sizes (mla), host time per call (host). Stages run in the order given; each is bounded by `timeout`, and the
 # logs go to $OUT as one archive (logs.tgz) beside summary.txt.
 # Usage, from the repository root (carry .sgl for the suite / kit / sglang stages, .fi for fi / mla):
 #   STAGES="suite kit-cupy ab" bash lab/suite_kit_check.sh
 # Knobs: TEST_SECONDS (suite's pytest, 340: about 275 s on an H100 with 8 workers), KIT_CONFIGS, KIT_BUDGET (s, 120), AB_ONLY (cap50,fp8),
-# AB_SECONDS (100), BENCH_CELLS (fi), FI_SECONDS (200), TESTS (stage "tests": pytest files).
+# AB_SECONDS (100), BENCH_CELLS (fi), FI_SECONDS (200), TESTS (stage "tests": pytest files), HOST_CELLS,
+# HOST_FI (1: FlashInfer's run beside ours), HOST_SECONDS (150).
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
@@ -90,6 +91,14 @@ for stage in ${STAGES:-suite}; do
         --out "$OUT/bench" > "$OUT/bench.txt" 2>&1
       echo "bench exit $?" | tee -a "$OUT/summary.txt"
       sed -n '/^workload /,$p' "$OUT/bench.txt" | tee -a "$OUT/summary.txt" ;;
+    host)  # host time per call (ours; FlashInfer's with HOST_FI=1 and .fi carried) and the GraphRunner steps
+      stamp "host: ${HOST_CELLS:-decode_b64_l4096 prefill_b4_l4096}"
+      [ -n "${HOST_FI:-}" ] && fi_site
+      PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout ${HOST_SECONDS:-150} python3 -m bench.host \
+        ${HOST_CELLS:-decode_b64_l4096 prefill_b4_l4096} --page-size 16 $([ -n "${HOST_FI:-}" ] || echo --no-flashinfer) \
+        --json "$OUT/host.json" > "$OUT/host.txt" 2>&1
+      echo "host exit $?" | tee -a "$OUT/summary.txt"
+      tail -n 24 "$OUT/host.txt" | tee -a "$OUT/summary.txt" ;;
     *) echo "unknown stage $stage" | tee -a "$OUT/summary.txt" ;;
   esac
 done

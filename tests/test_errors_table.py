@@ -838,5 +838,6 @@ def test_every_public_entry_point_has_rows():
     public = set(cupy_fa.__all__)
     assert public <= {"BatchAttention", "ForwardMode", "GraphRunner", "PagedKVCache", "contract_lengths",
                       "from_sglang", "knobs", "merge_states", "reference", "warmup", "MLAAttention",
-                      "PagedLatentCache"}, \
-        f"a new public name needs its rows: {public}"
+                      "PagedLatentCache", "BatchInvarianceWarning"}, \
+        f"a new public name needs its rows: {public}"  # (the warning: its own section of docs/errors.md)
+    assert "`cupy_fa.BatchInvarianceWarning`" in TABLE.read_text()
