@@ -82,6 +82,9 @@ def bench_sdpa(inp: Inputs, refs: dict, opts: dict, n_launch: int) -> dict:
     if w.fp8:
         why = "n/a: SDPA's flash and cuDNN backends take no fp8 K / V beside 16-bit queries"
         return {name: cell("n/a", error=why) for name in SDPA_BACKENDS}
+    if w.dim_vo != w.head_dim:
+        why = "n/a: this bench's dense copy for SDPA holds one head dim for K and V"
+        return {name: cell("n/a", error=why) for name in SDPA_BACKENDS}
     dense = [dense_copy(inp, s) for s in inp.sets]
     torch.cuda.synchronize()
     results = {}
@@ -190,10 +193,12 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
     if w.fp8:
         kv_sets = [torch.stack([torch.from_dlpack(s.cache.k), torch.from_dlpack(s.cache.v)], dim=1)
                    .view(torch.float8_e4m3fn) for s in inp.sets]
+    elif w.dim_vo != w.head_dim:  # separate K / V widths: the (k, v) tuple form of a paged cache
+        kv_sets = [(as_torch(s.cache.k), as_torch(s.cache.v)) for s in inp.sets]
     else:
         kv_sets = [torch.stack([as_torch(s.cache.k), as_torch(s.cache.v)], dim=1) for s in inp.sets]
     q_sets = [as_torch(s.q) for s in inp.sets]
-    outs = [torch.empty_like(q) for q in q_sets]
+    outs = [q.new_empty(q.shape[:2] + (w.dim_vo,)) for q in q_sets]
     elem = {"bfloat16": torch.bfloat16, "float16": torch.float16}[w.dtype]
     dt = dict(q_data_type=elem, kv_data_type=torch.float8_e4m3fn if w.fp8 else elem)
     # an fp8 cache: its per-tensor scales, to run()
@@ -219,10 +224,12 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
         how = "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)"
     else:  # prefill, extend and ragged (mixed) batches: one call, its own schedule
         wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        if w.dim_vo != w.head_dim:
+            dt["head_dim_vo"] = w.dim_vo
         plan = lambda: wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps,
                                     causal=w.causal, **dt)
         how = f"BatchPrefillWithPagedKVCacheWrapper(causal={w.causal})"
-    knobs = [f"{k}={v}" for k, v in dt.items() if k in ("window_left", "logits_soft_cap")]
+    knobs = [f"{k}={v}" for k, v in dt.items() if k in ("window_left", "logits_soft_cap", "head_dim_vo")]
     knobs += ["kv_data_type=float8_e4m3fn, k_scale / v_scale per tensor"] if w.fp8 else []
     how += f" with {', '.join(knobs)}" if knobs else ""
     plan()

@@ -11,6 +11,7 @@ one for V: a key's value is ``e4m3(byte) * k_scale[head]`` (docs/design.md, "fp8
 import numpy as np
 
 from . import _arrays, _build, _params, catalog
+from .families.common import HEAD_DIM_PAIRS
 
 
 class PagedKVCache:
@@ -76,8 +77,10 @@ class PagedKVCache:
         if fp8 and v_fp8 is None and v_dev.dtype != np.uint8:
             raise TypeError(f"v must have dtype float8_e4m3fn like k, got {_arrays.dtype_name(v_dev.dtype)}")
         _arrays.check_device_array(k_dev, "k")
-        # V may be narrower than K (separate qk / vo head dims, a 16-bit cache): its last dim is its own
-        v_shape = tuple(k_dev.shape[:3]) + ((v_dev.shape[3],) if v_dev.ndim == 4 and not fp8 else (k_dev.shape[3],))
+        # V may be narrower than K at a supported pair (separate qk / vo head dims, a 16-bit cache): its
+        # last dim is then its own; any other V must have K's shape
+        pair = not fp8 and v_dev.ndim == 4 and (int(k_dev.shape[3]), int(v_dev.shape[3])) in HEAD_DIM_PAIRS
+        v_shape = tuple(k_dev.shape[:3]) + ((v_dev.shape[3],) if pair else (k_dev.shape[3],))
         _arrays.check_device_array(v_dev, "v", dtype=np.uint8 if fp8 else self.dtype_name, shape=v_shape,
                                    device_id=k_dev.device.id)
         multiple = 16 if fp8 else 8  # 16-byte chunks of the kernels' copies
@@ -134,6 +137,9 @@ class PagedKVCache:
         if name == _arrays.FP8 and v_shape != shape:
             raise ValueError(f"head_dim_v={head_dim_v} with head_dim={head_dim}: an fp8 cache takes one head dim for "
                              f"K and V (head_dim_v=None)")
+        if v_shape != shape and (shape[3], v_shape[3]) not in HEAD_DIM_PAIRS:
+            raise ValueError(f"head_dim_v={head_dim_v} with head_dim={head_dim}: separate K / V head dims take the "
+                             f"pairs {HEAD_DIM_PAIRS} (head_dim_v=None: V's is K's)")
         _arrays.require_cuda()
         import cupy
 

@@ -471,6 +471,11 @@ def _(ctx):
     return lambda: cupy_fa.PagedKVCache.allocate(0, 16, 2, 64), []
 
 
+@case("allocate-v-dim")
+def _(ctx):
+    return lambda: cupy_fa.PagedKVCache.allocate(4, 16, 2, 64, head_dim_v=32), []
+
+
 @case("allocate-dtype")
 def _(ctx):
     return lambda: cupy_fa.PagedKVCache.allocate(4, 16, 2, 64, dtype="float32"), []

@@ -22,6 +22,21 @@ pytestmark = pytest.mark.gpu
 D_QK, D_VO = 192, 128
 
 
+@pytest.fixture
+def knob_env(monkeypatch):
+    """Sets CUPY_FA_* variables for one test and reloads the knobs (put back after it)."""
+    from cupy_fa import knobs
+
+    def set_env(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        knobs.reload()
+
+    yield set_env
+    monkeypatch.undo()
+    knobs.reload()
+
+
 def _reference(q_host, k_host, v_host, q_lens, kv_lens, table, **kw):
     return paged_attention(q_host.astype(np.float64), k_host, v_host, q_lens, kv_lens, table, return_lse=True, **kw)
 
@@ -75,6 +90,51 @@ def test_decode_equals_verify_bits(dtype):
     decode = attn.run(cupy.ascontiguousarray(q_verify[last]), cache)
     assert decode.shape == (3, heads[0], D_VO)
     assert cupy.array_equal(decode, verify[last]), f"seed={seed}: decode != verify bits at qk/vo 192/128"
+
+
+@pytest.mark.usefixtures("needs_sm90")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mma_sync_prefill_tile_on_hopper(dtype, knob_env):
+    """CUPY_FA_ARCH=sm_90 (no wgmma): the pair's long requests on the mma.sync prefill tile, the tile
+    every GPU but Hopper runs them on (its epilogue stages three slices of out in the K tile and the
+    fourth in the V tile), against float64 as in test_random_ragged_batch."""
+    from cupy_fa.families import mma_sync
+
+    knob_env(CUPY_FA_ARCH="sm_90")
+    test_random_ragged_batch(dtype, 16)
+    rng, _ = new_rng()
+    q_lens, kv_lens = np.array([70, 1]), np.array([900, 300])
+    table, *_ = paged_case(rng, dtype, (16, 2), D_QK, 16, kv_lens, 71, head_dim_vo=D_VO)
+    long_tile = cupy_fa.BatchAttention(16, 2, D_QK, dtype, head_dim_vo=D_VO).plan(q_lens, kv_lens, table) \
+        .planned.long_tile
+    assert isinstance(long_tile, mma_sync.MmaTile) and long_tile.head_dim_vo == D_VO, long_tile
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv_len", [1500, 9000], ids=["whole-rows", "group-states"])
+def test_folding_tiles_at_the_pair(dtype, kv_len, knob_env):
+    """CUPY_FA_FOLD_SPLITS=1: CTAs fold their splits (the fold state after the V ring at 128 columns;
+    a whole row of up to 2 groups, or fp32 group states merged at 128): decode and verify against
+    float64, and decode == verify bit for bit."""
+    import cupy
+
+    knob_env(CUPY_FA_FOLD_SPLITS="1")
+    rng, seed = new_rng()
+    heads, n, batch = (16, 2), 4, 6
+    kv_lens = kv_len - rng.integers(0, 300, size=batch)
+    table, k_host, v_host, cache, _ = paged_case(rng, dtype, heads, D_QK, 16, kv_lens, batch * n, head_dim_vo=D_VO)
+    q_host = rng.standard_normal((batch * n, heads[0], D_QK), dtype=np.float32).astype(k_host.dtype)
+    attn = cupy_fa.BatchAttention(*heads, D_QK, dtype, head_dim_vo=D_VO)
+    attn.plan(np.full(batch, n), kv_lens, table)
+    assert attn.planned.tile.fold_splits, attn.planned.tile
+    verify = attn.run(cupy.asarray(q_host), cache)
+    ref, _ = _reference(q_host, k_host, v_host, np.full(batch, n), kv_lens, table)
+    check_attention(verify.get(), ref, dtype, q_lens=np.full(batch, n),
+                    label=f"seed={seed} fold at 192/128 over {kv_len} keys").assert_ok()
+    last = np.arange(1, batch + 1) * n - 1
+    attn.plan(np.ones(batch, np.int64), kv_lens, table)
+    decode = attn.run(cupy.asarray(q_host[last]), cache)
+    assert cupy.array_equal(decode, verify[cupy.asarray(last)]), f"seed={seed}: folded decode != verify bits"
 
 
 def _mode_steps(rng, batch, prefix):
@@ -154,6 +214,10 @@ def _wgmma_attention(dtype, heads, q_lens, kv_lens, table, **plan):
     from cupy_fa import schedule
     from cupy_fa.families import sm90
 
+    from cupy_fa import _build, families
+
+    if not families.common.is_sm90a(_build.current_arch()):
+        pytest.skip(f"the wgmma family needs an sm_90a target, CUPY_FA_ARCH gives {_build.current_arch()}")
     attn = cupy_fa.BatchAttention(*heads, D_QK, dtype, head_dim_vo=D_VO).plan(q_lens, kv_lens, table, **plan)
     if (np.asarray(q_lens) > schedule.SMALL_Q_LEN).any():
         assert attn.planned.long_tile == sm90.PAIR_TILES[(D_QK, D_VO)], attn.planned.long_tile
