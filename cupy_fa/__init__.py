@@ -26,7 +26,7 @@ _WHERE = {"BatchAttention": "attention", "ForwardMode": "modes", "GraphRunner": 
 _MODULES = ("knobs", "reference")
 
 __all__ = ["BatchAttention", "BatchInvarianceWarning", "ForwardMode", "GraphRunner", "MLAAttention", "PagedKVCache",
-           "PagedLatentCache",           "contract_lengths", "from_sglang", "knobs", "merge_states", "reference", "warmup"]
+           "PagedLatentCache", "contract_lengths", "from_sglang", "knobs", "merge_states", "reference", "warmup"]
 __version__ = "0.1.0"
 
 
