@@ -137,6 +137,21 @@ def test_the_catalog_compiles_every_mla_kernel():
     assert wgmma <= everything and not wgmma & set(catalog.all_kernels("sm_80"))
 
 
+def test_the_seesaw_order_experiment_is_off_and_compiles(monkeypatch):
+    """MlaWgmmaTile.early_pv (warpgroup 1's P0 V0 before S1): off in the tile the schedule runs (whose
+    kernel keeps its name), taken by the schedule where patched in (as lab/ab_mla.py does), and its
+    kernel compiles for sm_90a without spills at <= 255 registers, as the shipped one does."""
+    assert family.WGMMA_TILE == family.MlaWgmmaTile() and not family.WGMMA_TILE.early_pv
+    assert family.kernel("bfloat16", family.WGMMA_TILE).expression == "cupy_fa::mla::mla_wgmma_kernel<__nv_bfloat16>"
+    early = family.MlaWgmmaTile(early_pv=True)
+    assert family.kernel("float16", early).expression == "cupy_fa::mla::mla_wgmma_kernel<__half, true>"
+    monkeypatch.setattr(family, "WGMMA_TILE", early)
+    assert mla_schedule.small_q_tile(128, False, "sm_90a") is early and mla_schedule.long_tile(16, False, "sm_90a") is early
+    for tile in (family.MlaWgmmaTile(), early):
+        _, resources = _compile.compile_cubin(family.kernel("bfloat16", tile), "sm_90a")
+        assert resources["spill_stores"] == resources["spill_loads"] == 0 and resources["registers"] <= 255, resources
+
+
 # ---- the policy --------------------------------------------------------------------------------------
 
 

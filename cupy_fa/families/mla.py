@@ -88,7 +88,10 @@ class MlaMmaTile:
 
 @dataclasses.dataclass(frozen=True)
 class MlaWgmmaTile:
-    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches."""
+    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches. ``early_pv``
+    (an experiment, off in :data:`WGMMA_TILE`): warpgroup 1 multiplies P0 V0 before it computes S1,
+    so the copies of its K buffer overlap the pair's first half (the same bits)."""
+    early_pv: bool = False
     family = MLA_WGMMA
     block_m = WGMMA_BLOCK
     block_n = WGMMA_BLOCK
@@ -109,6 +112,9 @@ class MlaWgmmaTile:
         return (f"cupy_fa::mla::SeesawSmem::kAllocBytes == {self.smem_bytes}",)
 
 
+WGMMA_TILE = MlaWgmmaTile()  # the seesaw tile the schedule runs (lab A/Bs patch it)
+
+
 @functools.lru_cache(maxsize=None)
 def kernel(dtype_name, tile):
     """The compiled kernel of ``tile`` for queries and outputs of ``dtype_name`` (the cache: the same
@@ -116,7 +122,8 @@ def kernel(dtype_name, tile):
     ctype = _compile.CTYPES[dtype_name]
     checks = tuple(_mla_params.size_checks()) + tuple(tile.checks())
     if isinstance(tile, MlaWgmmaTile):
-        return _compile.Kernel(MLA_WGMMA.source, f"{MLA_WGMMA.kernel}<{ctype}>", tile.threads, tile.smem_bytes,
+        args = f"{ctype}, true" if tile.early_pv else ctype  # the shipped kernel keeps its name
+        return _compile.Kernel(MLA_WGMMA.source, f"{MLA_WGMMA.kernel}<{args}>", tile.threads, tile.smem_bytes,
                                checks)
     return _compile.Kernel(MLA_MMA.source, f"{MLA_MMA.kernel}<{ctype}, {tile.traits()}>", tile.threads,
                            tile.smem_bytes, checks)
@@ -158,6 +165,6 @@ def all_kernels(arch=None):
             for index in (np.int32, np.int64):
                 out.append(append_kernel(index, dtype_name, fp8))
         if arch is None or is_sm90a(arch):
-            out.append(kernel(dtype_name, MlaWgmmaTile()))
+            out.append(kernel(dtype_name, WGMMA_TILE))
         out += [merge_kernel(dtype_name, shape) for shape in (MERGE_WIDE, MERGE_DEEP)]
     return out

@@ -28,7 +28,8 @@ import numpy as np
 from .. import schedule as _policy
 from ..families.common import is_sm90a
 from ..knobs import knobs
-from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
+from ..families import mla as _family
+from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile
 
 SMALL_Q_LEN = 16
 SPLIT_SIZE = 512          # keys a split of a small-q request (CUPY_FA_MLA_SPLIT_SIZE: split_size()):
@@ -41,7 +42,7 @@ WGMMA_MIN_HEADS = 64      # below, a decode token would leave most of a 64-row b
 def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
     """The tile of a step's small-q requests (the longest has ``max_q_len`` tokens)."""
     if _wgmma(kv_fp8, arch) and num_heads >= WGMMA_MIN_HEADS:
-        return MlaWgmmaTile()
+        return _family.WGMMA_TILE
     rows = max(int(max_q_len), 1) * num_heads
     return MlaMmaTile(1 if rows <= 16 else 2, kv_fp8)
 
@@ -49,7 +50,7 @@ def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
 def long_tile(num_heads, kv_fp8, arch):
     """The tile of requests of more than SMALL_Q_LEN tokens."""
     if _wgmma(kv_fp8, arch):
-        return MlaWgmmaTile()
+        return _family.WGMMA_TILE
     return MlaMmaTile(2, kv_fp8)
 
 

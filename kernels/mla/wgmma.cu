@@ -20,7 +20,8 @@
 namespace cupy_fa {
 namespace mla {
 
-template <typename T>
+// EARLY_PV: warpgroup 1's order within a pair (kernels/mla/seesaw.cuh), an experiment; the same bits.
+template <typename T, bool EARLY_PV = false>
 __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant__ MlaParams p) {
   static_assert(sizeof(T) == 2, "16-bit queries, cache and output");
   allow_dependent_launch();
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   __syncthreads();
 
-  SeesawRole<T> role(p, w, by_head, base, wtid);
+  SeesawRole<T, EARLY_PV> role(p, w, by_head, base, wtid);
   copy_q_block<256, T>(p, w, by_head, base + SeesawSmem::kQ, tid);
   mbar::cp_async_arrive_noinc(base + SeesawSmem::kBars);
   if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
@@ -55,8 +56,10 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   mbar::wait(base + SeesawSmem::kBars, 0);
   if (role.num_blocks > 0) {
-    role.wait_full(wg, 0);
-    role.issue_scores(wg);
+    if (!EARLY_PV || wg == 0) {  // (EARLY_PV: warpgroup 1 issues each S1 inside its pair)
+      role.wait_full(wg, 0);
+      role.issue_scores(wg);
+    }
     role.run(wg);
   }
 
