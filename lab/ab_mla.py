@@ -1,6 +1,7 @@
-"""Interleaved A/B of the MLA seesaw kernel's warpgroup-1 order (families.mla.MlaWgmmaTile.early_pv)
-on the bench's sm_90a cells (bench/mla.py: its inputs, its float64 check, its timing), with every
-point's output bytes held to the shipped tile's on the same inputs (the order must not change a bit).
+"""Interleaved A/B of the MLA seesaw kernel's experiments (families.mla.MlaWgmmaTile.early_pv: warpgroup
+1's P0 V0 before S1; merge_in_cta: the last CTA of a row block merges; and both) on the bench's sm_90a
+cells (bench/mla.py: its inputs, its float64 check, its timing), with every point's output bytes held
+to the shipped tile's on the same inputs (neither may change a bit).
 
     PYTHONPATH=. python3 lab/ab_mla.py [--only "H=128"] [--rounds 3] [--json PATH]   (an sm_90a GPU)
 """
@@ -24,7 +25,8 @@ def main(argv=None):
     from bench import mla as bench
     from cupy_fa.families import mla as family
 
-    points = {"shipped": family.MlaWgmmaTile(), "early_pv": family.MlaWgmmaTile(early_pv=True)}
+    points = {"shipped": family.MlaWgmmaTile(), "early_pv": family.MlaWgmmaTile(early_pv=True),
+              "merge_in_cta": family.MlaWgmmaTile(merge_in_cta=True), "both": family.MlaWgmmaTile(True, True)}
     results = {}
     for name, heads, batch, q_len, kv_len, page, kv_dtype in bench.CELLS:
         if args.only not in name or kv_dtype != "bfloat16":
@@ -45,11 +47,10 @@ def main(argv=None):
                 out = cupy.asnumpy(sets[0]["out"]).view(np.uint16)
                 bits.setdefault(point, out)
         family.WGMMA_TILE = points["shipped"]
-        same = "early_pv" in bits and "shipped" in bits and np.array_equal(bits["early_pv"], bits["shipped"])
+        same = len(bits) == len(points) and all(np.array_equal(b, bits["shipped"]) for b in bits.values())
         med = {p: float(np.median(t)) if t else float("nan") for p, t in times.items()}
-        line = (f"ab {name:32s} shipped {med['shipped']:8.1f} us  early_pv {med['early_pv']:8.1f} us  "
-                f"x{med['shipped'] / med['early_pv']:.3f}  out bits {'equal' if same else 'DIFFER'}  "
-                f"rounds {times}")
+        line = (f"ab {name:32s} " + "  ".join(f"{p} {med[p]:7.1f} us x{med['shipped'] / med[p]:.3f}" for p in points)
+                + f"  out bits {'equal' if same else 'DIFFER'}")
         print(line, flush=True)
         results[name] = dict(median_us=med, us=times, bits_equal=bool(same))
         del sets

@@ -93,7 +93,7 @@ for stage in ${STAGES:-suite}; do
       sed -n '/^workload /,$p' "$OUT/bench.txt" | tee -a "$OUT/summary.txt" ;;
     ab-mla)  # the seesaw kernel's warpgroup-1 order (lab/ab_mla.py): interleaved, output bits held equal
       stamp "ab mla ${AB_MLA_ONLY:-H=128}"
-      timeout ${AB_MLA_SECONDS:-150} python3 lab/ab_mla.py --only "${AB_MLA_ONLY:-H=128}" --rounds ${AB_ROUNDS:-3} \
+      timeout ${AB_MLA_SECONDS:-240} python3 lab/ab_mla.py --only "${AB_MLA_ONLY:-H=128}" --rounds ${AB_ROUNDS:-3} \
         --json "$OUT/ab_mla.json" > "$OUT/ab_mla.txt" 2>&1
       echo "ab mla exit $?" | tee -a "$OUT/summary.txt"
       grep -E "^ab |Error|error" "$OUT/ab_mla.txt" | cut -c1-160 | tail -12 | tee -a "$OUT/summary.txt" ;;

@@ -30,8 +30,17 @@ def plan_buffers(capacity, num_heads, dtype_name, workspace_bytes=None):
     :func:`partial_rows` of them."""
     from .. import _arrays
 
+    import cupy
+
+    from ..families import mla as family
+
     rows = partial_rows(capacity, num_heads, _arrays.DTYPES[dtype_name].itemsize, workspace_bytes)
-    return _plan.PlanBuffers(capacity, num_heads, VALUE_DIM, dtype_name, partial_rows=rows)
+    buffers = _plan.PlanBuffers(capacity, num_heads, VALUE_DIM, dtype_name, partial_rows=rows)
+    # a counter per (request, row block) at its first work item, where the last CTA merges (zeros,
+    # and zeroed again by that CTA): the work items of rows of up to MERGE_IN_CTA_SPLITS splits
+    blocks = -(-capacity.max_num_tokens * num_heads // family.WGMMA_BLOCK) + capacity.max_batch_size
+    buffers.merge_counters = cupy.zeros(blocks * family.MERGE_IN_CTA_SPLITS, np.int32)
+    return buffers
 
 
 def plan_params(buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len):

@@ -109,8 +109,9 @@ class MlaSchedule:
     """A planned MLA step: the launch of each class (None where the step has none) and the merge."""
     small: Launch | None
     long: Launch | None
-    needs_merge: bool
+    needs_merge: bool    # merge_kernel after the launches
     partial_rows: int | None = None  # host lengths: the rows its splits want (cupy_fa.schedule.wanted_partial_rows)
+    merge_in_cta: bool = False  # the last CTA of each row block merges (MlaWgmmaTile.merge_in_cta), no merge_kernel
 
     @property
     def launches(self):
@@ -169,6 +170,10 @@ def _merged(small, long, num_heads):
         small = Launch(small.tile, small.work_grid + long.work_grid, max(small.max_splits, long.max_splits))
         long = None
     merge = any(x is not None and x.max_splits > 1 for x in (small, long))
+    one = small if long is None else long if small is None else None
+    if merge and one is not None and getattr(one.tile, "merge_in_cta", False) and \
+            one.max_splits <= _family.MERGE_IN_CTA_SPLITS:
+        return MlaSchedule(small, long, False, merge_in_cta=True)
     return MlaSchedule(small, long, merge)
 
 

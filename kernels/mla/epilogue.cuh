@@ -51,5 +51,82 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w, co
   }
 }
 
+// The split merge by the last CTA of a row block (the seesaw kernel's MERGE_IN_CTA, an experiment;
+// the host plans it only for a step of one launch whose rows have at most kMergeInCtaSplits splits,
+// and passes p.merge_counters, zero between launches). After its partial rows are stored, each CTA of
+// the (request, row block) counts itself in; the one that counts last folds the block's rows from the
+// partials (L2, __ldcg) with merge_kernel's steps in its order (groups of kMergeGroup splits in order,
+// then the groups in order: kernels/shared/merge.cu, softmax.cuh MergeState), so out and LSE have the
+// bits merge_kernel gives them, and resets the counter. Every thread of the CTA calls it.
+constexpr int kMergeInCtaSplits = 2 * kMergeGroup;
+
+template <typename OT, int THREADS, int BLOCK_M>
+__device__ __forceinline__ void merge_if_last(const MlaParams& p, const Work& w, const FastDiv& by_head, int tid) {
+  __shared__ int s_last;
+  __threadfence();  // this CTA's partial rows and LSE, device-wide before it counts
+  __syncthreads();
+  int* counter = p.merge_counters + __ldg(p.work_indptr + w.request) + (w.row0 / BLOCK_M) * w.splits;
+  if (tid == 0) {
+    const int before = atomicAdd(counter, 1);
+    s_last = before == w.splits - 1;
+    if (s_last) *counter = 0;  // every CTA of the block has counted: zero for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // the other CTAs' partials (each fenced before its count)
+  typedef ElemTraits<OT> E;
+  constexpr int LANES = kValueDim / 4;  // a row's float4s, as merge_kernel's lanes
+  constexpr int UNROLL = 4;             // (row, lane) items a thread folds at once: their loads in flight together
+  const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);
+  const int rows = min(BLOCK_M, w.rows - w.row0), splits = w.splits, groups = (splits + kMergeGroup - 1) / kMergeGroup;
+  const i64 base = __ldg(p.partial_indptr + w.request);
+  for (int first = tid; first < rows * LANES; first += THREADS * UNROLL) {
+    MergeState total[UNROLL];
+    int token[UNROLL], head[UNROLL];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      const int item = min(first + k * THREADS, rows * LANES - 1);
+      const int row = w.row0 + item / LANES;
+      token[k] = by_head.div(row), head[k] = by_head.mod(row);
+      total[k] = MergeState::empty();
+    }
+    for (int grp = 0; grp < groups; ++grp) {
+      float lse_in[UNROLL][kMergeGroup];
+      uint2 packed[UNROLL][kMergeGroup];
+#pragma unroll
+      for (int k = 0; k < UNROLL; ++k) {
+        const int c4 = min(first + k * THREADS, rows * LANES - 1) % LANES;
+#pragma unroll
+        for (int u = 0; u < kMergeGroup; ++u) {
+          const int s = grp * kMergeGroup + u;
+          const i64 prow = (base + (i64)token[k] * splits + min(s, splits - 1)) * p.num_heads + head[k];
+          packed[k][u] = __ldcg(partial + prow * LANES + c4);
+          lse_in[k][u] = s < splits ? __ldcg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < UNROLL; ++k) {
+        MergeState group_state = MergeState::empty();
+#pragma unroll
+        for (int u = 0; u < kMergeGroup; ++u) {
+          const float2 lo = E::unpack(packed[k][u].x), hi = E::unpack(packed[k][u].y);
+          group_state.fold(lse_in[k][u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+        }
+        total[k].fold(group_state);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) {
+      const int item = first + k * THREADS;
+      if (item >= rows * LANES) continue;
+      const int c4 = item % LANES;
+      const float merged[4] = {total[k].o.x, total[k].o.y, total[k].o.z, total[k].o.w};
+      const i64 slot = (i64)(w.q_start + token[k]) * p.num_heads + head[k];
+      store_scaled4(static_cast<OT*>(p.out) + slot * kValueDim + c4 * 4, merged, inverse_sum(total[k].l));  // NaN stays
+      if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(total[k].m, total[k].l);
+    }
+  }
+}
+
 }  // namespace mla
 }  // namespace cupy_fa

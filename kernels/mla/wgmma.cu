@@ -20,8 +20,10 @@
 namespace cupy_fa {
 namespace mla {
 
-// EARLY_PV: warpgroup 1's order within a pair (kernels/mla/seesaw.cuh), an experiment; the same bits.
-template <typename T, bool EARLY_PV = false>
+// EARLY_PV: warpgroup 1's order within a pair (kernels/mla/seesaw.cuh); MERGE_IN_CTA: the last CTA of a
+// row block merges its splits (mla/epilogue.cuh merge_if_last) where the host passes merge_counters.
+// Experiments, both off in the shipped kernel; neither changes a bit.
+template <typename T, bool EARLY_PV = false, bool MERGE_IN_CTA = false>
 __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant__ MlaParams p) {
   static_assert(sizeof(T) == 2, "16-bit queries, cache and output");
   allow_dependent_launch();
@@ -85,6 +87,9 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
   store_rows<T, SeesawRole<T>::NB>(p, done, by_head, reinterpret_cast<const float(&)[SeesawRole<T>::NB][4]>(role.o),
                                    done.row0 + role.first_row, wg * 256, role.quad, role.m, l, bad, 1.f, wg == 0);
+  if constexpr (MERGE_IN_CTA) {
+    if (p.merge_counters != nullptr && done.splits > 1) merge_if_last<T, 256, kBlockRows>(p, done, by_head, tid);
+  }
 }
 
 }  // namespace mla
