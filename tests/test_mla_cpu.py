@@ -170,6 +170,35 @@ def test_the_seesaw_experiments_are_off_and_compile(monkeypatch):
             (flags, resources)
 
 
+def test_merge_counters_cover_every_grid_that_merges_in_cta(monkeypatch):
+    """The counter buffer (cupy_fa.mla.plan: 2 x (ceil(tokens x H / 64) + batch) x 16) holds an index for
+    every work item of any step the capacity allows whose last CTAs merge (device-length bounds, two
+    launches); a schedule whose grid would pass it falls back to merge_kernel (mla.attention)."""
+    import types
+
+    from cupy_fa.mla import attention as mla_attention
+
+    monkeypatch.setattr(family, "WGMMA_TILE", family.MlaWgmmaTile(merge_in_cta=True))
+    rng, seed = new_rng()
+    seen = 0
+    for _ in range(400):
+        b = int(rng.integers(1, 65))
+        t, heads = int(rng.integers(b, 4000)), int(rng.choice([16, 64, 128]))
+        max_q = int(rng.integers(1, 300))
+        sched = mla_schedule.schedule_step(heads, False, "sm_90a", max_q_len=max_q,
+                                           max_kv_len=int(rng.integers(max_q, 8193)), capacity=Capacity(b, t, 100))
+        if sched.merge_in_cta:
+            seen += 1
+            grid = sum(x.work_grid for x in sched.launches)
+            assert grid <= 2 * (-(-t * heads // family.WGMMA_BLOCK) + b) * family.MERGE_IN_CTA_SPLITS, (seed, b, t)
+    assert seen > 100
+    sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=np.array([1, 1]), kv_lens=np.array([1500, 700]))
+    assert sched.merge_in_cta and not sched.needs_merge
+    small = types.SimpleNamespace(merge_counters=types.SimpleNamespace(size=1))
+    fallback = mla_attention._merge_counters_for(sched, small, None)
+    assert not fallback.merge_in_cta and fallback.needs_merge
+
+
 # ---- the policy --------------------------------------------------------------------------------------
 
 

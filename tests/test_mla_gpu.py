@@ -104,10 +104,10 @@ def run_case(rng, heads, dtype, kv_dtype, page_size, q_lens, kv_lens, *, causal=
     return out[:total], attn.planned.schedule
 
 
-def planned_in_graph(heads, dtype, kv_dtype, q_lens, kv_lens, table, q, cache, mask, causal):
+def planned_in_graph(heads, dtype, kv_dtype, q_lens, kv_lens, table, q, cache, mask, causal, return_attn=False):
     """The step planned from device lengths (the host given only bounds) and run, both captured in a
     CUDA graph (a first plan outside the capture sizes the buffers); one replay's output, which starts
-    from NaN."""
+    from NaN (and the instance, with ``return_attn``)."""
     import cupy
     import cupy_fa
 
@@ -130,7 +130,7 @@ def planned_in_graph(heads, dtype, kv_dtype, q_lens, kv_lens, table, q, cache, m
         graph.launch(stream)
     stream.synchronize()
     assert attn.status() == 0
-    return out
+    return (out, attn) if return_attn else out
 
 
 MODES = [M.DECODE, M.TARGET_VERIFY, "tree", M.DRAFT_EXTEND, M.DRAFT_EXTEND_V2, M.MIXED, M.EXTEND]
@@ -340,6 +340,7 @@ def test_seesaw_experiments_keep_every_bit(page_size, longest, monkeypatch):
     import cupy_fa
     from cupy_fa import reference
     from cupy_fa.families import mla as family
+    from cupy_fa.mla import schedule as mla_schedule
 
     rng, seed = new_rng()
     heads = 128
@@ -349,8 +350,10 @@ def test_seesaw_experiments_keep_every_bit(page_size, longest, monkeypatch):
     kv_lens[1] = longest  # the step's most splits: 10, or 18
     table, latent, cache, _ = latent_case(rng, "bfloat16", page_size, kv_lens)
     total = int(q_lens.sum())
-    q = cupy.asarray(rng.standard_normal((total, heads, 576), dtype=np.float32).astype(np_dtype("bfloat16")))
+    # queries x 4: scores spread wide enough that the rows' lazy offsets move inside splits (f0, f1 != 1)
+    q = cupy.asarray((4 * rng.standard_normal((total, heads, 576), dtype=np.float32)).astype(np_dtype("bfloat16")))
     mask = np.concatenate([m.ravel() for m in tree_masks(rng, q_lens)])  # every request's own draft tree
+    in_cta = longest <= family.MERGE_IN_CTA_SPLITS * mla_schedule.split_size()
     got = {}
     for flags in ((False, False), (True, False), (False, True), (True, True)):
         tile = family.MlaWgmmaTile(*flags)
@@ -359,13 +362,15 @@ def test_seesaw_experiments_keep_every_bit(page_size, longest, monkeypatch):
         attn.plan(q_lens, kv_lens, table, custom_mask=mask)
         sched = attn.planned.schedule
         assert all(x.tile == tile for x in sched.launches), sched
-        assert sched.merge_in_cta == (flags[1] and longest < 16 * 512), sched
+        assert sched.merge_in_cta == (flags[1] and in_cta), sched
         out, lse = attn.run(q, cache, return_lse=True)
         got[flags] = (out.get(), lse.get())
         if flags[1] and sched.merge_in_cta:  # the counters are back to zero for the next launch
             assert not attn._buffers.merge_counters.any().get(), f"seed {seed}: counters left non-zero"
             # device lengths in a captured graph: an eager step, then a replay over the same counters
-            replayed = planned_in_graph(heads, "bfloat16", None, q_lens, kv_lens, table, q, cache, mask, True)
+            replayed, graph_attn = planned_in_graph(heads, "bfloat16", None, q_lens, kv_lens, table, q, cache, mask,
+                                                    True, return_attn=True)
+            assert graph_attn.planned.schedule.merge_in_cta, graph_attn.planned.schedule
             assert np.array_equal(replayed.get().view(np.uint16), got[flags][0].view(np.uint16)), \
                 f"seed {seed} {flags}: the graph replay differs"
     want = got[(False, False)]

@@ -215,6 +215,11 @@ struct SeesawRole {
     }
   }
 
+  // a row's sum after a block: l f0 f1 + the block's part, its rounding pinned (the one rule every order uses)
+  static __device__ __forceinline__ float sum_update(float l_old, float f0, float f1, float sum) {
+    return __fmaf_rn(__fmul_rn(l_old, f0), f1, sum);
+  }
+
   __device__ __forceinline__ void rescale(const float (&f)[2]) {
     const bool moved = f[0] != 1.f || f[1] != 1.f;
     if (__any_sync(0xffffffffu, moved)) {
@@ -282,7 +287,7 @@ struct SeesawRole {
       }
       exponentials(m_new, sum, own);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) l[h] = l[h] * fa[h] * fb[h] + sum[h];
+      for (int h = 0; h < 2; ++h) l[h] = sum_update(l[h], fa[h], fb[h], sum[h]);
       if (wg == 1) {
         get_p(0, frag);  // P0
         put_p(1, own);
@@ -348,7 +353,7 @@ struct SeesawRole {
     }
     exponentials(m_new, sum, own);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) l[h] = l[h] * fa[h] * fb[h] + sum[h];
+    for (int h = 0; h < 2; ++h) l[h] = sum_update(l[h], fa[h], fb[h], sum[h]);
     put_p(1, own);
     put_m(SeesawSmem::kM1, m_new);
     sm90::named_arrive(kBarP1, 256);
