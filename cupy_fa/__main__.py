@@ -23,10 +23,15 @@ DTYPES = ("float16", "bfloat16")
 
 
 def _int_list(text):
+    """Head dims such as ``64,128``; a qk / vo pair as ``192/128``."""
+    def dims(x):
+        return tuple(int(d) for d in x.split("/")) if "/" in x else int(x)
+
     try:
-        return tuple(int(x) for x in text.replace(",", " ").split())
+        return tuple(dims(x) for x in text.replace(",", " ").split())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected head dims such as 64,128, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected head dims such as 64,128 (a qk / vo pair: 192/128), got {text!r}") \
+            from None
 
 
 def _str_list(text):
@@ -46,7 +51,8 @@ def parser():
     warm.add_argument("--dtypes", type=_str_list, default=DTYPES,
                       help=f"query / output dtypes, comma-separated (default {','.join(DTYPES)})")
     warm.add_argument("--head-dims", type=_int_list, default=families.common.HEAD_DIMS,
-                      help=f"head dims, comma-separated (default {','.join(map(str, families.common.HEAD_DIMS))})")
+                      help=f"head dims, comma-separated, a qk / vo pair as 192/128 "
+                           f"(default {','.join(map(str, families.common.HEAD_DIMS))})")
     warm.add_argument("--fp8", action="store_true", help="also an fp8 (e4m3fn) K/V cache's kernels")
     warm.add_argument("--variants", action="store_true",
                       help="also the kernels with the variant hooks (sliding window, soft-cap, sinks)")
@@ -102,10 +108,12 @@ def warmup(args, out=sys.stdout, err=sys.stderr):
     if bad or not args.dtypes:
         err.write(f"cupy_fa warmup: --dtypes must be among {', '.join(DTYPES)}, got {','.join(args.dtypes)!r}\n")
         return 2
-    bad = [d for d in args.head_dims if d not in families.common.HEAD_DIMS]
+    pairs = families.common.HEAD_DIM_PAIRS
+    bad = [d for d in args.head_dims if d not in families.common.HEAD_DIMS and d not in pairs]
     if bad or not args.head_dims:
-        err.write(f"cupy_fa warmup: --head-dims must be among {', '.join(map(str, families.common.HEAD_DIMS))}, "
-                  f"got {','.join(map(str, args.head_dims))!r}\n")
+        spell = lambda d: "/".join(map(str, d)) if isinstance(d, tuple) else str(d)
+        err.write(f"cupy_fa warmup: --head-dims must be among {', '.join(map(str, families.common.HEAD_DIMS))} "
+                  f"or the qk / vo pairs {', '.join(map(spell, pairs))}, got {','.join(map(spell, args.head_dims))!r}\n")
         return 2
     if args.jobs is not None and args.jobs < 1:
         err.write(f"cupy_fa warmup: --jobs must be a positive number of processes, got {args.jobs}\n")

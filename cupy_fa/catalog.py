@@ -159,25 +159,31 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
                    kv_dtypes=None, variants=False):
     """Every kernel that plans with these dtypes and head dims can select under the knobs in
     force, on a device with ``smem_limit`` and ``arch`` (the small-q tiles of either class, the
-    prefill family of the arch, the merges, plan and append, and merge_states'). ``kv_dtypes``: the
-    cache dtypes (default: each query dtype's own; add ``"float8_e4m3fn"`` for an fp8 cache, head
-    dims 64, 128 and 256 only: FP8_HEAD_DIMS); with ``variants`` each attention kernel with the
-    variant hooks too (what steps with a window, a soft-cap or sinks run)."""
+    prefill family of the arch, the merges, plan and append, and merge_states'). ``head_dims``:
+    ints, or (qk, vo) pairs of HEAD_DIM_PAIRS (``BatchAttention(..., head_dim_vo=)``: 16-bit caches
+    only). ``kv_dtypes``: the cache dtypes (default: each query dtype's own; add
+    ``"float8_e4m3fn"`` for an fp8 cache, head dims 64, 128 and 256 only: FP8_HEAD_DIMS); with
+    ``variants`` each attention kernel with the variant hooks too (what steps with a window, a
+    soft-cap or sinks run)."""
     wanted = [PLAN_KERNEL, STAGE_KERNEL, append_kernel(np.int32), append_kernel(np.int64)]
     wanted += [merge_states_kernel(dtype_name) for dtype_name in dtypes]
     for dtype_name in dtypes:
-        for head_dim in head_dims:
-            wanted += _merge_kernels(dtype_name, head_dim)
+        for dims in head_dims:
+            head_dim, head_dim_vo = (dims if isinstance(dims, tuple) else (dims, None))
+            if head_dim_vo is not None and (head_dim, head_dim_vo) not in HEAD_DIM_PAIRS:
+                raise ValueError(f"head_dims takes ints and the (qk, vo) pairs {HEAD_DIM_PAIRS}, got {dims!r}")
+            wanted += _merge_kernels(dtype_name, head_dim_vo or head_dim)  # the merge runs at V's head dim
             for kv in (kv_dtypes or (dtype_name,)):
                 kv = FP8 if _arrays.resolve_kv_dtype(kv, "kv_dtypes") == FP8 else dtype_name
-                if kv == FP8 and head_dim not in FP8_HEAD_DIMS:
-                    continue  # no fp8 tile at this head dim (BatchAttention refuses it)
+                if kv == FP8 and (head_dim not in FP8_HEAD_DIMS or head_dim_vo is not None):
+                    continue  # no fp8 tile at this head dim or pair (BatchAttention refuses it)
                 types = ElementTypes(dtype_name, kv, dtype_name)
                 if kv == FP8:
                     wanted += [append_kernel(np.int32, dtype_name), append_kernel(np.int64, dtype_name)]
                 # each layout tile_for picks: one row half, the one-row tile, the two-row tile, prefill
                 for max_q_len, group in ((1, 1), (4, 4), (schedule.SMALL_Q_LEN, 4), (schedule.SMALL_Q_LEN + 1, 1)):
-                    tile = schedule.tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes)
+                    tile = schedule.tile_for(head_dim, max_q_len, group, smem_limit, arch, types.kv_bytes,
+                                             head_dim_vo=head_dim_vo)
                     folded = tile.folding(smem_limit=smem_limit) if is_small_q_tile(tile) else None  # fold_tile's pick
                     picked = [t for t in (tile, folded) if t is not None]
                     picked += [t.with_variants() for t in picked] if variants else []
@@ -188,7 +194,8 @@ def warmup_kernels(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, smem_lim
 def warmup(dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, kv_dtypes=None, variants=False, device=None,
            jobs=None, progress=None):
     """Compiles (or loads from the disk cache) every kernel that plans with these dtypes and
-    head dims can select under the current knobs, on ``device`` (an int id, a ``cupy.cuda.Device``,
+    head dims (ints, or (qk, vo) pairs such as (192, 128)) can select under the current knobs, on
+    ``device`` (an int id, a ``cupy.cuda.Device``,
     a torch cuda device; default CuPy's current device: each device loads its own), so no compile happens
     inside a step or a graph capture (``kv_dtypes=("bfloat16", "float8_e4m3fn")``: an fp8 cache's
     too); ``variants=True`` adds the kernels with the variant hooks (steps with a sliding window,

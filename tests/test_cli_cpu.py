@@ -49,6 +49,12 @@ def test_list_is_warmup_kernels():
     assert f"{len(catalog.warmup_kernels(('bfloat16',), (128,), families.common.SMEM_LIMIT, 'sm_90a', ('bfloat16', families.common.FP8)))} kernels" in fp8.stdout
     a100 = cli("warmup", "--arch", "sm_80", "--head-dims", "128", "--list")
     assert a100.returncode == 0 and "prefill_sm90_kernel" not in a100.stdout
+    pair = cli("warmup", "--arch", "sm_90a", "--dtypes", "bfloat16", "--head-dims", "128,192/128", "--list")
+    wanted = catalog.warmup_kernels(("bfloat16",), (128, (192, 128)), families.common.SMEM_LIMIT, "sm_90a")
+    assert pair.returncode == 0 and pair.stdout.splitlines()[-1] == f"{len(wanted)} kernels for sm_90a", pair.stderr
+    assert "Sm90PrefillTraits<192, 128" in pair.stdout  # the pair's wgmma tile
+    bad = cli("warmup", "--arch", "sm_90a", "--head-dims", "192/64", "--list")
+    assert bad.returncode == 2 and "192/128" in bad.stderr
 
 
 def test_warmup_compiles_into_an_empty_cache_then_loads(tmp_path):

@@ -200,3 +200,28 @@ def test_catalog_has_the_pair():
     assert catalog.merge_kernel("bfloat16", D_VO, schedule.MERGE_WIDE).expression in found
     sm80 = [k.expression for k in catalog.all_kernels("sm_80")]
     assert not [e for e in sm80 if "Sm90PrefillTraits" in e]  # the wgmma family: sm_90a builds only
+
+
+@pytest.mark.parametrize("arch,smem", [("sm_90a", common.SMEM_LIMIT), ("sm_80", common.SM80_SMEM_LIMIT)])
+def test_warmup_holds_what_steps_at_the_pair_select(arch, smem):
+    """warmup_kernels with the pair (192, 128) in head_dims (`python -m cupy_fa warmup --head-dims
+    192/128`): every kernel a step at the pair selects (decode, verify, mixed and prefill batches,
+    folding or not, with and without the variant hooks) and the merge at 128 columns; a pair that is
+    not one of HEAD_DIM_PAIRS is refused; an fp8 cache has no pair."""
+    from cupy_fa.launch import StepLauncher
+
+    warm = set(catalog.warmup_kernels(("bfloat16",), ((192, 128),), smem, arch, variants=True))
+    launcher = StepLauncher(common.ElementTypes.of("bfloat16"), 16, 2, 192, "bfloat16", 128)
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        b = int(rng.integers(1, 65))
+        q = rng.choice([1, 1, 4, 16, 17, 300], size=b)
+        kv = q + rng.integers(0, 20000, size=b)
+        sched = schedule.schedule_step(192, 8, 2, q_lens=q, kv_lens=kv, smem_limit=smem, arch=arch, head_dim_vo=128)
+        for hooked in (False, True):
+            missing = set(launcher.kernels(sched, hooked, int(q.sum()))) - warm
+            assert not missing, (arch, q.tolist(), [k.expression for k in missing])
+    with pytest.raises(ValueError, match="pairs"):
+        catalog.warmup_kernels(("bfloat16",), ((192, 64),), smem, arch)
+    fp8 = catalog.warmup_kernels(("bfloat16",), ((192, 128),), smem, arch, kv_dtypes=("float8_e4m3fn",))
+    assert not [k for k in fp8 if "fp8_e4m3" in k.expression]  # no fp8 tile (nor its append) at a pair
