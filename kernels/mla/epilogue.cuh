@@ -13,6 +13,7 @@
 #pragma once
 
 #include "shared/common.cuh"
+#include "shared/partials.cuh"
 #include "shared/softmax.cuh"
 #include "mla/params.cuh"
 #include "mla/work.cuh"
@@ -55,9 +56,9 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w, co
 // the host plans it only for a step of one launch whose rows have at most kMergeInCtaSplits splits,
 // and passes p.merge_counters, zero between launches). After its partial rows are stored, each CTA of
 // the (request, row block) counts itself in; the one that counts last folds the block's rows from the
-// partials (L2, __ldcg) with merge_kernel's steps in its order (groups of kMergeGroup splits in order,
-// then the groups in order: kernels/shared/merge.cu, softmax.cuh MergeState), so out and LSE have the
-// bits merge_kernel gives them, and resets the counter. Every thread of the CTA calls it.
+// partials (L2, __ldcg) with merge_kernel's own loads and folds (shared/partials.cuh PartialGroup:
+// groups of kMergeGroup splits in order, then the groups in order), so out and LSE have the bits
+// merge_kernel gives them, and resets the counter. Every thread of the CTA calls it.
 constexpr int kMergeInCtaSplits = 2 * kMergeGroup;
 
 template <typename OT, int THREADS, int BLOCK_M>
@@ -76,7 +77,6 @@ __device__ __forceinline__ void merge_if_last(const MlaParams& p, const Work& w,
   __syncthreads();
   if (!s_last) return;
   __threadfence();  // the other CTAs' partials (each fenced before its count)
-  typedef ElemTraits<OT> E;
   constexpr int LANES = kValueDim / 4;  // a row's float4s, as merge_kernel's lanes
   constexpr int UNROLL = 4;             // (row, lane) items a thread folds at once: their loads in flight together
   const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);
@@ -93,29 +93,14 @@ __device__ __forceinline__ void merge_if_last(const MlaParams& p, const Work& w,
       total[k] = MergeState::empty();
     }
     for (int grp = 0; grp < groups; ++grp) {
-      float lse_in[UNROLL][kMergeGroup];
-      uint2 packed[UNROLL][kMergeGroup];
+      PartialGroup<LANES> in[UNROLL];  // merge_kernel's loads and folds (shared/partials.cuh), UNROLL items at once
 #pragma unroll
       for (int k = 0; k < UNROLL; ++k) {
         const int c4 = min(first + k * THREADS, rows * LANES - 1) % LANES;
-#pragma unroll
-        for (int u = 0; u < kMergeGroup; ++u) {
-          const int s = grp * kMergeGroup + u;
-          const i64 prow = (base + (i64)token[k] * splits + min(s, splits - 1)) * p.num_heads + head[k];
-          packed[k][u] = __ldcg(partial + prow * LANES + c4);
-          lse_in[k][u] = s < splits ? __ldcg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
-        }
+        in[k].load(partial, p.partial_lse, base + (i64)token[k] * splits, grp, splits, p.num_heads, head[k], c4);
       }
 #pragma unroll
-      for (int k = 0; k < UNROLL; ++k) {
-        MergeState group_state = MergeState::empty();
-#pragma unroll
-        for (int u = 0; u < kMergeGroup; ++u) {
-          const float2 lo = E::unpack(packed[k][u].x), hi = E::unpack(packed[k][u].y);
-          group_state.fold(lse_in[k][u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
-        }
-        total[k].fold(group_state);
-      }
+      for (int k = 0; k < UNROLL; ++k) total[k].fold(in[k].template fold<OT>());
     }
 #pragma unroll
     for (int k = 0; k < UNROLL; ++k) {
