@@ -164,7 +164,8 @@ class StepLauncher:
             num_tokens=num_tokens, mask_entries=state.mask_entries,
             # the variant hooks (kernels/shared/variant.cuh), read only by the kernels built with them
             key_base=buffers.key_base.data.ptr, sinks=sinks, window=state.window,
-            soft_cap_scale=soft_cap_scale, soft_cap_log2=soft_cap_log2, **cache_fields)
+            soft_cap_scale=soft_cap_scale, soft_cap_log2=soft_cap_log2,
+            merge_counters=buffers.merge_counters.data.ptr if sched.merge_in_cta else 0, **cache_fields)
 
     def merge_params(self, state, buffers, *, out, lse, sinks):
         """The ``MergeParams`` of a plan's merge (an ``np.void``): one merge for both classes (the

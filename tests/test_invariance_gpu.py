@@ -470,3 +470,54 @@ def test_a_workspace_overflow_is_said_and_stays_correct():
         roomy.plan([1], kv, table)
         assert roomy._buffers.split_keys[:1].get()[0] == S
         small.plan([1], kv, table)  # said once per instance
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim,num_draft", [(128, 1), (128, 4), (64, 4), (256, 1)])
+def test_merge_in_cta_never_changes_a_bit(dtype, head_dim, num_draft, monkeypatch):
+    """The folding CTAs' in-CTA merge (schedule.MERGE_IN_CTA, an experiment: the CTA that finishes a
+    row block's last group folds the groups' states, kernels/mma_sync/split_epilogue.cuh) gives
+    merge_kernel's bits, out and LSE: rows of 2 to 32 groups (up to 131072 keys), an empty group of a
+    causally clipped row, with attention sinks too, eager and in a captured graph over the same
+    counters; no merge_kernel is launched then."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import schedule
+
+    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "1")
+    cupy_fa.knobs.reload()
+    rng, seed = new_rng()
+    h_q, h_kv = 32, 8
+    S = schedule.split_size()
+    longest = (256 if head_dim <= 128 else 64) * S - num_draft  # 32 groups (16 at D 256: a smaller cache)
+    prefix = np.array([16 * S + 5, 8 * S - num_draft + 1, 24 * S + 3, int(rng.integers(9 * S, 40 * S)), longest])
+    kv, q_lens = prefix + num_draft, np.full(prefix.size, num_draft)
+    table, _, _, cache, q_host = paged_case(rng, dtype, (h_q, h_kv), head_dim, 16, kv, int(q_lens.sum()))
+    q = cupy.asarray(q_host)
+    sinks = cupy.asarray(rng.standard_normal(h_q).astype(np.float32))
+    got = {}
+    try:
+        for in_cta in (False, True):
+            monkeypatch.setattr(schedule, "MERGE_IN_CTA", in_cta)
+            for with_sinks in (False, True):
+                attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype).plan(q_lens, kv, table)
+                sched = attn.planned.schedule
+                assert sched.small.tile.fold_splits and sched.small.tile.splits_per_cta == 8, sched
+                assert sched.merge_in_cta == in_cta and sched.needs_merge == (not in_cta), sched
+                out, lse = attn.run(q, cache, return_lse=True, sinks=sinks if with_sinks else None)
+                got[in_cta, with_sinks] = (out.get(), lse.get())
+                if in_cta:
+                    assert not attn._buffers.merge_counters.any().get(), f"seed {seed}: counters left set"
+            attn = cupy_fa.BatchAttention(h_q, h_kv, head_dim, dtype, max_batch_size=prefix.size + 2,
+                                          max_num_tokens=int(q_lens.sum()) + 8,
+                                          max_pages_per_request=table.shape[1] + 1)
+            replayed = run_planned_in_graph(attn, q_lens, kv, table, q, cache, num_draft, int(kv.max()))
+            assert attn.planned.schedule.merge_in_cta == in_cta
+            got[in_cta, "graph"] = (replayed.get(), None)
+    finally:
+        cupy_fa.knobs.reload()
+    for key in ((False,), (True,), ("graph",)):
+        a, b = got[(False,) + key], got[(True,) + key]
+        assert np.array_equal(a[0].view(np.uint16), b[0].view(np.uint16)), f"seed {seed} {key}: out differs"
+        if a[1] is not None:
+            assert np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32)), f"seed {seed} {key}: lse differs"

@@ -147,3 +147,74 @@ def test_split_size_per_cache_element():
     assert bound.small.max_splits == 4
     knobs.use(dataclasses.replace(knobs.Knobs(), split_size=2048))
     assert (schedule.split_size(kv_bytes=2), schedule.split_size(kv_bytes=1)) == (2048, 2048)
+
+
+def test_merge_in_cta_is_off_and_planned_only_for_folding_groups(monkeypatch):
+    """schedule.MERGE_IN_CTA (an experiment, off): no schedule merges in the CTA by default; switched
+    on, a step of one launch whose CTAs fold groups of 8 splits (rows of 2 .. 32 groups) merges in the
+    CTA (its tile's kernel the MERGE_IN_CTA build, no merge_kernel); whole-row folds need no merge, and a
+    step with long requests or without a fold keeps merge_kernel; the device-length bound path alike."""
+    import dataclasses
+
+    from cupy_fa import catalog, knobs
+    from cupy_fa.plan import Capacity
+
+    H200 = dict(smem_limit=families.common.SMEM_LIMIT, sm_count=132, arch="sm_90a")
+    S = schedule.split_size()
+    decode = dict(q_lens=np.full(16, 1), kv_lens=np.full(16, 64 * S))  # 64 splits: 8 groups a row
+    assert not schedule.MERGE_IN_CTA and not schedule.schedule_step(128, 4, 8, **decode, **H200).merge_in_cta
+    monkeypatch.setattr(schedule, "MERGE_IN_CTA", True)
+    sched = schedule.schedule_step(128, 4, 8, **decode, **H200)
+    tile = sched.small.tile
+    assert sched.merge_in_cta and not sched.needs_merge and tile.merge_in_cta and tile.splits_per_cta == 8, sched
+    assert catalog.attention_kernel("bfloat16", tile).expression.endswith(", true>")
+    assert not catalog.attention_kernel("bfloat16", dataclasses.replace(tile, merge_in_cta=False)).expression \
+        .endswith(", true>")
+    short = schedule.schedule_step(128, 4, 8, q_lens=np.full(64, 1), kv_lens=np.full(64, 4 * S), **H200)
+    assert not short.merge_in_cta and not short.needs_merge  # whole rows folded: no merge at all
+    mixed = schedule.schedule_step(128, 4, 8, q_lens=np.array([1, 300]), kv_lens=np.array([64 * S, 300]), **H200)
+    assert not mixed.merge_in_cta and mixed.long is not None
+    monkeypatch.setenv("CUPY_FA_FOLD_SPLITS", "0")
+    knobs.reload()
+    try:
+        unfolded = schedule.schedule_step(128, 4, 8, **decode, **H200)
+        assert not unfolded.merge_in_cta and unfolded.needs_merge
+    finally:
+        monkeypatch.delenv("CUPY_FA_FOLD_SPLITS")
+        knobs.reload()
+    bound = schedule.schedule_step(128, 4, 8, max_q_len=4, max_kv_len=64 * S, capacity=Capacity(64, 256, 2048),
+                                   batch_size=64, **H200)
+    assert bound.merge_in_cta == bound.small.tile.fold_splits and not (bound.merge_in_cta and bound.needs_merge)
+
+
+def test_merge_in_cta_tiles_compile_without_spills(monkeypatch):
+    """Every folding tile a step may pick for the in-CTA merge (bf16 queries, 16-bit and fp8 caches, each
+    head dim, plain and with the variant hooks) compiles for sm_90a as the MERGE_IN_CTA build without
+    spills; the fp8 folding tile with a producer warpgroup is never given it (its CTA's threads do not
+    all reach the end together: the kernel refuses the pair at compile time)."""
+    from cupy_fa import _compile
+    from cupy_fa.families.common import ElementTypes, FP8, FP8_HEAD_DIMS, HEAD_DIMS, SMEM_LIMIT
+
+    monkeypatch.setattr(schedule, "MERGE_IN_CTA", True)
+    seen = {}
+    for kv in ("bfloat16", FP8):
+        for d in HEAD_DIMS:
+            if kv == FP8 and d not in FP8_HEAD_DIMS:
+                continue
+            types = ElementTypes("bfloat16", kv, "bfloat16")
+            for max_q, group in ((1, 1), (4, 4), (16, 4), (1, 8)):
+                folded = schedule.tile_for(d, max_q, group, SMEM_LIMIT, "sm_90a", types.kv_bytes).folding(
+                    smem_limit=SMEM_LIMIT)
+                if folded is None:
+                    continue
+                picked = schedule._merging_in_cta(folded, [1], [64 * schedule.split_size(types.kv_bytes)])
+                if folded.producer_warps:
+                    assert picked is None, folded
+                    continue
+                assert picked is not None and picked.merge_in_cta, folded
+                for tile in (picked, picked.with_variants()):
+                    seen[catalog.attention_kernel(types, tile)] = None
+    assert len(seen) >= 20
+    for kernel in seen:
+        _, res = _compile.compile_cubin(kernel, "sm_90a")
+        assert res["spill_stores"] == res["spill_loads"] == 0, (kernel.expression, res)
