@@ -376,7 +376,7 @@ __device__ __forceinline__ void merge_groups_if_last(const AttentionParams& p, c
                                                      int group, const FastDiv& by_group, int rows, int tid,
                                                      int& s_flag) {
   static_assert(Traits::kFoldInCta && Traits::kProducerWarps == 0, "a folding tile whose threads all take part");
-  constexpr int D = Traits::kHeadDim, LANES = D / 4;
+  constexpr int D = Traits::kHeadDimVo, LANES = D / 4;  // out's and the states' columns: V's head dim
   __threadfence();  // each thread's group state, device-wide before the CTA counts
   __syncthreads();
   const int first = __ldg(p.work_indptr + w.request) + (w.row0 / Traits::kBlockM) * w.groups;
