@@ -39,6 +39,7 @@ class PreparedStep:
 
     def __init__(self, launcher, state, buffers, device_id):
         self.buffers, self.device_id, self.cache, self.num_tokens = buffers, device_id, None, None
+        self.counters = getattr(buffers, "merge_counters", None)  # (their address is in the structs: MERGE_IN_CTA plans)
         self.signature = signature(state)
         sched = state.schedule
         self.launches = [x for x in sched.launches if x.work_grid > 0]
@@ -61,7 +62,8 @@ class PreparedStep:
 
     def matches(self, state, buffers, device_id):
         """Whether this prepared step launches what a fresh one for ``state`` would."""
-        return self.buffers is buffers and self.device_id == device_id and self.signature == signature(state)
+        return (self.buffers is buffers and self.device_id == device_id
+                and self.counters is getattr(buffers, "merge_counters", None) and self.signature == signature(state))
 
 
 def signature(state):

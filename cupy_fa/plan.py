@@ -445,7 +445,7 @@ def check_table(page_table, columns, kv_lens, q_lens, page_size, num_pages):
 def merge_counters_for(sched, buffers, num_kv_heads, stream, capturing):
     """A schedule whose folding CTAs merge their row blocks (StepSchedule.merge_in_cta) with the buffers'
     counters zeroed on ``stream`` for every CTA it launches (each plan, inside a capture each replay: a
-    step cut short by a bad request leaves none set for the next); the counters are made (or grown) here
+    launch that did not finish leaves none set for the next); the counters are made (or grown) here
     outside a capture, and inside one that finds them too few the schedule merges with merge_kernel."""
     if not sched.merge_in_cta:
         return sched

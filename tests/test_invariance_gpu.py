@@ -473,13 +473,14 @@ def test_a_workspace_overflow_is_said_and_stays_correct():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("head_dim,num_draft", [(128, 1), (128, 4), (64, 4), (256, 1)])
+@pytest.mark.parametrize("head_dim,num_draft", [(128, 1), (128, 4), (128, 16), (64, 4), (256, 1)])
 def test_merge_in_cta_never_changes_a_bit(dtype, head_dim, num_draft, monkeypatch):
     """The folding CTAs' in-CTA merge (schedule.MERGE_IN_CTA, an experiment: the CTA that finishes a
     row block's last group folds the groups' states, kernels/mma_sync/split_epilogue.cuh) gives
     merge_kernel's bits, out and LSE: rows of 2 to 32 groups (up to 131072 keys), an empty group of a
     causally clipped row, with attention sinks too, eager and in a captured graph over the same
-    counters; no merge_kernel is launched then."""
+    counters; no merge_kernel is launched then. 16 drafts of a group of 4 heads fill several row blocks
+    (their counters at each block's first CTA)."""
     import cupy
     import cupy_fa
     from cupy_fa import schedule
@@ -504,7 +505,10 @@ def test_merge_in_cta_never_changes_a_bit(dtype, head_dim, num_draft, monkeypatc
                 sched = attn.planned.schedule
                 assert sched.small.tile.fold_splits and sched.small.tile.splits_per_cta == 8, sched
                 assert sched.merge_in_cta == in_cta and sched.needs_merge == (not in_cta), sched
-                out, lse = attn.run(q, cache, return_lse=True, sinks=sinks if with_sinks else None)
+                out = cupy.full(q.shape, np.nan, q.dtype)  # every element the run must write starts NaN
+                lse = cupy.full(q.shape[:2], np.nan, np.float32)
+                attn.run(q, cache, out=out, lse=lse, sinks=sinks if with_sinks else None)
+                assert not cupy.isnan(out).any() and not cupy.isnan(lse).any(), f"seed {seed}: rows left unwritten"
                 got[in_cta, with_sinks] = (out.get(), lse.get())
                 if in_cta:
                     assert not attn._buffers.merge_counters.any().get(), f"seed {seed}: counters left set"
