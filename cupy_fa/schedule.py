@@ -373,19 +373,17 @@ class StepSchedule:
         return (self.small or self.long).tile, self.long.tile
 
 
-# An experiment, off: where the small-q CTAs fold groups of splits and rows have 2 .. MERGE_IN_CTA_GROUPS
-# groups, the CTA that finishes a row block's last group merges them (MmaTile.merge_in_cta; kernels/
-# mma_sync/split_epilogue.cuh merge_groups_if_last), instead of merge_kernel after the launch (the same
-# bits). lab A/Bs switch it on.
+# An experiment, off (lab A/Bs switch it on): the folding CTAs merge their row blocks' groups themselves
+# (MmaTile.merge_in_cta; split_epilogue.cuh merge_groups_if_last) instead of merge_kernel: the same bits.
 MERGE_IN_CTA = False
 MERGE_IN_CTA_GROUPS = 32  # split_epilogue.cuh kMergeInCtaGroups
 
 
 def _merging_in_cta(tile, q_lens, kv_lens):
-    """``tile`` with the in-CTA merge where MERGE_IN_CTA is on and its CTAs fold groups of rows of at
-    most MERGE_IN_CTA_GROUPS groups (else None: merge_kernel, where one is needed)."""
+    """``tile`` merging in the CTA where MERGE_IN_CTA is on, its CTAs fold groups of splits (no producer
+    warpgroup) and rows have at most MERGE_IN_CTA_GROUPS groups; else None (merge_kernel)."""
     if not (MERGE_IN_CTA and tile.fold_splits and tile.splits_per_cta == MERGE_GROUP and not tile.producer_warps):
-        return None  # (a producer warpgroup's tile: its CTA's threads do not all reach the end together)
+        return None
     q, kv = np.asarray(q_lens), np.asarray(kv_lens)
     live = q > 0
     groups = -(-max_splits(q[live], kv[live], tile.kv_bytes) // MERGE_GROUP) if live.any() else np.zeros(0, int)
