@@ -39,7 +39,7 @@ class PreparedStep:
 
     def __init__(self, launcher, state, buffers, device_id):
         self.buffers, self.device_id, self.cache, self.num_tokens = buffers, device_id, None, None
-        self.counters = getattr(buffers, "merge_counters", None)  # (their address is in the structs: MERGE_IN_CTA plans)
+        self.counters = getattr(buffers, "merge_counters", None)  # their address is in MERGE_IN_CTA structs
         self.signature = signature(state)
         sched = state.schedule
         self.launches = [x for x in sched.launches if x.work_grid > 0]

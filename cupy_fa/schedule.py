@@ -380,16 +380,15 @@ MERGE_IN_CTA_GROUPS = 32  # split_epilogue.cuh kMergeInCtaGroups
 
 
 def _merging_in_cta(tile, q_lens, kv_lens):
-    """``tile`` merging in the CTA where MERGE_IN_CTA is on, its CTAs fold groups of splits (no producer
-    warpgroup) and rows have at most MERGE_IN_CTA_GROUPS groups; else None (merge_kernel)."""
-    if not (MERGE_IN_CTA and tile.fold_splits and tile.splits_per_cta == MERGE_GROUP and not tile.producer_warps):
-        return None
+    """``tile``, merging in the CTA where MERGE_IN_CTA is on, its CTAs fold groups of splits (no producer
+    warpgroup) and a merge is needed, of rows of at most MERGE_IN_CTA_GROUPS groups."""
+    if not (MERGE_IN_CTA and tile.fold_splits and tile.splits_per_cta == MERGE_GROUP and not tile.producer_warps
+            and needs_merge(tile, q_lens, kv_lens)):
+        return tile
     q, kv = np.asarray(q_lens), np.asarray(kv_lens)
     live = q > 0
-    groups = -(-max_splits(q[live], kv[live], tile.kv_bytes) // MERGE_GROUP) if live.any() else np.zeros(0, int)
-    if not groups.size or groups.max() > MERGE_IN_CTA_GROUPS:
-        return None
-    return dataclasses.replace(tile, merge_in_cta=True)
+    groups = -(-max_splits(q[live], kv[live], tile.kv_bytes) // MERGE_GROUP)
+    return dataclasses.replace(tile, merge_in_cta=True) if groups.max() <= MERGE_IN_CTA_GROUPS else tile
 
 
 def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=None, max_q_len=None,
@@ -438,13 +437,11 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
             q, kv = q_lens[is_small], kv_lens[is_small]
             tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch, kv_bytes,
                             head_dim_vo)
-            in_cta = None
             if long is None:  # one merge reads one partial layout: no CTA folds beside a long launch
-                tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
-                in_cta = _merging_in_cta(tile, q, kv) if needs_merge(tile, q, kv) else None
-                tile = in_cta or tile
+                tile = _merging_in_cta(fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count,
+                                                 smem_limit=smem_limit), q, kv)
             small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
-            merge = merge or (needs_merge(tile, q, kv) and in_cta is None)
+            merge = merge or (needs_merge(tile, q, kv) and not tile.merge_in_cta)
         sched = StepSchedule(small, long, merge, merge_in_cta=bool(small is not None and small.tile.merge_in_cta))
         rows = step_partial_rows(sched, q_lens, kv_lens, max_splits(q_lens, kv_lens, kv_bytes), split_size(kv_bytes))
         return dataclasses.replace(sched, partial_rows=rows)
@@ -455,11 +452,10 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
         shortest = np.full(batch_size, max_q)
         tile = fold_tile(tile, shortest, shortest, group_size, num_kv_heads, sm_count, exact=False,
                          smem_limit=smem_limit)
-        in_cta = _merging_in_cta(tile, [1], [kv_bound]) if needs_merge(tile, [1], [kv_bound]) else None
-        tile = in_cta or tile
+        tile = _merging_in_cta(tile, [1], [kv_bound])
         grid = capacity_work_bound(capacity, group_size, tile, max_q, kv_bound)
-        return StepSchedule(launch(tile, grid, [1], [kv_bound]), None,
-                            needs_merge(tile, [1], [kv_bound]) and in_cta is None, merge_in_cta=in_cta is not None)
+        merge = needs_merge(tile, [1], [kv_bound]) and not tile.merge_in_cta
+        return StepSchedule(launch(tile, grid, [1], [kv_bound]), None, merge, merge_in_cta=tile.merge_in_cta)
     small = launch(tile, capacity_work_bound(capacity, group_size, tile, SMALL_Q_LEN, kv_bound), [1], [kv_bound])
     long = launch(long_tile, capacity_work_bound(capacity, group_size, long_tile, max_q, kv_bound,
                                                  min_q_len=SMALL_Q_LEN + 1), [SMALL_Q_LEN + 1], [kv_bound])

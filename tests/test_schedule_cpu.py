@@ -209,9 +209,9 @@ def test_merge_in_cta_tiles_compile_without_spills(monkeypatch):
                     continue
                 picked = schedule._merging_in_cta(folded, [1], [64 * schedule.split_size(types.kv_bytes)])
                 if folded.producer_warps:
-                    assert picked is None, folded
+                    assert not picked.merge_in_cta, folded
                     continue
-                assert picked is not None and picked.merge_in_cta, folded
+                assert picked.merge_in_cta, folded
                 for tile in (picked, picked.with_variants()):
                     seen[catalog.attention_kernel(types, tile)] = None
     assert len(seen) >= 20
