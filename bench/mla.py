@@ -110,13 +110,14 @@ def time_ours(heads, kv_dtype, table, sets, q_lens, kv_lens, n_launch, reps):
     from .inputs import to_host_f64
 
     from cupy_fa import _build
-    from cupy_fa.mla import schedule as mla_schedule
+    from cupy_fa.mla import plan as mla_plan, schedule as mla_schedule
+    from cupy_fa.schedule import partial_row_bytes
 
     # a workspace that holds the batch's splits at their fixed positions (decode == verify bits kept),
     # as an engine that serves such batches sizes it (the default holds 8 splits a token)
     wanted = mla_schedule.schedule_step(heads, kv_dtype != "bfloat16", _build.current_arch(), q_lens=q_lens,
                                         kv_lens=kv_lens).partial_rows
-    workspace = max(256 << 20, wanted * heads * (512 * 2 + 4))
+    workspace = max(mla_plan.WORKSPACE_BYTES, wanted * partial_row_bytes(heads, mla_plan.VALUE_DIM, 2))
     attn = cupy_fa.MLAAttention(heads, "bfloat16", kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype,
                                 workspace_bytes=workspace)
     t0 = time.perf_counter()

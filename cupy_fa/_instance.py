@@ -31,6 +31,14 @@ def checked_capacity(max_batch_size, max_num_tokens, max_pages_per_request, max_
     return _plan.Capacity(*(int(v) for v in given), int(max_mask_bytes)) if fixed else None
 
 
+def checked_workspace(workspace_bytes):
+    """The constructor's ``workspace_bytes`` (the split partials' size): None (the class's default) or an
+    int >= 1, else ValueError naming it."""
+    if workspace_bytes is not None:
+        _plan.check_count("workspace_bytes", workspace_bytes, 1)
+    return workspace_bytes
+
+
 class PlannedInstance:
     """The base of the attention APIs: :meth:`_bind` (from the constructor, after its own checks)
     binds the device and, for a fixed ``capacity``, allocates the buffers (:meth:`_new_buffers`)."""

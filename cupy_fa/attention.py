@@ -19,7 +19,7 @@ import threading
 import numpy as np
 
 from . import _arrays, _build, _memo, _views, catalog as _catalog, knobs as _knobs, plan as _plan, schedule as _schedule
-from ._instance import PlannedInstance, checked_capacity
+from ._instance import PlannedInstance, checked_capacity, checked_workspace
 from .families import common as _common
 from .kv_cache import PagedKVCache
 from .launch import StepLauncher, check_run
@@ -119,9 +119,7 @@ class BatchAttention(PlannedInstance):
         self._facts = None  # (knobs, device id, what the schedule reads of the device)
         self._loaded = None  # the last schedule whose kernels were loaded (_build.load_all)
         capacity = checked_capacity(max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes)
-        if workspace_bytes is not None:
-            _plan.check_count("workspace_bytes", workspace_bytes, 1)
-        self._workspace = workspace_bytes
+        self._workspace = checked_workspace(workspace_bytes)
         self._mine = threading.local()  # .plan: the last plan this thread made
         self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 

@@ -90,7 +90,6 @@ class PlanBuffers:
         dtype = _arrays.DTYPES[dtype_name]
         rows = schedule.partial_rows(b, num_qo_heads, head_dim, dtype.itemsize, workspace_bytes) \
             if partial_rows is None else partial_rows
-        self.partial_row_bytes = num_qo_heads * (head_dim * dtype.itemsize + 4)  # a row of out and its LSE
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
         self.merge_counters = None  # int32 zeros where CTAs merge their row blocks (made when a plan first needs them)
@@ -101,6 +100,11 @@ class PlanBuffers:
         self._plan_launch = None
         self._plan_tiles = None  # (tile, long_tile, knobs, their plan constants) of the last plan
         self.stage_launch = None  # the staging kernel's launch (cupy_fa._staging), made at its first use
+
+    @property
+    def partial_row_bytes(self):
+        """Bytes of one split-partial row (its outputs and LSE), as the buffers hold them."""
+        return (self.partial_out.nbytes + self.partial_lse.nbytes) // self.partial_out.shape[0]
 
     def plan_params(self, batch_size, group_size, tile, long_tile=None, max_q_len=2**31 - 1,
                     max_kv_len=2**31 - 1, window=0):

@@ -130,40 +130,37 @@ def split_size(kv_bytes=2):
     return FP8_SPLIT_SIZE if kv_bytes == 1 else SPLIT_SIZE
 
 
+def partial_row_bytes(num_qo_heads, head_dim, elem_bytes):
+    """Bytes of one split-partial row: H_q x (head_dim outputs in the output type + one fp32 LSE)
+    (MLA's too, at its 512 value columns)."""
+    return num_qo_heads * (head_dim * elem_bytes + 4)
+
+
 def partial_rows(max_batch_size, num_qo_heads, head_dim, elem_bytes=2, workspace_bytes=None):
     """Rows of the split-partial buffers for a capacity: at least ``workspace_bytes`` (default
-    PARTIAL_WORKSPACE_BYTES) of them and at least max_batch_size x SPLIT_ROW_BUDGET rows; one row is
-    H_q x (head_dim outputs in the output type + one fp32 LSE). A batch that would need more caps
-    every request at an equal share (kernels/shared/plan.cu: the only way a batch changes a
-    request's splits; :func:`wanted_partial_rows`)."""
-    row_bytes = num_qo_heads * (head_dim * elem_bytes + 4)
+    PARTIAL_WORKSPACE_BYTES) of them and at least max_batch_size x SPLIT_ROW_BUDGET rows
+    (:func:`partial_row_bytes` each). A batch that would need more caps every request at an equal
+    share (kernels/shared/plan.cu: the only way a batch changes a request's splits;
+    :func:`wanted_partial_rows`)."""
     budget = PARTIAL_WORKSPACE_BYTES if workspace_bytes is None else int(workspace_bytes)
-    return max(max_batch_size * SPLIT_ROW_BUDGET, budget // row_bytes, 1)
+    return max(max_batch_size * SPLIT_ROW_BUDGET, budget // partial_row_bytes(num_qo_heads, head_dim, elem_bytes), 1)
 
 
-def wanted_partial_rows(q_lens, kv_lens, wanted, block_n, split):
-    """The split-partial rows a batch asks for before any cap, as plan_kernel's first pass counts
-    them (kernels/shared/plan.cu split_schedule at ``cap = wanted``, each request's split count
-    under the rule; ``block_n``: its class tile's keys per KV tile, ``split``: the split size):
-    q_len x splits of every live request of several splits. More than the buffers hold, and
-    plan_kernel caps every request's splits at an equal share, so a request's bits then depend
-    on its batch."""
+def wanted_partial_rows(q_lens, kv_lens, constants):
+    """The split-partial rows a host-planned batch asks for before any cap, counted as plan_kernel's
+    first pass counts them, from the PlanParams policy fields it is given (``constants``: a
+    plan_constants dict; kernels/shared/plan.cu wanted_splits, then split_schedule at that cap on
+    each request's class tile): q_len x splits of every live request of several splits (``kv_lens``:
+    the keys the splits cut). More than the buffers hold, and plan_kernel caps every request's splits
+    at an equal share, so a request's bits then depend on its batch."""
+    c = constants
     q = np.asarray(q_lens, np.int64)
     kv = np.maximum(np.asarray(kv_lens, np.int64), 1)
-    cap = np.maximum(np.asarray(wanted, np.int64), 1)
-    keys = np.maximum(split, -(-(-(-kv // cap)) // block_n) * block_n)
+    cap = split_rule(q, kv, c["split_size"], c["max_splits"], c["small_q_len"], c["split_row_budget"])
+    block_n = np.where(q >= c["long_q_len"], c["long_block_n"], c["block_n"])
+    keys = np.maximum(c["split_size"], -(-(-(-kv // cap)) // block_n) * block_n)
     splits = np.maximum(1, -(-kv // keys))
     return int((q * splits)[(q > 0) & (splits > 1)].sum())
-
-
-def step_partial_rows(sched, q_lens, kv_lens, wanted, split):
-    """:func:`wanted_partial_rows` of a host-planned step on the tiles of ``sched`` (its plan_tiles:
-    requests of more than SMALL_Q_LEN tokens on the long tile where the step has one, the rest on
-    the first), ``kv_lens`` the keys the splits cut."""
-    tile, long_tile = sched.plan_tiles()
-    q = np.asarray(q_lens)
-    block_n = tile.block_n if long_tile is None else np.where(q > SMALL_Q_LEN, long_tile.block_n, tile.block_n)
-    return wanted_partial_rows(q, kv_lens, wanted, block_n, split)
 
 
 def max_splits(q_lens, kv_lens, kv_bytes=2):
@@ -443,8 +440,8 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
             small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
             merge = merge or (needs_merge(tile, q, kv) and not tile.merge_in_cta)
         sched = StepSchedule(small, long, merge, merge_in_cta=bool(small is not None and small.tile.merge_in_cta))
-        rows = step_partial_rows(sched, q_lens, kv_lens, max_splits(q_lens, kv_lens, kv_bytes), split_size(kv_bytes))
-        return dataclasses.replace(sched, partial_rows=rows)
+        return dataclasses.replace(sched, partial_rows=wanted_partial_rows(q_lens, kv_lens,
+                                                                           plan_constants(*sched.plan_tiles())))
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
     tile = tile_for(head_dim, min(max_q, SMALL_Q_LEN), group_size, smem_limit, arch, kv_bytes, head_dim_vo)

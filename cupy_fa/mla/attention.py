@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from .. import _arrays, _build, knobs as _knobs, plan as _plan
-from .._instance import PlannedInstance, checked_capacity
+from .._instance import PlannedInstance, checked_capacity, checked_workspace
 from ..families import mla as family
 from . import schedule as _schedule
 from .cache import PagedLatentCache, check_rows
@@ -92,9 +92,7 @@ class MLAAttention(PlannedInstance):
         if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
             raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
         capacity = checked_capacity(max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes)
-        if workspace_bytes is not None:
-            _plan.check_count("workspace_bytes", workspace_bytes, 1)
-        self._workspace = workspace_bytes
+        self._workspace = checked_workspace(workspace_bytes)
         self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 
     def _new_buffers(self, capacity):

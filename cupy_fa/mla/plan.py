@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import _params as _lib_params
 from .. import plan as _plan
+from ..schedule import partial_row_bytes
 from . import schedule as _schedule
 
 VALUE_DIM = 512
@@ -20,9 +21,9 @@ def partial_rows(capacity, num_heads, elem_bytes, workspace_bytes=None):
     """Rows of the split partials: at least ``workspace_bytes`` (default WORKSPACE_BYTES) of them and
     at least SPLITS_PER_TOKEN per token of the capacity (so a batch of full-capacity decode or
     verify tokens over 4096 keys never overflows them); a row is H x (512 outputs + one fp32 LSE)."""
-    row_bytes = num_heads * (VALUE_DIM * elem_bytes + 4)
     budget = WORKSPACE_BYTES if workspace_bytes is None else int(workspace_bytes)
-    return max(budget // row_bytes, SPLITS_PER_TOKEN * capacity.max_num_tokens, 1)
+    rows = budget // partial_row_bytes(num_heads, VALUE_DIM, elem_bytes)
+    return max(rows, SPLITS_PER_TOKEN * capacity.max_num_tokens, 1)
 
 
 def plan_buffers(capacity, num_heads, dtype_name, workspace_bytes=None):

@@ -150,8 +150,7 @@ def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_l
             small = Launch(tile, work_bound(small_q, kv[~is_long], num_heads, tile),
                            int(max_splits(small_q[live], kv[~is_long][live]).max()) if live.any() else 0)
         sched = _merged(small, long, num_heads)
-        rows = _policy.step_partial_rows(sched, q, kv, max_splits(q, kv), split_size())
-        return dataclasses.replace(sched, partial_rows=rows)
+        return dataclasses.replace(sched, partial_rows=_policy.wanted_partial_rows(q, kv, plan_constants(sched)))
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
     tile = small_tile_of(min(max_q, SMALL_Q_LEN))

@@ -28,8 +28,9 @@ kernel for that path (two head dims), so :func:`install_dispatch` (run by ``regi
 refused (:func:`variant`) with NotImplementedError.
 """
 
+from ...families.mla import ROPE_DIM, VALUE_DIM as KV_LORA_RANK  # the latent sizes MLAAttention takes
+
 KIND = "mla"  # first field of an MLA layer's variant key (the backend's instance table)
-KV_LORA_RANK, ROPE_DIM = 512, 64
 
 
 def check_pool(pool):
