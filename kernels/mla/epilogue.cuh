@@ -64,19 +64,8 @@ constexpr int kMergeInCtaSplits = 2 * kMergeGroup;
 template <typename OT, int THREADS, int BLOCK_M>
 __device__ __forceinline__ void merge_if_last(const MlaParams& p, const Work& w, const FastDiv& by_head, int tid) {
   __shared__ int s_last;
-  __threadfence();  // each thread's partial rows and LSE, device-wide before the CTA counts
-  __syncthreads();
   int* counter = p.merge_counters + __ldg(p.work_indptr + w.request) + (w.row0 / BLOCK_M) * w.splits;
-  if (tid == 0) {
-    __threadfence();  // (and the counting thread's fence after the barrier, before its atomic)
-    const int before = atomicAdd(counter, 1);
-    __threadfence();
-    s_last = before == w.splits - 1;
-    if (s_last) *counter = 0;  // every CTA of the block has counted: zero for the next run of this plan
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();  // the other CTAs' partials (each fenced before its count)
+  if (!counted_last(counter, w.splits, tid, s_last)) return;
   constexpr int LANES = kValueDim / 4;  // a row's float4s, as merge_kernel's lanes
   constexpr int UNROLL = 4;             // (row, lane) items a thread folds at once: their loads in flight together
   const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);

@@ -377,20 +377,8 @@ __device__ __forceinline__ void merge_groups_if_last(const AttentionParams& p, c
                                                      int& s_flag) {
   static_assert(Traits::kFoldInCta && Traits::kProducerWarps == 0, "a folding tile whose threads all take part");
   constexpr int D = Traits::kHeadDimVo, LANES = D / 4;  // out's and the states' columns: V's head dim
-  __threadfence();  // each thread's group state, device-wide before the CTA counts
-  __syncthreads();
   const int first = __ldg(p.work_indptr + w.request) + (w.row0 / Traits::kBlockM) * w.groups;
-  int* counter = p.merge_counters + (i64)first * p.num_kv_heads + kv_head;
-  if (tid == 0) {
-    __threadfence();
-    const int before = atomicAdd(counter, 1);
-    __threadfence();
-    s_flag = before == w.groups - 1;
-    if (s_flag) *counter = 0;  // every CTA of the block has counted: zero for the next run of this plan
-  }
-  __syncthreads();
-  if (!s_flag) return;
-  __threadfence();  // the other CTAs' states (each fenced before its count)
+  if (!counted_last(p.merge_counters + (i64)first * p.num_kv_heads + kv_head, w.groups, tid, s_flag)) return;
   const i64 base = __ldg(p.partial_indptr + w.request) / kPartialRowsPerGroupState;
   const float4* group_o = reinterpret_cast<const float4*>(p.partial_out);
   for (int idx = tid; idx < Traits::kBlockM * LANES; idx += Traits::kThreads) {

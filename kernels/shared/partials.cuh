@@ -27,6 +27,26 @@ __device__ __forceinline__ i64 group_m_index(i64 group_row, int head, int heads)
   return kPartialRowsPerGroupState * group_row * heads + head;
 }
 
+// The count that elects a row block's merger, where CTAs merge their splits themselves: every thread
+// of the CTA calls it after storing its partials; it returns true in the CTA that counted last of
+// `count` (with every other CTA's partials visible to it) and zeroes the counter there for the plan's
+// next run. `s_flag` is a shared int the CTA is done with.
+__device__ __forceinline__ bool counted_last(int* counter, int count, int tid, int& s_flag) {
+  __threadfence();  // each thread's partials, device-wide before the CTA counts
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();  // (and the counting thread's fence after the barrier, before its atomic)
+    const int before = atomicAdd(counter, 1);
+    __threadfence();
+    s_flag = before == count - 1;
+    if (s_flag) *counter = 0;  // every CTA of the block has counted: zero for the next run of this plan
+  }
+  __syncthreads();
+  if (!s_flag) return false;
+  __threadfence();  // the other CTAs' partials (each fenced before its count)
+  return true;
+}
+
 // One group of a row's split partials, as every merger reads and folds it (merge_kernel, and a CTA that
 // merges its row block's splits itself): group `grp`'s kMergeGroup splits of the row whose first
 // partial row is prow0 (head `head` of `heads`, 4-element lane c4 of the row's LANES), loaded
