@@ -3,7 +3,7 @@
 # over the matrix for one backend (kit-cupy, kit-triton) or its MLA method (kit-mla), the wgmma A/B
 # (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
 # and its split sizes (mla), host time per call (host), the MLA seesaw A/B (ab-mla), the in-CTA merge A/B
-# (ab-merge). Stages run in the order given; each is bounded by `timeout`, and the
+# (ab-merge), first calls over empty caches (cold). Stages run in the order given; each is bounded by `timeout`, and the
 # logs go to $OUT as one archive (logs.tgz) beside summary.txt.
 # Usage, from the repository root (carry .sgl for the suite / kit / sglang stages, .fi for fi / mla):
 #   STAGES="suite kit-cupy ab" bash lab/suite_kit_check.sh
@@ -112,6 +112,11 @@ for stage in ${STAGES:-suite}; do
         --json "$OUT/host.json" > "$OUT/host.txt" 2>&1
       echo "host exit $?" | tee -a "$OUT/summary.txt"
       tail -n 24 "$OUT/host.txt" | tee -a "$OUT/summary.txt" ;;
+    cold)  # first calls over empty caches (prefill, decode, MLA decode) and warmup() on every core
+      stamp "cold start"
+      timeout ${COLD_SECONDS:-150} python3 scripts/cold_compile.py --no-serial --json "$OUT/cold.json" > "$OUT/cold.txt" 2>&1
+      echo "cold exit $?" | tee -a "$OUT/summary.txt"
+      tail -n 16 "$OUT/cold.txt" | tee -a "$OUT/summary.txt" ;;
     *) echo "unknown stage $stage" | tee -a "$OUT/summary.txt" ;;
   esac
 done

@@ -18,8 +18,8 @@ Each measurement runs in a fresh process, so nothing is compiled or loaded befor
 1. first calls, cold: a new CUDA context, then the first prefill call (BatchAttention plan + run of
    one 4096-token prompt, fp16, 32 / 8 heads, D 128: the plan kernel and the prefill family's
    kernel compile), then the first decode call in the same process (the small-q kernels), then a
-   first mixed step (a 2048-token chunk beside decodes: both families, the merge); and in another
-   fresh process over another empty cache a decode call first;
+   first mixed step (a 2048-token chunk beside decodes: both families, the merge); and in other
+   fresh processes over other empty caches a decode call first, and an MLA decode call first;
 2. ``cupy_fa.warmup()`` with an empty cache on every core (its compile processes), then
    ``cupy_fa.warmup()`` in a new process over the cache it filled (a warm start);
 3. with another empty cache, one kernel at a time in one process (``jobs=1``: the single-core
@@ -62,9 +62,23 @@ def case(q_lens, kv_lens, ps=16, h_q=32, h_kv=8, d=128):
     q = cupy.zeros((sum(q_lens), h_q, d), np.float16)
     return q, cache, table
 
+def mla_first():  # MLA decode, 8 x 1 over 4096 keys, 128 heads, fp16 latent pages of 64
+    table = np.arange(8 * 64, dtype=np.int32).reshape(8, 64)
+    cache = cupy_fa.PagedLatentCache(cupy.zeros((8 * 64, 64, 576), cupy.float16))
+    q = cupy.zeros((8, 128, 576), cupy.float16)
+    cupy.cuda.Device().synchronize()
+    start = time.perf_counter()
+    mla = cupy_fa.MLAAttention(128, "float16")
+    mla.plan([1] * 8, [4096] * 8, table).run(q, cache)
+    cupy.cuda.Device().synchronize()
+    return time.perf_counter() - start
+
 STEPS = {"prefill": ([4096], [4096]), "decode": ([1] * 8, [4096] * 8), "mixed": ([2048] + [1] * 7, [4096] * 8)}
 out = {"context_s": t_ctx}
 for name in sys.argv[1].split(","):
+    if name == "mla":
+        out["mla_s"] = mla_first()
+        continue
     q_lens, kv_lens = STEPS[name]
     q, cache, table = case(q_lens, kv_lens)
     cupy.cuda.Device().synchronize()
@@ -152,6 +166,7 @@ def main(argv=None):
     try:
         first = run(FIRST_CALLS, os.path.join(scratch, "first"), "prefill,decode,mixed")
         decode_first = run(FIRST_CALLS, os.path.join(scratch, "decode_first"), "decode")
+        mla_first = run(FIRST_CALLS, os.path.join(scratch, "mla_first"), "mla")
         cold = run(WARMUP, warm_dir)  # every core
         warm = run(WARM, warm_dir)  # the cache the cold warm-up filled
         serial = {"rows": [], "skipped": True} if args.no_serial else \
@@ -172,6 +187,7 @@ def main(argv=None):
     print(f"  then the first mixed step (2048 + 7 decodes)          {first['mixed_s']:7.2f}   "
           f"{'+'.join(first['mixed_families'])}")
     print(f"  first decode call, the process's first call           {decode_first['decode_s']:7.2f}")
+    print(f"  first MLA decode call (8 x 1 over 4096, 128 heads)    {mla_first['mla_s']:7.2f}")
     print(f"  warmup(): {cold['kernels']} kernels, empty cache, {cold['jobs']:2d} processes  {cold['total_s']:7.2f}")
     if "total_s" in serial:
         print(f"  warmup(jobs=1): the same, one process                 {serial['total_s']:7.2f}")
@@ -187,7 +203,8 @@ def main(argv=None):
     print(f"  warmup() in a new process, warm disk cache            {warm['warm_s']:7.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"first_calls": first, "decode_first": decode_first, "warmup_cold": cold, "warmup_serial": serial,
+            json.dump({"first_calls": first, "decode_first": decode_first, "mla_first": mla_first,
+                       "warmup_cold": cold, "warmup_serial": serial,
                        "warmup_warm": warm}, f, indent=1)
     return 0
 
