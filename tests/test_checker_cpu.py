@@ -32,7 +32,7 @@ import pytest
 
 from cases import POISON, fill_cache, new_rng, np_dtype, paged_layout, random_lengths
 from cupy_fa import schedule
-from cupy_fa.reference import LSE_TOL, MAX_ABS, TOL, check_attention, paged_attention, relative_error
+from cupy_fa.reference import ABS_FLOOR, LSE_TOL, MAX_ABS, TOL, check_attention, paged_attention, relative_error
 
 # ---- unit tests -----------------------------------------------------------------------
 
@@ -74,6 +74,25 @@ def test_one_wrong_row_among_many_is_reported_with_its_numbers():
     assert line.startswith("row 57 (request 0 token 57): rel 1.500e-02")
     with pytest.raises(AssertionError, match="row 57"):
         check.assert_ok()
+
+
+def test_a_row_below_the_output_types_range_is_held_to_its_rounding():
+    """A row whose reference is ~1e-8 (a large sink over one key: seen on the GPU at fp16) can only be
+    written as fp16 zeros and subnormals: counted exact within ABS_FLOOR, failed past it, and a row of
+    ordinary size written as zeros still fails."""
+    rng, _ = new_rng()
+    q_lens, ref, _ = small_case(rng, q_lens=(3,), heads=4, d=8)
+    ref[0] *= 1e-8
+    out = ref.astype(np.float16).astype(np.float64)  # row 0: all zeros and subnormals
+    assert relative_error(out[:1], ref[:1]) > 0.1  # what a relative bar alone would say
+    assert check_attention(out, ref, "float16", q_lens=q_lens)
+    out[0, 0, 0] = ref[0, 0, 0] + 3 * ABS_FLOOR["float16"]  # an error past the type's rounding
+    assert [f.split(":")[0] for f in check_attention(out, ref, "float16", q_lens=q_lens).failures] == [
+        "row 0 (request 0 token 0)"]  # (the request as a whole is within the bars)
+    out = ref.astype(np.float16).astype(np.float64)
+    out[1] = 0.0  # an ordinary row left at zero
+    assert [f.split(":")[0] for f in check_attention(out, ref, "float16", q_lens=q_lens).failures][-1] == \
+        "row 1 (request 0 token 1)"
 
 
 def test_one_element_off_fails_the_max_abs_bound():

@@ -23,9 +23,9 @@ per-request checker).
 
 from ._host import to_numpy
 from .attention import merge_states, paged_attention
-from .check import LSE_TOL, MAX_ABS, TOL, AttentionCheck, check_attention, relative_error
+from .check import ABS_FLOOR, LSE_TOL, MAX_ABS, TOL, AttentionCheck, check_attention, relative_error
 from .fp8 import E4M3_MAX, dequantize_e4m3, quantize_e4m3
 from .mla import mla_attention
 
 __all__ = ["paged_attention", "merge_states", "relative_error", "check_attention", "AttentionCheck", "TOL", "MAX_ABS",
-           "LSE_TOL", "quantize_e4m3", "dequantize_e4m3", "E4M3_MAX", "to_numpy", "mla_attention"]
+           "LSE_TOL", "ABS_FLOOR", "quantize_e4m3", "dequantize_e4m3", "E4M3_MAX", "to_numpy", "mla_attention"]
