@@ -271,10 +271,12 @@ def validate_page_table_width(columns, kv_lens, q_lens, page_size):
 def validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages):
     """Every live request's table row covers kv_len and names pages of the cache."""
     needed, live = validate_page_table_width(page_table.shape[1], kv_lens, q_lens, page_size)
+    if page_table.dtype == np.int32 and (page_table.view(np.uint32) < num_pages).all():
+        return  # every entry a page (a negative one is above 2^31 as uint32): one pass, the usual table
     read = live[:, None] & (np.arange(page_table.shape[1]) < needed[:, None])  # the entries the kernel reads
-    bad = np.argwhere(read & ((page_table < 0) | (page_table >= num_pages)))  # row-major: the first bad entry
-    if bad.size:
-        b, j = (int(x) for x in bad[0])
+    bad = read & ((page_table < 0) | (page_table >= num_pages))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])  # row-major: the first bad entry
         raise ValueError(f"page_table[{b}, {j}] = {page_table[b, j]} is not a page of the cache "
                          f"(0 <= page < num_pages = {num_pages})")
 

@@ -108,3 +108,24 @@ def test_append_slots_are_checked_before_the_device(slots, rows, text):
 
     with pytest.raises(ValueError, match=text):
         staged_slots(np.asarray(slots, np.int64), None, rows, "ckv", 12, 0, stream=None)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_a_host_page_table_is_checked_where_the_kernel_reads(dtype):
+    """plan.validate_page_table: entries past a request's kv_len (padding, -1 or anything) and rows of
+    empty requests are never read, so never refused; a read entry outside [0, num_pages) is, naming
+    the first in row-major order (the one-pass test of an all-valid int32 table and the masked search
+    give the same answers)."""
+    from cupy_fa.plan import validate_page_table
+
+    q_lens, kv_lens = np.array([1, 0, 3]), np.array([33, 5, 17])  # 3, 1 and 2 pages of 16
+    table = np.full((3, 4), -1, dtype)
+    table[0, :3], table[2, :2] = [7, 0, 9], [3, 4]
+    table[1, 0] = 1000  # request 1 has no queries: its row is not read
+    validate_page_table(table, kv_lens, q_lens, 16, 10)
+    validate_page_table(np.arange(12, dtype=dtype).reshape(3, 4), kv_lens, q_lens, 16, 12)  # every entry a page
+    for where, value in (((0, 2), -1), ((2, 1), 10), ((0, 0), -2 ** 31)):
+        bad = table.copy()
+        bad[where] = value
+        with pytest.raises(ValueError, match=rf"page_table\[{where[0]}, {where[1]}\] = {value} is not a page"):
+            validate_page_table(bad, kv_lens, q_lens, 16, 10)
