@@ -43,8 +43,6 @@ class Sm90Tile:
     staging: int = 0            # an fp8 cache's staging slots of raw tiles (the producer runs staging - 1 tiles ahead)
     tanh: int = 0               # the soft-cap's tanh with the hooks: 0 exact (2^y, reciprocal), 1 tanh.approx, 2 Newton
     head_dim_vo: int = None     # V's and out's head dim (Sm90PrefillTraits D_VO); None: head_dim
-    exp2_fma: int = 0           # of every 8 of a row's columns (a thread's), those whose softmax 2^x is a cubic on the FMA pipe
-    int_widen: bool = False     # an fp8 cache widened by integer operations (times 2^-8, the 2^8 in the scales)
 
     family = SM90_WGMMA
     splits_per_cta = 1          # what plan_kernel's work layout is counted with
@@ -61,9 +59,6 @@ class Sm90Tile:
             raise ValueError(f"an fp8 tile (kv_bytes=1) takes 2 or more staging slots, a 16-bit one none: {self}")
         if self.tanh not in (0, 1, 2) or (self.tanh and not self.variants):
             raise ValueError(f"tanh is the soft-cap's form with the variant hooks (0, 1, 2): {self}")
-        if (type(self.exp2_fma) is not int or not 0 <= self.exp2_fma <= 8 or type(self.int_widen) is not bool
-                or (self.int_widen and self.kv_bytes != 1)):
-            raise ValueError(f"exp2_fma takes 0 to 8 columns of every 8, int_widen an fp8 tile: {self}")
         if self.kv_bytes == 1 and self.head_dim % 64:
             raise ValueError(f"an fp8 tile takes whole 64-byte rows of e4m3 (head dims 64, 128, 256): {self}")
         if self.block_n % 16 or self.block_n % self.copy_rows:
@@ -133,16 +128,12 @@ class Sm90Tile:
     def traits(self):
         b = lambda x: str(bool(x)).lower()
         # the 16-bit kernels with the exact tanh and one head dim keep their names: the last three
-        # only where one differs, V's head dim where it differs from K's (or a later argument is
-        # given), the last two only where the 2^x on the FMA pipe or the integer widening is on
-        exp = bool(self.exp2_fma or self.int_widen)
+        # only where one differs, V's head dim only where it differs from K's
         vo = self.head_dim_vo != self.head_dim
         tail = (self.kv_bytes, self.staging, self.tanh)
-        extra = ", " + ", ".join(map(str, tail)) if tail != (2, 0, 0) or vo or exp else ""
-        if vo or exp:
+        extra = ", " + ", ".join(map(str, tail)) if tail != (2, 0, 0) or vo else ""
+        if vo:
             extra += f", {self.head_dim_vo}"
-        if exp:
-            extra += f", {self.exp2_fma}, {b(self.int_widen)}"
         return (f"cupy_fa::Sm90PrefillTraits<{self.head_dim}, {self.block_n}, {self.stages}, {b(self.pingpong)}, "
                 f"{self.producer_regs}, {b(self.uniform_wg)}, {b(self.joint_rows)}, {b(self.lean_copy)}, "
                 f"{int(self.consumer_wgs)}, {b(self.variants)}{extra}>")

@@ -107,26 +107,6 @@ template <> struct Fp8Widen<__half> {
 #endif
   }
 };
-// Four e4m3 bytes (x, byte 0 first) as four fp16 values times 2^-8, in Fp8Widen's pairs, by
-// integer operations alone (the sm90 family's Traits::kIntWiden: no conversion instruction, so
-// nothing of it on the pipe the special-function unit's 2^x may share). fp16's exponent field is
-// one bit wider than e4m3's (bias 15 against 7), so a byte's sign moved to bit 15 and its other
-// seven bits to bits 7..13 read as its value times 2^-8 (15 - 7 = 8), exactly for every finite
-// byte, subnormals included (0.mmm x 2^-6 lands in fp16's subnormals as 0.mmm x 2^-14); the
-// caller multiplies the 2^8 back into a scale (exact: a power of two). A NaN byte (S.1111.111)
-// reads as +-480 x 2^-8, as in Fp8Widen's pre-sm_89 form. Per byte i: the half's high byte is
-// the sign and bits 1..6 (x >> 1 with bit 7 from x), its low byte's bit 7 is bit 0 (x << 7, byte
-// i); two byte permutes interleave them and one mask clears what they carried along (the high
-// byte's bit 6, the low byte's bits 0..6): 7 integer operations for four values
-// (tests/test_fp8_cpu.py holds it to float8_e4m3fn over all 256 bytes).
-__device__ __forceinline__ void e4m3x4_to_f16x2_unit(u32 x, u32 (&out)[2]) {
-  u32 hi;  // the sign where the mask is set, else x >> 1 (bits 6..1, bit 6 again): one LOP3 (ptxas makes two of the C)
-  asm("lop3.b32 %0, %1, 0x80808080, %2, 0xb8;\n" : "=r"(hi) : "r"(x >> 1), "r"(x));  // b ? c : a
-  const u32 lo = x << 7;                                        // bit 0 of byte i at bit 7 of byte i
-  out[0] = __byte_perm(lo, hi, 0x5140u) & 0xbf80bf80u;          // (lo 0, hi 0, lo 1, hi 1)
-  out[1] = __byte_perm(lo, hi, 0x7362u) & 0xbf80bf80u;          // (lo 2, hi 2, lo 3, hi 3)
-}
-
 // float -> e4m3fn byte, round to nearest even, saturating: |x| >= 448 (and +-inf) give +-448,
 // NaN gives NaN (0x7f, with x's sign), values below half the smallest subnormal (2^-10) give a
 // zero of x's sign. Integer arithmetic only, so every arch rounds alike (the host's
@@ -206,26 +186,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-// 2^x on the FMA pipe instead (the sm90 family's Traits::kExp2Fma moves part of a tile's 2^x here
-// where that unit is the bound): 2^x = 2^r 2^f, r = x rounded to an integer (x + 1.5 x 2^23 holds
-// it in its low mantissa bits), f = x - r in [-1/2, 1/2], 2^f by a cubic with p(0) = 1 exactly
-// (minimax of the relative error under that constraint: 1.0e-4; the round of fp16 P alone is
-// 4.9e-4), 2^r added into its exponent field by an integer shift and add. x is first raised to
-// -127, so -inf (a masked key) gives exactly +0 (r = -127, f = 0: p = 1's exponent field goes to
-// 0) and x in (-127, -126.5) a subnormal where ex2.approx.ftz gives 0. Valid for x < 127.5 (r = 128
-// would fill the exponent field; the fold's x stays below kLazyRescale, 8). A NaN x stays NaN, as
-// ex2.approx's does (the clamp alone would make it 0: a NaN score must poison its row on every column).
-// tests/test_families_cpu.py holds a float32 emulation of these steps to 1.1e-4.
-__device__ __forceinline__ float exp2_fma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 x 2^23
-  const float xc = fmaxf(x, -127.f);
-  const float t = __fadd_rn(xc, kRound);  // rn adds: never contracted, never reassociated
-  const float f = __fsub_rn(xc, __fsub_rn(t, kRound));
-  const float p = fmaf(fmaf(fmaf(0.05500893294811249f, f, 0.2422109991312027f), f, 0.6932829022407532f), f, 1.f);
-  const float y = __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));  // + r << 23: t's low 9 bits are r mod 2^9
-  return x != x ? x : y;
 }
 
 // ---- division by a divisor fixed per launch ------------------------------------

@@ -13,12 +13,7 @@
 // An fp8 cache (Traits::kFp8): the rings hold K and V widened to fp16, so both products run in
 // fp16 (P too); bf16 queries are first rewritten in place as fp16 times a power of two per row
 // (q_rows_to_fp16, each warpgroup its own 64 rows), and the scores' scale into base 2 is per row:
-// k_scale of the KV head times the row's 2^-e (RowScale); V's scale joins each row's 1 / l. With
-// Traits::kIntWiden the stages hold K and V times 2^-8 (common.cuh e4m3x4_to_f16x2_unit), and
-// both scales take the 2^8 back (fp8_scale): the same products and bits for every finite byte
-// (subnormal bytes become fp16 subnormal operands, which the tensor cores must not flush: a GPU
-// bit test of the trait on against off is its proof); a NaN byte reads as +-480 (finite) where the
-// conversion instruction keeps it NaN, so the trait is off in every shipped tile.
+// k_scale of the KV head times the row's 2^-e (RowScale); V's scale joins each row's 1 / l.
 #pragma once
 
 namespace cupy_fa {
@@ -45,14 +40,6 @@ __device__ __forceinline__ void q_rows_to_fp16(unsigned q_addr, unsigned row_sca
                  : "memory");
     if (chunk == 0) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(row_scale + 4 * r), "f"(pow2(-e)) : "memory");
   }
-}
-
-// An fp8 cache's k_scale or v_scale of a KV head, times the 2^8 the integer widening leaves out of
-// the stages (Traits::kIntWiden; exact, a power of two).
-template <typename Tr>
-__device__ __forceinline__ float fp8_scale(const float* scales, int kv_head) {
-  const float s = __ldg(scales + kv_head);
-  return Tr::kIntWiden ? s * 256.f : s;
 }
 
 template <typename QT, typename OT, typename Tr>
@@ -126,8 +113,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
       if (capped) soft_cap_tile<BN, Tr::kTanh>(s, cap_arg, p.soft_cap_log2);
     }
     if (masked) mask_tile<BN, Tr::kVariants>(s, p, w, ri, w.kv_begin + tile * BN, quad);
-    if constexpr (Tr::kJointRows) return st.template fold_joint<BN, Tr::kExp2Fma>(s, scale_log2, factor);
-    else return st.template fold<BN, Tr::kExp2Fma>(s, scale_log2, factor);
+    if constexpr (Tr::kJointRows) return st.template fold_joint<BN>(s, scale_log2, factor);
+    else return st.template fold<BN>(s, scale_log2, factor);
   };
 
   const int T = w.num_tiles;
@@ -143,13 +130,13 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   mbar_wait(&bars.q_full, 0);
   if constexpr (Tr::kFp8 && !kRowScaled) {  // fp16 queries: k_scale of the KV head
     // (capped: k_scale joins the tanh's argument only; the capped scores' own scale stays)
-    const float k_scale = fp8_scale<Tr>(p.k_scale, w.kv_head);
+    const float k_scale = __ldg(p.k_scale + w.kv_head);
     scale_log2.s = capped ? soft_cap_fold_scale<Tr::kTanh>(p) : k_scale * p.sm_scale_log2;
     cap_arg.s = k_scale * soft_cap_arg<Tr::kTanh>(p);
   }
   if constexpr (kRowScaled) {
     // k_scale of the KV head, times each row's 2^-e of bf16 queries rewritten as fp16
-    const float k_scale = fp8_scale<Tr>(p.k_scale, w.kv_head);
+    const float k_scale = __ldg(p.k_scale + w.kv_head);
     float row[2] = {k_scale, k_scale};
     {
       const unsigned row_scale = smem_addr(&bars) + Tr::kRowScaleOffset;
@@ -237,7 +224,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // A page id outside the cache in this item: the producer set the flag before its last
   // arrival, which the waits above saw.
   const unsigned page_flag = bars.page_flag(smem_addr(bars.k_full));
-  const float v_scale = Tr::kFp8 ? fp8_scale<Tr>(p.v_scale, w.kv_head) : 1.f;  // an fp8 cache: out = o v_scale / l
+  const float v_scale = Tr::kFp8 ? __ldg(p.v_scale + w.kv_head) : 1.f;  // an fp8 cache: out = o v_scale / l
   store_rows<OT, DV, Tr::kVariants, Tr::kFp8>(p, w, ri, by_group, o, st, w.row0 + first_row, quad,
                                              shared_load(page_flag) != 0, v_scale);
 }

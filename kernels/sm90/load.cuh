@@ -258,14 +258,6 @@ struct KVProducer {
     }
   }
 
-  // Four e4m3 bytes widened to fp16 pairs: by the conversion instruction (common.cuh Fp8Widen), or
-  // with Traits::kIntWiden by integer operations, times 2^-8 (e4m3x4_to_f16x2_unit; the consumers'
-  // scales take the 2^8 back).
-  static __device__ __forceinline__ void widen4(u32 x, u32 (&out)[2]) {
-    if constexpr (Tr::kIntWiden) e4m3x4_to_f16x2_unit(x, out);
-    else Fp8Widen<__half>::run(x, out);
-  }
-
   // The staged bytes of this thread (stage_fp8) widened to fp16 into the 16-bit stage at `dst`:
   // its chunk c of row r (16 e4m3 values, columns 16 c ..) is the 16-bit chunks 2 c and 2 c + 1.
   __device__ __forceinline__ void widen_fp8(unsigned staging, unsigned dst) const {
@@ -283,8 +275,8 @@ struct KVProducer {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // each 16-bit chunk stored once widened: fewer registers live
         u32 lo[2], hi[2];
-        widen4(x[2 * half], lo);
-        widen4(x[2 * half + 1], hi);
+        Fp8Widen<__half>::run(x[2 * half], lo);
+        Fp8Widen<__half>::run(x[2 * half + 1], hi);
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((half ? to1 : to0) + i * RP * 128), "r"(lo[0]),
                      "r"(lo[1]), "r"(hi[0]), "r"(hi[1])
                      : "memory");

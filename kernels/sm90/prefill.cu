@@ -37,12 +37,11 @@ namespace cupy_fa {
 
 // One instance per (head dim, keys per tile, pipeline depth, ping-pong, producer registers,
 // warp-uniform warpgroup index, joint two-row softmax, lean copies, consumer warpgroups, variant
-// hooks, K/V element bytes, fp8 staging slots, the soft-cap's tanh, V's head dim, the softmax's 2^x
-// on the FMA pipe, the fp8 widening by integer operations); the host mirror is
+// hooks, K/V element bytes, fp8 staging slots, the soft-cap's tanh, V's head dim); the host mirror is
 // cupy_fa/families/sm90.py Sm90Tile.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool PINGPONG, int PRODUCER_REGS, bool UNIFORM_WG, bool JOINT_ROWS,
           bool LEAN_COPY, int CONSUMER_WGS, bool VARIANTS, int KV_BYTES = 2, int STAGING = 0, int TANH = 0,
-          int D_VO = HEAD_DIM, int EXP2_FMA = 0, bool INT_WIDEN = false>
+          int D_VO = HEAD_DIM>
 struct Sm90PrefillTraits {
   // HEAD_DIM is Q's and K's (the k of S = Q K^T); D_VO V's and out's (the n of O += P V, the O
   // accumulators, the epilogue and the partials): separate qk / vo head dims (192 / 128), else equal
@@ -57,23 +56,11 @@ struct Sm90PrefillTraits {
   // reciprocal), 1 tanh.approx, 2 2^y and a reciprocal by Newton steps on the FMA pipe
   static constexpr int kTanh = TANH;
   static_assert(TANH >= 0 && TANH <= 2 && (VARIANTS || TANH == 0), "a soft-cap tanh with the hooks only");
-  // of every 8 of a thread's columns of a row, those whose softmax 2^x runs on the FMA pipe (a
-  // cubic, common.cuh exp2_fma) instead of the special-function unit (sm90/softmax.cuh
-  // softmax_exp2): with the soft-cap's tanh that unit takes two operations a score, the kernel's
-  // bound; 0: none (every shipped tile)
-  static constexpr int kExp2Fma = EXP2_FMA;
-  static_assert(EXP2_FMA >= 0 && EXP2_FMA <= 8, "columns of every 8");
   // an fp8 (e4m3) cache (KV_BYTES = 1): the producer stages each tile's bytes (STAGING slots of
   // them, sm90/load.cuh produce_fp8) and widens them into 16-bit stages; both products run in fp16
   static constexpr bool kFp8 = KV_BYTES == 1;
   static constexpr int kStaging = STAGING;
   static_assert((KV_BYTES == 2 && STAGING == 0) || (KV_BYTES == 1 && STAGING >= 2), "fp8: two staging slots or more");
-  // an fp8 cache widened by integer operations (common.cuh e4m3x4_to_f16x2_unit: byte permutes,
-  // shifts, masks) into fp16 times 2^-8, the 2^8 folded into k_scale and v_scale by the consumers
-  // (sm90/consumer.cuh fp8_scale), instead of the conversion instruction (F2FP ... E4M3), which
-  // may share a pipe with the consumers' 2^x; false: the conversion (every shipped tile)
-  static constexpr bool kIntWiden = INT_WIDEN;
-  static_assert(!INT_WIDEN || KV_BYTES == 1, "the integer widening of an fp8 cache");
   // consumer warpgroups of 64 packed rows each: 2 (128 rows), or 3 (192 rows: each
   // warpgroup's softmax then has two others' GEMMs to hide behind, and the producer's
   // K / V tiles serve 3 x 64 rows; 512 threads start at 128 registers, so only tiles whose

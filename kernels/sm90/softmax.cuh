@@ -122,17 +122,6 @@ __device__ __forceinline__ void soft_cap_tile(float (&s)[BN / 2], const Arg& arg
   }
 }
 
-// The softmax's 2^x of the thread's column c of a row (c = 2 j + e: block j, element e), with
-// EXP2_FMA of every 8 such columns (c % 8 < EXP2_FMA; Traits::kExp2Fma) on the FMA pipe
-// (common.cuh exp2_fma) and the rest on the special-function unit: with the soft-cap's tanh that
-// unit takes two operations a score, as long as the score's share of the two GEMMs, so a kernel
-// with the hooks sits at its ceiling; moving part of the 2^x off it trades for issue slots.
-template <int EXP2_FMA>
-__device__ __forceinline__ float softmax_exp2(float x, int c) {
-  static_assert(EXP2_FMA >= 0 && EXP2_FMA <= 8, "columns of every 8");
-  return c % 8 < EXP2_FMA ? exp2_fma(x) : fast_exp2(x);  // c: a constant once the loops unroll
-}
-
 // The online-softmax state of the thread's two rows: the offset m (base 2, at most
 // kLazyRescale below the row's max, softmax.cuh) and this thread's part of the sum l (its
 // quad's four parts add up to the row's at the end).
@@ -149,8 +138,8 @@ struct RowState {
 
   // Folds a tile's raw scores s (in place: they become 2^(s scale - m), P in fp32) into the
   // state; returns each row's factor for the accumulators (1 unless its m moved) and whether
-  // any row of this thread moved (then O must be rescaled by `factor`). EXP2_FMA: softmax_exp2's.
-  template <int BN, int EXP2_FMA, typename Scale>
+  // any row of this thread moved (then O must be rescaled by `factor`).
+  template <int BN, typename Scale>
   __device__ __forceinline__ bool fold(float (&s)[BN / 2], const Scale& scale, float (&factor)[2]) {
     bool moved = false;
 #pragma unroll
@@ -178,7 +167,7 @@ struct RowState {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
-          x = softmax_exp2<EXP2_FMA>(fmaf(x, scale_log2, -offset), 2 * j + e);
+          x = fast_exp2(fmaf(x, scale_log2, -offset));
           sums[(2 * j + e) % 4] += x;
         }
       }
@@ -192,7 +181,7 @@ struct RowState {
   // ex2.approx as exp2f here), in one scheduling region, so ptxas interleaves the two rows'
   // max chains, shuffles and exp2s; each row's max chains start from its first pairs (no
   // -inf seeds).
-  template <int BN, int EXP2_FMA, typename Scale>
+  template <int BN, typename Scale>
   __device__ __forceinline__ bool fold_joint(float (&s)[BN / 2], const Scale& scale, float (&factor)[2]) {
     constexpr int J = BN / 8, C = J < 4 ? J : 4;  // 8-column blocks; max / sum chains per row
     float mx[2];
@@ -232,7 +221,7 @@ struct RowState {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
-          x = softmax_exp2<EXP2_FMA>(fmaf(x, scale[h], -offset[h]), 2 * j + e);
+          x = fast_exp2(fmaf(x, scale[h], -offset[h]));
           sums[h][(2 * j + e) % 4] += x;
         }
       }
