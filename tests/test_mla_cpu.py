@@ -137,68 +137,6 @@ def test_the_catalog_compiles_every_mla_kernel():
     assert wgmma <= everything and not wgmma & set(catalog.all_kernels("sm_80"))
 
 
-def test_the_seesaw_experiments_are_off_and_compile(monkeypatch):
-    """MlaWgmmaTile.early_pv (warpgroup 1's P0 V0 before S1) and merge_in_cta (the last CTA of a row block
-    merges): off in the tile the schedule runs (whose kernel keeps its name), taken by the schedule where
-    patched in (as lab/ab_mla.py does), the in-CTA merge only for one launch of rows of at most
-    MERGE_IN_CTA_SPLITS splits (then no merge_kernel), and every combination compiles for sm_90a without
-    spills at <= 255 registers."""
-    assert family.WGMMA_TILE == family.MlaWgmmaTile() and not (family.WGMMA_TILE.early_pv or
-                                                                family.WGMMA_TILE.merge_in_cta)
-    assert family.kernel("bfloat16", family.WGMMA_TILE).expression == "cupy_fa::mla::mla_wgmma_kernel<__nv_bfloat16>"
-    early = family.MlaWgmmaTile(early_pv=True)
-    assert family.kernel("float16", early).expression == "cupy_fa::mla::mla_wgmma_kernel<__half, true, false>"
-    merging = family.MlaWgmmaTile(merge_in_cta=True)
-    monkeypatch.setattr(family, "WGMMA_TILE", early)
-    assert mla_schedule.small_q_tile(128, False, "sm_90a") is early and mla_schedule.long_tile(16, False, "sm_90a") is early
-    monkeypatch.setattr(family, "WGMMA_TILE", merging)
-    S = mla_schedule.split_size()
-    for q, kv, in_cta in (([1, 4], [16 * S, 3 * S], True), ([1, 4], [16 * S + 1, 3 * S], False),
-                          ([1], [100], False), ([1, 40], [5 * S, 40], True)):
-        sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=np.array(q), kv_lens=np.array(kv))
-        assert sched.merge_in_cta == in_cta and not (in_cta and sched.needs_merge), (q, kv, sched)
-        assert sched.needs_merge == (not in_cta and sched.small.max_splits > 1), (q, kv, sched)
-    mixed = mla_schedule.schedule_step(16, False, "sm_90a", q_lens=np.array([1, 40]), kv_lens=np.array([3 * S, 40]))
-    assert len(mixed.launches) == 2 and not mixed.merge_in_cta  # two launches: one merge_kernel reads both
-    bound = mla_schedule.schedule_step(128, False, "sm_90a", max_q_len=4, max_kv_len=8 * S,
-                                       capacity=Capacity(8, 32, 8 * S))
-    assert bound.merge_in_cta and not bound.needs_merge
-    for flags in ((False, False), (True, False), (False, True), (True, True)):
-        tile = family.MlaWgmmaTile(*flags)
-        _, resources = _compile.compile_cubin(family.kernel("bfloat16", tile), "sm_90a")
-        assert resources["spill_stores"] == resources["spill_loads"] == 0 and resources["registers"] <= 255, \
-            (flags, resources)
-
-
-def test_merge_counters_cover_every_grid_that_merges_in_cta(monkeypatch):
-    """The counter buffer (cupy_fa.mla.plan: 2 x (ceil(tokens x H / 64) + batch) x 16) holds an index for
-    every work item of any step the capacity allows whose last CTAs merge (device-length bounds, two
-    launches); a schedule whose grid would pass it falls back to merge_kernel (mla.attention)."""
-    import types
-
-    from cupy_fa.mla import attention as mla_attention
-
-    monkeypatch.setattr(family, "WGMMA_TILE", family.MlaWgmmaTile(merge_in_cta=True))
-    rng, seed = new_rng()
-    seen = 0
-    for _ in range(400):
-        b = int(rng.integers(1, 65))
-        t, heads = int(rng.integers(b, 4000)), int(rng.choice([16, 64, 128]))
-        max_q = int(rng.integers(1, 300))
-        sched = mla_schedule.schedule_step(heads, False, "sm_90a", max_q_len=max_q,
-                                           max_kv_len=int(rng.integers(max_q, 8193)), capacity=Capacity(b, t, 100))
-        if sched.merge_in_cta:
-            seen += 1
-            grid = sum(x.work_grid for x in sched.launches)
-            assert grid <= 2 * (-(-t * heads // family.WGMMA_BLOCK) + b) * family.MERGE_IN_CTA_SPLITS, (seed, b, t)
-    assert seen > 100
-    sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=np.array([1, 1]), kv_lens=np.array([1500, 700]))
-    assert sched.merge_in_cta and not sched.needs_merge
-    small = types.SimpleNamespace(merge_counters=types.SimpleNamespace(size=1))
-    fallback = mla_attention._merge_counters_for(sched, small, None)
-    assert not fallback.merge_in_cta and fallback.needs_merge
-
-
 # ---- the policy --------------------------------------------------------------------------------------
 
 

@@ -88,14 +88,7 @@ class MlaMmaTile:
 
 @dataclasses.dataclass(frozen=True)
 class MlaWgmmaTile:
-    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches. ``early_pv``
-    (an experiment, off in :data:`WGMMA_TILE`): warpgroup 1 multiplies P0 V0 before it computes S1,
-    so the copies of its K buffer overlap the pair's first half (the same bits). ``merge_in_cta`` (an
-    experiment, off too): the last CTA of a row block merges its splits (kernels/mla/epilogue.cuh
-    merge_if_last), where a step's rows have at most MERGE_IN_CTA_SPLITS splits, instead of
-    merge_kernel after the launch (the same bits)."""
-    early_pv: bool = False
-    merge_in_cta: bool = False
+    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches."""
     family = MLA_WGMMA
     block_m = WGMMA_BLOCK
     block_n = WGMMA_BLOCK
@@ -113,12 +106,7 @@ class MlaWgmmaTile:
         return 3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + 5 * 8 + 8 + 1024
 
     def checks(self):
-        return (f"cupy_fa::mla::SeesawSmem::kAllocBytes == {self.smem_bytes}",
-                f"cupy_fa::mla::kMergeInCtaSplits == {MERGE_IN_CTA_SPLITS}")
-
-
-WGMMA_TILE = MlaWgmmaTile()  # the seesaw tile the schedule runs (lab A/Bs patch it)
-MERGE_IN_CTA_SPLITS = 16      # kernels/mla/epilogue.cuh kMergeInCtaSplits: two merge groups
+        return (f"cupy_fa::mla::SeesawSmem::kAllocBytes == {self.smem_bytes}",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,9 +116,7 @@ def kernel(dtype_name, tile):
     ctype = _compile.CTYPES[dtype_name]
     checks = tuple(_mla_params.size_checks()) + tuple(tile.checks())
     if isinstance(tile, MlaWgmmaTile):
-        flags = (tile.early_pv, tile.merge_in_cta)
-        args = ", ".join([ctype] + [str(f).lower() for f in flags]) if any(flags) else ctype  # shipped: its name
-        return _compile.Kernel(MLA_WGMMA.source, f"{MLA_WGMMA.kernel}<{args}>", tile.threads, tile.smem_bytes,
+        return _compile.Kernel(MLA_WGMMA.source, f"{MLA_WGMMA.kernel}<{ctype}>", tile.threads, tile.smem_bytes,
                                checks)
     return _compile.Kernel(MLA_MMA.source, f"{MLA_MMA.kernel}<{ctype}, {tile.traits()}>", tile.threads,
                            tile.smem_bytes, checks)
@@ -172,6 +158,6 @@ def all_kernels(arch=None):
             for index in (np.int32, np.int64):
                 out.append(append_kernel(index, dtype_name, fp8))
         if arch is None or is_sm90a(arch):
-            out.append(kernel(dtype_name, WGMMA_TILE))
+            out.append(kernel(dtype_name, MlaWgmmaTile()))
         out += [merge_kernel(dtype_name, shape) for shape in (MERGE_WIDE, MERGE_DEEP)]
     return out

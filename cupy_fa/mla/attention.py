@@ -14,7 +14,6 @@ Every serving mode (cupy_fa.modes gives each one's q_len / kv_len): DECODE, TARG
 causal; tree: custom_mask), DRAFT_EXTEND (v1 / V2), MIXED and chunked EXTEND over a prefix.
 """
 
-import dataclasses
 import math
 
 import numpy as np
@@ -28,23 +27,6 @@ from .launch import launch_step
 from .plan import MlaPlanState, plan_buffers, plan_params
 
 DEFAULT_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's qk head (nope 128 + rope 64) before absorption
-
-
-def _merge_counters_for(sched, buffers, stream):
-    """A schedule whose last CTAs merge (MlaSchedule.merge_in_cta) with its counters zeroed on ``stream``
-    (every plan, so a step cut short by a bad request leaves none set for the next; inside a capture,
-    every replay); one whose grid could index past the counters (a device-length bound) merges with
-    merge_kernel instead."""
-    if not sched.merge_in_cta:
-        return sched
-    grid = sum(x.work_grid for x in sched.launches)
-    counters = buffers.merge_counters
-    if grid > counters.size:
-        return dataclasses.replace(sched, merge_in_cta=False, needs_merge=True)
-    import cupy
-
-    cupy.cuda.runtime.memsetAsync(counters.data.ptr, 0, 4 * grid, stream.ptr)
-    return sched
 
 
 class MLAAttention(PlannedInstance):
@@ -163,7 +145,6 @@ class MLAAttention(PlannedInstance):
             sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, max_q_len=step.max_q_len,
                                             max_kv_len=max_kv_len, capacity=buffers.capacity)
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
-        sched = _merge_counters_for(sched, buffers, stream)
         with stream:
             params = plan_params(buffers, step.batch, self.num_heads, sched, step.max_q_len, min(kv_bound, 2**31 - 1))
             from .. import catalog

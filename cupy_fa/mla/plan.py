@@ -31,19 +31,8 @@ def plan_buffers(capacity, num_heads, dtype_name, workspace_bytes=None):
     :func:`partial_rows` of them."""
     from .. import _arrays
 
-    import cupy
-
-    from ..families import mla as family
-
     rows = partial_rows(capacity, num_heads, _arrays.DTYPES[dtype_name].itemsize, workspace_bytes)
-    buffers = _plan.PlanBuffers(capacity, num_heads, VALUE_DIM, dtype_name, partial_rows=rows)
-    # a counter per (request, row block) at its first work item, where the last CTA merges (zeros, zeroed
-    # again by that CTA and by every plan that merges so): as many as the work items of a step of two
-    # launches (a device-length step's bounds) whose rows have up to MERGE_IN_CTA_SPLITS splits, each
-    # launch at most one row block a token's rows and one a request (cupy_fa.mla.schedule.capacity_work_bound)
-    blocks = -(-capacity.max_num_tokens * num_heads // family.WGMMA_BLOCK) + capacity.max_batch_size
-    buffers.merge_counters = cupy.zeros(2 * blocks * family.MERGE_IN_CTA_SPLITS, np.int32)
-    return buffers
+    return _plan.PlanBuffers(capacity, num_heads, VALUE_DIM, dtype_name, partial_rows=rows)
 
 
 def plan_params(buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len):

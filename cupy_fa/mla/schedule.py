@@ -28,8 +28,7 @@ import numpy as np
 from .. import schedule as _policy
 from ..families.common import is_sm90a
 from ..knobs import knobs
-from ..families import mla as _family
-from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile
+from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
 
 SMALL_Q_LEN = 16
 SPLIT_SIZE = 512          # keys a split of a small-q request (CUPY_FA_MLA_SPLIT_SIZE: split_size()):
@@ -42,7 +41,7 @@ WGMMA_MIN_HEADS = 64      # below, a decode token would leave most of a 64-row b
 def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
     """The tile of a step's small-q requests (the longest has ``max_q_len`` tokens)."""
     if _wgmma(kv_fp8, arch) and num_heads >= WGMMA_MIN_HEADS:
-        return _family.WGMMA_TILE
+        return MlaWgmmaTile()
     rows = max(int(max_q_len), 1) * num_heads
     return MlaMmaTile(1 if rows <= 16 else 2, kv_fp8)
 
@@ -50,7 +49,7 @@ def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
 def long_tile(num_heads, kv_fp8, arch):
     """The tile of requests of more than SMALL_Q_LEN tokens."""
     if _wgmma(kv_fp8, arch):
-        return _family.WGMMA_TILE
+        return MlaWgmmaTile()
     return MlaMmaTile(2, kv_fp8)
 
 
@@ -109,9 +108,8 @@ class MlaSchedule:
     """A planned MLA step: the launch of each class (None where the step has none) and the merge."""
     small: Launch | None
     long: Launch | None
-    needs_merge: bool    # merge_kernel after the launches
+    needs_merge: bool
     partial_rows: int | None = None  # host lengths: the rows its splits want (cupy_fa.schedule.wanted_partial_rows)
-    merge_in_cta: bool = False  # the last CTA of each row block merges (MlaWgmmaTile.merge_in_cta), no merge_kernel
 
     @property
     def launches(self):
@@ -169,10 +167,6 @@ def _merged(small, long, num_heads):
         small = Launch(small.tile, small.work_grid + long.work_grid, max(small.max_splits, long.max_splits))
         long = None
     merge = any(x is not None and x.max_splits > 1 for x in (small, long))
-    one = small if long is None else long if small is None else None
-    if merge and one is not None and getattr(one.tile, "merge_in_cta", False) and \
-            one.max_splits <= _family.MERGE_IN_CTA_SPLITS:
-        return MlaSchedule(small, long, False, merge_in_cta=True)
     return MlaSchedule(small, long, merge)
 
 

@@ -13,7 +13,6 @@
 #pragma once
 
 #include "shared/common.cuh"
-#include "shared/partials.cuh"
 #include "shared/softmax.cuh"
 #include "mla/params.cuh"
 #include "mla/work.cuh"
@@ -48,58 +47,6 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w, co
     for (int j = 0; j < NB; ++j) {
       *reinterpret_cast<u32*>(dst + col_base + 8 * j + 2 * quad) =
           ElemTraits<OT>::pack(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-    }
-  }
-}
-
-// The split merge by the last CTA of a row block (the seesaw kernel's MERGE_IN_CTA, an experiment;
-// the host plans it only for a step of one launch whose rows have at most kMergeInCtaSplits splits,
-// and passes p.merge_counters, zero between launches). After its partial rows are stored, each CTA of
-// the (request, row block) counts itself in; the one that counts last folds the block's rows from the
-// partials (L2, __ldcg) with merge_kernel's own loads and folds (shared/partials.cuh PartialGroup:
-// groups of kMergeGroup splits in order, then the groups in order), so out and LSE have the bits
-// merge_kernel gives them, and resets the counter. Every thread of the CTA calls it.
-constexpr int kMergeInCtaSplits = 2 * kMergeGroup;
-
-template <typename OT, int THREADS, int BLOCK_M>
-__device__ __forceinline__ void merge_if_last(const MlaParams& p, const Work& w, const FastDiv& by_head, int tid) {
-  __shared__ int s_last;
-  int* counter = p.merge_counters + __ldg(p.work_indptr + w.request) + (w.row0 / BLOCK_M) * w.splits;
-  if (!counted_last(counter, w.splits, tid, s_last)) return;
-  constexpr int LANES = kValueDim / 4;  // a row's float4s, as merge_kernel's lanes
-  constexpr int UNROLL = 4;             // (row, lane) items a thread folds at once: their loads in flight together
-  const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);
-  const int rows = min(BLOCK_M, w.rows - w.row0), splits = w.splits, groups = (splits + kMergeGroup - 1) / kMergeGroup;
-  const i64 base = __ldg(p.partial_indptr + w.request);
-  for (int first = tid; first < rows * LANES; first += THREADS * UNROLL) {
-    MergeState total[UNROLL];
-    int token[UNROLL], head[UNROLL];
-#pragma unroll
-    for (int k = 0; k < UNROLL; ++k) {
-      const int item = min(first + k * THREADS, rows * LANES - 1);
-      const int row = w.row0 + item / LANES;
-      token[k] = by_head.div(row), head[k] = by_head.mod(row);
-      total[k] = MergeState::empty();
-    }
-    for (int grp = 0; grp < groups; ++grp) {
-      PartialGroup<LANES> in[UNROLL];  // merge_kernel's loads and folds (shared/partials.cuh), UNROLL items at once
-#pragma unroll
-      for (int k = 0; k < UNROLL; ++k) {
-        const int c4 = min(first + k * THREADS, rows * LANES - 1) % LANES;
-        in[k].load(partial, p.partial_lse, base + (i64)token[k] * splits, grp, splits, p.num_heads, head[k], c4);
-      }
-#pragma unroll
-      for (int k = 0; k < UNROLL; ++k) total[k].fold(in[k].template fold<OT>());
-    }
-#pragma unroll
-    for (int k = 0; k < UNROLL; ++k) {
-      const int item = first + k * THREADS;
-      if (item >= rows * LANES) continue;
-      const int c4 = item % LANES;
-      const float merged[4] = {total[k].o.x, total[k].o.y, total[k].o.z, total[k].o.w};
-      const i64 slot = (i64)(w.q_start + token[k]) * p.num_heads + head[k];
-      store_scaled4(static_cast<OT*>(p.out) + slot * kValueDim + c4 * 4, merged, inverse_sum(total[k].l));  // NaN stays
-      if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(total[k].m, total[k].l);
     }
   }
 }

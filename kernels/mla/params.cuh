@@ -58,8 +58,6 @@ struct MlaParams {
   int page_table_columns;
   int num_tokens;
   int mask_entries;
-  int* merge_counters;         // a counter per (request, row block) at its first work item, zero between
-                               // launches: the last CTA merges (epilogue.cuh merge_if_last); null: merge_kernel
 };
 
 // PagedLatentCache.append: new tokens' c_kv [T, 512] and k_pe [T, 64] (each with its token stride)

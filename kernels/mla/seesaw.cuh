@@ -26,13 +26,6 @@
 // (kernels/mla/wgmma_copy.cuh): buffer 0's low half after O_L += P0 V0_L, its high half after
 // O_R += P0 V0_R; buffer 1's after the P1 products. S of a block never waits for more than that.
 //
-// With EARLY_PV (an experiment, off in the shipped kernel) warpgroup 1 runs its part of a pair in
-// another order: [wait P0] O_R = O_R f0 + P0 V0_R (buffer 0's high half refilled at once), then S1
-// on buffer 1 (filled at the end of the pair before, so its copies overlap warpgroup 0's S0 and
-// softmax and this P V), its offsets and P1 [arrive P1], O_R = O_R f1 + P1 V1_R. Every row's
-// operations and their order are those above (the same bits); what moves is when S1 is issued (after
-// P0 V0_R, not beside S0), so buffer 1's copies no longer sit on the pair's critical path.
-//
 // Batch invariance: a row's arithmetic depends on its own queries, its keys and the fixed block
 // positions from its split's first key only (rows never mix in wgmma, a masked key adds an exact
 // zero, the exchanges are per row), so a token's bits are the same in decode and in verify.
@@ -68,10 +61,9 @@ struct SeesawSmem {
   static_assert(kAllocBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
 };
 
-template <typename T, bool EARLY_PV = false>
+template <typename T>
 struct SeesawRole {
   static constexpr int NB = 32;  // 8-column blocks of a thread's O half (64 x 256 over 128 threads)
-  static constexpr bool kEarlyPv = EARLY_PV;  // warpgroup 1: P0 V0_R before S1 (the order above)
   const MlaParams& p;
   const Work& w;
   const FastDiv& by_head;
@@ -215,11 +207,6 @@ struct SeesawRole {
     }
   }
 
-  // a row's sum after a block: l f0 f1 + the block's part, its rounding pinned (the one rule every order uses)
-  static __device__ __forceinline__ float sum_update(float l_old, float f0, float f1, float sum) {
-    return __fmaf_rn(__fmul_rn(l_old, f0), f1, sum);
-  }
-
   __device__ __forceinline__ void rescale(const float (&f)[2]) {
     const bool moved = f[0] != 1.f || f[1] != 1.f;
     if (__any_sync(0xffffffffu, moved)) {
@@ -258,12 +245,6 @@ struct SeesawRole {
     unsigned frag[4][4];
     for (int i = 0; i < num_pairs; ++i) {
       const bool more = i + 1 < num_pairs;
-      if constexpr (kEarlyPv) {
-        if (wg == 1) {
-          early_pair(i, more, frag);
-          continue;
-        }
-      }
       sm90::wgmma_wait<0>();
       sm90::pin(s);
       mask(2 * i + wg);
@@ -287,7 +268,7 @@ struct SeesawRole {
       }
       exponentials(m_new, sum, own);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) l[h] = sum_update(l[h], fa[h], fb[h], sum[h]);
+      for (int h = 0; h < 2; ++h) l[h] = l[h] * fa[h] * fb[h] + sum[h];
       if (wg == 1) {
         get_p(0, frag);  // P0
         put_p(1, own);
@@ -326,44 +307,6 @@ struct SeesawRole {
     }
     sm90::wgmma_wait<0>();  // none in flight past the loop (ptxas cannot tell the last pair issued none)
     sm90::pin(s);
-  }
-
-  // Warpgroup 1's pair i in the EARLY_PV order (the same operations on each row as run()'s, in the
-  // same order: f0 and P0 V0_R, then f1 and P1 V1_R; l * f0 * f1 + the block's sum), S1 issued here.
-  __device__ __forceinline__ void early_pair(int i, bool more, unsigned (&frag)[4][4]) {
-    float mx[2], m0[2], m_new[2], fa[2], fb[2], sum[2];
-    sm90::named_sync(kBarP0, 256);  // warpgroup 0's offsets and P0
-    get_m(SeesawSmem::kM0, m0);
-    get_p(0, frag);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) fa[h] = factor_of(m[h], m0[h]);
-    rescale(fa);
-    pv(0, 1, frag);  // O_R = O_R f0 + P0 V0_R; buffer 0's high half is free
-    if (more) fill(0, 2 * i + 2, 1);
-    wait_full(1, i);  // block 2i + 1, its copies issued at the end of the pair before
-    issue_scores(1);
-    sm90::wgmma_wait<0>();
-    sm90::pin(s);
-    mask(2 * i + 1);
-    block_max(mx);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      m_new[h] = next_offset(m0[h], mx[h]);
-      fb[h] = factor_of(m0[h], m_new[h]);
-    }
-    exponentials(m_new, sum, own);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) l[h] = sum_update(l[h], fa[h], fb[h], sum[h]);
-    put_p(1, own);
-    put_m(SeesawSmem::kM1, m_new);
-    sm90::named_arrive(kBarP1, 256);
-    copy_frag(frag, own);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) m[h] = m_new[h];
-    rescale(fb);
-    pv(1, 1, frag);  // O_R = O_R f1 + P1 V1_R; buffer 1's high half is free once P1 was read
-    sm90::named_sync(kBarP1Read, 256);
-    if (more) fill(1, 2 * i + 3, 1);
   }
 
   static __device__ __forceinline__ void copy_frag(unsigned (&to)[4][4], const unsigned (&from)[4][4]) {

@@ -20,10 +20,7 @@
 namespace cupy_fa {
 namespace mla {
 
-// EARLY_PV: warpgroup 1's order within a pair (kernels/mla/seesaw.cuh); MERGE_IN_CTA: the last CTA of a
-// row block merges its splits (mla/epilogue.cuh merge_if_last) where the host passes merge_counters.
-// Experiments, both off in the shipped kernel; neither changes a bit.
-template <typename T, bool EARLY_PV = false, bool MERGE_IN_CTA = false>
+template <typename T>
 __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant__ MlaParams p) {
   static_assert(sizeof(T) == 2, "16-bit queries, cache and output");
   allow_dependent_launch();
@@ -46,7 +43,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   __syncthreads();
 
-  SeesawRole<T, EARLY_PV> role(p, w, by_head, base, wtid);
+  SeesawRole<T> role(p, w, by_head, base, wtid);
   copy_q_block<256, T>(p, w, by_head, base + SeesawSmem::kQ, tid);
   mbar::cp_async_arrive_noinc(base + SeesawSmem::kBars);
   if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
@@ -58,10 +55,8 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   mbar::wait(base + SeesawSmem::kBars, 0);
   if (role.num_blocks > 0) {
-    if (!EARLY_PV || wg == 0) {  // (EARLY_PV: warpgroup 1 issues each S1 inside its pair)
-      role.wait_full(wg, 0);
-      role.issue_scores(wg);
-    }
+    role.wait_full(wg, 0);
+    role.issue_scores(wg);
     role.run(wg);
   }
 
@@ -87,9 +82,6 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
   store_rows<T, SeesawRole<T>::NB>(p, done, by_head, reinterpret_cast<const float(&)[SeesawRole<T>::NB][4]>(role.o),
                                    done.row0 + role.first_row, wg * 256, role.quad, role.m, l, bad, 1.f, wg == 0);
-  if constexpr (MERGE_IN_CTA) {
-    if (p.merge_counters != nullptr && done.splits > 1) merge_if_last<T, 256, kBlockRows>(p, done, by_head, tid);
-  }
 }
 
 }  // namespace mla
