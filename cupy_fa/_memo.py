@@ -40,7 +40,7 @@ class ScheduleMemo:
         k = knobs()
         if k is not self._knobs:
             self._found, self._knobs = {}, k
-        device = (smem_limit, sm_count, arch, window, schedule.MERGE_IN_CTA)  # (the experiment's switch too)
+        device = (smem_limit, sm_count, arch, window)
         if q_lens is not None:
             spans = kv_lens if not window else schedule.window_spans(q_lens, kv_lens, window, self.kv_bytes)
             split = schedule.split_size(self.kv_bytes)

@@ -38,7 +38,7 @@ _FIELDS = {
         ("status", _PTR), ("num_pages", np.int32), ("page_table_columns", np.int32), ("num_tokens", np.int32),
         ("mask_entries", np.int32), ("k_scale", _PTR), ("v_scale", _PTR),
         ("key_base", _PTR), ("sinks", _PTR), ("window", np.int32), ("soft_cap_scale", np.float32),
-        ("soft_cap_log2", np.float32), ("merge_counters", _PTR),
+        ("soft_cap_log2", np.float32),
     ],
     "MergeParams": [
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),

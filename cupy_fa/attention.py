@@ -263,8 +263,6 @@ class BatchAttention(PlannedInstance):
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
             sched = self._schedules.step(max_q_len=step.max_q_len, max_kv_len=max_kv_len, capacity=buffers.capacity,
                                          batch_size=step.batch, **self._device_facts(device_id), window=window)
-        sched = _plan.merge_counters_for(sched, buffers, self.num_kv_heads, stream,
-                                         stream.is_capturing() if capturing is None else capturing)
         tile, long_tile = sched.plan_tiles()
         self._check_partials(sched.partial_rows)
         if sched is not self._loaded:  # a new schedule: its kernels missing on this device compile at once

@@ -39,7 +39,6 @@ class PreparedStep:
 
     def __init__(self, launcher, state, buffers, device_id):
         self.buffers, self.device_id, self.cache, self.num_tokens = buffers, device_id, None, None
-        self.counters = getattr(buffers, "merge_counters", None)  # their address is in MERGE_IN_CTA structs
         self.signature = signature(state)
         sched = state.schedule
         self.launches = [x for x in sched.launches if x.work_grid > 0]
@@ -62,8 +61,7 @@ class PreparedStep:
 
     def matches(self, state, buffers, device_id):
         """Whether this prepared step launches what a fresh one for ``state`` would."""
-        return (self.buffers is buffers and self.device_id == device_id
-                and self.counters is getattr(buffers, "merge_counters", None) and self.signature == signature(state))
+        return self.buffers is buffers and self.device_id == device_id and self.signature == signature(state)
 
 
 def signature(state):
@@ -166,8 +164,7 @@ class StepLauncher:
             num_tokens=num_tokens, mask_entries=state.mask_entries,
             # the variant hooks (kernels/shared/variant.cuh), read only by the kernels built with them
             key_base=buffers.key_base.data.ptr, sinks=sinks, window=state.window,
-            soft_cap_scale=soft_cap_scale, soft_cap_log2=soft_cap_log2,
-            merge_counters=buffers.merge_counters.data.ptr if sched.merge_in_cta else 0, **cache_fields)
+            soft_cap_scale=soft_cap_scale, soft_cap_log2=soft_cap_log2, **cache_fields)
 
     def merge_params(self, state, buffers, *, out, lse, sinks):
         """The ``MergeParams`` of a plan's merge (an ``np.void``): one merge for both classes (the

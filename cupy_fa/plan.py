@@ -92,8 +92,6 @@ class PlanBuffers:
             if partial_rows is None else partial_rows
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
-        self.merge_counters = None  # int32 zeros where CTAs merge their row blocks (made when a plan first needs them)
-        self.retired = []  # outgrown merge_counters (a captured graph may still point at them)
         self.host_inputs = np.zeros(2 * b + b * width, i32)  # what host steps stage (lengths: zeros past the batch)
         self.host_inputs_ptr = self.host_inputs.ctypes.data
         self.staged_batch = 0
@@ -446,30 +444,6 @@ def check_table(page_table, columns, kv_lens, q_lens, page_size, num_pages):
         validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages)
     else:  # device page table: its ids can't be read without a sync, its width can
         validate_page_table_width(columns, kv_lens, q_lens, page_size)
-
-
-def merge_counters_for(sched, buffers, num_kv_heads, stream, capturing):
-    """A schedule whose folding CTAs merge their row blocks (StepSchedule.merge_in_cta) with the buffers'
-    counters zeroed on ``stream`` for every CTA it launches (each plan, inside a capture each replay: a
-    launch that did not finish leaves none set for the next); the counters are made (or grown) here
-    outside a capture, and inside one that finds them too few the schedule merges with merge_kernel."""
-    if not sched.merge_in_cta:
-        return sched
-    ctas = sched.small.work_grid * num_kv_heads
-    counters = buffers.merge_counters
-    if counters is None or counters.size < ctas:
-        if capturing:
-            return dataclasses.replace(sched, merge_in_cta=False, needs_merge=True)
-        import cupy
-
-        if counters is not None:  # a graph captured earlier may point at them: kept alive with the buffers
-            buffers.retired.append(counters)
-        with stream:
-            counters = buffers.merge_counters = cupy.zeros(max(2 * ctas, 1024), np.int32)
-    import cupy
-
-    cupy.cuda.runtime.memsetAsync(counters.data.ptr, 0, 4 * ctas, stream.ptr)
-    return sched
 
 
 def launch_plan(buffers, batch_size, group_size, tile, stream, long_tile=None, max_q_len=2**31 - 1,

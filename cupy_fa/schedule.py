@@ -342,7 +342,6 @@ class StepSchedule:
     small: Launch | None
     long: Launch | None
     needs_merge: bool    # whether merge_kernel runs after the attention launches
-    merge_in_cta: bool = False  # the folding CTAs merge their row blocks' groups themselves (MERGE_IN_CTA)
     partial_rows: int | None = None  # host lengths: wanted_partial_rows of the batch (None: device lengths)
 
     @property
@@ -368,24 +367,6 @@ class StepSchedule:
         if self.long is None:
             return self.small.tile, None
         return (self.small or self.long).tile, self.long.tile
-
-
-# An experiment, off (lab A/Bs switch it on): the folding CTAs merge their row blocks' groups themselves
-# (MmaTile.merge_in_cta; split_epilogue.cuh merge_groups_if_last) instead of merge_kernel: the same bits.
-MERGE_IN_CTA = False
-MERGE_IN_CTA_GROUPS = 32  # split_epilogue.cuh kMergeInCtaGroups
-
-
-def _merging_in_cta(tile, q_lens, kv_lens):
-    """``tile``, merging in the CTA where MERGE_IN_CTA is on, its CTAs fold groups of splits (no producer
-    warpgroup) and a merge is needed, of rows of at most MERGE_IN_CTA_GROUPS groups."""
-    if not (MERGE_IN_CTA and tile.fold_splits and tile.splits_per_cta == MERGE_GROUP and not tile.producer_warps
-            and needs_merge(tile, q_lens, kv_lens)):
-        return tile
-    q, kv = np.asarray(q_lens), np.asarray(kv_lens)
-    live = q > 0
-    groups = -(-max_splits(q[live], kv[live], tile.kv_bytes) // MERGE_GROUP)
-    return dataclasses.replace(tile, merge_in_cta=True) if groups.max() <= MERGE_IN_CTA_GROUPS else tile
 
 
 def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=None, max_q_len=None,
@@ -435,11 +416,10 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
             tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch, kv_bytes,
                             head_dim_vo)
             if long is None:  # one merge reads one partial layout: no CTA folds beside a long launch
-                tile = _merging_in_cta(fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count,
-                                                 smem_limit=smem_limit), q, kv)
+                tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
             small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
-            merge = merge or (needs_merge(tile, q, kv) and not tile.merge_in_cta)
-        sched = StepSchedule(small, long, merge, merge_in_cta=bool(small is not None and small.tile.merge_in_cta))
+            merge = merge or needs_merge(tile, q, kv)
+        sched = StepSchedule(small, long, merge)
         return dataclasses.replace(sched, partial_rows=wanted_partial_rows(q_lens, kv_lens,
                                                                            plan_constants(*sched.plan_tiles())))
     max_q = int(max_q_len)
@@ -449,10 +429,8 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
         shortest = np.full(batch_size, max_q)
         tile = fold_tile(tile, shortest, shortest, group_size, num_kv_heads, sm_count, exact=False,
                          smem_limit=smem_limit)
-        tile = _merging_in_cta(tile, [1], [kv_bound])
         grid = capacity_work_bound(capacity, group_size, tile, max_q, kv_bound)
-        merge = needs_merge(tile, [1], [kv_bound]) and not tile.merge_in_cta
-        return StepSchedule(launch(tile, grid, [1], [kv_bound]), None, merge, merge_in_cta=tile.merge_in_cta)
+        return StepSchedule(launch(tile, grid, [1], [kv_bound]), None, needs_merge(tile, [1], [kv_bound]))
     small = launch(tile, capacity_work_bound(capacity, group_size, tile, SMALL_Q_LEN, kv_bound), [1], [kv_bound])
     long = launch(long_tile, capacity_work_bound(capacity, group_size, long_tile, max_q, kv_bound,
                                                  min_q_len=SMALL_Q_LEN + 1), [SMALL_Q_LEN + 1], [kv_bound])

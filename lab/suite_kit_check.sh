@@ -2,8 +2,8 @@
 # One bounded GPU call (2026-12-05): any of the GPU suite (scripts/device_check.sh tests), SGLang's kit
 # over the matrix for one backend (kit-cupy, kit-triton) or its MLA method (kit-mla), the wgmma A/B
 # (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
-# and its split sizes (mla), host time per call (host), the in-CTA merge A/B (ab-merge), first calls
-# over empty caches (cold). Stages run in the order given; each is bounded by `timeout`, and the
+# and its split sizes (mla), host time per call (host), first calls over empty caches (cold). Stages
+# run in the order given; each is bounded by `timeout`, and the
 # logs go to $OUT as one archive (logs.tgz) beside summary.txt.
 # Usage, from the repository root (carry .sgl for the suite / kit / sglang stages, .fi for fi / mla):
 #   STAGES="suite kit-cupy ab" bash lab/suite_kit_check.sh
@@ -92,12 +92,6 @@ for stage in ${STAGES:-suite}; do
         --out "$OUT/bench" > "$OUT/bench.txt" 2>&1
       echo "bench exit $?" | tee -a "$OUT/summary.txt"
       sed -n '/^workload /,$p' "$OUT/bench.txt" | tee -a "$OUT/summary.txt" ;;
-    ab-merge)  # the folding CTAs' in-CTA merge (lab/ab_merge_in_cta.py): run's host and GPU time, bits held equal
-      stamp "ab merge in CTA"
-      timeout ${AB_MERGE_SECONDS:-200} python3 lab/ab_merge_in_cta.py --rounds ${AB_ROUNDS:-3} --json "$OUT/ab_merge.json" \
-        > "$OUT/ab_merge.txt" 2>&1
-      echo "ab merge exit $?" | tee -a "$OUT/summary.txt"
-      grep -E "^ab |Error|error" "$OUT/ab_merge.txt" | cut -c1-200 | tail -8 | tee -a "$OUT/summary.txt" ;;
     host)  # host time per call (ours; FlashInfer's with HOST_FI=1 and .fi carried) and the GraphRunner steps
       stamp "host: ${HOST_CELLS:-decode_b64_l4096 prefill_b4_l4096}"
       [ -n "${HOST_FI:-}" ] && fi_site

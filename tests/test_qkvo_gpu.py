@@ -135,17 +135,6 @@ def test_folding_tiles_at_the_pair(dtype, kv_len, knob_env):
     attn.plan(np.ones(batch, np.int64), kv_lens, table)
     decode = attn.run(cupy.asarray(q_host[last]), cache)
     assert cupy.array_equal(decode, verify[cupy.asarray(last)]), f"seed={seed}: folded decode != verify bits"
-    if kv_len > 16 * 512:  # group states: the in-CTA merge experiment (schedule.MERGE_IN_CTA) gives the same bits
-        from cupy_fa import schedule
-
-        schedule.MERGE_IN_CTA = True
-        try:
-            merged = cupy_fa.BatchAttention(*heads, D_QK, dtype, head_dim_vo=D_VO)
-            merged.plan(np.full(batch, n), kv_lens, table)
-            assert merged.planned.schedule.merge_in_cta, merged.planned.schedule
-            assert cupy.array_equal(merged.run(cupy.asarray(q_host), cache), verify), f"seed={seed}: in-CTA merge"
-        finally:
-            schedule.MERGE_IN_CTA = False
 
 
 def _mode_steps(rng, batch, prefix):

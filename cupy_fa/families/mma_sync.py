@@ -63,8 +63,6 @@ class MmaTile:
     row_halves: int = 2  # 1: a one-row small-q tile for requests of <= 8 packed rows (TileTraits ROW_HALVES)
     producer_capable: bool = False  # may take a producer warpgroup (producer_warps; schedule.tile_for: sm_90a only)
     head_dim_vo: int = None  # V's and out's head dim (TileTraits HEAD_DIM_VO); None: head_dim
-    merge_in_cta: bool = False  # an experiment: the last CTA of a row block merges its groups (attention.cu MERGE_IN_CTA;
-                                # a fold tile without a producer warpgroup)
 
     family = MMA_SYNC
     whole_tiles_per_split = True  # a split is tiles_per_split whole KV tiles (kernels/mma_sync/attention.cu)
@@ -74,8 +72,6 @@ class MmaTile:
             object.__setattr__(self, "head_dim_vo", self.head_dim)
         if self.head_dim_vo != self.head_dim and (self.kv_bytes != 2 or self.producer_capable):
             raise ValueError(f"separate qk / vo head dims take a 16-bit cache and no producer warpgroup, got {self}")
-        if self.merge_in_cta and not self.fold_capable:
-            raise ValueError(f"merge_in_cta is for a fold-capable tile: {self}")
         if self.fold_capable and not self.fold_layout:
             raise ValueError(f"a fold state needs a small-q tile whose epilogue fits one stage (one row of "
                              f"warps, or two at D >= 128), got {self}")
@@ -268,6 +264,5 @@ def small_q_tile(head_dim, warps_m, stages, smem_limit=SMEM_LIMIT, kv_bytes=2, h
 def kernel(types, tile):
     """The compiled kernel of ``tile`` for element types ``types`` (a ``common.ElementTypes``)."""
     q, kv, out = types.ctypes()
-    merge = ", true" if tile.merge_in_cta else ""  # (the shipped kernels keep their names)
-    return _compile.Kernel(MMA_SYNC.source, f"{MMA_SYNC.kernel}<{q}, {kv}, {out}, {tile.traits()}{merge}>",
-                           tile.threads, tile.smem_bytes, tile.checks())
+    return _compile.Kernel(MMA_SYNC.source, f"{MMA_SYNC.kernel}<{q}, {kv}, {out}, {tile.traits()}>", tile.threads,
+                         tile.smem_bytes, tile.checks())

@@ -33,10 +33,7 @@
 
 namespace cupy_fa {
 
-// MERGE_IN_CTA (an experiment, off in every shipped kernel): a folding tile's CTA that finishes a row
-// block's last group merges the block's group states itself (split_epilogue.cuh merge_groups_if_last)
-// where the host passes merge_counters; the same bits as merge_kernel.
-template <typename QT, typename KVT, typename OT, typename Traits, bool MERGE_IN_CTA = false>
+template <typename QT, typename KVT, typename OT, typename Traits>
 __global__ void __launch_bounds__(Traits::kCtaThreads, Traits::kMinCtasPerSm)
 attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
@@ -287,12 +284,6 @@ attention_kernel(const __grid_constant__ AttentionParams p) {
   }
   // a bad request is recorded once the CTA is done (status.cuh), off the loop's registers
   if (tid == 0 && s_bad) record_bad(p.status, s_request, s_reason ? s_reason : kPageOutOfRange);
-  static_assert(!MERGE_IN_CTA || (Traits::kFoldInCta && !kRing), "the in-CTA merge: a fold tile, every thread a consumer");
-  if constexpr (MERGE_IN_CTA) {
-    if (p.merge_counters != nullptr && p.fold_splits && w.groups > 1) {
-      merge_groups_if_last<OT, Traits>(p, w, kv_head, group, by_group, rows, tid, s_reason);  // (s_reason read above)
-    }
-  }
   trace_stamp(kTraceDone);
   trace_store(kTraceEpilogueNs, traced_epilogue);
   trace_store(kTraceWaitNs, traced_wait);

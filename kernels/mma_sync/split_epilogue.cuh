@@ -360,49 +360,4 @@ struct SplitEpilogue {
   }
 };
 
-// The merge of a row block's group states by the CTA that finishes last (the kernels built with
-// MERGE_IN_CTA, an experiment: attention.cu; the host plans it only for steps of one launch whose CTAs
-// fold groups of kMergeGroup splits, rows of 2 .. kMergeInCtaGroups groups, and passes
-// p.merge_counters, zero between launches). Each CTA of the (request, row block, KV head) has written
-// its group's fp32 state (SplitEpilogue::write_item); it fences and counts itself in, and the one that
-// counts last folds the groups' states in order into out and LSE with merge_kernel's fold_groups steps
-// (merge.cu: MergeState, then the sink where there is one), so the bits are merge_kernel's, and resets
-// the counter. Every thread of the CTA calls it (a tile without a producer warpgroup); `s_flag` is a
-// shared int the CTA is done with.
-constexpr int kMergeInCtaGroups = 32;
-
-template <typename OT, typename Traits>
-__device__ __forceinline__ void merge_groups_if_last(const AttentionParams& p, const WorkItem& w, int kv_head,
-                                                     int group, const FastDiv& by_group, int rows, int tid,
-                                                     int& s_flag) {
-  static_assert(Traits::kFoldInCta && Traits::kProducerWarps == 0, "a folding tile whose threads all take part");
-  constexpr int D = Traits::kHeadDimVo, LANES = D / 4;  // out's and the states' columns: V's head dim
-  const int first = __ldg(p.work_indptr + w.request) + (w.row0 / Traits::kBlockM) * w.groups;
-  if (!counted_last(p.merge_counters + (i64)first * p.num_kv_heads + kv_head, w.groups, tid, s_flag)) return;
-  const i64 base = __ldg(p.partial_indptr + w.request) / kPartialRowsPerGroupState;
-  const float4* group_o = reinterpret_cast<const float4*>(p.partial_out);
-  for (int idx = tid; idx < Traits::kBlockM * LANES; idx += Traits::kThreads) {
-    const int r = idx / LANES, c4 = idx % LANES, row = w.row0 + r;
-    if (row >= rows) continue;
-    const int token = by_group.div(row), head = kv_head * group + by_group.mod(row);
-    const i64 prow0 = base + (i64)token * w.groups;
-    MergeState total = MergeState::empty();
-    for (int grp = 0; grp < w.groups; ++grp) {  // merge_kernel's fold_groups read, in group order
-      const i64 m_at = group_m_index(prow0 + grp, head, p.num_qo_heads);
-      total.fold(MergeState{__ldcg(p.partial_lse + m_at), __ldcg(p.partial_lse + m_at + p.num_qo_heads),
-                            __ldcg(group_o + group_o_index(prow0 + grp, head, p.num_qo_heads, LANES) + c4)});
-    }
-    const float merged[4] = {total.o.x, total.o.y, total.o.z, total.o.w};
-    const i64 slot = (i64)(w.q_start + token) * p.num_qo_heads + head;
-    if (p.sinks != nullptr) {  // merge_kernel's end of a row with a sink
-      const SinkedRow sunk = with_sink(total.m, total.l, __ldg(p.sinks + head) * kLog2e);
-      store_scaled4(static_cast<OT*>(p.out) + slot * D + c4 * 4, merged, sunk.inv);
-      if (c4 == 0 && p.lse != nullptr) p.lse[slot] = sunk.lse;
-      continue;
-    }
-    store_scaled4(static_cast<OT*>(p.out) + slot * D + c4 * 4, merged, inverse_sum(total.l));  // NaN stays NaN
-    if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(total.m, total.l);
-  }
-}
-
 }  // namespace cupy_fa

@@ -105,10 +105,6 @@ struct AttentionParams {
   int window;                 // sliding window W (query at p sees keys p - W + 1 .. ); 0 = none
   float soft_cap_scale;       // 2 log2(e) sm_scale / cap: tanh(s sm_scale / cap) from 2^(s x it)
   float soft_cap_log2;        // cap x log2(e); 0 = no soft-cap
-  // A counter per (request, row block, KV head) at its first CTA, zero between launches: the CTA
-  // that counts last folds the row block's group states (mma_sync/split_epilogue.cuh
-  // merge_groups_if_last; the kernels built with MERGE_IN_CTA). Null: merge_kernel does.
-  int* merge_counters;
 };
 
 struct MergeParams {
