@@ -33,6 +33,7 @@ struct MergeTraits {
 // ceil(H_q / HEADS_PER_CTA)); tokens of unsplit requests exit after the wait.
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_constant__ MergeParams p) {
+  typedef ElemTraits<T> E;
   constexpr int LANES = Traits::kLanes, HPC = Traits::kHeadsPerCta, WAYS = Traits::kWays, GROUP = Traits::kGroup;
   const int token = blockIdx.x;
   const int c4 = threadIdx.x % LANES, in_cta = (threadIdx.x / LANES) % HPC, way = threadIdx.x / (LANES * HPC);
@@ -71,11 +72,21 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
       const float4* group_o = reinterpret_cast<const float4*>(p.partial_out);
       group_state = MergeState{__ldcg(p.partial_lse + m_at), __ldcg(p.partial_lse + m_at + p.num_qo_heads),
                                __ldcg(group_o + group_o_index(prow0 + grp, head, p.num_qo_heads, LANES) + c4)};
-    } else {  // the group's GROUP loads all issued before its first fold (partials.cuh PartialGroup)
-      static_assert(GROUP == kMergeGroup, "PartialGroup folds kMergeGroup splits");
-      PartialGroup<LANES> in;
-      in.load(partial, p.partial_lse, prow0, grp, splits, p.num_qo_heads, head, c4);
-      group_state = in.template fold<T>();
+    } else {
+      float lse_in[GROUP];
+      uint2 packed[GROUP];
+#pragma unroll
+      for (int u = 0; u < GROUP; ++u) {
+        const int s = grp * GROUP + u;
+        const i64 prow = (prow0 + min(s, splits - 1)) * p.num_qo_heads + head;
+        packed[u] = __ldcg(partial + prow * LANES + c4);
+        lse_in[u] = s < splits ? __ldcg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
+      }
+#pragma unroll
+      for (int u = 0; u < GROUP; ++u) {
+        const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
+        group_state.fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+      }
     }
     if constexpr (WAYS == 1) {
       total.fold(group_state);
