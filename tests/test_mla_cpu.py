@@ -510,3 +510,31 @@ def test_kernel_softmax_schedules_hold_to_float64(model, kv_len, mask):
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < reference.TOL["bfloat16"] / 4, f"seed {seed}: rel err {err}"
     np.testing.assert_allclose(lse, ref_lse, atol=2e-4, rtol=1e-5, err_msg=f"seed {seed}")
+
+
+def test_a_new_step_loads_all_its_kernels_at_once(monkeypatch):
+    """MLAAttention._load: the plan kernel, each launch's kernel and the merge kernel of the step's
+    shape go to one _build.load_all (compiled together on a first call); device lengths, whose token
+    count comes only at run, take both merge shapes; the same kernels again load nothing."""
+    from cupy_fa import _build
+    from cupy_fa.mla.attention import MLAAttention
+
+    calls = []
+    monkeypatch.setattr(_build, "load_all", lambda kernels, device_id: calls.append(list(kernels)))
+    attn = MLAAttention.__new__(MLAAttention)
+    attn.num_heads, attn.dtype_name, attn.device_id, attn._loaded = 128, "bfloat16", 0, None
+    host = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=[1] * 8, kv_lens=[4096] * 8)
+    assert host.needs_merge and len(host.launches) == 1
+    attn._load(catalog.PLAN_KERNEL, host, 8)
+    shape = mla_schedule.merge_shape(8, 128)
+    assert calls == [[catalog.PLAN_KERNEL, family.kernel("bfloat16", host.launches[0].tile),
+                      family.merge_kernel("bfloat16", shape)]]
+    attn._load(catalog.PLAN_KERNEL, mla_schedule.schedule_step(128, False, "sm_90a", q_lens=[1] * 8,
+                                                               kv_lens=[4096] * 8), 8)
+    assert len(calls) == 1  # the same kernels: nothing to load
+    device = mla_schedule.schedule_step(128, False, "sm_90a", max_q_len=4096, max_kv_len=None,
+                                        capacity=Capacity(8, 8192, 64, 0))
+    attn._load(catalog.PLAN_KERNEL, device, None)
+    tiles = [launch.tile for launch in device.launches]
+    assert len(calls) == 2 and calls[1] == [catalog.PLAN_KERNEL] + [family.kernel("bfloat16", t) for t in tiles] + [
+        family.merge_kernel("bfloat16", s) for s in (family.MERGE_WIDE, family.MERGE_DEEP)]

@@ -75,6 +75,7 @@ class MLAAttention(PlannedInstance):
             raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
         capacity = checked_capacity(max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes)
         self._workspace = checked_workspace(workspace_bytes)
+        self._loaded = None  # the kernels of the last step planned, loaded on this device (_load)
         self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 
     def _new_buffers(self, capacity):
@@ -145,16 +146,31 @@ class MLAAttention(PlannedInstance):
             sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, max_q_len=step.max_q_len,
                                             max_kv_len=max_kv_len, capacity=buffers.capacity)
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
+        from .. import catalog
+
+        self._load(catalog.PLAN_KERNEL, sched, step.num_tokens)
         with stream:
             params = plan_params(buffers, step.batch, self.num_heads, sched, step.max_q_len, min(kv_bound, 2**31 - 1))
-            from .. import catalog
-
             _build.launch(catalog.PLAN_KERNEL, (1,), params, stream)
         done = None if stream.is_capturing() else stream.record()
         self._plan = MlaPlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale, step, stream, done,
                                   mask_entries=step.mask_bytes if step.has_mask else 0,
                                   check=_knobs.knobs().debug if check is None else bool(check),
                                   page_table_stride=page_table_stride)
+
+    def _load(self, plan_kernel, sched, num_tokens):
+        """The plan kernel and every kernel ``sched`` may launch, those missing on this device compiled
+        at once (``_build.load_all``: a first call waits for its slowest kernel, not for their sum); the
+        merge's shape follows the step's tokens, both shapes where they are known only at run."""
+        merge = ()
+        if sched.needs_merge:
+            merge = ((_schedule.merge_shape(num_tokens, self.num_heads),) if num_tokens is not None
+                     else (_schedule.MERGE_WIDE, _schedule.MERGE_DEEP))
+        key = (tuple(launch.tile for launch in sched.launches), merge)
+        if key != self._loaded:
+            _build.load_all([plan_kernel] + [family.kernel(self.dtype_name, tile) for tile in key[0]]
+                            + [family.merge_kernel(self.dtype_name, shape) for shape in merge], self.device_id)
+            self._loaded = key
 
     # ---- run --------------------------------------------------------------------------
 
