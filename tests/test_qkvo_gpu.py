@@ -216,12 +216,28 @@ def _wgmma_attention(dtype, heads, q_lens, kv_lens, table, **plan):
 
     from cupy_fa import _build, families
 
-    if not families.common.is_sm90a(_build.current_arch()):
-        pytest.skip(f"the wgmma family needs an sm_90a target, CUPY_FA_ARCH gives {_build.current_arch()}")
+    assert families.common.is_sm90a(_build.current_arch()), \
+        f"the wgmma family needs an sm_90a target on this Hopper, CUPY_FA_ARCH gives {_build.current_arch()}"
     attn = cupy_fa.BatchAttention(*heads, D_QK, dtype, head_dim_vo=D_VO).plan(q_lens, kv_lens, table, **plan)
     if (np.asarray(q_lens) > schedule.SMALL_Q_LEN).any():
         assert attn.planned.long_tile == sm90.PAIR_TILES[(D_QK, D_VO)], attn.planned.long_tile
     return attn
+
+
+def _run_checked(attn, dtype, heads, q_host, cache, q_lens, ref, ref_lse, label, sinks=None):
+    """``attn`` run into a poisoned out and LSE (3 tail rows past the live ones), held to the float64
+    reference and its LSE row by row, the tail untouched."""
+    import cupy
+
+    total = int(q_lens.sum())
+    out = poisoned((total, heads[0], D_VO), np_dtype(dtype), 3)
+    lse = poisoned((total, heads[0]), np.float32, 3)
+    attn.run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total],
+             sinks=None if sinks is None else cupy.asarray(sinks))
+    check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse, poison=POISON,
+                            label=label)
+    print(check.summary())
+    check.assert_ok()
 
 
 @pytest.mark.usefixtures("needs_sm90")
@@ -232,8 +248,6 @@ def test_wgmma_long_requests(dtype, page_size, causal):
     """Prefills (several key tiles of 128, a partial last one) and extends over long prefixes (split
     into partials of 128 columns, merged at 128) beside decode rows, on the wgmma tile of the pair:
     out [T, H, 128] and the LSE within the bar against float64, the poisoned tail untouched."""
-    import cupy
-
     rng, seed = new_rng()
     heads = (16, 4)
     q_lens, kv_lens = random_lengths(rng, max_requests=9, max_q=700, max_kv=4000, work_budget=1_500_000)
@@ -242,15 +256,10 @@ def test_wgmma_long_requests(dtype, page_size, causal):
     total = int(q_lens.sum())
     table, k_host, v_host, cache, q_host = paged_case(rng, dtype, heads, D_QK, page_size, kv_lens, total,
                                                       head_dim_vo=D_VO)
-    out = poisoned((total, heads[0], D_VO), np_dtype(dtype), tail=3)
-    lse = poisoned((total, heads[0]), np.float32, tail=3)
-    _wgmma_attention(dtype, heads, q_lens, kv_lens, table, causal=causal).run(
-        cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total])
+    attn = _wgmma_attention(dtype, heads, q_lens, kv_lens, table, causal=causal)
     ref, ref_lse = _reference(q_host, k_host, v_host, q_lens, kv_lens, table, causal=causal)
-    check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse, poison=POISON,
-                            label=f"seed={seed} wgmma qk/vo 192/128 page {page_size} causal={causal}")
-    print(check.summary())
-    check.assert_ok()
+    _run_checked(attn, dtype, heads, q_host, cache, q_lens, ref, ref_lse,
+                 f"seed={seed} wgmma qk/vo 192/128 page {page_size} causal={causal}")
 
 
 @pytest.mark.usefixtures("needs_sm90")
@@ -258,8 +267,6 @@ def test_wgmma_long_requests(dtype, page_size, causal):
 def test_wgmma_variant_hooks(dtype):
     """The hooked wgmma kernel of the pair (80 keys a tile): a sliding window, a logits soft-cap
     where tanh saturates, and attention sinks, each against float64 with the LSE."""
-    import cupy
-
     rng, seed = new_rng()
     heads, page_size = (16, 4), 16
     q_lens, kv_lens = np.array([257, 40, 500, 1]), np.array([257, 900, 1100, 300])
@@ -269,18 +276,12 @@ def test_wgmma_variant_hooks(dtype):
     scale = 1.0 / np.sqrt(D_QK)
     for cap, sm_scale, window, sinks in ((None, scale, 200, None), (50.0, 20 * scale, None, None),
                                          (30.0, 4 * scale, 300, rng.normal(3.0, 2.0, heads[0]).astype(np.float32))):
-        out = poisoned((total, heads[0], D_VO), np_dtype(dtype), 3)
-        lse = poisoned((total, heads[0]), np.float32, 3)
         attn = _wgmma_attention(dtype, heads, q_lens, kv_lens, table, sm_scale=float(sm_scale), logits_soft_cap=cap,
                                 window=window)
-        attn.run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total],
-                 sinks=None if sinks is None else cupy.asarray(sinks))
         ref, ref_lse = _reference(q_host, k_host, v_host, q_lens, kv_lens, table, sm_scale=sm_scale, soft_cap=cap,
                                   window=window, sinks=sinks)
-        check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse, poison=POISON,
-                                label=f"seed={seed} wgmma qk/vo cap {cap} window {window} sinks {sinks is not None}")
-        print(check.summary())
-        check.assert_ok()
+        _run_checked(attn, dtype, heads, q_host, cache, q_lens, ref, ref_lse,
+                     f"seed={seed} wgmma qk/vo cap {cap} window {window} sinks {sinks is not None}", sinks=sinks)
 
 
 @pytest.mark.usefixtures("needs_sm90")
