@@ -23,7 +23,7 @@ from .._instance import PlannedInstance, checked_capacity, checked_workspace
 from ..families import mla as family
 from . import schedule as _schedule
 from .cache import PagedLatentCache, check_rows
-from .launch import launch_step
+from .launch import launch_step, step_kernels
 from .plan import MlaPlanState, plan_buffers, plan_params
 
 DEFAULT_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's qk head (nope 128 + rope 64) before absorption
@@ -159,18 +159,13 @@ class MLAAttention(PlannedInstance):
                                   page_table_stride=page_table_stride)
 
     def _load(self, plan_kernel, sched, num_tokens):
-        """The plan kernel and every kernel ``sched`` may launch, those missing on this device compiled
-        at once (``_build.load_all``: a first call waits for its slowest kernel, not for their sum); the
-        merge's shape follows the step's tokens, both shapes where they are known only at run."""
-        merge = ()
-        if sched.needs_merge:
-            merge = ((_schedule.merge_shape(num_tokens, self.num_heads),) if num_tokens is not None
-                     else (_schedule.MERGE_WIDE, _schedule.MERGE_DEEP))
-        key = (tuple(launch.tile for launch in sched.launches), merge)
-        if key != self._loaded:
-            _build.load_all([plan_kernel] + [family.kernel(self.dtype_name, tile) for tile in key[0]]
-                            + [family.merge_kernel(self.dtype_name, shape) for shape in merge], self.device_id)
-            self._loaded = key
+        """The plan kernel and every kernel ``sched`` may launch (``launch.step_kernels``), those missing
+        on this device compiled at once (``_build.load_all``: a first call waits for its slowest kernel,
+        not for their sum)."""
+        kernels = [plan_kernel] + step_kernels(sched, self.dtype_name, self.num_heads, num_tokens)
+        if kernels != self._loaded:
+            _build.load_all(kernels, self.device_id)
+            self._loaded = kernels
 
     # ---- run --------------------------------------------------------------------------
 

@@ -31,6 +31,17 @@ def attention_params(state, buffers, launch, num_heads, head_div, cache, q, out,
         num_tokens=num_tokens, mask_entries=state.mask_entries, **cache.kernel_fields())
 
 
+def step_kernels(sched, dtype_name, num_heads, num_tokens):
+    """Every kernel :func:`launch_step` may launch for ``sched``: each launch's, then the merge's at the
+    step's shape (both shapes where ``num_tokens`` is None: device lengths, known only at run)."""
+    kernels = [family.kernel(dtype_name, launch.tile) for launch in sched.launches]
+    if sched.needs_merge:
+        shapes = ((_schedule.merge_shape(num_tokens, num_heads),) if num_tokens is not None
+                  else (_schedule.MERGE_WIDE, _schedule.MERGE_DEEP))
+        kernels += [family.merge_kernel(dtype_name, shape) for shape in shapes]
+    return kernels
+
+
 def launch_step(state, buffers, num_heads, dtype_name, cache, q, out, lse, num_tokens, stream):
     """Every kernel of a planned step on ``stream``: nothing for an empty step."""
     sched = state.schedule
