@@ -39,7 +39,7 @@ import sys
 import tempfile
 
 FIRST_CALLS = r"""
-import json, sys, time
+import cProfile, io, json, os, pstats, sys, time
 import numpy as np
 t0 = time.perf_counter()
 import cupy
@@ -82,11 +82,18 @@ for name in sys.argv[1].split(","):
     q_lens, kv_lens = STEPS[name]
     q, cache, table = case(q_lens, kv_lens)
     cupy.cuda.Device().synchronize()
+    profile = cProfile.Profile() if os.environ.get("COLD_PROFILE") and not out.get("profile") else None
     start = time.perf_counter()
+    profile and profile.enable()
     attn = cupy_fa.BatchAttention(32, 8, 128, "float16")
     attn.plan(q_lens, kv_lens, table).run(q, cache)
     cupy.cuda.Device().synchronize()
     out[name + "_s"] = time.perf_counter() - start
+    if profile:  # where the process's first call spends its time (COLD_PROFILE=1)
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(28)
+        out["profile"] = name + ": " + text.getvalue()
     out[name + "_families"] = [families.family_of(x.tile).name for x in attn.planned.schedule.launches]
 print("RESULT " + json.dumps(out))
 """
@@ -201,6 +208,9 @@ def main(argv=None):
         print(f"    {source:22s} {n:3d} kernels                      {s:7.2f}   ({s / n:.2f} s each)")
     print(f"  warmup() again in that process                        {cold['again_in_process_s']:7.2f}")
     print(f"  warmup() in a new process, warm disk cache            {warm['warm_s']:7.2f}")
+    for result in (first, decode_first, mla_first):
+        if result.get("profile"):  # COLD_PROFILE=1: the first call's profile, by cumulative time
+            print("\nprofile of the process's first call, " + result["profile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"first_calls": first, "decode_first": decode_first, "mla_first": mla_first,
