@@ -105,6 +105,17 @@ for stage in ${STAGES:-suite}; do
       timeout ${COLD_SECONDS:-150} python3 scripts/cold_compile.py --no-serial --json "$OUT/cold.json" > "$OUT/cold.txt" 2>&1
       echo "cold exit $?" | tee -a "$OUT/summary.txt"
       tail -n 16 "$OUT/cold.txt" | tee -a "$OUT/summary.txt" ;;
+    ncu-mla)  # where the 128-head seesaw kernel's warps wait (decode B=64 L=4096): full set + SASS stall samples
+      stamp "ncu mla: ${NCU_MLA_CELL:-decode B=64 L=4096 H=128}"
+      timeout ${NCU_SECONDS:-240} ncu --clock-control none -k regex:mla_wgmma_kernel -s 2 -c 1 --set full \
+        --import-source no -f -o /tmp/ncu_mla python3 -m bench.mla --only "${NCU_MLA_CELL:-decode B=64 L=4096 H=128}" \
+        --no-peers --reps 1 --launches 1 > "$OUT/ncu_mla_run.txt" 2>&1
+      echo "ncu mla exit $?" | tee -a "$OUT/summary.txt"
+      ncu --import /tmp/ncu_mla.ncu-rep --print-details all > "$OUT/ncu_mla.txt" 2>&1
+      ncu --import /tmp/ncu_mla.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_mla_sass.csv" 2>&1
+      grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Registers|Achieved Occupancy|Issue Slots|Issued Ipc|Stall|Warp Cycles Per|L2 Hit|Tensor|pipe|Eligible|No Eligible|Active Warps" \
+        "$OUT/ncu_mla.txt" | head -60 | tee -a "$OUT/summary.txt"
+      python3 lab/ncu_sass_top.py "$OUT/ncu_mla_sass.csv" 2>&1 | head -40 | tee -a "$OUT/summary.txt" ;;
     *) echo "unknown stage $stage" | tee -a "$OUT/summary.txt" ;;
   esac
 done
