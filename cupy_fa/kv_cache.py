@@ -103,7 +103,7 @@ class PagedKVCache:
 
         self._device = cupy.cuda.Device(self.device_id)  # made current by append and status
         with self._device:  # the append kernel's status word (status.cuh)
-            self._status = cupy.full(1, (1 << 64) - 1, np.uint64)
+            self._status = all_ones_word()
             if fp8:
                 self.k_scale_device = cupy.asarray(self.k_scale)
                 self.v_scale_device = cupy.asarray(self.v_scale)
@@ -288,6 +288,17 @@ def staged_slots(host, dev, num_tokens, rows_name, num_slots, device_id, stream)
     return dev
 
 
+def all_ones_word():
+    """A device uint64 word of all ones (an append status with nothing to report: status.cuh), set by
+    a memset on the current device and stream: CuPy's ``full`` would compile a CuPy kernel on a
+    machine's first use."""
+    import cupy
+
+    word = cupy.empty(1, np.uint64)
+    word.data.memset_async(0xFF, 8)
+    return word
+
+
 def read_append_status(status, device):
     """A cache's append status word (``status``, on ``device``): the first token the appends since
     the last read skipped because its slot lies past the cache (a :class:`cupy_fa.status.Status`,
@@ -297,7 +308,7 @@ def read_append_status(status, device):
     with device:
         device.synchronize()
         found = _status.read(status, "token")
-        status.fill((1 << 64) - 1)
+        status.data.memset_async(0xFF, 8)  # all ones: no token skipped (a memset: no CuPy kernel)
         device.synchronize()
     return found
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _arrays, _build
 from ..families import mla as family
-from ..kv_cache import checked_scales, page_shift, read_append_status, staged_slots
+from ..kv_cache import all_ones_word, checked_scales, page_shift, read_append_status, staged_slots
 from .. import _mla_params as _params
 
 LATENT_DIM, KV_LORA_RANK, ROPE_DIM = family.LATENT_DIM, family.VALUE_DIM, family.ROPE_DIM
@@ -81,7 +81,7 @@ class PagedLatentCache:
 
         self._device = cupy.cuda.Device(self.device_id)
         with self._device:
-            self._status = cupy.full(1, (1 << 64) - 1, np.uint64)
+            self._status = all_ones_word()
             if self.is_fp8:
                 self.scale = float(checked_scales(scale, "scale", 1)[0])
                 self.scale_device = cupy.asarray(np.array([self.scale], np.float32))
