@@ -135,6 +135,17 @@ def paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, num_tokens, head
     return table, k_host, v_host, cache, q_host
 
 
+def after_current(stream):
+    """``stream``, made to wait for what the caller's current stream has queued (the copies that made
+    a test's inputs): a non-blocking stream is not ordered after the legacy default stream, so
+    without this its kernels may read q, the cache or the lengths before their copies land (a
+    loaded GPU, e.g. pytest's parallel workers, shows it)."""
+    import cupy
+
+    stream.wait_event(cupy.cuda.get_current_stream().record())
+    return stream
+
+
 def run_planned_in_graph(attn, q_lens, kv_lens, page_table, q, cache, max_q_len, max_kv_len):
     """``attn`` planned on the device (lengths and page table as device int32 arrays, the host
     given only ``max_q_len`` / ``max_kv_len``) and run, both inside a captured CUDA graph (a first
@@ -144,7 +155,7 @@ def run_planned_in_graph(attn, q_lens, kv_lens, page_table, q, cache, max_q_len,
 
     lens = [cupy.asarray(x, np.int32) for x in (q_lens, kv_lens, page_table)]
     out = cupy.empty((q.shape[0], q.shape[1], attn.head_dim_vo), q.dtype)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = after_current(cupy.cuda.Stream(non_blocking=True))
     with stream:
         for capture in (False, True):  # the first plan sizes the buffers outside the capture
             if capture:

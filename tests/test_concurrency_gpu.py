@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from cases import new_rng
+from cases import after_current, new_rng
 from safety_cases import assert_matches, device_step, reference_of
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +26,7 @@ def batch(rng, size, long_kv=False):
 def run_step(attn, step, stream):
     import cupy
 
-    with stream:
+    with after_current(stream):  # the step's q and cache were made on the default stream
         attn.plan(step["q_lens"], step["kv_lens"], step["table"])
         out = cupy.full(step["q"].shape, np.nan, step["q"].dtype)
         attn.run(step["q"], step["cache"], out=out)
@@ -39,9 +39,9 @@ def test_two_instances_two_streams_at_once():
     import cupy_fa
 
     rng, _ = new_rng()
-    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
     attns = [cupy_fa.BatchAttention(*HEADS, D, DTYPE) for _ in range(2)]
     steps = [device_step(rng, DTYPE, HEADS, D, PAGE, *batch(rng, 24, long_kv=True)) for _ in range(2)]
+    streams = [after_current(cupy.cuda.Stream(non_blocking=True)) for _ in range(2)]  # after the steps' copies
     # one thread: both plans, then both runs, nothing synchronised in between
     with streams[0]:
         attns[0].plan(steps[0]["q_lens"], steps[0]["kv_lens"], steps[0]["table"])
