@@ -126,13 +126,15 @@ def get_function(kernel, device_id=None):
 
 def load_all(kernels, device_id):
     """Every kernel of ``kernels`` loaded on device ``device_id``, those missing from the disk cache
-    compiled at once first (``_compile.compile_many``: this process and one more process per
-    kernel, so a first call waits for its slowest kernel, not for their sum)."""
+    compiled at once first (``_compile.compile_many`` in threads of this process, one a kernel up
+    to the cores: a first call waits for its slowest kernel, not for their sum nor for a worker
+    process to start)."""
     missing = [k for k in dict.fromkeys(kernels) if (device_id, k) not in _functions]
     if len(missing) > 1:
         arch = loadable_arch(device_id)
         missing.sort(key=lambda k: k.source.startswith("shared/"))  # the attention kernels (the slowest) first
-        _compile.compile_many(missing, arch, jobs=min(len(missing), _compile.default_jobs()), progress=False)
+        _compile.compile_many(missing, arch, jobs=min(len(missing), _compile.default_jobs()), progress=False,
+                              processes=False)
     for kernel in missing:
         get_function(kernel, device_id)
 

@@ -246,10 +246,13 @@ def default_jobs():
         return os.cpu_count() or 1
 
 
-def compile_many(kernels, arch, jobs=None, progress=None):
+def compile_many(kernels, arch, jobs=None, progress=None, processes=True):
     """Puts every kernel's cubin for ``arch`` in the disk cache, compiling the missing ones in
-    ``jobs`` worker processes at once (default: every core this process may use; NVRTC needs no
-    device, and the workers never touch CUDA). ``progress``: ``True`` for a progress line on
+    ``jobs`` workers at once (default: every core this process may use; NVRTC needs no device, and
+    the workers never touch CUDA): this process and ``jobs - 1`` worker processes, or with
+    ``processes=False`` ``jobs`` threads of this process (NVRTC compiles separate programs in
+    threads at once: no worker process to start, which a first call's few kernels would wait
+    for). ``progress``: ``True`` for a progress line on
     stderr, ``False`` for none, ``None`` for one when stderr is a terminal, or a callable
     ``progress(done, total, kernel, status)``. Returns ``{"kernels", "compiled", "cached",
     "seconds", "directory", "stored", "jobs"}``. A directory that cannot be written: the cubins
@@ -293,7 +296,7 @@ def compile_many(kernels, arch, jobs=None, progress=None):
         for kernel, task in tasks:
             finished(kernel, task, *_build_entry(task))
     else:
-        _run_workers(tasks, workers, finished)
+        _run_workers(tasks, workers, finished, processes)
     report(None, None, None)
     return {"kernels": len(kernels), "compiled": counts["compiled"] + counts["memory"], "cached": counts["loaded"],
             "seconds": time.perf_counter() - start, "directory": directory, "stored": store, "jobs": max(workers, 1)}
@@ -326,9 +329,10 @@ def _worker_main():
         sys.stdout.flush()
 
 
-def _run_workers(tasks, workers, finished):
+def _run_workers(tasks, workers, finished, processes=True):
     """Runs ``tasks`` ((kernel, task) pairs) on ``workers`` workers: this process (a thread
-    compiling in it) and ``workers - 1`` processes, one thread of this process feeding each;
+    compiling in it) and ``workers - 1`` processes, one thread of this process feeding each (or,
+    ``processes=False``, ``workers`` threads compiling in this process);
     ``finished(kernel, task, status, lowered, cubin)`` is called under a lock as each one ends. The
     first failure is raised (naming the kernel) once every worker has stopped."""
     import base64
@@ -380,7 +384,7 @@ def _run_workers(tasks, workers, finished):
             proc.wait()
 
     # the processes first (they take a moment to start), then this process's own worker
-    threads = [threading.Thread(target=feed, daemon=True) for _ in range(workers - 1)]
+    threads = [threading.Thread(target=feed if processes else local, daemon=True) for _ in range(workers - 1)]
     threads.append(threading.Thread(target=local, daemon=True))
     for t in threads:
         t.start()

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -239,10 +240,35 @@ def test_compile_many_in_worker_processes(cache, monkeypatch):
     assert len(compiles) == 1  # what the worker process wrote is what this process loads
 
 
-def test_compile_many_reports_a_failing_variant(cache):
+def test_compile_many_in_threads(cache, monkeypatch):
+    """processes=False (a first call's load_all): every kernel compiles in a thread of this process,
+    at once (two held until both have started), and no worker process is started."""
+    directory, compiles = cache
+    started, both = [], threading.Barrier(2, timeout=120)
+    real = _compile._build_entry
+
+    def held(task):  # each of the two threads waits here until the other one has started too
+        started.append(task["key"])
+        both.wait()
+        return real(task)
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("compile_many(processes=False) started a process")
+
+    monkeypatch.setattr(_compile, "_build_entry", held)
+    monkeypatch.setattr(_compile.subprocess, "Popen", no_process)
+    summary = _compile.compile_many([SMALL, SMALL_BF16], "sm_90a", jobs=2, progress=False, processes=False)
+    monkeypatch.setattr(_compile, "_build_entry", real)
+    assert summary["compiled"] == 2 and summary["jobs"] == 2 and len(started) == 2
+    assert len(compiles) == 2  # both here
+    assert entries(directory) == sorted(key_of(v) + ".cubin" for v in (SMALL, SMALL_BF16))
+
+
+@pytest.mark.parametrize("processes", [True, False])
+def test_compile_many_reports_a_failing_variant(cache, processes):
     broken = _compile.Kernel("shared/merge_states.cu", "cupy_fa::no_such_kernel<int>", 64)
     with pytest.raises(RuntimeError, match="no_such_kernel"):
-        _compile.compile_many([SMALL, broken], "sm_90a", jobs=2, progress=False)
+        _compile.compile_many([SMALL, broken], "sm_90a", jobs=2, progress=False, processes=processes)
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(jobs=0), "jobs"), (dict(jobs=1.5), "jobs"), (dict(jobs=True), "jobs"),
