@@ -103,14 +103,18 @@ struct SeesawRole {
     return x;
   }
 
-  // S = Q K^T of the block in buffer b (issue only): 36 k16 steps over the 576 columns
-  __device__ __forceinline__ void issue_scores(int b) {
+  // S = Q K^T of the block in buffer b once it is there (the fill of pair `pair`; issue only): 36 k16
+  // steps over the 576 columns, the first 16 (the low half's 256 columns) as soon as that half is in,
+  // before the wait for the high half
+  __device__ __forceinline__ void issue_scores(int b, int pair) {
     // (the descriptors through opaque moves: hoisted out of the pair loop, their 36 steps would take 72
     // registers the accumulators need)
     const sm90::u64 q_desc = opaque(sm90::kmajor_desc(base + SeesawSmem::kQ)), k_desc = opaque(sm90::kmajor_desc(buffer(b)));
+    mbar::wait(full_bar(b, 0), pair & 1);
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kLatentDim / 16; ++kk) {
+      if (kk == kLowHalfColumns / 16) mbar::wait(full_bar(b, 1), pair & 1), sm90::wgmma_fence();
       sm90::Wgmma<64, T>::ss_kk(s, sm90::desc_at(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
                                 sm90::desc_at(k_desc, sm90::kmajor_step<kBlockRows>(kk)), kk > 0);
     }
@@ -134,12 +138,6 @@ struct SeesawRole {
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) asm volatile("" ::"r"(frag[i][j]) : "memory");
-  }
-
-  __device__ __forceinline__ void wait_full(int b, int pair) {
-    const int parity = pair & 1;
-    mbar::wait(full_bar(b, 0), parity);
-    mbar::wait(full_bar(b, 1), parity);
   }
 
   // -inf for keys past the split or that a row may not see (the blocks that need it)
@@ -301,8 +299,7 @@ struct SeesawRole {
       if (wg == 1) sm90::named_sync(kBarP1Read, 256);  // (every pair: the barrier alternates strictly)
       if (more) {
         fill(1, 2 * i + 3, wg);
-        wait_full(wg, i + 1);
-        issue_scores(wg);
+        issue_scores(wg, i + 1);
       }
     }
     sm90::wgmma_wait<0>();  // none in flight past the loop (ptxas cannot tell the last pair issued none)

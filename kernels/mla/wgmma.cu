@@ -55,8 +55,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   mbar::wait(base + SeesawSmem::kBars, 0);
   if (role.num_blocks > 0) {
-    role.wait_full(wg, 0);
-    role.issue_scores(wg);
+    role.issue_scores(wg, 0);
     role.run(wg);
   }
 

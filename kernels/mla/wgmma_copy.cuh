@@ -25,6 +25,7 @@ constexpr int kBlockRows = 64;                  // query rows and keys of a wgmm
 constexpr int kColumnBlockBytes = kBlockRows * 128;  // one 64-column swizzled block
 constexpr int kLatentBlocks = kLatentDim / 64;  // 9 column blocks a 576-column tile
 constexpr int kTileBytes64 = kLatentBlocks * kColumnBlockBytes;  // a 64 x 576 tile: 73728 bytes
+constexpr int kLowHalfColumns = 256;            // a K buffer's low half (fill_half<0>): column blocks 0 .. 3
 
 __device__ __forceinline__ void cp_async_shared(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
@@ -46,30 +47,37 @@ __device__ __forceinline__ void copy_q_block(const MlaParams& p, const Work& w, 
 }
 
 // One half of key block `block` (keys kv_begin + 64 block ..) into the K buffer at buf_addr, by the
-// 128 threads of one warpgroup (wtid its thread): HALF 0 the chunks 0 .. 31 of each row (one key a
-// warp per step: 512 contiguous bytes), HALF 1 the chunks 32 .. 71 (chunks 32 .. 63 likewise, then
-// the 8 rope chunks, four keys a warp per step). Then each thread's copies arrive on `full`.
+// 128 threads of one warpgroup (wtid its thread): HALF 0 the column blocks 0 .. 3 (V's left half and
+// K's first 256 columns), HALF 1 the column blocks 4 .. 8 (V's right half, the rest of K, the rope
+// part). A thread copies the same four keys in every column block (keys wtid / 8 + 16 j, chunk
+// wtid % 8 of the block: eight threads a 128-byte row segment), so it looks up their four slots once,
+// together, before its first copy, and the copies go column block by column block. Then each
+// thread's copies arrive on `full`.
 template <int HALF>
 __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, unsigned buf_addr, int block,
                                           unsigned full, int wtid, int* flag) {
+  constexpr int ROW_BYTES = 2 * kLatentDim, KEYS = kBlockRows / 16;
+  constexpr int FIRST = HALF == 0 ? 0 : kLowHalfColumns / 64, LAST = HALF == 0 ? kLowHalfColumns / 64 : kLatentBlocks;  // column blocks [FIRST, LAST)
   const char* cache = static_cast<const char*>(p.cache);
   const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
-  const int key0 = w.kv_begin + block * kBlockRows;
-  constexpr int ROW_BYTES = 2 * kLatentDim;
+  const int key_in0 = wtid >> 3, chunk = wtid & 7;
+  const int key0 = w.kv_begin + block * kBlockRows + key_in0;
   bool out = false;
-  auto copy = [&](int key_in, int chunk) {
-    const int key = key0 + key_in;
-    const bool valid = key < w.kv_end;
-    const i64 slot = valid ? slot_of(p, page_row, key, out) : 0;
-    cp_async_shared(buf_addr + sm90::swizzled_offset<kBlockRows>(key_in, chunk), cache + slot * ROW_BYTES + chunk * 16,
-                    valid);
-  };
-  const int warp = wtid >> 5, lane = wtid & 31;
-#pragma unroll 4
-  for (int i = 0; i < kBlockRows / 4; ++i) copy(warp + 4 * i, 32 * HALF + lane);
-  if constexpr (HALF == 1) {
+  const char* src[KEYS];
+  bool valid[KEYS];
 #pragma unroll
-    for (int i = 0; i < kBlockRows * 8 / 128; ++i) copy(16 * i + (wtid >> 3), 64 + (wtid & 7));
+  for (int j = 0; j < KEYS; ++j) {
+    const int key = key0 + 16 * j;
+    valid[j] = key < w.kv_end;
+    src[j] = cache + (valid[j] ? slot_of(p, page_row, key, out) : 0) * ROW_BYTES + chunk * 16;
+  }
+#pragma unroll
+  for (int c = FIRST; c < LAST; ++c) {
+#pragma unroll
+    for (int j = 0; j < KEYS; ++j) {
+      cp_async_shared(buf_addr + sm90::swizzled_offset<kBlockRows>(key_in0 + 16 * j, 8 * c + chunk), src[j] + c * 128,
+                      valid[j]);
+    }
   }
   if (out) *flag = 1;
   mbar::cp_async_arrive_noinc(full);
