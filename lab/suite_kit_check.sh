@@ -117,9 +117,9 @@ for stage in ${STAGES:-suite}; do
         "$OUT/ncu_mla.txt" | head -60 | tee -a "$OUT/summary.txt"
       python3 lab/ncu_sass_top.py "$OUT/ncu_mla_sass.csv" 2>&1 | head -40 | tee -a "$OUT/summary.txt" ;;
     ab-mla-trees)  # the MLA bench (ours) in exp/base (a copy of another revision, carried) and here, interleaved
-      stamp "ab mla trees: exp/base vs . (${AB_MLA_ONLY:-H=128})"
+      stamp "ab mla trees: ${AB_MLA_TREES:-exp/base .} (${AB_MLA_ONLY:-H=128})"
       for round in 1 2; do
-        for tree in exp/base .; do
+        for tree in ${AB_MLA_TREES:-exp/base .}; do
           (cd $tree && PYTHONPATH=$PWD timeout ${AB_MLA_SECONDS:-90} python3 -m bench.mla --only "${AB_MLA_ONLY:-H=128}" \
             --no-peers 2>&1 | grep -E "^(decode|verify|fp8)" | cut -c1-120 | sed "s|^|r$round $tree: |") | tee -a "$OUT/summary.txt"
         done

@@ -103,7 +103,7 @@ class MlaWgmmaTile:
         """SeesawSmem::kAllocBytes: Q and two K buffers of 64 x 576, the exchanges and barriers, and
         1024 bytes of slack to align the tiles (the 128-byte swizzle's period)."""
         tile = WGMMA_BLOCK * LATENT_DIM * 2
-        return 3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + 5 * 8 + 8 + 1024
+        return 3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + (1 + 2 * 9) * 8 + 8 + 1024  # barriers: q_full, 9 a buffer
 
     def checks(self):
         return (f"cupy_fa::mla::SeesawSmem::kAllocBytes == {self.smem_bytes}",)

@@ -24,7 +24,8 @@
 //
 // The K buffers are refilled for the next pair as soon as their last reader is done with each half
 // (kernels/mla/wgmma_copy.cuh): buffer 0's low half after O_L += P0 V0_L, its high half after
-// O_R += P0 V0_R; buffer 1's after the P1 products. S of a block never waits for more than that.
+// O_R += P0 V0_R; buffer 1's after the P1 products. S of a block never waits for more than that,
+// and takes each 64-column block as soon as it is in (a barrier a column block).
 //
 // Batch invariance: a row's arithmetic depends on its own queries, its keys and the fixed block
 // positions from its split's first key only (rows never mix in wgmma, a masked key adds an exact
@@ -54,8 +55,8 @@ struct SeesawSmem {
   static constexpr int kM0 = 3 * kTileBytes64;                  // float2 [128]: warpgroup 0's offsets
   static constexpr int kM1 = kM0 + 128 * 8;                     // warpgroup 1's
   static constexpr int kL = kM1 + 128 * 8;                      // float2 [2][128]: the sums at the end
-  static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][half]
-  static constexpr int kFlag = kBars + 5 * 8;
+  static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][column block]
+  static constexpr int kFlag = kBars + (1 + 2 * kLatentBlocks) * 8;
   static constexpr int kBytes = kFlag + 8;
   static constexpr int kAllocBytes = kBytes + 1024;             // the tiles start on a 1024-byte boundary
   static_assert(kAllocBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
@@ -93,7 +94,8 @@ struct SeesawRole {
   }
 
   __device__ __forceinline__ unsigned buffer(int b) const { return base + (b ? SeesawSmem::kK1 : SeesawSmem::kK0); }
-  __device__ __forceinline__ unsigned full_bar(int b, int half) const { return base + SeesawSmem::kBars + 8 * (1 + 2 * b + half); }
+  // buffer b's barriers, one a column block (its filling warpgroup's 128 threads arrive on each)
+  __device__ __forceinline__ unsigned full_bars(int b) const { return base + SeesawSmem::kBars + 8 * (1 + kLatentBlocks * b); }
   __device__ __forceinline__ int* flag() const {
     return reinterpret_cast<int*>(__cvta_shared_to_generic(base + SeesawSmem::kFlag));
   }
@@ -103,18 +105,15 @@ struct SeesawRole {
     return x;
   }
 
-  // S = Q K^T of the block in buffer b once it is there (the fill of pair `pair`; issue only): 36 k16
-  // steps over the 576 columns, the first 16 (the low half's 256 columns) as soon as that half is in,
-  // before the wait for the high half
+  // S = Q K^T of the block in buffer b as it comes in (the fill of pair `pair`; issue only): 36 k16
+  // steps over the 576 columns, each 64-column block's four as soon as that block is in
   __device__ __forceinline__ void issue_scores(int b, int pair) {
     // (the descriptors through opaque moves: hoisted out of the pair loop, their 36 steps would take 72
     // registers the accumulators need)
     const sm90::u64 q_desc = opaque(sm90::kmajor_desc(base + SeesawSmem::kQ)), k_desc = opaque(sm90::kmajor_desc(buffer(b)));
-    mbar::wait(full_bar(b, 0), pair & 1);
-    sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kLatentDim / 16; ++kk) {
-      if (kk == kLowHalfColumns / 16) mbar::wait(full_bar(b, 1), pair & 1), sm90::wgmma_fence();
+      if (kk % 4 == 0) mbar::wait(full_bars(b) + 8 * (kk / 4), pair & 1), sm90::wgmma_fence();
       sm90::Wgmma<64, T>::ss_kk(s, sm90::desc_at(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
                                 sm90::desc_at(k_desc, sm90::kmajor_step<kBlockRows>(kk)), kk > 0);
     }
@@ -315,8 +314,8 @@ struct SeesawRole {
 
   // this warpgroup's half of buffer b for key block `block`
   __device__ __forceinline__ void fill(int b, int block, int wg) {
-    if (wg == 0) fill_half<0>(p, w, buffer(b), block, full_bar(b, 0), wtid, flag());
-    else fill_half<1>(p, w, buffer(b), block, full_bar(b, 1), wtid, flag());
+    if (wg == 0) fill_half<0>(p, w, buffer(b), block, full_bars(b), wtid, flag());
+    else fill_half<1>(p, w, buffer(b), block, full_bars(b), wtid, flag());
   }
 };
 

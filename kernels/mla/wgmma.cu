@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   if (tid == 0) {
     mbar::init(base + SeesawSmem::kBars, 256);  // q_full: every thread's copies of Q
 #pragma unroll
-    for (int i = 1; i < 5; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][half]
+    for (int i = 1; i <= 2 * kLatentBlocks; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][block]
     *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kFlag) = 0;
     mbar::init_fence();
   }
@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-      if (wg == 0) fill_half<0>(p, w, role.buffer(b), b, role.full_bar(b, 0), wtid, role.flag());
-      else fill_half<1>(p, w, role.buffer(b), b, role.full_bar(b, 1), wtid, role.flag());
+      if (wg == 0) fill_half<0>(p, w, role.buffer(b), b, role.full_bars(b), wtid, role.flag());
+      else fill_half<1>(p, w, role.buffer(b), b, role.full_bars(b), wtid, role.flag());
     }
   }
   mbar::wait(base + SeesawSmem::kBars, 0);

@@ -6,10 +6,11 @@
 // A K buffer is filled in two halves, each by the warpgroup that is the last to read it, as soon as
 // it is done with it (kernels/mla/seesaw.cuh): the low half (columns 0 .. 255: V's left half, and
 // the first 256 columns of K) by warpgroup 0, the high half (columns 256 .. 575: V's right half
-// and the rest of K, the rope part included) by warpgroup 1. Each half completes its own mbarrier
-// (128 arrivals: each thread's cp.async.mbarrier.arrive.noinc); the warpgroup that computes S on
-// the buffer waits for both. Keys past the CTA's range are zero-filled (so a masked key's V row is
-// 0, never stale or NaN); a page id outside the cache is clamped into it and flags the CTA.
+// and the rest of K, the rope part included) by warpgroup 1. Each 64-column block completes its own
+// mbarrier (128 arrivals: each thread's cp.async.mbarrier.arrive.noinc), so the warpgroup that
+// computes S on the buffer starts on a block as soon as that block is in. Keys past the CTA's range
+// are zero-filled (so a masked key's V row is 0, never stale or NaN); a page id outside the cache is
+// clamped into it and flags the CTA.
 #pragma once
 
 #include "shared/common.cuh"
@@ -51,8 +52,8 @@ __device__ __forceinline__ void copy_q_block(const MlaParams& p, const Work& w, 
 // K's first 256 columns), HALF 1 the column blocks 4 .. 8 (V's right half, the rest of K, the rope
 // part). A thread copies the same four keys in every column block (keys wtid / 8 + 16 j, chunk
 // wtid % 8 of the block: eight threads a 128-byte row segment), so it looks up their four slots once,
-// together, before its first copy, and the copies go column block by column block. Then each
-// thread's copies arrive on `full`.
+// together, before its first copy, and the copies go column block by column block, each thread's
+// copies of block c arriving on the buffer's barrier c (`full` + 8 c) once they are done.
 template <int HALF>
 __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, unsigned buf_addr, int block,
                                           unsigned full, int wtid, int* flag) {
@@ -78,9 +79,9 @@ __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, uns
       cp_async_shared(buf_addr + sm90::swizzled_offset<kBlockRows>(key_in0 + 16 * j, 8 * c + chunk), src[j] + c * 128,
                       valid[j]);
     }
+    mbar::cp_async_arrive_noinc(full + 8 * c);
   }
   if (out) *flag = 1;
-  mbar::cp_async_arrive_noinc(full);
 }
 
 }  // namespace mla
