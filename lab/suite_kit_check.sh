@@ -2,13 +2,16 @@
 # One bounded GPU call (2026-12-05): any of the GPU suite (scripts/device_check.sh tests), SGLang's kit
 # over the matrix for one backend (kit-cupy, kit-triton) or its MLA method (kit-mla), the wgmma A/B
 # (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
-# and its split sizes (mla), host time per call (host), first calls over empty caches (cold). Stages
+# and its split sizes (mla), host time per call (host), first calls over empty caches (cold; COLD_PROFILE=1
+# adds a cProfile of each first call), ncu of the 128-head MLA seesaw kernel (ncu-mla), the MLA bench
+# over copies of other revisions, interleaved (ab-mla-trees: AB_MLA_TREES, AB_MLA_ONLY). Stages
 # run in the order given; each is bounded by `timeout`, and the
 # logs go to $OUT as one archive (logs.tgz) beside summary.txt.
 # Usage, from the repository root (carry .sgl for the suite / kit / sglang stages, .fi for fi / mla):
 #   STAGES="suite kit-cupy ab" bash lab/suite_kit_check.sh
 # Knobs: TEST_SECONDS (suite's pytest, 340: about 275 s on an H100 with 8 workers), KIT_CONFIGS, KIT_BUDGET (s, 120), AB_ONLY (cap50,fp8),
-# AB_SECONDS (100), BENCH_CELLS (fi), FI_SECONDS (200), TESTS (stage "tests": pytest files), HOST_CELLS,
+# AB_SECONDS (100), BENCH_CELLS (fi), FI_SECONDS (420: FlashInfer's JIT builds take 76-86 s a cell on the
+# device image, 2026-12-06), TESTS (stage "tests": pytest files), HOST_CELLS,
 # HOST_FI (1: FlashInfer's run beside ours), HOST_SECONDS (150).
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -87,7 +90,7 @@ for stage in ${STAGES:-suite}; do
     fi)
       fi_site
       stamp "bench beside FlashInfer: ${BENCH_CELLS:-}"
-      PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout ${FI_SECONDS:-200} python3 -m bench \
+      PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout ${FI_SECONDS:-420} python3 -m bench \
         ${BENCH_CELLS:-prefill_b4_l4096 prefill_b4_l4096_cap50 prefill_b4_l4096_fp8} --page-size 16 --quick --no-plot \
         --out "$OUT/bench" > "$OUT/bench.txt" 2>&1
       echo "bench exit $?" | tee -a "$OUT/summary.txt"
