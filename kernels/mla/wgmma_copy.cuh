@@ -26,7 +26,7 @@ constexpr int kBlockRows = 64;                  // query rows and keys of a wgmm
 constexpr int kColumnBlockBytes = kBlockRows * 128;  // one 64-column swizzled block
 constexpr int kLatentBlocks = kLatentDim / 64;  // 9 column blocks a 576-column tile
 constexpr int kTileBytes64 = kLatentBlocks * kColumnBlockBytes;  // a 64 x 576 tile: 73728 bytes
-constexpr int kLowHalfColumns = 256;            // a K buffer's low half (fill_half<0>): column blocks 0 .. 3
+constexpr int kLowHalfBlocks = 4;               // a K buffer's low half (fill_half<0>): column blocks 0 .. 3
 
 __device__ __forceinline__ void cp_async_shared(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
@@ -58,7 +58,7 @@ template <int HALF>
 __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, unsigned buf_addr, int block,
                                           unsigned full, int wtid, int* flag) {
   constexpr int ROW_BYTES = 2 * kLatentDim, KEYS = kBlockRows / 16;
-  constexpr int FIRST = HALF == 0 ? 0 : kLowHalfColumns / 64, LAST = HALF == 0 ? kLowHalfColumns / 64 : kLatentBlocks;  // column blocks [FIRST, LAST)
+  constexpr int FIRST = HALF == 0 ? 0 : kLowHalfBlocks, LAST = HALF == 0 ? kLowHalfBlocks : kLatentBlocks;  // column blocks
   const char* cache = static_cast<const char*>(p.cache);
   const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
   const int key_in0 = wtid >> 3, chunk = wtid & 7;
