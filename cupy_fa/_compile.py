@@ -383,7 +383,7 @@ def _run_workers(tasks, workers, finished, processes=True):
                 proc.stdin.close()
             proc.wait()
 
-    # the processes first (they take a moment to start), then this process's own worker
+    # the feeding threads first (their processes take a moment to start), then this process's own worker
     threads = [threading.Thread(target=feed if processes else local, daemon=True) for _ in range(workers - 1)]
     threads.append(threading.Thread(target=local, daemon=True))
     for t in threads:

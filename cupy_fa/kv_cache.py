@@ -288,15 +288,18 @@ def staged_slots(host, dev, num_tokens, rows_name, num_slots, device_id, stream)
     return dev
 
 
-def all_ones_word():
-    """A device uint64 word of all ones (an append status with nothing to report: status.cuh), set by
-    a memset on the current device and stream: CuPy's ``full`` would compile a CuPy kernel on a
-    machine's first use."""
-    import cupy
-
-    word = cupy.empty(1, np.uint64)
+def clear_status(word):
+    """Sets an append status word (a device uint64) to all ones, nothing to report (status.cuh), by a
+    memset on the current stream: CuPy's ``fill`` would compile a CuPy kernel on a machine's first use."""
     word.data.memset_async(0xFF, 8)
     return word
+
+
+def all_ones_word():
+    """A new append status word on the current device, cleared (:func:`clear_status`)."""
+    import cupy
+
+    return clear_status(cupy.empty(1, np.uint64))
 
 
 def read_append_status(status, device):
@@ -308,7 +311,7 @@ def read_append_status(status, device):
     with device:
         device.synchronize()
         found = _status.read(status, "token")
-        status.data.memset_async(0xFF, 8)  # all ones: no token skipped (a memset: no CuPy kernel)
+        clear_status(status)
         device.synchronize()
     return found
 

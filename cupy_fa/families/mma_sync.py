@@ -265,4 +265,4 @@ def kernel(types, tile):
     """The compiled kernel of ``tile`` for element types ``types`` (a ``common.ElementTypes``)."""
     q, kv, out = types.ctypes()
     return _compile.Kernel(MMA_SYNC.source, f"{MMA_SYNC.kernel}<{q}, {kv}, {out}, {tile.traits()}>", tile.threads,
-                         tile.smem_bytes, tile.checks())
+                           tile.smem_bytes, tile.checks())

@@ -108,7 +108,7 @@ class MlaSchedule:
     """A planned MLA step: the launch of each class (None where the step has none) and the merge."""
     small: Launch | None
     long: Launch | None
-    needs_merge: bool
+    needs_merge: bool    # merge_kernel after the launches
     partial_rows: int | None = None  # host lengths: the rows its splits want (cupy_fa.schedule.wanted_partial_rows)
 
     @property
