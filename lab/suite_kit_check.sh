@@ -4,7 +4,8 @@
 # (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
 # and its split sizes (mla), host time per call (host), first calls over empty caches (cold; COLD_PROFILE=1
 # adds a cProfile of each first call), ncu of the 128-head MLA seesaw kernel (ncu-mla), the MLA bench
-# over copies of other revisions, interleaved (ab-mla-trees: AB_MLA_TREES, AB_MLA_ONLY). Stages
+# over copies of other revisions, interleaved (ab-mla-trees: AB_MLA_TREES, AB_MLA_ONLY, AB_MLA_ROUNDS), the GPU
+# tests of such a copy (tree-tests: TREE, TESTS), the EAGLE draft chain probe (eagle-probe). Stages
 # run in the order given; each is bounded by `timeout`, and the
 # logs go to $OUT as one archive (logs.tgz) beside summary.txt.
 # Usage, from the repository root (carry .sgl for the suite / kit / sglang stages, .fi for fi / mla):
@@ -121,12 +122,25 @@ for stage in ${STAGES:-suite}; do
       python3 lab/ncu_sass_top.py "$OUT/ncu_mla_sass.csv" 2>&1 | head -40 | tee -a "$OUT/summary.txt" ;;
     ab-mla-trees)  # the MLA bench (ours) in exp/base (a copy of another revision, carried) and here, interleaved
       stamp "ab mla trees: ${AB_MLA_TREES:-exp/base .} (${AB_MLA_ONLY:-H=128})"
-      for round in 1 2; do
+      for round in $(seq ${AB_MLA_ROUNDS:-2}); do
         for tree in ${AB_MLA_TREES:-exp/base .}; do
           (cd $tree && PYTHONPATH=$PWD timeout ${AB_MLA_SECONDS:-90} python3 -m bench.mla --only "${AB_MLA_ONLY:-H=128}" \
             --no-peers 2>&1 | grep -E "^(decode|verify|fp8)" | cut -c1-120 | sed "s|^|r$round $tree: |") | tee -a "$OUT/summary.txt"
         done
       done ;;
+    tree-tests)  # GPU tests of a carried tree (TREE, e.g. exp/epi with its tests/ and pyproject.toml): TESTS
+      stamp "tree tests: ${TREE:-.} ${TESTS:-}"
+      (cd ${TREE:-.} && PYTHONPATH=$PWD OMP_NUM_THREADS=2 timeout ${TEST_SECONDS:-150} python3 -m pytest -q -p no:cacheprovider \
+        -n 8 -m gpu --timeout 120 -rs ${TESTS:-}) > "$OUT/tree_tests.log" 2>&1
+      echo "tree tests exit $?: $(tail -n 1 "$OUT/tree_tests.log")" | tee -a "$OUT/summary.txt"
+      grep -E "^(FAILED|ERROR)" "$OUT/tree_tests.log" | head -20 | tee -a "$OUT/summary.txt" ;;
+    eagle-probe)  # SGLang's MLA EAGLE draft chain case alone, attention calls eager against graph (lab/eagle_chain_probe.py)
+      sgl_site
+      stamp "eagle probe"
+      PYTHONPATH=/tmp/sgl-site:$PWD OPENBLAS_NUM_THREADS=1 timeout ${PROBE_SECONDS:-150} python3 lab/eagle_chain_probe.py \
+        > "$OUT/eagle_probe.txt" 2>&1
+      echo "eagle probe exit $?" | tee -a "$OUT/summary.txt"
+      grep -E "^==|^   |Error" "$OUT/eagle_probe.txt" | cut -c1-400 | head -40 | tee -a "$OUT/summary.txt" ;;
     *) echo "unknown stage $stage" | tee -a "$OUT/summary.txt" ;;
   esac
 done
