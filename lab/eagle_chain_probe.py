@@ -41,8 +41,9 @@ def main():
     records = []
 
     def recorder(original):
-        def wrapped(self, q, k, v, layer, forward_batch, *a, **kw):
-            out = original(self, q, k, v, layer, forward_batch, *a, **kw)
+        def wrapped(self, *a, **kw):
+            out = original(self, *a, **kw)
+            q = a[0] if a else kw["q"]
             records.append((phase[0], q.shape[0], q.detach().clone(), out.detach().clone()))
             return out
         return wrapped
