@@ -50,6 +50,8 @@ class Knobs:
                                      # copies on its consumer warps (schedule.tile_for; for A/B runs)
     mla_wgmma: bool = True           # CUPY_FA_MLA_WGMMA: "0" runs every MLA step on the mma.sync tile
                                      # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
+    mla_wgmma_min_heads: int | None = None  # CUPY_FA_MLA_WGMMA_MIN_HEADS: the fewest heads whose small-q
+                                     # steps take the seesaw kernel (None: cupy_fa.mla.schedule.WGMMA_MIN_HEADS)
     mla_split_size: int | None = None  # CUPY_FA_MLA_SPLIT_SIZE: keys a split of a small-q MLA request, a
                                      # multiple of 64 (None: cupy_fa.mla.schedule.SPLIT_SIZE)
     soft_cap_tanh: str | None = None  # CUPY_FA_SOFT_CAP_TANH: approx, exact or newton, the wgmma prefill
@@ -68,6 +70,9 @@ class Knobs:
         _check(self.mla_split_size is None or (isinstance(self.mla_split_size, int) and self.mla_split_size >= 64
                                                and self.mla_split_size % 64 == 0),
                "CUPY_FA_MLA_SPLIT_SIZE", "a positive multiple of 64 keys", self.mla_split_size)
+        _check(self.mla_wgmma_min_heads is None or (isinstance(self.mla_wgmma_min_heads, int)
+                                                    and self.mla_wgmma_min_heads >= 1),
+               "CUPY_FA_MLA_WGMMA_MIN_HEADS", "a positive number of heads", self.mla_wgmma_min_heads)
         _check(self.soft_cap_tanh in (None,) + SOFT_CAP_TANH_FORMS, "CUPY_FA_SOFT_CAP_TANH",
                ", ".join(SOFT_CAP_TANH_FORMS[:-1]) + " or " + SOFT_CAP_TANH_FORMS[-1], self.soft_cap_tanh)
 
@@ -110,6 +115,7 @@ class Knobs:
                    half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
                    producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
                    mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
+                   mla_wgmma_min_heads=integer("CUPY_FA_MLA_WGMMA_MIN_HEADS", cls.mla_wgmma_min_heads),
                    mla_split_size=integer("CUPY_FA_MLA_SPLIT_SIZE", cls.mla_split_size),
                    soft_cap_tanh=(get("CUPY_FA_SOFT_CAP_TANH") or "").strip().lower() or None,
                    pdl=flag("CUPY_FA_PDL", cls.pdl), trace=flag("CUPY_FA_TRACE", cls.trace),

@@ -30,6 +30,7 @@ def test_defaults_and_parsing():
     ("CUPY_FA_SPLITS_PER_CTA", "65"), ("CUPY_FA_FOLD_SPLITS", "yes"), ("CUPY_FA_HALF_ROWS", "nope"),
     ("CUPY_FA_PRODUCER_WARP", "2"), ("CUPY_FA_PDL", "false-ish"), ("CUPY_FA_DEBUG", "enabled"),
     ("CUPY_FA_TRACE", "2"), ("CUPY_FA_SOFT_CAP_TANH", "fast"), ("CUPY_FA_MLA_SPLIT_SIZE", "100"), ("CUPY_FA_MLA_SPLIT_SIZE", "0"), ("CUPY_FA_SOFT_CAP_TANH", "1"),
+    ("CUPY_FA_MLA_WGMMA_MIN_HEADS", "0"), ("CUPY_FA_MLA_WGMMA_MIN_HEADS", "many"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):
@@ -127,5 +128,24 @@ def test_mla_split_size_moves_every_mla_split_and_the_plan_constants():
         assert list(mla_schedule.max_splits(np.array([1, 4]), np.array([4096, 4099]))) == [2, 3]
         sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=[1] * 4, kv_lens=[4096] * 4)
         assert mla_schedule.plan_constants(sched)["split_size"] == 2048
+    finally:
+        knobs.use(before)
+
+
+def test_mla_wgmma_min_heads_moves_the_small_q_tile():
+    """CUPY_FA_MLA_WGMMA_MIN_HEADS: the fewest heads whose small-q MLA steps take the seesaw kernel
+    (a 16-bit cache on sm_90a); unset, WGMMA_MIN_HEADS."""
+    from cupy_fa.families.mla import MlaMmaTile, MlaWgmmaTile
+    from cupy_fa.mla import schedule as mla_schedule
+
+    before = knobs.knobs()
+    try:
+        knobs.use(knobs.Knobs())
+        assert isinstance(mla_schedule.small_q_tile(16, False, "sm_90a"), MlaMmaTile)
+        assert isinstance(mla_schedule.small_q_tile(mla_schedule.WGMMA_MIN_HEADS, False, "sm_90a"), MlaWgmmaTile)
+        knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_WGMMA_MIN_HEADS": "16"}))
+        assert isinstance(mla_schedule.small_q_tile(16, False, "sm_90a"), MlaWgmmaTile)
+        assert isinstance(mla_schedule.small_q_tile(8, False, "sm_90a"), MlaMmaTile)
+        assert isinstance(mla_schedule.small_q_tile(16, True, "sm_90a"), MlaMmaTile)  # fp8: the mma.sync tile
     finally:
         knobs.use(before)

@@ -36,11 +36,13 @@ SPLIT_SIZE = 512          # keys a split of a small-q request (CUPY_FA_MLA_SPLIT
 MAX_SPLITS = MAX_MERGE_SPLITS
 SPLIT_ROW_BUDGET = 128
 WGMMA_MIN_HEADS = 64      # below, a decode token would leave most of a 64-row block empty
+                          # (CUPY_FA_MLA_WGMMA_MIN_HEADS: another bound, for A/B runs)
 
 
 def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
     """The tile of a step's small-q requests (the longest has ``max_q_len`` tokens)."""
-    if _wgmma(kv_fp8, arch) and num_heads >= WGMMA_MIN_HEADS:
+    min_heads = knobs().mla_wgmma_min_heads
+    if _wgmma(kv_fp8, arch) and num_heads >= (WGMMA_MIN_HEADS if min_heads is None else min_heads):
         return MlaWgmmaTile()
     rows = max(int(max_q_len), 1) * num_heads
     return MlaMmaTile(1 if rows <= 16 else 2, kv_fp8)
