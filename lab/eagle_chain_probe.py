@@ -31,7 +31,7 @@ def main():
 
     sglang_harness.prepare()
     from sglang_harness import kit_cases
-    from run_kit import parse_config
+    from sglang_harness.run_kit import parse_config
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
 
