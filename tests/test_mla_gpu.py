@@ -324,4 +324,10 @@ def test_idle_and_bad_inputs_launch_nothing():
         attn.plan([1], [20], [[0, 1]]).run(cupy.zeros((1, 16, 512), np_dtype("bfloat16")), cache, out=out)
     with pytest.raises(TypeError, match="cache must be a cupy_fa.PagedLatentCache"):
         attn.run(cupy.zeros((1, 16, 576), np_dtype("bfloat16")), object(), out=out)
+    # the seesaw kernel stores 16-byte chunks: an out 8 bytes off a 16-byte boundary is refused
+    shifted = cupy.full(16 * 512 + 4, POISON, np_dtype("bfloat16"))
+    misaligned = shifted[4:].reshape(1, 16, 512)  # (CuPy's allocations start on 256-byte boundaries)
+    with pytest.raises(ValueError, match="out must start on a 16-byte boundary"):
+        attn.run(cupy.zeros((1, 16, 576), np_dtype("bfloat16")), cache, out=misaligned)
+    assert (shifted.view(np.uint16) == cupy.full(shifted.shape, POISON, np_dtype("bfloat16")).view(np.uint16)).all()
     assert (out.view(np.uint16) == cupy.full((1, 16, 512), POISON, np_dtype("bfloat16")).view(np.uint16)).all()

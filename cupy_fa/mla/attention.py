@@ -177,7 +177,7 @@ class MLAAttention(PlannedInstance):
                 device arrays of this instance's dtype with a contiguous last dimension and 16-byte
                 aligned rows (any token and head strides). ``T = sum(q_lens)`` for host lengths.
             cache: the :class:`PagedLatentCache` this step's rows were appended to, of ``kv_dtype``.
-            out: optional ``[T, H, 512]`` destination, C-contiguous, of q's dtype; a new array
+            out: optional ``[T, H, 512]`` destination, C-contiguous and 16-byte aligned, of q's dtype; a new array
                 otherwise (in q's framework). Rows of padded requests are not written.
             lse: optional float32 ``[T, H]`` destination of the natural-log LSE; return_lse: return it.
         Returns:
@@ -226,7 +226,7 @@ class MLAAttention(PlannedInstance):
         h = self.num_heads
         if out_dev is not None:
             _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, ndim=3, shape=(num_tokens, h, 512),
-                                       device_id=self.device_id, align=8, bound=self._bound_text)
+                                       device_id=self.device_id, align=16, bound=self._bound_text)
         if lse_dev is not None:
             _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2, shape=(num_tokens, h),
                                        device_id=self.device_id, align=4, bound=self._bound_text)

@@ -20,34 +20,97 @@
 namespace cupy_fa {
 namespace mla {
 
+// a packed row's slot (row < w.rows): in out and lse for one split, in partial_out and partial_lse for several
+__device__ __forceinline__ i64 row_slot(const MlaParams& p, const Work& w, const FastDiv& by_head, int row,
+                                        int partial_base) {
+  const int token = by_head.div(row), head = by_head.mod(row);
+  if (w.splits == 1) return (i64)(w.q_start + token) * p.num_heads + head;
+  return ((i64)partial_base + (i64)token * w.splits + w.split) * p.num_heads + head;
+}
+
+template <typename OT>
+__device__ __forceinline__ OT* row_target(const MlaParams& p, const Work& w, i64 slot) {
+  return static_cast<OT*>(w.splits == 1 ? p.out : p.partial_out) + slot * kValueDim;
+}
+
+// the row's LSE from its offset m and sum l: natural log into lse (when asked) for one split, base 2
+// into partial_lse for several
+__device__ __forceinline__ void row_lse(const MlaParams& p, const Work& w, i64 slot, float m, float l, bool bad) {
+  const float nan = __int_as_float(0x7fc00000);
+  if (w.splits == 1) {
+    if (p.lse != nullptr) p.lse[slot] = bad ? nan : natural_lse(m, l);
+  } else {
+    p.partial_lse[slot] = bad ? nan : split_lse2(m, l);
+  }
+}
+
+__device__ __forceinline__ int partial_base_of(const MlaParams& p, const Work& w) {
+  return w.splits > 1 ? __ldg(p.partial_indptr + w.request) : 0;
+}
+
+// 1 / l (with an fp8 cache's scale), NaN for a bad CTA's rows
+__device__ __forceinline__ float row_inverse(float l, bool bad, float v_scale) {
+  return bad ? __int_as_float(0x7fc00000) : inverse_sum(l) * v_scale;
+}
+
+// The mma.sync tile's end: each thread stores its values straight from the accumulators.
 template <typename OT, int NB>
 __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w, const FastDiv& by_head,
                                            const float (&o)[NB][4], int row_h0, int col_base, int quad,
                                            const float (&m)[2], const float (&l)[2], bool bad, float v_scale,
                                            bool writes_lse) {
-  const float nan = __int_as_float(0x7fc00000);
-  const int partial_base = w.splits > 1 ? __ldg(p.partial_indptr + w.request) : 0;
+  const int partial_base = partial_base_of(p, w);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_h0 + 8 * h;
     if (row >= w.rows) continue;
-    const int token = by_head.div(row), head = by_head.mod(row);
-    const float inv = bad ? nan : inverse_sum(l[h]) * v_scale;
-    OT* dst;
-    if (w.splits == 1) {
-      const i64 slot = (i64)(w.q_start + token) * p.num_heads + head;
-      dst = static_cast<OT*>(p.out) + slot * kValueDim;
-      if (writes_lse && quad == 0 && p.lse != nullptr) p.lse[slot] = bad ? nan : natural_lse(m[h], l[h]);
-    } else {
-      const i64 slot = ((i64)partial_base + (i64)token * w.splits + w.split) * p.num_heads + head;
-      dst = static_cast<OT*>(p.partial_out) + slot * kValueDim;
-      if (writes_lse && quad == 0) p.partial_lse[slot] = bad ? nan : split_lse2(m[h], l[h]);
-    }
+    const float inv = row_inverse(l[h], bad, v_scale);
+    const i64 slot = row_slot(p, w, by_head, row, partial_base);
+    if (writes_lse && quad == 0) row_lse(p, w, slot, m[h], l[h], bad);
+    OT* dst = row_target<OT>(p, w, slot);
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
       *reinterpret_cast<u32*>(dst + col_base + 8 * j + 2 * quad) =
           ElemTraits<OT>::pack(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
     }
+  }
+}
+
+// The seesaw kernel's end, a warpgroup's 64 x 256 half (NB = 32 blocks of 8 columns a thread): rounded
+// as store_rows rounds it, into `stage` (64 rows at kStagePitch bytes: the 8 rows of a warp's store
+// fall on 32 different banks), then, after the warpgroup's named barrier `bar`, a warp stores a row's
+// 512 bytes as 32 whole 16-byte chunks (out must be 16-byte aligned). first_row: the thread's row half 0
+// in the block of 64.
+constexpr int kStagePitch = 256 * 2 + 16;
+
+template <typename OT, int NB>
+__device__ __forceinline__ void store_rows_staged(const MlaParams& p, const Work& w, const FastDiv& by_head,
+                                                  const float (&o)[NB][4], int first_row, int col_base, int wtid,
+                                                  const float (&m)[2], const float (&l)[2], bool bad,
+                                                  bool writes_lse, unsigned stage, int bar) {
+  static_assert(NB == 32 && sizeof(OT) == 2, "a 64 x 256 half of 16-bit values");
+  const int quad = wtid & 3, lane = wtid & 31, warp = wtid >> 5;
+  const int partial_base = partial_base_of(p, w);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = first_row + 8 * h, row = w.row0 + r;
+    const float inv = row_inverse(l[h], bad, 1.f);
+    if (writes_lse && quad == 0 && row < w.rows) row_lse(p, w, row_slot(p, w, by_head, row, partial_base), m[h], l[h], bad);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      const u32 v = ElemTraits<OT>::pack(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + r * kStagePitch + 2 * (8 * j + 2 * quad)), "r"(v) : "memory");
+    }
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+  for (int r = warp; r < 64 && w.row0 + r < w.rows; r += 4) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(stage + r * kStagePitch + 16 * lane)
+                 : "memory");
+    OT* dst = row_target<OT>(p, w, row_slot(p, w, by_head, w.row0 + r, partial_base)) + col_base;
+    *reinterpret_cast<uint4*>(dst + 8 * lane) = v;
   }
 }
 

@@ -44,6 +44,7 @@ namespace cupy_fa {
 namespace mla {
 
 constexpr int kBarP0 = 1, kBarP1 = 2, kBarP1Read = 3, kBarEnd = 4;  // named barriers (0: __syncthreads)
+constexpr int kBarStage = 5;  // + wg: a warpgroup's staged rows (mla/epilogue.cuh store_rows_staged)
 
 // The shared-memory plan: the query block, two K buffers (each one's rope column block carries its P
 // once S is done with it), the offset and sum exchanges, the barriers and the page flag.

@@ -76,8 +76,10 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   const int flagged = *role.flag();
   const bool bad = done.bad != 0 || flagged != 0;
   if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
-  store_rows<T, SeesawRole<T>::NB>(p, done, by_head, reinterpret_cast<const float(&)[SeesawRole<T>::NB][4]>(role.o),
-                                   done.row0 + role.first_row, wg * 256, role.quad, role.m, l, bad, 1.f, wg == 0);
+  // each warpgroup's half through its own K buffer (both are free past kBarEnd), on a barrier of its own
+  store_rows_staged<T, SeesawRole<T>::NB>(p, done, by_head, reinterpret_cast<const float(&)[SeesawRole<T>::NB][4]>(role.o),
+                                          role.first_row, wg * 256, wtid, role.m, l, bad, wg == 0, role.buffer(wg),
+                                          kBarStage + wg);
 }
 
 }  // namespace mla
