@@ -20,6 +20,21 @@ sys.path.insert(0, ROOT)
 CASE = "mla_runner_eagle_draft_decode_cuda_graph_chain"
 
 
+def inputs_text(eager, graph, n):
+    """Where the two runs' other attention inputs differ, for the real rows' first n requests."""
+    if "error" in eager or "error" in graph:
+        return f" (inputs not read: {eager.get('error') or graph.get('error')})"
+    lens_e, lens_g = eager["seq_lens"][:n].tolist(), graph["seq_lens"][:n].tolist()
+    parts = [f"seq_lens {lens_e}" + ("" if lens_e == lens_g else f" != graph {lens_g}")]
+    for i, length in enumerate(lens_e[:len(lens_g)]):
+        length = min(length, lens_g[i])
+        slots_same = bool((eager["slots"][i, :length] == graph["slots"][i, :length]).all())
+        a, b = eager["rows"][i, :length].float(), graph["rows"][i, :length].float()
+        differ = (a != b).reshape(length, -1).any(dim=1).nonzero().flatten().tolist()
+        parts.append(f"req {i}: slots {'=' if slots_same else '!='}, cache rows differing at keys {differ[:8]}")
+    return " [" + "; ".join(parts) + "]"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="d128-bf16-p64,d128-fp16-kit")
@@ -44,7 +59,17 @@ def main():
         def wrapped(self, *a, **kw):
             out = original(self, *a, **kw)
             q = a[0] if a else kw["q"]
-            records.append((phase[0], q.shape[0], q.detach().clone(), out.detach().clone()))
+            layer = a[3] if len(a) > 3 else kw["layer"]
+            fb = a[4] if len(a) > 4 else kw["forward_batch"]
+            seen = {}
+            try:  # what the call reads besides q (static shapes, so a capture records them too)
+                seen["seq_lens"] = fb.seq_lens.detach().clone()
+                table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices]
+                seen["slots"] = table.clone()
+                seen["rows"] = fb.token_to_kv_pool.get_key_buffer(layer.layer_id)[table.long()].clone()
+            except Exception as exc:  # noqa: BLE001 (a probe: say what could not be read)
+                seen["error"] = repr(exc)[:200]
+            records.append((phase[0], q.shape[0], q.detach().clone(), out.detach().clone(), seen))
             return out
         return wrapped
 
@@ -113,7 +138,8 @@ def main():
                     o_same = torch.equal(e[3], g[3][:n])
                     dq = (e[2].float() - g[2][:n].float()).abs().max().item()
                     do = (e[3].float() - g[3][:n].float()).abs().max().item()
-                    line.append(f"step {i}: q {'=' if q_same else f'!= ({dq:.2e})'} out {'=' if o_same else f'!= ({do:.2e})'}")
+                    line.append(f"step {i}: q {'=' if q_same else f'!= ({dq:.2e})'} out {'=' if o_same else f'!= ({do:.2e})'}"
+                                + inputs_text(e[4], g[4], e[1]))
                 print(f"   graph captured at {rows} rows: " + "; ".join(line))
             for j, (a, e) in enumerate(compared):
                 if hasattr(a, 'shape') and a.shape == e.shape:
