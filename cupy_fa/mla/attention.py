@@ -177,8 +177,8 @@ class MLAAttention(PlannedInstance):
                 device arrays of this instance's dtype with a contiguous last dimension and 16-byte
                 aligned rows (any token and head strides). ``T = sum(q_lens)`` for host lengths.
             cache: the :class:`PagedLatentCache` this step's rows were appended to, of ``kv_dtype``.
-            out: optional ``[T, H, 512]`` destination, C-contiguous and 16-byte aligned, of q's dtype; a new array
-                otherwise (in q's framework). Rows of padded requests are not written.
+            out: optional ``[T, H, 512]`` destination, C-contiguous and 16-byte aligned, of q's dtype;
+                a new array otherwise (in q's framework). Rows of padded requests are not written.
             lse: optional float32 ``[T, H]`` destination of the natural-log LSE; return_lse: return it.
         Returns:
             ``out``, or ``(out, lse)`` with ``return_lse``.
