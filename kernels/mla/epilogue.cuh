@@ -1,4 +1,6 @@
-// The end of an MLA split, both families: a thread's two rows (row halves h = 0, 1: packed rows
+// The end of an MLA split: where a packed row's values and LSE go (row_slot, row_target, row_lse,
+// both families), and the mma.sync tile's store_rows (the seesaw kernel stages its rows first:
+// SeesawRole::store_rows): a thread's two rows (row halves h = 0, 1: packed rows
 // row_h0 and row_h0 + 8 of the request) over NB blocks of 8 output columns from col_base, in the
 // accumulator layout every mma / wgmma of the family leaves (element [j][2 h + e]: row h, column
 // col_base + 8 j + 2 quad + e), divided by the row's sum and rounded to OT:
@@ -73,44 +75,6 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w, co
       *reinterpret_cast<u32*>(dst + col_base + 8 * j + 2 * quad) =
           ElemTraits<OT>::pack(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
     }
-  }
-}
-
-// The seesaw kernel's end, a warpgroup's 64 x 256 half (NB = 32 blocks of 8 columns a thread): rounded
-// as store_rows rounds it, into `stage` (64 rows at kStagePitch bytes: the 8 rows of a warp's store
-// fall on 32 different banks), then, after the warpgroup's named barrier `bar`, a warp stores a row's
-// 512 bytes as 32 whole 16-byte chunks (out must be 16-byte aligned). first_row: the thread's row half 0
-// in the block of 64.
-constexpr int kStagePitch = 256 * 2 + 16;
-
-template <typename OT, int NB>
-__device__ __forceinline__ void store_rows_staged(const MlaParams& p, const Work& w, const FastDiv& by_head,
-                                                  const float (&o)[NB][4], int first_row, int col_base, int wtid,
-                                                  const float (&m)[2], const float (&l)[2], bool bad,
-                                                  bool writes_lse, unsigned stage, int bar) {
-  static_assert(NB == 32 && sizeof(OT) == 2, "a 64 x 256 half of 16-bit values");
-  const int quad = wtid & 3, lane = wtid & 31, warp = wtid >> 5;
-  const int partial_base = partial_base_of(p, w);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = first_row + 8 * h, row = w.row0 + r;
-    const float inv = row_inverse(l[h], bad, 1.f);
-    if (writes_lse && quad == 0 && row < w.rows) row_lse(p, w, row_slot(p, w, by_head, row, partial_base), m[h], l[h], bad);
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      const u32 v = ElemTraits<OT>::pack(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + r * kStagePitch + 2 * (8 * j + 2 * quad)), "r"(v) : "memory");
-    }
-  }
-  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
-  for (int r = warp; r < 64 && w.row0 + r < w.rows; r += 4) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(stage + r * kStagePitch + 16 * lane)
-                 : "memory");
-    OT* dst = row_target<OT>(p, w, row_slot(p, w, by_head, w.row0 + r, partial_base)) + col_base;
-    *reinterpret_cast<uint4*>(dst + 8 * lane) = v;
   }
 }
 

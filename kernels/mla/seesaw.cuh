@@ -39,12 +39,13 @@
 #include "mla/params.cuh"
 #include "mla/work.cuh"
 #include "mla/wgmma_copy.cuh"
+#include "mla/epilogue.cuh"
 
 namespace cupy_fa {
 namespace mla {
 
 constexpr int kBarP0 = 1, kBarP1 = 2, kBarP1Read = 3, kBarEnd = 4;  // named barriers (0: __syncthreads)
-constexpr int kBarStage = 5;  // + wg: a warpgroup's staged rows (mla/epilogue.cuh store_rows_staged)
+constexpr int kBarStage = 5;  // + wg: a warpgroup's staged rows (SeesawRole::store_rows)
 
 // The shared-memory plan: the query block, two K buffers (each one's rope column block carries its P
 // once S is done with it), the offset and sum exchanges, the barriers and the page flag.
@@ -57,7 +58,9 @@ struct SeesawSmem {
   static constexpr int kM1 = kM0 + 128 * 8;                     // warpgroup 1's
   static constexpr int kL = kM1 + 128 * 8;                      // float2 [2][128]: the sums at the end
   static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][column block]
-  static constexpr int kFlag = kBars + (1 + 2 * kLatentBlocks) * 8;
+  static constexpr int kNumBars = 1 + 2 * kLatentBlocks;
+  static constexpr int kFlag = kBars + kNumBars * 8;
+  static constexpr int kStagePitch = 256 * 2 + 16;              // a staged row of O's half (store_rows)
   static constexpr int kBytes = kFlag + 8;
   static constexpr int kAllocBytes = kBytes + 1024;             // the tiles start on a 1024-byte boundary
   static_assert(kAllocBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
@@ -304,6 +307,38 @@ struct SeesawRole {
     }
     sm90::wgmma_wait<0>();  // none in flight past the loop (ptxas cannot tell the last pair issued none)
     sm90::pin(s);
+  }
+
+  // The end: this warpgroup's 64 x 256 half of O (row sums l, summed over both warpgroups) rounded as
+  // the mma.sync tile's store_rows rounds it, into its own K buffer (free once both warpgroups passed
+  // kBarEnd; rows kStagePitch bytes apart, so the 8 rows of a warp's 4-byte writes fall on 32 banks),
+  // then, after a named barrier of its own, a warp stores a row's 512 bytes as 32 whole 16-byte chunks
+  // (out must be 16-byte aligned). The LSE comes from warpgroup 0.
+  __device__ __forceinline__ void store_rows(const Work& done, const float (&l)[2], bool bad, int wg) const {
+    const unsigned stage = buffer(wg);
+    const int partial_base = partial_base_of(p, done);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = first_row + 8 * h, row = done.row0 + r;
+      const float inv = row_inverse(l[h], bad, 1.f);
+      if (wg == 0 && quad == 0 && row < done.rows) row_lse(p, done, row_slot(p, done, by_head, row, partial_base), m[h], l[h], bad);
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const u32 v = ElemTraits<T>::pack(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + r * SeesawSmem::kStagePitch + 2 * (8 * j + 2 * quad)), "r"(v)
+                     : "memory");
+      }
+    }
+    sm90::named_sync(kBarStage + wg, 128);
+    for (int r = wtid >> 5; r < kBlockRows && done.row0 + r < done.rows; r += 4) {
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(stage + r * SeesawSmem::kStagePitch + 16 * lane)
+                   : "memory");
+      T* dst = row_target<T>(p, done, row_slot(p, done, by_head, done.row0 + r, partial_base)) + 256 * wg;
+      *reinterpret_cast<uint4*>(dst + 8 * lane) = v;
+    }
   }
 
   static __device__ __forceinline__ void copy_frag(unsigned (&to)[4][4], const unsigned (&from)[4][4]) {

@@ -1,9 +1,10 @@
 // Multi-head latent attention over a paged latent cache on Hopper tensor cores (sm_90a only), the
 // seesaw kernel: 64 packed (token, head) rows of one request over one split of its keys, two
 // warpgroups that share the 576-column Q K^T products block by block and split the 512-column P V
-// products by columns (kernels/mla/seesaw.cuh: the schedule, the exchanges and their barriers;
-// kernels/mla/wgmma_copy.cuh: the cp.async copies into two 64 x 576 K buffers; mla/epilogue.cuh:
-// out and LSE, or a split partial for merge_kernel). 16-bit caches; the queries' element type.
+// products by columns (kernels/mla/seesaw.cuh: the schedule, the exchanges and their barriers, and
+// the end, each warpgroup's rows staged through shared memory; kernels/mla/wgmma_copy.cuh: the
+// cp.async copies into two 64 x 576 K buffers; mla/epilogue.cuh: where a row's out and LSE, or its
+// split partial for merge_kernel, go). 16-bit caches; the queries' element type.
 //
 // Shared memory (kernels/mla/seesaw.cuh SeesawSmem): the query block (73728 bytes), two K buffers
 // (73728 each), the exchanges and barriers: one CTA an SM, 256 threads.
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   if (tid == 0) {
     mbar::init(base + SeesawSmem::kBars, 256);  // q_full: every thread's copies of Q
 #pragma unroll
-    for (int i = 1; i <= 2 * kLatentBlocks; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][block]
+    for (int i = 1; i < SeesawSmem::kNumBars; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][block]
     *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kFlag) = 0;
     mbar::init_fence();
   }
@@ -76,10 +77,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   const int flagged = *role.flag();
   const bool bad = done.bad != 0 || flagged != 0;
   if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
-  // each warpgroup's half through its own K buffer (both are free past kBarEnd), on a barrier of its own
-  store_rows_staged<T, SeesawRole<T>::NB>(p, done, by_head, reinterpret_cast<const float(&)[SeesawRole<T>::NB][4]>(role.o),
-                                          role.first_row, wg * 256, wtid, role.m, l, bad, wg == 0, role.buffer(wg),
-                                          kBarStage + wg);
+  role.store_rows(done, l, bad, wg);  // each warpgroup's half, through its own K buffer
 }
 
 }  // namespace mla
