@@ -141,11 +141,11 @@ def test_mla_wgmma_min_heads_moves_the_small_q_tile():
     before = knobs.knobs()
     try:
         knobs.use(knobs.Knobs())
-        assert isinstance(mla_schedule.small_q_tile(16, False, "sm_90a"), MlaMmaTile)
+        assert isinstance(mla_schedule.small_q_tile(mla_schedule.WGMMA_MIN_HEADS - 1, False, "sm_90a"), MlaMmaTile)
         assert isinstance(mla_schedule.small_q_tile(mla_schedule.WGMMA_MIN_HEADS, False, "sm_90a"), MlaWgmmaTile)
-        knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_WGMMA_MIN_HEADS": "16"}))
-        assert isinstance(mla_schedule.small_q_tile(16, False, "sm_90a"), MlaWgmmaTile)
-        assert isinstance(mla_schedule.small_q_tile(8, False, "sm_90a"), MlaMmaTile)
+        knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_WGMMA_MIN_HEADS": "32"}))
+        assert isinstance(mla_schedule.small_q_tile(32, False, "sm_90a"), MlaWgmmaTile)
+        assert isinstance(mla_schedule.small_q_tile(16, False, "sm_90a"), MlaMmaTile)
         assert isinstance(mla_schedule.small_q_tile(16, True, "sm_90a"), MlaMmaTile)  # fp8: the mma.sync tile
     finally:
         knobs.use(before)

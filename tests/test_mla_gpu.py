@@ -138,13 +138,14 @@ CACHES = [("bfloat16", None), ("float16", None), ("bfloat16", FP8)]
 
 
 def _mode_cases():
-    """(mode, cache, heads, page size) for every mode and cache: the head count (16: TP 8, 128: one
-    GPU) and the page size (1, 16, 64) rotate, so each mode meets both head counts and all three page
-    sizes (the ids name them: ``-k H128`` selects the seesaw kernel's 16-bit cases)."""
+    """(mode, cache, heads, page size) for every mode and cache: the head count (8: TP 16, 16: TP 8,
+    128: one GPU) and the page size (1, 16, 64) rotate, so each mode meets every head count and page
+    size (the ids name them: on sm_90a a 16-bit cache's decode-like steps take the seesaw kernel from
+    16 heads, the mma.sync tile at 8)."""
     cases = []
     for m, mode in enumerate(MODES):
         for c in range(len(CACHES)):
-            heads, page = (16, 128)[(m + c) % 2], (1, 16, 64)[(m + 2 * c) % 3]
+            heads, page = (16, 128, 8)[(m + c) % 3], (1, 16, 64)[(m + 2 * c) % 3]
             name = mode if isinstance(mode, str) else mode.name
             cases.append(pytest.param(mode, c, heads, page, id=f"{name}-{('bf16', 'fp16', 'fp8')[c]}-H{heads}-p{page}"))
     return cases
@@ -179,7 +180,7 @@ def test_long_context_and_padding(heads, kv_dtype):
              label=f"seed {seed} non-causal")
 
 
-@pytest.mark.parametrize("heads", [16, 128], ids=["H16", "H128"])
+@pytest.mark.parametrize("heads", [8, 16, 128], ids=["H8", "H16", "H128"])
 @pytest.mark.parametrize("kv_dtype", [None, FP8], ids=["bf16", "fp8"])
 def test_decode_equals_verify_bit_for_bit(heads, kv_dtype):
     """A verify step of N drafts over a prefix, and each draft decoded alone (q_len 1, kv_len = prefix +

@@ -5,7 +5,7 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
 * **Classes and tiles.** A request is small-q (``q_len <= SMALL_Q_LEN``: decode, verify, draft
   extend, a mixed batch's decode rows) or long (prefill-like extends). Small-q requests take one
   tile per (head count, cache type, target): the seesaw wgmma kernel for 16-bit caches at
-  ``num_heads >= WGMMA_MIN_HEADS`` on sm_90a (a decode token fills its 64-row blocks), else the
+  ``num_heads >= WGMMA_MIN_HEADS`` on sm_90a (16: a token fills a quarter of a 64-row block), else the
   mma.sync tile (16 rows a row of warps; one row of warps when a request packs at most 16 rows,
   two otherwise, the same arithmetic per row). Long requests take the seesaw kernel on sm_90a
   with a 16-bit cache, else the mma.sync tile with two rows of warps. Where both classes take the
@@ -35,8 +35,9 @@ SPLIT_SIZE = 512          # keys a split of a small-q request (CUPY_FA_MLA_SPLIT
                           # 512 x 1152 bytes of a 16-bit cache
 MAX_SPLITS = MAX_MERGE_SPLITS
 SPLIT_ROW_BUDGET = 128
-WGMMA_MIN_HEADS = 64      # below, a decode token would leave most of a 64-row block empty
-                          # (CUPY_FA_MLA_WGMMA_MIN_HEADS: another bound, for A/B runs)
+WGMMA_MIN_HEADS = 16      # from 16 heads a decode token fills a quarter of a 64-row block and the
+                          # seesaw kernel still beats the mma.sync tile (docs/performance.md);
+                          # below, the mma.sync tile (CUPY_FA_MLA_WGMMA_MIN_HEADS: another bound)
 
 
 def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
