@@ -4,8 +4,7 @@
 compiled first if missing) on a device the way ``cupy.RawModule`` loads the one it compiled
 (``cupy.cuda.function.Module().load(cubin)``, the kernel by its lowered name), once per device;
 :func:`launch` launches it with its params struct on a stream, as a programmatic dependent launch
-where asked (``cuLaunchKernelEx``); :func:`tensor_map_rows` encodes a TMA tensor map
-(``cuTensorMapEncodeTiled``) a kernel takes in its params. The device's target arch and limits are read here, once per
+where asked (``cuLaunchKernelEx``). The device's target arch and limits are read here, once per
 device. The ``CUPY_FA_*`` knobs it reads (``arch``, ``pdl``) are :mod:`cupy_fa.knobs`'.
 """
 
@@ -352,45 +351,6 @@ def _memset_d2d32():
     fn = _libcuda().cuMemsetD2D32Async
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
-    return fn
-
-
-# ---- TMA tensor maps through the driver (cuda.h cuTensorMapEncodeTiled) ----
-
-_TENSOR_MAP_DTYPES = {"float16": 6, "bfloat16": 9}  # CUtensorMapDataType
-_SWIZZLE_128B, _L2_PROMOTION_128B = 3, 2             # CUtensorMapSwizzle, CUtensorMapL2promotion
-
-
-def tensor_map_rows(dtype_name, address, rows, row_elements, box_rows, box_columns=64):
-    """A CUtensorMap (128 bytes) of a row-major ``[rows, row_elements]`` array of 16-bit elements at
-    device ``address``: boxes of ``box_rows`` x ``box_columns`` elements (128 bytes a box row),
-    written to shared memory in the 128-byte swizzle (sm90/wgmma.cuh swizzled_offset's layout)."""
-    encode = _encode_tiled()
-    if encode is None:
-        raise RuntimeError("TMA copies need a CUDA 12+ driver (cuTensorMapEncodeTiled)")
-    out = ctypes.create_string_buffer(128 + 64)  # 64-byte aligned inside
-    at = (ctypes.addressof(out) + 63) & ~63
-    dims, strides = (ctypes.c_uint64 * 2)(row_elements, rows), (ctypes.c_uint64 * 1)(row_elements * 2)
-    status = encode(ctypes.c_void_p(at), _TENSOR_MAP_DTYPES[dtype_name], 2, ctypes.c_void_p(int(address)), dims,
-                    strides, (ctypes.c_uint32 * 2)(box_columns, box_rows), (ctypes.c_uint32 * 2)(1, 1), 0,
-                    _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
-    if status != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} ([{rows}, {row_elements}] "
-                           f"{dtype_name} at {address:#x}, boxes of {box_rows} x {box_columns})")
-    return ctypes.string_at(at, 128)
-
-
-@functools.lru_cache(maxsize=None)
-def _encode_tiled():
-    """libcuda's cuTensorMapEncodeTiled (CUDA 12.0+ drivers) with its argument types, or None."""
-    try:
-        fn = _libcuda().cuTensorMapEncodeTiled
-    except AttributeError:
-        return None
-    fn.restype = ctypes.c_int
-    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return fn
 
 

@@ -5,7 +5,6 @@ scalar per launch, passed as raw bytes. Every MLA kernel's compile checks their 
 import numpy as np
 
 _PTR = np.uint64
-TENSOR_MAP_WORDS = 16  # a CUtensorMap: 128 opaque bytes, 64-byte aligned (MlaParams.cache_map at byte 256)
 
 FIELDS = {
     "MlaParams": [
@@ -19,7 +18,6 @@ FIELDS = {
         ("page_table_stride", np.int32), ("mask_mode", np.int32), ("sm_scale_log2", np.float32),
         ("head_multiplier", np.uint32), ("head_shift", np.int32),
         ("num_pages", np.int32), ("page_table_columns", np.int32), ("num_tokens", np.int32), ("mask_entries", np.int32),
-        ("box_rows", np.int32), ("reserved", (np.int32, (6,))), ("cache_map", (np.uint64, (TENSOR_MAP_WORDS,))),
     ],
     "MlaAppendParams": [
         ("ckv", _PTR), ("kpe", _PTR), ("cache", _PTR), ("slots", _PTR), ("status", _PTR), ("scale", _PTR),
@@ -28,7 +26,6 @@ FIELDS = {
 }
 
 DTYPES = {name: np.dtype(fields, align=True) for name, fields in FIELDS.items()}
-assert DTYPES["MlaParams"].fields["cache_map"][1] % 64 == 0 and DTYPES["MlaParams"].itemsize % 64 == 0
 _REQUIRED = {name: frozenset(dtype.names) for name, dtype in DTYPES.items()}
 
 

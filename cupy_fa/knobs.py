@@ -52,8 +52,6 @@ class Knobs:
                                      # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
     mla_wgmma_min_heads: int | None = None  # CUPY_FA_MLA_WGMMA_MIN_HEADS: the fewest heads whose small-q
                                      # steps take the seesaw kernel (None: cupy_fa.mla.schedule.WGMMA_MIN_HEADS)
-    mla_tma: bool = True             # CUPY_FA_MLA_TMA: "0" copies every key block of the MLA seesaw kernel
-                                     # by cp.async (cupy_fa.mla.cache box_fields; for A/B runs)
     mla_split_size: int | None = None  # CUPY_FA_MLA_SPLIT_SIZE: keys a split of a small-q MLA request, a
                                      # multiple of 64 (None: cupy_fa.mla.schedule.SPLIT_SIZE)
     soft_cap_tanh: str | None = None  # CUPY_FA_SOFT_CAP_TANH: approx, exact or newton, the wgmma prefill
@@ -117,7 +115,6 @@ class Knobs:
                    half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
                    producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
                    mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
-                   mla_tma=flag("CUPY_FA_MLA_TMA", cls.mla_tma),
                    mla_wgmma_min_heads=integer("CUPY_FA_MLA_WGMMA_MIN_HEADS", cls.mla_wgmma_min_heads),
                    mla_split_size=integer("CUPY_FA_MLA_SPLIT_SIZE", cls.mla_split_size),
                    soft_cap_tanh=(get("CUPY_FA_SOFT_CAP_TANH") or "").strip().lower() or None,

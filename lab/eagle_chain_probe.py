@@ -64,7 +64,7 @@ def main():
             seen = {}
             try:  # what the call reads besides q (static shapes, so a capture records them too)
                 seen["seq_lens"] = fb.seq_lens.detach().clone()
-                table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices]
+                table = self.req_to_token[fb.req_pool_indices]  # (both backends keep the pool's table)
                 seen["slots"] = table.clone()
                 seen["rows"] = fb.token_to_kv_pool.get_key_buffer(layer.layer_id)[table.long()].clone()
             except Exception as exc:  # noqa: BLE001 (a probe: say what could not be read)

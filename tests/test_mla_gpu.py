@@ -2,8 +2,7 @@
 request by request and row by row with its LSE: every serving mode, eager and replayed from a
 captured CUDA graph (device lengths, the same bits), 16-bit and fp8 latent caches, page sizes 1, 16
 and 64 over shuffled, interleaved page tables whose unread slots hold NaN, outputs poisoned before
-the run (a tail past the live rows must stay so); decode == verify bit for bit; the seesaw kernel's
-TMA copies (pages of 16, 32, 64, 128) against its cp.async ones bit for bit; the append bit-exact
+the run (a tail past the live rows must stay so); decode == verify bit for bit; the append bit-exact
 (fp8: the host quantiser's bytes); a page id outside the cache NaNs its request only."""
 
 import re
@@ -211,47 +210,6 @@ def test_decode_equals_verify_bit_for_bit(heads, kv_dtype):
     assert same.all(), (f"seed {seed}: decode rows {np.flatnonzero(~same)[:20].tolist()} differ from verify's "
                         f"({[type(x.tile).__name__ for x in decode.planned.schedule.launches]} vs "
                         f"{[type(x.tile).__name__ for x in verify.planned.schedule.launches]})")
-
-
-@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 48])
-def test_tma_copies_match_cp_async_bit_for_bit(page_size):
-    """The seesaw kernel's key blocks by TMA (pages of 16, 32 or a multiple of 64 keys: boxes of 16, 32
-    or 64 rows; 48 is the control, every block by cp.async) against every block by cp.async
-    (CUPY_FA_MLA_TMA=0): the same bits, decode, verify and long extends at 16 and 128 heads, lengths
-    that end inside a block and under one block, a shuffled page table whose unread slots hold NaN;
-    held to float64 and replayed from a graph too."""
-    import cupy
-    import cupy_fa
-    from cupy_fa import _build, knobs
-    from cupy_fa.families.common import is_sm90a
-    from cupy_fa.families.mla import MlaWgmmaTile
-
-    rng, seed = new_rng()
-    q_lens = np.array([1, 1, 4, 1, 40, 3, 1, 24])
-    kv_lens = np.maximum(q_lens, rng.integers(1, 1700, size=len(q_lens)))
-    kv_lens[1] = int(rng.integers(q_lens[1], 64))  # under one block
-    kv_lens[3] = 64 * int(rng.integers(2, 20))      # whole blocks only
-    for heads in (16, 128):
-        out, sched = run_case(rng, heads, "bfloat16", None, page_size, q_lens, kv_lens,
-                              label=f"seed {seed} tma", graph=heads == 128)
-        if is_sm90a(_build.current_arch()):  # every launch on the seesaw kernel
-            assert all(isinstance(x.tile, MlaWgmmaTile) for x in sched.launches), sched.launches
-    table, _, cache, _ = latent_case(rng, "bfloat16", page_size, kv_lens)
-    assert cache.box_fields()["box_rows"] == {16: 16, 32: 32, 64: 64, 128: 64, 48: 0}[page_size]
-    q = cupy.asarray(rng.standard_normal((int(q_lens.sum()), 128, 576), dtype=np.float32).astype(np_dtype("bfloat16")))
-    outs = []
-    before = knobs.knobs()
-    try:
-        for tma in (True, False):
-            knobs.use(knobs.Knobs(mla_tma=tma))
-            attn = cupy_fa.MLAAttention(128, "bfloat16")
-            attn.plan(q_lens, kv_lens, table)
-            outs.append(attn.run(q, cache).get())
-            assert attn.status() == 0
-    finally:
-        knobs.use(before)
-    same = (outs[0].view(np.uint16) == outs[1].view(np.uint16)).all(axis=(1, 2))
-    assert same.all(), f"seed {seed}: rows {np.flatnonzero(~same)[:20].tolist()} differ between TMA and cp.async"
 
 
 def test_decode_equals_verify_past_4096_keys_and_the_workspace_warning():

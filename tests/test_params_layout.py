@@ -8,8 +8,7 @@ from cases import new_rng
 from cupy_fa import _params
 from cupy_fa import _compile
 
-C_TYPES = {"int": np.int32, "unsigned": np.uint32, "float": np.float32, "long long": np.int64,
-           "unsigned long long": np.uint64}
+C_TYPES = {"int": np.int32, "unsigned": np.uint32, "float": np.float32, "long long": np.int64}
 
 
 def parse_structs(text):
@@ -20,12 +19,11 @@ def parse_structs(text):
             line = line.split("//")[0].strip()
             if not line:
                 continue
-            m = re.match(r"(?:alignas\(\d+\) )?(?:const )?([\w ]+?)\s*(\*?)\s*(\w+)(?:\[(\w+)\])?;$", line)
+            m = re.match(r"(?:const )?([\w ]+?)\s*(\*?)\s*(\w+)(?:\[(\w+)\])?;$", line)
             assert m, f"cannot parse field line {line!r} of {name}"
             ctype, pointer, field, count = m.groups()
             base = np.uint64 if pointer else C_TYPES.get(ctype) or _params.DTYPES[ctype]  # a struct of the header
-            length = _params.STAGE_COPIES if count == "kStageCopies" else int(count) if count else None
-            fields.append((field, (base, (length,)) if length else base))
+            fields.append((field, (base, (_params.STAGE_COPIES,)) if count == "kStageCopies" else base))
         structs[name] = fields
     return structs
 

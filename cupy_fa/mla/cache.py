@@ -17,12 +17,10 @@ import numpy as np
 
 from .. import _arrays, _build
 from ..families import mla as family
-from ..knobs import knobs
 from ..kv_cache import all_ones_word, checked_scales, page_shift, read_append_status, staged_slots
 from .. import _mla_params as _params
 
 LATENT_DIM, KV_LORA_RANK, ROPE_DIM = family.LATENT_DIM, family.VALUE_DIM, family.ROPE_DIM
-NO_BOXES = dict(box_rows=0, reserved=np.zeros(6, np.int32), cache_map=np.zeros(_params.TENSOR_MAP_WORDS, np.uint64))
 
 
 class PagedLatentCache:
@@ -79,7 +77,6 @@ class PagedLatentCache:
         if not self.is_fp8 and scale is not None:
             raise ValueError(f"scale is for an fp8 (float8_e4m3fn) cache; this one is {self.dtype_name}")
         self.scale = self.scale_device = None
-        self._boxes = {}  # box rows -> box_fields()
         import cupy
 
         self._device = cupy.cuda.Device(self.device_id)
@@ -132,21 +129,6 @@ class PagedLatentCache:
         return dict(cache=self.latent.data.ptr, page_size=self.page_size, page_shift=page_shift(self.page_size),
                     num_pages=self.num_pages,
                     kv_scale=self.scale_device.data.ptr if self.is_fp8 else 0)
-
-    def box_fields(self):
-        """The seesaw kernel's TMA fields of MlaParams (kernels/mla/wgmma_copy.cuh): box_rows (16 or
-        32 for pages of that size, 64 for pages of a multiple of 64 keys; 0 for other pages, an fp8
-        cache, or ``CUPY_FA_MLA_TMA=0``: every block by cp.async) and the cache's tensor map, encoded
-        once per cache (the array never moves)."""
-        rows = 64 if self.page_size % 64 == 0 else self.page_size if self.page_size in (16, 32) else 0
-        if rows == 0 or self.is_fp8 or not knobs().mla_tma:
-            return NO_BOXES
-        fields = self._boxes.get(rows)
-        if fields is None:
-            tensor_map = _build.tensor_map_rows(self.dtype_name, self.latent.data.ptr, self.num_slots, LATENT_DIM, rows)
-            fields = dict(NO_BOXES, box_rows=rows, cache_map=np.frombuffer(tensor_map, np.uint64).copy())
-            self._boxes[rows] = fields
-        return fields
 
     def append(self, ckv, kpe, slots):
         """Writes new tokens' latent rows at their slots, on the caller's stream.

@@ -7,7 +7,7 @@ from .. import _build, _params as _lib_params
 from ..families import mla as family
 from ..variants import LOG2E
 from .. import _mla_params as _params
-from . import cache as _cache, schedule as _schedule
+from . import schedule as _schedule
 
 
 def attention_params(state, buffers, launch, num_heads, head_div, cache, q, out, lse, num_tokens):
@@ -28,8 +28,7 @@ def attention_params(state, buffers, launch, num_heads, head_div, cache, q, out,
         batch_size=state.batch_size, num_heads=num_heads, page_table_stride=state.page_table_stride,
         mask_mode=state.mask_mode, sm_scale_log2=np.float32(state.sm_scale * LOG2E),
         head_multiplier=head_div[0], head_shift=head_div[1], page_table_columns=state.step.page_columns,
-        num_tokens=num_tokens, mask_entries=state.mask_entries, **cache.kernel_fields(),
-        **(cache.box_fields() if isinstance(launch.tile, family.MlaWgmmaTile) else _cache.NO_BOXES))
+        num_tokens=num_tokens, mask_entries=state.mask_entries, **cache.kernel_fields())
 
 
 def step_kernels(sched, dtype_name, num_heads, num_tokens):

@@ -7,7 +7,7 @@
 // dequantisation scale): a token's row is its c_kv (the first 512 elements, the values) and its
 // k_pe (the last 64). The queries come as q_nope [T, H, 512] and q_pe [T, H, 64], each with its own
 // token and head strides (two views of one [T, H, 576] array, or two arrays); the output is
-// [T, H, 512]. MlaParams is 64-byte aligned (its tensor map), 384 bytes. The plan metadata (q_indptr, work lists, splits, partial rows) is plan_kernel's
+// [T, H, 512]. The plan metadata (q_indptr, work lists, splits, partial rows) is plan_kernel's
 // (kernels/shared/plan.cu) with one KV head and group size H.
 #pragma once
 
@@ -58,11 +58,6 @@ struct MlaParams {
   int page_table_columns;
   int num_tokens;
   int mask_entries;
-  // the seesaw kernel's K blocks by TMA (mla/wgmma_copy.cuh): a 16-bit cache as [slots, 576] for the
-  // unit, boxes of box_rows keys x 64 columns in the 128-byte swizzle; box_rows 0: cp.async only
-  int box_rows;                // 16, 32 or 64 (page_size, or 64 where pages hold whole 64-key blocks), or 0
-  int reserved[6];             // (cache_map on a 64-byte boundary)
-  alignas(64) unsigned long long cache_map[16];  // a CUtensorMap (cuTensorMapEncodeTiled), 0 where box_rows is 0
 };
 
 // PagedLatentCache.append: new tokens' c_kv [T, 512] and k_pe [T, 64] (each with its token stride)

@@ -1,15 +1,7 @@
 // The copies of the MLA seesaw kernel (kernels/mla/wgmma.cu): a 64-row query block once, then the
-// paged latent rows of 64-key blocks into two K buffers, into the 128-byte swizzled layout the wgmma
-// descriptors read (sm90/wgmma.cuh swizzled_offset: 64-column blocks of [64 rows][128 bytes], nine a
-// row of 576).
-//
-// A key block whose 64 keys are all before the CTA's end and whose pages hold whole boxes of
-// p.box_rows keys (page size 16 or 32: a box a page; a multiple of 64: one box) goes by TMA: one
-// thread of the filling warpgroup looks up its pages and issues 64 / box_rows boxes a column block
-// from the host-made tensor map p.cache_map (the unit writes the same swizzle), adding each column
-// block's bytes to its barrier (expect_tx); the others arrive plainly. Other blocks (page size 1,
-// pages of other sizes, the block holding the CTA's last key, whose rows past the end must be zeros)
-// go by cp.async, a thread four keys.
+// paged latent rows of 64-key blocks into two K buffers, by cp.async into the 128-byte swizzled
+// layout the wgmma descriptors read (sm90/wgmma.cuh swizzled_offset: 64-column blocks of
+// [64 rows][128 bytes], nine a row of 576).
 //
 // A K buffer is filled in two halves, each by the warpgroup that is the last to read it, as soon as
 // it is done with it (kernels/mla/seesaw.cuh): the low half (columns 0 .. 255: V's left half, and
@@ -41,61 +33,6 @@ __device__ __forceinline__ void cp_async_shared(unsigned dst, const void* src, b
                : "memory");
 }
 
-// An arrival on `bar` that also adds `bytes` to the transactions its phase waits for.
-__device__ __forceinline__ void arrive_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// One box of the tensor map at `map` (a __grid_constant__ parameter), coordinates (column, row),
-// into shared address `dst`; its bytes complete a transaction of `bar`.
-__device__ __forceinline__ void tma_box(const void* map, unsigned dst, unsigned bar, int column, int row) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(column), "r"(row), "r"(bar)
-      : "memory");
-}
-
-// Orders this thread's view of earlier shared-memory accesses (the P exchange's loads and stores in
-// a rope block) before the TMA unit's writes it issues next.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Whether key block `block` of this work item goes by TMA (the same answer in every thread).
-__device__ __forceinline__ bool block_by_boxes(const MlaParams& p, const Work& w, int block) {
-  const int key_first = w.kv_begin + block * kBlockRows;
-  return p.box_rows > 0 && key_first + kBlockRows <= w.kv_end && key_first % p.box_rows == 0;
-}
-
-// Column blocks FIRST .. LAST - 1 of key block `block` by TMA (block_by_boxes): thread 0 of the
-// warpgroup issues the boxes, every other thread arrives once a column block.
-template <int FIRST, int LAST>
-__device__ __forceinline__ void fill_boxes(const MlaParams& p, const Work& w, unsigned buf_addr, int block,
-                                           unsigned full, int wtid, int* flag) {
-  if (wtid != 0) {
-#pragma unroll
-    for (int c = FIRST; c < LAST; ++c) mbar::arrive(full + 8 * c);
-    return;
-  }
-  constexpr int MAX_BOXES = kBlockRows / 16;
-  const int rows = p.box_rows, key_first = w.kv_begin + block * kBlockRows;
-  const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
-  bool out = false;
-  int slot[MAX_BOXES];
-#pragma unroll
-  for (int k = 0; k < MAX_BOXES; ++k) slot[k] = k * rows < kBlockRows ? (int)slot_of(p, page_row, key_first + k * rows, out) : 0;
-  fence_proxy_async_shared();
-#pragma unroll
-  for (int c = FIRST; c < LAST; ++c) {
-    arrive_expect_tx(full + 8 * c, kColumnBlockBytes);
-#pragma unroll
-    for (int k = 0; k < MAX_BOXES; ++k) {
-      if (k * rows < kBlockRows) tma_box(p.cache_map, buf_addr + c * kColumnBlockBytes + k * rows * 128, full + 8 * c, 64 * c, slot[k]);
-    }
-  }
-  if (out) *flag = 1;
-}
-
 // The 64 x 576 query block (zero past the request's rows) at q_addr, by every thread of the CTA
 // (THREADS of them), then each thread's copies arrive on q_full.
 template <int THREADS, typename QT>
@@ -111,7 +48,7 @@ __device__ __forceinline__ void copy_q_block(const MlaParams& p, const Work& w, 
 }
 
 // One half of key block `block` (keys kv_begin + 64 block ..) into the K buffer at buf_addr, by the
-// 128 threads of one warpgroup (wtid its thread), by TMA where block_by_boxes, else by cp.async: HALF 0 the column blocks 0 .. 3 (V's left half and
+// 128 threads of one warpgroup (wtid its thread): HALF 0 the column blocks 0 .. 3 (V's left half and
 // K's first 256 columns), HALF 1 the column blocks 4 .. 8 (V's right half, the rest of K, the rope
 // part). A thread copies the same four keys in every column block (keys wtid / 8 + 16 j, chunk
 // wtid % 8 of the block: eight threads a 128-byte row segment), so it looks up their four slots once,
@@ -122,10 +59,6 @@ __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, uns
                                           unsigned full, int wtid, int* flag) {
   constexpr int ROW_BYTES = 2 * kLatentDim, KEYS = kBlockRows / 16;
   constexpr int FIRST = HALF == 0 ? 0 : kLowHalfBlocks, LAST = HALF == 0 ? kLowHalfBlocks : kLatentBlocks;  // column blocks
-  if (block_by_boxes(p, w, block)) {
-    fill_boxes<FIRST, LAST>(p, w, buf_addr, block, full, wtid, flag);
-    return;
-  }
   const char* cache = static_cast<const char*>(p.cache);
   const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
   const int key_in0 = wtid >> 3, chunk = wtid & 7;
