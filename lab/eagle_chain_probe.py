@@ -66,7 +66,7 @@ def main():
                 seen["seq_lens"] = fb.seq_lens.detach().clone()
                 table = self.req_to_token[fb.req_pool_indices]  # (both backends keep the pool's table)
                 seen["slots"] = table.clone()
-                seen["rows"] = fb.token_to_kv_pool.get_key_buffer(layer.layer_id)[table.long()].clone()
+                seen["rows"] = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[table.long()].clone()
             except Exception as exc:  # noqa: BLE001 (a probe: say what could not be read)
                 seen["error"] = repr(exc)[:200]
             records.append((phase[0], q.shape[0], q.detach().clone(), out.detach().clone(), seen))
