@@ -30,7 +30,7 @@ class ScheduleMemo:
     def __init__(self, head_dim, group_size, num_kv_heads, kv_bytes, head_dim_vo=None):
         self.shape = (head_dim, group_size, num_kv_heads)
         self.kv_bytes, self.head_dim_vo = kv_bytes, head_dim_vo
-        self._found, self._knobs = {}, None
+        self._found, self._knobs, self._split = {}, None, None
         self.hits = self.misses = 0
 
     def step(self, q_lens=None, kv_lens=None, *, max_q_len=None, max_kv_len=None, capacity=None, batch_size=None,
@@ -40,10 +40,11 @@ class ScheduleMemo:
         k = knobs()
         if k is not self._knobs:
             self._found, self._knobs = {}, k
+            self._split = schedule.split_size(self.kv_bytes)  # (a knob)
         device = (smem_limit, sm_count, arch, window)
         if q_lens is not None:
             spans = kv_lens if not window else schedule.window_spans(q_lens, kv_lens, window, self.kv_bytes)
-            split = schedule.split_size(self.kv_bytes)
+            split = self._split
             key = (device, q_lens.tobytes(), ((spans + (split - 1)) // split).tobytes())
         else:
             key = (device, max_q_len, max_kv_len, capacity, batch_size)

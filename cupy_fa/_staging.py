@@ -134,12 +134,14 @@ def copy_parts(buffers, parts, stream_ptr):
     if launch is None:
         launch = buffers.stage_launch = _build.PackedLaunch(catalog.STAGE_KERNEL, (1,), np.zeros(1, _STAGE),
                                                             buffers.device_id)
-    raw, most = launch.raw, 0
-    _COUNT.pack_into(raw, 0, len(parts))
-    for i, fields in enumerate(parts):
-        _PART.pack_into(raw, _COPIES_AT + i * _PART.size, *fields)
-        most = max(most, fields[2] * fields[3])
-    launch.set_grid(min(max(1, -(-most // _CTA_BYTES)), STAGE_CTAS))
+    if parts != buffers.staged_parts:  # (a graph step's parts repeat while its arrays stay where they are)
+        raw, most = launch.raw, 0
+        _COUNT.pack_into(raw, 0, len(parts))
+        for i, fields in enumerate(parts):
+            _PART.pack_into(raw, _COPIES_AT + i * _PART.size, *fields)
+            most = max(most, fields[2] * fields[3])
+        launch.set_grid(min(max(1, -(-most // _CTA_BYTES)), STAGE_CTAS))
+        buffers.staged_parts = parts
     _build.launch_packed(launch, stream_ptr)
 
 

@@ -226,7 +226,7 @@ class GraphRunner:
             parts.append(_staging.part(sinks_v.ptr, self._sinks_ptr, self._sinks_bytes))
         _plan.stage_inputs(self.attn.plan_buffers, step, pad_to=bucket, stream=stream, extra=parts)
         if use_graph:
-            key = (mode, bucket, tree, tuple(cache.attention_params().items()), sunk)
+            key = (mode, bucket, tree, cache.params_key(), sunk)
             graph = self._graphs.get(key)
             if graph is None:
                 with stream:

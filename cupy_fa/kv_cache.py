@@ -167,6 +167,16 @@ class PagedKVCache:
                     k_scale=self.k_scale_device.data.ptr if self.is_fp8 else 0,
                     v_scale=self.v_scale_device.data.ptr if self.is_fp8 else 0)
 
+    _params_key = None
+
+    def params_key(self):
+        """:meth:`attention_params` as a tuple, made once (a cache's arrays and geometry are fixed
+        when it is built): what GraphRunner keys its graphs by."""
+        key = self._params_key
+        if key is None:
+            key = self._params_key = tuple(self.attention_params().items())
+        return key
+
     @property
     def num_slots(self):
         return self.num_pages * self.page_size

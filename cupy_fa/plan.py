@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import _build, _params, catalog, schedule
+from . import _arrays, _build, _params, _views, catalog, schedule
 from ._staging import MIRRORED_TABLE_BYTES, stage_inputs  # noqa: F401 - plan's names
 from .knobs import knobs
 
@@ -60,8 +60,6 @@ class PlanBuffers:
     def __init__(self, capacity, num_qo_heads, head_dim, dtype_name, partial_rows=None, workspace_bytes=None):
         # (partial_rows: the split partials' rows where a caller sizes them itself: cupy_fa.mla;
         # else schedule.partial_rows of the capacity and workspace_bytes)
-        from . import _arrays
-
         _arrays.require_cuda()  # a plain sentence, not CuPy's, where there is no usable device
         import cupy
 
@@ -98,6 +96,7 @@ class PlanBuffers:
         self._plan_launch = None
         self._plan_tiles = None  # (tile, long_tile, knobs, their plan constants) of the last plan
         self.stage_launch = None  # the staging kernel's launch (cupy_fa._staging), made at its first use
+        self.staged_parts = None  # the parts its parameters hold now (copy_parts repacks only when they change)
 
     @property
     def partial_row_bytes(self):
@@ -159,7 +158,7 @@ def _plan_constants(tile, long_tile, knobs_in_force):
 # ---- a planned step -------------------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class PlanState:
     """A planned step as the host knows it: its schedule (``cupy_fa.schedule.StepSchedule``: the
     launches, tiles and grids), the mask and scale, the host lengths and page table it was checked
@@ -289,7 +288,7 @@ def validate_mask_size(entries, q_lens):
 # ---- a step's inputs: checked once, staged once ----------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StepInputs:
     """A step's metadata inputs after :func:`check_step`: each one either a host NumPy array
     (``*_host``) or a device CuPy view (``*_dev``), the other None."""
@@ -321,6 +320,10 @@ class StepInputs:
         return self.mask_host is not None or self.mask_dev is not None
 
 
+_MAX, _MIN, _SUM = np.maximum.reduce, np.minimum.reduce, np.add.reduce  # (the ufuncs, not the methods' wrappers)
+_last_q = None  # the last NumPy q_lens check_step saw: (bytes, dtype, as int64, min, max, sum)
+
+
 def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None, device_id=None, bound=None,
                stream=None):
     """Parses a step's inputs (lists, NumPy, CPU torch, or device arrays of any DLPack framework)
@@ -336,13 +339,18 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
             and custom_mask is None and q_lens.ndim == 1 and page_table.ndim == 2 and q_lens.shape == kv_lens.shape
             and q_lens.size and page_table.shape[0] == q_lens.shape[0] and q_lens.dtype.kind in "iu"
             and kv_lens.dtype.kind in "iu" and page_table.dtype.kind in "iu"):  # NumPy lengths: what an engine gives
-        q, kv = q_lens.astype(np.int64), kv_lens.astype(np.int64)
-        max_q, max_kv = int(q.max()), int(kv.max())
-        if q.min() >= 0 and max_kv < 2**31 and not (q > kv).any():  # else the general path names the request
-            return StepInputs(q.shape[0], q, None, kv, None, page_table, None, None, None, int(q.sum()), max_q, 0,
+        global _last_q
+        key, facts = q_lens.tobytes(), _last_q  # (decode-like steps repeat their q_lens step after step)
+        if facts is None or facts[0] != key or facts[1] != q_lens.dtype:
+            q = q_lens.astype(np.int64)
+            q.flags.writeable = False  # (shared by the steps with these q_lens)
+            facts = _last_q = (key, q_lens.dtype, q, int(_MIN(q)), int(_MAX(q)), int(_SUM(q)))
+        q, min_q, max_q, num_tokens = facts[2:]
+        kv = kv_lens.astype(np.int64)
+        max_kv = int(_MAX(kv))
+        if min_q >= 0 and max_kv < 2**31 and _MIN(kv - q) >= 0:  # else the general path names the request
+            return StepInputs(q.shape[0], q, None, kv, None, page_table, None, None, None, num_tokens, max_q, 0,
                               None, max_kv)
-    from . import _arrays, _views
-
     kinds = (_views.kind_of(q_lens), _views.kind_of(kv_lens), _views.kind_of(page_table))
     if (kinds == (_views.CUPY,) * 3 and custom_mask is None and max_q_len is not None and q_lens.ndim == 1
             and kv_lens.ndim == 1 and page_table.ndim == 2 and q_lens.dtype.kind in "iu" and kv_lens.dtype.kind in "iu"
@@ -413,8 +421,6 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
 
 
 def _mask_input(custom_mask, stream):
-    from . import _arrays
-
     if isinstance(custom_mask, (list, tuple)):
         custom_mask = np.concatenate([np.asarray(m, dtype=bool).ravel() for m in custom_mask]) \
             if len(custom_mask) else np.zeros(0, bool)

@@ -106,11 +106,14 @@ def counted(name, fn=lambda *a: None):
     return call
 
 
-def install():
-    """Stubs for every device call (each counted in CALLS); returns the cupy_fa modules."""
+def install(package="cupy_fa"):
+    """Stubs for every device call (each counted in CALLS), for the cupy_fa package imported as
+    ``package`` (lab/host_ab.py imports a second tree under another name)."""
+    import importlib
+
     import cupy
 
-    from cupy_fa import _arrays, _build, _views
+    _arrays, _build, _views = (importlib.import_module(f"{package}.{m}") for m in ("_arrays", "_build", "_views"))
 
     stream = FakeStream()
     cupy.zeros = lambda shape, dtype=float: FakeArray(shape, dtype)
@@ -140,8 +143,10 @@ def install():
     _build.memset_d2d32 = counted("cuMemsetD2D32Async")
 
 
-def fake_cache(num_pages, page_size, h_kv=8, d=128):
-    from cupy_fa.kv_cache import PagedKVCache
+def fake_cache(num_pages, page_size, h_kv=8, d=128, package="cupy_fa"):
+    import importlib
+
+    PagedKVCache = importlib.import_module(f"{package}.kv_cache").PagedKVCache
 
     cache = PagedKVCache.__new__(PagedKVCache)
     shape = (num_pages, page_size, h_kv, d)

@@ -181,7 +181,7 @@ def test_bad_input_raises_before_any_device_call(device, lengths):
 def test_stage_params_writer_is_a_full_fill():
     """copy_parts' struct writer: the bytes NumPy's assignment of the same parts gives (pointers above
     4 GiB, 64-bit sizes); a lone plain part is a memcpy, not a launch."""
-    buffers = types.SimpleNamespace(stage_launch=None, device_id=0)
+    buffers = types.SimpleNamespace(stage_launch=None, staged_parts=None, device_id=0)
     seen = []
     parts = [(1 << 44, (1 << 45) + 2, (1 << 33) + 6, 1, 0, 0, 0, 0),
              ((1 << 41) + 4, 1 << 42, 800, 64, 800, 1024, 224, -1),
@@ -190,11 +190,24 @@ def test_stage_params_writer_is_a_full_fill():
     try:
         _build.launch_packed = lambda launch, stream: seen.append(bytes(launch.raw))  # (a copy skips padding)
         _staging.copy_parts(buffers, parts, 5)
+        grid = buffers.stage_launch._grid3
+        _staging.copy_parts(buffers, list(parts), 5)  # the same parts again: launched, the bytes as they are
+        changed = [parts[0], parts[1][:3] + (32,) + parts[1][4:]]  # fewer parts, another row count
+        _staging.copy_parts(buffers, changed, 5)
     finally:
         _build.launch_packed = original
-    want = np.zeros(1, _staging._STAGE)
-    want[0]["count"] = 3
-    for i, fields in enumerate(parts):
-        want[0]["copies"][i] = fields
-    assert seen[0] == want.tobytes()
-    assert buffers.stage_launch._grid3 == (_staging.STAGE_CTAS, 1, 1)  # 8 GiB: the largest grid
+
+    def struct_of(parts):
+        want = np.zeros(1, _staging._STAGE)
+        want[0]["count"] = len(parts)
+        for i, fields in enumerate(parts):
+            want[0]["copies"][i] = fields
+        return want
+
+    assert len(seen) == 3
+    assert seen[0] == seen[1] == struct_of(parts).tobytes()
+    assert grid == (_staging.STAGE_CTAS, 1, 1)  # 8 GiB: the largest grid
+    # repacked: the count and the changed part (the third slot keeps its old bytes: the count bounds it)
+    got = np.frombuffer(seen[2], _staging._STAGE)[0]
+    assert got["count"] == 2 and got["copies"][1].tolist() == struct_of(changed)[0]["copies"][1].tolist()
+    assert buffers.stage_launch._grid3 == (_staging.STAGE_CTAS, 1, 1)

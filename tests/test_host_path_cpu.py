@@ -216,7 +216,7 @@ def staged_buffers(device, batch, pages):
     buffers.host_inputs_ptr = buffers.host_inputs.ctypes.data
     buffers.staged_batch = 0
     buffers.custom_mask = None
-    buffers.stage_launch, buffers.device_id = None, 0
+    buffers.stage_launch, buffers.staged_parts, buffers.device_id = None, None, 0
     return buffers
 
 

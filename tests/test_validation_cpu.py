@@ -129,3 +129,28 @@ def test_a_host_page_table_is_checked_where_the_kernel_reads(dtype):
         bad[where] = value
         with pytest.raises(ValueError, match=rf"page_table\[{where[0]}, {where[1]}\] = {value} is not a page"):
             validate_page_table(bad, kv_lens, q_lens, 16, 10)
+
+
+def test_check_step_reuses_q_facts_only_for_the_same_q():
+    """check_step keeps the last NumPy q_lens' min / max / sum (decode-like steps repeat them): a
+    step whose q_lens differ in any byte, in dtype, or after an in-place change is checked afresh."""
+    from cupy_fa import plan
+
+    table = np.zeros((3, 4), np.int32)
+    q = np.array([1, 1, 1], np.int32)
+    first = plan.check_step(q, np.array([5, 6, 7], np.int32), table)
+    assert (first.max_q_len, first.num_tokens, first.max_kv_len) == (1, 3, 7)
+    again = plan.check_step(q, np.array([9, 2, 3], np.int32), table)
+    assert again.q_host is first.q_host and (again.max_q_len, again.max_kv_len) == (1, 9)
+    with pytest.raises(ValueError, match=r"q_lens\[1\] = 1 > kv_lens\[1\] = 0"):  # the same q, a kv_len below it
+        plan.check_step(q, np.array([4, 0, 4], np.int32), table)
+    q[2] = 3  # in place: other bytes
+    step = plan.check_step(q, np.array([5, 6, 7], np.int32), table)
+    assert (step.max_q_len, step.num_tokens) == (3, 5) and step.q_host.tolist() == [1, 1, 3]
+    step = plan.check_step(q.astype(np.int64), np.array([5, 6, 7], np.int64), table)  # another dtype
+    assert (step.max_q_len, step.num_tokens) == (3, 5)
+    q[0] = -1
+    with pytest.raises(ValueError, match=r"q_lens\[0\]"):
+        plan.check_step(q, np.array([5, 6, 7], np.int32), table)
+    with pytest.raises(ValueError):  # the shared int64 copy is read-only: no step writes into another's
+        step.q_host[0] = 7
