@@ -3,7 +3,8 @@
 # over the matrix for one backend (kit-cupy, kit-triton) or its MLA method (kit-mla), the wgmma A/B
 # (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
 # and its split sizes (mla), host time per call (host), first calls over empty caches (cold; COLD_PROFILE=1
-# adds a cProfile of each first call), ncu of the 128-head MLA seesaw kernel (ncu-mla), the MLA bench
+# adds a cProfile of each first call), ncu of the 128-head MLA seesaw kernel (ncu-mla) and of the wgmma prefill
+# kernel, plain / fp8 / soft-capped (ncu-prefill), the MLA bench
 # over copies of other revisions, interleaved (ab-mla-trees: AB_MLA_TREES, AB_MLA_ONLY, AB_MLA_ROUNDS), the GPU
 # tests of such a copy (tree-tests: TREE, TESTS), the EAGLE draft chain probe (eagle-probe). Stages
 # run in the order given; each is bounded by `timeout`, and the
@@ -120,6 +121,17 @@ for stage in ${STAGES:-suite}; do
       grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Registers|Achieved Occupancy|Issue Slots|Issued Ipc|Stall|Warp Cycles Per|L2 Hit|Tensor|pipe|Eligible|No Eligible|Active Warps" \
         "$OUT/ncu_mla.txt" | head -60 | tee -a "$OUT/summary.txt"
       python3 lab/ncu_sass_top.py "$OUT/ncu_mla_sass.csv" 2>&1 | head -40 | tee -a "$OUT/summary.txt" ;;
+    ncu-prefill)  # the wgmma prefill kernel's pipes, stalls and shared-memory traffic: plain, fp8 KV, soft-cap 50
+      for cell in ${NCU_PREFILL_CELLS:-prefill_b4_l4096 prefill_b4_l4096_fp8 prefill_b4_l4096_cap50}; do
+        stamp "ncu prefill: $cell"
+        timeout ${NCU_SECONDS:-90} ncu --clock-control none -k regex:prefill_sm90 -c 1 --section SpeedOfLight \
+          --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section InstructionStats \
+          --section MemoryWorkloadAnalysis_Tables --metrics smsp__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,smsp__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum \
+          python3 lab/ab_hopper.py --once --exact --only $cell > "$OUT/ncu_$cell.txt" 2>&1
+        echo "ncu $cell exit $?" | tee -a "$OUT/summary.txt"
+        grep -E "Duration|Compute \(SM\) Throughput|Registers Per|Issue Slots Busy|Issued Ipc|No Eligible|Eligible Warps|Warp Cycles Per Issued|Stall|pipe_|gmma|bank_conflicts|inst_executed.sum|Shared .*(Wavefronts|Conflicts)" \
+          "$OUT/ncu_$cell.txt" | head -40 | tee -a "$OUT/summary.txt"
+      done ;;
     ab-mla-trees)  # the MLA bench (ours) in exp/base (a copy of another revision, carried) and here, interleaved
       stamp "ab mla trees: ${AB_MLA_TREES:-exp/base .} (${AB_MLA_ONLY:-H=128})"
       for round in $(seq ${AB_MLA_ROUNDS:-2}); do
