@@ -64,9 +64,11 @@ def stage_inputs(buffers, step, pad_to=None, stream=None, extra=()):
         table, rows = step.pt_host, 0
         if batch and pages:
             if table.nbytes <= MIRRORED_TABLE_BYTES or not dense:  # into the mirror, copied with the lengths
-                mirrored = host[2 * cap:2 * cap + batch * stride].reshape(batch, stride)
-                mirrored[:, :pages] = table
-                if stride > pages:  # a graph step: its width, -1 past the caller's columns
+                if stride == pages:  # dense: the rows one after the other (a flat copy costs less)
+                    host[2 * cap:2 * cap + batch * pages] = table.ravel()
+                else:  # a graph step: its width, -1 past the caller's columns
+                    mirrored = host[2 * cap:2 * cap + batch * stride].reshape(batch, stride)
+                    mirrored[:, :pages] = table
                     mirrored[:, pages:] = -1
                 rows = batch
             elif table.dtype != np.int32 or not table.flags.c_contiguous:

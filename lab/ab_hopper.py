@@ -95,7 +95,10 @@ POINTS = [
     ("prefill_b4_l4096_cap50", "tanh newton, 2 wg 128 keys", dict(tanh=2, default={128: T2W}, hooked_block_n=128)),
     ("prefill_b4_l4096_cap50", "tanh.approx, 2 wg 128 keys (reference)",
      dict(tanh=1, default={128: T2W}, hooked_block_n=128)),
+    # the hooked tile at the plain tile's 80 keys (2026-12-06: 64 keys since 2026-12-02, when 80 spilled)
+    ("prefill_b4_l4096_cap50", "tanh.approx, 3 wg 80 keys", dict(tanh=1, hooked_block_n=80)),
     ("prefill_b4_l4096_sinks", "shipped (hooked, 64 keys)", {}),
+    ("prefill_b4_l4096_sinks", "hooked, 80 keys", dict(hooked_block_n=80)),
     ("prefill_b4_l4096_d96", "table (3 wg, 96 keys)", {}),
     ("prefill_b4_l4096_d96", "3 wg, 64 keys", dict(default={96: R(sm90.DEFAULT_TILES[96], block_n=64)})),
     ("prefill_b4_l4096_d192", "table (2 wg, 96 keys)", {}),
