@@ -121,6 +121,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated substrings of the workload names to run")
     parser.add_argument("--exact", action="store_true", help="--only names whole workload names")
+    parser.add_argument("--points", default="", help="comma-separated substrings of the point names to run (all: '')")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--page-size", type=int, default=16)
@@ -136,7 +137,8 @@ def main(argv=None):
     by_workload = {}
     wanted = args.only.split(",")
     for name, point, patch in POINTS:
-        if any((name == x) if args.exact else (x in name) for x in wanted):
+        if any((name == x) if args.exact else (x in name) for x in wanted) and (
+                not args.points or any(x in point for x in args.points.split(","))):
             by_workload.setdefault(name, []).append((point, patch))
     for name, points in by_workload.items():
         w = W.BY_NAME[name]
