@@ -99,6 +99,11 @@ class PlanBuffers:
         self.staged_parts = None  # the parts its parameters hold now (copy_parts repacks only when they change)
 
     @property
+    def last_plan_launch(self):
+        """The plan kernel's launch as the last :meth:`plan_launch` packed it."""
+        return self._plan_launch
+
+    @property
     def partial_row_bytes(self):
         """Bytes of one split-partial row (its outputs and LSE), as the buffers hold them."""
         return (self.partial_out.nbytes + self.partial_lse.nbytes) // self.partial_out.shape[0]
@@ -184,6 +189,7 @@ class PlanState:
     soft_cap: float = 0.0      # logits soft-cap; 0 = none
     prepared: object = None    # its launches with their parameters packed (cupy_fa.launch), made by the first run
     page_table_stride: int = 0  # entries between page-table rows in the buffer (0: the buffer's width)
+    repeat: object = None      # a device-length plan's inputs (BatchAttention.plan_staged): a plan of the same repeats it
 
     # what a decode-like step runs (the small-q launch; a step of long requests only: theirs)
     @property
