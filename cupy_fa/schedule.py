@@ -197,8 +197,19 @@ def key_base(q_lens, kv_lens, window, kv_bytes=2):
 
 def window_spans(q_lens, kv_lens, window, kv_bytes=2):
     """The keys each request's splits cut (``kv_len - key_base``): what every split count of the
-    policy is computed from (all of ``kv_len`` without a window)."""
-    return np.asarray(kv_lens, np.int64) - key_base(q_lens, kv_lens, window, kv_bytes)
+    policy is computed from (all of ``kv_len`` without a window). :func:`key_base`'s arithmetic
+    in place (a plan computes this every step: ``cupy_fa._memo``)."""
+    kv = np.asarray(kv_lens, np.int64)
+    if not window:
+        return kv.copy()
+    unit = MERGE_GROUP * split_size(kv_bytes)
+    base = kv - np.asarray(q_lens, np.int64)
+    base -= int(window) - 1  # the first query's first visible key
+    np.maximum(base, 0, out=base)
+    base //= unit
+    base *= unit
+    np.subtract(kv, base, out=base)
+    return base
 
 
 def window_span_bound(max_q_len, max_kv_len, window, kv_bytes=2):
