@@ -9,8 +9,8 @@ class, ``long_work_indptr`` of the long one) and their splits per CTA and fold.
 
 The first run of a plan packs every launch's struct once (:meth:`StepLauncher.params`, the one
 place the fields are named) into a :class:`PreparedStep`; each later run of that plan (a step's
-layers) writes only what a run changes into those bytes: q, out, lse and sinks, the cache's
-fields when the cache is another one, the token count when it moved. The packed bytes are the
+layers) writes only what a run changes into those bytes: q, out, lse and sinks when one of them
+moved, the cache's fields when the cache is another one, the token count when it moved. The packed bytes are the
 full fill's, field for field (``tests/test_launch_cpu.py``).
 """
 
@@ -39,6 +39,7 @@ class PreparedStep:
 
     def __init__(self, launcher, state, buffers, device_id):
         self.buffers, self.device_id, self.cache, self.num_tokens = buffers, device_id, None, None
+        self.run = None  # the (q, out, lse, sinks) addresses the structs hold
         self.signature = signature(state)
         sched = state.schedule
         self.launches = [x for x in sched.launches if x.work_grid > 0]
@@ -112,6 +113,7 @@ class StepLauncher:
         if prepared.empty or num_tokens == 0:
             return  # IDLE: nothing to read, nothing to write
         run = (q_ptr, out_ptr, lse_ptr, sinks_ptr)
+        new_run = run != prepared.run
         new_cache, new_tokens = prepared.cache is not cache, prepared.num_tokens != num_tokens
         if new_cache:
             fields = cache.attention_params()
@@ -120,16 +122,18 @@ class StepLauncher:
         # kernels otherwise, unchanged)
         hooked = prepared.always_hooked or bool(sinks_ptr)
         for plain, with_hooks, raw in prepared.attention:  # the long family's first
-            _set_run(raw, run)
+            if new_run:
+                _set_run(raw, run)
             if new_cache:
                 _set_cache(raw, cache_values)
             if new_tokens:
                 _set_tokens(raw, (num_tokens,))
             _build.launch_packed(with_hooks if hooked else plain, stream_ptr)
-        prepared.cache, prepared.num_tokens = cache, num_tokens
+        prepared.cache, prepared.num_tokens, prepared.run = cache, num_tokens, run
         if prepared.merge is not None:
             packed, raw, by_tokens = prepared.merge
-            _set_merge_run(raw, (out_ptr, lse_ptr, sinks_ptr))
+            if new_run:
+                _set_merge_run(raw, (out_ptr, lse_ptr, sinks_ptr))
             merge = by_tokens.get(num_tokens)
             if merge is None:
                 shape, grid = schedule.merge_grid(num_tokens, self.num_qo_heads)
