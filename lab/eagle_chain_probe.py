@@ -4,7 +4,9 @@ The kit runs the case twice on fresh fixtures, eagerly and through EAGLEDraftCud
 a padded batch), and compares the draft outputs (token ids among them). This records every attention
 call's queries and output in both runs, for cupy_fa and for triton, and compares them step by step on the
 case's real rows, bit for bit: where the two runs first part says whether attention or the rest of the
-runner (embedding, lm_head, top-k at another batch size) makes the difference.
+runner (embedding, lm_head, top-k at another batch size) makes the difference. Each recorded output is
+also held to float64 attention over its request's first seq_len + d cached rows (d = -2 .. 2): the key
+count each run's attention actually covered.
 
     PYTHONPATH=/tmp/sgl-site:$PWD python3 lab/eagle_chain_probe.py [--configs d128-bf16-p64] [--backends cupy_fa,triton]
 """
@@ -35,6 +37,41 @@ def inputs_text(eager, graph, n):
     return " [" + "; ".join(parts) + "]"
 
 
+def reference_lengths(rec, n, deltas=(-2, -1, 0, 1, 2)):
+    """Which key count each of the first n requests' outputs match: float64 attention over the
+    request's recorded cache rows (its first seq_len + delta slots of req_to_token) for each delta,
+    the relative error of the recorded output against each; text like 'req 0: +0 3e-3 (+1 0.4)'."""
+    import torch
+
+    seen = rec[4]
+    if "error" in seen or not seen.get("heads"):
+        return "(no rows)"
+    heads, scale = seen["heads"], seen["scaling"]
+    q = rec[2][:n].double().reshape(n, heads, -1)
+    if "q_rope" in seen:
+        q = torch.cat([q, seen["q_rope"][:n].double().reshape(n, heads, -1)], dim=-1)
+    out = rec[3][:n].double().reshape(n, heads, -1)
+    rows = seen["rows"].double().reshape(seen["rows"].shape[0], seen["rows"].shape[1], -1)
+    dv = out.shape[-1]
+    parts = []
+    for i in range(n):
+        length = int(seen["seq_lens"][i])
+        errs = {}
+        for d in deltas:
+            keys = length + d
+            if keys < 1 or keys > rows.shape[1]:
+                continue
+            k = rows[i, :keys, :q.shape[-1]]
+            p = torch.softmax(q[i] @ k.T * scale, dim=-1)
+            ref = p @ rows[i, :keys, :dv]
+            errs[d] = ((out[i] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        if errs:
+            best = min(errs, key=errs.get)
+            parts.append(f"req {i}: best {best:+d} {errs[best]:.1e} (" + ", ".join(
+                f"{d:+d} {e:.1e}" for d, e in sorted(errs.items()) if d != best) + ")")
+    return "; ".join(parts)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="d128-bf16-p64,d128-fp16-kit")
@@ -61,7 +98,10 @@ def main():
             q = a[0] if a else kw["q"]
             layer = a[3] if len(a) > 3 else kw["layer"]
             fb = a[4] if len(a) > 4 else kw["forward_batch"]
-            seen = {}
+            seen = {"scaling": float(getattr(layer, "scaling", 0.0)), "heads": int(getattr(layer, "tp_q_head_num", 0))}
+            q_rope = a[6] if len(a) > 6 else kw.get("q_rope")
+            if q_rope is not None:  # (the rope part passed apart: q . k takes both)
+                seen["q_rope"] = q_rope.detach().clone()
             try:  # what the call reads besides q (static shapes, so a capture records them too)
                 seen["seq_lens"] = fb.seq_lens.detach().clone()
                 table = self.req_to_token[fb.req_pool_indices]  # (both backends keep the pool's table)
@@ -141,6 +181,9 @@ def main():
                     line.append(f"step {i}: q {'=' if q_same else f'!= ({dq:.2e})'} out {'=' if o_same else f'!= ({do:.2e})'}"
                                 + inputs_text(e[4], g[4], e[1]))
                 print(f"   graph captured at {rows} rows: " + "; ".join(line))
+                for i, (e, g) in enumerate(zip(eager, same)):  # which key count each output is attention over
+                    print(f"   step {i} keys vs float64: eager {reference_lengths(e, e[1])} | graph "
+                          f"{reference_lengths(g, e[1])}")
             for j, (a, e) in enumerate(compared):
                 if hasattr(a, 'shape') and a.shape == e.shape:
                     diff = (a.float() - e.float()).abs()
