@@ -24,6 +24,8 @@ CASE = "mla_runner_eagle_draft_decode_cuda_graph_chain"
 
 def inputs_text(eager, graph, n):
     """Where the two runs' other attention inputs differ, for the real rows' first n requests."""
+    import torch
+
     if "error" in eager or "error" in graph:
         return f" (inputs not read: {eager.get('error') or graph.get('error')})"
     lens_e, lens_g = eager["seq_lens"][:n].tolist(), graph["seq_lens"][:n].tolist()
@@ -33,7 +35,14 @@ def inputs_text(eager, graph, n):
         slots_same = bool((eager["slots"][i, :length] == graph["slots"][i, :length]).all())
         a, b = eager["rows"][i, :length].float(), graph["rows"][i, :length].float()
         differ = (a != b).reshape(length, -1).any(dim=1).nonzero().flatten().tolist()
-        parts.append(f"req {i}: slots {'=' if slots_same else '!='}, cache rows differing at keys {differ[:8]}")
+        # the two positions past seq_len (the draft tokens' own rows): their slots and rows in each run
+        past = []
+        for k in range(length, min(length + 2, eager["slots"].shape[1])):
+            se, sg = int(eager["slots"][i, k]), int(graph["slots"][i, k])
+            same_row = bool(torch.equal(eager["rows"][i, k], graph["rows"][i, k]))
+            past.append(f"key {k}: slot {se}{'' if se == sg else f' / graph {sg}'}, row {'=' if same_row else '!='}")
+        parts.append(f"req {i}: slots {'=' if slots_same else '!='}, cache rows differing at keys {differ[:8]}"
+                     + (" (" + "; ".join(past) + ")" if past else ""))
     return " [" + "; ".join(parts) + "]"
 
 
