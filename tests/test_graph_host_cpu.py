@@ -211,3 +211,34 @@ def test_stage_params_writer_is_a_full_fill():
     got = np.frombuffer(seen[2], _staging._STAGE)[0]
     assert got["count"] == 2 and got["copies"][1].tolist() == struct_of(changed)[0]["copies"][1].tolist()
     assert buffers.stage_launch._grid3 == (_staging.STAGE_CTAS, 1, 1)
+
+
+def test_eager_steps_keep_their_plan_until_another_plan(device):
+    """An eager step staged as the last plan was (the same bucket and mode, stream, knobs) launches
+    the plan kernel again and keeps that plan (its PlanState, prepared launches and schedule); a step
+    of another bucket, or other knobs, plans afresh. The driver sees the same launches either way."""
+    from cupy_fa import knobs
+
+    r = runner()
+    q8, cache, lens8 = step_inputs(8, "device")
+    q1, _, lens1 = step_inputs(1, "device")
+    device.clear()
+    r.run("decode", q8, cache, *lens8, use_graph=False)
+    first, launches = r.attn.planned, list(device)
+    assert ("launch", "shared/plan.cu") in launches
+    device.clear()
+    r.run("decode", q8, cache, *lens8, use_graph=False)
+    assert r.attn.planned is first and device == launches  # kept: the plan kernel again, then the same run
+    r.run("decode", q1, cache, *lens1, use_graph=False)  # bucket 1: another staged step, a new plan
+    assert r.attn.planned is not first
+    device.clear()
+    r.run("decode", q8, cache, *lens8, use_graph=False)  # the last plan was bucket 1's: planned afresh
+    again = r.attn.planned
+    assert again is not first and device == launches
+    before = knobs.knobs()
+    try:
+        knobs.use(knobs.Knobs())  # other knobs (equal values, another object): planned afresh
+        r.run("decode", q8, cache, *lens8, use_graph=False)
+        assert r.attn.planned is not again
+    finally:
+        knobs.use(before)
