@@ -186,28 +186,28 @@ def key_base(q_lens, kv_lens, window, kv_bytes=2):
     """kernels/shared/plan.cu window_key_base: with a sliding ``window`` (keys a query sees, itself
     included; 0 / None: none) the keys before each request's first split, its first query's first
     visible key ``kv_len - q_len - window + 1`` rounded down to a multiple of MERGE_GROUP x
-    split_size(kv_bytes) (so small-q splits and their merge groups stay at fixed positions); 0 without."""
+    split_size(kv_bytes) (so small-q splits and their merge groups stay at fixed positions); 0 without.
+    In place on one new array (a windowed plan computes it every step: :func:`window_spans`)."""
     q, kv = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
+    base = np.zeros(np.broadcast(q, kv).shape, np.int64)
     if not window:
-        return np.zeros(np.broadcast(q, kv).shape, np.int64)
+        return base
     unit = MERGE_GROUP * split_size(kv_bytes)
-    first = kv - q - int(window) + 1
-    return np.where(first > 0, first // unit * unit, 0)
-
-
-def window_spans(q_lens, kv_lens, window, kv_bytes=2):
-    """The keys each request's splits cut (``kv_len - key_base``): what every split count of the
-    policy is computed from (all of ``kv_len`` without a window). :func:`key_base`'s arithmetic
-    in place (a plan computes this every step: ``cupy_fa._memo``)."""
-    kv = np.asarray(kv_lens, np.int64)
-    if not window:
-        return kv.copy()
-    unit = MERGE_GROUP * split_size(kv_bytes)
-    base = kv - np.asarray(q_lens, np.int64)
+    np.subtract(kv, q, out=base)
     base -= int(window) - 1  # the first query's first visible key
     np.maximum(base, 0, out=base)
     base //= unit
     base *= unit
+    return base
+
+
+def window_spans(q_lens, kv_lens, window, kv_bytes=2):
+    """The keys each request's splits cut (``kv_len - key_base``): what every split count of the
+    policy is computed from (all of ``kv_len`` without a window)."""
+    kv = np.asarray(kv_lens, np.int64)
+    if not window:
+        return kv.copy()
+    base = key_base(q_lens, kv, window, kv_bytes)
     np.subtract(kv, base, out=base)
     return base
 
