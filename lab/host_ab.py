@@ -9,15 +9,11 @@ each side's lowest block median, so a busy or throttled CPU moves both sides ali
 """
 
 import argparse
-import importlib
 import statistics
 import sys
 import time
 
-import numpy as np
-
 import host_cpu
-from host_cpu import FakeArray
 
 PACKAGES = ("cupy_fa_base", "cupy_fa")
 
@@ -33,29 +29,14 @@ def block_us(fn, calls=100):
 
 def cells(pkg):
     """(name, callable) of every timed call, for package ``pkg``."""
-    m = importlib.import_module(pkg)
-    bf16 = importlib.import_module(f"{pkg}._arrays").DTYPES["bfloat16"]
     found = []
     for name, b, q_len, kv_len in host_cpu.CELLS:
-        pages = -(-kv_len // 16)
-        table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)
-        q_lens, kv_lens = np.full(b, q_len, np.int32), np.full(b, kv_len, np.int32)
-        cache = host_cpu.fake_cache(b * pages, 16, package=pkg)
-        attn = m.BatchAttention(32, 8, 128, "bfloat16")
-        q = FakeArray((b * q_len, 32, 128), bf16)
-        out = FakeArray(q.shape, bf16)
-        found.append((f"plan {name}", lambda a=attn, x=(q_lens, kv_lens, table): a.plan(*x)))
-        found[-1][1]()
-        found.append((f"run  {name}", lambda a=attn, x=(q, cache, out): a.run(x[0], x[1], out=x[2])))
-    runner = m.GraphRunner(32, 8, 128, "bfloat16", max_batch_size=64, max_q_len=8, max_pages_per_request=256,
-                           page_size=16)
+        plan, run = host_cpu.attention_cell(b, q_len, kv_len, pkg)
+        found += [(f"plan {name}", plan), (f"run  {name}", run)]
+    runner = host_cpu.new_runner(pkg)
     for b in (1, 8, 64):
-        cache = host_cpu.fake_cache(b * 256, 16, package=pkg)
-        q = FakeArray((b, 32, 128), bf16)
-        lens = (FakeArray((b,), np.int32), FakeArray((b,), np.int32), FakeArray((b, 256), np.int32))
-        found.append((f"graph replay B={b}", lambda r=runner, x=(q, cache) + lens: r.run("decode", *x)))
-        found.append((f"graph eager  B={b}", lambda r=runner, x=(q, cache) + lens: r.run("decode", *x,
-                                                                                          use_graph=False)))
+        replay, eager = host_cpu.graph_step(runner, b, "device", pkg)
+        found += [(f"graph replay B={b}", replay), (f"graph eager  B={b}", eager)]
     return found
 
 

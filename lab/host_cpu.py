@@ -174,28 +174,55 @@ CELLS = [  # (name, B, q_len, kv_len)
 ]
 
 
+def attention_cell(b, q_len, kv_len, package="cupy_fa"):
+    """(plan, run) of a BatchAttention step of B requests of q_len tokens over kv_len keys (32 / 8
+    heads, D 128, bf16, page 16) over a fake cache, for the tree imported as ``package``; planned once."""
+    import importlib
+
+    bf16 = importlib.import_module(f"{package}._arrays").DTYPES["bfloat16"]
+    pages = -(-kv_len // 16)
+    table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)
+    q_lens, kv_lens = np.full(b, q_len, np.int32), np.full(b, kv_len, np.int32)
+    cache = fake_cache(b * pages, 16, package=package)
+    attn = importlib.import_module(package).BatchAttention(32, 8, 128, "bfloat16")
+    q = FakeArray((b * q_len, 32, 128), bf16)
+    out = FakeArray(q.shape, bf16)
+    plan = lambda: attn.plan(q_lens, kv_lens, table)
+    plan()
+    return plan, lambda: attn.run(q, cache, out=out)
+
+
+def graph_step(runner, b, lengths, package="cupy_fa"):
+    """(replay, eager) of GraphRunner decode steps of B requests over 256 pages of 16 keys, ``lengths``
+    "device" (CuPy) or "host" (NumPy), for the tree imported as ``package``."""
+    import importlib
+
+    bf16 = importlib.import_module(f"{package}._arrays").DTYPES["bfloat16"]
+    cache = fake_cache(b * 256, 16, package=package)
+    q = FakeArray((b, 32, 128), bf16)
+    if lengths == "device":
+        lens = (FakeArray((b,), np.int32), FakeArray((b,), np.int32), FakeArray((b, 256), np.int32))
+    else:
+        lens = (np.ones(b, np.int32), np.full(b, 4096, np.int32), np.arange(b * 256, dtype=np.int32).reshape(b, 256))
+    return (lambda: runner.run("decode", q, cache, *lens),
+            lambda: runner.run("decode", q, cache, *lens, use_graph=False))
+
+
+def new_runner(package="cupy_fa"):
+    import importlib
+
+    return importlib.import_module(package).GraphRunner(32, 8, 128, "bfloat16", max_batch_size=64, max_q_len=8,
+                                                        max_pages_per_request=256, page_size=16)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", action="store_true", help="cProfile of each call kind, top functions")
     args = parser.parse_args(argv)
     install()
-    import cupy_fa
-    from cupy_fa import _arrays
-
-    bf16 = _arrays.DTYPES["bfloat16"]
     rows = []
     for name, b, q_len, kv_len in CELLS:
-        page = 16
-        pages = -(-kv_len // page)
-        table = np.arange(b * pages, dtype=np.int32).reshape(b, pages)
-        q_lens, kv_lens = np.full(b, q_len, np.int32), np.full(b, kv_len, np.int32)
-        cache = fake_cache(b * pages, page)
-        attn = cupy_fa.BatchAttention(32, 8, 128, "bfloat16")
-        q = FakeArray((b * q_len, 32, 128), bf16)
-        out = FakeArray(q.shape, bf16)
-        plan = lambda: attn.plan(q_lens, kv_lens, table)
-        plan()
-        run = lambda: attn.run(q, cache, out=out)
+        plan, run = attention_cell(b, q_len, kv_len)
         rows.append((name, median_us(plan), median_us(run)))
         if args.profile:
             for label, fn in (("plan", plan), ("run", run)):
@@ -203,20 +230,11 @@ def main(argv=None):
                 prof.runcall(lambda: [fn() for _ in range(3000)])
                 print(f"\n== {name}: {label}")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-    runner = cupy_fa.GraphRunner(32, 8, 128, "bfloat16", max_batch_size=64, max_q_len=8, max_pages_per_request=256,
-                                 page_size=16)
+    runner = new_runner()
     steps = []
     for lengths in ("device", "host"):
         for b in (1, 8, 64):
-            cache = fake_cache(b * 256, 16)
-            q = FakeArray((b, 32, 128), bf16)
-            table = np.arange(b * 256, dtype=np.int32).reshape(b, 256)
-            if lengths == "device":
-                lens = (FakeArray((b,), np.int32), FakeArray((b,), np.int32), FakeArray((b, 256), np.int32))
-            else:
-                lens = (np.ones(b, np.int32), np.full(b, 4096, np.int32), table)
-            replay = lambda: runner.run("decode", q, cache, *lens)
-            eager = lambda: runner.run("decode", q, cache, *lens, use_graph=False)
+            replay, eager = graph_step(runner, b, lengths)
             replay()
             calls = []
             for fn in (replay, eager):
