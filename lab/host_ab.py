@@ -9,22 +9,11 @@ each side's lowest block median, so a busy or throttled CPU moves both sides ali
 """
 
 import argparse
-import statistics
 import sys
-import time
 
 import host_cpu
 
 PACKAGES = ("cupy_fa_base", "cupy_fa")
-
-
-def block_us(fn, calls=100):
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times)
 
 
 def cells(pkg):
@@ -58,7 +47,7 @@ def main(argv=None):
         best = [float("inf")] * 2
         for _ in range(args.rounds):
             for side in (0, 1):
-                best[side] = min(best[side], block_us(both[side][i][1]))
+                best[side] = min(best[side], host_cpu.median_us(both[side][i][1], 100, warmup=0))
         print(f"{name:28s} {best[0]:7.1f} {best[1]:7.1f} {best[1] / best[0]:9.3f}")
     return 0
 

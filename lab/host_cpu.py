@@ -157,8 +157,8 @@ def fake_cache(num_pages, page_size, h_kv=8, d=128, package="cupy_fa"):
     return cache
 
 
-def median_us(fn, repeats=2000):
-    for _ in range(50):
+def median_us(fn, repeats=2000, warmup=50):
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
