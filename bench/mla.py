@@ -25,6 +25,7 @@ over input sets larger than L2 together (bench/timing.py), medians of ``--reps``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -129,6 +130,7 @@ def time_ours(heads, kv_dtype, table, sets, q_lens, kv_lens, n_launch, reps):
     cell = {"kernels": [f"{type(x.tile).__name__}{getattr(x.tile, 'warps_m', '')} x{x.work_grid}" for x in sched.launches]
             + (["merge"] if sched.needs_merge else []), "first_call_s": first}
     out = sets[0]["out"]
+    cell["digest"] = hashlib.sha1(out.view(cupy.uint16).get().tobytes()).hexdigest()[:12]
     cell["err"] = check(sets[0]["cache"], sets[0]["q"], table, q_lens, kv_lens, lambda r: to_host_f64(out[r]))
     if not cell["err"] <= reference.TOL["bfloat16"]:
         cell["status"] = f"WRONG: rel err {cell['err']:.3g}: not timed"
@@ -226,6 +228,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--launches", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--digest", action="store_true",
+                        help="print a digest of our first output's bits beside the name (trees compared bit for bit)")
     args = parser.parse_args(argv)
     import cupy
 
@@ -265,6 +269,8 @@ def main(argv=None):
         results["cells"][name] = row
         ours, peer = row["ours"], row.get("flashinfer", {})
         text = f"{name:34s}"
+        if args.digest:
+            text += f" bits {ours.get('digest', '-'):12s}"
         if ours.get("status") == "ok":
             text += (f" ours {ours['us']:8.1f} us {ours['tbps']:5.2f} TB/s ({100 * ours['read_fraction']:3.0f}% read) "
                      f"{ours['tflops']:6.1f} TFLOP/s ({100 * ours['gemm_fraction']:3.0f}% gemm) err {ours['err']:.1e}")

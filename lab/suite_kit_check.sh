@@ -137,7 +137,7 @@ for stage in ${STAGES:-suite}; do
       for round in $(seq ${AB_MLA_ROUNDS:-2}); do
         for tree in ${AB_MLA_TREES:-exp/base .}; do
           (cd $tree && PYTHONPATH=$PWD timeout ${AB_MLA_SECONDS:-90} python3 -m bench.mla --only "${AB_MLA_ONLY:-H=128}" \
-            --no-peers 2>&1 | grep -E "^(decode|verify|fp8)" | cut -c1-120 | sed "s|^|r$round $tree: |") | tee -a "$OUT/summary.txt"
+            --no-peers --digest 2>&1 | grep -E "^(decode|verify|fp8)" | cut -c1-150 | sed "s|^|r$round $tree: |") | tee -a "$OUT/summary.txt"
         done
       done ;;
     tree-tests)  # GPU tests of a carried tree (TREE, e.g. exp/epi with its tests/ and pyproject.toml): TESTS
