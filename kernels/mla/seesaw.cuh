@@ -124,19 +124,13 @@ struct SeesawRole {
     sm90::wgmma_commit();
   }
 
-  // O_half += P V of the block in buffer b, V's columns 256 half .. (issue and commit only: the caller
-  // waits, then keeps `frag` pinned, since the products read it from registers while in flight)
-  __device__ __forceinline__ void issue_pv(int b, int half, const unsigned (&frag)[4][4]) {
+  // O_half += P V of the block in buffer b, V's columns 256 half .. (issue, commit and wait)
+  __device__ __forceinline__ void pv(int b, int half, const unsigned (&frag)[4][4]) {
     const sm90::u64 v_desc = opaque(sm90::mnmajor_desc<kBlockRows>(buffer(b) + 4 * half * kColumnBlockBytes));
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) sm90::Wgmma<256, T>::rs_mn(o, frag[ks], sm90::desc_at(v_desc, sm90::mnmajor_step(ks)), 1);
     sm90::wgmma_commit();
-  }
-
-  // O_half += P V of the block in buffer b, V's columns 256 half .. (issue, commit and wait)
-  __device__ __forceinline__ void pv(int b, int half, const unsigned (&frag)[4][4]) {
-    issue_pv(b, half, frag);
     sm90::wgmma_wait<0>();
     sm90::pin(o);
     pin_frag(frag);  // held in registers until the products have read them
@@ -244,83 +238,75 @@ struct SeesawRole {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(mm[0]), "=f"(mm[1]) : "r"(base + slot + 8 * wtid) : "memory");
   }
 
-  // Warpgroup 0: even blocks, O's left half, the K buffers' low halves. S0 of the pair is in flight
-  // when a pair starts (issued before the loop, then at the end of the pair before).
-  __device__ __forceinline__ void run_even() {
+  // One body for both warpgroups (wg 0: even blocks, O's left half, the K buffers' low halves;
+  // wg 1: odd blocks, the right half, the high halves), so each product is issued from one place
+  // (the kernel's code, and its compile time, stay half): `frag` holds the P each product takes, this
+  // warpgroup's own (packed from S) or the other's (from the exchange slots).
+  __device__ __forceinline__ void run(int wg) {
     unsigned frag[4][4];
     for (int i = 0; i < num_pairs; ++i) {
       const bool more = i + 1 < num_pairs;
       sm90::wgmma_wait<0>();
       sm90::pin(s);
-      mask(2 * i);
-      float mx[2], m0[2], m1[2], f[2], sum[2];
-      block_max(mx);
+      mask(2 * i + wg);
+      float mx[2], m0[2], m_new[2], fa[2], fb[2], sum[2];
+      block_max(mx);  // (the mask and maxima need nothing of the other warpgroup's)
+      if (wg == 1) {
+        sm90::named_sync(kBarP0, 256);  // warpgroup 0's offsets and P0
+        get_m(SeesawSmem::kM0, m0);
+      }
 #pragma unroll
-      for (int h = 0; h < 2; ++h) m0[h] = next_offset(m[h], mx[h]), f[h] = factor_of(m[h], m0[h]);
-      exponentials(m0, sum, own);
+      for (int h = 0; h < 2; ++h) {
+        if (wg == 0) {
+          m_new[h] = m0[h] = next_offset(m[h], mx[h]);
+          fa[h] = factor_of(m[h], m0[h]);
+          fb[h] = 1.f;
+        } else {
+          fa[h] = factor_of(m[h], m0[h]);
+          m_new[h] = next_offset(m0[h], mx[h]);
+          fb[h] = factor_of(m0[h], m_new[h]);
+        }
+      }
+      exponentials(m_new, sum, own);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) l[h] = l[h] * f[h] + sum[h];
-      put_p(0, own);
-      put_m(SeesawSmem::kM0, m0);
-      sm90::named_arrive(kBarP0, 256);
-      rescale(f);
-      pv(0, 0, own);  // O_L += P0 V0_L; buffer 0's low half is free
-      if (more) fill(0, 2 * i + 2, 0);
-      sm90::named_sync(kBarP1, 256);  // warpgroup 1's offsets and P1
-      get_m(SeesawSmem::kM1, m1);
-      get_p(1, frag);
-      sm90::named_arrive(kBarP1Read, 256);  // buffer 1's rope block may be refilled
+      for (int h = 0; h < 2; ++h) l[h] = l[h] * fa[h] * fb[h] + sum[h];
+      if (wg == 1) {
+        get_p(0, frag);  // P0
+        put_p(1, own);
+        put_m(SeesawSmem::kM1, m_new);
+        sm90::named_arrive(kBarP1, 256);
+      } else {
+        put_p(0, own);
+        put_m(SeesawSmem::kM0, m_new);
+        sm90::named_arrive(kBarP0, 256);
+        copy_frag(frag, own);
+      }
+      rescale(fa);
+      pv(0, wg, frag);  // O_half += P0 V0_half; this half of buffer 0 is free
+      if (more) fill(0, 2 * i + 2, wg);
+      if (wg == 0) {
+        sm90::named_sync(kBarP1, 256);  // warpgroup 1's offsets and P1
+        float m1[2];
+        get_m(SeesawSmem::kM1, m1);
+        get_p(1, frag);
+        sm90::named_arrive(kBarP1Read, 256);  // buffer 1's rope block may be refilled
 #pragma unroll
-      for (int h = 0; h < 2; ++h) f[h] = factor_of(m0[h], m1[h]), l[h] *= f[h], m[h] = m1[h];
-      rescale(f);
-      pv(1, 0, frag);  // O_L += P1 V1_L; buffer 1's low half is free
+        for (int h = 0; h < 2; ++h) fb[h] = factor_of(m0[h], m1[h]), l[h] *= fb[h], m_new[h] = m1[h];
+      } else {
+        copy_frag(frag, own);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) m[h] = m_new[h];
+      rescale(fb);
+      pv(1, wg, frag);  // O_half += P1 V1_half; this half of buffer 1 is free
+      if (wg == 1) sm90::named_sync(kBarP1Read, 256);  // (every pair: the barrier alternates strictly)
       if (more) {
-        fill(1, 2 * i + 3, 0);
-        issue_scores(0, i + 1);
+        fill(1, 2 * i + 3, wg);
+        issue_scores(wg, i + 1);
       }
     }
     sm90::wgmma_wait<0>();  // none in flight past the loop (ptxas cannot tell the last pair issued none)
     sm90::pin(s);
-  }
-
-  // Warpgroup 1: odd blocks, O's right half, the K buffers' high halves. It takes P0 first: S1 is
-  // issued once P0 is in, with P0 V0_R behind it, so the softmax of S1 runs while P0 V0_R does, and
-  // S1 waits for buffer 1 only after warpgroup 0's S0 and softmax (buffer 1 is refilled at the end
-  // of the pair before).
-  __device__ __forceinline__ void run_odd() {
-    unsigned frag[4][4];
-    for (int i = 0; i < num_pairs; ++i) {
-      const bool more = i + 1 < num_pairs;
-      float mx[2], m0[2], m1[2], fa[2], fb[2], sum[2];
-      sm90::named_sync(kBarP0, 256);  // warpgroup 0's offsets and P0
-      get_m(SeesawSmem::kM0, m0);
-      get_p(0, frag);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) fa[h] = factor_of(m[h], m0[h]);
-      rescale(fa);
-      issue_scores(1, i);
-      issue_pv(0, 1, frag);  // O_R = O_R f0 + P0 V0_R, in flight behind S1
-      sm90::wgmma_wait<1>();
-      sm90::pin(s);
-      mask(2 * i + 1);
-      block_max(mx);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) m1[h] = next_offset(m0[h], mx[h]), fb[h] = factor_of(m0[h], m1[h]);
-      exponentials(m1, sum, own);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) l[h] = l[h] * fa[h] * fb[h] + sum[h], m[h] = m1[h];
-      put_p(1, own);
-      put_m(SeesawSmem::kM1, m1);
-      sm90::named_arrive(kBarP1, 256);
-      sm90::wgmma_wait<0>();
-      sm90::pin(o);
-      pin_frag(frag);  // P0 V0_R is done; buffer 0's high half is free
-      if (more) fill(0, 2 * i + 2, 1);
-      rescale(fb);
-      pv(1, 1, own);  // O_R += P1 V1_R
-      sm90::named_sync(kBarP1Read, 256);  // (every pair: the barrier alternates strictly)
-      if (more) fill(1, 2 * i + 3, 1);
-    }
   }
 
   // The end: this warpgroup's 64 x 256 half of O (row sums l, summed over both warpgroups) rounded as
@@ -353,6 +339,13 @@ struct SeesawRole {
       T* dst = row_target<T>(p, done, row_slot(p, done, by_head, done.row0 + r, partial_base)) + 256 * wg;
       *reinterpret_cast<uint4*>(dst + 8 * lane) = v;
     }
+  }
+
+  static __device__ __forceinline__ void copy_frag(unsigned (&to)[4][4], const unsigned (&from)[4][4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) to[k][e] = from[k][e];
   }
 
   // this warpgroup's half of buffer b for key block `block`

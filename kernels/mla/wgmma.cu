@@ -53,12 +53,8 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   mbar::wait(base + SeesawSmem::kBars, 0);
   if (role.num_blocks > 0) {
-    if (wg == 0) {
-      role.issue_scores(0, 0);
-      role.run_even();
-    } else {
-      role.run_odd();
-    }
+    role.issue_scores(wg, 0);
+    role.run(wg);
   }
 
   // the row's sum: warpgroup 0's part of it, then warpgroup 1's (the same order in both)
