@@ -282,8 +282,10 @@ struct SeesawRole {
         copy_frag(frag, own);
       }
       rescale(fa);
+      KeyPages next;
+      if (more) next = lookup_keys(p, w, 2 * i + 2, wtid);  // (their latency under the product)
       pv(0, wg, frag);  // O_half += P0 V0_half; this half of buffer 0 is free
-      if (more) fill(0, 2 * i + 2, wg);
+      if (more) fill(0, 2 * i + 2, wg, next);
       if (wg == 0) {
         sm90::named_sync(kBarP1, 256);  // warpgroup 1's offsets and P1
         float m1[2];
@@ -298,10 +300,11 @@ struct SeesawRole {
 #pragma unroll
       for (int h = 0; h < 2; ++h) m[h] = m_new[h];
       rescale(fb);
+      if (more) next = lookup_keys(p, w, 2 * i + 3, wtid);
       pv(1, wg, frag);  // O_half += P1 V1_half; this half of buffer 1 is free
       if (wg == 1) sm90::named_sync(kBarP1Read, 256);  // (every pair: the barrier alternates strictly)
       if (more) {
-        fill(1, 2 * i + 3, wg);
+        fill(1, 2 * i + 3, wg, next);
         issue_scores(wg, i + 1);
       }
     }
@@ -348,10 +351,10 @@ struct SeesawRole {
       for (int e = 0; e < 4; ++e) to[k][e] = from[k][e];
   }
 
-  // this warpgroup's half of buffer b for key block `block`
-  __device__ __forceinline__ void fill(int b, int block, int wg) {
-    if (wg == 0) fill_half<0>(p, w, buffer(b), block, full_bars(b), wtid, flag());
-    else fill_half<1>(p, w, buffer(b), block, full_bars(b), wtid, flag());
+  // this warpgroup's half of buffer b for key block `block`, from its keys' page ids (lookup_keys)
+  __device__ __forceinline__ void fill(int b, int block, int wg, const KeyPages& pages) {
+    if (wg == 0) fill_half<0>(p, w, pages, buffer(b), block, full_bars(b), wtid, flag());
+    else fill_half<1>(p, w, pages, buffer(b), block, full_bars(b), wtid, flag());
   }
 };
 

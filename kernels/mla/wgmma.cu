@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   mbar::cp_async_arrive_noinc(base + SeesawSmem::kBars);
   if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
 #pragma unroll
-    for (int b = 0; b < 2; ++b) role.fill(b, b, wg);
+    for (int b = 0; b < 2; ++b) role.fill(b, b, wg, lookup_keys(p, w, b, wtid));
   }
   mbar::wait(base + SeesawSmem::kBars, 0);
   if (role.num_blocks > 0) {

@@ -47,30 +47,54 @@ __device__ __forceinline__ void copy_q_block(const MlaParams& p, const Work& w, 
   }
 }
 
+// The page ids of one thread's four keys of key block `block` (keys kv_begin + 64 block + wtid / 8
+// + 16 j; 0 past the CTA's range), loaded a product ahead of the fill that takes them (fill_half), so
+// the loads' latency passes under that product instead of between two.
+struct KeyPages {
+  unsigned page[kBlockRows / 16];
+};
+
+__device__ __forceinline__ KeyPages lookup_keys(const MlaParams& p, const Work& w, int block, int wtid) {
+  const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
+  const int key0 = w.kv_begin + block * kBlockRows + (wtid >> 3);
+  KeyPages k;
+#pragma unroll
+  for (int j = 0; j < kBlockRows / 16; ++j) {
+    const int key = key0 + 16 * j;
+    const int page_index = p.page_shift >= 0 ? (key >> p.page_shift) : key / p.page_size;
+    k.page[j] = key < w.kv_end ? static_cast<unsigned>(__ldg(page_row + page_index)) : 0u;
+  }
+  return k;
+}
+
 // One half of key block `block` (keys kv_begin + 64 block ..) into the K buffer at buf_addr, by the
-// 128 threads of one warpgroup (wtid its thread): HALF 0 the column blocks 0 .. 3 (V's left half and
-// K's first 256 columns), HALF 1 the column blocks 4 .. 8 (V's right half, the rest of K, the rope
-// part). A thread copies the same four keys in every column block (keys wtid / 8 + 16 j, chunk
-// wtid % 8 of the block: eight threads a 128-byte row segment), so it looks up their four slots once,
-// together, before its first copy, and the copies go column block by column block, each thread's
-// copies of block c arriving on the buffer's barrier c (`full` + 8 c) once they are done.
+// 128 threads of one warpgroup (wtid its thread), from the page ids `pages` (lookup_keys of the same
+// block): HALF 0 the column blocks 0 .. 3 (V's left half and K's first 256 columns), HALF 1 the
+// column blocks 4 .. 8 (V's right half, the rest of K, the rope part). A thread copies the same four
+// keys in every column block (keys wtid / 8 + 16 j, chunk wtid % 8 of the block: eight threads a
+// 128-byte row segment), column block by column block, each thread's copies of block c arriving on
+// the buffer's barrier c (`full` + 8 c) once they are done. A page id outside the cache is clamped
+// into it and flags the CTA.
 template <int HALF>
-__device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, unsigned buf_addr, int block,
-                                          unsigned full, int wtid, int* flag) {
+__device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, const KeyPages& pages, unsigned buf_addr,
+                                          int block, unsigned full, int wtid, int* flag) {
   constexpr int ROW_BYTES = 2 * kLatentDim, KEYS = kBlockRows / 16;
   constexpr int FIRST = HALF == 0 ? 0 : kLowHalfBlocks, LAST = HALF == 0 ? kLowHalfBlocks : kLatentBlocks;  // column blocks
   const char* cache = static_cast<const char*>(p.cache);
-  const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
   const int key_in0 = wtid >> 3, chunk = wtid & 7;
   const int key0 = w.kv_begin + block * kBlockRows + key_in0;
+  const unsigned last = static_cast<unsigned>(p.num_pages - 1);
   bool out = false;
   const char* src[KEYS];
   bool valid[KEYS];
 #pragma unroll
   for (int j = 0; j < KEYS; ++j) {
     const int key = key0 + 16 * j;
+    const int in_page = p.page_shift >= 0 ? (key & (p.page_size - 1)) : key % p.page_size;
     valid[j] = key < w.kv_end;
-    src[j] = cache + (valid[j] ? slot_of(p, page_row, key, out) : 0) * ROW_BYTES + chunk * 16;
+    out |= valid[j] && pages.page[j] > last;
+    const i64 slot = valid[j] ? (i64)min(pages.page[j], last) * p.page_size + in_page : 0;
+    src[j] = cache + slot * ROW_BYTES + chunk * 16;
   }
 #pragma unroll
   for (int c = FIRST; c < LAST; ++c) {

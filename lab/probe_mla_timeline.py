@@ -1,0 +1,77 @@
+"""Where the MLA seesaw kernel's CTAs spend their time (diagnosis only, GPU; lab).
+
+Runs in a tree whose seesaw kernel carries the stamps of lab/patches/20261206-mla-trace.patch
+(`mla_trace[cta][16]`: start / done ns, SM, and per warpgroup the cycles spent in the S issue
+(its mbarrier waits), the loop-top S wait, the exchange barriers, the P V products and the fills),
+over one launch of each cell, and prints the means per CTA and per pair.
+
+    cd exp/trace && PYTHONPATH=$PWD python3 ../../lab/probe_mla_timeline.py
+"""
+
+import sys
+
+import numpy as np
+
+import cupy
+import cupy_fa
+from cupy_fa import _build
+
+from bench import mla as B
+
+CELLS = [("decode B=64 L=4096 H=128", 128, 64, 1, 4096), ("verify q=4 B=64 L=4096 H=128", 128, 64, 4, 4100),
+         ("decode B=1 L=32768 H=128", 128, 1, 1, 32768), ("decode B=64 L=4096 H=16", 16, 64, 1, 4096)]
+WG = ("issue S (load waits)", "top S wait", "exchange barriers", "P V products", "fills")
+
+
+def trace_array():
+    for kernel in _build.compiled_kernels():
+        if "mla_wgmma_kernel" in kernel.expression:
+            module = _build._modules[(_build._device_id(None), kernel)]
+            return cupy.ndarray((8192, 16), cupy.uint64, module.get_global("mla_trace"))
+    raise RuntimeError("no traced mla_wgmma_kernel compiled (run in a tree with the trace patch)")
+
+
+def main():
+    for name, heads, batch, q_len, kv_len in CELLS:
+        table, sets = B.build(heads, batch, q_len, kv_len, 64, "bfloat16", 2, seed=7)
+        q_lens, kv_lens = np.full(batch, q_len), np.full(batch, kv_len)
+        attn = cupy_fa.MLAAttention(heads, "bfloat16", workspace_bytes=1 << 30)
+        attn.plan(q_lens, kv_lens, table, sm_scale=B.SM_SCALE)
+        for _ in range(3):
+            attn.run(sets[0]["q"], sets[0]["cache"], out=sets[0]["out"])
+        cupy.cuda.Device().synchronize()
+        tr = trace_array()
+        tr.fill(0)
+        attn.run(sets[1]["q"], sets[1]["cache"], out=sets[1]["out"])
+        cupy.cuda.Device().synchronize()
+        t = cupy.asnumpy(tr).astype(np.int64)
+        t = t[t[:, 1] > 0]
+        n = len(t)
+        start, done, sm = t[:, 0], t[:, 1], t[:, 2]
+        dur_ns = done - start
+        cyc_end, cyc_loop, cyc_first = t[:, 8], t[:, 14], t[:, 15]
+        ghz = float(np.median(cyc_end / np.maximum(dur_ns, 1)))
+        print(f"== {name}: {n} CTAs, span {(done.max() - start.min()) / 1e3:.1f} us, CTA {np.mean(dur_ns) / 1e3:.2f} us "
+              f"(median {np.median(dur_ns) / 1e3:.2f}), clock ~{ghz:.2f} GHz, SMs {len(set(sm.tolist()))}")
+        print(f"   cycles a CTA: to the first S issued {np.mean(cyc_first):.0f}, to the loop's end {np.mean(cyc_loop):.0f}, "
+              f"to the end {np.mean(cyc_end):.0f} (epilogue {np.mean(cyc_end - cyc_loop):.0f})")
+        for wg in range(2):
+            parts = [np.mean(t[:, 3 + 6 * wg + k]) for k in range(5)]
+            print(f"   warpgroup {wg}: " + ", ".join(f"{w} {x:.0f}" for w, x in zip(WG, parts))
+                  + f" (loop {np.mean(cyc_loop - cyc_first):.0f})")
+        # idle gaps of an SM between one CTA's end and the next one's start
+        gaps = []
+        for s_id in set(sm.tolist()):
+            idx = np.argsort(start[sm == s_id])
+            st, dn = start[sm == s_id][idx], done[sm == s_id][idx]
+            gaps += list(st[1:] - dn[:-1])
+        if gaps:
+            g = np.array(gaps) / 1e3
+            print(f"   SM gaps between CTAs: mean {g.mean():.2f} us, median {np.median(g):.2f}, max {g.max():.2f}")
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
