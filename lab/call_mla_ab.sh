@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One bounded GPU call for an MLA kernel experiment (2026-12-06): the MLA GPU tests of each tree in
+# TEST_TREES (". exp/x": trees carrying tests/), the variant GPU tests here when VARIANT_TESTS=1, the
+# seesaw kernel's timeline (lab/probe_mla_timeline.py) in PROBE_TREE (a tree with
+# lab/patches/20261206-mla-trace.patch applied), then the MLA bench of AB_TREES interleaved (ROUNDS, 2)
+# with each output's digest (the trees' bits compared; MLA_ONLY: cells whose name holds it). A stage
+# that would not fit is named and skipped. Carry the exp trees. CALL_SECONDS (585 in all).
+set -u
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
+t0=$(date +%s); total=${CALL_SECONDS:-585}
+left() { echo $(( total - ($(date +%s) - t0) )); }
+fits() { [ "$(left)" -ge "$1" ] || { echo "== skipped $2: $(left) s left, $1 needed"; false; }; }
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+
+tests() {  # tree, log name, files
+  local tree=$1 name=$2; shift 2
+  (cd $tree && PYTHONPATH=$PWD OMP_NUM_THREADS=2 timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu \
+    --timeout 90 "$@") > "$OUT/$name.log" 2>&1
+  echo "== $tree $*: exit $?: $(tail -n 1 "$OUT/$name.log") at $(( $(date +%s) - t0 )) s"
+  grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -10
+}
+for tree in ${TEST_TREES:-.}; do
+  fits 110 "MLA tests $tree" && tests $tree "mla_tests_$(basename $tree)" tests/test_mla_gpu.py
+done
+[ "${VARIANT_TESTS:-0}" = 1 ] && fits 110 "variant tests ." && tests . variant_tests tests/test_variants_gpu.py
+if [ -n "${PROBE_TREE:-}" ] && fits 90 "timeline probe"; then
+  (cd $PROBE_TREE && PYTHONPATH=$PWD timeout 80 python3 $OLDPWD/lab/probe_mla_timeline.py 2>&1 | tail -40)
+fi
+for round in $(seq ${ROUNDS:-2}); do
+  for tree in ${AB_TREES:-exp/base .}; do
+    fits 60 "MLA bench r$round $tree" || continue
+    (cd $tree && PYTHONPATH=$PWD timeout 55 python3 -m bench.mla ${MLA_ONLY:+--only "$MLA_ONLY"} --no-peers --digest 2>&1 \
+      | grep -E "^(decode|verify|fp8)" | cut -c1-150 | sed "s|^|r$round $tree: |")
+  done
+done
+echo "== done at $(( $(date +%s) - t0 )) s"
