@@ -2,7 +2,7 @@
 # One bounded GPU call for an MLA kernel experiment (2026-12-06): the MLA GPU tests of each tree in
 # TEST_TREES (". exp/x": trees carrying tests/), the variant GPU tests here when VARIANT_TESTS=1, the
 # seesaw kernel's timeline (lab/probe_mla_timeline.py) in PROBE_TREE (a tree with
-# lab/patches/20261206-mla-trace.patch applied), then the MLA bench of AB_TREES interleaved (ROUNDS, 2)
+# lab/mla_trace_stamp.py applied), then the MLA bench of AB_TREES interleaved (ROUNDS, 2)
 # with each output's digest (the trees' bits compared; MLA_ONLY: cells whose name holds it). A stage
 # that would not fit is named and skipped. Carry the exp trees. CALL_SECONDS (585 in all).
 set -u

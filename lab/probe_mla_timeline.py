@@ -1,6 +1,6 @@
 """Where the MLA seesaw kernel's CTAs spend their time (diagnosis only, GPU; lab).
 
-Runs in a tree whose seesaw kernel carries the stamps of lab/patches/20261206-mla-trace.patch
+Runs in a tree whose seesaw kernel carries the stamps of lab/mla_trace_stamp.py
 (`mla_trace[cta][16]`: start / done ns, SM, and per warpgroup the cycles spent in the S issue
 (its mbarrier waits), the loop-top S wait, the exchange barriers, the P V products and the fills),
 over one launch of each cell, and prints the means per CTA and per pair.

@@ -37,6 +37,7 @@ MMA_BLOCK_N = 64   # keys per tile of every mma.sync MLA tile: one value, so dec
 MMA_STAGES = 2
 WGMMA_BLOCK = 64   # rows and keys of a seesaw block
 COLUMN_BLOCKS = LATENT_DIM // 64  # 64-column swizzled blocks of a latent row (kernels/mla/wgmma_copy.cuh kLatentBlocks)
+WORK_BYTES = 56  # kernels/mla/work.cuh Work (14 ints), rounded up to 8 bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,8 @@ class MlaWgmmaTile:
         """SeesawSmem::kAllocBytes: Q and two K buffers of 64 x 576, the exchanges and barriers, and
         1024 bytes of slack to align the tiles (the 128-byte swizzle's period)."""
         tile = WGMMA_BLOCK * LATENT_DIM * 2
-        return 3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + (1 + 2 * COLUMN_BLOCKS) * 8 + 8 + 1024  # barriers: q_full, one a column block of each buffer
+        return (3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + (1 + 2 * COLUMN_BLOCKS) * 8 + 8 + WORK_BYTES
+                + 1024)  # barriers: q_full, one a column block of each buffer; the page flag; the work item
 
     def checks(self):
         return (f"cupy_fa::mla::SeesawSmem::kAllocBytes == {self.smem_bytes}",)

@@ -48,7 +48,7 @@ constexpr int kBarP0 = 1, kBarP1 = 2, kBarP1Read = 3, kBarEnd = 4;  // named bar
 constexpr int kBarStage = 5;  // + wg: a warpgroup's staged rows (SeesawRole::store_rows)
 
 // The shared-memory plan: the query block, two K buffers (each one's rope column block carries its P
-// once S is done with it), the offset and sum exchanges, the barriers and the page flag.
+// once S is done with it), the offset and sum exchanges, the barriers, the page flag and the work item.
 struct SeesawSmem {
   static constexpr int kQ = 0;                                  // 9 column blocks of 64 x 64
   static constexpr int kPInBuffer = 8 * kColumnBlockBytes;      // P's slots: a K buffer's rope block
@@ -60,8 +60,9 @@ struct SeesawSmem {
   static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][column block]
   static constexpr int kNumBars = 1 + 2 * kLatentBlocks;
   static constexpr int kFlag = kBars + kNumBars * 8;
+  static constexpr int kWork = kFlag + 8;                       // the CTA's Work, for its end
   static constexpr int kStagePitch = 256 * 2 + 16;              // a staged row of O's half (store_rows)
-  static constexpr int kBytes = kFlag + 8;
+  static constexpr int kBytes = kWork + ((sizeof(Work) + 7) / 8) * 8;
   static constexpr int kAllocBytes = kBytes + 1024;             // the tiles start on a 1024-byte boundary
   static_assert(kAllocBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
 };

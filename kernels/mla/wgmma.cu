@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
 #pragma unroll
     for (int i = 1; i < SeesawSmem::kNumBars; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][block]
     *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kFlag) = 0;
+    *reinterpret_cast<Work*>(smem_raw + (base - raw) + SeesawSmem::kWork) = w;
     mbar::init_fence();
   }
   __syncthreads();
@@ -71,9 +72,8 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   const float2 l0 = sums[wtid], l1 = sums[128 + wtid];
   l[0] = l0.x + l1.x;
   l[1] = l0.y + l1.y;
-  // the work item's metadata again (a few cached loads), rather than registers held across the loop
-  Work done;
-  find_work<kBlockRows>(p, by_head, blockIdx.x, done);
+  // the work item from shared memory, rather than registers held across the loop or its loads again
+  const Work done = *reinterpret_cast<const Work*>(smem_raw + (base - raw) + SeesawSmem::kWork);
   const int flagged = *role.flag();
   const bool bad = done.bad != 0 || flagged != 0;
   if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
