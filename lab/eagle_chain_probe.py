@@ -111,6 +111,14 @@ def main():
             q_rope = a[6] if len(a) > 6 else kw.get("q_rope")
             if q_rope is not None:  # (the rope part passed apart: q . k takes both)
                 seen["q_rope"] = q_rope.detach().clone()
+            try:  # what the call writes: the slots and the new rows (k, and k_rope when passed apart)
+                seen["loc"] = fb.out_cache_loc.detach().clone()
+                k = a[1] if len(a) > 1 else kw.get("k")
+                k_rope = a[7] if len(a) > 7 else kw.get("k_rope")
+                seen["k"] = None if k is None else k.detach().clone()
+                seen["k_rope"] = None if k_rope is None else k_rope.detach().clone()
+            except Exception as exc:  # noqa: BLE001
+                seen["write_error"] = repr(exc)[:200]
             try:  # what the call reads besides q (static shapes, so a capture records them too)
                 seen["seq_lens"] = fb.seq_lens.detach().clone()
                 table = self.req_to_token[fb.req_pool_indices]  # (both backends keep the pool's table)
@@ -190,6 +198,19 @@ def main():
                     line.append(f"step {i}: q {'=' if q_same else f'!= ({dq:.2e})'} out {'=' if o_same else f'!= ({do:.2e})'}"
                                 + inputs_text(e[4], g[4], e[1]))
                 print(f"   graph captured at {rows} rows: " + "; ".join(line))
+                for i, (e, g) in enumerate(zip(eager, same)):  # the slots and rows each call wrote
+                    ew, gw = e[4], g[4]
+                    text = f"   step {i} writes: loc eager {ew.get('loc', '?').tolist() if 'loc' in ew else ew.get('write_error')}" \
+                           f" graph {gw.get('loc', '?').tolist() if 'loc' in gw else gw.get('write_error')}"
+                    for name in ("k", "k_rope"):
+                        ek, gk = ew.get(name), gw.get(name)
+                        if ek is not None and gk is not None:
+                            n = ek.shape[0]
+                            rows = [bool(torch.equal(ek[r], gk[r])) for r in range(n)]
+                            text += f"; {name} {tuple(gk.shape)} real rows equal {rows}"
+                            if gk.shape[0] > n:
+                                text += f", padded rows max abs {gk[n:].float().abs().max().item():.3g}"
+                    print(text)
                 for i, (e, g) in enumerate(zip(eager, same)):  # which key count each output is attention over
                     print(f"   step {i} keys vs float64: eager {reference_lengths(e, e[1])} | graph "
                           f"{reference_lengths(g, e[1])}")
