@@ -90,10 +90,8 @@ class MlaMmaTile:
 
 @dataclasses.dataclass(frozen=True)
 class MlaWgmmaTile:
-    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches; a persistent
-    grid (at most one CTA an SM, each a contiguous range of the work items)."""
+    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches."""
     family = MLA_WGMMA
-    persistent = True
     block_m = WGMMA_BLOCK
     block_n = WGMMA_BLOCK
     threads = 256

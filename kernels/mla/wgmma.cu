@@ -26,78 +26,58 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   static_assert(sizeof(T) == 2, "16-bit queries, cache and output");
   allow_dependent_launch();
   const FastDiv by_head{p.head_multiplier, p.head_shift, p.num_heads};
-  // this CTA's work items: a contiguous range of the list (a grid of at most one CTA an SM), so
-  // consecutive items, the splits of one row block, reuse its query block
-  const int total = __ldg(p.work_indptr + p.batch_size);
-  const int first = static_cast<int>((i64)blockIdx.x * total / gridDim.x);
-  const int last = static_cast<int>((i64)(blockIdx.x + 1) * total / gridDim.x);
-  if (first >= last) return;  // the whole CTA, before any barrier
+  Work w;
+  if (!find_work<kBlockRows>(p, by_head, blockIdx.x, w)) return;  // the whole CTA, before any barrier
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = mbar::smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;
   // the warpgroup index from lane 0: ptxas then knows it is warp-uniform (the roles' branches hold wgmma)
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wtid = tid & 127;
-  int* flag = reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kFlag);
-  Work* shared_work = reinterpret_cast<Work*>(smem_raw + (base - raw) + SeesawSmem::kWork);
 
   if (tid == 0) {
     mbar::init(base + SeesawSmem::kBars, 256);  // q_full: every thread's copies of Q
 #pragma unroll
     for (int i = 1; i < SeesawSmem::kNumBars; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][block]
+    *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kFlag) = 0;
+    *reinterpret_cast<Work*>(smem_raw + (base - raw) + SeesawSmem::kWork) = w;
     mbar::init_fence();
   }
-  // the barriers' phases run on across items: each buffer's barriers complete one phase a pair, q_full
-  // one a query block
-  int pairs_before = 0, q_blocks = 0, q_request = -1, q_row0 = -1;
-  for (int item = first; item < last; ++item) {
-    Work w;
-    find_work<kBlockRows>(p, by_head, item, w);
-    __syncthreads();  // the barriers' init; the item before read its flag and Work, and its staged rows
-    if (tid == 0) *flag = 0, *shared_work = w;
-    __syncthreads();
+  __syncthreads();
 
-    SeesawRole<T> role(p, w, by_head, base, wtid, pairs_before);
-    const bool new_q = w.request != q_request || w.row0 != q_row0;
-    if (new_q) {
-      copy_q_block<256, T>(p, w, by_head, base + SeesawSmem::kQ, tid);
-      mbar::cp_async_arrive_noinc(base + SeesawSmem::kBars);
-    }
-    if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
+  SeesawRole<T> role(p, w, by_head, base, wtid);
+  copy_q_block<256, T>(p, w, by_head, base + SeesawSmem::kQ, tid);
+  mbar::cp_async_arrive_noinc(base + SeesawSmem::kBars);
+  if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
 #pragma unroll
-      for (int b = 0; b < 2; ++b) role.fill(b, b, wg, lookup_keys(p, w, b, wtid));
-    }
-    if (new_q) {
-      mbar::wait(base + SeesawSmem::kBars, q_blocks & 1);
-      ++q_blocks, q_request = w.request, q_row0 = w.row0;
-    }
-    if (role.num_blocks > 0) {
-      role.issue_scores(wg, 0);
-      role.run(wg);
-    }
-    pairs_before += role.num_pairs;
-
-    // the row's sum: warpgroup 0's part of it, then warpgroup 1's (the same order in both)
-    float l[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      l[h] = role.l[h];
-      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
-    float2* sums = reinterpret_cast<float2*>(smem_raw + (base - raw) + SeesawSmem::kL);
-    sums[wg * 128 + wtid] = make_float2(l[0], l[1]);
-    sm90::named_sync(kBarEnd, 256);
-    const float2 l0 = sums[wtid], l1 = sums[128 + wtid];
-    l[0] = l0.x + l1.x;
-    l[1] = l0.y + l1.y;
-    // the work item from shared memory, rather than registers held across the loop or its loads again
-    const Work done = *shared_work;
-    const int flagged = *flag;
-    const bool bad = done.bad != 0 || flagged != 0;
-    if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
-    role.store_rows(done, l, bad, wg);  // each warpgroup's half, through its own K buffer
+    for (int b = 0; b < 2; ++b) role.fill(b, b, wg, lookup_keys(p, w, b, wtid));
   }
+  mbar::wait(base + SeesawSmem::kBars, 0);
+  if (role.num_blocks > 0) {
+    role.issue_scores(wg, 0);
+    role.run(wg);
+  }
+
+  // the row's sum: warpgroup 0's part of it, then warpgroup 1's (the same order in both)
+  float l[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] = role.l[h];
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  float2* sums = reinterpret_cast<float2*>(smem_raw + (base - raw) + SeesawSmem::kL);
+  sums[wg * 128 + wtid] = make_float2(l[0], l[1]);
+  sm90::named_sync(kBarEnd, 256);
+  const float2 l0 = sums[wtid], l1 = sums[128 + wtid];
+  l[0] = l0.x + l1.x;
+  l[1] = l0.y + l1.y;
+  // the work item from shared memory, rather than registers held across the loop or its loads again
+  const Work done = *reinterpret_cast<const Work*>(smem_raw + (base - raw) + SeesawSmem::kWork);
+  const int flagged = *role.flag();
+  const bool bad = done.bad != 0 || flagged != 0;
+  if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
+  role.store_rows(done, l, bad, wg);  // each warpgroup's half, through its own K buffer
 }
 
 }  // namespace mla
