@@ -328,16 +328,11 @@ def test_launch_step_fills_every_field(monkeypatch, heads, q_lens, kv_lens, arch
     calls = []
     monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
                         calls.append((kernel, tuple(grid), params, programmatic)))
-    sm_count = 7  # (fewer than every case's work items: a persistent grid is cut to it)
-    monkeypatch.setattr(_build, "device_attribute", lambda name, device_id=None:
-                        {"MultiProcessorCount": sm_count}[name])
     tokens = int(np.sum(q_lens))
     q = ((0x1000, (heads * 576, 576)), (0x1000 + 1024, (heads * 576, 576)))
     mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, _Buf(), _Buf(), tokens, None)
     attention = [c for c in calls if c[0].source != "shared/merge.cu"]
-    # the seesaw kernel: a persistent grid of at most one CTA an SM; the mma.sync tile: a CTA an item
-    assert [c[1] for c in attention] == [(min(x.work_grid, sm_count) if isinstance(x.tile, family.MlaWgmmaTile)
-                                          else x.work_grid,) for x in sched.launches]
+    assert [c[1] for c in attention] == [(x.work_grid,) for x in sched.launches]
     for (kernel, _, params, programmatic), launch in zip(attention, sched.launches):
         assert kernel == family.kernel("bfloat16", launch.tile) and not programmatic
         assert params["num_heads"] == heads and params["cache"] == 0xCAC0 and params["page_shift"] == 6

@@ -90,10 +90,8 @@ class MlaMmaTile:
 
 @dataclasses.dataclass(frozen=True)
 class MlaWgmmaTile:
-    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches; a persistent
-    grid (at most one CTA an SM, CTA c taking items c, c + G, ...)."""
+    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches."""
     family = MLA_WGMMA
-    persistent = True
     block_m = WGMMA_BLOCK
     block_n = WGMMA_BLOCK
     threads = 256
@@ -107,8 +105,8 @@ class MlaWgmmaTile:
         """SeesawSmem::kAllocBytes: Q and two K buffers of 64 x 576, the exchanges and barriers, and
         1024 bytes of slack to align the tiles (the 128-byte swizzle's period)."""
         tile = WGMMA_BLOCK * LATENT_DIM * 2
-        return (3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + (1 + 2 * COLUMN_BLOCKS) * 8 + 8 + 2 * WORK_BYTES
-                + 1024)  # barriers: q_full, one a column block of each buffer; two items' page flags and Work
+        return (3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + (1 + 2 * COLUMN_BLOCKS) * 8 + 8 + WORK_BYTES
+                + 1024)  # barriers: q_full, one a column block of each buffer; the page flag; the work item
 
     def checks(self):
         return (f"cupy_fa::mla::SeesawSmem::kAllocBytes == {self.smem_bytes}",)

@@ -3,7 +3,7 @@ then the split merge, with their params structs filled in one place."""
 
 import numpy as np
 
-from .. import _build, _params as _lib_params, schedule as _lib_schedule
+from .. import _build, _params as _lib_params
 from ..families import mla as family
 from ..variants import LOG2E
 from .. import _mla_params as _params
@@ -53,8 +53,7 @@ def launch_step(state, buffers, num_heads, dtype_name, cache, q, out, lse, num_t
         if launch.work_grid <= 0:
             continue
         params = attention_params(state, buffers, launch, num_heads, head_div, cache, q, out_ptr, lse_ptr, num_tokens)
-        grid = _lib_schedule.launch_grid(launch.tile, launch.work_grid, 1, _build.device_attribute("MultiProcessorCount"))
-        _build.launch(family.kernel(dtype_name, launch.tile), (grid,), params, stream)
+        _build.launch(family.kernel(dtype_name, launch.tile), (launch.work_grid,), params, stream)
     if sched.needs_merge:
         shape, grid = _schedule.merge_grid(num_tokens, num_heads)
         merge = _lib_params.make(

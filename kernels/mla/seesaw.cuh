@@ -48,8 +48,7 @@ constexpr int kBarP0 = 1, kBarP1 = 2, kBarP1Read = 3, kBarEnd = 4;  // named bar
 constexpr int kBarStage = 5;  // + wg: a warpgroup's staged rows (SeesawRole::store_rows)
 
 // The shared-memory plan: the query block, two K buffers (each one's rope column block carries its P
-// once S is done with it), the offset and sum exchanges, the barriers, and the page flags and work
-// items of two consecutive items (this one's and the next one's, prefetched during this one's end).
+// once S is done with it), the offset and sum exchanges, the barriers, the page flag and the work item.
 struct SeesawSmem {
   static constexpr int kQ = 0;                                  // 9 column blocks of 64 x 64
   static constexpr int kPInBuffer = 8 * kColumnBlockBytes;      // P's slots: a K buffer's rope block
@@ -60,30 +59,13 @@ struct SeesawSmem {
   static constexpr int kL = kM1 + 128 * 8;                      // float2 [2][128]: the sums at the end
   static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][column block]
   static constexpr int kNumBars = 1 + 2 * kLatentBlocks;
-  static constexpr int kFlags = kBars + kNumBars * 8;           // int [2]: an item's page flag, by its parity
-  static constexpr int kWorkBytes = ((sizeof(Work) + 7) / 8) * 8;
-  static constexpr int kWorks = kFlags + 8;                     // Work [2]: an item's work, by its parity
+  static constexpr int kFlag = kBars + kNumBars * 8;
+  static constexpr int kWork = kFlag + 8;                       // the CTA's Work, for its end
   static constexpr int kStagePitch = 256 * 2 + 16;              // a staged row of O's half (store_rows)
-  static constexpr int kStageBytes = 64 * kStagePitch;          // a warpgroup's staged half, in K buffer 1
-  static constexpr int kBytes = kWorks + 2 * kWorkBytes;
+  static constexpr int kBytes = kWork + ((sizeof(Work) + 7) / 8) * 8;
   static constexpr int kAllocBytes = kBytes + 1024;             // the tiles start on a 1024-byte boundary
   static_assert(kAllocBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
-  static_assert(2 * kStageBytes <= kTileBytes64, "both staged halves fit K buffer 1");
 };
-
-__device__ __forceinline__ unsigned seesaw_buffer(unsigned base, int b) { return base + (b ? SeesawSmem::kK1 : SeesawSmem::kK0); }
-// buffer b's barriers, one a column block (its filling warpgroup's 128 threads arrive on each)
-__device__ __forceinline__ unsigned seesaw_full_bars(unsigned base, int b) {
-  return base + SeesawSmem::kBars + 8 * (1 + kLatentBlocks * b);
-}
-
-// warpgroup wg's half of buffer b for key block `block` of item w, from its keys' page ids
-// (lookup_keys); a page id outside the cache sets *flag
-__device__ __forceinline__ void fill_block(const MlaParams& p, const Work& w, const KeyPages& pages, unsigned base, int b,
-                                           int block, int wg, int wtid, int* flag) {
-  if (wg == 0) fill_half<0>(p, w, pages, seesaw_buffer(base, b), block, seesaw_full_bars(base, b), wtid, flag);
-  else fill_half<1>(p, w, pages, seesaw_buffer(base, b), block, seesaw_full_bars(base, b), wtid, flag);
-}
 
 template <typename T>
 struct SeesawRole {
@@ -95,8 +77,6 @@ struct SeesawRole {
   int wtid, lane, quad;
   int first_row;  // the thread's row half 0 in the block (+ 8: half 1)
   int num_blocks, num_pairs, mask_blocks_from;
-  int pair_base;  // pairs of the CTA's items before this one (each a phase of both buffers' barriers)
-  int* flag;      // this item's page flag
   float scale_log2;
   float o[4 * NB];
   float s[32];
@@ -104,8 +84,8 @@ struct SeesawRole {
   float m[2], l[2];
 
   __device__ __forceinline__ SeesawRole(const MlaParams& p_, const Work& w_, const FastDiv& by_head_, unsigned base_,
-                                        int wtid_, int pair_base_, int* flag_)
-      : p(p_), w(w_), by_head(by_head_), base(base_), wtid(wtid_), pair_base(pair_base_), flag(flag_) {
+                                        int wtid_)
+      : p(p_), w(w_), by_head(by_head_), base(base_), wtid(wtid_) {
     lane = wtid & 31, quad = lane & 3;
     first_row = (wtid >> 5) * 16 + (lane >> 2);
     num_blocks = (w.kv_end - w.kv_begin + kBlockRows - 1) / kBlockRows;
@@ -118,8 +98,12 @@ struct SeesawRole {
     l[0] = l[1] = 0.f;
   }
 
-  __device__ __forceinline__ unsigned buffer(int b) const { return seesaw_buffer(base, b); }
-  __device__ __forceinline__ unsigned full_bars(int b) const { return seesaw_full_bars(base, b); }
+  __device__ __forceinline__ unsigned buffer(int b) const { return base + (b ? SeesawSmem::kK1 : SeesawSmem::kK0); }
+  // buffer b's barriers, one a column block (its filling warpgroup's 128 threads arrive on each)
+  __device__ __forceinline__ unsigned full_bars(int b) const { return base + SeesawSmem::kBars + 8 * (1 + kLatentBlocks * b); }
+  __device__ __forceinline__ int* flag() const {
+    return reinterpret_cast<int*>(__cvta_shared_to_generic(base + SeesawSmem::kFlag));
+  }
 
   static __device__ __forceinline__ sm90::u64 opaque(sm90::u64 x) {
     asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
@@ -134,7 +118,7 @@ struct SeesawRole {
     const sm90::u64 q_desc = opaque(sm90::kmajor_desc(base + SeesawSmem::kQ)), k_desc = opaque(sm90::kmajor_desc(buffer(b)));
 #pragma unroll
     for (int kk = 0; kk < kLatentDim / 16; ++kk) {
-      if (kk % 4 == 0) mbar::wait(full_bars(b) + 8 * (kk / 4), (pair_base + pair) & 1), sm90::wgmma_fence();
+      if (kk % 4 == 0) mbar::wait(full_bars(b) + 8 * (kk / 4), pair & 1), sm90::wgmma_fence();
       sm90::Wgmma<64, T>::ss_kk(s, sm90::desc_at(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
                                 sm90::desc_at(k_desc, sm90::kmajor_step<kBlockRows>(kk)), kk > 0);
     }
@@ -330,13 +314,12 @@ struct SeesawRole {
   }
 
   // The end: this warpgroup's 64 x 256 half of O (row sums l, summed over both warpgroups) rounded as
-  // the mma.sync tile's store_rows rounds it, into its half of K buffer 1 (free once both warpgroups
-  // passed kBarEnd, while buffer 0 takes the next item's first block; rows kStagePitch bytes apart, so
-  // the 8 rows of a warp's 4-byte writes fall on 32 banks),
+  // the mma.sync tile's store_rows rounds it, into its own K buffer (free once both warpgroups passed
+  // kBarEnd; rows kStagePitch bytes apart, so the 8 rows of a warp's 4-byte writes fall on 32 banks),
   // then, after a named barrier of its own, a warp stores a row's 512 bytes as 32 whole 16-byte chunks
   // (out must be 16-byte aligned). The LSE comes from warpgroup 0.
   __device__ __forceinline__ void store_rows(const Work& done, const float (&l)[2], bool bad, int wg) const {
-    const unsigned stage = buffer(1) + wg * SeesawSmem::kStageBytes;
+    const unsigned stage = buffer(wg);
     const int partial_base = partial_base_of(p, done);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -371,7 +354,8 @@ struct SeesawRole {
 
   // this warpgroup's half of buffer b for key block `block`, from its keys' page ids (lookup_keys)
   __device__ __forceinline__ void fill(int b, int block, int wg, const KeyPages& pages) {
-    fill_block(p, w, pages, base, b, block, wg, wtid, flag);
+    if (wg == 0) fill_half<0>(p, w, pages, buffer(b), block, full_bars(b), wtid, flag());
+    else fill_half<1>(p, w, pages, buffer(b), block, full_bars(b), wtid, flag());
   }
 };
 
