@@ -117,6 +117,7 @@ def main():
                 k_rope = a[7] if len(a) > 7 else kw.get("k_rope")
                 seen["k"] = None if k is None else k.detach().clone()
                 seen["k_rope"] = None if k_rope is None else k_rope.detach().clone()
+                seen["written"] = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[fb.out_cache_loc.long()].clone()
             except Exception as exc:  # noqa: BLE001
                 seen["write_error"] = repr(exc)[:200]
             try:  # what the call reads besides q (static shapes, so a capture records them too)
@@ -202,6 +203,13 @@ def main():
                     ew, gw = e[4], g[4]
                     text = f"   step {i} writes: loc eager {ew.get('loc', '?').tolist() if 'loc' in ew else ew.get('write_error')}" \
                            f" graph {gw.get('loc', '?').tolist() if 'loc' in gw else gw.get('write_error')}"
+                    if "q_rope" in ew and "q_rope" in gw:
+                        n = ew["q_rope"].shape[0]
+                        text += f"; q_rope real rows equal {[bool(torch.equal(ew['q_rope'][r], gw['q_rope'][r])) for r in range(n)]}"
+                    if "written" in ew and "written" in gw:
+                        n = ew["written"].shape[0]
+                        text += (f"; rows at loc after the call equal "
+                                 f"{[bool(torch.equal(ew['written'][r], gw['written'][r])) for r in range(n)]}")
                     for name in ("k", "k_rope"):
                         ek, gk = ew.get(name), gw.get(name)
                         if ek is not None and gk is not None:
