@@ -210,6 +210,12 @@ def main():
                         n = ew["written"].shape[0]
                         text += (f"; rows at loc after the call equal "
                                  f"{[bool(torch.equal(ew['written'][r], gw['written'][r])) for r in range(n)]}")
+                        for r in range(n):  # which columns of a row that differs (latent 0..511, rope 512..)
+                            d = (ew["written"][r].float() - gw["written"][r].float()).abs().flatten()
+                            cols = torch.nonzero(d).flatten().tolist()
+                            if cols:
+                                text += (f"; row {r} differs at {len(cols)} of {d.numel()} columns, "
+                                         f"{cols[0]}..{cols[-1]}, max {d.max().item():.3g}")
                     for name in ("k", "k_rope"):
                         ek, gk = ew.get(name), gw.get(name)
                         if ek is not None and gk is not None:
