@@ -5,12 +5,7 @@
 # lab/mla_trace_stamp.py applied), then the MLA bench of AB_TREES interleaved (ROUNDS, 2)
 # with each output's digest (the trees' bits compared; MLA_ONLY: cells whose name holds it). A stage
 # that would not fit is named and skipped. Carry the exp trees. CALL_SECONDS (585 in all).
-set -u
-OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
-t0=$(date +%s); total=${CALL_SECONDS:-585}
-left() { echo $(( total - ($(date +%s) - t0) )); }
-fits() { [ "$(left)" -ge "$1" ] || { echo "== skipped $2: $(left) s left, $1 needed"; false; }; }
+. lab/call_budget.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
 tests() {  # tree, log name, files

@@ -5,12 +5,7 @@
 # interleaved (the 128-head B=64 cells), the 16-head cells on the seesaw kernel against the mma.sync tile
 # (CUPY_FA_MLA_WGMMA_MIN_HEADS), and the EAGLE draft chain probe. A stage that would not fit is named and
 # skipped. Carry .sgl and the exp trees.
-set -u
-OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
-t0=$(date +%s); total=${CALL_SECONDS:-585}
-left() { echo $(( total - ($(date +%s) - t0) )); }
-fits() { [ "$(left)" -ge "$1" ] || { echo "== skipped $2: $(left) s left, $1 needed"; false; }; }
+. lab/call_budget.sh
 
 CHECK_SECONDS=330 TEST_SECONDS=${TEST_SECONDS:-290} OUT=$OUT/check bash scripts/device_check.sh tests > "$OUT/check.log" 2>&1
 echo "== device_check.sh tests: exit $? at $(( $(date +%s) - t0 )) s"
