@@ -54,15 +54,18 @@ struct KeyPages {
   unsigned page[kBlockRows / 16];
 };
 
+// key j (0 .. 3) of thread wtid in key block `block`: the one lookup_keys and fill_half both mean
+__device__ __forceinline__ int block_key(const Work& w, int block, int wtid, int j) {
+  return w.kv_begin + block * kBlockRows + (wtid >> 3) + 16 * j;
+}
+
 __device__ __forceinline__ KeyPages lookup_keys(const MlaParams& p, const Work& w, int block, int wtid) {
   const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
-  const int key0 = w.kv_begin + block * kBlockRows + (wtid >> 3);
   KeyPages k;
 #pragma unroll
   for (int j = 0; j < kBlockRows / 16; ++j) {
-    const int key = key0 + 16 * j;
-    const int page_index = p.page_shift >= 0 ? (key >> p.page_shift) : key / p.page_size;
-    k.page[j] = key < w.kv_end ? static_cast<unsigned>(__ldg(page_row + page_index)) : 0u;
+    const int key = block_key(w, block, wtid, j);
+    k.page[j] = key < w.kv_end ? page_of(p, page_row, key) : 0u;
   }
   return k;
 }
@@ -82,19 +85,16 @@ __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, con
   constexpr int FIRST = HALF == 0 ? 0 : kLowHalfBlocks, LAST = HALF == 0 ? kLowHalfBlocks : kLatentBlocks;  // column blocks
   const char* cache = static_cast<const char*>(p.cache);
   const int key_in0 = wtid >> 3, chunk = wtid & 7;
-  const int key0 = w.kv_begin + block * kBlockRows + key_in0;
-  const unsigned last = static_cast<unsigned>(p.num_pages - 1);
   bool out = false;
   const char* src[KEYS];
   bool valid[KEYS];
 #pragma unroll
   for (int j = 0; j < KEYS; ++j) {
-    const int key = key0 + 16 * j;
+    const int key = block_key(w, block, wtid, j);
     const int in_page = p.page_shift >= 0 ? (key & (p.page_size - 1)) : key % p.page_size;
     valid[j] = key < w.kv_end;
-    out |= valid[j] && pages.page[j] > last;
-    const i64 slot = valid[j] ? (i64)min(pages.page[j], last) * p.page_size + in_page : 0;
-    src[j] = cache + slot * ROW_BYTES + chunk * 16;
+    out |= valid[j] && page_outside(p, pages.page[j]);
+    src[j] = cache + (valid[j] ? page_slot(p, pages.page[j], in_page) : 0) * ROW_BYTES + chunk * 16;
   }
 #pragma unroll
   for (int c = FIRST; c < LAST; ++c) {

@@ -97,15 +97,29 @@ __device__ __forceinline__ const QT* q_chunk(const MlaParams& p, const Work& w, 
                    (c - kValueDim / 8) * 8;
 }
 
-// The cache slot of key `key` of request b (a page id outside the cache is clamped to the last page
-// and flagged in `out_of_range`: the caller's rows are then written NaN).
+// Where key `key` of a request lives: its page table column, the page id there (the request's row
+// of the table: page_row), its row in that page. A page id outside the cache is clamped to the last
+// page (page_slot) and flagged (page_outside): the caller's rows are then written NaN.
+__device__ __forceinline__ int page_index_of(const MlaParams& p, int key) {
+  return p.page_shift >= 0 ? (key >> p.page_shift) : key / p.page_size;
+}
+__device__ __forceinline__ unsigned page_of(const MlaParams& p, const int* page_row, int key) {
+  return static_cast<unsigned>(__ldg(page_row + page_index_of(p, key)));
+}
+__device__ __forceinline__ bool page_outside(const MlaParams& p, unsigned page) {
+  return page > static_cast<unsigned>(p.num_pages - 1);
+}
+__device__ __forceinline__ i64 page_slot(const MlaParams& p, unsigned page, int in_page) {
+  return (i64)min(page, static_cast<unsigned>(p.num_pages - 1)) * p.page_size + in_page;
+}
+
+// The cache slot of key `key` of the request (the page index found once, for the page id and the row)
 __device__ __forceinline__ i64 slot_of(const MlaParams& p, const int* page_row, int key, bool& out_of_range) {
-  const int page_index = p.page_shift >= 0 ? (key >> p.page_shift) : key / p.page_size;
+  const int page_index = page_index_of(p, key);
   const int in_page = p.page_shift >= 0 ? (key & (p.page_size - 1)) : key - page_index * p.page_size;
   const unsigned page = static_cast<unsigned>(__ldg(page_row + page_index));
-  const unsigned last = static_cast<unsigned>(p.num_pages - 1);
-  out_of_range |= page > last;
-  return (i64)min(page, last) * p.page_size + in_page;
+  out_of_range |= page_outside(p, page);
+  return page_slot(p, page, in_page);
 }
 
 }  // namespace mla
