@@ -53,7 +53,7 @@ class Knobs:
     mla_wgmma_min_heads: int | None = None  # CUPY_FA_MLA_WGMMA_MIN_HEADS: the fewest heads whose small-q
                                      # steps take the seesaw kernel (None: cupy_fa.mla.schedule.WGMMA_MIN_HEADS)
     mla_split_size: int | None = None  # CUPY_FA_MLA_SPLIT_SIZE: keys a split of a small-q MLA request, a
-                                     # multiple of 64 (None: cupy_fa.mla.schedule.SPLIT_SIZE)
+                                     # multiple of 64 (None: cupy_fa.mla.schedule.split_size by head count)
     soft_cap_tanh: str | None = None  # CUPY_FA_SOFT_CAP_TANH: approx, exact or newton, the wgmma prefill
                                      # family's tanh of a soft-cap (None: families.sm90.SOFT_CAP_TANH)
 

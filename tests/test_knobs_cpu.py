@@ -114,7 +114,8 @@ def test_soft_cap_tanh_picks_the_hooked_wgmma_kernels_form():
 
 def test_mla_split_size_moves_every_mla_split_and_the_plan_constants():
     """CUPY_FA_MLA_SPLIT_SIZE sets the MLA small-q split (the host's bound and the plan kernel's
-    constant together, so decode and verify still split at the same keys); unset, SPLIT_SIZE."""
+    constant together, so decode and verify still split at the same keys) at every head count;
+    unset, SPLIT_SIZE up to ROW_BLOCK_HEADS heads and MANY_HEADS_SPLIT_SIZE past them."""
     import numpy as np
 
     from cupy_fa.mla import schedule as mla_schedule
@@ -122,12 +123,17 @@ def test_mla_split_size_moves_every_mla_split_and_the_plan_constants():
     before = knobs.knobs()
     try:
         knobs.use(knobs.Knobs())
-        assert mla_schedule.split_size() == mla_schedule.SPLIT_SIZE
+        for heads in (1, 16, 64, 65, 128):
+            want = mla_schedule.SPLIT_SIZE if heads <= 64 else mla_schedule.MANY_HEADS_SPLIT_SIZE
+            assert mla_schedule.split_size(heads) == want
+            sched = mla_schedule.schedule_step(heads, False, "sm_90a", q_lens=[1] * 4, kv_lens=[4096] * 4)
+            assert sched.split_size == mla_schedule.plan_constants(sched)["split_size"] == want
         knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_SPLIT_SIZE": "2048"}))
-        assert mla_schedule.split_size() == 2048
-        assert list(mla_schedule.max_splits(np.array([1, 4]), np.array([4096, 4099]))) == [2, 3]
-        sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=[1] * 4, kv_lens=[4096] * 4)
-        assert mla_schedule.plan_constants(sched)["split_size"] == 2048
+        for heads in (16, 128):
+            assert mla_schedule.split_size(heads) == 2048
+            assert list(mla_schedule.max_splits(np.array([1, 4]), np.array([4096, 4099]), heads)) == [2, 3]
+            sched = mla_schedule.schedule_step(heads, False, "sm_90a", q_lens=[1] * 4, kv_lens=[4096] * 4)
+            assert mla_schedule.plan_constants(sched)["split_size"] == 2048
     finally:
         knobs.use(before)
 

@@ -193,7 +193,7 @@ def test_grids_cover_the_plan_kernels_layout(heads, arch):
             assert sum(x.work_grid for x in sched.launches) == items["small"] + items["long"], seed
         else:
             assert (sched.small.work_grid, sched.long.work_grid) == (items["small"], items["long"]), seed
-        splits = mla_schedule.max_splits(q_lens[q_lens > 0], kv_lens[q_lens > 0])
+        splits = mla_schedule.max_splits(q_lens[q_lens > 0], kv_lens[q_lens > 0], heads)
         assert sched.needs_merge == bool((splits > 1).any()), seed
         # the graph path's grids, from bounds, hold every such step
         bound = mla_schedule.schedule_step(heads, False, arch, max_q_len=int(q_lens.max()) or 1,
@@ -202,13 +202,15 @@ def test_grids_cover_the_plan_kernels_layout(heads, arch):
         assert bound.needs_merge or not sched.needs_merge
 
 
-def test_splits_sit_at_fixed_positions_for_small_q():
+@pytest.mark.parametrize("heads", [16, 128])
+def test_splits_sit_at_fixed_positions_for_small_q(heads):
     """Decode and verify of the same keys split them alike (the key of batch invariance); longer
     requests split less; no request past MAX_SPLITS."""
-    s = mla_schedule.SPLIT_SIZE
-    assert mla_schedule.max_splits([1], [4096])[0] == mla_schedule.max_splits([16], [4096])[0] == 4096 // s
-    assert mla_schedule.max_splits([100], [4096])[0] == 1
-    assert mla_schedule.max_splits([1], [10**7])[0] == mla_schedule.MAX_SPLITS == family.MAX_MERGE_SPLITS
+    s = mla_schedule.split_size(heads)
+    assert s == (1024 if heads == 16 else 512)
+    assert mla_schedule.max_splits([1], [4096], heads)[0] == mla_schedule.max_splits([16], [4096], heads)[0] == 4096 // s
+    assert mla_schedule.max_splits([100], [4096], heads)[0] == 1
+    assert mla_schedule.max_splits([1], [10**7], heads)[0] == mla_schedule.MAX_SPLITS == family.MAX_MERGE_SPLITS
     assert s % 128 == 0 and s % family.MMA_BLOCK_N == 0
 
 
@@ -225,7 +227,7 @@ def test_the_workspace_says_when_a_batch_keeps_its_bits():
         q = rng.integers(0, 17, size=b)
         kv = q + rng.integers(0, 40000, size=b)
         sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=q, kv_lens=kv)
-        splits = -(-np.maximum(kv, 1) // mla_schedule.split_size())
+        splits = -(-np.maximum(kv, 1) // mla_schedule.split_size(128))
         assert sched.partial_rows == int((q * splits)[(q > 0) & (splits > 1)].sum()), seed
     q, kv = np.full(64, 4), np.full(64, 4100)
     wanted = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=q, kv_lens=kv).partial_rows
@@ -352,7 +354,7 @@ def test_launch_step_fills_every_field(monkeypatch, heads, q_lens, kv_lens, arch
     fake = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((len(q_lens), 300)))
     fake.partial_out = _Buf((5000, heads, 512))
     params = plan_params(fake, len(q_lens), heads, sched, 300, 5000)
-    assert params["group_size"] == heads and params["split_size"] == mla_schedule.SPLIT_SIZE
+    assert params["group_size"] == heads and params["split_size"] == mla_schedule.split_size(heads)
     assert params["long_q_len"] == (17 if len(sched.launches) == 2 else 2**31 - 1)
     assert params["block_m"] == (sched.small or sched.long).tile.block_m and params["partial_capacity"] == 5000
 

@@ -11,10 +11,11 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   with a 16-bit cache, else the mma.sync tile with two rows of warps. Where both classes take the
   same tile, the step has one work list.
 * **Splits** (``kernels/shared/plan.cu`` applies them on the device): small-q requests split their
-  keys at the fixed positions 0, S, 2S, ... (S = split_size()), whatever their q_len or batch, so a
-  token's bits are the same in decode and verify; long ones only while q_len x splits <=
+  keys at the fixed positions 0, S, 2S, ... (S = split_size(num_heads): 1024 keys up to 64 heads, 512
+  past them; a model constant, so decode and verify of one model cut alike), whatever their q_len or
+  batch, so a token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
-  on the batch: a context past MAX_SPLITS x S keys, 65536 at the default S of 512).
+  on the batch: a context past MAX_SPLITS x S keys, 65536 at 128 heads).
 * **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (8 heads a CTA) for many rows,
   deep (4 ways over a row's groups of splits) for a few.
 """
@@ -31,8 +32,11 @@ from ..knobs import knobs
 from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
 
 SMALL_Q_LEN = 16
-SPLIT_SIZE = 512          # keys a split of a small-q request (CUPY_FA_MLA_SPLIT_SIZE: split_size()):
-                          # 512 x 1152 bytes of a 16-bit cache
+SPLIT_SIZE = 1024         # keys a split of a small-q request up to ROW_BLOCK_HEADS heads (one 64-row block
+                          # a decode token), and MANY_HEADS_SPLIT_SIZE past them (split_size(); the knob
+                          # CUPY_FA_MLA_SPLIT_SIZE sets one size for every head count)
+MANY_HEADS_SPLIT_SIZE = 512
+ROW_BLOCK_HEADS = 64
 MAX_SPLITS = MAX_MERGE_SPLITS
 SPLIT_ROW_BUDGET = 128
 WGMMA_MIN_HEADS = 16      # from 16 heads a decode token fills a quarter of a 64-row block and the
@@ -61,19 +65,25 @@ def _wgmma(kv_fp8, arch):
     return not kv_fp8 and is_sm90a(arch) and knobs().mla_wgmma
 
 
-def max_splits(q_lens, kv_lens):
+def max_splits(q_lens, kv_lens, num_heads):
     """Upper bound on each request's splits under plan.cu's rule (its overflow cap only lowers it):
     cupy_fa.schedule.split_rule with MLA's constants, the ones plan_constants passes the kernel."""
-    return _policy.split_rule(q_lens, kv_lens, split_size(), MAX_SPLITS, SMALL_Q_LEN, SPLIT_ROW_BUDGET)
+    return _policy.split_rule(q_lens, kv_lens, split_size(num_heads), MAX_SPLITS, SMALL_Q_LEN, SPLIT_ROW_BUDGET)
 
 
-def split_size():
-    """Keys a split of a small-q request: CUPY_FA_MLA_SPLIT_SIZE (default :data:`SPLIT_SIZE`). At
-    128 heads a split's partial output (128 x 512 values in q's dtype) is 22% of the 16-bit latent
-    cache it read at 512 keys, written once and read again by the merge: larger splits trade that
-    traffic for fewer CTAs a request (lab/NOTES.md)."""
+def split_size(num_heads):
+    """Keys a split of a small-q request at ``num_heads`` query heads: CUPY_FA_MLA_SPLIT_SIZE where
+    set, else :data:`SPLIT_SIZE` (1024) up to :data:`ROW_BLOCK_HEADS` heads and
+    :data:`MANY_HEADS_SPLIT_SIZE` (512) past them. Every split costs its CTA a query block, a
+    pipeline start and a partial output the merge reads again, so longer splits are faster where a
+    batch fills the GPU; shorter ones give one long request more CTAs. Up to 64 heads a decode
+    token is one 64-row block, and 1024 keys keep decode B=1 over 32768 keys (32 CTAs) ahead of
+    FlashInfer's MLA wrapper while decode and verify at B=64 gain 7-10%; at 128 heads (two row
+    blocks a token) 1024 keys would cost that cell 24% and 512 stay (docs/performance.md)."""
     chosen = knobs().mla_split_size
-    return SPLIT_SIZE if chosen is None else chosen
+    if chosen is not None:
+        return chosen
+    return SPLIT_SIZE if num_heads <= ROW_BLOCK_HEADS else MANY_HEADS_SPLIT_SIZE
 
 
 
@@ -81,7 +91,7 @@ def work_bound(q_lens, kv_lens, num_heads, tile):
     """Work items (CTAs) of a launch over these host lengths."""
     q, kv = np.asarray(q_lens), np.asarray(kv_lens)
     live = q > 0
-    return int((_policy.row_blocks(q[live], num_heads, tile) * max_splits(q[live], kv[live])).sum())
+    return int((_policy.row_blocks(q[live], num_heads, tile) * max_splits(q[live], kv[live], num_heads)).sum())
 
 
 def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_len=1):
@@ -92,7 +102,7 @@ def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_
     if min_q_len > max_q_len:
         return 0
     q = np.arange(max(1, min_q_len), max_q_len + 1)
-    splits = int(max_splits(q, np.full_like(q, max(int(max_kv_len), 1))).max())
+    splits = int(max_splits(q, np.full_like(q, max(int(max_kv_len), 1)), num_heads).max())
     per_request = int(_policy.row_blocks(max_q_len, num_heads, tile))
     tokens_bound = int(_policy.row_blocks(min(t, b * max_q_len), num_heads, tile)) + b  # rows of the batch, a block each
     return min(b * per_request, tokens_bound) * splits
@@ -112,6 +122,7 @@ class MlaSchedule:
     small: Launch | None
     long: Launch | None
     needs_merge: bool    # merge_kernel after the launches
+    split_size: int      # keys a split of a small-q request (split_size(num_heads))
     partial_rows: int | None = None  # host lengths: the rows its splits want (cupy_fa.schedule.wanted_partial_rows)
 
     @property
@@ -143,24 +154,24 @@ def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_l
         small = long = None
         if is_long.any():
             long = Launch(big, work_bound(q[is_long], kv[is_long], num_heads, big),
-                          int(max_splits(q[is_long], kv[is_long]).max()))
+                          int(max_splits(q[is_long], kv[is_long], num_heads).max()))
         small_q = q[~is_long]
         if not is_long.any() or (small_q > 0).any():
             tile = small_tile_of(int(small_q.max()) if small_q.size else 1)
             live = small_q > 0
             small = Launch(tile, work_bound(small_q, kv[~is_long], num_heads, tile),
-                           int(max_splits(small_q[live], kv[~is_long][live]).max()) if live.any() else 0)
+                           int(max_splits(small_q[live], kv[~is_long][live], num_heads).max()) if live.any() else 0)
         sched = _merged(small, long, num_heads)
         return dataclasses.replace(sched, partial_rows=_policy.wanted_partial_rows(q, kv, plan_constants(sched)))
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
     tile = small_tile_of(min(max_q, SMALL_Q_LEN))
     small = Launch(tile, capacity_work_bound(capacity, num_heads, tile, min(max_q, SMALL_Q_LEN), kv_bound),
-                   int(max_splits([1], [kv_bound])[0]))
+                   int(max_splits([1], [kv_bound], num_heads)[0]))
     long = None
     if max_q > SMALL_Q_LEN:
         long = Launch(big, capacity_work_bound(capacity, num_heads, big, max_q, kv_bound, SMALL_Q_LEN + 1),
-                      int(max_splits([SMALL_Q_LEN + 1], [kv_bound])[0]))
+                      int(max_splits([SMALL_Q_LEN + 1], [kv_bound], num_heads)[0]))
     return _merged(small, long, num_heads)
 
 
@@ -170,7 +181,7 @@ def _merged(small, long, num_heads):
         small = Launch(small.tile, small.work_grid + long.work_grid, max(small.max_splits, long.max_splits))
         long = None
     merge = any(x is not None and x.max_splits > 1 for x in (small, long))
-    return MlaSchedule(small, long, merge)
+    return MlaSchedule(small, long, merge, split_size(num_heads))
 
 
 def plan_constants(schedule):
@@ -180,7 +191,7 @@ def plan_constants(schedule):
     other = long_tile or first
     return dict(block_m=first.block_m, block_n=first.block_n,
                 long_q_len=SMALL_Q_LEN + 1 if long_tile is not None else 2**31 - 1,
-                long_block_m=other.block_m, long_block_n=other.block_n, split_size=split_size(), max_splits=MAX_SPLITS,
+                long_block_m=other.block_m, long_block_n=other.block_n, split_size=schedule.split_size, max_splits=MAX_SPLITS,
                 small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=1, fold_splits=0)
 
 
