@@ -65,14 +65,14 @@ for stage in ${STAGES:-suite}; do
         --json "$OUT/kit_mla.json" > "$OUT/kit_mla.txt" 2>&1
       echo "kit mla exit $?" | tee -a "$OUT/summary.txt"
       grep -E "^(FAIL|SKIP|NOT|TOTAL)|passed" "$OUT/kit_mla.txt" | head -40 | tee -a "$OUT/summary.txt" ;;
-    mla)  # the MLA bench beside FlashInfer, then the 128-head cells at larger splits (ours)
+    mla)  # the MLA bench beside FlashInfer (with each output's digest), then the 128-head cells at the splits in MLA_SPLITS (ours)
       fi_site
       stamp "mla bench"
       PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout ${MLA_SECONDS:-200} python3 -m bench.mla \
-        --json "$OUT/mla.json" > "$OUT/mla.txt" 2>&1
+        --digest --json "$OUT/mla.json" > "$OUT/mla.txt" 2>&1
       echo "mla bench exit $?" | tee -a "$OUT/summary.txt"
-      grep -E "^(decode|verify|fp8|ceilings)" "$OUT/mla.txt" | cut -c1-200 | tee -a "$OUT/summary.txt"
-      for split in 1024 2048; do
+      grep -E "^(decode|verify|fp8|ceilings)" "$OUT/mla.txt" | cut -c1-230 | tee -a "$OUT/summary.txt"
+      for split in ${MLA_SPLITS:-}; do
         CUPY_FA_MLA_SPLIT_SIZE=$split timeout 60 python3 -m bench.mla --only "H=128" --no-peers 2>&1 \
           | grep -E "^(decode|verify)" | cut -c1-110 | sed "s/^/split $split: /" | tee -a "$OUT/summary.txt"
       done ;;
