@@ -24,7 +24,9 @@ stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/summary.txt"; 
 git log --oneline -1 2>/dev/null | tee -a "$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
 KIT_CONFIGS=${KIT_CONFIGS:-d64-bf16-kit,d256-bf16-kit,d64-fp16-p64,d256-fp16-p64,d128-bf16-p64}
+SGL_PATH=""
 sgl_site() {  # SGLang 0.5.17's wheels (scripts/pack_sglang.sh), once per machine
+  SGL_PATH=/tmp/sgl-site
   [ -d /tmp/sgl-site/sglang ] || timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile \
     --target /tmp/sgl-site .sgl/*.whl || echo "PIP INSTALL FAILED" | tee -a "$OUT/summary.txt"
 }
@@ -50,7 +52,8 @@ for stage in ${STAGES:-suite}; do
       grep -vE "^(DECODE|DRAFT|EXTEND|IDLE|MIXED|TARGET|mode |-)" "$OUT/suite/summary.txt" | head -60 | tee -a "$OUT/summary.txt" ;;
     tests)
       stamp "tests: ${TESTS:-}"
-      OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout ${TEST_SECONDS:-150} python3 -m pytest -q -p no:cacheprovider \
+      [ -d .sgl ] && sgl_site
+      PYTHONPATH=$PWD${SGL_PATH:+:$SGL_PATH} OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout ${TEST_SECONDS:-150} python3 -m pytest -q -p no:cacheprovider \
         -n 8 -m gpu --timeout 120 -rs ${TESTS:-} > "$OUT/tests.log" 2>&1  # (TESTS may add -rP for the prints)
       echo "tests exit $?: $(tail -n 1 "$OUT/tests.log")" | tee -a "$OUT/summary.txt"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$OUT/summary.txt" ;;
