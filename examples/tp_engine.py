@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -143,8 +144,26 @@ def _worker(rank, size, tp_backend, argv, port, out_dir):
         result = run_rank(args, device, shard)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if tp_backend == "gloo":
+            _leave_gloo_group(dist, rank, size, out_dir)
+        else:  # (NCCL's teardown may wait on every rank: no order imposed)
+            dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _leave_gloo_group(dist, rank, size, out_dir, wait_s=60.0):
+    """Destroys this rank's gloo process group, rank 0 last: rank 0 holds the TCP store the groups were
+    made through, and a rank still tearing down when it goes away can abort its process
+    ("terminate called without an active exception"). Every other rank leaves a mark in ``out_dir``
+    after its teardown; rank 0 waits for them (at most ``wait_s``: a rank that died leaves none)."""
+    if rank != 0:
+        dist.destroy_process_group()
+        Path(out_dir, f"rank{rank}.left").touch()
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(Path(out_dir, f"rank{r}.left").exists() for r in range(1, size)):
+        time.sleep(0.01)
+    dist.destroy_process_group()
 
 
 def _free_port():
