@@ -189,11 +189,10 @@ def key_base(q_lens, kv_lens, window, kv_bytes=2):
     split_size(kv_bytes) (so small-q splits and their merge groups stay at fixed positions); 0 without.
     In place on one new array (a windowed plan computes it every step: :func:`window_spans`)."""
     q, kv = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
-    base = np.zeros(np.broadcast(q, kv).shape, np.int64)
     if not window:
-        return base
+        return np.zeros(np.broadcast(q, kv).shape, np.int64)
     unit = MERGE_GROUP * split_size(kv_bytes)
-    np.subtract(kv, q, out=base)
+    base = kv - q
     base -= int(window) - 1  # the first query's first visible key
     np.maximum(base, 0, out=base)
     base //= unit
