@@ -172,8 +172,8 @@ class StepLauncher:
 
     def merge_params(self, state, buffers, *, out, lse, sinks):
         """The ``MergeParams`` of a plan's merge (an ``np.void``): one merge for both classes (the
-        long family never folds, and the small-q CTAs fold only in steps without long requests:
-        ``schedule.schedule_step``)."""
+        long family never folds, and beside long requests the small-q CTAs fold only whole rows
+        where nothing is merged: ``schedule.schedule_step``)."""
         sched = state.schedule
         fold_groups = int(sched.small is not None and sched.small.tile.fold_splits)
         return _params.make(

@@ -286,7 +286,8 @@ def launch_grid(tile, work_grid, num_kv_heads, sm_count):
 # ---- the fold ----------------------------------------------------------------------------------
 
 
-def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=True, smem_limit=SMEM_LIMIT):
+def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=True, smem_limit=SMEM_LIMIT,
+              whole_rows_only=False):
     """``tile.folding(...)`` when the batch's CTAs should fold their own splits, else ``tile``.
 
     A CTA of a small-q tile with a fold state takes merge_kernel's steps on the splits it
@@ -301,8 +302,9 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
     ``FOLD_MIN_WAVE_FILL`` full on average, the last one counted whole (0.97 waves: 0.97;
     1.14 waves: 0.57; 1.94 waves: 0.97).
     Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
-    groups). The folding tile must fit ``smem_limit`` (the device's shared memory per
-    CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
+    groups); ``whole_rows_only``: the whole-row fold or none (beside a long launch that writes
+    its rows itself, so the step needs no merge at all). The folding tile must fit ``smem_limit``
+    (the device's shared memory per CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
     ``0`` (never). The choice depends on the batch; the results do not."""
     knob = knobs().fold_splits
     live = np.asarray(q_lens) > 0
@@ -321,7 +323,7 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
         whole = tile.folding(groups, smem_limit)
         if whole is not None and fills(whole):
             return whole
-    return by_group if fills(by_group) else tile
+    return by_group if not whole_rows_only and fills(by_group) else tile
 
 
 # ---- one step's schedule -------------------------------------------------------------------
@@ -387,7 +389,7 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
 
     With host lengths (``q_lens``, ``kv_lens``) the choice is exact: a launch per class of
     requests present; the small-q CTAs may fold their splits (:func:`fold_tile`) when the step
-    has no long request. With device lengths the host sees only bounds: ``max_q_len``
+    has no long request, or fold whole rows beside long requests that run unsplit (no merge). With device lengths the host sees only bounds: ``max_q_len``
     (required), ``max_kv_len`` (None: any), the ``capacity`` the grids must cover and
     ``batch_size``. Up to SMALL_Q_LEN the step is small-q only and the fold is by groups, where
     even the shortest such batch (every request max_q_len tokens, one split) fills the GPU;
@@ -425,8 +427,10 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
             q, kv = q_lens[is_small], kv_lens[is_small]
             tile = tile_for(head_dim, int(q.max()) if q.size else 0, group_size, smem_limit, arch, kv_bytes,
                             head_dim_vo)
-            if long is None:  # one merge reads one partial layout: no CTA folds beside a long launch
-                tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit)
+            if long is None or not merge:  # (one merge reads one partial layout: beside a long launch only a
+                # fold that leaves nothing to merge, where the long rows run unsplit: no merge launch at all)
+                tile = fold_tile(tile, q, kv, group_size, num_kv_heads, sm_count, smem_limit=smem_limit,
+                                 whole_rows_only=long is not None)
             small = launch(tile, work_bound(q, kv, group_size, tile), q, kv)
             merge = merge or needs_merge(tile, q, kv)
         sched = StepSchedule(small, long, merge)

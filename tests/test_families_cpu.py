@@ -62,30 +62,38 @@ def test_cupy_fa_arch_sm80_selects_mma_sync(monkeypatch):
 @pytest.mark.parametrize("target", [H200, A100], ids=["sm_90a", "sm_80"])
 def test_a_mixed_step_has_a_launch_per_class(target):
     """One 2048-token chunk and 63 decodes at L = 4096: the decodes on the small-q tile (one row
-    of warps, fixed 512-key splits, no fold: one merge reads one layout), the chunk on the prefill
-    family; the merge runs for the decodes' splits; the plan lays out two lists."""
+    of warps, fixed 512-key splits), the chunk on the prefill family in one split, so the decodes
+    fold their whole rows as alone (the same bits) and the step needs no merge; the plan lays out
+    two lists. A chunk that splits keeps the decodes unfolded (one merge reads one layout)."""
     q = np.array([1] * 31 + [2048] + [1] * 32)
     kv = np.full(64, 4096)
     step = schedule.schedule_step(128, 4, 8, q_lens=q, kv_lens=kv, **target)
     small, long = step.small, step.long
-    assert families.is_small_q_tile(small.tile) and small.tile.warps_m == 1 and not small.tile.fold_splits
-    assert small.work_grid == 63 * 8 and small.ctas == 63 * 8 * 8  # 8 splits of 512 keys each, x 8 KV heads
+    assert families.is_small_q_tile(small.tile) and small.tile.warps_m == 1
+    assert small.tile.fold_splits and small.tile.splits_per_cta == 8  # 8 splits of 512 keys: one whole row a CTA
+    assert small.work_grid == 63 and small.ctas == 63 * 8  # x 8 KV heads
     assert long.tile == schedule.prefill_tile(128, target["smem_limit"], target["arch"])
     assert long.work_grid == -(-2048 * 4 // long.tile.block_m)  # q 2048 > SPLIT_ROW_BUDGET: one split
-    assert step.needs_merge and step.launches == (long, small) and step.tile is small.tile
+    assert not step.needs_merge and step.launches == (long, small) and step.tile is small.tile
     assert (small.max_splits, long.max_splits) == (8, 1)  # 4096 / 512 fixed splits; q 2048: SPLIT_ROW_BUDGET
     tile, long_tile = step.plan_tiles()
     constants = schedule.plan_constants(tile, long_tile)
     assert constants["long_q_len"] == schedule.SMALL_Q_LEN + 1
     assert (constants["block_m"], constants["block_n"]) == (small.tile.block_m, small.tile.block_n)
     assert (constants["long_block_m"], constants["long_block_n"]) == (long.tile.block_m, long.tile.block_n)
-    assert (constants["splits_per_cta"], constants["fold_splits"]) == (small.tile.splits_per_cta, 0)
-    # the same decodes alone fold whole rows (no merge): the bits are the same (docs/design.md)
+    assert (constants["splits_per_cta"], constants["fold_splits"]) == (8, 1)
+    assert step.partial_rows == 63 * 8  # what the splits want, fold or not (the overflow rule's count)
+    # the same decodes alone fold the same way: the bits are the same (docs/design.md)
     alone = schedule.schedule_step(128, 4, 8, q_lens=np.ones(63, int), kv_lens=np.full(63, 4096), **target)
-    assert alone.long is None and alone.small.tile.fold_splits
+    assert alone.long is None and alone.small.tile == small.tile
     layout = lambda t: (t.head_dim, t.warps_m, t.warps_n, t.block_n)  # the key layout the bits depend on
     assert layout(alone.small.tile) == layout(small.tile)
     assert schedule.plan_constants(*alone.plan_tiles())["long_q_len"] == 2**31 - 1  # one list, as before
+    # a chunk of 32 tokens over 4096 keys splits (32 x 4 splits <= SPLIT_ROW_BUDGET): merged, so no fold beside it
+    q[31] = 32
+    split = schedule.schedule_step(128, 4, 8, q_lens=q, kv_lens=kv, **target)
+    assert split.long.max_splits == 4 and split.needs_merge
+    assert not split.small.tile.fold_splits and split.small.work_grid == 63 * 8
 
 
 def test_small_q_steps_plan_as_before():

@@ -96,8 +96,8 @@ __device__ __forceinline__ int partial_rows(int q_len, int splits) { return spli
 // The rows it takes where CTAs fold their groups of splits (fold_splits): those of a
 // group state per group when it has several groups, else none. Never more than
 // partial_rows, which decides an overflow in either case, so whether CTAs fold never
-// changes the schedule. The long family never folds (the host plans a fold only for
-// steps without long requests; merge_kernel reads one layout per launch).
+// changes the schedule. The long family never folds (the host plans a fold beside long
+// requests only where nothing is merged; merge_kernel reads one layout per launch).
 __device__ __forceinline__ int laid_out_rows(const PlanParams& p, int q_len, int splits) {
   if (!p.fold_splits || is_long(p, q_len)) return partial_rows(q_len, splits);
   const int groups = (splits + p.splits_per_cta - 1) / p.splits_per_cta;
