@@ -304,8 +304,8 @@ def fold_tile(tile, q_lens, kv_lens, group_size, num_kv_heads, sm_count, exact=T
     Whole rows need the exact lengths (``exact``; a graph plan sees only bounds and folds by
     groups); ``whole_rows_only``: the whole-row fold or none (beside a long launch that writes
     its rows itself, so the step needs no merge at all). The folding tile must fit ``smem_limit``
-    (the device's shared memory per CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1`` (whenever the tile can),
-    ``0`` (never). The choice depends on the batch; the results do not."""
+    (the device's shared memory per CTA). ``CUPY_FA_FOLD_SPLITS``: ``auto`` (default), ``1``
+    (whenever the tile can), ``0`` (never). The choice depends on the batch; the results do not."""
     knob = knobs().fold_splits
     live = np.asarray(q_lens) > 0
     by_group = tile.folding(smem_limit=smem_limit)
@@ -389,9 +389,9 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
 
     With host lengths (``q_lens``, ``kv_lens``) the choice is exact: a launch per class of
     requests present; the small-q CTAs may fold their splits (:func:`fold_tile`) when the step
-    has no long request, or fold whole rows beside long requests that run unsplit (no merge). With device lengths the host sees only bounds: ``max_q_len``
-    (required), ``max_kv_len`` (None: any), the ``capacity`` the grids must cover and
-    ``batch_size``. Up to SMALL_Q_LEN the step is small-q only and the fold is by groups, where
+    has no long request, or fold whole rows beside long requests that run unsplit (no merge).
+    With device lengths the host sees only bounds: ``max_q_len`` (required), ``max_kv_len``
+    (None: any), the ``capacity`` the grids must cover and ``batch_size``. Up to SMALL_Q_LEN the step is small-q only and the fold is by groups, where
     even the shortest such batch (every request max_q_len tokens, one split) fills the GPU;
     above it both launches are planned (either may find no work; no fold). The bits never
     depend on any of it. ``kv_bytes=1``: an fp8 cache's tiles (the small-q class on the mma.sync
