@@ -391,9 +391,10 @@ def schedule_step(head_dim, group_size, num_kv_heads, *, q_lens=None, kv_lens=No
     requests present; the small-q CTAs may fold their splits (:func:`fold_tile`) when the step
     has no long request, or fold whole rows beside long requests that run unsplit (no merge).
     With device lengths the host sees only bounds: ``max_q_len`` (required), ``max_kv_len``
-    (None: any), the ``capacity`` the grids must cover and ``batch_size``. Up to SMALL_Q_LEN the step is small-q only and the fold is by groups, where
-    even the shortest such batch (every request max_q_len tokens, one split) fills the GPU;
-    above it both launches are planned (either may find no work; no fold). The bits never
+    (None: any), the ``capacity`` the grids must cover and ``batch_size``. Up to SMALL_Q_LEN the
+    step is small-q only and the fold is by groups, where even the shortest such batch (every
+    request max_q_len tokens, one split) fills the GPU; above it both launches are planned
+    (either may find no work; no fold). The bits never
     depend on any of it. ``kv_bytes=1``: an fp8 cache's tiles (the small-q class on the mma.sync
     family, the long one on :func:`prefill_tile`'s).
 
