@@ -102,25 +102,30 @@ def check(cache, q, table, q_lens, kv_lens, rows_of):
     return math.sqrt(num / den) if den else float("inf")
 
 
+def ours_attention(heads, kv_dtype, q_lens, kv_lens):
+    """An MLAAttention for the cell with a workspace that holds the batch's splits at their fixed
+    positions (decode == verify bits kept), as an engine that serves such batches sizes it (the
+    default holds 8 splits a token)."""
+    import cupy_fa
+    from cupy_fa import _build
+    from cupy_fa.mla import plan as mla_plan, schedule as mla_schedule
+    from cupy_fa.schedule import partial_row_bytes
+
+    wanted = mla_schedule.schedule_step(heads, kv_dtype != "bfloat16", _build.current_arch(), q_lens=q_lens,
+                                        kv_lens=kv_lens).partial_rows
+    workspace = max(mla_plan.WORKSPACE_BYTES, wanted * partial_row_bytes(heads, mla_plan.VALUE_DIM, 2))
+    return cupy_fa.MLAAttention(heads, "bfloat16", kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype,
+                                workspace_bytes=workspace)
+
+
 def time_ours(heads, kv_dtype, table, sets, q_lens, kv_lens, n_launch, reps):
     import cupy
-    import cupy_fa
     from cupy_fa import reference
 
     from . import timing
     from .inputs import to_host_f64
 
-    from cupy_fa import _build
-    from cupy_fa.mla import plan as mla_plan, schedule as mla_schedule
-    from cupy_fa.schedule import partial_row_bytes
-
-    # a workspace that holds the batch's splits at their fixed positions (decode == verify bits kept),
-    # as an engine that serves such batches sizes it (the default holds 8 splits a token)
-    wanted = mla_schedule.schedule_step(heads, kv_dtype != "bfloat16", _build.current_arch(), q_lens=q_lens,
-                                        kv_lens=kv_lens).partial_rows
-    workspace = max(mla_plan.WORKSPACE_BYTES, wanted * partial_row_bytes(heads, mla_plan.VALUE_DIM, 2))
-    attn = cupy_fa.MLAAttention(heads, "bfloat16", kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype,
-                                workspace_bytes=workspace)
+    attn = ours_attention(heads, kv_dtype, q_lens, kv_lens)
     t0 = time.perf_counter()
     attn.plan(q_lens, kv_lens, table, sm_scale=SM_SCALE)
     attn.run(sets[0]["q"], sets[0]["cache"], out=sets[0]["out"])
@@ -143,12 +148,14 @@ def time_ours(heads, kv_dtype, table, sets, q_lens, kv_lens, n_launch, reps):
     return cell
 
 
-def flashinfer_cell(fi, heads, kv_dtype, table, sets, q_lens, kv_lens, page, n_launch, reps):
-    """FlashInfer's MLA wrapper over the same caches (their c_kv / k_pe column views)."""
-    import torch
-    from cupy_fa import reference
+def flashinfer_runner(heads, kv_dtype, table, sets, q_lens, kv_lens, page):
+    """(call, args, how): FlashInfer's MLA wrapper planned for the cell, ``call(i)`` running it over
+    input set i (``args[i]``: its q_nope, q_pe, c_kv, k_pe, out), over the caches' column views (or,
+    where it refuses them, contiguous copies: ``how`` says which). Raises what FlashInfer raises."""
+    import importlib
 
-    from . import timing
+    import torch
+
     from .inputs import as_torch
 
     dev = dict(dtype=torch.int32, device="cuda")
@@ -158,46 +165,51 @@ def flashinfer_cell(fi, heads, kv_dtype, table, sets, q_lens, kv_lens, page, n_l
     kv_indices = torch.as_tensor(np.concatenate([table[b, :n] for b, n in enumerate(pages)]), **dev)
     kv_len_arr = torch.as_tensor(np.asarray(kv_lens), **dev)
     fp8 = kv_dtype == FP8
+    wrapper = importlib.import_module("flashinfer.mla").BatchMLAPagedAttentionWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), backend="auto")
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, heads, D_V, D_LATENT - D_V, page,
+                 bool(q_lens.max() > 1), SM_SCALE, torch.bfloat16, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+
+    def views(s, copies):
+        c = s["cache"]
+        lat = torch.from_dlpack(c.latent).view(torch.float8_e4m3fn) if fp8 else as_torch(c.latent)
+        q = as_torch(s["q"])
+        ckv, kpe = lat[..., :D_V], lat[..., D_V:]
+        if copies:
+            ckv, kpe = ckv.contiguous(), kpe.contiguous()
+        return q[..., :D_V].contiguous(), q[..., D_V:].contiguous(), ckv, kpe, torch.empty(
+            q.shape[0], heads, D_V, dtype=torch.bfloat16, device="cuda")
+
+    extra = dict(ckv_scale=FP8_SCALE, kpe_scale=FP8_SCALE) if fp8 else {}
+
+    def call(i):
+        qn, qp, ckv, kpe, out = args[i]
+        return wrapper.run(qn, qp, ckv, kpe, out=out, **extra)
+
+    how = "the cache's column views"
+    try:
+        args = [views(s, False) for s in sets]
+        call(0)
+    except Exception as e:  # noqa: BLE001 - e.g. contiguous caches required: copies of its columns
+        how = f"contiguous copies of the cache's columns (views refused: {type(e).__name__}: {str(e)[:120]})"
+        args = [views(s, True) for s in sets]
+        call(0)
+    torch.cuda.synchronize()
+    return call, args, f"BatchMLAPagedAttentionWrapper(backend={getattr(wrapper, '_backend', 'auto')}) over {how}"
+
+
+def flashinfer_cell(fi, heads, kv_dtype, table, sets, q_lens, kv_lens, page, n_launch, reps):
+    """FlashInfer's MLA wrapper over the same caches (their c_kv / k_pe column views)."""
+    from cupy_fa import reference
+
+    from . import timing
+
     try:
         t0 = time.perf_counter()
-        import importlib
-
-        wrapper = importlib.import_module("flashinfer.mla").BatchMLAPagedAttentionWrapper(
-            torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), backend="auto")
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, heads, D_V, D_LATENT - D_V, page,
-                     bool(q_lens.max() > 1), SM_SCALE, torch.bfloat16, torch.float8_e4m3fn if fp8 else torch.bfloat16)
-
-        def views(s, copies):
-            c = s["cache"]
-            lat = torch.from_dlpack(c.latent).view(torch.float8_e4m3fn) if fp8 else as_torch(c.latent)
-            q = as_torch(s["q"])
-            ckv, kpe = lat[..., :D_V], lat[..., D_V:]
-            if copies:
-                ckv, kpe = ckv.contiguous(), kpe.contiguous()
-            return q[..., :D_V].contiguous(), q[..., D_V:].contiguous(), ckv, kpe, torch.empty(
-                q.shape[0], heads, D_V, dtype=torch.bfloat16, device="cuda")
-
-        extra = dict(ckv_scale=FP8_SCALE, kpe_scale=FP8_SCALE) if fp8 else {}
-
-        def call(i):
-            qn, qp, ckv, kpe, out = args[i]
-            return wrapper.run(qn, qp, ckv, kpe, out=out, **extra)
-
-        how = "the cache's column views"
-        try:
-            args = [views(s, False) for s in sets]
-            call(0)
-        except Exception as e:  # noqa: BLE001 - e.g. contiguous caches required: copies of its columns
-            how = f"contiguous copies of the cache's columns (views refused: {type(e).__name__}: {str(e)[:120]})"
-            args = [views(s, True) for s in sets]
-            call(0)
-        torch.cuda.synchronize()
-        cell = {"how": f"BatchMLAPagedAttentionWrapper(backend={getattr(wrapper, '_backend', 'auto')}) over {how}",
-                "first_use_s": time.perf_counter() - t0}
+        call, args, how = flashinfer_runner(heads, kv_dtype, table, sets, q_lens, kv_lens, page)
+        cell = {"how": how, "first_use_s": time.perf_counter() - t0}
     except Exception as e:  # noqa: BLE001 - a peer that cannot run this cell is a recorded cell
         return {"status": f"n/a: {type(e).__name__}: {str(e)[:300]}"}
-    import cupy
-
     out0 = args[0][4]
     cell["err"] = check(sets[0]["cache"], sets[0]["q"], table, q_lens, kv_lens,
                         lambda r: out0[r].float().cpu().numpy().astype(np.float64))
@@ -207,7 +219,6 @@ def flashinfer_cell(fi, heads, kv_dtype, table, sets, q_lens, kv_lens, page, n_l
     n = len(sets)
     t = timing.torch_graph([lambda i=i: call(i % n) for i in range(n_launch)], warmup=5, reps=reps)
     cell.update(status="ok", us=t.time_us, min_us=t.min_us, max_us=t.max_us, method=t.method)
-    del cupy
     return cell
 
 

@@ -3,7 +3,8 @@
 # over the matrix for one backend (kit-cupy, kit-triton) or its MLA method (kit-mla), the wgmma A/B
 # (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
 # and its split sizes (mla), host time per call (host), first calls over empty caches (cold; COLD_PROFILE=1
-# adds a cProfile of each first call), ncu of the 128-head MLA seesaw kernel (ncu-mla) and of the wgmma prefill
+# adds a cProfile of each first call), ncu of the 128-head MLA seesaw kernel (ncu-mla), of ours beside FlashInfer's
+# MLA kernels at decode B=64 L=4096, 128 and 16 heads (ncu-mla-peer; .fi carried), and of the wgmma prefill
 # kernel, plain / fp8 / soft-capped (ncu-prefill), the MLA bench
 # over copies of other revisions, interleaved (ab-mla-trees: AB_MLA_TREES, AB_MLA_ONLY, AB_MLA_ROUNDS), the GPU
 # tests of such a copy (tree-tests: TREE, TESTS), the EAGLE draft chain probe (eagle-probe). Stages
@@ -113,6 +114,17 @@ for stage in ${STAGES:-suite}; do
       timeout ${COLD_SECONDS:-150} python3 scripts/cold_compile.py --no-serial --json "$OUT/cold.json" > "$OUT/cold.txt" 2>&1
       echo "cold exit $?" | tee -a "$OUT/summary.txt"
       tail -n 16 "$OUT/cold.txt" | tee -a "$OUT/summary.txt" ;;
+    ncu-mla-peer)  # ours and FlashInfer's MLA kernels on one cell each (lab/probe_mla_peer.py): where each spends its time
+      fi_site
+      for cell in "decode B=64 L=4096 H=128" "decode B=64 L=4096 H=16"; do
+        stamp "ncu mla peer: $cell"
+        log="$OUT/ncu_mla_peer_$(echo "$cell" | tr -c 'A-Za-z0-9=\n' '_').txt"
+        PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout ${NCU_SECONDS:-240} ncu --profile-from-start off \
+          --clock-control none --set full python3 lab/probe_mla_peer.py --cell "$cell" > "$log" 2>&1
+        echo "ncu mla peer exit $?" | tee -a "$OUT/summary.txt"
+        grep -E "Context [0-9]+, Stream|^ *(Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit Rate|Compute \(SM\) Throughput|Executed Ipc Active|Issue Slots Busy|Registers Per Thread|Dynamic Shared Memory Per Block|Grid Size|Achieved Occupancy|Warp Cycles Per Issued Instruction|No Eligible) " \
+          "$log" | cut -c1-150 | tee -a "$OUT/summary.txt"
+      done ;;
     ncu-mla)  # where the 128-head seesaw kernel's warps wait (decode B=64 L=4096): full set + SASS stall samples
       stamp "ncu mla: ${NCU_MLA_CELL:-decode B=64 L=4096 H=128}"
       timeout ${NCU_SECONDS:-240} ncu --clock-control none -k regex:mla_wgmma_kernel -s 2 -c 1 --set full \
