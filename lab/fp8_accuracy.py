@@ -13,8 +13,9 @@ attention of bf16 queries is emulated in float64 with the roundings of two desig
   widened): Q = hi + lo, hi Q's e4m3 rounding at a per-row scale (amax / 448) and lo the e4m3
   rounding of what hi missed (its own per-row scale), S = hi K^T + lo K^T (two fp8 products, fp32
   sums: exact here), P in fp16 over V widened exactly, the output rounded to bf16; the same with lo
-  at hi's scale (so one accumulator and one scale a row take both products); and with Q in one e4m3
-  term (hi alone), to see what the second term buys.
+  at hi's scale (so one accumulator and one scale a row take both products); three terms at that
+  one scale (hi + lo + what lo missed); and with Q in one e4m3 term (hi alone), to see what the
+  second term buys.
 
 Prints each design's relative error ||out - ref|| / ||ref|| and the largest per-row one, over
 random N(0, 1) data at D = 128 (bf16's bar is 1e-2).
@@ -57,7 +58,8 @@ def main(argv=None):
     n, d = args.keys, args.dim
     scale = 1 / np.sqrt(d)
     kv_scale = 6.0 / 448
-    names = ("fp16 products", "fp8 products", "fp8 QK, split Q", "split, one scale", "fp8 QK, one Q")
+    names = ("fp16 products", "fp8 products", "fp8 QK, split Q", "split, one scale", "three, one scale",
+             "fp8 QK, one Q")
     errs, rows = {n: [] for n in names}, {n: [] for n in names}
     qtype = ml_dtypes.bfloat16 if args.queries == "bf16" else np.float16
     for _ in range(args.heads):
@@ -84,8 +86,11 @@ def main(argv=None):
         lo1 = dequantize_e4m3(quantize_e4m3(((q - q8) / q_scale)[:, None, :].astype(np.float32), 1.0), 1.0)[:, 0] \
             * q_scale
         shared = rounded(attention(q8 + lo1, k, v, p16, scale), qtype)
+        rest = q - q8 - lo1
+        lo2 = dequantize_e4m3(quantize_e4m3((rest / q_scale)[:, None, :].astype(np.float32), 1.0), 1.0)[:, 0] * q_scale
+        three = rounded(attention(q8 + lo1 + lo2, k, v, p16, scale), qtype)
         one = rounded(attention(q8, k, v, p16, scale), qtype)
-        for name, out in zip(names, (out16, out8, split, shared, one)):
+        for name, out in zip(names, (out16, out8, split, shared, three, one)):
             errs[name].append(np.linalg.norm(out - ref) / np.linalg.norm(ref))
             rows[name].append(np.max(np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1)))
     print(f"causal prefill of {n} tokens, D {d}, {args.queries} queries (x {args.sharpness:g}) over an fp8 cache (per-tensor scale {kv_scale:.4f}), "
