@@ -29,14 +29,14 @@ import numpy as np
 from .. import schedule as _policy
 from ..families.common import is_sm90a
 from ..knobs import knobs
-from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
+from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, WGMMA_BLOCK, MlaMmaTile, MlaWgmmaTile
 
 SMALL_Q_LEN = 16
 SPLIT_SIZE = 1024         # keys a split of a small-q request up to ROW_BLOCK_HEADS heads (one 64-row block
                           # a decode token), and MANY_HEADS_SPLIT_SIZE past them (split_size(); the knob
                           # CUPY_FA_MLA_SPLIT_SIZE sets one size for every head count)
 MANY_HEADS_SPLIT_SIZE = 512
-ROW_BLOCK_HEADS = 64
+ROW_BLOCK_HEADS = WGMMA_BLOCK  # a decode token of up to this many heads is one row block of the seesaw kernel
 MAX_SPLITS = MAX_MERGE_SPLITS
 SPLIT_ROW_BUDGET = 128
 WGMMA_MIN_HEADS = 16      # from 16 heads a decode token fills a quarter of a 64-row block and the
@@ -191,7 +191,8 @@ def plan_constants(schedule):
     other = long_tile or first
     return dict(block_m=first.block_m, block_n=first.block_n,
                 long_q_len=SMALL_Q_LEN + 1 if long_tile is not None else 2**31 - 1,
-                long_block_m=other.block_m, long_block_n=other.block_n, split_size=schedule.split_size, max_splits=MAX_SPLITS,
+                long_block_m=other.block_m, long_block_n=other.block_n, split_size=schedule.split_size,
+                max_splits=MAX_SPLITS,
                 small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=1, fold_splits=0)
 
 
