@@ -44,7 +44,7 @@
 namespace cupy_fa {
 namespace mla {
 
-constexpr int kBarP = 1, kBarPRead = 2, kBarEnd = 4;  // named barriers (0: __syncthreads)
+constexpr int kBarP0 = 1, kBarP1 = 2, kBarP1Read = 3, kBarEnd = 4;  // named barriers (0: __syncthreads)
 constexpr int kBarStage = 5;  // + wg: a warpgroup's staged rows (SeesawRole::store_rows)
 
 // The shared-memory plan: the query block, two K buffers (each one's rope column block carries its P
@@ -125,14 +125,16 @@ struct SeesawRole {
     sm90::wgmma_commit();
   }
 
-  // O_half += P V of the block in buffer b, V's columns 256 half .. (issue and commit; the caller
-  // waits, then pins o and the fragments)
-  __device__ __forceinline__ void pv_issue(int b, int half, const unsigned (&frag)[4][4]) {
+  // O_half += P V of the block in buffer b, V's columns 256 half .. (issue, commit and wait)
+  __device__ __forceinline__ void pv(int b, int half, const unsigned (&frag)[4][4]) {
     const sm90::u64 v_desc = opaque(sm90::mnmajor_desc<kBlockRows>(buffer(b) + 4 * half * kColumnBlockBytes));
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) sm90::Wgmma<256, T>::rs_mn(o, frag[ks], sm90::desc_at(v_desc, sm90::mnmajor_step(ks)), 1);
     sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::pin(o);
+    pin_frag(frag);  // held in registers until the products have read them
   }
 
   static __device__ __forceinline__ void pin_frag(const unsigned (&frag)[4][4]) {
@@ -237,66 +239,77 @@ struct SeesawRole {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(mm[0]), "=f"(mm[1]) : "r"(base + slot + 8 * wtid) : "memory");
   }
 
-  // One body for both warpgroups, block by block (block b in buffer b & 1, that buffer's fill b >> 1):
-  //   warpgroup 1: [S(b) done]  mask, the rows' offsets, P(b) = 2^(S scale - m) and its sums;
-  //                P(b) and the offsets to warpgroup 0 (buffer b's rope block, the offset slots)  [arrive P]
-  //                O_R = O_R f + P(b) V(b)_R, then S(b + 1) issued behind it on the other buffer;
-  //                [P(b) V(b)_R done, wait P read] buffer b's high half <- block b + 2
-  //   warpgroup 0: [wait P]  P(b) and the offsets  [arrive P read]
-  //                O_L = O_L f + P(b) V(b)_L;  buffer b's low half <- block b + 2
-  // so the tensor cores take S(b + 1) while warpgroup 1 refills, and P(b) V(b)_L while it makes
-  // P(b + 1); a buffer is refilled a whole block before its next S.
+  // One body for both warpgroups (wg 0: even blocks, O's left half, the K buffers' low halves;
+  // wg 1: odd blocks, the right half, the high halves), so each product is issued from one place
+  // (the kernel's code, and its compile time, stay half): `frag` holds the P each product takes, this
+  // warpgroup's own (packed from S) or the other's (from the exchange slots).
   __device__ __forceinline__ void run(int wg) {
     unsigned frag[4][4];
-    for (int b = 0; b < num_blocks; ++b) {
-      const int x = b & 1;
-      const bool next = b + 1 < num_blocks, refill = b + 2 < num_blocks;
-      float f[2];
-      KeyPages pages;
+    for (int i = 0; i < num_pairs; ++i) {
+      const bool more = i + 1 < num_pairs;
+      sm90::wgmma_wait<0>();
+      sm90::pin(s);
+      mask(2 * i + wg);
+      float mx[2], m0[2], m_new[2], fa[2], fb[2], sum[2];
+      block_max(mx);  // (the mask and maxima need nothing of the other warpgroup's)
       if (wg == 1) {
-        sm90::wgmma_wait<0>();  // S(b) (P(b - 1) V(b - 1)_R was waited for before)
-        sm90::pin(s);
-        mask(b);
-        float mx[2], m_new[2], sum[2];
-        block_max(mx);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) m_new[h] = next_offset(m[h], mx[h]), f[h] = factor_of(m[h], m_new[h]);
-        exponentials(m_new, sum, own);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) l[h] = l[h] * f[h] + sum[h], m[h] = m_new[h];
-        put_p(x, own);
-        put_m(SeesawSmem::kM1, m);
-        sm90::named_arrive(kBarP, 256);
-        rescale(f);
-        if (refill) pages = lookup_keys(p, w, b + 2, wtid);  // (their latency under the products)
-        pv_issue(x, 1, own);
-        if (next) {
-          issue_scores(x ^ 1, (b + 1) >> 1);
-          sm90::wgmma_wait<1>();  // P(b) V(b)_R (S(b + 1) stays in flight)
-        } else {
-          sm90::wgmma_wait<0>();
-        }
-        sm90::pin(o);
-        pin_frag(own);
-        sm90::named_sync(kBarPRead, 256);  // (every block: the barrier alternates strictly)
-      } else {
-        sm90::named_sync(kBarP, 256);
-        float m_new[2];
-        get_m(SeesawSmem::kM1, m_new);
-        get_p(x, frag);
-        sm90::named_arrive(kBarPRead, 256);  // buffer b's rope block may be refilled
-#pragma unroll
-        for (int h = 0; h < 2; ++h) f[h] = factor_of(m[h], m_new[h]), m[h] = m_new[h];
-        rescale(f);
-        if (refill) pages = lookup_keys(p, w, b + 2, wtid);
-        pv_issue(x, 0, frag);
-        sm90::wgmma_wait<0>();
-        sm90::pin(o);
-        pin_frag(frag);
+        sm90::named_sync(kBarP0, 256);  // warpgroup 0's offsets and P0
+        get_m(SeesawSmem::kM0, m0);
       }
-      if (refill) fill(x, b + 2, wg, pages);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (wg == 0) {
+          m_new[h] = m0[h] = next_offset(m[h], mx[h]);
+          fa[h] = factor_of(m[h], m0[h]);
+          fb[h] = 1.f;
+        } else {
+          fa[h] = factor_of(m[h], m0[h]);
+          m_new[h] = next_offset(m0[h], mx[h]);
+          fb[h] = factor_of(m0[h], m_new[h]);
+        }
+      }
+      exponentials(m_new, sum, own);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) l[h] = l[h] * fa[h] * fb[h] + sum[h];
+      if (wg == 1) {
+        get_p(0, frag);  // P0
+        put_p(1, own);
+        put_m(SeesawSmem::kM1, m_new);
+        sm90::named_arrive(kBarP1, 256);
+      } else {
+        put_p(0, own);
+        put_m(SeesawSmem::kM0, m_new);
+        sm90::named_arrive(kBarP0, 256);
+        copy_frag(frag, own);
+      }
+      rescale(fa);
+      KeyPages next;
+      if (more) next = lookup_keys(p, w, 2 * i + 2, wtid);  // (their latency under the product)
+      pv(0, wg, frag);  // O_half += P0 V0_half; this half of buffer 0 is free
+      if (more) fill(0, 2 * i + 2, wg, next);
+      if (wg == 0) {
+        sm90::named_sync(kBarP1, 256);  // warpgroup 1's offsets and P1
+        float m1[2];
+        get_m(SeesawSmem::kM1, m1);
+        get_p(1, frag);
+        sm90::named_arrive(kBarP1Read, 256);  // buffer 1's rope block may be refilled
+#pragma unroll
+        for (int h = 0; h < 2; ++h) fb[h] = factor_of(m0[h], m1[h]), l[h] *= fb[h], m_new[h] = m1[h];
+      } else {
+        copy_frag(frag, own);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) m[h] = m_new[h];
+      rescale(fb);
+      if (more) next = lookup_keys(p, w, 2 * i + 3, wtid);
+      pv(1, wg, frag);  // O_half += P1 V1_half; this half of buffer 1 is free
+      if (wg == 1) sm90::named_sync(kBarP1Read, 256);  // (every pair: the barrier alternates strictly)
+      if (more) {
+        fill(1, 2 * i + 3, wg, next);
+        issue_scores(wg, i + 1);
+      }
     }
-    sm90::wgmma_wait<0>();  // none in flight past the loop (ptxas cannot tell the last block issued none)
+    sm90::wgmma_wait<0>();  // none in flight past the loop (ptxas cannot tell the last pair issued none)
     sm90::pin(s);
   }
 

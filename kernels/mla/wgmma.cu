@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   mbar::wait(base + SeesawSmem::kBars, 0);
   if (role.num_blocks > 0) {
-    if (wg == 1) role.issue_scores(0, 0);  // S(0); warpgroup 1 takes every S
+    role.issue_scores(wg, 0);
     role.run(wg);
   }
 
