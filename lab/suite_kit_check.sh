@@ -122,7 +122,7 @@ for stage in ${STAGES:-suite}; do
         PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout ${NCU_SECONDS:-240} ncu --profile-from-start off \
           --clock-control none --set full python3 lab/probe_mla_peer.py --cell "$cell" > "$log" 2>&1
         echo "ncu mla peer exit $?" | tee -a "$OUT/summary.txt"
-        grep -E "Context [0-9]+, Stream|^ *(Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit Rate|Compute \(SM\) Throughput|Executed Ipc Active|Issue Slots Busy|Registers Per Thread|Dynamic Shared Memory Per Block|Grid Size|Achieved Occupancy|Warp Cycles Per Issued Instruction|No Eligible) " \
+        grep -E "Context [0-9]+, Stream|^ *(Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|L2 Cache Throughput|L1/TEX Hit Rate|Compute \(SM\) Throughput|Executed Ipc Active|Issue Slots Busy|Executed Instructions|Registers Per Thread|Dynamic Shared Memory Per Block|Grid Size|Achieved Occupancy|Warp Cycles Per Issued Instruction|No Eligible) " \
           "$log" | cut -c1-150 | tee -a "$OUT/summary.txt"
       done ;;
     ncu-mla)  # where the 128-head seesaw kernel's warps wait (decode B=64 L=4096): full set + SASS stall samples
