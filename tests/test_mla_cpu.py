@@ -161,7 +161,8 @@ def test_small_q_tiles_share_their_key_layout(heads, fp8, arch):
 
 def plan_kernel_items(q_lens, kv_lens, heads, sched):
     """The work items plan_kernel lays out for these host lengths (kernels/shared/plan.cu, no overflow):
-    per live request, row blocks of its list's block_m times its splits."""
+    per live request, row blocks of its list's block_m times its runs of splits_per_cta splits (the
+    small list's; the long list runs one a CTA)."""
     c = mla_schedule.plan_constants(sched)
     items = {"small": 0, "long": 0}
     for q, kv in zip(q_lens, kv_lens):
@@ -173,7 +174,8 @@ def plan_kernel_items(q_lens, kv_lens, heads, sched):
         splits = max(1, min(splits, c["max_splits"]))
         long = q >= c["long_q_len"]
         block_m = c["long_block_m"] if long else c["block_m"]
-        items["long" if long else "small"] += -(-(q * heads) // block_m) * splits
+        runs = splits if long else -(-splits // c["splits_per_cta"])
+        items["long" if long else "small"] += -(-(q * heads) // block_m) * runs
     return items
 
 
@@ -194,12 +196,51 @@ def test_grids_cover_the_plan_kernels_layout(heads, arch):
         else:
             assert (sched.small.work_grid, sched.long.work_grid) == (items["small"], items["long"]), seed
         splits = mla_schedule.max_splits(q_lens[q_lens > 0], kv_lens[q_lens > 0], heads)
-        assert sched.needs_merge == bool((splits > 1).any()), seed
-        # the graph path's grids, from bounds, hold every such step
+        assert sched.needs_merge == bool((splits > sched.splits_per_cta).any()), seed
+        # the graph path's grids, from bounds, hold every such step (at the bound's splits a CTA)
         bound = mla_schedule.schedule_step(heads, False, arch, max_q_len=int(q_lens.max()) or 1,
                                            max_kv_len=int(kv_lens.max()) or 1, capacity=capacity)
+        items = plan_kernel_items(q_lens, kv_lens, heads, bound)
         assert sum(x.work_grid for x in bound.launches) >= items["small"] + items["long"], seed
-        assert bound.needs_merge or not sched.needs_merge
+        assert bound.needs_merge or not (splits > bound.splits_per_cta).any(), seed
+
+
+def test_seesaw_ctas_run_a_group_of_splits_where_they_still_fill_the_gpu():
+    """At 128 heads, decode B=64 over 4096 keys (8 splits a row) runs 128 CTAs of a whole row and
+    no merge; B=1 over 32768 keys, and 16 heads at B=64 over 4096 keys (64 CTAs a group), keep one
+    split a CTA; the mma.sync tile always one; CUPY_FA_MLA_SPLITS_PER_CTA sets it."""
+    from cupy_fa import knobs as knobs_mod
+
+    before = knobs_mod.knobs()
+    knobs_mod.use(knobs_mod.Knobs())
+
+    def sched(heads, b, kv, arch="sm_90a", q=1):
+        return mla_schedule.schedule_step(heads, False, arch, q_lens=[q] * b, kv_lens=[kv] * b, sm_count=132)
+
+    try:
+        _check_splits_per_cta(sched, knobs_mod)
+    finally:
+        knobs_mod.use(before)
+
+
+def _check_splits_per_cta(sched, knobs_mod):
+    grouped = sched(128, 64, 4096)
+    assert (grouped.splits_per_cta, grouped.small.work_grid, grouped.needs_merge) == (8, 128, False)
+    assert mla_schedule.plan_constants(grouped)["splits_per_cta"] == 8
+    verify = sched(128, 64, 4100, q=4)  # 9 splits: a group and a run of one, merged
+    assert (verify.splits_per_cta, verify.small.work_grid, verify.needs_merge) == (8, 64 * 8 * 2, True)
+    for one in (sched(128, 1, 32768), sched(16, 64, 4096), sched(128, 64, 4096, arch="sm_80"), sched(128, 64, 512)):
+        assert one.splits_per_cta == 1 and mla_schedule.plan_constants(one)["splits_per_cta"] == 1
+    bound = mla_schedule.schedule_step(128, False, "sm_90a", max_q_len=1, max_kv_len=4096,
+                                       capacity=Capacity(64, 64, 256), sm_count=132)
+    assert (bound.splits_per_cta, bound.small.work_grid, bound.needs_merge) == (8, 128, False)
+    knobs_mod.use(knobs_mod.Knobs.from_environ({"CUPY_FA_MLA_SPLITS_PER_CTA": "1"}))
+    assert sched(128, 64, 4096).splits_per_cta == 1
+    knobs_mod.use(knobs_mod.Knobs.from_environ({"CUPY_FA_MLA_SPLITS_PER_CTA": "8"}))
+    assert sched(128, 1, 32768).splits_per_cta == 8 and sched(128, 1, 32768).small.work_grid == 16
+    assert sched(128, 64, 4096, arch="sm_80").splits_per_cta == 1  # the mma.sync tile: one split a CTA
+    with pytest.raises(ValueError, match="CUPY_FA_MLA_SPLITS_PER_CTA"):
+        knobs_mod.Knobs.from_environ({"CUPY_FA_MLA_SPLITS_PER_CTA": "4"})
 
 
 @pytest.mark.parametrize("heads", [16, 128])

@@ -16,8 +16,13 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   batch, so a token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
   on the batch: a context past MAX_SPLITS x S keys, 65536 at 128 heads).
+* **Splits a CTA** (:func:`splits_per_cta`): a seesaw CTA runs one split, or a whole group of
+  ``GROUP_SPLITS`` (the merge's group) where the step's CTAs still fill ``FOLD_MIN_FILL`` of the SMs
+  so; each split still ends in its own partial, and a CTA that ran all of a row's splits folds them
+  with the merge's steps (the same bits either way), so a step whose rows have at most 8 splits
+  launches no merge.
 * **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (8 heads a CTA) for many rows,
-  deep (4 ways over a row's groups of splits) for a few.
+  deep (4 ways over a row's groups of splits) for a few; it skips the rows a CTA folded.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ MANY_HEADS_SPLIT_SIZE = 512
 ROW_BLOCK_HEADS = WGMMA_BLOCK  # a decode token of up to this many heads is one row block of the seesaw kernel
 MAX_SPLITS = MAX_MERGE_SPLITS
 SPLIT_ROW_BUDGET = 128
+GROUP_SPLITS = 8          # splits a seesaw CTA runs when it takes a group (kernels/shared/softmax.cuh kMergeGroup)
+FOLD_MIN_FILL = 0.75      # it does where its CTAs, a group of splits each, still give this share of the SMs one
 WGMMA_MIN_HEADS = 16      # from 16 heads a decode token fills a quarter of a 64-row block and the
                           # seesaw kernel still beats the mma.sync tile (docs/performance.md);
                           # below, the mma.sync tile (CUPY_FA_MLA_WGMMA_MIN_HEADS: another bound)
@@ -87,22 +94,38 @@ def split_size(num_heads):
 
 
 
-def work_bound(q_lens, kv_lens, num_heads, tile):
-    """Work items (CTAs) of a launch over these host lengths."""
+def splits_per_cta(tile, max_splits_, grouped_ctas, sm_count):
+    """Splits a CTA of a one-launch step runs: :data:`GROUP_SPLITS` on the seesaw kernel where its
+    ``grouped_ctas`` (CTAs, a group of splits each) give at least FOLD_MIN_FILL of the ``sm_count``
+    SMs one (a whole group a CTA: one query block, one prologue and no merge for 8 splits, where
+    more CTAs would only add waves), else 1; CUPY_FA_MLA_SPLITS_PER_CTA sets either on the seesaw
+    kernel. No bit of a result depends on it."""
+    if not isinstance(tile, MlaWgmmaTile) or max_splits_ <= 1:
+        return 1
+    chosen = knobs().mla_splits_per_cta
+    if chosen is not None:
+        return chosen
+    return GROUP_SPLITS if grouped_ctas >= FOLD_MIN_FILL * sm_count else 1
+
+
+def work_bound(q_lens, kv_lens, num_heads, tile, per_cta=1):
+    """Work items (CTAs) of a launch over these host lengths, ``per_cta`` splits a CTA."""
     q, kv = np.asarray(q_lens), np.asarray(kv_lens)
     live = q > 0
-    return int((_policy.row_blocks(q[live], num_heads, tile) * max_splits(q[live], kv[live], num_heads)).sum())
+    runs = -(-max_splits(q[live], kv[live], num_heads) // per_cta)
+    return int((_policy.row_blocks(q[live], num_heads, tile) * runs).sum())
 
 
-def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_len=1):
+def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_len=1, per_cta=1):
     """Work items of any step within ``capacity`` whose requests have ``min_q_len .. max_q_len``
-    tokens and at most ``max_kv_len`` keys (the fixed grid of a graph-captured step)."""
+    tokens and at most ``max_kv_len`` keys (the fixed grid of a graph-captured step), ``per_cta``
+    splits a CTA."""
     b, t = capacity.max_batch_size, capacity.max_num_tokens
     max_q_len = max(1, min(int(max_q_len), t))
     if min_q_len > max_q_len:
         return 0
     q = np.arange(max(1, min_q_len), max_q_len + 1)
-    splits = int(max_splits(q, np.full_like(q, max(int(max_kv_len), 1)), num_heads).max())
+    splits = -(-int(max_splits(q, np.full_like(q, max(int(max_kv_len), 1)), num_heads).max()) // per_cta)
     per_request = int(_policy.row_blocks(max_q_len, num_heads, tile))
     tokens_bound = int(_policy.row_blocks(min(t, b * max_q_len), num_heads, tile)) + b  # rows of the batch, a block each
     return min(b * per_request, tokens_bound) * splits
@@ -124,6 +147,7 @@ class MlaSchedule:
     needs_merge: bool    # merge_kernel after the launches
     split_size: int      # keys a split of a small-q request (split_size(num_heads))
     partial_rows: int | None = None  # host lengths: the rows its splits want (cupy_fa.schedule.wanted_partial_rows)
+    splits_per_cta: int = 1  # splits_per_cta(): 1, or GROUP_SPLITS (one launch on the seesaw kernel)
 
     @property
     def launches(self):
@@ -143,9 +167,9 @@ class MlaSchedule:
 
 
 def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_len=None, max_kv_len=None,
-                  capacity=None):
+                  capacity=None, sm_count=132):
     """The launches and merge of a step, from host lengths (exact) or from bounds (device lengths:
-    ``max_q_len``, ``max_kv_len`` (None: any), the buffers' ``capacity``)."""
+    ``max_q_len``, ``max_kv_len`` (None: any), the buffers' ``capacity``), on ``sm_count`` SMs."""
     small_tile_of = lambda longest: small_q_tile(num_heads, kv_fp8, arch, longest)
     big = long_tile(num_heads, kv_fp8, arch)
     if q_lens is not None:
@@ -161,18 +185,27 @@ def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_l
             live = small_q > 0
             small = Launch(tile, work_bound(small_q, kv[~is_long], num_heads, tile),
                            int(max_splits(small_q[live], kv[~is_long][live], num_heads).max()) if live.any() else 0)
-        sched = _merged(small, long, num_heads)
+        sched = _in_runs(_merged(small, long, num_heads), sm_count,
+                         lambda tile, per_cta: work_bound(q, kv, num_heads, tile, per_cta))
         return dataclasses.replace(sched, partial_rows=_policy.wanted_partial_rows(q, kv, plan_constants(sched)))
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
+
+    def bound(tile, per_cta, long_class=False):  # the launch's grid: each class's bound
+        if long_class:
+            return capacity_work_bound(capacity, num_heads, tile, max_q, kv_bound, SMALL_Q_LEN + 1, per_cta)
+        return capacity_work_bound(capacity, num_heads, tile, min(max_q, SMALL_Q_LEN), kv_bound, per_cta=per_cta)
+
     tile = small_tile_of(min(max_q, SMALL_Q_LEN))
-    small = Launch(tile, capacity_work_bound(capacity, num_heads, tile, min(max_q, SMALL_Q_LEN), kv_bound),
-                   int(max_splits([1], [kv_bound], num_heads)[0]))
+    small = Launch(tile, bound(tile, 1), int(max_splits([1], [kv_bound], num_heads)[0]))
     long = None
     if max_q > SMALL_Q_LEN:
-        long = Launch(big, capacity_work_bound(capacity, num_heads, big, max_q, kv_bound, SMALL_Q_LEN + 1),
-                      int(max_splits([SMALL_Q_LEN + 1], [kv_bound], num_heads)[0]))
-    return _merged(small, long, num_heads)
+        long = Launch(big, bound(big, 1, True), int(max_splits([SMALL_Q_LEN + 1], [kv_bound], num_heads)[0]))
+    # the fill with device lengths: one group of splits a request (its rows' blocks), the fewest CTAs
+    rows = capacity.max_batch_size * int(_policy.row_blocks(min(max_q, SMALL_Q_LEN), num_heads, tile))
+    return _in_runs(_merged(small, long, num_heads), sm_count,
+                    lambda tile, per_cta: bound(tile, per_cta) + (bound(tile, per_cta, True) if long else 0),
+                    grouped_ctas=rows)
 
 
 def _merged(small, long, num_heads):
@@ -184,6 +217,23 @@ def _merged(small, long, num_heads):
     return MlaSchedule(small, long, merge, split_size(num_heads))
 
 
+def _in_runs(sched, sm_count, ctas_of, grouped_ctas=None):
+    """``sched`` with its CTAs running splits_per_cta() splits each, where it has one launch (one work
+    list): ``ctas_of(tile, per_cta)`` its grid; ``grouped_ctas`` the CTAs the choice counts (default
+    the grid at GROUP_SPLITS). Rows of at most that many splits then need no merge."""
+    if not sched.one_list:
+        return sched
+    launch = sched.small or sched.long
+    grouped = ctas_of(launch.tile, GROUP_SPLITS) if grouped_ctas is None else grouped_ctas
+    per_cta = splits_per_cta(launch.tile, launch.max_splits, grouped, sm_count)
+    if per_cta == 1:
+        return sched
+    runs = Launch(launch.tile, ctas_of(launch.tile, per_cta), launch.max_splits)
+    return dataclasses.replace(sched, small=runs if sched.small is not None else None,
+                               long=runs if sched.small is None else None, needs_merge=runs.max_splits > per_cta,
+                               splits_per_cta=per_cta)
+
+
 def plan_constants(schedule):
     """PlanParams' policy fields for plan_kernel: the small-q tile's list in work_indptr and, with a
     long launch, the long tile's in long_work_indptr (else every request in work_indptr)."""
@@ -193,7 +243,7 @@ def plan_constants(schedule):
                 long_q_len=SMALL_Q_LEN + 1 if long_tile is not None else 2**31 - 1,
                 long_block_m=other.block_m, long_block_n=other.block_n, split_size=schedule.split_size,
                 max_splits=MAX_SPLITS,
-                small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=1, fold_splits=0)
+                small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=schedule.splits_per_cta, fold_splits=0)
 
 
 def merge_shape(num_tokens, num_heads):
