@@ -52,7 +52,7 @@ class Knobs:
                                      # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
     mla_wgmma_min_heads: int | None = None  # CUPY_FA_MLA_WGMMA_MIN_HEADS: the fewest heads whose small-q
                                      # steps take the seesaw kernel (None: cupy_fa.mla.schedule.WGMMA_MIN_HEADS)
-    mla_splits_per_cta: int | None = None  # CUPY_FA_MLA_SPLITS_PER_CTA: 1 or 8 splits a seesaw CTA runs (None:
+    mla_splits_per_cta: int | None = None  # CUPY_FA_MLA_SPLITS_PER_CTA: splits a seesaw CTA runs, 1 .. 128 (None:
                                      # cupy_fa.mla.schedule.splits_per_cta by how well the CTAs fill the SMs)
     mla_split_size: int | None = None  # CUPY_FA_MLA_SPLIT_SIZE: keys a split of a small-q MLA request, a
                                      # multiple of 64 (None: cupy_fa.mla.schedule.split_size by head count)
@@ -72,8 +72,9 @@ class Knobs:
         _check(self.mla_split_size is None or (isinstance(self.mla_split_size, int) and self.mla_split_size >= 64
                                                and self.mla_split_size % 64 == 0),
                "CUPY_FA_MLA_SPLIT_SIZE", "a positive multiple of 64 keys", self.mla_split_size)
-        _check(self.mla_splits_per_cta in (None, 1, 8), "CUPY_FA_MLA_SPLITS_PER_CTA", "1 or 8",
-               self.mla_splits_per_cta)
+        _check(self.mla_splits_per_cta is None or (isinstance(self.mla_splits_per_cta, int)
+                                                   and 1 <= self.mla_splits_per_cta <= 128),
+               "CUPY_FA_MLA_SPLITS_PER_CTA", "an int in 1..128", self.mla_splits_per_cta)
         _check(self.mla_wgmma_min_heads is None or (isinstance(self.mla_wgmma_min_heads, int)
                                                     and self.mla_wgmma_min_heads >= 1),
                "CUPY_FA_MLA_WGMMA_MIN_HEADS", "a positive number of heads", self.mla_wgmma_min_heads)

@@ -214,10 +214,11 @@ def test_decode_equals_verify_bit_for_bit(heads, kv_dtype):
 
 @pytest.mark.parametrize("heads,page_size", [(128, 16), (16, 1), (128, 64)], ids=["H128-p16", "H16-p1", "H128-p64"])
 def test_a_cta_running_a_group_of_splits_changes_no_bit(heads, page_size):
-    """CUPY_FA_MLA_SPLITS_PER_CTA 8 against 1 on the same step: on sm_90a the seesaw CTAs then run a
-    group of 8 splits each and fold the rows of at most 8 themselves (no merge for them), beside rows
-    of more splits (merged), a padded row and rows of one key. Both against float64, each eager and
-    graph-replayed, and the two outputs the same bits."""
+    """CUPY_FA_MLA_SPLITS_PER_CTA 16, 8 and 3 against 1 on the same step: on sm_90a the seesaw CTAs
+    then run that many splits each and fold the rows they run whole themselves (no merge for them:
+    under 16 the rows of 9 and 12 splits too, two groups of the merge; under 8 they are merged),
+    beside a padded row and rows of one key. Each against float64, eager and graph-replayed, and the
+    outputs the same bits."""
     from cupy_fa import knobs
     from cupy_fa.mla import schedule as mla_schedule
 
@@ -228,7 +229,7 @@ def test_a_cta_running_a_group_of_splits_changes_no_bit(heads, page_size):
     before = knobs.knobs()
     outs = {}
     try:
-        for per_cta in (1, 8):
+        for per_cta in (1, 16, 8, 3):
             knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_SPLITS_PER_CTA": str(per_cta)}))
             out, sched = run_case(np.random.default_rng(seed), heads, "bfloat16", None, page_size, q_lens, kv_lens,
                                   label=f"seed {seed} {per_cta} splits a CTA")
@@ -237,8 +238,10 @@ def test_a_cta_running_a_group_of_splits_changes_no_bit(heads, page_size):
             outs[per_cta] = out.view(np.uint16).get()
     finally:
         knobs.use(before)
-    same = (outs[1] == outs[8]).all(axis=(1, 2))
-    assert same.all(), f"seed {seed}: rows {np.flatnonzero(~same)[:20].tolist()} differ between 1 and 8 splits a CTA"
+    for per_cta in (16, 8, 3):
+        same = (outs[1] == outs[per_cta]).all(axis=(1, 2))
+        assert same.all(), (f"seed {seed}: rows {np.flatnonzero(~same)[:20].tolist()} differ between 1 and {per_cta} "
+                            f"splits a CTA")
 
 
 def test_decode_equals_verify_past_4096_keys_and_the_workspace_warning():

@@ -61,7 +61,7 @@ def launch_step(state, buffers, num_heads, dtype_name, cache, q, out, lse, num_t
             "MergeParams", out=out_ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
             partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
             num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-            batch_size=state.batch_size, num_qo_heads=num_heads, sinks=0,
-            fold_groups=2 if sched.splits_per_cta > 1 else 0)  # 2: rows of one group are final already
+            batch_size=state.batch_size, num_qo_heads=num_heads, fold_groups=0, sinks=0,
+            final_splits=sched.splits_per_cta if sched.splits_per_cta > 1 else 0)  # rows its CTAs ran whole
         # programmatic: its CTAs start in the last attention launch's last wave and wait there
         _build.launch(family.merge_kernel(dtype_name, shape), grid, merge, stream, programmatic=True)

@@ -79,11 +79,11 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w, co
   }
 }
 
-// A CTA that ran every split of its rows (whole_row: at most kMergeGroup of them) folds their
-// partials, which it has just written (a barrier before: they are visible to the whole CTA), into
-// out and lse with merge_kernel's own steps (fold_split_group, then the group into the empty total),
-// so the rows' bits are the ones the merge would have written; merge_kernel then skips them
-// (MergeParams::fold_groups 2). THREADS threads (tid), a (row, 4 columns) item each in turn.
+// A CTA that ran every split of its rows (whole_row) folds their partials, which it has just
+// written (a barrier before: they are visible to the whole CTA), into out and lse with merge_kernel's
+// own steps (each group of kMergeGroup by fold_split_group, the groups in order into the total), so
+// the rows' bits are the ones the merge would have written; merge_kernel then skips them
+// (MergeParams::final_splits). `threads` threads (tid), a (row, 4 columns) item each in turn.
 template <typename T, int BLOCK_M>
 __device__ __forceinline__ void fold_own_rows(const MlaParams& p, const Work& w, const FastDiv& by_head, int tid,
                                               int threads) {
@@ -93,8 +93,10 @@ __device__ __forceinline__ void fold_own_rows(const MlaParams& p, const Work& w,
     const int row = w.row0 + idx / LANES, c4 = idx % LANES;
     const int token = by_head.div(row), head = by_head.mod(row);
     MergeState total = MergeState::empty();
-    total.fold(fold_split_group<T, LANES>(p.partial_out, p.partial_lse, partial_base + (i64)token * w.splits, 0,
-                                          w.splits, head, p.num_heads, c4));
+    for (int grp = 0; grp * kMergeGroup < w.splits; ++grp) {
+      total.fold(fold_split_group<T, LANES>(p.partial_out, p.partial_lse, partial_base + (i64)token * w.splits, grp,
+                                            w.splits, head, p.num_heads, c4));
+    }
     const float merged[4] = {total.o.x, total.o.y, total.o.z, total.o.w};
     const i64 slot = (i64)(w.q_start + token) * p.num_heads + head;
     store_scaled4(static_cast<T*>(p.out) + slot * kValueDim + c4 * 4, merged, inverse_sum(total.l));  // NaN stays NaN

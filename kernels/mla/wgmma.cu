@@ -1,12 +1,12 @@
 // Multi-head latent attention over a paged latent cache on Hopper tensor cores (sm_90a only), the
-// seesaw kernel: 64 packed (token, head) rows of one request over a run of splits of its keys (one,
-// or kMergeGroup: each split ends in its own partial, and a CTA that ran all of a row's splits
-// folds them into its out, mla/epilogue.cuh fold_own_rows), two
-// warpgroups that share the 576-column Q K^T products block by block and split the 512-column P V
-// products by columns (kernels/mla/seesaw.cuh: the schedule, the exchanges and their barriers, and
-// the end, each warpgroup's rows staged through shared memory; kernels/mla/wgmma_copy.cuh: the
-// cp.async copies into two 64 x 576 K buffers; mla/epilogue.cuh: where a row's out and LSE, or its
-// split partial for merge_kernel, go). 16-bit caches; the queries' element type.
+// seesaw kernel: 64 packed (token, head) rows of one request over a run of splits of its keys (each
+// split ends in its own partial; a CTA that ran all of a row's splits folds them into out,
+// mla/epilogue.cuh fold_own_rows), two warpgroups that share the 576-column Q K^T products block by
+// block and split the 512-column P V products by columns (kernels/mla/seesaw.cuh: the schedule, the
+// exchanges and their barriers, and the end, each warpgroup's rows staged through shared memory;
+// kernels/mla/wgmma_copy.cuh: the cp.async copies into two 64 x 576 K buffers; mla/epilogue.cuh:
+// where a row's out and LSE, or its split partial for merge_kernel, go). 16-bit caches; the
+// queries' element type.
 //
 // Shared memory (kernels/mla/seesaw.cuh SeesawSmem): the query block (73728 bytes), two K buffers
 // (73728 each), the exchanges and barriers: one CTA an SM, 256 threads.

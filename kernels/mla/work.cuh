@@ -8,7 +8,7 @@
 // blockIdx.x = item. CTAs past the real work exit (the grids are sized by bounds).
 //
 // A work item is one (row block, run of splits_per_cta consecutive splits): the mma.sync tile runs
-// one split a CTA (it traps on more: the host never sends it), the seesaw kernel one or kMergeGroup.
+// one split a CTA (it traps on more: the host never sends it), the seesaw kernel any number.
 // Each split of a run still ends in its own result, written as a CTA of one split writes it, so how
 // splits are grouped into CTAs never changes a bit; a CTA that ran every split of its rows folds
 // them itself (whole_row, epilogue.cuh fold_own_rows) with merge_kernel's steps. A request that

@@ -44,11 +44,11 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
   const int b = real_token ? upper_segment(p.q_indptr, p.batch_size, token) : 0;
   const int splits = real_token ? __ldg(p.num_splits + b) : 0;
   const int groups = (splits + GROUP - 1) / GROUP;
-  // fold_groups 1: the attention kernel folded each group itself, so a row with one group is
-  // final already, and a row with several left one state per group (group_o_index); 2: split
-  // partials, but a row of one group is final already (its CTA ran and folded all its splits)
-  const int inputs = p.fold_groups == 1 ? groups : (p.fold_groups == 2 && groups == 1 ? 1 : splits);  // per (token, head)
-  const i64 prow0 = inputs > 1 ? __ldg(p.partial_indptr + b) / (p.fold_groups == 1 ? kPartialRowsPerGroupState : 1) +
+  // fold_groups: the attention kernel folded each group itself, so a row with one group is
+  // final already, and a row with several left one state per group (group_o_index);
+  // final_splits: a row of at most that many splits is final already (its CTA ran them all)
+  const int inputs = splits <= p.final_splits ? 1 : (p.fold_groups ? groups : splits);  // per (token, head)
+  const i64 prow0 = inputs > 1 ? __ldg(p.partial_indptr + b) / (p.fold_groups ? kPartialRowsPerGroupState : 1) +
                                      (i64)(token - __ldg(p.q_indptr + b)) * inputs
                                : 0;  // the first of this token's partial rows, or group-state rows
   wait_for_prior_grid();  // the partials below are the attention kernel's
@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
     // __ldcg, not __ldg: launched programmatically, this kernel was already running while
     // the attention kernel wrote the partials, so they are not read-only for its whole lifetime
     MergeState group_state = MergeState::empty();
-    if (p.fold_groups == 1) {  // the group's state as the attention kernel left it
+    if (p.fold_groups) {  // the group's state as the attention kernel left it
       const i64 m_at = group_m_index(prow0 + grp, head, p.num_qo_heads);
       const float4* group_o = reinterpret_cast<const float4*>(p.partial_out);
       group_state = MergeState{__ldcg(p.partial_lse + m_at), __ldcg(p.partial_lse + m_at + p.num_qo_heads),
