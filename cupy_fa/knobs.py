@@ -53,7 +53,7 @@ class Knobs:
     mla_wgmma_min_heads: int | None = None  # CUPY_FA_MLA_WGMMA_MIN_HEADS: the fewest heads whose small-q
                                      # steps take the seesaw kernel (None: cupy_fa.mla.schedule.WGMMA_MIN_HEADS)
     mla_splits_per_cta: int | None = None  # CUPY_FA_MLA_SPLITS_PER_CTA: splits a seesaw CTA runs, 1 .. 128 (None:
-                                     # cupy_fa.mla.schedule.splits_per_cta by how well the CTAs fill the SMs)
+                                     # one; cupy_fa.mla.schedule.splits_per_cta, for comparisons)
     mla_split_size: int | None = None  # CUPY_FA_MLA_SPLIT_SIZE: keys a split of a small-q MLA request, a
                                      # multiple of 64 (None: cupy_fa.mla.schedule.split_size by head count)
     soft_cap_tanh: str | None = None  # CUPY_FA_SOFT_CAP_TANH: approx, exact or newton, the wgmma prefill

@@ -205,45 +205,40 @@ def test_grids_cover_the_plan_kernels_layout(heads, arch):
         assert bound.needs_merge or not (splits > bound.splits_per_cta).any(), seed
 
 
-def test_seesaw_ctas_run_a_group_of_splits_where_they_still_fill_the_gpu():
-    """At 128 heads, decode B=64 over 4096 keys (8 splits a row) and verify over 4100 (9) run a CTA
-    a row block and no merge; B=32 over 8192 keys runs 8 splits a CTA (16 would leave 64 CTAs) and
-    merges; B=1 over 32768 keys, and 16 heads at B=64 over 4096 keys (64 CTAs a row), keep one split
-    a CTA; the mma.sync tile always one; CUPY_FA_MLA_SPLITS_PER_CTA sets it."""
+def test_seesaw_ctas_run_runs_of_splits_only_when_asked():
+    """One split a CTA by default; CUPY_FA_MLA_SPLITS_PER_CTA runs longer runs on the seesaw kernel:
+    at 128 heads decode B=64 over 4096 keys (8 splits a row) and verify over 4100 (9) in runs of 16
+    are a CTA a row block and no merge; runs of 8 over 8192 keys (16 splits) two CTAs a row block and
+    a merge; the mma.sync tile (sm_80) always one; the plan kernel is told the same."""
     from cupy_fa import knobs as knobs_mod
 
-    before = knobs_mod.knobs()
-    knobs_mod.use(knobs_mod.Knobs())
-
     def sched(heads, b, kv, arch="sm_90a", q=1):
-        return mla_schedule.schedule_step(heads, False, arch, q_lens=[q] * b, kv_lens=[kv] * b, sm_count=132)
+        return mla_schedule.schedule_step(heads, False, arch, q_lens=[q] * b, kv_lens=[kv] * b)
 
+    def use(value):
+        knobs_mod.use(knobs_mod.Knobs.from_environ({} if value is None else {"CUPY_FA_MLA_SPLITS_PER_CTA": str(value)}))
+
+    before = knobs_mod.knobs()
     try:
-        _check_splits_per_cta(sched, knobs_mod)
+        use(None)
+        for one in (sched(128, 64, 4096), sched(128, 1, 32768), sched(16, 64, 4096), sched(128, 64, 4100, q=4)):
+            assert one.splits_per_cta == 1 and mla_schedule.plan_constants(one)["splits_per_cta"] == 1
+        use(16)
+        decode, verify = sched(128, 64, 4096), sched(128, 64, 4100, q=4)
+        assert (decode.splits_per_cta, decode.small.work_grid, decode.needs_merge) == (16, 128, False)
+        assert mla_schedule.plan_constants(decode)["splits_per_cta"] == 16
+        assert (verify.splits_per_cta, verify.small.work_grid, verify.needs_merge) == (16, 64 * 8, False)
+        bound = mla_schedule.schedule_step(128, False, "sm_90a", max_q_len=1, max_kv_len=4096,
+                                           capacity=Capacity(64, 64, 256))
+        assert (bound.splits_per_cta, bound.small.work_grid, bound.needs_merge) == (16, 128, False)
+        assert sched(128, 64, 4096, arch="sm_80").splits_per_cta == 1  # the mma.sync tile: one split a CTA
+        use(8)
+        half = sched(128, 32, 8192)
+        assert (half.splits_per_cta, half.small.work_grid, half.needs_merge) == (8, 32 * 2 * 2, True)
+        with pytest.raises(ValueError, match="CUPY_FA_MLA_SPLITS_PER_CTA"):
+            use(0)
     finally:
         knobs_mod.use(before)
-
-
-def _check_splits_per_cta(sched, knobs_mod):
-    grouped = sched(128, 64, 4096)
-    assert (grouped.splits_per_cta, grouped.small.work_grid, grouped.needs_merge) == (16, 128, False)
-    assert mla_schedule.plan_constants(grouped)["splits_per_cta"] == 16
-    verify = sched(128, 64, 4100, q=4)  # 9 splits: a run of all of them
-    assert (verify.splits_per_cta, verify.small.work_grid, verify.needs_merge) == (16, 64 * 8, False)
-    half = sched(128, 32, 8192)  # 16 splits: two runs of 8 a row block, merged
-    assert (half.splits_per_cta, half.small.work_grid, half.needs_merge) == (8, 32 * 2 * 2, True)
-    for one in (sched(128, 1, 32768), sched(16, 64, 4096), sched(128, 64, 4096, arch="sm_80"), sched(128, 64, 512)):
-        assert one.splits_per_cta == 1 and mla_schedule.plan_constants(one)["splits_per_cta"] == 1
-    bound = mla_schedule.schedule_step(128, False, "sm_90a", max_q_len=1, max_kv_len=4096,
-                                       capacity=Capacity(64, 64, 256), sm_count=132)
-    assert (bound.splits_per_cta, bound.small.work_grid, bound.needs_merge) == (16, 128, False)
-    knobs_mod.use(knobs_mod.Knobs.from_environ({"CUPY_FA_MLA_SPLITS_PER_CTA": "1"}))
-    assert sched(128, 64, 4096).splits_per_cta == 1
-    knobs_mod.use(knobs_mod.Knobs.from_environ({"CUPY_FA_MLA_SPLITS_PER_CTA": "8"}))
-    assert sched(128, 1, 32768).splits_per_cta == 8 and sched(128, 1, 32768).small.work_grid == 16
-    assert sched(128, 64, 4096, arch="sm_80").splits_per_cta == 1  # the mma.sync tile: one split a CTA
-    with pytest.raises(ValueError, match="CUPY_FA_MLA_SPLITS_PER_CTA"):
-        knobs_mod.Knobs.from_environ({"CUPY_FA_MLA_SPLITS_PER_CTA": "0"})
 
 
 @pytest.mark.parametrize("heads", [16, 128])

@@ -138,15 +138,13 @@ class MLAAttention(PlannedInstance):
     def _plan_staged(self, step, mask_mode, sm_scale, max_kv_len, stream, check, page_table_stride):
         buffers = self._buffers
         arch = _build.current_arch(self.device_id)
-        sm_count = _build.device_attribute("MultiProcessorCount", self.device_id)
         if step.on_host:
-            sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, q_lens=step.q_host, kv_lens=step.kv_host,
-                                            sm_count=sm_count)
+            sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, q_lens=step.q_host, kv_lens=step.kv_host)
             kv_bound = int(step.kv_host.max()) if step.batch else 0
             self._check_partials(sched.partial_rows)
         else:
             sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, max_q_len=step.max_q_len,
-                                            max_kv_len=max_kv_len, capacity=buffers.capacity, sm_count=sm_count)
+                                            max_kv_len=max_kv_len, capacity=buffers.capacity)
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
         from .. import catalog
 

@@ -16,10 +16,11 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   batch, so a token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
   on the batch: a context past MAX_SPLITS x S keys, 65536 at 128 heads).
-* **Splits a CTA** (:func:`splits_per_cta`): a seesaw CTA runs one split, or a run of the longest
-  of ``RUN_SPLITS`` whose CTAs still fill ``FOLD_MIN_FILL`` of the SMs; each split still ends in its
-  own partial, and a CTA that ran all of a row's splits folds them with the merge's steps (the same
-  bits either way), so a step whose rows all fit a run launches no merge.
+* **Splits a CTA** (:func:`splits_per_cta`): one split a CTA. ``CUPY_FA_MLA_SPLITS_PER_CTA`` runs
+  longer runs on the seesaw kernel, for comparisons: each split still ends in its own partial, and a
+  CTA that ran all of a row's splits folds them with the merge's steps (the same bits either way),
+  so a step whose rows all fit a run launches no merge; on an H100 (2026-12-06) runs of 16 were 8%
+  slower at decode B=64 and 19% at verify, 128 heads (docs/performance.md).
 * **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (8 heads a CTA) for many rows,
   deep (4 ways over a row's groups of splits) for a few; it skips the rows a CTA folded.
 """
@@ -43,8 +44,6 @@ MANY_HEADS_SPLIT_SIZE = 512
 ROW_BLOCK_HEADS = WGMMA_BLOCK  # a decode token of up to this many heads is one row block of the seesaw kernel
 MAX_SPLITS = MAX_MERGE_SPLITS
 SPLIT_ROW_BUDGET = 128
-RUN_SPLITS = (16, 8)      # runs of splits a seesaw CTA may take (two and one of the merge's groups of 8)
-FOLD_MIN_FILL = 0.75      # the longest whose CTAs still give this share of the SMs one
 WGMMA_MIN_HEADS = 16      # from 16 heads a decode token fills a quarter of a 64-row block and the
                           # seesaw kernel still beats the mma.sync tile (docs/performance.md);
                           # below, the mma.sync tile (CUPY_FA_MLA_WGMMA_MIN_HEADS: another bound)
@@ -93,18 +92,11 @@ def split_size(num_heads):
 
 
 
-def splits_per_cta(tile, max_splits_, ctas_at, sm_count):
-    """Splits a CTA of a one-launch step runs: on the seesaw kernel the longest of RUN_SPLITS whose
-    CTAs (``ctas_at(run)``) still give at least FOLD_MIN_FILL of the ``sm_count`` SMs one (a run
-    costs one query block and one prologue for all its splits, and a row that fits one needs no
-    merge, where more, shorter CTAs would only add waves), else 1; CUPY_FA_MLA_SPLITS_PER_CTA sets
-    it on the seesaw kernel. No bit of a result depends on it."""
-    if not isinstance(tile, MlaWgmmaTile) or max_splits_ <= 1:
-        return 1
+def splits_per_cta(tile):
+    """Splits a CTA of a one-launch step runs: 1, or CUPY_FA_MLA_SPLITS_PER_CTA on the seesaw kernel
+    (for comparisons). No bit of a result depends on it."""
     chosen = knobs().mla_splits_per_cta
-    if chosen is not None:
-        return chosen
-    return next((run for run in RUN_SPLITS if ctas_at(run) >= FOLD_MIN_FILL * sm_count), 1)
+    return chosen if chosen is not None and isinstance(tile, MlaWgmmaTile) else 1
 
 
 def work_bound(q_lens, kv_lens, num_heads, tile, per_cta=1):
@@ -146,7 +138,7 @@ class MlaSchedule:
     needs_merge: bool    # merge_kernel after the launches
     split_size: int      # keys a split of a small-q request (split_size(num_heads))
     partial_rows: int | None = None  # host lengths: the rows its splits want (cupy_fa.schedule.wanted_partial_rows)
-    splits_per_cta: int = 1  # splits_per_cta(): 1, or a run of RUN_SPLITS (one launch on the seesaw kernel)
+    splits_per_cta: int = 1  # splits_per_cta(): 1 unless the knob sets a run (one launch on the seesaw kernel)
 
     @property
     def launches(self):
@@ -166,9 +158,9 @@ class MlaSchedule:
 
 
 def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_len=None, max_kv_len=None,
-                  capacity=None, sm_count=132):
+                  capacity=None):
     """The launches and merge of a step, from host lengths (exact) or from bounds (device lengths:
-    ``max_q_len``, ``max_kv_len`` (None: any), the buffers' ``capacity``), on ``sm_count`` SMs."""
+    ``max_q_len``, ``max_kv_len`` (None: any), the buffers' ``capacity``)."""
     small_tile_of = lambda longest: small_q_tile(num_heads, kv_fp8, arch, longest)
     big = long_tile(num_heads, kv_fp8, arch)
     if q_lens is not None:
@@ -184,8 +176,7 @@ def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_l
             live = small_q > 0
             small = Launch(tile, work_bound(small_q, kv[~is_long], num_heads, tile),
                            int(max_splits(small_q[live], kv[~is_long][live], num_heads).max()) if live.any() else 0)
-        sched = _in_runs(_merged(small, long, num_heads), sm_count,
-                         lambda tile, per_cta: work_bound(q, kv, num_heads, tile, per_cta))
+        sched = _in_runs(_merged(small, long, num_heads), lambda tile, per_cta: work_bound(q, kv, num_heads, tile, per_cta))
         return dataclasses.replace(sched, partial_rows=_policy.wanted_partial_rows(q, kv, plan_constants(sched)))
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
@@ -200,11 +191,8 @@ def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_l
     long = None
     if max_q > SMALL_Q_LEN:
         long = Launch(big, bound(big, 1, True), int(max_splits([SMALL_Q_LEN + 1], [kv_bound], num_heads)[0]))
-    # the fill with device lengths: every row in one run (its row blocks), the fewest CTAs
-    rows = capacity.max_batch_size * int(_policy.row_blocks(min(max_q, SMALL_Q_LEN), num_heads, tile))
-    return _in_runs(_merged(small, long, num_heads), sm_count,
-                    lambda tile, per_cta: bound(tile, per_cta) + (bound(tile, per_cta, True) if long else 0),
-                    grouped_ctas=rows)
+    return _in_runs(_merged(small, long, num_heads),
+                    lambda tile, per_cta: bound(tile, per_cta) + (bound(tile, per_cta, True) if long else 0))
 
 
 def _merged(small, long, num_heads):
@@ -216,15 +204,14 @@ def _merged(small, long, num_heads):
     return MlaSchedule(small, long, merge, split_size(num_heads))
 
 
-def _in_runs(sched, sm_count, ctas_of, grouped_ctas=None):
+def _in_runs(sched, ctas_of):
     """``sched`` with its CTAs running splits_per_cta() splits each, where it has one launch (one work
-    list): ``ctas_of(tile, per_cta)`` its grid; ``grouped_ctas`` the CTAs the choice counts at any
-    run (default the grid at that run). Rows of at most that many splits then need no merge."""
+    list) and a row of several splits: ``ctas_of(tile, per_cta)`` its grid. Rows of at most that many
+    splits then need no merge."""
     if not sched.one_list:
         return sched
     launch = sched.small or sched.long
-    ctas_at = (lambda run: ctas_of(launch.tile, run)) if grouped_ctas is None else (lambda run: grouped_ctas)
-    per_cta = splits_per_cta(launch.tile, launch.max_splits, ctas_at, sm_count)
+    per_cta = splits_per_cta(launch.tile) if launch.max_splits > 1 else 1
     if per_cta == 1:
         return sched
     runs = Launch(launch.tile, ctas_of(launch.tile, per_cta), launch.max_splits)
