@@ -176,7 +176,8 @@ def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_l
             live = small_q > 0
             small = Launch(tile, work_bound(small_q, kv[~is_long], num_heads, tile),
                            int(max_splits(small_q[live], kv[~is_long][live], num_heads).max()) if live.any() else 0)
-        sched = _in_runs(_merged(small, long, num_heads), lambda tile, per_cta: work_bound(q, kv, num_heads, tile, per_cta))
+        sched = _in_runs(_merged(small, long, num_heads),
+                         lambda tile, per_cta: work_bound(q, kv, num_heads, tile, per_cta))
         return dataclasses.replace(sched, partial_rows=_policy.wanted_partial_rows(q, kv, plan_constants(sched)))
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
@@ -229,7 +230,8 @@ def plan_constants(schedule):
                 long_q_len=SMALL_Q_LEN + 1 if long_tile is not None else 2**31 - 1,
                 long_block_m=other.block_m, long_block_n=other.block_n, split_size=schedule.split_size,
                 max_splits=MAX_SPLITS,
-                small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=schedule.splits_per_cta, fold_splits=0)
+                small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=schedule.splits_per_cta,
+                fold_splits=0)
 
 
 def merge_shape(num_tokens, num_heads):
