@@ -116,8 +116,8 @@ for stage in ${STAGES:-suite}; do
       echo "cold exit $?" | tee -a "$OUT/summary.txt"
       tail -n 16 "$OUT/cold.txt" | tee -a "$OUT/summary.txt" ;;
     ncu-mla-runs)  # the 128-head seesaw kernel at decode B=64 with one split a CTA and with runs (NCU_RUNS: "1 16"):
-      # DRAM bytes and L2 hits of each (is a token's second row block's read an L2 miss in long CTAs?), then
-      # the bench of runs of 2 and 4 (decode B=64 and verify at 128 heads)
+      # duration, DRAM bytes and L2 hits of each (where a run's extra time goes), then the bench of runs of 2
+      # and 4 (decode B=64 and verify at 128 heads)
       for k in ${NCU_RUNS:-1 16}; do
         CUPY_FA_MLA_SPLITS_PER_CTA=$k timeout 70 ncu --clock-control none -k regex:mla_wgmma_kernel -s 2 -c 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \

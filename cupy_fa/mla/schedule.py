@@ -20,7 +20,8 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   longer runs on the seesaw kernel, for comparisons: each split still ends in its own partial, and a
   CTA that ran all of a row's splits folds them with the merge's steps (the same bits either way),
   so a step whose rows all fit a run launches no merge; on an H100 (2026-12-06) runs of 16 were 8%
-  slower at decode B=64 and 19% at verify, 128 heads (docs/performance.md).
+  slower at decode B=64 and 19% at verify, 128 heads (docs/performance.md: the fold at the end of a
+  run, one item at a time, the likely cause).
 * **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (8 heads a CTA) for many rows,
   deep (4 ways over a row's groups of splits) for a few; it skips the rows a CTA folded.
 """
