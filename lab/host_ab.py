@@ -19,8 +19,8 @@ PACKAGES = ("cupy_fa_base", "cupy_fa")
 def cells(pkg):
     """(name, callable) of every timed call, for package ``pkg``."""
     found = []
-    for name, b, q_len, kv_len in host_cpu.CELLS:
-        plan, run = host_cpu.attention_cell(b, q_len, kv_len, pkg)
+    for name, *cell in host_cpu.CELLS:
+        plan, run = host_cpu.attention_cell(*cell, package=pkg)
         found += [(f"plan {name}", plan), (f"run  {name}", run)]
     runner = host_cpu.new_runner(pkg)
     for b in (1, 8, 64):

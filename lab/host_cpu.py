@@ -171,12 +171,14 @@ def median_us(fn, repeats=2000, warmup=50):
 CELLS = [  # (name, B, q_len, kv_len)
     ("decode B=1 L=4096", 1, 1, 4096), ("decode B=64 L=4096", 64, 1, 4096), ("decode B=1 L=131072", 1, 1, 131072),
     ("verify q=4 B=64", 64, 4, 4096), ("prefill B=4 L=4096", 4, 4096, 4096),
+    ("decode B=16 L=32768", 16, 1, 32768), ("decode B=64 L=4096 window 1024", 64, 1, 4096, 1024),
 ]
 
 
-def attention_cell(b, q_len, kv_len, package="cupy_fa"):
+def attention_cell(b, q_len, kv_len, window=None, package="cupy_fa"):
     """(plan, run) of a BatchAttention step of B requests of q_len tokens over kv_len keys (32 / 8
-    heads, D 128, bf16, page 16) over a fake cache, for the tree imported as ``package``; planned once."""
+    heads, D 128, bf16, page 16, ``window`` keys or none) over a fake cache, for the tree imported as
+    ``package``; planned once."""
     import importlib
 
     bf16 = importlib.import_module(f"{package}._arrays").DTYPES["bfloat16"]
@@ -187,7 +189,7 @@ def attention_cell(b, q_len, kv_len, package="cupy_fa"):
     attn = importlib.import_module(package).BatchAttention(32, 8, 128, "bfloat16")
     q = FakeArray((b * q_len, 32, 128), bf16)
     out = FakeArray(q.shape, bf16)
-    plan = lambda: attn.plan(q_lens, kv_lens, table)
+    plan = lambda: attn.plan(q_lens, kv_lens, table, window=window)
     plan()
     return plan, lambda: attn.run(q, cache, out=out)
 
@@ -221,8 +223,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     install()
     rows = []
-    for name, b, q_len, kv_len in CELLS:
-        plan, run = attention_cell(b, q_len, kv_len)
+    for name, *cell in CELLS:
+        plan, run = attention_cell(*cell)
         rows.append((name, median_us(plan), median_us(run)))
         if args.profile:
             for label, fn in (("plan", plan), ("run", run)):

@@ -1,11 +1,12 @@
 """Where the MLA seesaw kernel's CTAs spend their time (diagnosis only, GPU; lab).
 
 Runs in a tree whose seesaw kernel carries the stamps of lab/mla_trace_stamp.py
-(`mla_trace[cta][16]`: start / done ns, SM, and per warpgroup the cycles spent in the S issue
+(`mla_trace[cta][20]`: start / done ns, SM, and per warpgroup the cycles spent in the S issue
 (its mbarrier waits), the loop-top S wait, the exchange barriers, the P V products and the fills),
-over one launch of each cell, and prints the means per CTA and per pair.
+over one launch of each cell (or those whose name holds the first argument), and prints the means
+per CTA and per split (a CTA runs several under CUPY_FA_MLA_SPLITS_PER_CTA).
 
-    cd exp/trace && PYTHONPATH=$PWD python3 ../../lab/probe_mla_timeline.py
+    cd exp/trace && PYTHONPATH=$PWD python3 ../../lab/probe_mla_timeline.py ["decode B=64 L=4096 H=128"]
 """
 
 import sys
@@ -27,12 +28,15 @@ def trace_array():
     for kernel in _build.compiled_kernels():
         if "mla_wgmma_kernel" in kernel.expression:
             module = _build._modules[(_build._device_id(None), kernel)]
-            return cupy.ndarray((8192, 16), cupy.uint64, module.get_global("mla_trace"))
+            return cupy.ndarray((8192, 20), cupy.uint64, module.get_global("mla_trace"))
     raise RuntimeError("no traced mla_wgmma_kernel compiled (run in a tree with the trace patch)")
 
 
-def main():
+def main(argv=None):
+    only = (argv if argv is not None else sys.argv[1:])[:1]
     for name, heads, batch, q_len, kv_len in CELLS:
+        if only and only[0] not in name:
+            continue
         table, sets = B.build(heads, batch, q_len, kv_len, 64, "bfloat16", 2, seed=7)
         q_lens, kv_lens = np.full(batch, q_len), np.full(batch, kv_len)
         attn = cupy_fa.MLAAttention(heads, "bfloat16", workspace_bytes=1 << 30)
@@ -49,16 +53,20 @@ def main():
         n = len(t)
         start, done, sm = t[:, 0], t[:, 1], t[:, 2]
         dur_ns = done - start
+        splits, cyc_total = np.maximum(t[:, 16], 1), t[:, 17]
         cyc_end, cyc_loop, cyc_first = t[:, 8], t[:, 14], t[:, 15]
-        ghz = float(np.median(cyc_end / np.maximum(dur_ns, 1)))
-        print(f"== {name}: {n} CTAs, span {(done.max() - start.min()) / 1e3:.1f} us, CTA {np.mean(dur_ns) / 1e3:.2f} us "
-              f"(median {np.median(dur_ns) / 1e3:.2f}), clock ~{ghz:.2f} GHz, SMs {len(set(sm.tolist()))}")
-        print(f"   cycles a CTA: to the first S issued {np.mean(cyc_first):.0f}, to the loop's end {np.mean(cyc_loop):.0f}, "
-              f"to the end {np.mean(cyc_end):.0f} (epilogue {np.mean(cyc_end - cyc_loop):.0f})")
+        ghz = float(np.median(cyc_total / np.maximum(dur_ns, 1)))
+        print(f"== {name}: {n} CTAs of {np.mean(splits):.2f} splits, span {(done.max() - start.min()) / 1e3:.1f} us, "
+              f"CTA {np.mean(dur_ns) / 1e3:.2f} us (median {np.median(dur_ns) / 1e3:.2f}), clock ~{ghz:.2f} GHz, "
+              f"SMs {len(set(sm.tolist()))}")
+        per = lambda c: np.mean(c / splits)
+        print(f"   cycles a split: to its first S issued {per(cyc_first):.0f}, to its loop's end {per(cyc_loop):.0f}, "
+              f"to its rows stored {per(cyc_end):.0f} (end {per(cyc_end - cyc_loop):.0f}); a CTA {np.mean(cyc_total):.0f}, "
+              f"outside its splits (query block, barriers, own fold) {np.mean(cyc_total - cyc_end):.0f}")
         for wg in range(2):
-            parts = [np.mean(t[:, 3 + 6 * wg + k]) for k in range(5)]
-            print(f"   warpgroup {wg}: " + ", ".join(f"{w} {x:.0f}" for w, x in zip(WG, parts))
-                  + f" (loop {np.mean(cyc_loop - cyc_first):.0f})")
+            parts = [per(t[:, 3 + 6 * wg + k]) for k in range(5)]
+            print(f"   warpgroup {wg} a split: " + ", ".join(f"{w} {x:.0f}" for w, x in zip(WG, parts))
+                  + f" (loop {per(cyc_loop - cyc_first):.0f})")
         # idle gaps of an SM between one CTA's end and the next one's start
         gaps = []
         for s_id in set(sm.tolist()):
