@@ -84,7 +84,13 @@ def main(tree):
                    "\\1\n  if (tid == 0) {\n    mla_trace[blockIdx.x][8] += tclk() - t_split;\n"
                    "    mla_trace[blockIdx.x][16] += 1;\n  }", s, count=1, flags=re.M)
     assert n == 1
-    s, n = re.subn(r"^(    fold_own_rows<T, kBlockRows>\(p, \*run, by_head, tid, 256\);\n  \}\n)",
+    # 18 / 19: the cycles of the barrier before a run's own fold and of the fold
+    s, n = re.subn(r"^(    __syncthreads\(\);  // every thread's partials written.*)\n(    fold_own_rows<T, kBlockRows>\(p, \*run, by_head, tid, 256\);)\n",
+                   "    const long long t_bar = tclk();\n\\1\n    const long long t_fold = tclk();\n\\2\n"
+                   "    if (tid == 0) {\n      mla_trace[blockIdx.x][18] = t_fold - t_bar;\n"
+                   "      mla_trace[blockIdx.x][19] = tclk() - t_fold;\n    }\n", s, count=1, flags=re.M)
+    assert n == 1
+    s, n = re.subn(r"^(      mla_trace\[blockIdx.x\]\[19\] = tclk\(\) - t_fold;\n    \}\n  \}\n)",
                    "\\1  if (tid == 0) {\n    unsigned sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
                    "    mla_trace[blockIdx.x][2] = sm;\n    mla_trace[blockIdx.x][1] = tns();\n"
                    "    mla_trace[blockIdx.x][17] = tclk() - t_start;\n  }\n", s, count=1, flags=re.M)

@@ -62,7 +62,8 @@ def main(argv=None):
         per = lambda c: np.mean(c / splits)
         print(f"   cycles a split: to its first S issued {per(cyc_first):.0f}, to its loop's end {per(cyc_loop):.0f}, "
               f"to its rows stored {per(cyc_end):.0f} (end {per(cyc_end - cyc_loop):.0f}); a CTA {np.mean(cyc_total):.0f}, "
-              f"outside its splits (query block, barriers, own fold) {np.mean(cyc_total - cyc_end):.0f}")
+              f"outside its splits (query block, barriers, own fold) {np.mean(cyc_total - cyc_end):.0f}; "
+              f"of it the barrier before the own fold {np.mean(t[:, 18]):.0f}, the fold {np.mean(t[:, 19]):.0f}")
         for wg in range(2):
             parts = [per(t[:, 3 + 6 * wg + k]) for k in range(5)]
             print(f"   warpgroup {wg} a split: " + ", ".join(f"{w} {x:.0f}" for w, x in zip(WG, parts))
