@@ -18,7 +18,6 @@ FIELDS = {
         ("page_table_stride", np.int32), ("mask_mode", np.int32), ("sm_scale_log2", np.float32),
         ("head_multiplier", np.uint32), ("head_shift", np.int32),
         ("num_pages", np.int32), ("page_table_columns", np.int32), ("num_tokens", np.int32), ("mask_entries", np.int32),
-        ("splits_per_cta", np.int32),
     ],
     "MlaAppendParams": [
         ("ckv", _PTR), ("kpe", _PTR), ("cache", _PTR), ("slots", _PTR), ("status", _PTR), ("scale", _PTR),

@@ -44,7 +44,7 @@ _FIELDS = {
         ("out", _PTR), ("lse", _PTR), ("partial_out", _PTR), ("partial_lse", _PTR),
         ("q_indptr", _PTR), ("num_splits", _PTR), ("partial_indptr", _PTR),
         ("batch_size", np.int32), ("num_qo_heads", np.int32), ("fold_groups", np.int32),
-        ("final_splits", np.int32), ("sinks", _PTR),
+        ("sinks", _PTR),
     ],
     "AppendParams": [
         ("k_new", _PTR), ("v_new", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("slots", _PTR),

@@ -52,8 +52,6 @@ class Knobs:
                                      # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
     mla_wgmma_min_heads: int | None = None  # CUPY_FA_MLA_WGMMA_MIN_HEADS: the fewest heads whose small-q
                                      # steps take the seesaw kernel (None: cupy_fa.mla.schedule.WGMMA_MIN_HEADS)
-    mla_splits_per_cta: int | None = None  # CUPY_FA_MLA_SPLITS_PER_CTA: splits a seesaw CTA runs, 1 .. 128 (None:
-                                     # one; cupy_fa.mla.schedule.splits_per_cta, for comparisons)
     mla_split_size: int | None = None  # CUPY_FA_MLA_SPLIT_SIZE: keys a split of a small-q MLA request, a
                                      # multiple of 64 (None: cupy_fa.mla.schedule.split_size by head count)
     soft_cap_tanh: str | None = None  # CUPY_FA_SOFT_CAP_TANH: approx, exact or newton, the wgmma prefill
@@ -72,9 +70,6 @@ class Knobs:
         _check(self.mla_split_size is None or (isinstance(self.mla_split_size, int) and self.mla_split_size >= 64
                                                and self.mla_split_size % 64 == 0),
                "CUPY_FA_MLA_SPLIT_SIZE", "a positive multiple of 64 keys", self.mla_split_size)
-        _check(self.mla_splits_per_cta is None or (isinstance(self.mla_splits_per_cta, int)
-                                                   and 1 <= self.mla_splits_per_cta <= 128),
-               "CUPY_FA_MLA_SPLITS_PER_CTA", "an int in 1..128", self.mla_splits_per_cta)
         _check(self.mla_wgmma_min_heads is None or (isinstance(self.mla_wgmma_min_heads, int)
                                                     and self.mla_wgmma_min_heads >= 1),
                "CUPY_FA_MLA_WGMMA_MIN_HEADS", "a positive number of heads", self.mla_wgmma_min_heads)
@@ -122,7 +117,6 @@ class Knobs:
                    mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
                    mla_wgmma_min_heads=integer("CUPY_FA_MLA_WGMMA_MIN_HEADS", cls.mla_wgmma_min_heads),
                    mla_split_size=integer("CUPY_FA_MLA_SPLIT_SIZE", cls.mla_split_size),
-                   mla_splits_per_cta=integer("CUPY_FA_MLA_SPLITS_PER_CTA", cls.mla_splits_per_cta),
                    soft_cap_tanh=(get("CUPY_FA_SOFT_CAP_TANH") or "").strip().lower() or None,
                    pdl=flag("CUPY_FA_PDL", cls.pdl), trace=flag("CUPY_FA_TRACE", cls.trace),
                    debug=flag("CUPY_FA_DEBUG", cls.debug))

@@ -180,8 +180,7 @@ class StepLauncher:
             "MergeParams", out=out, lse=lse, partial_out=buffers.partial_out.data.ptr,
             partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
             num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-            batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups, final_splits=0,
-            sinks=sinks)
+            batch_size=state.batch_size, num_qo_heads=self.num_qo_heads, fold_groups=fold_groups, sinks=sinks)
 
 
 def check_run(attn, state, q, cache, out, lse):

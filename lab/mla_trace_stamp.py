@@ -2,7 +2,7 @@
 never to the package): `mla_trace[cta][20]` with the CTA's start / done ns (globaltimer) and SM, and per
 warpgroup (thread 0 of each) the clock64 cycles spent issuing S (its column blocks' mbarrier waits),
 at the loop-top S wait, at the exchange barriers, in the P V products and in the fills, and cycles to
-the first S, to the loop's end and to the end, summed over the splits a CTA runs, and the CTA's own total.
+the first S, to the loop's end and to the end (entries 16 / 17: the CTA's one split, its cycles).
 
     git archive HEAD cupy_fa kernels bench | tar -x -C exp/trace && python3 lab/mla_trace_stamp.py exp/trace
 """
@@ -66,34 +66,20 @@ def main(tree):
     s = s.replace("  if (!find_work<kBlockRows>(p, by_head, blockIdx.x, w)) return;  // the whole CTA, before any barrier\n",
                   "  if (!find_work<kBlockRows>(p, by_head, blockIdx.x, w)) return;  // the whole CTA, before any barrier\n"
                   "  tset(0, tns());\n  const long long t_start = tclk();\n", 1)
-    # a CTA may run several splits (seesaw_split): entries 15 / 14 / 8 sum over them the cycles from a
-    # split's start to its first S issued, to its loop's end and to its rows stored; 16 counts them;
-    # 17 is the cycles from the CTA's start to its end (a run's own fold included), 1 / 2 its end ns and SM
-    s, n = re.subn(r"^(  SeesawRole<T> role\(p, w, by_head, base, wtid, pair_base\);)$",
-                   "\\1\n  const long long t_split = tclk();\n  const int tid = threadIdx.x;", s, count=1, flags=re.M)
-    assert n == 1
     s, n = re.subn(r"^( *)role\.issue_scores\(wg, 0\);\n",
                    r"\1{ const long long t_ = tclk();\n\1role.issue_scores(wg, 0);\n\1tadd(3 + 6 * wg, tclk() - t_); }\n"
-                   r"\1if (tid == 0) mla_trace[blockIdx.x][15] += tclk() - t_split;  // cycles to the first S issued\n",
+                   r"\1if (tid == 0) mla_trace[blockIdx.x][15] = tclk() - t_start;  // cycles to the first S issued\n",
                    s, count=1, flags=re.M)
     assert n == 1
-    s, n = re.subn(r"^(  // the row's sum: )", "  if (tid == 0) mla_trace[blockIdx.x][14] += tclk() - t_split;\n\\1",
+    s, n = re.subn(r"^(  // the row's sum: )", "  if (tid == 0) mla_trace[blockIdx.x][14] = tclk() - t_start;\n\\1",
                    s, count=1, flags=re.M)
     assert n == 1
     s, n = re.subn(r"^(  role\.store_rows\(done, l, bad, wg\);.*)$",
-                   "\\1\n  if (tid == 0) {\n    mla_trace[blockIdx.x][8] += tclk() - t_split;\n"
-                   "    mla_trace[blockIdx.x][16] += 1;\n  }", s, count=1, flags=re.M)
-    assert n == 1
-    # 18 / 19: the cycles of the barrier before a run's own fold and of the fold
-    s, n = re.subn(r"^(    __syncthreads\(\);  // every thread's partials written.*)\n(    fold_own_rows<T, kBlockRows>\(p, \*run, by_head, tid, 256\);)\n",
-                   "    const long long t_bar = tclk();\n\\1\n    const long long t_fold = tclk();\n\\2\n"
-                   "    if (tid == 0) {\n      mla_trace[blockIdx.x][18] = t_fold - t_bar;\n"
-                   "      mla_trace[blockIdx.x][19] = tclk() - t_fold;\n    }\n", s, count=1, flags=re.M)
-    assert n == 1
-    s, n = re.subn(r"^(      mla_trace\[blockIdx.x\]\[19\] = tclk\(\) - t_fold;\n    \}\n  \}\n)",
-                   "\\1  if (tid == 0) {\n    unsigned sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
+                   "\\1\n  if (tid == 0) {\n    unsigned sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
                    "    mla_trace[blockIdx.x][2] = sm;\n    mla_trace[blockIdx.x][1] = tns();\n"
-                   "    mla_trace[blockIdx.x][17] = tclk() - t_start;\n  }\n", s, count=1, flags=re.M)
+                   "    mla_trace[blockIdx.x][8] = tclk() - t_start;\n"
+                   "    mla_trace[blockIdx.x][16] = 1;\n    mla_trace[blockIdx.x][17] = tclk() - t_start;\n  }",
+                   s, count=1, flags=re.M)
     assert n == 1
     open(path, "w").write(s)
 

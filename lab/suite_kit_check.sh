@@ -3,8 +3,7 @@
 # over the matrix for one backend (kit-cupy, kit-triton) or its MLA method (kit-mla), the wgmma A/B
 # (lab/ab_hopper.py), the SGLang bench, the prefill bench cells beside FlashInfer (fi), the MLA bench
 # and its split sizes (mla), host time per call (host), first calls over empty caches (cold; COLD_PROFILE=1
-# adds a cProfile of each first call), ncu of the 128-head MLA seesaw kernel (ncu-mla; ncu-mla-runs: one split a
-# CTA against runs of splits, CUPY_FA_MLA_SPLITS_PER_CTA), of ours beside FlashInfer's
+# adds a cProfile of each first call), ncu of the 128-head MLA seesaw kernel (ncu-mla), of ours beside FlashInfer's
 # MLA kernels at decode B=64 L=4096, 128 and 16 heads (ncu-mla-peer; .fi carried), and of the wgmma prefill
 # kernel, plain / fp8 / soft-capped (ncu-prefill), the MLA bench
 # over copies of other revisions, interleaved (ab-mla-trees: AB_MLA_TREES, AB_MLA_ONLY, AB_MLA_ROUNDS), the GPU
@@ -115,21 +114,6 @@ for stage in ${STAGES:-suite}; do
       timeout ${COLD_SECONDS:-150} python3 scripts/cold_compile.py --no-serial --json "$OUT/cold.json" > "$OUT/cold.txt" 2>&1
       echo "cold exit $?" | tee -a "$OUT/summary.txt"
       tail -n 16 "$OUT/cold.txt" | tee -a "$OUT/summary.txt" ;;
-    ncu-mla-runs)  # the 128-head seesaw kernel at decode B=64 with one split a CTA and with runs (NCU_RUNS: "1 16"):
-      # duration, DRAM bytes and L2 hits of each (where a run's extra time goes), then the bench of runs of 2
-      # and 4 (decode B=64 and verify at 128 heads)
-      for k in ${NCU_RUNS:-1 16}; do
-        CUPY_FA_MLA_SPLITS_PER_CTA=$k timeout 70 ncu --clock-control none -k regex:mla_wgmma_kernel -s 2 -c 1 \
-          --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
-          --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
-          python3 -m bench.mla --only "decode B=64 L=4096 H=128" --no-peers --reps 1 --launches 1 > "$OUT/ncu_runs_$k.txt" 2>&1
-        grep -E "Duration|DRAM Throughput|L2 Hit|Memory Throughput|Compute \(SM\)|Grid Size|dram__|lts__" "$OUT/ncu_runs_$k.txt" \
-          | sed "s/^/runs $k: /" | tee -a "$OUT/summary.txt"
-      done
-      for k in 2 4; do
-        CUPY_FA_MLA_SPLITS_PER_CTA=$k timeout 35 python3 -m bench.mla --only "B=64 L=4096 H=128" --no-peers 2>&1 \
-          | grep -E "^(decode|verify)" | cut -c1-110 | sed "s/^/runs $k: /" | tee -a "$OUT/summary.txt"
-      done ;;
     ncu-mla-peer)  # ours and FlashInfer's MLA kernels on one cell each (lab/probe_mla_peer.py): where each spends its time
       fi_site
       for cell in "decode B=64 L=4096 H=128" "decode B=64 L=4096 H=16"; do

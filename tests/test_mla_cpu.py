@@ -161,8 +161,7 @@ def test_small_q_tiles_share_their_key_layout(heads, fp8, arch):
 
 def plan_kernel_items(q_lens, kv_lens, heads, sched):
     """The work items plan_kernel lays out for these host lengths (kernels/shared/plan.cu, no overflow):
-    per live request, row blocks of its list's block_m times its runs of splits_per_cta splits (the
-    small list's; the long list runs one a CTA)."""
+    per live request, row blocks of its list's block_m times its splits."""
     c = mla_schedule.plan_constants(sched)
     items = {"small": 0, "long": 0}
     for q, kv in zip(q_lens, kv_lens):
@@ -174,8 +173,7 @@ def plan_kernel_items(q_lens, kv_lens, heads, sched):
         splits = max(1, min(splits, c["max_splits"]))
         long = q >= c["long_q_len"]
         block_m = c["long_block_m"] if long else c["block_m"]
-        runs = splits if long else -(-splits // c["splits_per_cta"])
-        items["long" if long else "small"] += -(-(q * heads) // block_m) * runs
+        items["long" if long else "small"] += -(-(q * heads) // block_m) * splits
     return items
 
 
@@ -196,49 +194,12 @@ def test_grids_cover_the_plan_kernels_layout(heads, arch):
         else:
             assert (sched.small.work_grid, sched.long.work_grid) == (items["small"], items["long"]), seed
         splits = mla_schedule.max_splits(q_lens[q_lens > 0], kv_lens[q_lens > 0], heads)
-        assert sched.needs_merge == bool((splits > sched.splits_per_cta).any()), seed
-        # the graph path's grids, from bounds, hold every such step (at the bound's splits a CTA)
+        assert sched.needs_merge == bool((splits > 1).any()), seed
+        # the graph path's grids, from bounds, hold every such step
         bound = mla_schedule.schedule_step(heads, False, arch, max_q_len=int(q_lens.max()) or 1,
                                            max_kv_len=int(kv_lens.max()) or 1, capacity=capacity)
-        items = plan_kernel_items(q_lens, kv_lens, heads, bound)
         assert sum(x.work_grid for x in bound.launches) >= items["small"] + items["long"], seed
-        assert bound.needs_merge or not (splits > bound.splits_per_cta).any(), seed
-
-
-def test_seesaw_ctas_run_runs_of_splits_only_when_asked():
-    """One split a CTA by default; CUPY_FA_MLA_SPLITS_PER_CTA runs longer runs on the seesaw kernel:
-    at 128 heads decode B=64 over 4096 keys (8 splits a row) and verify over 4100 (9) in runs of 16
-    are a CTA a row block and no merge; runs of 8 over 8192 keys (16 splits) two CTAs a row block and
-    a merge; the mma.sync tile (sm_80) always one; the plan kernel is told the same."""
-    from cupy_fa import knobs as knobs_mod
-
-    def sched(heads, b, kv, arch="sm_90a", q=1):
-        return mla_schedule.schedule_step(heads, False, arch, q_lens=[q] * b, kv_lens=[kv] * b)
-
-    def use(value):
-        knobs_mod.use(knobs_mod.Knobs.from_environ({} if value is None else {"CUPY_FA_MLA_SPLITS_PER_CTA": str(value)}))
-
-    before = knobs_mod.knobs()
-    try:
-        use(None)
-        for one in (sched(128, 64, 4096), sched(128, 1, 32768), sched(16, 64, 4096), sched(128, 64, 4100, q=4)):
-            assert one.splits_per_cta == 1 and mla_schedule.plan_constants(one)["splits_per_cta"] == 1
-        use(16)
-        decode, verify = sched(128, 64, 4096), sched(128, 64, 4100, q=4)
-        assert (decode.splits_per_cta, decode.small.work_grid, decode.needs_merge) == (16, 128, False)
-        assert mla_schedule.plan_constants(decode)["splits_per_cta"] == 16
-        assert (verify.splits_per_cta, verify.small.work_grid, verify.needs_merge) == (16, 64 * 8, False)
-        bound = mla_schedule.schedule_step(128, False, "sm_90a", max_q_len=1, max_kv_len=4096,
-                                           capacity=Capacity(64, 64, 256))
-        assert (bound.splits_per_cta, bound.small.work_grid, bound.needs_merge) == (16, 128, False)
-        assert sched(128, 64, 4096, arch="sm_80").splits_per_cta == 1  # the mma.sync tile: one split a CTA
-        use(8)
-        half = sched(128, 32, 8192)
-        assert (half.splits_per_cta, half.small.work_grid, half.needs_merge) == (8, 32 * 2 * 2, True)
-        with pytest.raises(ValueError, match="CUPY_FA_MLA_SPLITS_PER_CTA"):
-            use(0)
-    finally:
-        knobs_mod.use(before)
+        assert bound.needs_merge or not sched.needs_merge
 
 
 @pytest.mark.parametrize("heads", [16, 128])

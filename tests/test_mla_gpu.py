@@ -212,38 +212,6 @@ def test_decode_equals_verify_bit_for_bit(heads, kv_dtype):
                         f"{[type(x.tile).__name__ for x in verify.planned.schedule.launches]})")
 
 
-@pytest.mark.parametrize("heads,page_size", [(128, 16), (16, 1), (128, 64)], ids=["H128-p16", "H16-p1", "H128-p64"])
-def test_a_cta_running_a_group_of_splits_changes_no_bit(heads, page_size):
-    """CUPY_FA_MLA_SPLITS_PER_CTA 16, 8 and 3 against 1 on the same step: on sm_90a the seesaw CTAs
-    then run that many splits each and fold the rows they run whole themselves (no merge for them:
-    under 16 the rows of 9 and 12 splits too, two groups of the merge; under 8 they are merged),
-    beside a padded row and rows of one key. Each against float64, eager and graph-replayed, and the
-    outputs the same bits."""
-    from cupy_fa import knobs
-    from cupy_fa.mla import schedule as mla_schedule
-
-    _, seed = new_rng()
-    s = mla_schedule.split_size(heads)
-    q_lens = np.array([1, 4, 0, 1, 4, 1, 3])
-    kv_lens = np.array([8 * s, 3 * s + 17, 5, 8 * s + 1, 12 * s - 5, 1, 2 * s])
-    before = knobs.knobs()
-    outs = {}
-    try:
-        for per_cta in (1, 16, 8, 3):
-            knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_SPLITS_PER_CTA": str(per_cta)}))
-            out, sched = run_case(np.random.default_rng(seed), heads, "bfloat16", None, page_size, q_lens, kv_lens,
-                                  label=f"seed {seed} {per_cta} splits a CTA")
-            seesaw = type(sched.launches[0].tile).__name__ == "MlaWgmmaTile"
-            assert sched.splits_per_cta == (per_cta if seesaw else 1)
-            outs[per_cta] = out.view(np.uint16).get()
-    finally:
-        knobs.use(before)
-    for per_cta in (16, 8, 3):
-        same = (outs[1] == outs[per_cta]).all(axis=(1, 2))
-        assert same.all(), (f"seed {seed}: rows {np.flatnonzero(~same)[:20].tolist()} differ between 1 and {per_cta} "
-                            f"splits a CTA")
-
-
 def test_decode_equals_verify_past_4096_keys_and_the_workspace_warning():
     """At 128 heads (the seesaw kernel on sm_90a), drafts over 4097-6000 keys (9-12 splits a token):
     decode == verify bit for bit with the default workspace, which holds the batch; an instance whose

@@ -37,7 +37,7 @@ MMA_BLOCK_N = 64   # keys per tile of every mma.sync MLA tile: one value, so dec
 MMA_STAGES = 2
 WGMMA_BLOCK = 64   # rows and keys of a seesaw block
 COLUMN_BLOCKS = LATENT_DIM // 64  # 64-column swizzled blocks of a latent row (kernels/mla/wgmma_copy.cuh kLatentBlocks)
-WORK_BYTES = 64  # kernels/mla/work.cuh Work (16 four-byte fields), rounded up to 8 bytes
+WORK_BYTES = 56  # kernels/mla/work.cuh Work (13 four-byte fields), rounded up to 8 bytes
 
 
 @dataclasses.dataclass(frozen=True)

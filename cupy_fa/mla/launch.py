@@ -28,8 +28,7 @@ def attention_params(state, buffers, launch, num_heads, head_div, cache, q, out,
         batch_size=state.batch_size, num_heads=num_heads, page_table_stride=state.page_table_stride,
         mask_mode=state.mask_mode, sm_scale_log2=np.float32(state.sm_scale * LOG2E),
         head_multiplier=head_div[0], head_shift=head_div[1], page_table_columns=state.step.page_columns,
-        num_tokens=num_tokens, mask_entries=state.mask_entries, splits_per_cta=sched.splits_per_cta,
-        **cache.kernel_fields())
+        num_tokens=num_tokens, mask_entries=state.mask_entries, **cache.kernel_fields())
 
 
 def step_kernels(sched, dtype_name, num_heads, num_tokens):
@@ -61,7 +60,6 @@ def launch_step(state, buffers, num_heads, dtype_name, cache, q, out, lse, num_t
             "MergeParams", out=out_ptr, lse=lse_ptr, partial_out=buffers.partial_out.data.ptr,
             partial_lse=buffers.partial_lse.data.ptr, q_indptr=buffers.q_indptr.data.ptr,
             num_splits=buffers.num_splits.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-            batch_size=state.batch_size, num_qo_heads=num_heads, fold_groups=0, sinks=0,
-            final_splits=sched.splits_per_cta if sched.splits_per_cta > 1 else 0)  # rows its CTAs ran whole
+            batch_size=state.batch_size, num_qo_heads=num_heads, fold_groups=0, sinks=0)
         # programmatic: its CTAs start in the last attention launch's last wave and wait there
         _build.launch(family.merge_kernel(dtype_name, shape), grid, merge, stream, programmatic=True)

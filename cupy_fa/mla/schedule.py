@@ -16,14 +16,8 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   batch, so a token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
   on the batch: a context past MAX_SPLITS x S keys, 65536 at 128 heads).
-* **Splits a CTA** (:func:`splits_per_cta`): one split a CTA. ``CUPY_FA_MLA_SPLITS_PER_CTA`` runs
-  longer runs on the seesaw kernel, for comparisons: each split still ends in its own partial, and a
-  CTA that ran all of a row's splits folds them with the merge's steps (the same bits either way),
-  so a step whose rows all fit a run launches no merge; on an H100 (2026-12-06) runs of 16 were 8%
-  slower at decode B=64 and 19% at verify, 128 heads (docs/performance.md: the fold at the end of a
-  run, one item at a time, the likely cause).
 * **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (8 heads a CTA) for many rows,
-  deep (4 ways over a row's groups of splits) for a few; it skips the rows a CTA folded.
+  deep (4 ways over a row's groups of splits) for a few.
 """
 
 from __future__ import annotations
@@ -93,31 +87,22 @@ def split_size(num_heads):
 
 
 
-def splits_per_cta(tile):
-    """Splits a CTA of a one-launch step runs: 1, or CUPY_FA_MLA_SPLITS_PER_CTA on the seesaw kernel
-    (for comparisons). No bit of a result depends on it."""
-    chosen = knobs().mla_splits_per_cta
-    return chosen if chosen is not None and isinstance(tile, MlaWgmmaTile) else 1
-
-
-def work_bound(q_lens, kv_lens, num_heads, tile, per_cta=1):
-    """Work items (CTAs) of a launch over these host lengths, ``per_cta`` splits a CTA."""
+def work_bound(q_lens, kv_lens, num_heads, tile):
+    """Work items (CTAs) of a launch over these host lengths."""
     q, kv = np.asarray(q_lens), np.asarray(kv_lens)
     live = q > 0
-    runs = -(-max_splits(q[live], kv[live], num_heads) // per_cta)
-    return int((_policy.row_blocks(q[live], num_heads, tile) * runs).sum())
+    return int((_policy.row_blocks(q[live], num_heads, tile) * max_splits(q[live], kv[live], num_heads)).sum())
 
 
-def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_len=1, per_cta=1):
+def capacity_work_bound(capacity, num_heads, tile, max_q_len, max_kv_len, min_q_len=1):
     """Work items of any step within ``capacity`` whose requests have ``min_q_len .. max_q_len``
-    tokens and at most ``max_kv_len`` keys (the fixed grid of a graph-captured step), ``per_cta``
-    splits a CTA."""
+    tokens and at most ``max_kv_len`` keys (the fixed grid of a graph-captured step)."""
     b, t = capacity.max_batch_size, capacity.max_num_tokens
     max_q_len = max(1, min(int(max_q_len), t))
     if min_q_len > max_q_len:
         return 0
     q = np.arange(max(1, min_q_len), max_q_len + 1)
-    splits = -(-int(max_splits(q, np.full_like(q, max(int(max_kv_len), 1)), num_heads).max()) // per_cta)
+    splits = int(max_splits(q, np.full_like(q, max(int(max_kv_len), 1)), num_heads).max())
     per_request = int(_policy.row_blocks(max_q_len, num_heads, tile))
     tokens_bound = int(_policy.row_blocks(min(t, b * max_q_len), num_heads, tile)) + b  # rows of the batch, a block each
     return min(b * per_request, tokens_bound) * splits
@@ -139,7 +124,6 @@ class MlaSchedule:
     needs_merge: bool    # merge_kernel after the launches
     split_size: int      # keys a split of a small-q request (split_size(num_heads))
     partial_rows: int | None = None  # host lengths: the rows its splits want (cupy_fa.schedule.wanted_partial_rows)
-    splits_per_cta: int = 1  # splits_per_cta(): 1 unless the knob sets a run (one launch on the seesaw kernel)
 
     @property
     def launches(self):
@@ -177,24 +161,18 @@ def schedule_step(num_heads, kv_fp8, arch, *, q_lens=None, kv_lens=None, max_q_l
             live = small_q > 0
             small = Launch(tile, work_bound(small_q, kv[~is_long], num_heads, tile),
                            int(max_splits(small_q[live], kv[~is_long][live], num_heads).max()) if live.any() else 0)
-        sched = _in_runs(_merged(small, long, num_heads),
-                         lambda tile, per_cta: work_bound(q, kv, num_heads, tile, per_cta))
+        sched = _merged(small, long, num_heads)
         return dataclasses.replace(sched, partial_rows=_policy.wanted_partial_rows(q, kv, plan_constants(sched)))
     max_q = int(max_q_len)
     kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1
-
-    def bound(tile, per_cta, long_class=False):  # the launch's grid: each class's bound
-        if long_class:
-            return capacity_work_bound(capacity, num_heads, tile, max_q, kv_bound, SMALL_Q_LEN + 1, per_cta)
-        return capacity_work_bound(capacity, num_heads, tile, min(max_q, SMALL_Q_LEN), kv_bound, per_cta=per_cta)
-
     tile = small_tile_of(min(max_q, SMALL_Q_LEN))
-    small = Launch(tile, bound(tile, 1), int(max_splits([1], [kv_bound], num_heads)[0]))
+    small = Launch(tile, capacity_work_bound(capacity, num_heads, tile, min(max_q, SMALL_Q_LEN), kv_bound),
+                   int(max_splits([1], [kv_bound], num_heads)[0]))
     long = None
     if max_q > SMALL_Q_LEN:
-        long = Launch(big, bound(big, 1, True), int(max_splits([SMALL_Q_LEN + 1], [kv_bound], num_heads)[0]))
-    return _in_runs(_merged(small, long, num_heads),
-                    lambda tile, per_cta: bound(tile, per_cta) + (bound(tile, per_cta, True) if long else 0))
+        long = Launch(big, capacity_work_bound(capacity, num_heads, big, max_q, kv_bound, SMALL_Q_LEN + 1),
+                      int(max_splits([SMALL_Q_LEN + 1], [kv_bound], num_heads)[0]))
+    return _merged(small, long, num_heads)
 
 
 def _merged(small, long, num_heads):
@@ -206,22 +184,6 @@ def _merged(small, long, num_heads):
     return MlaSchedule(small, long, merge, split_size(num_heads))
 
 
-def _in_runs(sched, ctas_of):
-    """``sched`` with its CTAs running splits_per_cta() splits each, where it has one launch (one work
-    list) and a row of several splits: ``ctas_of(tile, per_cta)`` its grid. Rows of at most that many
-    splits then need no merge."""
-    if not sched.one_list:
-        return sched
-    launch = sched.small or sched.long
-    per_cta = splits_per_cta(launch.tile) if launch.max_splits > 1 else 1
-    if per_cta == 1:
-        return sched
-    runs = Launch(launch.tile, ctas_of(launch.tile, per_cta), launch.max_splits)
-    return dataclasses.replace(sched, small=runs if sched.small is not None else None,
-                               long=runs if sched.small is None else None, needs_merge=runs.max_splits > per_cta,
-                               splits_per_cta=per_cta)
-
-
 def plan_constants(schedule):
     """PlanParams' policy fields for plan_kernel: the small-q tile's list in work_indptr and, with a
     long launch, the long tile's in long_work_indptr (else every request in work_indptr)."""
@@ -231,8 +193,7 @@ def plan_constants(schedule):
                 long_q_len=SMALL_Q_LEN + 1 if long_tile is not None else 2**31 - 1,
                 long_block_m=other.block_m, long_block_n=other.block_n, split_size=schedule.split_size,
                 max_splits=MAX_SPLITS,
-                small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=schedule.splits_per_cta,
-                fold_splits=0)
+                small_q_len=SMALL_Q_LEN, split_row_budget=SPLIT_ROW_BUDGET, splits_per_cta=1, fold_splits=0)
 
 
 def merge_shape(num_tokens, num_heads):

@@ -29,7 +29,6 @@ __global__ void __launch_bounds__(Tr::kThreads) mla_mma_kernel(const __grid_cons
   constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, ST = Tr::kStages, THREADS = Tr::kThreads;
   allow_dependent_launch();  // the merge may start in this grid's last wave (it waits before reading)
   const FastDiv by_head{p.head_multiplier, p.head_shift, p.num_heads};
-  if (p.splits_per_cta != 1) __trap();  // one split a CTA (work.cuh): the host never sends more
   Work w;
   if (!find_work<BM>(p, by_head, blockIdx.x, w)) return;  // the whole CTA, before any barrier
 

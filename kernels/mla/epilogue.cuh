@@ -15,7 +15,6 @@
 #pragma once
 
 #include "shared/common.cuh"
-#include "shared/partials.cuh"
 #include "shared/softmax.cuh"
 #include "mla/params.cuh"
 #include "mla/work.cuh"
@@ -76,31 +75,6 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const Work& w, co
       *reinterpret_cast<u32*>(dst + col_base + 8 * j + 2 * quad) =
           ElemTraits<OT>::pack(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
     }
-  }
-}
-
-// A CTA that ran every split of its rows (whole_row) folds their partials, which it has just
-// written (a barrier before: they are visible to the whole CTA), into out and lse with merge_kernel's
-// own steps (each group of kMergeGroup by fold_split_group, the groups in order into the total), so
-// the rows' bits are the ones the merge would have written; merge_kernel then skips them
-// (MergeParams::final_splits). `threads` threads (tid), a (row, 4 columns) item each in turn.
-template <typename T, int BLOCK_M>
-__device__ __forceinline__ void fold_own_rows(const MlaParams& p, const Work& w, const FastDiv& by_head, int tid,
-                                              int threads) {
-  constexpr int LANES = kValueDim / 4;
-  const int partial_base = partial_base_of(p, w), rows = min(BLOCK_M, w.rows - w.row0);
-  for (int idx = tid; idx < rows * LANES; idx += threads) {
-    const int row = w.row0 + idx / LANES, c4 = idx % LANES;
-    const int token = by_head.div(row), head = by_head.mod(row);
-    MergeState total = MergeState::empty();
-    for (int grp = 0; grp * kMergeGroup < w.splits; ++grp) {
-      total.fold(fold_split_group<T, LANES>(p.partial_out, p.partial_lse, partial_base + (i64)token * w.splits, grp,
-                                            w.splits, head, p.num_heads, c4));
-    }
-    const float merged[4] = {total.o.x, total.o.y, total.o.z, total.o.w};
-    const i64 slot = (i64)(w.q_start + token) * p.num_heads + head;
-    store_scaled4(static_cast<T*>(p.out) + slot * kValueDim + c4 * 4, merged, inverse_sum(total.l));  // NaN stays NaN
-    if (c4 == 0 && p.lse != nullptr) p.lse[slot] = natural_lse(total.m, total.l);
   }
 }
 

@@ -58,8 +58,6 @@ struct MlaParams {
   int page_table_columns;
   int num_tokens;
   int mask_entries;
-  int splits_per_cta;          // consecutive splits of a row block a CTA runs (more than 1: the seesaw kernel
-                               // only; a CTA that runs every split of its rows folds them, work.cuh)
 };
 
 // PagedLatentCache.append: new tokens' c_kv [T, 512] and k_pe [T, 64] (each with its token stride)

@@ -6,9 +6,6 @@
 // half, its own block's P from registers and the other's through shared memory: P of a block is
 // left in its K buffer's rope column block (S is done with it), where the other warpgroup reads it.
 //
-// A CTA that runs several splits (work.cuh) runs them one after the other, each from the empty state
-// and its own first key, the query block loaded once; the K buffers' barriers go on phase by phase.
-//
 // Per pair (blocks b0 = 2i, b1 = 2i + 1), a row's online softmax runs b0 then b1, as one chain:
 //   warpgroup 0: m0 = its offset after S0 (lazy: moved only when a score passes it by kLazyRescale),
 //                P0 = 2^(S0 - m0) -> registers and shared memory, m0 -> shared memory   [arrive P0]
@@ -80,7 +77,6 @@ struct SeesawRole {
   int wtid, lane, quad;
   int first_row;  // the thread's row half 0 in the block (+ 8: half 1)
   int num_blocks, num_pairs, mask_blocks_from;
-  int pair_base;  // pairs the CTA's earlier splits filled: the K buffers' barrier phases go on from it
   float scale_log2;
   float o[4 * NB];
   float s[32];
@@ -88,8 +84,8 @@ struct SeesawRole {
   float m[2], l[2];
 
   __device__ __forceinline__ SeesawRole(const MlaParams& p_, const Work& w_, const FastDiv& by_head_, unsigned base_,
-                                        int wtid_, int pair_base_)
-      : p(p_), w(w_), by_head(by_head_), base(base_), wtid(wtid_), pair_base(pair_base_) {
+                                        int wtid_)
+      : p(p_), w(w_), by_head(by_head_), base(base_), wtid(wtid_) {
     lane = wtid & 31, quad = lane & 3;
     first_row = (wtid >> 5) * 16 + (lane >> 2);
     num_blocks = (w.kv_end - w.kv_begin + kBlockRows - 1) / kBlockRows;
@@ -122,7 +118,7 @@ struct SeesawRole {
     const sm90::u64 q_desc = opaque(sm90::kmajor_desc(base + SeesawSmem::kQ)), k_desc = opaque(sm90::kmajor_desc(buffer(b)));
 #pragma unroll
     for (int kk = 0; kk < kLatentDim / 16; ++kk) {
-      if (kk % 4 == 0) mbar::wait(full_bars(b) + 8 * (kk / 4), (pair_base + pair) & 1), sm90::wgmma_fence();
+      if (kk % 4 == 0) mbar::wait(full_bars(b) + 8 * (kk / 4), pair & 1), sm90::wgmma_fence();
       sm90::Wgmma<64, T>::ss_kk(s, sm90::desc_at(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
                                 sm90::desc_at(k_desc, sm90::kmajor_step<kBlockRows>(kk)), kk > 0);
     }

@@ -7,13 +7,9 @@
 // work_indptr[b] .. work_indptr[b + 1] - 1 (this launch's family's list), split fastest;
 // blockIdx.x = item. CTAs past the real work exit (the grids are sized by bounds).
 //
-// A work item is one (row block, run of splits_per_cta consecutive splits): the mma.sync tile runs
-// one split a CTA (it traps on more: the host never sends it), the seesaw kernel any number.
-// Each split of a run still ends in its own result, written as a CTA of one split writes it, so how
-// splits are grouped into CTAs never changes a bit; a CTA that ran every split of its rows folds
-// them itself (whole_row, epilogue.cuh fold_own_rows) with merge_kernel's steps. A request that
-// breaks the contract (refused by plan_kernel, num_splits = -reason, or caught here) reads no key
-// and writes its rows NaN (status.cuh).
+// The MLA kernels run one split per CTA (splits_per_cta 1, no fold: the host never plans either
+// for them). A request that breaks the contract (refused by plan_kernel, num_splits = -reason, or
+// caught here) reads no key and writes its rows NaN (status.cuh).
 #pragma once
 
 #include "shared/common.cuh"
@@ -27,39 +23,15 @@ struct Work {
   int q_start, q_len, rows;  // the request's first token, its tokens (within q), its packed rows
   int prefix;                // keys before its first query (kv_len - q_len)
   int kv_len;
-  int split, splits;         // the split set_split chose, of the request's
-  int split_first, split_stop;  // this CTA's run of splits, [split_first, split_stop)
-  int split_keys;
+  int split, splits;
   int row0;                  // the row block's first packed row
   int kv_begin, kv_end;      // keys this CTA reads, [kv_begin, kv_end)
   int mask_from;             // keys from here on may be invisible to some row of the block
   unsigned bad;              // 0, or why the request breaks the contract (status.cuh)
 };
 
-// Split `split` of the CTA's run: its keys [kv_begin, kv_end) and where the mask starts (none for a
-// bad request: it reads no key).
-template <int BLOCK_M>
-__device__ __forceinline__ void set_split(const MlaParams& p, const FastDiv& by_head, int split, Work& w) {
-  w.split = split;
-  w.kv_begin = split * w.split_keys;
-  w.kv_end = min(w.kv_len, w.kv_begin + w.split_keys);
-  const int first_token = by_head.div(min(w.row0, max(w.rows - 1, 0)));
-  const int last_token = by_head.div(max(min(w.row0 + BLOCK_M, w.rows) - 1, 0));
-  if (p.mask_mode == 1) w.kv_end = min(w.kv_end, w.prefix + last_token + 1);  // no row sees past its diagonal
-  w.mask_from = p.mask_mode == 1 ? min(w.kv_end, w.prefix + first_token + 1)
-                : p.mask_mode == 2 ? min(w.kv_end, w.prefix)
-                                   : w.kv_end;
-  if (w.bad != 0) w.kv_end = w.kv_begin;
-  w.kv_end = max(w.kv_end, w.kv_begin);
-}
-
-// Whether the CTA ran every split of its rows, of several: it folds them itself (fold_own_rows).
-__device__ __forceinline__ bool whole_row(const Work& w) {
-  return w.splits > 1 && w.split_first == 0 && w.split_stop == w.splits;
-}
-
-// The work item of CTA `cta`, its first split set (set_split); false past the real work. Every
-// thread of the CTA calls it (the warp-wide search) and gets the same answer.
+// The work item of CTA `cta`; false past the real work. Every thread of the CTA calls it (the
+// warp-wide search) and gets the same answer.
 template <int BLOCK_M>
 __device__ __forceinline__ bool find_work(const MlaParams& p, const FastDiv& by_head, int cta, Work& w) {
   const int total = __ldg(p.work_indptr + p.batch_size);
@@ -77,15 +49,24 @@ __device__ __forceinline__ bool find_work(const MlaParams& p, const FastDiv& by_
   w.q_len = max(min(w.q_len, p.num_tokens - w.q_start), 0);  // only rows of q are read, of out written
   w.splits = max(planned, 1);
   const int local = cta - __ldg(p.work_indptr + b);
-  const int runs = (w.splits + p.splits_per_cta - 1) / p.splits_per_cta;  // CTAs a row block
-  w.split_first = (local % runs) * p.splits_per_cta;
-  w.split_stop = min(w.split_first + p.splits_per_cta, w.splits);
-  w.row0 = (local / runs) * BLOCK_M;
+  w.split = local % w.splits;
+  w.row0 = (local / w.splits) * BLOCK_M;
   w.rows = w.q_len * p.num_heads;
   w.prefix = w.kv_len - w.q_len;
-  w.split_keys = __ldg(p.split_keys + b);
-  if (w.bad != 0 && threadIdx.x == 0) record_bad(p.status, b, w.bad);
-  set_split<BLOCK_M>(p, by_head, w.split_first, w);
+  const int split_keys = __ldg(p.split_keys + b);
+  w.kv_begin = w.split * split_keys;
+  w.kv_end = min(w.kv_len, w.kv_begin + split_keys);
+  const int first_token = by_head.div(min(w.row0, max(w.rows - 1, 0)));
+  const int last_token = by_head.div(max(min(w.row0 + BLOCK_M, w.rows) - 1, 0));
+  if (p.mask_mode == 1) w.kv_end = min(w.kv_end, w.prefix + last_token + 1);  // no row sees past its diagonal
+  w.mask_from = p.mask_mode == 1 ? min(w.kv_end, w.prefix + first_token + 1)
+                : p.mask_mode == 2 ? min(w.kv_end, w.prefix)
+                                   : w.kv_end;
+  if (w.bad != 0) {
+    w.kv_end = w.kv_begin;
+    if (threadIdx.x == 0) record_bad(p.status, b, w.bad);
+  }
+  w.kv_end = max(w.kv_end, w.kv_begin);
   return true;
 }
 

@@ -33,6 +33,7 @@ struct MergeTraits {
 // ceil(H_q / HEADS_PER_CTA)); tokens of unsplit requests exit after the wait.
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_constant__ MergeParams p) {
+  typedef ElemTraits<T> E;
   constexpr int LANES = Traits::kLanes, HPC = Traits::kHeadsPerCta, WAYS = Traits::kWays, GROUP = Traits::kGroup;
   const int token = blockIdx.x;
   const int c4 = threadIdx.x % LANES, in_cta = (threadIdx.x / LANES) % HPC, way = threadIdx.x / (LANES * HPC);
@@ -45,15 +46,15 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
   const int splits = real_token ? __ldg(p.num_splits + b) : 0;
   const int groups = (splits + GROUP - 1) / GROUP;
   // fold_groups: the attention kernel folded each group itself, so a row with one group is
-  // final already, and a row with several left one state per group (group_o_index);
-  // final_splits: a row of at most that many splits is final already (its CTA ran them all)
-  const int inputs = splits <= p.final_splits ? 1 : (p.fold_groups ? groups : splits);  // per (token, head)
+  // final already, and a row with several left one state per group (group_o_index)
+  const int inputs = p.fold_groups ? groups : splits;  // partial rows per (token, head)
   const i64 prow0 = inputs > 1 ? __ldg(p.partial_indptr + b) / (p.fold_groups ? kPartialRowsPerGroupState : 1) +
                                      (i64)(token - __ldg(p.q_indptr + b)) * inputs
                                : 0;  // the first of this token's partial rows, or group-state rows
   wait_for_prior_grid();  // the partials below are the attention kernel's
   if (inputs <= 1) return;
   const bool live = head < p.num_qo_heads;  // the last CTA of a head count HPC does not divide
+  const uint2* partial = reinterpret_cast<const uint2*>(p.partial_out);  // 4 elements of T per lane
 
   // A way folds groups way, way + WAYS, ...; a group's GROUP loads are all issued
   // before its first fold, so a row pays a few memory latencies, not one per split.
@@ -72,7 +73,20 @@ __global__ void __launch_bounds__(Traits::kThreads) merge_kernel(const __grid_co
       group_state = MergeState{__ldcg(p.partial_lse + m_at), __ldcg(p.partial_lse + m_at + p.num_qo_heads),
                                __ldcg(group_o + group_o_index(prow0 + grp, head, p.num_qo_heads, LANES) + c4)};
     } else {
-      group_state = fold_split_group<T, LANES>(p.partial_out, p.partial_lse, prow0, grp, splits, head, p.num_qo_heads, c4);
+      float lse_in[GROUP];
+      uint2 packed[GROUP];
+#pragma unroll
+      for (int u = 0; u < GROUP; ++u) {
+        const int s = grp * GROUP + u;
+        const i64 prow = (prow0 + min(s, splits - 1)) * p.num_qo_heads + head;
+        packed[u] = __ldcg(partial + prow * LANES + c4);
+        lse_in[u] = s < splits ? __ldcg(p.partial_lse + prow) : -INFINITY;  // past the end: the identity
+      }
+#pragma unroll
+      for (int u = 0; u < GROUP; ++u) {
+        const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
+        group_state.fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
+      }
     }
     if constexpr (WAYS == 1) {
       total.fold(group_state);

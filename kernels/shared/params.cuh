@@ -118,8 +118,6 @@ struct MergeParams {
   int batch_size;
   int num_qo_heads;
   int fold_groups;            // 1: the partials are group states (AttentionParams::fold_splits)
-  int final_splits;           // rows of at most this many splits are final already (MLA CTAs that ran and
-                              // folded them whole: MlaParams::splits_per_cta); 0: none
   const float* sinks;         // [H_q] attention sinks added to each row's final sum (AttentionParams); null = none
 };
 

@@ -8,14 +8,10 @@
 //   partial_indptr[b] + t * splits + s.
 // * A group state, where CTAs fold their splits (fold_splits) and a row has several groups of
 //   kMergeGroup: fp32 o, m and l, kPartialRowsPerGroupState partial rows each (params.cuh).
-//
-// fold_split_group is the one fold of split partials: merge_kernel's, and that of an MLA CTA that
-// ran every split of its rows (kernels/mla/epilogue.cuh fold_own_rows), so both give the same bits.
 #pragma once
 
 #include "shared/common.cuh"
 #include "shared/params.cuh"
-#include "shared/softmax.cuh"
 
 namespace cupy_fa {
 
@@ -28,34 +24,6 @@ __device__ __forceinline__ i64 group_o_index(i64 group_row, int head, int heads,
 }
 __device__ __forceinline__ i64 group_m_index(i64 group_row, int head, int heads) {  // l: heads further
   return kPartialRowsPerGroupState * group_row * heads + head;
-}
-
-// The state of group `grp` (kMergeGroup consecutive splits, in order) of one (token, head)'s
-// `splits` split partials: rows prow0 + s of partial_out ([rows][heads][4 LANES] in T, lane c4's
-// 4 elements) and partial_lse; a split past the last is the identity (-inf). All the group's loads
-// are issued before its first fold. __ldcg, not __ldg: the partials are written by the grid before
-// (programmatic launch: it was still running) or by this CTA itself.
-template <typename T, int LANES>
-__device__ __forceinline__ MergeState fold_split_group(const void* partial_out, const float* partial_lse, i64 prow0,
-                                                       int grp, int splits, int head, int heads, int c4) {
-  typedef ElemTraits<T> E;
-  const uint2* partial = reinterpret_cast<const uint2*>(partial_out);  // 4 elements of T per lane
-  float lse_in[kMergeGroup];
-  uint2 packed[kMergeGroup];
-#pragma unroll
-  for (int u = 0; u < kMergeGroup; ++u) {
-    const int s = grp * kMergeGroup + u;
-    const i64 prow = (prow0 + min(s, splits - 1)) * heads + head;
-    packed[u] = __ldcg(partial + prow * LANES + c4);
-    lse_in[u] = s < splits ? __ldcg(partial_lse + prow) : -INFINITY;  // past the end: the identity
-  }
-  MergeState state = MergeState::empty();
-#pragma unroll
-  for (int u = 0; u < kMergeGroup; ++u) {
-    const float2 lo = E::unpack(packed[u].x), hi = E::unpack(packed[u].y);
-    state.fold(lse_in[u], 1.f, make_float4(lo.x, lo.y, hi.x, hi.y));
-  }
-  return state;
 }
 
 }  // namespace cupy_fa
