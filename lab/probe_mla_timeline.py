@@ -4,7 +4,8 @@ Runs in a tree whose seesaw kernel carries the stamps of lab/mla_trace_stamp.py
 (`mla_trace[cta][20]`: start / done ns, SM, and per warpgroup the cycles spent in the S issue
 (its mbarrier waits), the loop-top S wait, the exchange barriers, the P V products and the fills),
 over one launch of each cell (or those whose name holds the first argument), and prints the means
-per CTA and per split (a CTA runs several under CUPY_FA_MLA_SPLITS_PER_CTA).
+per CTA and per split (one a CTA on today's kernel; the runs kernel of cc59e88, with its stamps
+at 6b46f41, ran several and stamped its own fold in entries 18 / 19).
 
     cd exp/trace && PYTHONPATH=$PWD python3 ../../lab/probe_mla_timeline.py ["decode B=64 L=4096 H=128"]
 """
