@@ -1,11 +1,12 @@
 """Where the MLA seesaw kernel's CTAs spend their time (diagnosis only, GPU; lab).
 
 Runs in a tree whose seesaw kernel carries the stamps of lab/mla_trace_stamp.py
-(`mla_trace[cta][20]`: start / done ns, SM, and per warpgroup the cycles spent in the S issue
+(`mla_trace[cta][24]`: start / done ns, SM, and per warpgroup the cycles spent in the S issue
 (its mbarrier waits), the loop-top S wait, the exchange barriers, the P V products and the fills),
 over one launch of each cell (or those whose name holds the first argument), and prints the means
 per CTA and per split (one a CTA on today's kernel; the runs kernel of cc59e88, with its stamps
-at 6b46f41, ran several and stamped its own fold in entries 18 / 19).
+at 6b46f41, ran several and stamped its own fold in entries 18 / 19; today's stamps put the prologue's
+steps in 18 .. 21).
 
     cd exp/trace && PYTHONPATH=$PWD python3 ../../lab/probe_mla_timeline.py ["decode B=64 L=4096 H=128"]
 """
@@ -29,7 +30,7 @@ def trace_array():
     for kernel in _build.compiled_kernels():
         if "mla_wgmma_kernel" in kernel.expression:
             module = _build._modules[(_build._device_id(None), kernel)]
-            return cupy.ndarray((8192, 20), cupy.uint64, module.get_global("mla_trace"))
+            return cupy.ndarray((8192, 24), cupy.uint64, module.get_global("mla_trace"))
     raise RuntimeError("no traced mla_wgmma_kernel compiled (run in a tree with the trace patch)")
 
 
@@ -64,7 +65,10 @@ def main(argv=None):
         print(f"   cycles a split: to its first S issued {per(cyc_first):.0f}, to its loop's end {per(cyc_loop):.0f}, "
               f"to its rows stored {per(cyc_end):.0f} (end {per(cyc_end - cyc_loop):.0f}); a CTA {np.mean(cyc_total):.0f}, "
               f"outside its splits (query block, barriers, own fold) {np.mean(cyc_total - cyc_end):.0f}; "
-              f"of it the barrier before the own fold {np.mean(t[:, 18]):.0f}, the fold {np.mean(t[:, 19]):.0f}")
+              f"stamps 18 / 19 {np.mean(t[:, 18]):.0f} / {np.mean(t[:, 19]):.0f}")
+        print(f"   prologue, cycles from the CTA's start (today's stamps): barriers set {np.mean(t[:, 18]):.0f}, "
+              f"query copies issued {np.mean(t[:, 19]):.0f}, first pair's copies issued {np.mean(t[:, 20]):.0f}, "
+              f"query landed {np.mean(t[:, 21]):.0f}, first S issued {np.mean(cyc_first):.0f}")
         for wg in range(2):
             parts = [per(t[:, 3 + 6 * wg + k]) for k in range(5)]
             print(f"   warpgroup {wg} a split: " + ", ".join(f"{w} {x:.0f}" for w, x in zip(WG, parts))
