@@ -2,9 +2,8 @@
 never to the package): `mla_trace[cta][24]` with the CTA's start / done ns (globaltimer) and SM, and per
 warpgroup (thread 0 of each) the clock64 cycles spent issuing S (its column blocks' mbarrier waits),
 at the loop-top S wait, at the exchange barriers, in the P V products and in the fills, and cycles to
-the first S, to the loop's end and to the end (entries 16 / 17: the CTA's one split, its cycles), and
-the prologue's steps from the CTA's start (18 barriers set, 19 query copies issued, 20 the first pair's
-copies issued, 21 the query block landed).
+the first S, to the loop's end and to the end, and the prologue's steps from the CTA's start (18
+barriers set, 19 query copies issued, 20 the first pair's copies issued, 21 the query block landed).
 
     git archive HEAD cupy_fa kernels bench | tar -x -C exp/trace && python3 lab/mla_trace_stamp.py exp/trace
 """
@@ -69,15 +68,14 @@ def main(tree):
                   "  if (!find_work<kBlockRows>(p, by_head, blockIdx.x, w)) return;  // the whole CTA, before any barrier\n"
                   "  tset(0, tns());\n  const long long t_start = tclk();\n", 1)
     # the prologue, thread 0's cycles from the CTA's start at each step
-    for pattern, entry in ((r"  __syncthreads\(\);\n\n  SeesawRole<T> role", 18),
+    for pattern, entry in ((r"  __syncthreads\(\);\n(?=\n  SeesawRole<T> role)", 18),
                            (r"  mbar::cp_async_arrive_noinc\(base \+ SeesawSmem::kBars\);\n", 19),
                            (r"    for \(int b = 0; b < 2; \+\+b\) role\.fill\(b, b, wg, lookup_keys\(p, w, b, wtid\)\);\n  \}\n", 20),
                            (r"  mbar::wait\(base \+ SeesawSmem::kBars, 0\);\n", 21)):
         m = re.search(pattern, s)
         assert m, pattern
         stamp = f"  if (tid == 0) mla_trace[blockIdx.x][{entry}] = tclk() - t_start;\n"
-        cut = m.start() + len("  __syncthreads();\n") if entry == 18 else m.end()
-        s = s[:cut] + stamp + s[cut:]
+        s = s[:m.end()] + stamp + s[m.end():]
     s, n = re.subn(r"^( *)role\.issue_scores\(wg, 0\);\n",
                    r"\1{ const long long t_ = tclk();\n\1role.issue_scores(wg, 0);\n\1tadd(3 + 6 * wg, tclk() - t_); }\n"
                    r"\1if (tid == 0) mla_trace[blockIdx.x][15] = tclk() - t_start;  // cycles to the first S issued\n",
@@ -89,9 +87,7 @@ def main(tree):
     s, n = re.subn(r"^(  role\.store_rows\(done, l, bad, wg\);.*)$",
                    "\\1\n  if (tid == 0) {\n    unsigned sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
                    "    mla_trace[blockIdx.x][2] = sm;\n    mla_trace[blockIdx.x][1] = tns();\n"
-                   "    mla_trace[blockIdx.x][8] = tclk() - t_start;\n"
-                   "    mla_trace[blockIdx.x][16] = 1;\n    mla_trace[blockIdx.x][17] = tclk() - t_start;\n  }",
-                   s, count=1, flags=re.M)
+                   "    mla_trace[blockIdx.x][8] = tclk() - t_start;\n  }", s, count=1, flags=re.M)
     assert n == 1
     open(path, "w").write(s)
 

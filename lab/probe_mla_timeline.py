@@ -2,11 +2,10 @@
 
 Runs in a tree whose seesaw kernel carries the stamps of lab/mla_trace_stamp.py
 (`mla_trace[cta][24]`: start / done ns, SM, and per warpgroup the cycles spent in the S issue
-(its mbarrier waits), the loop-top S wait, the exchange barriers, the P V products and the fills),
-over one launch of each cell (or those whose name holds the first argument), and prints the means
-per CTA and per split (one a CTA on today's kernel; the runs kernel of cc59e88, with its stamps
-at 6b46f41, ran several and stamped its own fold in entries 18 / 19; today's stamps put the prologue's
-steps in 18 .. 21).
+(its mbarrier waits), the loop-top S wait, the exchange barriers, the P V products and the fills,
+and the prologue's steps), over one launch of each cell (or those whose name holds the first
+argument), and prints the means per CTA. (The kernel with runs of splits of cc59e88 had its own
+stamps and per-split form of this probe: both at 6b46f41.)
 
     cd exp/trace && PYTHONPATH=$PWD python3 ../../lab/probe_mla_timeline.py ["decode B=64 L=4096 H=128"]
 """
@@ -55,24 +54,18 @@ def main(argv=None):
         n = len(t)
         start, done, sm = t[:, 0], t[:, 1], t[:, 2]
         dur_ns = done - start
-        splits, cyc_total = np.maximum(t[:, 16], 1), t[:, 17]
         cyc_end, cyc_loop, cyc_first = t[:, 8], t[:, 14], t[:, 15]
-        ghz = float(np.median(cyc_total / np.maximum(dur_ns, 1)))
-        print(f"== {name}: {n} CTAs of {np.mean(splits):.2f} splits, span {(done.max() - start.min()) / 1e3:.1f} us, "
-              f"CTA {np.mean(dur_ns) / 1e3:.2f} us (median {np.median(dur_ns) / 1e3:.2f}), clock ~{ghz:.2f} GHz, "
-              f"SMs {len(set(sm.tolist()))}")
-        per = lambda c: np.mean(c / splits)
-        print(f"   cycles a split: to its first S issued {per(cyc_first):.0f}, to its loop's end {per(cyc_loop):.0f}, "
-              f"to its rows stored {per(cyc_end):.0f} (end {per(cyc_end - cyc_loop):.0f}); a CTA {np.mean(cyc_total):.0f}, "
-              f"outside its splits (query block, barriers, own fold) {np.mean(cyc_total - cyc_end):.0f}; "
-              f"stamps 18 / 19 {np.mean(t[:, 18]):.0f} / {np.mean(t[:, 19]):.0f}")
-        print(f"   prologue, cycles from the CTA's start (today's stamps): barriers set {np.mean(t[:, 18]):.0f}, "
-              f"query copies issued {np.mean(t[:, 19]):.0f}, first pair's copies issued {np.mean(t[:, 20]):.0f}, "
-              f"query landed {np.mean(t[:, 21]):.0f}, first S issued {np.mean(cyc_first):.0f}")
+        ghz = float(np.median(cyc_end / np.maximum(dur_ns, 1)))
+        print(f"== {name}: {n} CTAs, span {(done.max() - start.min()) / 1e3:.1f} us, CTA {np.mean(dur_ns) / 1e3:.2f} us "
+              f"(median {np.median(dur_ns) / 1e3:.2f}), clock ~{ghz:.2f} GHz, SMs {len(set(sm.tolist()))}")
+        print(f"   cycles a CTA from its start: barriers set {np.mean(t[:, 18]):.0f}, query copies issued "
+              f"{np.mean(t[:, 19]):.0f}, first pair's copies issued {np.mean(t[:, 20]):.0f}, query landed "
+              f"{np.mean(t[:, 21]):.0f}, first S issued {np.mean(cyc_first):.0f}, loop's end {np.mean(cyc_loop):.0f}, "
+              f"end {np.mean(cyc_end):.0f} (epilogue {np.mean(cyc_end - cyc_loop):.0f})")
         for wg in range(2):
-            parts = [per(t[:, 3 + 6 * wg + k]) for k in range(5)]
-            print(f"   warpgroup {wg} a split: " + ", ".join(f"{w} {x:.0f}" for w, x in zip(WG, parts))
-                  + f" (loop {per(cyc_loop - cyc_first):.0f})")
+            parts = [np.mean(t[:, 3 + 6 * wg + k]) for k in range(5)]
+            print(f"   warpgroup {wg}: " + ", ".join(f"{w} {x:.0f}" for w, x in zip(WG, parts))
+                  + f" (loop {np.mean(cyc_loop - cyc_first):.0f})")
         # idle gaps of an SM between one CTA's end and the next one's start
         gaps = []
         for s_id in set(sm.tolist()):
