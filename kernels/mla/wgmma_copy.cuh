@@ -33,18 +33,25 @@ __device__ __forceinline__ void cp_async_shared(unsigned dst, const void* src, b
                : "memory");
 }
 
-// The 64 x 576 query block (zero past the request's rows) at q_addr, by every thread of the CTA
-// (THREADS of them), then each thread's copies arrive on q_full.
+// The 64 x 576 query block (zero past the request's rows) at q_addr, by the CTA's THREADS = 256
+// threads, four a row: thread tid copies chunks tid % 4 + 4 k of row tid / 4 (q_nope's 64 chunks,
+// then q_pe's 8), so its row's token, head and source addresses are found once; then each thread's
+// copies arrive on q_full.
 template <int THREADS, typename QT>
 __device__ __forceinline__ void copy_q_block(const MlaParams& p, const Work& w, const FastDiv& by_head,
                                              unsigned q_addr, int tid) {
-  constexpr int CH = kLatentDim / 8;
-#pragma unroll 2
-  for (int idx = tid; idx < kBlockRows * CH; idx += THREADS) {
-    const int r = idx / CH, c = idx - r * CH, row = w.row0 + r;
-    const bool valid = row < w.rows;
-    cp_async_shared(q_addr + sm90::swizzled_offset<kBlockRows>(r, c), q_chunk<QT>(p, w, by_head, row, c, valid), valid);
-  }
+  static_assert(THREADS == 4 * kBlockRows, "four threads a query row");
+  const int r = tid >> 2, c0 = tid & 3, row = w.row0 + r;
+  const bool valid = row < w.rows;
+  const QT* nope = q_chunk<QT>(p, w, by_head, row, c0, valid);
+  const QT* pe = q_chunk<QT>(p, w, by_head, row, kValueDim / 8 + c0, valid);
+  // chunk c0 + 4 k sits in column block k / 2 at slot (c0 + 4 (k % 2)) ^ (r % 8) of its row
+  const unsigned at[2] = {q_addr + r * 128 + (((c0) ^ (r & 7)) << 4), q_addr + r * 128 + (((c0 + 4) ^ (r & 7)) << 4)};
+#pragma unroll
+  for (int k = 0; k < kValueDim / 32; ++k) cp_async_shared(at[k & 1] + (k >> 1) * kColumnBlockBytes, nope + 32 * k, valid);
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    cp_async_shared(at[k] + (kValueDim / 64) * kColumnBlockBytes, pe + 32 * k, valid);
 }
 
 // The page ids of one thread's four keys of key block `block` (keys kv_begin + 64 block + wtid / 8
