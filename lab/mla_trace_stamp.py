@@ -84,7 +84,7 @@ def main(tree):
     s, n = re.subn(r"^(  // the row's sum: )", "  if (tid == 0) mla_trace[blockIdx.x][14] = tclk() - t_start;\n\\1",
                    s, count=1, flags=re.M)
     assert n == 1
-    s, n = re.subn(r"^(  role\.store_rows\(done, l, bad, wg\);.*)$",
+    s, n = re.subn(r"^(  role\.store_rows\(done, (partial_base_done, )?l, bad, wg\);.*)$",
                    "\\1\n  if (tid == 0) {\n    unsigned sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
                    "    mla_trace[blockIdx.x][2] = sm;\n    mla_trace[blockIdx.x][1] = tns();\n"
                    "    mla_trace[blockIdx.x][8] = tclk() - t_start;\n  }", s, count=1, flags=re.M)
