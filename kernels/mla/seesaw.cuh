@@ -48,7 +48,8 @@ constexpr int kBarP0 = 1, kBarP1 = 2, kBarP1Read = 3, kBarEnd = 4;  // named bar
 constexpr int kBarStage = 5;  // + wg: a warpgroup's staged rows (SeesawRole::store_rows)
 
 // The shared-memory plan: the query block, two K buffers (each one's rope column block carries its P
-// once S is done with it), the offset and sum exchanges, the barriers, the page flag and the work item.
+// once S is done with it), the offset and sum exchanges, the barriers, the page flag, the first
+// partial row and the work item.
 struct SeesawSmem {
   static constexpr int kQ = 0;                                  // 9 column blocks of 64 x 64
   static constexpr int kPInBuffer = 8 * kColumnBlockBytes;      // P's slots: a K buffer's rope block
@@ -59,7 +60,8 @@ struct SeesawSmem {
   static constexpr int kL = kM1 + 128 * 8;                      // float2 [2][128]: the sums at the end
   static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][column block]
   static constexpr int kNumBars = 1 + 2 * kLatentBlocks;
-  static constexpr int kFlag = kBars + kNumBars * 8;
+  static constexpr int kFlag = kBars + kNumBars * 8;            // int: a page id outside the cache
+  static constexpr int kPartialBase = kFlag + 4;                // int: the request's first partial row
   static constexpr int kWork = kFlag + 8;                       // the CTA's Work, for its end
   static constexpr int kStagePitch = 256 * 2 + 16;              // a staged row of O's half (store_rows)
   static constexpr int kBytes = kWork + ((sizeof(Work) + 7) / 8) * 8;
@@ -313,14 +315,15 @@ struct SeesawRole {
     sm90::pin(s);
   }
 
-  // The end: this warpgroup's 64 x 256 half of O (row sums l, summed over both warpgroups) rounded as
+  // The end: this warpgroup's 64 x 256 half of O (row sums l, summed over both warpgroups; partial_base:
+  // partial_base_of, loaded at the CTA's start) rounded as
   // the mma.sync tile's store_rows rounds it, into its own K buffer (free once both warpgroups passed
   // kBarEnd; rows kStagePitch bytes apart, so the 8 rows of a warp's 4-byte writes fall on 32 banks),
   // then, after a named barrier of its own, a warp stores a row's 512 bytes as 32 whole 16-byte chunks
   // (out must be 16-byte aligned). The LSE comes from warpgroup 0.
-  __device__ __forceinline__ void store_rows(const Work& done, const float (&l)[2], bool bad, int wg) const {
+  __device__ __forceinline__ void store_rows(const Work& done, int partial_base, const float (&l)[2], bool bad,
+                                             int wg) const {
     const unsigned stage = buffer(wg);
-    const int partial_base = partial_base_of(p, done);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = first_row + 8 * h, row = done.row0 + r;

@@ -28,6 +28,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   const FastDiv by_head{p.head_multiplier, p.head_shift, p.num_heads};
   Work w;
   if (!find_work<kBlockRows>(p, by_head, blockIdx.x, w)) return;  // the whole CTA, before any barrier
+  const int partial_base = partial_base_of(p, w);  // (loaded now, kept in shared memory for the end)
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = mbar::smem_addr(smem_raw);
@@ -40,6 +41,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
 #pragma unroll
     for (int i = 1; i < SeesawSmem::kNumBars; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][block]
     *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kFlag) = 0;
+    *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kPartialBase) = partial_base;
     *reinterpret_cast<Work*>(smem_raw + (base - raw) + SeesawSmem::kWork) = w;
     mbar::init_fence();
   }
@@ -72,12 +74,14 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   const float2 l0 = sums[wtid], l1 = sums[128 + wtid];
   l[0] = l0.x + l1.x;
   l[1] = l0.y + l1.y;
-  // the work item from shared memory, rather than registers held across the loop or its loads again
+  // the work item and the first partial row from shared memory, rather than registers held across the
+  // loop or their loads again
   const Work done = *reinterpret_cast<const Work*>(smem_raw + (base - raw) + SeesawSmem::kWork);
+  const int partial_base_done = *reinterpret_cast<const int*>(smem_raw + (base - raw) + SeesawSmem::kPartialBase);
   const int flagged = *role.flag();
   const bool bad = done.bad != 0 || flagged != 0;
   if (tid == 0 && flagged != 0 && done.bad == 0) record_bad(p.status, done.request, kPageOutOfRange);
-  role.store_rows(done, l, bad, wg);  // each warpgroup's half, through its own K buffer
+  role.store_rows(done, partial_base_done, l, bad, wg);  // each warpgroup's half, through its own K buffer
 }
 
 }  // namespace mla
