@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   // the warpgroup index from lane 0: ptxas then knows it is warp-uniform (the roles' branches hold wgmma)
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wtid = tid & 127;
 
+  copy_q_block<256, T>(p, w, by_head, base + SeesawSmem::kQ, tid);  // (q_full takes them after the setup)
   if (tid == 0) {
     mbar::init(base + SeesawSmem::kBars, 256);  // q_full: every thread's copies of Q
 #pragma unroll
@@ -48,7 +49,6 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   __syncthreads();
 
   SeesawRole<T> role(p, w, by_head, base, wtid);
-  copy_q_block<256, T>(p, w, by_head, base + SeesawSmem::kQ, tid);
   mbar::cp_async_arrive_noinc(base + SeesawSmem::kBars);
   if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
 #pragma unroll
