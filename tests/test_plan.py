@@ -466,12 +466,18 @@ def test_device_plan_flags_broken_contract():
 
 
 def test_warp_segment_search_model():
-    """A Python model of kernels/shared/common.cuh upper_segment (32 probes per round, ballot,
-    last lane that holds) agrees with bisection on offsets with runs of equal entries, and
-    needs ceil(log32(n)) rounds."""
+    """A Python model of kernels/shared/common.cuh upper_segment (up to 128 entries: four probes a
+    lane, the entries that hold counted over four ballots; past that 32 probes per round, ballot,
+    last lane that holds) agrees with bisection on offsets with runs of equal entries, and needs
+    one round up to 128 entries, ceil(log32(n)) past them."""
     import bisect
 
     def warp_search(indptr, n, x):
+        if n <= 128:
+            held = [[4 * lane + j < n and indptr[4 * lane + j] <= x for lane in range(32)] for j in range(4)]
+            flat = [held[j][lane] for lane in range(32) for j in range(4)][:n]
+            assert flat == sorted(flat, reverse=True)  # a prefix holds
+            return max(sum(map(sum, held)) - 1, 0), 1
         lo, hi, rounds = 0, n, 0
         while hi - lo > 1:
             step = (hi - lo + 31) >> 5
@@ -483,7 +489,7 @@ def test_warp_segment_search_model():
         return lo, rounds
 
     rng = np.random.default_rng(0)
-    for n in (1, 2, 31, 32, 33, 64, 1000, 1024, 1025, 5000):
+    for n in (1, 2, 31, 32, 33, 64, 100, 127, 128, 129, 1000, 1024, 1025, 5000):
         sizes = rng.integers(0, 4, n) * (rng.random(n) < 0.6)
         indptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         for x in range(indptr[-1]):

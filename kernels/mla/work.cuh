@@ -34,8 +34,9 @@ struct Work {
 // warp-wide search) and gets the same answer.
 template <int BLOCK_M>
 __device__ __forceinline__ bool find_work(const MlaParams& p, const FastDiv& by_head, int cta, Work& w) {
+  // (the search does not wait for the total: past it, it gives some request and the CTA exits)
   const int total = __ldg(p.work_indptr + p.batch_size);
-  w.request = upper_segment(p.work_indptr, p.batch_size, min(cta, max(total - 1, 0)));
+  w.request = upper_segment(p.work_indptr, p.batch_size, cta);
   if (cta >= total) return false;
   const int b = w.request;
   w.q_start = __ldg(p.q_indptr + b);

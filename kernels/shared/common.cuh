@@ -328,9 +328,19 @@ __device__ __forceinline__ int staged_pair(int row, int pair) {
 // a host-built lookup table. The whole warp searches together: 32 probes issued at
 // once per round narrow the range 32-fold, so n <= 1024 takes two dependent loads
 // instead of a binary search's log2(n) (each an L2 round trip on a CTA's critical
-// path). Every lane of the warp must call it, with the same x.
+// path); up to 128 entries, one round of four probes a lane (the entries <= x are a prefix: their
+// count, less one, is the index). Every lane of the warp must call it, with the same x.
 __device__ __forceinline__ int upper_segment(const int* indptr, int n, int x) {
   const int lane = threadIdx.x & 31;
+  if (n <= 128) {
+    int count = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int probe = 4 * lane + j;
+      count += __popc(__ballot_sync(0xffffffffu, probe < n && __ldg(indptr + probe) <= x));
+    }
+    return max(count - 1, 0);
+  }
   int lo = 0, hi = n;  // invariant: indptr[lo] <= x < indptr[hi]
   while (hi - lo > 1) {
     const int step = (hi - lo + 31) >> 5;
