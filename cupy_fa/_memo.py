@@ -5,8 +5,10 @@ per call. A decode step's lengths change every step while its schedule changes e
 (when a request crosses a split boundary), so a :class:`ScheduleMemo` keeps the last schedules of
 an instance, keyed by exactly what the policy reads:
 
-* host lengths: ``q_lens`` and ``ceil(kv_len / split_size)`` per request (of each request's window
-  span where a sliding window cuts its keys). Every count the host policy derives from ``kv_len``
+* host lengths: ``q_lens`` and ``ceil(kv_len / split_size)`` per request, and where a sliding window
+  cuts its keys each request's key base in whole merge groups of splits (``schedule.key_base`` over
+  ``MERGE_GROUP x split_size``: its window span's splits are the first quotient less that many
+  groups' splits, so the pair fixes them). Every count the host policy derives from ``kv_len``
   (``schedule.max_splits``: the splits a request gets, ``work_bound``, ``needs_merge``,
   ``fold_tile``) is a function of that quotient and ``q_len``, so two batches of one key plan
   alike (``tests/test_schedule_cpu.py`` holds memoised schedules to fresh ones over random
@@ -16,6 +18,8 @@ an instance, keyed by exactly what the policy reads:
 and the window, the device (shared memory, SMs, arch) and the knobs in force (a knob change
 empties the memo).
 """
+
+import numpy as np
 
 from . import schedule
 from .knobs import knobs
@@ -43,9 +47,14 @@ class ScheduleMemo:
             self._split = schedule.split_size(self.kv_bytes)  # (a knob)
         device = (smem_limit, sm_count, arch, window)
         if q_lens is not None:
-            spans = kv_lens if not window else schedule.window_spans(q_lens, kv_lens, window, self.kv_bytes)
             split = self._split
-            key = (device, q_lens.tobytes(), ((spans + (split - 1)) // split).tobytes())
+            key = (device, q_lens.tobytes(), ((kv_lens + (split - 1)) // split).tobytes())
+            if window:  # schedule.key_base / (MERGE_GROUP x split), in place on one new array
+                groups = kv_lens - q_lens
+                groups -= int(window) - 1
+                np.maximum(groups, 0, out=groups)
+                groups //= schedule.MERGE_GROUP * split
+                key += (groups.tobytes(),)
         else:
             key = (device, max_q_len, max_kv_len, capacity, batch_size)
         found = self._found.get(key)
