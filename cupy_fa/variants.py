@@ -17,6 +17,8 @@ def checked_window(window):
     """``plan(window=...)`` as the kernels take it: W >= 1 keys, or 0 for none (None, -1). A window
     above 2^30 keys is 2^30 (the same for every kv_len a cache can hold; the kernels add it to key
     positions in int32)."""
+    if type(window) is int and window >= 1:  # (the common case first: a plan checks it every step)
+        return min(window, 2**30)
     if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
         return 0
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
