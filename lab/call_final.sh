@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The closing GPU call (2026-12-06): `python -m bench.host` over its default cells first (issue 41's
-# host figures, on a machine nothing else has run on yet: a test run before doubles them), then
-# scripts/device_check.sh all (its summary table printed whole), then, if time is left, the EAGLE
+# host figures, on a machine nothing else has run on yet: a test run before doubles them), then an
+# MLA A/B of the exp trees in MLA_AB_TREES (MLA_ONLY, ROUNDS as lab/call_mla_ab.sh takes them) where
+# set, then scripts/device_check.sh all (its summary table printed whole), then, if time is left, the EAGLE
 # draft chain probe (SGLang's MLA kit case; .sgl carried), each bounded inside CALL_SECONDS.
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -10,6 +11,11 @@ left() { echo $(( total - ($(date +%s) - t0) )); }
 PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache \
   timeout ${HOST_SECONDS:-90} python3 -m bench.host --no-flashinfer --json "$OUT/host.json" 2>&1 | grep -v "^\[" | tail -n 22
 echo "== bench.host at $(( $(date +%s) - t0 )) s"
+if [ -n "${MLA_AB_TREES:-}" ]; then  # an MLA A/B of exp trees before the check (lab/call_mla_ab.sh, no tests)
+  TEST_TREES=" " AB_TREES="$MLA_AB_TREES" CALL_SECONDS=${MLA_AB_SECONDS:-70} bash lab/call_mla_ab.sh 2>&1 \
+    | grep -v "fp8" | cut -c1-112
+  echo "== MLA A/B at $(( $(date +%s) - t0 )) s"
+fi
 CHECK_SECONDS=${CHECK_SECONDS:-480} TEST_SECONDS=${TEST_SECONDS:-330} OUT=$OUT/check bash scripts/device_check.sh all \
   > "$OUT/check.log" 2>&1
 echo "== device_check.sh all: exit $? at $(( $(date +%s) - t0 )) s"
