@@ -11,7 +11,7 @@ an instance, keyed by exactly what the policy reads:
   groups' splits, so the pair fixes them). Every count the host policy derives from ``kv_len``
   (``schedule.max_splits``: the splits a request gets, ``work_bound``, ``needs_merge``,
   ``fold_tile``) is a function of that quotient and ``q_len``, so two batches of one key plan
-  alike (``tests/test_schedule_cpu.py`` holds memoised schedules to fresh ones over random
+  alike (``tests/test_host_path_cpu.py`` holds memoised schedules to fresh ones over random
   batches);
 * device lengths: the bounds (``max_q_len``, ``max_kv_len``), the capacity and the batch size;
 
