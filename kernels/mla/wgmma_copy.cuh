@@ -46,12 +46,13 @@ __device__ __forceinline__ void copy_q_block(const MlaParams& p, const Work& w, 
   const QT* nope = q_chunk<QT>(p, w, by_head, row, c0, valid);
   const QT* pe = q_chunk<QT>(p, w, by_head, row, kValueDim / 8 + c0, valid);
   // chunk c0 + 4 k sits in column block k / 2 at slot (c0 + 4 (k % 2)) ^ (r % 8) of its row
-  const unsigned at[2] = {q_addr + r * 128 + (((c0) ^ (r & 7)) << 4), q_addr + r * 128 + (((c0 + 4) ^ (r & 7)) << 4)};
+  const unsigned at[2] = {q_addr + r * 128 + ((c0 ^ (r & 7)) << 4), q_addr + r * 128 + (((c0 + 4) ^ (r & 7)) << 4)};
 #pragma unroll
-  for (int k = 0; k < kValueDim / 32; ++k) cp_async_shared(at[k & 1] + (k >> 1) * kColumnBlockBytes, nope + 32 * k, valid);
+  for (int k = 0; k < kValueDim / 32; ++k) {
+    cp_async_shared(at[k & 1] + (k >> 1) * kColumnBlockBytes, nope + 32 * k, valid);
+  }
 #pragma unroll
-  for (int k = 0; k < 2; ++k)
-    cp_async_shared(at[k] + (kValueDim / 64) * kColumnBlockBytes, pe + 32 * k, valid);
+  for (int k = 0; k < 2; ++k) cp_async_shared(at[k] + (kValueDim / 64) * kColumnBlockBytes, pe + 32 * k, valid);
 }
 
 // The page ids of one thread's four keys of key block `block` (keys kv_begin + 64 block + wtid / 8
