@@ -3,7 +3,8 @@ never to the package): `mla_trace[cta][24]` with the CTA's start / done ns (glob
 warpgroup (thread 0 of each) the clock64 cycles spent issuing S (its column blocks' mbarrier waits),
 at the loop-top S wait, at the exchange barriers, in the P V products and in the fills, and cycles to
 the first S, to the loop's end and to the end, and the prologue's steps from the CTA's start (18
-barriers set, 19 query copies issued, 20 the first pair's copies issued, 21 the query block landed).
+barriers set, 19 query copies issued, 20 the first pair's copies issued, 21 the query block landed);
+22 the CTA's first instruction and 23 its last warp's exit (ns, globaltimer).
 
     git archive HEAD cupy_fa kernels bench | tar -x -C exp/trace && python3 lab/mla_trace_stamp.py exp/trace
 """
@@ -87,7 +88,14 @@ def main(tree):
     s, n = re.subn(r"^(  role\.store_rows\(done, (partial_base_done, )?l, bad, wg\);.*)$",
                    "\\1\n  if (tid == 0) {\n    unsigned sm;\n    asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
                    "    mla_trace[blockIdx.x][2] = sm;\n    mla_trace[blockIdx.x][1] = tns();\n"
-                   "    mla_trace[blockIdx.x][8] = tclk() - t_start;\n  }", s, count=1, flags=re.M)
+                   "    mla_trace[blockIdx.x][8] = tclk() - t_start;\n  }\n"
+                   "  if ((tid & 31) == 0 && blockIdx.x < 8192) atomicMax(&mla_trace[blockIdx.x][23], tns());",
+                   s, count=1, flags=re.M)
+    assert n == 1
+    # the CTA's first instruction (before find_work), ns: the work lookup and the launch gap apart
+    s, n = re.subn(r"^(  allow_dependent_launch\(\);\n)",
+                   "\\1  if (threadIdx.x == 0 && blockIdx.x < 8192) mla_trace[blockIdx.x][22] = tns();\n",
+                   s, count=1, flags=re.M)
     assert n == 1
     open(path, "w").write(s)
 

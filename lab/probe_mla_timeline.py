@@ -75,6 +75,15 @@ def main(argv=None):
         if gaps:
             g = np.array(gaps) / 1e3
             print(f"   SM gaps between CTAs: mean {g.mean():.2f} us, median {np.median(g):.2f}, max {g.max():.2f}")
+        if t[:, 22].any() and t[:, 23].any():  # (stamps of 2026-12-06: the entry and the last warp's exit)
+            entry, out = t[:, 22], t[:, 23]
+            launch = []
+            for s_id in set(sm.tolist()):
+                idx = np.argsort(entry[sm == s_id])
+                launch += list(entry[sm == s_id][idx][1:] - out[sm == s_id][idx][:-1])
+            print(f"   work lookup (entry to start) {np.mean(start - entry) / 1e3:.2f} us, last warp out after thread "
+                  f"0's end {np.mean(out - done) / 1e3:.2f} us, an SM's last warp out to its next CTA's entry "
+                  f"{np.mean(launch) / 1e3:.2f} us (median {np.median(launch) / 1e3:.2f})")
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
     return 0
