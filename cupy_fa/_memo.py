@@ -6,8 +6,8 @@ per call. A decode step's lengths change every step while its schedule changes e
 an instance, keyed by exactly what the policy reads:
 
 * host lengths: ``q_lens`` and ``ceil(kv_len / split_size)`` per request, and where a sliding window
-  cuts its keys each request's key base in whole merge groups of splits (``schedule.key_base`` over
-  ``MERGE_GROUP x split_size``: its window span's splits are the first quotient less that many
+  cuts its keys each request's key base in whole merge groups of splits
+  (``schedule.key_base_units``: its window span's splits are the first quotient less that many
   groups' splits, so the pair fixes them). Every count the host policy derives from ``kv_len``
   (``schedule.max_splits``: the splits a request gets, ``work_bound``, ``needs_merge``,
   ``fold_tile``) is a function of that quotient and ``q_len``, so two batches of one key plan
@@ -18,8 +18,6 @@ an instance, keyed by exactly what the policy reads:
 and the window, the device (shared memory, SMs, arch) and the knobs in force (a knob change
 empties the memo).
 """
-
-import numpy as np
 
 from . import schedule
 from .knobs import knobs
@@ -49,12 +47,8 @@ class ScheduleMemo:
         if q_lens is not None:
             split = self._split
             key = (device, q_lens.tobytes(), ((kv_lens + (split - 1)) // split).tobytes())
-            if window:  # schedule.key_base / (MERGE_GROUP x split), in place on one new array
-                groups = kv_lens - q_lens
-                groups -= int(window) - 1
-                np.maximum(groups, 0, out=groups)
-                groups //= schedule.MERGE_GROUP * split
-                key += (groups.tobytes(),)
+            if window:
+                key += (schedule.key_base_units(q_lens, kv_lens, window, self.kv_bytes).tobytes(),)
         else:
             key = (device, max_q_len, max_kv_len, capacity, batch_size)
         found = self._found.get(key)

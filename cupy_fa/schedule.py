@@ -182,21 +182,27 @@ def split_rule(q_lens, kv_lens, split, most, small_q_len, row_budget):
     return np.maximum(1, np.minimum(splits, most))
 
 
+def key_base_units(q_lens, kv_lens, window, kv_bytes=2):
+    """:func:`key_base` in its units of MERGE_GROUP x split_size(kv_bytes) keys (a sliding ``window``
+    > 0), on one new array: with ``ceil(kv_len / split_size)`` it fixes every split count of a
+    windowed request (cupy_fa._memo's key)."""
+    units = np.asarray(kv_lens, np.int64) - np.asarray(q_lens, np.int64)
+    units -= int(window) - 1  # the first query's first visible key
+    np.maximum(units, 0, out=units)
+    units //= MERGE_GROUP * split_size(kv_bytes)
+    return units
+
+
 def key_base(q_lens, kv_lens, window, kv_bytes=2):
     """kernels/shared/plan.cu window_key_base: with a sliding ``window`` (keys a query sees, itself
     included; 0 / None: none) the keys before each request's first split, its first query's first
     visible key ``kv_len - q_len - window + 1`` rounded down to a multiple of MERGE_GROUP x
     split_size(kv_bytes) (so small-q splits and their merge groups stay at fixed positions); 0 without.
     In place on one new array (a windowed plan computes it every step: :func:`window_spans`)."""
-    q, kv = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
     if not window:
-        return np.zeros(np.broadcast(q, kv).shape, np.int64)
-    unit = MERGE_GROUP * split_size(kv_bytes)
-    base = kv - q
-    base -= int(window) - 1  # the first query's first visible key
-    np.maximum(base, 0, out=base)
-    base //= unit
-    base *= unit
+        return np.zeros(np.broadcast(np.asarray(q_lens), np.asarray(kv_lens)).shape, np.int64)
+    base = key_base_units(q_lens, kv_lens, window, kv_bytes)
+    base *= MERGE_GROUP * split_size(kv_bytes)
     return base
 
 

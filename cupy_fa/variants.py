@@ -17,13 +17,12 @@ def checked_window(window):
     """``plan(window=...)`` as the kernels take it: W >= 1 keys, or 0 for none (None, -1). A window
     above 2^30 keys is 2^30 (the same for every kv_len a cache can hold; the kernels add it to key
     positions in int32)."""
-    if type(window) is int and window >= 1:  # (the common case first: a plan checks it every step)
-        return min(window, 2**30)
-    if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
-        return 0
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"window must be an int >= 1 (the keys a query sees, itself included; FlashAttention's "
-                         f"convention) or None / -1 for no window, got {window!r}")
+    if not (type(window) is int and window >= 1):  # (a plain int window, the common case, skips the checks)
+        if window is None or (isinstance(window, (int, np.integer)) and not isinstance(window, bool) and window == -1):
+            return 0
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise ValueError(f"window must be an int >= 1 (the keys a query sees, itself included; "
+                             f"FlashAttention's convention) or None / -1 for no window, got {window!r}")
     return int(min(window, 2**30))
 
 
