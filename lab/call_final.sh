@@ -13,7 +13,7 @@ PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CAC
 echo "== bench.host at $(( $(date +%s) - t0 )) s"
 if [ -n "${MLA_AB_TREES:-}" ]; then  # an MLA A/B of exp trees before the check (lab/call_mla_ab.sh, no tests)
   TEST_TREES=" " AB_TREES="$MLA_AB_TREES" CALL_SECONDS=${MLA_AB_SECONDS:-70} bash lab/call_mla_ab.sh 2>&1 \
-    | grep -v "fp8" | cut -c1-112
+    | grep -v "fp8" | cut -c1-112 | tee "$OUT/mla_ab.txt"
   echo "== MLA A/B at $(( $(date +%s) - t0 )) s"
 fi
 CHECK_SECONDS=${CHECK_SECONDS:-480} TEST_SECONDS=${TEST_SECONDS:-330} OUT=$OUT/check bash scripts/device_check.sh all \
