@@ -20,7 +20,9 @@ import json
 import sys
 import time
 
-from cupy_fa import catalog
+import pathlib
+
+from cupy_fa import _build, _compile, catalog
 from cupy_fa.families import sm90
 
 R = dataclasses.replace
@@ -32,16 +34,22 @@ F2W = R(F128, consumer_wgs=2, producer_regs=56, block_n=128)
 
 
 @contextlib.contextmanager
-def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None, pair=None):
+def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None, pair=None, kernels=None):
     """The family's tables with ``default`` / ``fp8`` ({head dim: tile}) and ``pair`` ({(qk, vo):
-    tile, or None to drop the pair's tile: the mma.sync prefill tile then}) merged in, the soft-cap's
+    tile, or None to drop the pair's tile: the mma.sync prefill tile then}) merged in, the kernel
+    sources of another tree (``kernels``: its kernels/ folder; a source experiment A/B'd in one
+    process, its own compile cache key by the sources' hash), the soft-cap's
     tanh form, the hooked tiles' keys a tile and other fields of theirs (``hooked``: a dict for
     ``dataclasses.replace``; None: as shipped); restored on exit. The hooked kernel runs the plain
     tile's plan, so a hooked tile of other rows per CTA (consumer warpgroups) needs ``default``'s
     tile of those rows too."""
     saved = dict(sm90.DEFAULT_TILES), dict(sm90.FP8_TILES), sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants
     saved_pairs = dict(sm90.PAIR_TILES)
+    saved_dir = _compile.KERNEL_DIR
     try:
+        if kernels:
+            _compile.KERNEL_DIR = pathlib.Path(kernels).resolve()
+            _clear_source_caches()
         sm90.DEFAULT_TILES.update(default or {})
         sm90.FP8_TILES.update(fp8 or {})
         for key, tile in (pair or {}).items():
@@ -63,6 +71,17 @@ def patched(default=None, fp8=None, tanh=None, hooked_block_n=None, hooked=None,
         sm90.SOFT_CAP_TANH, sm90.Sm90Tile.with_variants = saved[2], saved[3]
         sm90.PAIR_TILES.clear(), sm90.PAIR_TILES.update(saved_pairs)
         catalog.attention_kernel.cache_clear()
+        if kernels:
+            _compile.KERNEL_DIR = saved_dir
+            _clear_source_caches()
+
+
+def _clear_source_caches():
+    """Every memo that holds a kernel source's hash, its include folder or a module built from it."""
+    for module in (_compile, _build, catalog):
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
 
 
 # (workload, point name, patch): the first point of a workload is the table's
@@ -122,6 +141,8 @@ def main(argv=None):
     parser.add_argument("--only", default="", help="comma-separated substrings of the workload names to run")
     parser.add_argument("--exact", action="store_true", help="--only names whole workload names")
     parser.add_argument("--points", default="", help="comma-separated substrings of the point names to run (all: '')")
+    parser.add_argument("--kernel-trees", default="",
+                        help="comma-separated trees whose kernels/ run as extra points of each --only workload")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--page-size", type=int, default=16)
@@ -133,6 +154,8 @@ def main(argv=None):
 
     from bench import inputs, ours, workloads as W
 
+    if args.kernel_trees and not args.points:
+        args.points = "shipped,table"  # each workload's first point beside the trees
     results = []
     by_workload = {}
     wanted = args.only.split(",")
@@ -140,6 +163,9 @@ def main(argv=None):
         if any((name == x) if args.exact else (x in name) for x in wanted) and (
                 not args.points or any(x in point for x in args.points.split(","))):
             by_workload.setdefault(name, []).append((point, patch))
+    for name in list(by_workload) + [x for x in wanted if x in W.BY_NAME and x not in by_workload]:
+        by_workload.setdefault(name, [("shipped", {})])
+        by_workload[name] += [(tree, dict(kernels=f"{tree}/kernels")) for tree in args.kernel_trees.split(",") if tree]
     for name, points in by_workload.items():
         w = W.BY_NAME[name]
         inp = inputs.make_inputs(w, args.page_size, 2, seed=int(time.time()) % 100000)
