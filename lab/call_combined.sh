@@ -2,8 +2,9 @@
 # One GPU call when machines are scarce (2026-12-06): `bench.host` first on an H200 (issue 41's
 # figures on a machine nothing has run on yet), the fp8 producer ablations (lab/patches
 # 20261206-fp8-ablate-*, in exp trees of this tree's kernels, by lab/ab_hopper.py --kernel-trees),
-# an MLA A/B of main against the bulk-copy end (lab/patches/20261206-mla-bulk-store.patch) and the
-# merge at (2, 1) (MLA_ONLY cells, two rounds), then scripts/device_check.sh all in what is left of
+# an MLA A/B of main's seesaw kernel (this tree with lab/patches/20261206-mla-lean.patch taken back),
+# this tree, and this tree with the bulk-copy end (lab/patches/20261206-mla-bulk-store.patch) or the
+# merge at (2, 1) (MLA_ONLY cells, two rounds; digests compare the trees' bits), then scripts/device_check.sh all in what is left of
 # CALL_SECONDS. The exp trees are built here from patches (nothing extra carried beside .fi .sgl).
 . lab/call_budget.sh
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "== $gpu"
@@ -18,15 +19,16 @@ mk() {  # exp/NAME: this tree's kernels (and the package, bench and tests with $
   true
 }
 for a in nolds nocvt nostage; do mk f8$a kernels lab/patches/20261206-fp8-ablate-$a.patch; done
-mk base all; mk bulk all lab/patches/20261206-mla-bulk-store.patch; mk mw2 all
+mk base all; (cd exp/base && patch -s -R -p1 < ../../lab/patches/20261206-mla-lean.patch)  # main's MLA kernel
+mk bulk all lab/patches/20261206-mla-bulk-store.patch; mk mw2 all
 sed -i 's/^MERGE_WIDE = (8, 1)/MERGE_WIDE = (2, 1)/' exp/mw2/cupy_fa/families/mla.py
 fits 70 "fp8 ablations" && timeout 70 python3 lab/ab_hopper.py --exact --only prefill_b4_l4096_fp8,prefill_b4_l4096 \
   --kernel-trees exp/f8nolds,exp/f8nocvt,exp/f8nostage --rounds 2 > "$OUT/fp8_ablate.txt" 2>&1
 grep -E "^ab|^  prefill" "$OUT/fp8_ablate.txt" | cut -c1-150; echo "== fp8 ablations at $(( $(date +%s) - t0 )) s"
 for round in 1 2; do
-  for tree in base bulk mw2; do
+  for tree in exp/base . exp/bulk exp/mw2; do
     fits $(( ${CHECK_MIN:-400} + 25 )) "MLA r$round $tree" || continue
-    (cd exp/$tree && timeout 40 python3 -m bench.mla --only "${MLA_ONLY:-H=128}" --no-peers --digest 2>&1 \
+    (cd $tree && timeout 40 python3 -m bench.mla ${MLA_ONLY:+--only "$MLA_ONLY"} --no-peers --digest 2>&1 \
       | grep -E "^(decode|verify)" | cut -c1-150 | sed "s|^|r$round $tree: |")
   done
 done | tee "$OUT/mla_ab.txt"; echo "== MLA A/B at $(( $(date +%s) - t0 )) s"

@@ -74,6 +74,8 @@ class PagedLatentCache:
         self.num_pages, self.page_size = int(dev.shape[0]), int(dev.shape[1])
         if self.num_pages < 1 or self.page_size < 1:
             raise ValueError(f"latent must have at least one page of at least one token, got shape {tuple(dev.shape)}")
+        if self.num_pages * self.page_size >= 2**32:  # the kernels find a token's row in 32 bits
+            raise ValueError(f"latent holds {self.num_pages * self.page_size} token rows; at most 2**32 - 1")
         if not self.is_fp8 and scale is not None:
             raise ValueError(f"scale is for an fp8 (float8_e4m3fn) cache; this one is {self.dtype_name}")
         self.scale = self.scale_device = None

@@ -116,13 +116,17 @@ struct SeesawRole {
   // steps over the 576 columns, each 64-column block's four as soon as that block is in
   __device__ __forceinline__ void issue_scores(int b, int pair) {
     // (the descriptors through opaque moves: hoisted out of the pair loop, their 36 steps would take 72
-    // registers the accumulators need)
-    const sm90::u64 q_desc = opaque(sm90::kmajor_desc(base + SeesawSmem::kQ)), k_desc = opaque(sm90::kmajor_desc(buffer(b)));
+    // registers the accumulators need; their high words opaque too, through base >> 24, which is 0 for
+    // any shared address: ptxas then keeps them in the descriptors' registers instead of building the
+    // constant again at every step, and each step is one 32-bit add, desc_at_lo)
+    const unsigned hi_pad = base >> 24;
+    const sm90::u64 q_desc = opaque(sm90::kmajor_desc(base + SeesawSmem::kQ) | ((sm90::u64)hi_pad << 32)),
+                    k_desc = opaque(sm90::kmajor_desc(buffer(b)) | ((sm90::u64)hi_pad << 32));
 #pragma unroll
     for (int kk = 0; kk < kLatentDim / 16; ++kk) {
       if (kk % 4 == 0) mbar::wait(full_bars(b) + 8 * (kk / 4), pair & 1), sm90::wgmma_fence();
-      sm90::Wgmma<64, T>::ss_kk(s, sm90::desc_at(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
-                                sm90::desc_at(k_desc, sm90::kmajor_step<kBlockRows>(kk)), kk > 0);
+      sm90::Wgmma<64, T>::ss_kk(s, sm90::desc_at_lo(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
+                                sm90::desc_at_lo(k_desc, sm90::kmajor_step<kBlockRows>(kk)), kk > 0);
     }
     sm90::wgmma_commit();
   }

@@ -69,11 +69,21 @@ __device__ __forceinline__ int block_key(const Work& w, int block, int wtid, int
 
 __device__ __forceinline__ KeyPages lookup_keys(const MlaParams& p, const Work& w, int block, int wtid) {
   const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
+  const int key0 = block_key(w, block, wtid, 0);
+  int index[kBlockRows / 16];  // one test of the page size's kind for the four keys
+  if (p.page_shift >= 0) {
+#pragma unroll
+    for (int j = 0; j < kBlockRows / 16; ++j) index[j] = (key0 + 16 * j) >> p.page_shift;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kBlockRows / 16; ++j) index[j] = (key0 + 16 * j) / p.page_size;
+  }
   KeyPages k;
 #pragma unroll
   for (int j = 0; j < kBlockRows / 16; ++j) {
-    const int key = block_key(w, block, wtid, j);
-    k.page[j] = key < w.kv_end ? page_of(p, page_row, key) : 0u;
+    unsigned page = 0u;
+    if (key0 + 16 * j < w.kv_end) page = static_cast<unsigned>(__ldg(page_row + index[j]));
+    k.page[j] = page;
   }
   return k;
 }
@@ -96,20 +106,34 @@ __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, con
   bool out = false;
   const char* src[KEYS];
   bool valid[KEYS];
+  const int key0 = block_key(w, block, wtid, 0);
+  int in_page[KEYS];  // one test of the page size's kind for the four keys
+  if (p.page_shift >= 0) {
+#pragma unroll
+    for (int j = 0; j < KEYS; ++j) in_page[j] = (key0 + 16 * j) & (p.page_size - 1);
+  } else {
+#pragma unroll
+    for (int j = 0; j < KEYS; ++j) in_page[j] = (key0 + 16 * j) % p.page_size;
+  }
+  const char* thread_src = cache + chunk * 16;
+  const unsigned last_page = static_cast<unsigned>(p.num_pages - 1);
 #pragma unroll
   for (int j = 0; j < KEYS; ++j) {
-    const int key = block_key(w, block, wtid, j);
-    const int in_page = p.page_shift >= 0 ? (key & (p.page_size - 1)) : key % p.page_size;
-    valid[j] = key < w.kv_end;
-    out |= valid[j] && page_outside(p, pages.page[j]);
-    src[j] = cache + (valid[j] ? page_slot(p, pages.page[j], in_page) : 0) * ROW_BYTES + chunk * 16;
+    valid[j] = key0 + 16 * j < w.kv_end;
+    out |= valid[j] && pages.page[j] > last_page;
+    // a key past the range has page 0 (lookup_keys) and copies nothing (src-size 0): no select; the slot
+    // (a cache row) fits 32 bits, its byte offset is one 32 x 32 -> 64-bit multiply-add
+    const unsigned slot = min(pages.page[j], last_page) * static_cast<unsigned>(p.page_size) + in_page[j];
+    src[j] = thread_src + static_cast<unsigned long long>(slot) * ROW_BYTES;
   }
+  const unsigned dst0 = buf_addr + sm90::swizzled_offset<kBlockRows>(key_in0, chunk);
 #pragma unroll
   for (int c = FIRST; c < LAST; ++c) {
 #pragma unroll
     for (int j = 0; j < KEYS; ++j) {
-      cp_async_shared(buf_addr + sm90::swizzled_offset<kBlockRows>(key_in0 + 16 * j, 8 * c + chunk), src[j] + c * 128,
-                      valid[j]);
+      // swizzled_offset<kBlockRows>(key_in0 + 16 j, 8 c + chunk) = dst0 + c * kColumnBlockBytes + j * 16 * 128:
+      // (key_in0 + 16 j) % 8 == key_in0 % 8 and (8 c + chunk) % 8 == chunk, so the swizzle is the thread's own
+      cp_async_shared(dst0 + (c * kColumnBlockBytes + j * 16 * 128), src[j] + c * 128, valid[j]);
     }
     mbar::cp_async_arrive_noinc(full + 8 * c);
   }

@@ -49,6 +49,13 @@ __device__ __forceinline__ u64 make_desc(unsigned smem_addr, unsigned lead_bytes
 // shared addresses stay below 2^18, so adding to the whole word never carries out of it. The
 // main loops build each tile's descriptor once and step it by constants.
 __device__ __forceinline__ u64 desc_at(u64 desc, unsigned bytes) { return desc + (bytes >> 4); }
+// The same step on the low word alone (the start address field: shared addresses stay below 2^18, so
+// it never carries), the high word passed through: one 32-bit add where ptxas keeps the high word.
+__device__ __forceinline__ u64 desc_at_lo(u64 desc, unsigned bytes) {
+  u64 r;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(r) : "r"((unsigned)desc + (bytes >> 4)), "r"((unsigned)(desc >> 32)));
+  return r;
+}
 
 // K-major operand (Q as A, K as B of S = Q K^T): rows of the tile are M (or N), columns K.
 // Core groups of 8 rows are 8 x SW bytes apart (SBO); the leading offset is unused with the
