@@ -16,7 +16,7 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   batch, so a token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
   on the batch: a context past MAX_SPLITS x S keys, 65536 at 128 heads).
-* **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (8 heads a CTA) for many rows,
+* **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (2 heads a CTA: 256 threads) for many rows,
   deep (4 ways over a row's groups of splits) for a few.
 """
 
@@ -197,7 +197,7 @@ def plan_constants(schedule):
 
 
 def merge_shape(num_tokens, num_heads):
-    """Wide (8 heads a CTA) when the step's rows give every SM work, else deep (4 ways a row)."""
+    """Wide (2 heads a CTA) when the step's rows give every SM work, else deep (4 ways a row)."""
     return MERGE_WIDE if num_tokens * num_heads >= 1024 and num_heads % MERGE_WIDE[0] == 0 else MERGE_DEEP
 
 
