@@ -43,7 +43,8 @@ class PagedLatentCache:
         TypeError: a NumPy array, an unsupported dtype, a uint8 array without
             ``dtype="float8_e4m3fn"``, a ``dtype`` other than the array's own.
         ValueError: a CPU tensor, a shape other than the above (the last dimension must be 576: a
-            ``kv_lora_rank`` of 512 and a rope part of 64), not C-contiguous, misaligned, empty; a
+            ``kv_lora_rank`` of 512 and a rope part of 64), not C-contiguous, misaligned, empty, more
+            than 2**32 - 1 token rows (num_pages x page_size: the kernels find a row in 32 bits); a
             scale that is not one positive finite normal float32, or a scale for a 16-bit cache.
     """
 
