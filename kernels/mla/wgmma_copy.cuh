@@ -67,17 +67,31 @@ __device__ __forceinline__ int block_key(const Work& w, int block, int wtid, int
   return w.kv_begin + block * kBlockRows + (wtid >> 3) + 16 * j;
 }
 
+// The page index and the row within its page of a thread's four keys key0 + 16 j (work.cuh
+// page_index_of for each), with one test of the page size's kind for the four (what a caller does
+// not use, the compiler drops).
+__device__ __forceinline__ void key_places(const MlaParams& p, int key0, int (&index)[kBlockRows / 16],
+                                           int (&in_page)[kBlockRows / 16]) {
+  if (p.page_shift >= 0) {
+#pragma unroll
+    for (int j = 0; j < kBlockRows / 16; ++j) {
+      index[j] = (key0 + 16 * j) >> p.page_shift;
+      in_page[j] = (key0 + 16 * j) & (p.page_size - 1);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kBlockRows / 16; ++j) {
+      index[j] = (key0 + 16 * j) / p.page_size;
+      in_page[j] = (key0 + 16 * j) % p.page_size;
+    }
+  }
+}
+
 __device__ __forceinline__ KeyPages lookup_keys(const MlaParams& p, const Work& w, int block, int wtid) {
   const int* page_row = p.page_table + (i64)w.request * p.page_table_stride;
   const int key0 = block_key(w, block, wtid, 0);
-  int index[kBlockRows / 16];  // one test of the page size's kind for the four keys
-  if (p.page_shift >= 0) {
-#pragma unroll
-    for (int j = 0; j < kBlockRows / 16; ++j) index[j] = (key0 + 16 * j) >> p.page_shift;
-  } else {
-#pragma unroll
-    for (int j = 0; j < kBlockRows / 16; ++j) index[j] = (key0 + 16 * j) / p.page_size;
-  }
+  int index[kBlockRows / 16], in_page[kBlockRows / 16];
+  key_places(p, key0, index, in_page);
   KeyPages k;
 #pragma unroll
   for (int j = 0; j < kBlockRows / 16; ++j) {
@@ -107,14 +121,8 @@ __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, con
   const char* src[KEYS];
   bool valid[KEYS];
   const int key0 = block_key(w, block, wtid, 0);
-  int in_page[KEYS];  // one test of the page size's kind for the four keys
-  if (p.page_shift >= 0) {
-#pragma unroll
-    for (int j = 0; j < KEYS; ++j) in_page[j] = (key0 + 16 * j) & (p.page_size - 1);
-  } else {
-#pragma unroll
-    for (int j = 0; j < KEYS; ++j) in_page[j] = (key0 + 16 * j) % p.page_size;
-  }
+  int index[KEYS], in_page[KEYS];
+  key_places(p, key0, index, in_page);
   const char* thread_src = cache + chunk * 16;
   const unsigned last_page = static_cast<unsigned>(p.num_pages - 1);
 #pragma unroll
