@@ -2,7 +2,8 @@
 # The closing GPU call (2026-12-06): `python -m bench.host` over its default cells first (issue 41's
 # host figures, on a machine nothing else has run on yet: a test run before doubles them), then an
 # MLA A/B of the exp trees in MLA_AB_TREES (MLA_ONLY, ROUNDS as lab/call_mla_ab.sh takes them) where
-# set, then scripts/device_check.sh all (its summary table printed whole), then, if time is left, the EAGLE
+# set, then scripts/device_check.sh all (its summary table printed whole), then bench.mla beside FlashInfer,
+# then, if time is left, the EAGLE
 # draft chain probe (SGLang's MLA kit case; .sgl carried), each bounded inside CALL_SECONDS.
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -21,6 +22,12 @@ CHECK_SECONDS=${CHECK_SECONDS:-480} TEST_SECONDS=${TEST_SECONDS:-330} OUT=$OUT/c
 echo "== device_check.sh all: exit $? at $(( $(date +%s) - t0 )) s"
 sed -n '/device_check summary/,$p' "$OUT/check.log" | cut -c1-260
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
+if [ "$(left)" -ge 70 ] && [ -d /tmp/fi/flashinfer ]; then  # bench.mla beside FlashInfer (device_check unpacked it)
+  PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout $(( $(left) - 8 )) python3 -m bench.mla \
+    --digest --json "$OUT/mla.json" > "$OUT/mla.txt" 2>&1
+  echo "== bench.mla (FlashInfer beside) exit $? at $(( $(date +%s) - t0 )) s"
+  grep -E "^(decode|verify|fp8|ceilings)" "$OUT/mla.txt" | cut -c1-230
+fi
 if [ "$(left)" -ge 35 ] && [ -d /tmp/sgl-site/sglang ]; then
   PYTHONPATH=/tmp/sgl-site:$PWD OPENBLAS_NUM_THREADS=1 timeout $(( $(left) - 5 )) python3 lab/eagle_chain_probe.py \
     > "$OUT/eagle_probe.txt" 2>&1
