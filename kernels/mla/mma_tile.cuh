@@ -105,8 +105,7 @@ struct TileMath {
       float mx = -INFINITY;
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = quad_max(mx);
       if (tq == 0) s_max[wn * Tr::kBlockM + wm * 16 + g + 8 * h] = mx;
     }
   }
@@ -181,8 +180,7 @@ struct TileMath {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float x = l[h];
-      x += __shfl_xor_sync(0xffffffffu, x, 1);
-      x += __shfl_xor_sync(0xffffffffu, x, 2);
+      x = quad_sum(x);
       if (tq == 0) s_sum[wn * Tr::kBlockM + wm * 16 + g + 8 * h] = x;
     }
   }

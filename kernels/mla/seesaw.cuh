@@ -177,8 +177,7 @@ struct SeesawRole {
       float x = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 8; ++j) x = fmaxf(x, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+      x = quad_max(x);
       mx[h] = x * scale_log2;  // -inf stays -inf (scale > 0)
     }
   }

@@ -65,8 +65,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] = role.l[h];
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    l[h] = quad_sum(l[h]);
   }
   float2* sums = reinterpret_cast<float2*>(smem_raw + (base - raw) + SeesawSmem::kL);
   sums[wg * 128 + wtid] = make_float2(l[0], l[1]);

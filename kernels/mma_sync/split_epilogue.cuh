@@ -131,8 +131,7 @@ struct SplitEpilogue {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[h] = state.row_sum[h];
-      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+      l[h] = quad_sum(l[h]);
     }
     if (tq == 0) {
       s_max[warp][g] = state.row_max[0];

@@ -139,6 +139,18 @@ __device__ __forceinline__ unsigned char e4m3_from_float(float x) {
 // 2^e as a float, for -126 <= e <= 127 (an exponent field, no rounding).
 __device__ __forceinline__ float pow2(int e) { return __uint_as_float(static_cast<u32>(127 + e) << 23); }
 
+// A row's value reduced over its quad: the four lanes 4k .. 4k + 3 that hold one row of an mma /
+// wgmma accumulator fragment, by shuffles at distance 1, then 2 (the same order in every lane, so
+// all four hold the same bits).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
 // One 16-byte chunk of a row of bf16 queries (8 values, x), rewritten in place as fp16 times 2^e_r
 // (see above); the row's CH chunks are CH consecutive lanes of one warp (CH a power of two, at
 // most 32), which agree on e_r by shuffles. Returns e_r.

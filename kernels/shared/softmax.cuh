@@ -148,8 +148,7 @@ struct OnlineSoftmaxRows {
       float mx = -INFINITY;
 #pragma unroll
       for (int nb = 0; nb < S_BLOCKS; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = quad_max(mx);
       float correction = 1.f;
       bool moved = false;
       if (mx > row_max[h] + kLazyRescale) {  // also a row's first keys (m = -inf)

@@ -150,8 +150,7 @@ struct RowState {
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) part[j % 4] = fmaxf(part[j % 4], fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
       float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = quad_max(mx);
       const float scale_log2 = scale[h];
       const float mx2 = mx * scale_log2;  // -inf stays -inf (scale > 0)
       factor[h] = 1.f;
@@ -267,8 +266,7 @@ __device__ __forceinline__ void store_rows(const AttentionParams& p, const Prefi
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = st.l[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    l = quad_sum(l);
     if (!ri.real[h]) continue;
     const int row = first_row + 8 * h;
     const int head = w.kv_head * by_group.divisor + by_group.mod(row);
