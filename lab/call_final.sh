@@ -32,6 +32,7 @@ ab_trees() {  # $1: a title, $2: --only workloads (whole names), $3: exp trees; 
     > "$OUT/ab_$1.txt" 2>&1
   grep -E "^ab|^  prefill" "$OUT/ab_$1.txt" | cut -c1-150; echo "== A/B $1 ($3) at $(( $(date +%s) - t0 )) s"
 }
+ab_stages() {
 if [ -n "${FP8_ABLATE:-}" ]; then  # fp8 prefill ablation trees (lab/patches/20261206-fp8-ablate-NAME.patch), timing only
   trees=""
   for a in $FP8_ABLATE; do mk f8$a 20261206-fp8-ablate-$a.patch && trees="$trees${trees:+,}exp/f8$a"; done
@@ -40,10 +41,13 @@ fi
 if [ -n "${TAKE_BACK:-}" ]; then  # this tree against itself with lab/patches/$TAKE_BACK taken back, on AB_ONLY
   mk back "$TAKE_BACK" -R && ab_trees back "${AB_ONLY:-prefill_b4_l4096}" exp/back
 fi
+}
+[ "${AB_AFTER:-0}" = 1 ] || ab_stages
 CHECK_SECONDS=${CHECK_SECONDS:-$(( $(left) - ${AFTER_CHECK:-75} ))} TEST_SECONDS=${TEST_SECONDS:-330} OUT=$OUT/check bash scripts/device_check.sh all \
   > "$OUT/check.log" 2>&1
 echo "== device_check.sh all: exit $? at $(( $(date +%s) - t0 )) s"
 sed -n '/device_check summary/,$p' "$OUT/check.log" | cut -c1-260
+[ "${AB_AFTER:-0}" = 1 ] && ab_stages  # (AB_AFTER=1: the A/B stages after the check)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
 if [ "$(left)" -ge 70 ] && [ -d /tmp/fi/flashinfer ]; then  # bench.mla beside FlashInfer (device_check unpacked it)
   PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout $(( $(left) - 8 )) python3 -m bench.mla \
