@@ -87,47 +87,6 @@ def test_a_request_keeps_its_bits_in_any_batch(dtype, head_dim, with_lse):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("sign", [-1.0, 1.0], ids=["all-below", "all-above"])
-def test_soft_cap_every_score_saturated(dtype, sign):
-    """Every score of every row on the cap, below (sign -1) or above (+1): q and k share a large
-    component u (q = q0 + 8 sign u, k = k0 + 8 u, so q . k ~ 64 sign) at a scale of about four caps,
-    and V is offset by 2 so each row's result is far from 0. Caps 55 and 60 straddle the fixed
-    softmax offset's bound for bf16 products (cap log2 e <= 80, sm90/softmax.cuh kFixedOffsetMaxLog2):
-    at 55 below the cap every weight is 2^-119, the bottom of its range; at 60 and for fp16 the
-    running max. Against float64 with the LSE."""
-    import cupy
-    import cupy_fa
-    from cupy_fa import reference
-    from cupy_fa.families import sm90
-
-    rng, seed = new_rng()
-    heads, page_size, head_dim = (16, 4), 16, 128
-    q_lens, kv_lens = np.array([257, 40]), np.array([257, 900])
-    total = int(q_lens.sum())
-    table, k_host, v_host, _, q_host = paged_case(rng, dtype, heads, head_dim, page_size, kv_lens, total)
-    u = rng.standard_normal(head_dim)
-    u /= np.linalg.norm(u)
-    k_host = (k_host.astype(np.float32) + 8.0 * u).astype(k_host.dtype)  # (NaN slots stay NaN)
-    v_host = (v_host.astype(np.float32) + 2.0).astype(v_host.dtype)
-    q_host = (q_host.astype(np.float32) + 8.0 * sign * u).astype(q_host.dtype)
-    cache = cupy_fa.PagedKVCache(cupy.asarray(k_host), cupy.asarray(v_host))
-    for cap in (55.0, 60.0):
-        scale = 4.0 * cap / 64.0
-        out = poisoned((total, heads[0], head_dim), np_dtype(dtype), 3)
-        lse = poisoned((total, heads[0]), np.float32, 3)
-        attn = cupy_fa.BatchAttention(*heads, head_dim, dtype)
-        attn.plan(q_lens, kv_lens, table, sm_scale=scale, logits_soft_cap=cap)
-        assert attn.planned.long_tile.family is sm90.SM90_WGMMA
-        attn.run(cupy.asarray(q_host), cache, out=out[:total], lse=lse[:total])
-        ref, ref_lse = reference.paged_attention(q_host, k_host, v_host, q_lens, kv_lens, table, sm_scale=scale,
-                                                 soft_cap=cap, return_lse=True)
-        check = check_attention(out.get(), ref, dtype, q_lens=q_lens, lse=lse.get(), ref_lse=ref_lse, poison=POISON,
-                                label=f"seed {seed} cap {cap} sign {sign}")
-        print(check.summary())
-        check.assert_ok()
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
 @pytest.mark.parametrize("tanh", [0, 1, 2], ids=["tanh-exact", "tanh-approx", "tanh-newton"])
 def test_soft_cap_near_saturation(dtype, head_dim, tanh):

@@ -107,23 +107,12 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     scale_log2.s = capped ? soft_cap_fold_scale<Tr::kTanh>(p) : p.sm_scale_log2;
     cap_arg.s = soft_cap_arg<Tr::kTanh>(p);
   }
-  // soft-capped bf16 products: the fixed offset m = L / 2 where L allows it (kFixedOffsetMaxLog2)
-  constexpr bool kCanFix = Tr::kVariants && SameType<AT, __nv_bfloat16>::value;
-  const bool fixed = kCanFix && capped && p.soft_cap_log2 <= kFixedOffsetMaxLog2;
-  if (fixed) st.m[0] = st.m[1] = 0.5f * p.soft_cap_log2;
   // mask (the tiles that need it) and fold tile `tile`'s scores into the state
   auto softmax = [&](int tile, bool masked, float (&factor)[2]) {
     if constexpr (Tr::kVariants) {
       if (capped) soft_cap_tile<BN, Tr::kTanh>(s, cap_arg, p.soft_cap_log2);
     }
     if (masked) mask_tile<BN, Tr::kVariants>(s, p, w, ri, w.kv_begin + tile * BN, quad);
-    if constexpr (kCanFix) {
-      if (fixed) {
-        st.template fold_fixed<BN>(s, scale_log2);
-        factor[0] = factor[1] = 1.f;
-        return false;
-      }
-    }
     if constexpr (Tr::kJointRows) return st.template fold_joint<BN>(s, scale_log2, factor);
     else return st.template fold<BN>(s, scale_log2, factor);
   };

@@ -122,12 +122,6 @@ __device__ __forceinline__ void soft_cap_tile(float (&s)[BN / 2], const Arg& arg
   }
 }
 
-// Soft-capped scores lie in [-L, L] in base 2 (L = cap log2 e, AttentionParams::soft_cap_log2), so
-// around the fixed offset m = L / 2 each 2^(s - m) lies in [2^-1.5L, 2^0.5L]. Up to this L that is
-// normal in fp32 and bf16 and leaves the sums and P V headroom (2^40 a term), so bf16 products need
-// no running max and no rescale (RowState::fold_fixed); fp16's range does not allow it.
-constexpr float kFixedOffsetMaxLog2 = 80.f;
-
 // The online-softmax state of the thread's two rows: the offset m (base 2, at most
 // kLazyRescale below the row's max, softmax.cuh) and this thread's part of the sum l (its
 // quad's four parts add up to the row's at the end).
@@ -179,27 +173,6 @@ struct RowState {
       l[h] = l[h] * factor[h] + ((sums[0] + sums[1]) + (sums[2] + sums[3]));
     }
     return moved;
-  }
-
-  // fold() around a fixed offset (m, set once; see kFixedOffsetMaxLog2): 2^(s scale - m) and the
-  // sums, no max, no factor (the accumulators are never rescaled).
-  template <int BN, typename Scale>
-  __device__ __forceinline__ void fold_fixed(float (&s)[BN / 2], const Scale& scale) {
-    float sums[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * j + 2 * h + e];
-          x = fast_exp2(fmaf(x, scale[h], -m[h]));
-          sums[h][(2 * j + e) % 4] += x;
-        }
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) l[h] += (sums[h][0] + sums[h][1]) + (sums[h][2] + sums[h][3]);
   }
 
   // fold() for both rows at once and without branches (Traits::kJointRows): the same
