@@ -2,8 +2,8 @@
 # The closing GPU call (2026-12-06): `python -m bench.host` over its default cells first on an H200 (issue 41's
 # host figures, on a machine nothing else has run on yet: a test run before doubles them), then an
 # MLA A/B of the exp trees in MLA_AB_TREES (MLA_ONLY, ROUNDS as lab/call_mla_ab.sh takes them) where
-# set, then the fp8 prefill ablation trees of FP8_ABLATE and this tree against itself with the patch
-# TAKE_BACK taken back on AB_ONLY (lab/ab_hopper.py --kernel-trees), then
+# set, then the A/B stages of lab/call_stages.sh (FP8_ABLATE, TAKE_BACK, TRY_PATCH; after the check
+# with AB_AFTER=1), then
 # scripts/device_check.sh all (its summary table printed whole), then bench.mla beside FlashInfer,
 # then, if time is left, the EAGLE
 # draft chain probe (SGLang's MLA kit case; .sgl carried), each bounded inside CALL_SECONDS.
@@ -22,26 +22,8 @@ if [ -n "${MLA_AB_TREES:-}" ]; then  # an MLA A/B of exp trees before the check 
     | grep -v "fp8" | cut -c1-112 | tee "$OUT/mla_ab.txt"
   echo "== MLA A/B at $(( $(date +%s) - t0 )) s"
 fi
-mk() {  # exp/$1: this tree's kernels with lab/patches/$2 applied ($3 = -R: taken back)
-  rm -rf exp/$1; mkdir -p exp/$1; cp -r kernels exp/$1/
-  (cd exp/$1 && patch -s ${3:-} -p1 < ../../lab/patches/$2)
-}
-ab_trees() {  # $1: a title, $2: --only workloads (whole names), $3: exp trees; lab/ab_hopper.py, two rounds
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache \
-    timeout ${AB_SECONDS:-70} python3 lab/ab_hopper.py --exact --only "$2" --kernel-trees "$3" --rounds 2 \
-    > "$OUT/ab_$1.txt" 2>&1
-  grep -E "^ab|^  prefill" "$OUT/ab_$1.txt" | cut -c1-150; echo "== A/B $1 ($3) at $(( $(date +%s) - t0 )) s"
-}
-ab_stages() {
-if [ -n "${FP8_ABLATE:-}" ]; then  # fp8 prefill ablation trees (lab/patches/20261206-fp8-ablate-NAME.patch), timing only
-  trees=""
-  for a in $FP8_ABLATE; do mk f8$a 20261206-fp8-ablate-$a.patch && trees="$trees${trees:+,}exp/f8$a"; done
-  ab_trees fp8 prefill_b4_l4096_fp8 "$trees"
-fi
-if [ -n "${TAKE_BACK:-}" ]; then  # this tree against itself with lab/patches/$TAKE_BACK taken back, on AB_ONLY
-  mk back "$TAKE_BACK" -R && ab_trees back "${AB_ONLY:-prefill_b4_l4096}" exp/back
-fi
-}
+. lab/call_stages.sh  # mk, ab_trees, ab_stages (FP8_ABLATE, TAKE_BACK, TRY_PATCH)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
 [ "${AB_AFTER:-0}" = 1 ] || ab_stages
 CHECK_SECONDS=${CHECK_SECONDS:-$(( $(left) - ${AFTER_CHECK:-75} ))} TEST_SECONDS=${TEST_SECONDS:-330} OUT=$OUT/check bash scripts/device_check.sh all \
   > "$OUT/check.log" 2>&1
