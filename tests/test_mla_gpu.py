@@ -180,6 +180,21 @@ def test_long_context_and_padding(heads, kv_dtype):
              label=f"seed {seed} non-causal")
 
 
+@pytest.mark.parametrize("heads", [2, 6], ids=["H2", "H6"])
+def test_wide_merge_at_few_heads(heads):
+    """The merge's wide shape (2 heads a CTA) at head counts other than the bench's: any even count
+    takes it once a step has 1024 rows, here 2 and 6 heads, a decode batch of just over 1024 rows
+    past one split (1024 keys), eager and graph against float64."""
+    from cupy_fa.mla import schedule as S
+
+    rng, seed = new_rng()
+    batch = -(-1024 // heads) + 3
+    q_lens, kv_lens = np.ones(batch, int), rng.integers(1100, 2600, size=batch)
+    assert S.merge_shape(int(q_lens.sum()), heads) == S.MERGE_WIDE
+    _, sched = run_case(rng, heads, "bfloat16", None, 16, q_lens, kv_lens, label=f"seed {seed} wide merge")
+    assert sched.needs_merge
+
+
 @pytest.mark.parametrize("heads", [8, 16, 128], ids=["H8", "H16", "H128"])
 @pytest.mark.parametrize("kv_dtype", [None, FP8], ids=["bf16", "fp8"])
 def test_decode_equals_verify_bit_for_bit(heads, kv_dtype):
