@@ -12,15 +12,10 @@ if echo "$gpu" | grep -q H200; then
   timeout ${HOST_SECONDS:-75} python3 -m bench.host --no-flashinfer --json "$OUT/host.json" > "$OUT/host.txt" 2>&1
   grep -v "^\[" "$OUT/host.txt" | tail -n 22; echo "== bench.host at $(( $(date +%s) - t0 )) s"
 fi
-mk() {  # exp/NAME: this tree's kernels (and the package, bench and tests with $2 = all), patch $3 applied
-  rm -rf exp/$1; mkdir -p exp/$1; cp -r kernels exp/$1/
-  [ "$2" = all ] && cp -r cupy_fa bench tests pyproject.toml exp/$1/
-  [ -n "${3:-}" ] && (cd exp/$1 && patch -s -p1 < ../../$3)
-  true
-}
-for a in nolds nocvt nostage; do mk f8$a kernels lab/patches/20261206-fp8-ablate-$a.patch; done
-mk base all; (cd exp/base && patch -s -R -p1 < ../../lab/patches/20261206-mla-lean.patch)  # main's MLA kernel
-mk bulk all lab/patches/20261206-mla-bulk-store.patch; mk mw2 all
+. lab/call_stages.sh  # mk
+for a in nolds nocvt nostage; do mk f8$a 20261206-fp8-ablate-$a.patch; done
+mk base 20261206-mla-lean.patch -R all  # main's MLA kernel before the lean loop (no longer reverses whole after b86e986's key_places)
+mk bulk 20261206-mla-bulk-store.patch "" all; mkdir -p exp/mw2 && cp -r kernels cupy_fa bench tests pyproject.toml exp/mw2/
 sed -i 's/^MERGE_WIDE = (8, 1)/MERGE_WIDE = (2, 1)/' exp/mw2/cupy_fa/families/mla.py
 fits 70 "fp8 ablations" && timeout 70 python3 lab/ab_hopper.py --exact --only prefill_b4_l4096_fp8,prefill_b4_l4096 \
   --kernel-trees exp/f8nolds,exp/f8nocvt,exp/f8nostage --rounds 2 > "$OUT/fp8_ablate.txt" 2>&1

@@ -11,10 +11,10 @@ set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 t0=$(date +%s); total=${CALL_SECONDS:-585}
 left() { echo $(( total - ($(date +%s) - t0) )); }
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "== $gpu"
 if echo "$gpu" | grep -q H200; then  # issue 41's bars are H200 figures
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache \
-    timeout ${HOST_SECONDS:-90} python3 -m bench.host --no-flashinfer --json "$OUT/host.json" 2>&1 | grep -v "^\[" | tail -n 22
+  timeout ${HOST_SECONDS:-90} python3 -m bench.host --no-flashinfer --json "$OUT/host.json" 2>&1 | grep -v "^\[" | tail -n 22
   echo "== bench.host at $(( $(date +%s) - t0 )) s"
 fi
 if [ -n "${MLA_AB_TREES:-}" ]; then  # an MLA A/B of exp trees before the check (lab/call_mla_ab.sh, no tests)
@@ -23,14 +23,12 @@ if [ -n "${MLA_AB_TREES:-}" ]; then  # an MLA A/B of exp trees before the check 
   echo "== MLA A/B at $(( $(date +%s) - t0 )) s"
 fi
 . lab/call_stages.sh  # mk, ab_trees, ab_stages (FP8_ABLATE, TAKE_BACK, TRY_PATCH)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
 [ "${AB_AFTER:-0}" = 1 ] || ab_stages
 CHECK_SECONDS=${CHECK_SECONDS:-$(( $(left) - ${AFTER_CHECK:-75} ))} TEST_SECONDS=${TEST_SECONDS:-330} OUT=$OUT/check bash scripts/device_check.sh all \
   > "$OUT/check.log" 2>&1
 echo "== device_check.sh all: exit $? at $(( $(date +%s) - t0 )) s"
 sed -n '/device_check summary/,$p' "$OUT/check.log" | cut -c1-260
 [ "${AB_AFTER:-0}" = 1 ] && ab_stages  # (AB_AFTER=1: the A/B stages after the check)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
 if [ "$(left)" -ge 70 ] && [ -d /tmp/fi/flashinfer ]; then  # bench.mla beside FlashInfer (device_check unpacked it)
   PYTHONPATH=$PWD:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout $(( $(left) - 8 )) python3 -m bench.mla \
     --digest --json "$OUT/mla.json" > "$OUT/mla.txt" 2>&1
