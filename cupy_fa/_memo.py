@@ -6,9 +6,11 @@ per call. A decode step's lengths change every step while its schedule changes e
 an instance, keyed by exactly what the policy reads:
 
 * host lengths: ``q_lens`` and ``ceil(kv_len / split_size)`` per request, and where a sliding window
-  cuts its keys each request's key base in whole merge groups of splits
-  (``schedule.key_base_units``: its window span's splits are the first quotient less that many
-  groups' splits, so the pair fixes them). Every count the host policy derives from ``kv_len``
+  cuts its keys ``floor((kv_len - q_len - window + 1) / (MERGE_GROUP x split_size))``, not
+  clamped: its positive part is ``schedule.key_base_units``, the request's key base in whole merge
+  groups of splits, and its window span's splits are the first quotient less that many groups'
+  splits, so the pair fixes them (the unclamped quotient costs fewer array passes and changes only
+  every merge group's keys where the clamp would hold it at 0). Every count the host policy derives from ``kv_len``
   (``schedule.max_splits``: the splits a request gets, ``work_bound``, ``needs_merge``,
   ``fold_tile``) is a function of that quotient and ``q_len``, so two batches of one key plan
   alike (``tests/test_host_path_cpu.py`` holds memoised schedules to fresh ones over random
@@ -32,7 +34,7 @@ class ScheduleMemo:
     def __init__(self, head_dim, group_size, num_kv_heads, kv_bytes, head_dim_vo=None):
         self.shape = (head_dim, group_size, num_kv_heads)
         self.kv_bytes, self.head_dim_vo = kv_bytes, head_dim_vo
-        self._found, self._knobs, self._split = {}, None, None
+        self._found, self._knobs, self._split, self._group = {}, None, None, None
         self.hits = self.misses = 0
 
     def step(self, q_lens=None, kv_lens=None, *, max_q_len=None, max_kv_len=None, capacity=None, batch_size=None,
@@ -43,12 +45,16 @@ class ScheduleMemo:
         if k is not self._knobs:
             self._found, self._knobs = {}, k
             self._split = schedule.split_size(self.kv_bytes)  # (a knob)
+            self._group = schedule.MERGE_GROUP * self._split
         device = (smem_limit, sm_count, arch, window)
         if q_lens is not None:
             split = self._split
             key = (device, q_lens.tobytes(), ((kv_lens + (split - 1)) // split).tobytes())
-            if window:
-                key += (schedule.key_base_units(q_lens, kv_lens, window, self.kv_bytes).tobytes(),)
+            if window:  # (in place on one new array: a windowed plan computes it every step)
+                base = kv_lens - q_lens
+                base -= window - 1
+                base //= self._group
+                key += (base.tobytes(),)
         else:
             key = (device, max_q_len, max_kv_len, capacity, batch_size)
         found = self._found.get(key)
