@@ -272,7 +272,7 @@ class BatchAttention(PlannedInstance):
                 return self
         # the bounds the plan kernel holds device lengths to (host lengths were checked already)
         if step.on_host:
-            kv_bound = step.max_kv_len
+            kv_bound = 2**31 - 1
             sched = self._schedules.step(step.q_host, step.kv_host, **self._device_facts(device_id), window=window)
         else:
             kv_bound = int(max_kv_len) if max_kv_len is not None else 2**31 - 1

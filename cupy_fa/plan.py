@@ -311,11 +311,18 @@ class StepInputs:
     max_q_len: int               # max(q_lens) on the host, else the bound the caller gave
     mask_bytes: int              # entries of the custom mask (or the bound batch x max_q_len^2)
     stream: object               # the stream of the DLPack exchange (device inputs), else None
-    max_kv_len: int | None = None  # max(kv_lens) when the lengths are on the host
+    known_max_kv: int | None = None  # max(kv_lens) where the check computed it (else max_kv_len does)
 
     @property
     def on_host(self):
         return self.q_host is not None
+
+    @property
+    def max_kv_len(self):
+        """max(kv_lens) of host lengths (None for device ones); no plan needs it (the host checked them)."""
+        if self.known_max_kv is None and self.kv_host is not None:
+            self.known_max_kv = int(self.kv_host.max()) if self.kv_host.size else 0
+        return self.known_max_kv
 
     @property
     def page_columns(self):
@@ -327,6 +334,7 @@ class StepInputs:
 
 
 _MAX, _MIN, _SUM = np.maximum.reduce, np.minimum.reduce, np.add.reduce  # (the ufuncs, not the methods' wrappers)
+_BELOW_2_31 = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16))  # every value < 2^31
 _last_q = None  # the last NumPy q_lens check_step saw: (bytes, dtype, as int64, min, max, sum)
 
 
@@ -353,10 +361,10 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
             facts = _last_q = (key, q_lens.dtype, q, int(_MIN(q)), int(_MAX(q)), int(_SUM(q)))
         q, min_q, max_q, num_tokens = facts[2:]
         kv = kv_lens.astype(np.int64)
-        max_kv = int(_MAX(kv))
-        if min_q >= 0 and max_kv < 2**31 and _MIN(kv - q) >= 0:  # else the general path names the request
+        max_kv = None if kv_lens.dtype in _BELOW_2_31 else int(_MAX(kv))  # (int32 lengths: below 2^31 by type)
+        if min_q >= 0 and (max_kv is None or max_kv < 2**31) and _MIN(kv - q) >= 0:  # else the general path
             return StepInputs(q.shape[0], q, None, kv, None, page_table, None, None, None, num_tokens, max_q, 0,
-                              None, max_kv)
+                              None, max_kv)  # (names the request)
     kinds = (_views.kind_of(q_lens), _views.kind_of(kv_lens), _views.kind_of(page_table))
     if (kinds == (_views.CUPY,) * 3 and custom_mask is None and max_q_len is not None and q_lens.ndim == 1
             and kv_lens.ndim == 1 and page_table.ndim == 2 and q_lens.dtype.kind in "iu" and kv_lens.dtype.kind in "iu"
