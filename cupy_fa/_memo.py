@@ -10,11 +10,11 @@ an instance, keyed by exactly what the policy reads:
   clamped: its positive part is ``schedule.key_base_units``, the request's key base in whole merge
   groups of splits, and its window span's splits are the first quotient less that many groups'
   splits, so the pair fixes them (the unclamped quotient costs fewer array passes and changes only
-  every merge group's keys where the clamp would hold it at 0). Every count the host policy derives from ``kv_len``
-  (``schedule.max_splits``: the splits a request gets, ``work_bound``, ``needs_merge``,
-  ``fold_tile``) is a function of that quotient and ``q_len``, so two batches of one key plan
-  alike (``tests/test_host_path_cpu.py`` holds memoised schedules to fresh ones over random
-  batches);
+  every merge group's keys where the clamp would hold it at 0). Every count the host policy
+  derives from ``kv_len`` (``schedule.max_splits``: the splits a request gets, ``work_bound``,
+  ``needs_merge``, ``fold_tile``) is a function of that quotient and ``q_len``, so two batches of
+  one key plan alike (``tests/test_host_path_cpu.py`` holds memoised schedules to fresh ones over
+  random batches);
 * device lengths: the bounds (``max_q_len``, ``max_kv_len``), the capacity and the batch size;
 
 and the window, the device (shared memory, SMs, arch) and the knobs in force (a knob change
