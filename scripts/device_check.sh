@@ -118,7 +118,9 @@ fi
 if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer, page 16, into one file
   # NCU_EXTRA: more sections (e.g. "--section InstructionStats --section SourceCounters"); NCU_METRICS:
   # a comma list of metrics for one more pass of its own (a name ncu lacks fails only that pass);
-  # NCU_SOURCE=1: one more pass whose per-instruction SASS counts and stall samples go to sass_*.csv
+  # NCU_SOURCE=1: one more pass whose per-instruction SASS counts and stall samples go to sass_*.csv;
+  # NCU_KERNELS: our kernels' regex, the first the one the stall and source passes read (default
+  # attention_kernel|merge_kernel; the sm90 prefill tile is prefill_sm90_kernel)
   export NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis ${NCU_EXTRA:-}"
   NCU_STALLS=smsp__warps_eligible.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active
   for reason in long_scoreboard short_scoreboard barrier mio_throttle math_pipe_throttle wait lg_throttle \
@@ -132,7 +134,7 @@ if want ncu; then  # diagnosis only: hardware counters of ours and of FlashInfer
   }
   for w in ${NCU_WORKLOADS:-decode_b64_l4096 verify_q8_b64_l4096}; do
     for who in ${NCU_WHO:-ours flashinfer}; do
-      if [ $who = ours ]; then kernels='attention_kernel|merge_kernel'; flags=--no-peers
+      if [ $who = ours ]; then kernels=${NCU_KERNELS:-attention_kernel|merge_kernel}; flags=--no-peers
       else kernels='BatchPrefill|BatchDecode|MergeStates'; flags=; fi
       ncu_pass "" -k "regex:$kernels" -c 2 $NCU_SECTIONS
       # where the attention kernel's warps wait: issue-stall reasons, cycles per issued instruction
