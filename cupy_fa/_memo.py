@@ -6,11 +6,11 @@ per call. A decode step's lengths change every step while its schedule changes e
 an instance, keyed by exactly what the policy reads:
 
 * host lengths: ``q_lens`` and ``ceil(kv_len / split_size)`` per request, and where a sliding window
-  cuts its keys ``floor((kv_len - q_len - window + 1) / (MERGE_GROUP x split_size))``, not
-  clamped: its positive part is ``schedule.key_base_units``, the request's key base in whole merge
-  groups of splits, and its window span's splits are the first quotient less that many groups'
-  splits, so the pair fixes them (the unclamped quotient costs fewer array passes and changes only
-  every merge group's keys where the clamp would hold it at 0). Every count the host policy
+  cuts its keys ``schedule.window_quotient`` (not clamped: its positive part is
+  ``schedule.key_base_units``, the request's key base in whole merge groups of splits, and its
+  window span's splits are the first quotient less that many groups' splits, so the pair fixes
+  them; unclamped it costs fewer array passes and changes only every merge group's keys where the
+  clamp would hold it at 0). Every count the host policy
   derives from ``kv_len`` (``schedule.max_splits``: the splits a request gets, ``work_bound``,
   ``needs_merge``, ``fold_tile``) is a function of that quotient and ``q_len``, so two batches of
   one key plan alike (``tests/test_host_path_cpu.py`` holds memoised schedules to fresh ones over
@@ -50,11 +50,8 @@ class ScheduleMemo:
         if q_lens is not None:
             split = self._split
             key = (device, q_lens.tobytes(), ((kv_lens + (split - 1)) // split).tobytes())
-            if window:  # (in place on one new array: a windowed plan computes it every step)
-                base = kv_lens - q_lens
-                base -= window - 1
-                base //= self._group
-                key += (base.tobytes(),)
+            if window:
+                key += (schedule.window_quotient(q_lens, kv_lens, window, self._group).tobytes(),)
         else:
             key = (device, max_q_len, max_kv_len, capacity, batch_size)
         found = self._found.get(key)

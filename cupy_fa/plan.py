@@ -311,7 +311,6 @@ class StepInputs:
     max_q_len: int               # max(q_lens) on the host, else the bound the caller gave
     mask_bytes: int              # entries of the custom mask (or the bound batch x max_q_len^2)
     stream: object               # the stream of the DLPack exchange (device inputs), else None
-    known_max_kv: int | None = None  # max(kv_lens) where the check computed it (else max_kv_len does)
 
     @property
     def on_host(self):
@@ -319,10 +318,10 @@ class StepInputs:
 
     @property
     def max_kv_len(self):
-        """max(kv_lens) of host lengths (None for device ones); no plan needs it (the host checked them)."""
-        if self.known_max_kv is None and self.kv_host is not None:
-            self.known_max_kv = int(self.kv_host.max()) if self.kv_host.size else 0
-        return self.known_max_kv
+        """max(kv_lens) of host lengths (None for device ones); no plan reads it (the host checked them)."""
+        if self.kv_host is None:
+            return None
+        return int(self.kv_host.max()) if self.kv_host.size else 0
 
     @property
     def page_columns(self):
@@ -361,10 +360,10 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
             facts = _last_q = (key, q_lens.dtype, q, int(_MIN(q)), int(_MAX(q)), int(_SUM(q)))
         q, min_q, max_q, num_tokens = facts[2:]
         kv = kv_lens.astype(np.int64)
-        max_kv = None if kv_lens.dtype in _BELOW_2_31 else int(_MAX(kv))  # (int32 lengths: below 2^31 by type)
-        if min_q >= 0 and (max_kv is None or max_kv < 2**31) and _MIN(kv - q) >= 0:  # else the general path
+        below = kv_lens.dtype in _BELOW_2_31 or _MAX(kv) < 2**31  # (int32 lengths: below 2^31 by type)
+        if min_q >= 0 and below and _MIN(kv - q) >= 0:  # else the general path names the request
             return StepInputs(q.shape[0], q, None, kv, None, page_table, None, None, None, num_tokens, max_q, 0,
-                              None, max_kv)  # (names the request)
+                              None)
     kinds = (_views.kind_of(q_lens), _views.kind_of(kv_lens), _views.kind_of(page_table))
     if (kinds == (_views.CUPY,) * 3 and custom_mask is None and max_q_len is not None and q_lens.ndim == 1
             and kv_lens.ndim == 1 and page_table.ndim == 2 and q_lens.dtype.kind in "iu" and kv_lens.dtype.kind in "iu"
@@ -413,13 +412,12 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
         validate_lengths(q_host, kv_host)
         num_tokens = int(q_host.sum())
         max_q = int(q_host.max()) if batch else 0
-        max_kv = int(kv_host.max()) if batch else 0
         mask_bytes = 0  # (no mask: not needed; with one, its own size below)
     else:
         if max_q_len is None:
             raise ValueError("max_q_len is required when q_lens / kv_lens are device arrays "
                              "(the host cannot read them without a sync)")
-        num_tokens, max_q, max_kv = None, int(max_q_len), None
+        num_tokens, max_q = None, int(max_q_len)
         mask_bytes = batch * max_q * max_q
     mask_host = mask_dev = None
     if custom_mask is not None:
@@ -431,7 +429,7 @@ def check_step(q_lens, kv_lens, page_table, custom_mask=None, *, max_q_len=None,
             validate_mask_size(n, q_host)
         mask_bytes = n
     return StepInputs(batch, q_host, q_dev, kv_host, kv_dev, pt_host, pt_dev, mask_host, mask_dev, num_tokens, max_q,
-                      mask_bytes, stream, max_kv)
+                      mask_bytes, stream)
 
 
 def _mask_input(custom_mask, stream):

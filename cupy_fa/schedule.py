@@ -182,14 +182,23 @@ def split_rule(q_lens, kv_lens, split, most, small_q_len, row_budget):
     return np.maximum(1, np.minimum(splits, most))
 
 
+def window_quotient(q_lens, kv_lens, window, group):
+    """``floor((kv_len - q_len - window + 1) / group)`` per request, not clamped, on one new int64
+    array: the first query's first visible key in units of ``group`` (MERGE_GROUP x split_size)
+    keys. Its positive part is :func:`key_base_units`; cupy_fa._memo keys windowed steps by it as it
+    is (three array passes: the memo computes it every step)."""
+    units = np.asarray(kv_lens, np.int64) - np.asarray(q_lens, np.int64)
+    units -= int(window) - 1
+    units //= group
+    return units
+
+
 def key_base_units(q_lens, kv_lens, window, kv_bytes=2):
     """:func:`key_base` in its units of MERGE_GROUP x split_size(kv_bytes) keys (a sliding ``window``
     > 0), on one new array: with ``ceil(kv_len / split_size)`` it fixes every split count of a
-    windowed request (cupy_fa._memo's key)."""
-    units = np.asarray(kv_lens, np.int64) - np.asarray(q_lens, np.int64)
-    units -= int(window) - 1  # the first query's first visible key
-    np.maximum(units, 0, out=units)
-    units //= MERGE_GROUP * split_size(kv_bytes)
+    windowed request."""
+    units = window_quotient(q_lens, kv_lens, window, MERGE_GROUP * split_size(kv_bytes))
+    np.maximum(units, 0, out=units)  # (floor(max(x, 0) / g) = max(floor(x / g), 0) for g > 0)
     return units
 
 
