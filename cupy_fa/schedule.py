@@ -183,10 +183,8 @@ def split_rule(q_lens, kv_lens, split, most, small_q_len, row_budget):
 
 
 def window_quotient(q_lens, kv_lens, window, group):
-    """``floor((kv_len - q_len - window + 1) / group)`` per request, not clamped, on one new int64
-    array: the first query's first visible key in units of ``group`` (MERGE_GROUP x split_size)
-    keys. Its positive part is :func:`key_base_units`; cupy_fa._memo keys windowed steps by it as it
-    is (three array passes: the memo computes it every step)."""
+    """``floor((kv_len - q_len - window + 1) / group)`` per request, unclamped, on one new int64 array
+    (its positive part is :func:`key_base_units`; cupy_fa._memo's windowed key, every step)."""
     units = np.asarray(kv_lens, np.int64) - np.asarray(q_lens, np.int64)
     units -= int(window) - 1
     units //= group
