@@ -13,7 +13,7 @@ t0=$(date +%s); total=${CALL_SECONDS:-585}
 left() { echo $(( total - ($(date +%s) - t0) )); }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "== $gpu"
-if echo "$gpu" | grep -q H200; then  # issue 41's bars are H200 figures
+if echo "$gpu" | grep -q H200 || [ "${HOST_ANY:-0}" = 1 ]; then  # issue 41's bars are H200 figures (HOST_ANY=1: any card)
   timeout ${HOST_SECONDS:-90} python3 -m bench.host --no-flashinfer --json "$OUT/host.json" 2>&1 | grep -v "^\[" | tail -n 22
   echo "== bench.host at $(( $(date +%s) - t0 )) s"
 fi
@@ -40,5 +40,9 @@ if [ "$(left)" -ge 35 ] && [ -d /tmp/sgl-site/sglang ]; then
     > "$OUT/eagle_probe.txt" 2>&1
   echo "== eagle probe exit $? at $(( $(date +%s) - t0 )) s"
   grep -E "^==|^   " "$OUT/eagle_probe.txt" | cut -c1-600 | head -40
+fi
+if [ -n "${NCU_WORKLOADS:-}" ] && [ "$(left)" -ge 60 ]; then  # an ncu side-by-side last (NCU_* as device_check takes them)
+  STAGES=ncu OUT=$OUT/ncu timeout $(( $(left) - 5 )) bash scripts/device_check.sh > "$OUT/ncu.log" 2>&1
+  echo "== ncu stage exit $? at $(( $(date +%s) - t0 )) s"; tail -n 60 "$OUT/ncu.log" | cut -c1-200
 fi
 echo "== done at $(( $(date +%s) - t0 )) s"
