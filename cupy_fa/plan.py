@@ -274,8 +274,9 @@ def validate_page_table_width(columns, kv_lens, q_lens, page_size):
 def validate_page_table(page_table, kv_lens, q_lens, page_size, num_pages):
     """Every live request's table row covers kv_len and names pages of the cache."""
     needed, live = validate_page_table_width(page_table.shape[1], kv_lens, q_lens, page_size)
-    if page_table.dtype == np.int32 and (page_table.view(np.uint32) < num_pages).all():
-        return  # every entry a page (a negative one is above 2^31 as uint32): one pass, the usual table
+    usual = page_table.dtype == np.int32
+    if usual and (not page_table.size or _MAX(page_table.view(np.uint32), axis=None) < num_pages):
+        return  # every entry a page (a negative one is above 2^31 as uint32): one reduction, the usual table
     read = live[:, None] & (np.arange(page_table.shape[1]) < needed[:, None])  # the entries the kernel reads
     bad = read & ((page_table < 0) | (page_table >= num_pages))
     if bad.any():
