@@ -42,7 +42,7 @@ if [ "$(left)" -ge 35 ] && [ -d /tmp/sgl-site/sglang ]; then
   grep -E "^==|^   " "$OUT/eagle_probe.txt" | cut -c1-600 | head -40
 fi
 if [ -n "${NCU_WORKLOADS:-}" ] && [ "$(left)" -ge 60 ]; then  # an ncu side-by-side last (NCU_* as device_check takes them)
-  STAGES=ncu OUT=$OUT/ncu timeout $(( $(left) - 5 )) bash scripts/device_check.sh > "$OUT/ncu.log" 2>&1
+  OUT=$OUT/ncu timeout $(( $(left) - 5 )) bash scripts/device_check.sh ncu > "$OUT/ncu.log" 2>&1
   echo "== ncu stage exit $? at $(( $(date +%s) - t0 )) s"; tail -n 60 "$OUT/ncu.log" | cut -c1-200
 fi
 echo "== done at $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# A probe call (2026-12-07): fp16 against bf16 queries over a 16-bit and an fp8 cache (lab/ab_hopper.py's
+# lab cells, two interleaved rounds), then device_check's ncu stage over NCU_WORKLOADS (ours, NCU_KERNELS,
+# NCU_METRICS as device_check takes them), its key lines printed; each bounded inside CALL_SECONDS.
+set -u
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+t0=$(date +%s); total=${CALL_SECONDS:-480}
+left() { echo $(( total - ($(date +%s) - t0) )); }
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [ -n "${AB_CELLS:-}" ]; then
+  timeout ${AB_SECONDS:-200} python3 lab/ab_hopper.py --exact --only "$AB_CELLS" --rounds ${ROUNDS:-2} > "$OUT/ab.txt" 2>&1
+  echo "== ab exit $? at $(( $(date +%s) - t0 )) s"; sed -n '/^means over rounds/,$p' "$OUT/ab.txt" | cut -c1-150
+fi
+if [ -n "${NCU_WORKLOADS:-}" ] && [ "$(left)" -ge 60 ]; then
+  OUT=$OUT/ncu timeout $(( $(left) - 5 )) bash scripts/device_check.sh ncu > "$OUT/ncu.log" 2>&1
+  echo "== ncu exit $? at $(( $(date +%s) - t0 )) s"
+  grep -E "^==== ncu|Duration|Executed Instructions|issue_active|warps_eligible|stalled_(short|long|math|wait|barrier|mio|lg|no_inst|dispatch|selected|not_selected|branch|sleeping|tex|drain|membar)|pipe_xu|gmma|Achieved Occupancy|Registers Per" \
+    "$OUT/ncu/ncu.txt" 2>/dev/null | cut -c1-160 | head -120
+fi
+echo "== done at $(( $(date +%s) - t0 )) s"
