@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A probe call (2026-12-07): fp16 against bf16 queries over a 16-bit and an fp8 cache (lab/ab_hopper.py's
-# lab cells, two interleaved rounds), then device_check's ncu stage over NCU_WORKLOADS (ours, NCU_KERNELS,
+# lab cells, two interleaved rounds; TREE_PATCH: beside an exp tree of lab/patches), then device_check's ncu stage over NCU_WORKLOADS (ours, NCU_KERNELS,
 # NCU_METRICS as device_check takes them), its key lines printed; each bounded inside CALL_SECONDS.
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -8,8 +8,13 @@ t0=$(date +%s); total=${CALL_SECONDS:-480}
 left() { echo $(( total - ($(date +%s) - t0) )); }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
 nvidia-smi --query-gpu=name --format=csv,noheader
+trees=""
+if [ -n "${TREE_PATCH:-}" ]; then  # exp/tree: this tree's kernels with lab/patches/$TREE_PATCH, timed beside it
+  . lab/call_stages.sh && mk tree "$TREE_PATCH" && trees=exp/tree
+fi
 if [ -n "${AB_CELLS:-}" ]; then
-  timeout ${AB_SECONDS:-200} python3 lab/ab_hopper.py --exact --only "$AB_CELLS" --rounds ${ROUNDS:-2} > "$OUT/ab.txt" 2>&1
+  timeout ${AB_SECONDS:-200} python3 lab/ab_hopper.py --exact --only "$AB_CELLS" --rounds ${ROUNDS:-2} \
+    ${trees:+--kernel-trees $trees} > "$OUT/ab.txt" 2>&1
   echo "== ab exit $? at $(( $(date +%s) - t0 )) s"; sed -n '/^means over rounds/,$p' "$OUT/ab.txt" | cut -c1-150
 fi
 if [ -n "${NCU_WORKLOADS:-}" ] && [ "$(left)" -ge 60 ]; then
