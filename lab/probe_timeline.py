@@ -1,4 +1,6 @@
-"""Where a decode-like step loses time against the read ceiling (diagnosis only, GPU).
+"""Where a step loses time against its ceiling (diagnosis only, GPU): decode-like steps on the
+mma.sync tile, and (2026-12-07) prefill cells on the sm90 tile, any bench workload or ab_hopper's
+lab cells (its dtype, fp8 cache, head dims and soft-cap; not sinks).
 
 For each workload (bench/workloads.py, page 16):
 * the timeline of one launch, from the attention kernel's stamps (a build with the knob
@@ -30,14 +32,22 @@ from cupy_fa import _build, knobs  # noqa: E402
 from cupy_fa._timing import per_launch_us_for  # noqa: E402
 from bench import inputs, workloads  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_hopper import LAB_WORKLOADS  # noqa: E402
+
+for _extra in LAB_WORKLOADS(workloads):  # the lab cells (fp16 queries over 16-bit and fp8 caches)
+    workloads.BY_NAME.setdefault(_extra.name, _extra)
+
 DEFAULT = ["decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "decode_b1_l131072",
            "decode_b16_l32768"]
 LAUNCHES = 20  # per graph, over rotating input sets
 
 
 def attention_variants():
-    """The attention kernel variants compiled so far (their trace buffers hold the stamps)."""
-    return _build.compiled_kernels("mma_sync/attention.cu")
+    """The attention kernel variants compiled so far, both families (their trace buffers hold the
+    stamps): the mma.sync tile's, and the sm90 prefill tile's (stamped from its first consumer
+    thread: its first tile is its first S, its epilogue the last P V's wait and the rows' stores)."""
+    return _build.compiled_kernels("mma_sync/attention.cu") + _build.compiled_kernels("sm90/prefill.cu")
 
 
 def resident_per_sm(start, done, sm):
@@ -147,19 +157,21 @@ def main(names):
         (w,) = workloads.select([name])
         n_sets = workloads.num_sets(w.min_bytes(), 60 << 20, LAUNCHES)
         inp = inputs.make_inputs(w, 16, n_sets, seed=int(time.time()) % 1000)
-        attn = cupy_fa.BatchAttention(workloads.H_Q, workloads.H_KV, workloads.HEAD_DIM, dtype=workloads.DTYPE)
-        attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=True)
+        attn = cupy_fa.BatchAttention(workloads.H_Q, workloads.H_KV, w.head_dim, dtype=w.dtype,
+                                      kv_dtype=w.kv_dtype or None, head_dim_vo=w.head_dim_vo or None)
+        attn.plan(inp.q_lens, inp.kv_lens, inp.page_table, causal=w.causal, logits_soft_cap=w.soft_cap or None)
         sets = inp.sets
         run = [lambda i=i: attn.run(sets[i % n_sets].q, sets[i % n_sets].cache, out=sets[i % n_sets].out)
                for i in range(LAUNCHES)]
         for f in run:
             f()
         cupy.cuda.Device().synchronize()
-        for v in attention_variants():
-            _build.trace_buffer(v).fill(0)
         run[0]()
-        run[1]()  # the second launch's stamps overwrite the first's (same grid)
         cupy.cuda.Device().synchronize()
+        for v in attention_variants():  # (the sm90 tile sums its waits into the buffer: zeroed before the launch read)
+            _build.trace_buffer(v).fill(0)
+        cupy.cuda.Device().synchronize()
+        run[1]()
         print(f"== {name} (page 16, {n_sets} input sets)")
         for v in attention_variants():
             st = cupy.asnumpy(_build.trace_buffer(v))
@@ -174,7 +186,8 @@ def main(names):
             s.q.fill(0)
         t_zero, b0, b1 = replay_for(run, 2.0, clocks)
         print(f"  graph replay per launch: random q {t_rand:.1f} us, q = 0 {t_zero:.1f} us "
-              f"({100 * (t_rand / t_zero - 1):+.1f}%), {w.kv_bytes() / t_rand / 1e6:.2f} TB/s random")
+              f"({100 * (t_rand / t_zero - 1):+.1f}%), {w.kv_bytes() / t_rand / 1e6:.2f} TB/s, "
+              f"{w.flops() / t_rand / 1e6:.1f} TFLOP/s random")
         print(f"  random q: {clocks.between(a0, a1)}")
         print(f"  q = 0:    {clocks.between(b0, b1)}")
         del inp, sets, run, attn

@@ -144,15 +144,22 @@ def test_host_mirrors_of_the_traits_are_compiled_in():
 
 
 def test_trace_build_compiles(monkeypatch):
-    """The timeline probe's build (CUPY_FA_TRACE=1, lab/probe_timeline.py) still compiles,
-    without spills, for the tile the decode benchmarks run."""
+    """The timeline probe's build (CUPY_FA_TRACE=1, lab/probe_timeline.py) still compiles, for
+    the tile the decode benchmarks run and the sm90 prefill tiles of D 128 over a 16-bit and an
+    fp8 cache: without spills, but for the fp8 tile with bf16 queries (NVRTC 12.9: 16 bytes
+    stored in its prologue, one reload a tile; the probe's figures for it carry that), held to at
+    most 32 bytes."""
     monkeypatch.setenv("CUPY_FA_TRACE", "1")
     knobs.reload()  # knobs are read once: take the new value
     assert "-DCUPY_FA_TRACE" in _compile.compile_options("sm_90a")
-    variant = catalog.attention_kernel("bfloat16", schedule.tile_for(128, 1, 4).folding())
-    cubin, res = _compile.compile_cubin(variant, "sm_90a")
-    assert cubin[:4] == b"\x7fELF"
-    assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+    fp8 = families.common.ElementTypes("bfloat16", families.common.FP8, "bfloat16")
+    for variant in (catalog.attention_kernel("bfloat16", schedule.tile_for(128, 1, 4).folding()),
+                    catalog.attention_kernel("bfloat16", families.sm90.DEFAULT_TILES[128]),
+                    catalog.attention_kernel(fp8, families.sm90.FP8_TILES[128])):
+        cubin, res = _compile.compile_cubin(variant, "sm_90a")
+        assert cubin[:4] == b"\x7fELF"
+        most = 32 if variant.expression.startswith("cupy_fa::prefill_sm90_kernel<__nv_bfloat16, cupy_fa::fp8") else 0
+        assert res["spill_stores"] <= most and res["spill_loads"] <= most, (variant.expression, res)
 
 
 def test_compile_check_fails_without_a_resource_line(monkeypatch, capsys):

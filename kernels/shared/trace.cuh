@@ -6,7 +6,8 @@
 // with no stamps in the source at all (scripts/sass_diff.sh checks that). The flag is set by
 // the knob CUPY_FA_TRACE=1 (cupy_fa/knobs.py), which adds -DCUPY_FA_TRACE to the compile.
 //
-// With it, thread 0 of each of the first kTraceCtas CTAs records into
+// With it, one thread of each of the first kTraceCtas CTAs (thread 0, or the `thread` a kernel
+// names: the sm90 prefill kernel's first consumer thread) records into
 // cupy_fa_trace[blockIdx.x]: the global timer (ns) at a point (trace_stamp), a value such as
 // the ns spent in some region (trace_store; trace_now() gives the timer), and its SM id in
 // entry kTraceSm. The host reads the buffer with cupy_fa._build.trace_buffer.
@@ -16,7 +17,9 @@ namespace cupy_fa {
 
 constexpr int kTraceCtas = 1 << 15, kTraceStamps = 6, kTraceSm = kTraceStamps - 1;
 
-// What the attention kernel stamps (kernels/mma_sync/attention.cu), by entry.
+// What the attention kernels stamp (kernels/mma_sync/attention.cu; kernels/sm90/prefill.cu and
+// consumer.cuh, where the first tile is its first S and the epilogue its last P V's wait and the
+// rows' stores), by entry.
 enum TraceEntry : int {
   kTraceStart = 0,       // the CTA starts
   kTraceFirstTile = 1,   // its first K/V tile has arrived
@@ -36,17 +39,24 @@ __device__ __forceinline__ unsigned long long trace_now() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   return now;
 }
-__device__ __forceinline__ void trace_store(int entry, unsigned long long value) {
-  if (threadIdx.x != 0 || blockIdx.x >= kTraceCtas) return;
+__device__ __forceinline__ void trace_store(int entry, unsigned long long value, unsigned thread = 0) {
+  if (threadIdx.x != thread || blockIdx.x >= kTraceCtas) return;
   unsigned sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   cupy_fa_trace[blockIdx.x][entry] = value;
   cupy_fa_trace[blockIdx.x][kTraceSm] = sm;
 }
+// Adds `value` to an entry (a sum over a CTA's waits: a fire-and-forget atomic, no register held
+// across the loop it sums; the probe zeroes the buffer before each launch it reads).
+__device__ __forceinline__ void trace_add(int entry, unsigned long long value, unsigned thread = 0) {
+  if (threadIdx.x != thread || blockIdx.x >= kTraceCtas) return;
+  atomicAdd(&cupy_fa_trace[blockIdx.x][entry], value);
+}
 #else
 __device__ __forceinline__ unsigned long long trace_now() { return 0; }
-__device__ __forceinline__ void trace_store(int, unsigned long long) {}
+__device__ __forceinline__ void trace_add(int, unsigned long long, unsigned = 0) {}
+__device__ __forceinline__ void trace_store(int, unsigned long long, unsigned = 0) {}
 #endif
-__device__ __forceinline__ void trace_stamp(int entry) { trace_store(entry, trace_now()); }
+__device__ __forceinline__ void trace_stamp(int entry, unsigned thread = 0) { trace_store(entry, trace_now(), thread); }
 
 }  // namespace cupy_fa

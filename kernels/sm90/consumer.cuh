@@ -42,6 +42,10 @@ __device__ __forceinline__ void q_rows_to_fp16(unsigned q_addr, unsigned row_sca
   }
 }
 
+// The thread whose timeline a diagnosis build stamps (kernels/shared/trace.cuh): the first
+// consumer warpgroup's first (the producer warpgroup is threads 0-127; thread 0 stamps the start).
+constexpr unsigned kTraceThread = 128;
+
 template <typename QT, typename OT, typename Tr>
 __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillWork& w, const FastDiv& by_group,
                                         PipeBarriers<Tr::kStages, Tr::kConsumerThreads>& bars,
@@ -156,6 +160,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
       cap_arg.s[h] = row[h] * soft_cap_arg<Tr::kTanh>(p);
     }
   }
+  // (diagnosis builds, kernels/shared/trace.cuh: the ns this thread waits for K / V tiles, summed
+  // in the trace buffer, and from its last P V's wait to its rows stored; folded away otherwise)
+  unsigned long long epilogue_from = 0;
+  auto wait_tile = [&](unsigned long long* full, int phase) {
+    const unsigned long long from = trace_now();
+    mbar_wait(full, phase);
+    trace_add(kTraceWaitNs, trace_now() - from, kTraceThread);
+  };
   if (T > 0) {
     PipeState<ST>& ks = pos.ks;  // K runs one tile ahead of V
     PipeState<ST>& vs = pos.vs;
@@ -168,10 +180,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     if (Tr::kPingPong && wg == 0 && T > 1) named_arrive(1, 256);
 
     // the first tile (the last keys): S, softmax, P
-    mbar_wait(&bars.k_full[ks.stage], ks.phase);
+    wait_tile(&bars.k_full[ks.stage], ks.phase);
     issue_qk(ks.stage);
     wgmma_wait<0>();
     pin(s);
+    trace_stamp(kTraceFirstTile, kTraceThread);
     mbar_arrive(&bars.k_empty[ks.stage]);
     {
       float factor[2];
@@ -182,7 +195,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     // O += P V of the tile in frag from the V stage in turn, waited for, that stage freed (the
     // last tile's)
     auto pv_waited = [&]() {
-      mbar_wait(&bars.v_full[vs.stage], vs.phase);
+      wait_tile(&bars.v_full[vs.stage], vs.phase);
       issue_pv(vs.stage);
       wgmma_wait<0>();
       pin(o);
@@ -196,10 +209,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
       const bool masked = i < w.masked_tiles || (Tr::kVariants && tile < low_masked);
       float factor[2];
       bool moved;
-      mbar_wait(&bars.k_full[ks.stage], ks.phase);
+      wait_tile(&bars.k_full[ks.stage], ks.phase);
       if (Tr::kPingPong) named_sync(1 + wg, 256);
       issue_qk(ks.stage);
-      mbar_wait(&bars.v_full[vs.stage], vs.phase);
+      wait_tile(&bars.v_full[vs.stage], vs.phase);
       issue_pv(vs.stage);
       if (Tr::kPingPong && !(wg == NWG - 1 && i == T - 1)) named_arrive(1 + next_wg, 256);
       wgmma_wait<1>();  // S is ready, P V still runs
@@ -219,6 +232,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
       ks.advance();
       vs.advance();
     }
+    epilogue_from = trace_now();
     pv_waited();  // P V of the last tile processed (keys from kv_begin on)
   }
   // A page id outside the cache in this item: the producer set the flag before its last
@@ -227,6 +241,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   const float v_scale = Tr::kFp8 ? __ldg(p.v_scale + w.kv_head) : 1.f;  // an fp8 cache: out = o v_scale / l
   store_rows<OT, DV, Tr::kVariants, Tr::kFp8>(p, w, ri, by_group, o, st, w.row0 + first_row, quad,
                                              shared_load(page_flag) != 0, v_scale);
+  trace_store(kTraceEpilogueNs, T > 0 ? trace_now() - epilogue_from : 0ull, kTraceThread);
+  trace_stamp(kTraceDone, kTraceThread);
 }
 
 }  // namespace sm90

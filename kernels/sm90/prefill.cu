@@ -26,6 +26,7 @@
 #include "shared/params.cuh"
 #include "shared/softmax.cuh"
 #include "shared/variant.cuh"
+#include "shared/trace.cuh"
 #include "sm90/wgmma.cuh"
 #include "sm90/work.cuh"
 #include "sm90/pipeline.cuh"
@@ -127,6 +128,7 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p) {
   using namespace sm90;
   constexpr int BN = Tr::kBlockN, BM = Tr::kBlockM, ST = Tr::kStages;
 
+  trace_stamp(kTraceStart);  // (diagnosis builds only: kernels/shared/trace.cuh)
   const FastDiv by_group{p.group_multiplier, p.group_shift, p.num_qo_heads / p.num_kv_heads};
   PrefillWork first;
   if (!find_work<BM, BN, Tr::kVariants>(p, by_group, first, blockIdx.x)) return;  // the whole CTA, before any barrier
