@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A probe call (2026-12-07): fp16 against bf16 queries over a 16-bit and an fp8 cache (lab/ab_hopper.py's
-# lab cells, two interleaved rounds; TREE_PATCH: beside an exp tree of lab/patches), then device_check's ncu stage over NCU_WORKLOADS (ours, NCU_KERNELS,
-# NCU_METRICS as device_check takes them), its key lines printed; each bounded inside CALL_SECONDS.
+# A probe call (2026-12-07): AB_CELLS by lab/ab_hopper.py (e.g. its lab cells, fp16 against bf16 queries
+# over a 16-bit and an fp8 cache; two interleaved rounds; TREE_PATCH: beside an exp tree of lab/patches),
+# then device_check's ncu stage over NCU_WORKLOADS (NCU_WHO, NCU_KERNELS, NCU_METRICS as device_check
+# takes them), its key lines printed; each bounded inside CALL_SECONDS.
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 t0=$(date +%s); total=${CALL_SECONDS:-480}

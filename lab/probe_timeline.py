@@ -172,6 +172,7 @@ def main(names):
             _build.trace_buffer(v).fill(0)
         cupy.cuda.Device().synchronize()
         run[1]()
+        cupy.cuda.Device().synchronize()
         print(f"== {name} (page 16, {n_sets} input sets)")
         for v in attention_variants():
             st = cupy.asnumpy(_build.trace_buffer(v))
