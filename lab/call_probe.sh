@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A probe call (2026-12-07): AB_CELLS by lab/ab_hopper.py (e.g. its lab cells, fp16 against bf16 queries
 # over a 16-bit and an fp8 cache; two interleaved rounds; TREE_PATCH: beside an exp tree of lab/patches),
-# then device_check's ncu stage over NCU_WORKLOADS (NCU_WHO, NCU_KERNELS, NCU_METRICS as device_check
-# takes them), its key lines printed; each bounded inside CALL_SECONDS.
+# then lab/probe_timeline.py over TIMELINE_CELLS, then device_check's ncu stage over NCU_WORKLOADS
+# (NCU_WHO, NCU_KERNELS, NCU_METRICS as device_check takes them), its key lines printed; each bounded
+# inside CALL_SECONDS.
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 t0=$(date +%s); total=${CALL_SECONDS:-480}
@@ -17,6 +18,10 @@ if [ -n "${AB_CELLS:-}" ]; then
   timeout ${AB_SECONDS:-200} python3 lab/ab_hopper.py --exact --only "$AB_CELLS" --rounds ${ROUNDS:-2} \
     ${trees:+--kernel-trees $trees} > "$OUT/ab.txt" 2>&1
   echo "== ab exit $? at $(( $(date +%s) - t0 )) s"; sed -n '/^means over rounds/,$p' "$OUT/ab.txt" | cut -c1-150
+fi
+if [ -n "${TIMELINE_CELLS:-}" ] && [ "$(left)" -ge 60 ]; then  # the timeline stamps' probe (a trace build)
+  timeout ${TIMELINE_SECONDS:-120} python3 lab/probe_timeline.py $TIMELINE_CELLS > "$OUT/timeline.txt" 2>&1
+  echo "== timeline exit $? at $(( $(date +%s) - t0 )) s"; grep -v "^\[" "$OUT/timeline.txt" | cut -c1-200 | head -80
 fi
 if [ -n "${NCU_WORKLOADS:-}" ] && [ "$(left)" -ge 60 ]; then
   OUT=$OUT/ncu timeout $(( $(left) - 5 )) bash scripts/device_check.sh ncu > "$OUT/ncu.log" 2>&1
