@@ -34,7 +34,7 @@ class ScheduleMemo:
     def __init__(self, head_dim, group_size, num_kv_heads, kv_bytes, head_dim_vo=None):
         self.shape = (head_dim, group_size, num_kv_heads)
         self.kv_bytes, self.head_dim_vo = kv_bytes, head_dim_vo
-        self._found, self._knobs, self._split, self._group = {}, None, None, None
+        self._found, self._knobs, self._split = {}, None, None
         self.hits = self.misses = 0
 
     def step(self, q_lens=None, kv_lens=None, *, max_q_len=None, max_kv_len=None, capacity=None, batch_size=None,
@@ -45,13 +45,12 @@ class ScheduleMemo:
         if k is not self._knobs:
             self._found, self._knobs = {}, k
             self._split = schedule.split_size(self.kv_bytes)  # (a knob)
-            self._group = schedule.MERGE_GROUP * self._split
         device = (smem_limit, sm_count, arch, window)
         if q_lens is not None:
             split = self._split
             key = (device, q_lens.tobytes(), ((kv_lens + (split - 1)) // split).tobytes())
             if window:
-                key += (schedule.window_quotient(q_lens, kv_lens, window, self._group).tobytes(),)
+                key += (schedule.window_quotient(q_lens, kv_lens, window, schedule.MERGE_GROUP * split).tobytes(),)
         else:
             key = (device, max_q_len, max_kv_len, capacity, batch_size)
         found = self._found.get(key)

@@ -84,12 +84,14 @@ def _clear_source_caches():
                 value.cache_clear()
 
 
-def LAB_WORKLOADS(W):
-    """fp16 queries beside bf16 ones, over a 16-bit and an fp8 cache (2026-12-07): whether the fp8
-    tile's cost is its bf16 queries' rewrite as fp16 with a scale per row (fp16 queries skip both)."""
-    return [W.Workload("prefill_b4_l4096_fp16", 4, 4096, 4096, "fp16", dtype="float16"),
-            W.Workload("prefill_b4_l4096_fp8_fp16", 4, 4096, 4096, "fp16 queries, fp8 KV cache", dtype="float16",
-                       kv_dtype=W.FP8)]
+def add_lab_workloads(W):
+    """Adds to bench.workloads ``W``'s names the lab-only cells (not in the bench's table): fp16
+    queries beside bf16 ones, over a 16-bit and an fp8 cache (2026-12-07), whether the fp8 tile's
+    cost is its bf16 queries' rewrite as fp16 with a scale per row (fp16 queries skip both)."""
+    for extra in (W.Workload("prefill_b4_l4096_fp16", 4, 4096, 4096, "fp16", dtype="float16"),
+                  W.Workload("prefill_b4_l4096_fp8_fp16", 4, 4096, 4096, "fp16 queries, fp8 KV cache",
+                             dtype="float16", kv_dtype=W.FP8)):
+        W.BY_NAME.setdefault(extra.name, extra)
 
 
 # (workload, point name, patch): the first point of a workload is the table's
@@ -161,8 +163,7 @@ def main(argv=None):
     import cupy
 
     from bench import inputs, ours, workloads as W
-    for extra in LAB_WORKLOADS(W):  # (lab-only cells: not in the bench's table)
-        W.BY_NAME.setdefault(extra.name, extra)
+    add_lab_workloads(W)
 
     if args.kernel_trees and not args.points:
         args.points = "shipped,table"  # each workload's first point beside the trees

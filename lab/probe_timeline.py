@@ -33,10 +33,9 @@ from cupy_fa._timing import per_launch_us_for  # noqa: E402
 from bench import inputs, workloads  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab_hopper import LAB_WORKLOADS  # noqa: E402
+from ab_hopper import add_lab_workloads  # noqa: E402
 
-for _extra in LAB_WORKLOADS(workloads):  # the lab cells (fp16 queries over 16-bit and fp8 caches)
-    workloads.BY_NAME.setdefault(_extra.name, _extra)
+add_lab_workloads(workloads)  # the lab cells (fp16 queries over 16-bit and fp8 caches)
 
 DEFAULT = ["decode_b64_l4096", "verify_q4_b64_l4096", "verify_q8_b64_l4096", "decode_b1_l131072",
            "decode_b16_l32768"]
