@@ -5,7 +5,8 @@ lab cells (its dtype, fp8 cache, head dims and soft-cap; not sinks).
 For each workload (bench/workloads.py, page 16):
 * the timeline of one launch, from the attention kernel's stamps (a build with the knob
   CUPY_FA_TRACE on, kernels/shared/trace.cuh): when each CTA starts, gets its first K/V tile and ends, how
-  long its thread 0 waited at the loop top and spent in split epilogues, which SM it ran on;
+  long its stamping thread (thread 0 on the mma.sync tile, the first consumer thread on the sm90
+  tile) waited for K / V and spent in split epilogues, which SM it ran on;
   summarised as the launch's span, the start-up latency of the first and later waves, the gap
   an SM slot sits idle between one CTA's end and the next one's first tile, and the spread of
   the last CTAs' ends (the tail);
@@ -81,7 +82,7 @@ def timeline(stamps):
                          f"p90 {np.percentile(lat, 90):.2f} us, duration p50 "
                          f"{np.median(done[sel] - start[sel]):.1f} us, min {np.min(done[sel] - start[sel]):.1f} "
                          f"max {np.max(done[sel] - start[sel]):.1f}")
-            lines.append(f"    per CTA (thread 0, p50): {np.median(wait_ns[sel]) / 1e3:.1f} us at the loop-top wait "
+            lines.append(f"    per CTA (stamping thread, p50): {np.median(wait_ns[sel]) / 1e3:.1f} us at the loop-top wait "
                          f"(K/V not in yet, or the barrier), {np.median(epilogue_ns[sel]) / 1e3:.1f} us in split "
                          f"epilogues, {np.median(done[sel] - start[sel] - (wait_ns[sel] + epilogue_ns[sel]) / 1e3):.1f}"
                          f" us the rest (tile math, issuing copies, start-up)")
