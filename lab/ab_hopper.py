@@ -103,6 +103,17 @@ POINTS = [
     # fp8 K / V (0.87x the 16-bit cell on the H100): the producer widens each tile after its ring
     # stage's `empty`, so its copy and widening latency sits between the consumers and `full`
     ("prefill_b4_l4096_fp8", "table (3 wg, 80 keys, 2 stages)", {}),
+    # (2026-12-07) the producer over N staging slots (lab/patches/20261207-fp8-deep.patch, built as
+    # exp/deep by lab/call_stages.sh mk) with the ring's stages: the first consumer waits 14-15 us a CTA
+    # for K / V (bf16's: 2.8); a deeper copy alone and a third stage alone measured no gain, each leaving
+    # the other latency in the producer's chain
+    ("prefill_b4_l4096_fp8", "deep: table", dict(kernels="exp/deep/kernels")),
+    ("prefill_b4_l4096_fp8", "deep: staging 4", dict(kernels="exp/deep/kernels", fp8={128: R(F128, staging=4)})),
+    ("prefill_b4_l4096_fp8", "deep: 3 stages, staging 4",
+     dict(kernels="exp/deep/kernels", fp8={128: R(F128, stages=3, staging=4)})),
+    ("prefill_b2_l8192_fp8", "table", {}),
+    ("prefill_b2_l8192_fp8", "deep: 3 stages, staging 4",
+     dict(kernels="exp/deep/kernels", fp8={128: R(F128, stages=3, staging=4)})),
     ("prefill_b4_l4096_fp8", "3 stages", dict(fp8={128: R(F128, stages=3)})),
     ("prefill_b4_l4096_fp8", "ping-pong off", dict(fp8={128: R(F128, pingpong=False)})),
     ("prefill_b4_l4096_fp8", "3 stages, ping-pong off", dict(fp8={128: R(F128, stages=3, pingpong=False)})),
