@@ -216,8 +216,9 @@ def trace_buffer(kernel):
     """The timeline stamps of ``kernel`` on the current device (builds with the knob
     ``CUPY_FA_TRACE=1``: the mma.sync attention kernels and the sm90 prefill kernels): a uint64
     cupy array [kTraceCtas, kTraceStamps] (kernels/shared/trace.cuh) of (start, first K/V tile,
-    done, ns in epilogues, ns waiting at the loop top, SM id) per CTA, written by each launch (zero
-    it in between to tell launches apart)."""
+    done, ns in epilogues, ns waiting at the loop top, the sm90 producer's ns waiting for its copies,
+    for free stages and filling them, SM id) per CTA, written by each launch (zero it in between to
+    tell launches apart)."""
     import cupy
 
     module = _modules[(_device_id(), kernel)]

@@ -56,7 +56,7 @@ def source_hash():
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 # K/V element types: Q's and O's, and an fp8 (e4m3fn) cache's bytes (kernels/shared/common.cuh)
 KV_CTYPES = {**CTYPES, "float8_e4m3fn": "cupy_fa::fp8_e4m3"}
-TRACE_SHAPE = (1 << 15, 6)  # kernels/shared/trace.cuh (kTraceCtas, kTraceStamps): trace_buffer's shape
+TRACE_SHAPE = (1 << 15, 9)  # kernels/shared/trace.cuh (kTraceCtas, kTraceStamps): trace_buffer's shape
 
 
 @dataclasses.dataclass(frozen=True)

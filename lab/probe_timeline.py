@@ -3,7 +3,8 @@ mma.sync tile, and (2026-12-07) prefill cells on the sm90 tile, any bench worklo
 lab cells (its dtype, fp8 cache, head dims and soft-cap; not sinks).
 
 For each workload (bench/workloads.py, page 16):
-* the timeline of one launch, from the attention kernel's stamps (a build with the knob
+* the timeline of one launch, from the attention kernel's stamps (and on the sm90 tile its
+  producer's: time waiting for its own copies, for free stages, and filling stages) (a build with the knob
   CUPY_FA_TRACE on, kernels/shared/trace.cuh): when each CTA starts, gets its first K/V tile and ends, how
   long its stamping thread (thread 0 on the mma.sync tile, the first consumer thread on the sm90
   tile) waited for K / V and spent in split epilogues, which SM it ran on;
@@ -65,8 +66,10 @@ def resident_per_sm(start, done, sm):
 
 def timeline(stamps):
     """Summary (us) of one launch's CTA stamps (rows: start, first tile, done, epilogue ns,
-    loop-top wait ns, SM: _build.trace_buffer)."""
-    start, first, done, epilogue_ns, wait_ns, sm = (stamps[:, i].astype(np.int64) for i in range(6))
+    loop-top wait ns, the sm90 producer's ns waiting for its copies, for free stages and filling,
+    SM: _build.trace_buffer)."""
+    start, first, done, epilogue_ns, wait_ns, copy_ns, empty_ns, fill_ns, sm = (
+        stamps[:, i].astype(np.int64) for i in range(9))
     t0 = start.min()
     start, first, done = (start - t0) / 1e3, (first - t0) / 1e3, (done - t0) / 1e3
     first = np.where(first >= start, first, done)  # a CTA without a K/V tile
@@ -86,6 +89,12 @@ def timeline(stamps):
                          f"(K/V not in yet, or the barrier), {np.median(epilogue_ns[sel]) / 1e3:.1f} us in split "
                          f"epilogues, {np.median(done[sel] - start[sel] - (wait_ns[sel] + epilogue_ns[sel]) / 1e3):.1f}"
                          f" us the rest (tile math, issuing copies, start-up)")
+            if (copy_ns[sel] + empty_ns[sel] + fill_ns[sel]).any():  # the sm90 producer's sums (thread 0)
+                dur = np.median(done[sel] - start[sel])
+                c, e, f = (np.median(x[sel]) / 1e3 for x in (copy_ns, empty_ns, fill_ns))
+                lines.append(f"    producer (thread 0, p50): {c:.1f} us waiting for its copies, {e:.1f} us for free "
+                             f"stages, {f:.1f} us filling stages (fp8: widening, fence, arrival; 16-bit: issuing "
+                             f"copies), {dur - c - e - f:.1f} us the rest of the CTA")
     # per SM: each later CTA takes the slot of the earliest-ending CTA before it on that SM
     idle, gaps = 0.0, []
     for s in np.unique(sm):

@@ -146,9 +146,10 @@ def test_host_mirrors_of_the_traits_are_compiled_in():
 def test_trace_build_compiles(monkeypatch):
     """The timeline probe's build (CUPY_FA_TRACE=1, lab/probe_timeline.py) still compiles, for
     the tile the decode benchmarks run and the sm90 prefill tiles of D 128 over a 16-bit and an
-    fp8 cache: without spills, but for the fp8 tile with bf16 queries (NVRTC 12.9: 16 bytes
-    stored in its prologue, one reload a tile; the probe's figures for it carry that), held to at
-    most 32 bytes."""
+    fp8 cache: without spills, but for the fp8 tile (NVRTC 12.9 with bf16 queries: 24 bytes stored,
+    48 loaded, in its prologue and around its producer's three sums a widening, which its 32
+    registers do not hold; the probe's figures for it carry those reloads), held to at most 64
+    bytes."""
     monkeypatch.setenv("CUPY_FA_TRACE", "1")
     knobs.reload()  # knobs are read once: take the new value
     assert "-DCUPY_FA_TRACE" in _compile.compile_options("sm_90a")
@@ -158,7 +159,7 @@ def test_trace_build_compiles(monkeypatch):
                     catalog.attention_kernel(fp8, families.sm90.FP8_TILES[128])):
         cubin, res = _compile.compile_cubin(variant, "sm_90a")
         assert cubin[:4] == b"\x7fELF"
-        most = 32 if variant.expression.startswith("cupy_fa::prefill_sm90_kernel<__nv_bfloat16, cupy_fa::fp8") else 0
+        most = 64 if "cupy_fa::fp8_e4m3" in variant.expression else 0
         assert res["spill_stores"] <= most and res["spill_loads"] <= most, (variant.expression, res)
 
 

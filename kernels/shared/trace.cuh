@@ -10,12 +10,14 @@
 // names: the sm90 prefill kernel's first consumer thread) records into
 // cupy_fa_trace[blockIdx.x]: the global timer (ns) at a point (trace_stamp), a value such as
 // the ns spent in some region (trace_store; trace_now() gives the timer), and its SM id in
-// entry kTraceSm. The host reads the buffer with cupy_fa._build.trace_buffer.
+// entry kTraceSm. The sm90 prefill kernel's producer (thread 0) adds its own sums (trace_add, from
+// trace_lap: the timer's low 32 bits, one register where the producer has few). The host reads the
+// buffer with cupy_fa._build.trace_buffer.
 #pragma once
 
 namespace cupy_fa {
 
-constexpr int kTraceCtas = 1 << 15, kTraceStamps = 6, kTraceSm = kTraceStamps - 1;
+constexpr int kTraceCtas = 1 << 15, kTraceStamps = 9, kTraceSm = kTraceStamps - 1;
 
 // What the attention kernels stamp (kernels/mma_sync/attention.cu; kernels/sm90/prefill.cu and
 // consumer.cuh, where the first tile is its first S and the epilogue its last P V's wait and the
@@ -26,6 +28,10 @@ enum TraceEntry : int {
   kTraceDone = 2,        // it is done
   kTraceEpilogueNs = 3,  // ns spent in split epilogues
   kTraceWaitNs = 4,      // ns spent at the loop-top wait
+  // the sm90 prefill kernel's producer (thread 0), summed over its tiles (sm90/load.cuh):
+  kTraceProducerCopyWaitNs = 5,   // ns waiting for its own copies (an fp8 cache's staging)
+  kTraceProducerEmptyWaitNs = 6,  // ns waiting for a free ring stage (`empty`)
+  kTraceProducerFillNs = 7,       // ns filling stages: the fp8 widening, fence and arrival; 16-bit: issuing the copies
 };
 
 #ifdef CUPY_FA_TRACE
@@ -37,6 +43,12 @@ namespace cupy_fa {
 __device__ __forceinline__ unsigned long long trace_now() {
   unsigned long long now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+// The timer's low 32 bits: a difference of two is a span's ns (spans under 4 s).
+__device__ __forceinline__ unsigned trace_lap() {
+  unsigned now;
+  asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(now));
   return now;
 }
 __device__ __forceinline__ void trace_store(int entry, unsigned long long value, unsigned thread = 0) {
@@ -54,6 +66,7 @@ __device__ __forceinline__ void trace_add(int entry, unsigned long long value, u
 }
 #else
 __device__ __forceinline__ unsigned long long trace_now() { return 0; }
+__device__ __forceinline__ unsigned trace_lap() { return 0; }
 __device__ __forceinline__ void trace_add(int, unsigned long long, unsigned = 0) {}
 __device__ __forceinline__ void trace_store(int, unsigned long long, unsigned = 0) {}
 #endif

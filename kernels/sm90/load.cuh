@@ -338,9 +338,18 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;
   // K (a Ring<true>) or V (Ring<false>) of a tile into the stage at `dst` by cp.async, completing `full`
+  // (diagnosis builds, kernels/shared/trace.cuh: thread 0 sums its waits for free stages and its
+  // copies' issue; folded away otherwise)
+  auto wait_empty = [&](unsigned long long* empty, int phase) {
+    const unsigned from = trace_lap();
+    mbar_wait(empty, phase);
+    trace_add(kTraceProducerEmptyWaitNs, trace_lap() - from);
+  };
   auto load = [&](auto ring, unsigned dst, const int (&slots)[P::LOOKUPS], unsigned long long* full) {
+    const unsigned from = trace_lap();
     prod.template copy<decltype(ring)::value>(dst, slots);
     cp_async_arrive(full);
+    trace_add(kTraceProducerFillNs, trace_lap() - from);
   };
   prod.template start<QT>(q_addr, by_group, tid, &bars.q_full);
   PipeState<Tr::kStages>& ks = pos.ks;
@@ -349,7 +358,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
     prod.slots_flagged(T - 1, slots_k, bars);
     prod.fetch_pages(T - 2);
-    mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
+    wait_empty(&bars.k_empty[ks.stage], ks.phase ^ 1);
     load(Ring<true>(), k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
     ks.advance();
     for (int i = 1; i < T; ++i) {
@@ -358,14 +367,14 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
       for (int j = 0; j < P::LOOKUPS; ++j) slots_v[j] = slots_k[j];
       prod.slots_flagged(tile, slots_k, bars);
       prod.fetch_pages(tile - 1);
-      mbar_wait(&bars.k_empty[ks.stage], ks.phase ^ 1);
+      wait_empty(&bars.k_empty[ks.stage], ks.phase ^ 1);
       load(Ring<true>(), k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
       ks.advance();
-      mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
+      wait_empty(&bars.v_empty[vs.stage], vs.phase ^ 1);
       load(Ring<false>(), v_addr + vs.stage * V_STAGE_BYTES, slots_v, &bars.v_full[vs.stage]);
       vs.advance();
     }
-    mbar_wait(&bars.v_empty[vs.stage], vs.phase ^ 1);
+    wait_empty(&bars.v_empty[vs.stage], vs.phase ^ 1);
     load(Ring<false>(), v_addr + vs.stage * V_STAGE_BYTES, slots_k, &bars.v_full[vs.stage]);
     vs.advance();
   }
@@ -399,14 +408,22 @@ __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const Pref
   };
   // the copy before the newest one (in staging slot `slot`) widened into the next K stage (a
   // Ring<true>) or V stage (Ring<false>)
+  // (diagnosis builds: thread 0 sums its waits for its copies and for free stages, and its widening
+  // with the fence and arrival, kernels/shared/trace.cuh; folded away otherwise)
   auto widen = [&](auto ring, int slot) {
     constexpr bool K = decltype(ring)::value;
+    unsigned from = trace_lap();
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's bytes of that copy
+    unsigned lap = trace_lap();
+    trace_add(kTraceProducerCopyWaitNs, lap - from);
     PipeState<Tr::kStages>& s = K ? ks : vs;
     mbar_wait(K ? &bars.k_empty[s.stage] : &bars.v_empty[s.stage], s.phase ^ 1);
+    from = trace_lap();
+    trace_add(kTraceProducerEmptyWaitNs, from - lap);
     prod.widen_fp8(staging + slot * SLOT_BYTES, (K ? k_addr : v_addr) + s.stage * STAGE_BYTES);
     fence_async_shared();
     mbar_arrive(K ? &bars.k_full[s.stage] : &bars.v_full[s.stage]);
+    trace_add(kTraceProducerFillNs, trace_lap() - from);
     s.advance();
   };
   if (T > 0) {
