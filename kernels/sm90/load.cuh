@@ -337,7 +337,6 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;
-  // K (a Ring<true>) or V (Ring<false>) of a tile into the stage at `dst` by cp.async, completing `full`
   // (diagnosis builds, kernels/shared/trace.cuh: thread 0 sums its waits for free stages and its
   // copies' issue; folded away otherwise)
   auto wait_empty = [&](unsigned long long* empty, int phase) {
@@ -345,6 +344,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     mbar_wait(empty, phase);
     trace_add(kTraceProducerEmptyWaitNs, trace_lap() - from);
   };
+  // K (a Ring<true>) or V (Ring<false>) of a tile into the stage at `dst` by cp.async, completing `full`
   auto load = [&](auto ring, unsigned dst, const int (&slots)[P::LOOKUPS], unsigned long long* full) {
     const unsigned from = trace_lap();
     prod.template copy<decltype(ring)::value>(dst, slots);
@@ -407,9 +407,9 @@ __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const Pref
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
   // the copy before the newest one (in staging slot `slot`) widened into the next K stage (a
-  // Ring<true>) or V stage (Ring<false>)
-  // (diagnosis builds: thread 0 sums its waits for its copies and for free stages, and its widening
-  // with the fence and arrival, kernels/shared/trace.cuh; folded away otherwise)
+  // Ring<true>) or V stage (Ring<false>). (Diagnosis builds: thread 0 sums its waits for its copies
+  // and for free stages, and its widening with the fence and arrival, kernels/shared/trace.cuh;
+  // folded away otherwise.)
   auto widen = [&](auto ring, int slot) {
     constexpr bool K = decltype(ring)::value;
     unsigned from = trace_lap();
