@@ -10,9 +10,8 @@
 // names: the sm90 prefill kernel's first consumer thread) records into
 // cupy_fa_trace[blockIdx.x]: the global timer (ns) at a point (trace_stamp), a value such as
 // the ns spent in some region (trace_store; trace_now() gives the timer), and its SM id in
-// entry kTraceSm. The sm90 prefill kernel's producer (thread 0) adds its own sums (trace_add, from
-// trace_lap: the timer's low 32 bits, one register where the producer has few). The host reads the
-// buffer with cupy_fa._build.trace_buffer.
+// entry kTraceSm; a region's ns summed over the CTA (trace_add; trace_span around a region: the sm90
+// prefill kernel's producer, thread 0). The host reads the buffer with cupy_fa._build.trace_buffer.
 #pragma once
 
 namespace cupy_fa {
@@ -71,5 +70,13 @@ __device__ __forceinline__ void trace_add(int, unsigned long long, unsigned = 0)
 __device__ __forceinline__ void trace_store(int, unsigned long long, unsigned = 0) {}
 #endif
 __device__ __forceinline__ void trace_stamp(int entry, unsigned thread = 0) { trace_store(entry, trace_now(), thread); }
+// Runs f() and adds the ns it took to `entry` (thread `thread`; from trace_lap, one register): a span
+// summed over a CTA. Without the flag just f().
+template <typename F>
+__device__ __forceinline__ void trace_span(int entry, F&& f, unsigned thread = 0) {
+  const unsigned from = trace_lap();
+  f();
+  trace_add(entry, trace_lap() - from, thread);
+}
 
 }  // namespace cupy_fa

@@ -340,16 +340,14 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
   // (diagnosis builds, kernels/shared/trace.cuh: thread 0 sums its waits for free stages and its
   // copies' issue; folded away otherwise)
   auto wait_empty = [&](unsigned long long* empty, int phase) {
-    const unsigned from = trace_lap();
-    mbar_wait(empty, phase);
-    trace_add(kTraceProducerEmptyWaitNs, trace_lap() - from);
+    trace_span(kTraceProducerEmptyWaitNs, [&] { mbar_wait(empty, phase); });
   };
   // K (a Ring<true>) or V (Ring<false>) of a tile into the stage at `dst` by cp.async, completing `full`
   auto load = [&](auto ring, unsigned dst, const int (&slots)[P::LOOKUPS], unsigned long long* full) {
-    const unsigned from = trace_lap();
-    prod.template copy<decltype(ring)::value>(dst, slots);
-    cp_async_arrive(full);
-    trace_add(kTraceProducerFillNs, trace_lap() - from);
+    trace_span(kTraceProducerFillNs, [&] {
+      prod.template copy<decltype(ring)::value>(dst, slots);
+      cp_async_arrive(full);
+    });
   };
   prod.template start<QT>(q_addr, by_group, tid, &bars.q_full);
   PipeState<Tr::kStages>& ks = pos.ks;
@@ -412,18 +410,17 @@ __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const Pref
   // folded away otherwise.)
   auto widen = [&](auto ring, int slot) {
     constexpr bool K = decltype(ring)::value;
-    unsigned from = trace_lap();
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's bytes of that copy
-    unsigned lap = trace_lap();
-    trace_add(kTraceProducerCopyWaitNs, lap - from);
+    trace_span(kTraceProducerCopyWaitNs, [] {
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's bytes of that copy
+    });
     PipeState<Tr::kStages>& s = K ? ks : vs;
-    mbar_wait(K ? &bars.k_empty[s.stage] : &bars.v_empty[s.stage], s.phase ^ 1);
-    from = trace_lap();
-    trace_add(kTraceProducerEmptyWaitNs, from - lap);
-    prod.widen_fp8(staging + slot * SLOT_BYTES, (K ? k_addr : v_addr) + s.stage * STAGE_BYTES);
-    fence_async_shared();
-    mbar_arrive(K ? &bars.k_full[s.stage] : &bars.v_full[s.stage]);
-    trace_add(kTraceProducerFillNs, trace_lap() - from);
+    trace_span(kTraceProducerEmptyWaitNs,
+               [&] { mbar_wait(K ? &bars.k_empty[s.stage] : &bars.v_empty[s.stage], s.phase ^ 1); });
+    trace_span(kTraceProducerFillNs, [&] {
+      prod.widen_fp8(staging + slot * SLOT_BYTES, (K ? k_addr : v_addr) + s.stage * STAGE_BYTES);
+      fence_async_shared();
+      mbar_arrive(K ? &bars.k_full[s.stage] : &bars.v_full[s.stage]);
+    });
     s.advance();
   };
   if (T > 0) {
