@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
 # The closing GPU call (2026-12-06): `python -m bench.host` over its default cells first on an H200 (issue 41's
-# host figures, on a machine nothing else has run on yet: a test run before doubles them), then an
-# MLA A/B of the exp trees in MLA_AB_TREES (MLA_ONLY, ROUNDS as lab/call_mla_ab.sh takes them) where
+# host figures, on a machine nothing else has run on yet: a test run before doubles them; lab/call_begin.sh),
+# then with TIMELINE_CELLS the clock-stamp timelines of this tree and TREE_PATCHES' trees
+# (lab/call_tree_timeline.sh), then an MLA A/B of the exp trees in MLA_AB_TREES (MLA_ONLY, ROUNDS as lab/call_mla_ab.sh takes them) where
 # set, then the A/B stages of lab/call_stages.sh (FP8_ABLATE, TAKE_BACK, TRY_PATCH; after the check
 # with AB_AFTER=1), then
 # scripts/device_check.sh all (its summary table printed whole), then bench.mla beside FlashInfer,
 # then, if time is left, the EAGLE
 # draft chain probe (SGLang's MLA kit case; .sgl carried), each bounded inside CALL_SECONDS.
-set -u
-OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-t0=$(date +%s); total=${CALL_SECONDS:-585}
-left() { echo $(( total - ($(date +%s) - t0) )); }
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "== $gpu"
-if echo "$gpu" | grep -q H200 || [ "${HOST_ANY:-0}" = 1 ]; then  # issue 41's bars are H200 figures (HOST_ANY=1: any card)
-  timeout ${HOST_SECONDS:-90} python3 -m bench.host --no-flashinfer --json "$OUT/host.json" 2>&1 | grep -v "^\[" | tail -n 22
-  echo "== bench.host at $(( $(date +%s) - t0 )) s"
+CALL_DEFAULT=585 . lab/call_begin.sh
+host_bench
+if [ -n "${TIMELINE_CELLS:-}" ]; then  # timelines of this tree and of TREE_PATCHES' trees (lab/call_tree_timeline.sh)
+  TIMELINE_SECONDS=${TIMELINE_SECONDS:-70} bash lab/call_tree_timeline.sh 2>&1 | tee "$OUT/tree_timeline.txt" \
+    | grep -v "^  variant"
+  echo "== timelines at $(( $(date +%s) - t0 )) s"
 fi
 if [ -n "${MLA_AB_TREES:-}" ]; then  # an MLA A/B of exp trees before the check (lab/call_mla_ab.sh, no tests)
   TEST_TREES=" " AB_TREES="$MLA_AB_TREES" CALL_SECONDS=${MLA_AB_SECONDS:-70} bash lab/call_mla_ab.sh 2>&1 \

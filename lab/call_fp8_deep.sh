@@ -3,16 +3,8 @@
 # then the fp8 producer over N staging slots (lab/patches/20261207-fp8-deep.patch): the timeline of its
 # tree at 3 stages and 4 staging slots, and ab_hopper's "deep" points beside the table and the bf16 cell;
 # then scripts/device_check.sh "tests demo engine" in what is left (its summary printed whole).
-set -u
-OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-t0=$(date +%s); total=${CALL_SECONDS:-590}
-left() { echo $(( total - ($(date +%s) - t0) )); }
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "== $gpu"
-if echo "$gpu" | grep -q H200; then
-  timeout ${HOST_SECONDS:-75} python3 -m bench.host --no-flashinfer --json "$OUT/host.json" 2>&1 | grep -v "^\[" | tail -n 22
-  echo "== bench.host at $(( $(date +%s) - t0 )) s"
-fi
+CALL_DEFAULT=590 . lab/call_begin.sh
+HOST_SECONDS=${HOST_SECONDS:-75} host_bench
 . lab/call_stages.sh && mk deep 20261207-fp8-deep.patch
 SHIPPED=0 TREE_PATCHES=20261207-fp8-deep-3x4 TIMELINE_CELLS=prefill_b4_l4096_fp8 TIMELINE_SECONDS=60 \
   bash lab/call_tree_timeline.sh 2>&1 | tail -n 8

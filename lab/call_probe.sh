@@ -4,12 +4,7 @@
 # then lab/probe_timeline.py over TIMELINE_CELLS, then device_check's ncu stage over NCU_WORKLOADS
 # (NCU_WHO, NCU_KERNELS, NCU_METRICS as device_check takes them), its key lines printed; each bounded
 # inside CALL_SECONDS.
-set -u
-OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-t0=$(date +%s); total=${CALL_SECONDS:-480}
-left() { echo $(( total - ($(date +%s) - t0) )); }
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
-nvidia-smi --query-gpu=name --format=csv,noheader
+CALL_DEFAULT=480 . lab/call_begin.sh
 trees=""
 if [ -n "${TREE_PATCH:-}" ]; then  # exp/tree: this tree's kernels with lab/patches/$TREE_PATCH, timed beside it
   . lab/call_stages.sh && mk tree "$TREE_PATCH" && trees=exp/tree
