@@ -16,6 +16,6 @@ for name in $first ${TREE_PATCHES:-}; do
   (cd "$dir" && PYTHONPATH=$dir CUPY_FA_CACHE_DIR=/tmp/cc_$name CUPY_CACHE_DIR=/tmp/cupy_cache \
      timeout ${TIMELINE_SECONDS:-110} python3 lab/probe_timeline.py $TIMELINE_CELLS) > "$OUT/timeline_$name.txt" 2>&1
   echo "== $name: exit $? at $(( $(date +%s) - t0 )) s"
-  grep -E "^==|variant|later waves|per CTA|handover|graph replay" "$OUT/timeline_$name.txt" | grep -v "^\[" | cut -c1-190
+  grep -E "^==|variant|later waves|per CTA|producer|handover|graph replay" "$OUT/timeline_$name.txt" | grep -v "^\[" | cut -c1-190
 done
 echo "== done at $(( $(date +%s) - t0 )) s"
