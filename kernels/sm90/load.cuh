@@ -324,6 +324,12 @@ struct KVProducer {
 
 template <bool K> struct Ring { static constexpr bool value = K; };  // K's ring (true) or V's
 
+// The producer's wait for a free ring stage (its `empty` barrier, of parity `phase`), both producers
+// alike (diagnosis builds: thread 0 sums it, kernels/shared/trace.cuh; folded away otherwise).
+__device__ __forceinline__ void wait_free_stage(unsigned long long* empty, int phase) {
+  trace_span(kTraceProducerEmptyWaitNs, [&] { mbar_wait(empty, phase); });
+}
+
 // The producer's whole job for the CTA's work item: Q into the Q tile, then K of tile T-1,
 // then per step K of the next tile and V of the one before, each after its stage's `empty`
 // barrier, ending with V of tile 0. The caller waits for the last copies (cp.async.wait_all)
@@ -337,12 +343,8 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
   KVProducer<KVT, Tr> prod(p, w, tid);
   typedef KVProducer<KVT, Tr> P;
   const int T = w.num_tiles;
-  // (diagnosis builds, kernels/shared/trace.cuh: thread 0 sums its waits for free stages and its
-  // copies' issue; folded away otherwise)
-  auto wait_empty = [&](unsigned long long* empty, int phase) {
-    trace_span(kTraceProducerEmptyWaitNs, [&] { mbar_wait(empty, phase); });
-  };
   // K (a Ring<true>) or V (Ring<false>) of a tile into the stage at `dst` by cp.async, completing `full`
+  // (diagnosis builds: thread 0 sums its copies' issue, kernels/shared/trace.cuh)
   auto load = [&](auto ring, unsigned dst, const int (&slots)[P::LOOKUPS], unsigned long long* full) {
     trace_span(kTraceProducerFillNs, [&] {
       prod.template copy<decltype(ring)::value>(dst, slots);
@@ -356,7 +358,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
     int slots_k[P::LOOKUPS], slots_v[P::LOOKUPS];
     prod.slots_flagged(T - 1, slots_k, bars);
     prod.fetch_pages(T - 2);
-    wait_empty(&bars.k_empty[ks.stage], ks.phase ^ 1);
+    wait_free_stage(&bars.k_empty[ks.stage], ks.phase ^ 1);
     load(Ring<true>(), k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
     ks.advance();
     for (int i = 1; i < T; ++i) {
@@ -365,14 +367,14 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const PrefillW
       for (int j = 0; j < P::LOOKUPS; ++j) slots_v[j] = slots_k[j];
       prod.slots_flagged(tile, slots_k, bars);
       prod.fetch_pages(tile - 1);
-      wait_empty(&bars.k_empty[ks.stage], ks.phase ^ 1);
+      wait_free_stage(&bars.k_empty[ks.stage], ks.phase ^ 1);
       load(Ring<true>(), k_addr + ks.stage * STAGE_BYTES, slots_k, &bars.k_full[ks.stage]);
       ks.advance();
-      wait_empty(&bars.v_empty[vs.stage], vs.phase ^ 1);
+      wait_free_stage(&bars.v_empty[vs.stage], vs.phase ^ 1);
       load(Ring<false>(), v_addr + vs.stage * V_STAGE_BYTES, slots_v, &bars.v_full[vs.stage]);
       vs.advance();
     }
-    wait_empty(&bars.v_empty[vs.stage], vs.phase ^ 1);
+    wait_free_stage(&bars.v_empty[vs.stage], vs.phase ^ 1);
     load(Ring<false>(), v_addr + vs.stage * V_STAGE_BYTES, slots_k, &bars.v_full[vs.stage]);
     vs.advance();
   }
@@ -414,8 +416,7 @@ __device__ __forceinline__ void produce_fp8(const AttentionParams& p, const Pref
       asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's bytes of that copy
     });
     PipeState<Tr::kStages>& s = K ? ks : vs;
-    trace_span(kTraceProducerEmptyWaitNs,
-               [&] { mbar_wait(K ? &bars.k_empty[s.stage] : &bars.v_empty[s.stage], s.phase ^ 1); });
+    wait_free_stage(K ? &bars.k_empty[s.stage] : &bars.v_empty[s.stage], s.phase ^ 1);
     trace_span(kTraceProducerFillNs, [&] {
       prod.widen_fp8(staging + slot * SLOT_BYTES, (K ? k_addr : v_addr) + s.stage * STAGE_BYTES);
       fence_async_shared();
