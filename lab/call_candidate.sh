@@ -16,16 +16,16 @@ for r in $(seq 0 $(( ${ROUNDS:-2} - 1 ))); do
   for t in $order; do
     root=$PWD; [ $t = try ] && root=$PWD/exp/try
     PYTHONPATH=$root timeout ${AB_TREE_SECONDS:-75} python3 lab/ab_hopper.py --exact --only "$AB_ONLY" --points shipped \
-      --rounds 1 2>&1 | grep -E "^ab |Error|error" | sed "s/ shipped / $t /; s/ round 0 / round $r /" | tee -a "$OUT/ab_candidate.txt"
+      --rounds 1 2>&1 | grep -E "^ab |Error|error" | sed "s/^/$t /; s/ round 0 / round $r /" | tee -a "$OUT/ab_candidate.txt"
   done
 done
 python3 - "$OUT/ab_candidate.txt" <<'PY'
 import collections, sys
 vals = collections.defaultdict(list)
 for line in open(sys.argv[1]):
-    f = line.split()
-    if f[:1] == ["ab"] and "TFLOP/s" in f:
-        vals[(f[1], f[2])].append(float(f[f.index("TFLOP/s") - 1]))
+    f = line.split()  # tree, "ab", workload, point ..., value, "TFLOP/s"
+    if f[1:2] == ["ab"] and "TFLOP/s" in f:
+        vals[(f[2], f[0])].append(float(f[f.index("TFLOP/s") - 1]))
 for name in sorted({n for n, _ in vals}):
     base, tr = vals.get((name, "base"), []), vals.get((name, "try"), [])
     if base and tr:

@@ -156,13 +156,15 @@ def test_fp8_long_requests_take_the_wgmma_family_on_sm90a():
 
 def test_fp8_wgmma_tile_mirrors_the_traits():
     """Shared memory of the fp8 tile at D 128: the 16-bit tile's, then (at 16 bytes past the
-    barriers) a factor per row for bf16 queries and two staging slots of raw e4m3 tiles; the
-    traits name spells KV_BYTES, STAGING and TANH only where one is not the 16-bit default."""
+    barriers) a factor per row for bf16 queries and two staging slots of raw e4m3 tiles (the hooked
+    16-bit tile has its work item's 64 bytes there instead); the traits name spells KV_BYTES, STAGING and TANH only where one is not the 16-bit default."""
     tile = s9.FP8_TILES[128]
     plain = s9.DEFAULT_TILES[128]
     barriers = ((4 * 2 + 1) * 8 + 384 * 4 + 4 + 7) // 8 * 8
     assert plain.smem_bytes == 1024 + 192 * 128 * 2 + 2 * 2 * 80 * 128 * 2 + barriers
-    assert tile.smem_bytes == plain.smem_bytes - barriers + (barriers + 15) // 16 * 16 + 192 * 4 + 2 * 80 * 128
+    padded = plain.smem_bytes - barriers + (barriers + 15) // 16 * 16
+    assert tile.smem_bytes == padded + 192 * 4 + 2 * 80 * 128
+    assert plain.with_variants().smem_bytes == padded + 64  # the hooked 16-bit tile's work item (80 keys: plain's)
     assert tile.traits() == plain.traits()[:-1] + ", 1, 2, 0>" and not plain.traits().endswith(", 2, 0, 0>")
     assert tile.with_variants().traits().endswith(f", true, 1, 2, {s9.SOFT_CAP_TANH}>")
     for bad in (dict(staging=0), dict(staging=1), dict(kv_bytes=2), dict(head_dim=96)):

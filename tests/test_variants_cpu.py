@@ -221,8 +221,8 @@ def test_every_attention_kernel_has_a_hooked_twin_and_the_plain_names_stay():
     attention_kernels = {v.expression for v in everything if v.source in ("mma_sync/attention.cu", "sm90/prefill.cu")
                          and "fp8_e4m3" not in v.expression}
     # the hooked twin: VARIANTS = true after the traits' last argument (the mma.sync traits' KV_BYTES
-    # is then spelled out); a wgmma tile of three consumer warpgroups holds 64 keys a tile hooked, of
-    # two at most 80 (Sm90Tile.with_variants: the hooks' registers, the window test's bound), the
+    # is then spelled out); a wgmma tile holds at most 80 keys a tile hooked, 64 where 80 are not
+    # whole passes of its producer (Sm90Tile.with_variants: the window test's bound), the
     # soft-cap's tanh form (SOFT_CAP_TANH) spelled after it where it is not the exact one (or where
     # V's head dim follows: separate qk / vo head dims), and with the Newton form no warp-uniform
     # warpgroup index
@@ -237,7 +237,8 @@ def test_every_attention_kernel_has_a_hooked_twin_and_the_plain_names_stay():
         head, args = e.split("Sm90PrefillTraits<")
         args = args[:-len(">>")].split(", ")  # D, block_n, stages, pingpong, producer regs, uniform_wg, ...
         args, vo = (args[:10], args[13:]) if pair else (args, [])
-        args[1] = str(min(int(args[1]), 64 if args[8] == "3" else 80))
+        keys = min(int(args[1]), 80)
+        args[1] = str(keys if keys % s9.DEFAULT_TILES[int(args[0])].copy_rows == 0 else 64)
         if s9.SOFT_CAP_TANH == 2:  # the Newton form's kernel without the warp-uniform warpgroup index
             args[5] = "false"
         tanh = [f"2", "0", f"{s9.SOFT_CAP_TANH}"] if s9.SOFT_CAP_TANH or vo else []

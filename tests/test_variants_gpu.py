@@ -35,8 +35,8 @@ def draw(rng, variant, h_q, windows=WINDOWS, caps=(5.0, 20.0), scale=0.3):
 
 def nan_before_windows(k_host, v_host, table, q_lens, kv_lens, window, page_size, block_n=80):
     """Copies of the cache whose keys before each request's first window, less one KV tile of
-    ``block_n`` keys (the most a hooked kernel's tile holds: 80, the wgmma tile at D 256; 64 in the
-    mma.sync family and the wgmma tiles at D 64 / 128), are NaN: no kernel may read them. A KV
+    ``block_n`` keys (the most a hooked kernel's tile holds: 80, the wgmma tiles at D 64 / 128 / 192
+    / 256; 64 in the mma.sync family and the wgmma tile at D 96), are NaN: no kernel may read them. A KV
     tile that holds a visible key starts less than ``block_n`` keys before the first one; tiles
     start wherever a split's keys do (splits are whole tiles from the request's key_base: plan.cu),
     so that bound is the one that holds for every family and tile. The reference takes the

@@ -105,22 +105,27 @@ class Sm90Tile:
         head_dim, V's of head_dim_vo), barriers, scratch."""
         d = self.head_dim
         barriers = ((4 * self.stages + 1) * 8 + 128 * self.consumer_wgs * 4 + 4 + 7) // 8 * 8  # + the page flag
-        fp8 = 0
-        if self.kv_bytes == 1:  # each row's factor of bf16 queries, then the staging slots (at 16 bytes)
-            fp8 = (barriers + 15) // 16 * 16 + self.block_m * 4 + self.staging * self.block_n * d - barriers
-        return 1024 + self.block_m * d * 2 + self.stages * self.block_n * (d + self.head_dim_vo) * 2 + barriers + fp8
+        scratch = 0  # after the barriers, at 16 bytes (Sm90PrefillTraits kScratchBytes)
+        if self.kv_bytes == 1:  # each row's factor of bf16 queries, then the staging slots
+            scratch = (barriers + 15) // 16 * 16 + self.block_m * 4 + self.staging * self.block_n * d - barriers
+        elif self.variants:  # the work item of a hooked 16-bit tile
+            scratch = (barriers + 15) // 16 * 16 + 64 - barriers
+        return 1024 + self.block_m * d * 2 + self.stages * self.block_n * (d + self.head_dim_vo) * 2 + barriers + scratch
 
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
-        same rows per CTA, so the same work layout; with three consumer warpgroups at most 64 keys
-        a tile (the hooks' registers spill at 80 or 128 keys, nvcc 13.0 / NVRTC 12.9), with two at
-        most 80 (a window's reads stay within one such tile of it: tests/test_variants_gpu.py), the
-        soft-cap's tanh of :func:`soft_cap_tanh`, and without the warp-uniform warpgroup index for
-        an fp8 tile (with it the fp16-query build spills) and with the Newton tanh (with it 40 / 96
-        bytes spill at 64 keys). The keys a tile holds never move a
-        split (plan_kernel cuts splits; the kernel masks a split's last, partial tile), so the hooked
-        kernel runs the plain tile's plan."""
-        block_n = min(self.block_n, 64 if self.consumer_wgs == 3 else 80)
+        same rows per CTA, so the same work layout; at most 80 keys a tile (a window's reads stay
+        within one such tile of it: tests/test_variants_gpu.py), 64 where 80 keys are not whole
+        passes of the producer (D 96) and for an fp8 tile of three consumer warpgroups (80 spill
+        there, NVRTC 12.9). The 16-bit hooks' registers fit 80 keys because the consumers' epilogue
+        reads the work item back from shared memory (Sm90PrefillTraits kStashItem) instead of
+        holding it through the loop (without that, 20 / 52 bytes spill at D 128). The soft-cap's
+        tanh of :func:`soft_cap_tanh`, and without the warp-uniform warpgroup index for an fp8 tile
+        (with it the fp16-query build spills) and with the Newton tanh (with it 40 / 96 bytes spill
+        at 64 keys). The keys a tile holds never move a split (plan_kernel cuts splits; the kernel
+        masks a split's last, partial tile), so the hooked kernel runs the plain tile's plan."""
+        most = min(self.block_n, 64 if self.kv_bytes == 1 and self.consumer_wgs == 3 else 80)
+        block_n = most if most % self.copy_rows == 0 else 64
         tanh = soft_cap_tanh()
         uniform_wg = self.uniform_wg and self.kv_bytes == 2 and tanh != 2
         return dataclasses.replace(self, variants=True, block_n=block_n, tanh=tanh, uniform_wg=uniform_wg)

@@ -238,8 +238,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
   // A page id outside the cache in this item: the producer set the flag before its last
   // arrival, which the waits above saw.
   const unsigned page_flag = bars.page_flag(smem_addr(bars.k_full));
-  const float v_scale = Tr::kFp8 ? __ldg(p.v_scale + w.kv_head) : 1.f;  // an fp8 cache: out = o v_scale / l
-  store_rows<OT, DV, Tr::kVariants, Tr::kFp8>(p, w, ri, by_group, o, st, w.row0 + first_row, quad,
+  PrefillWork e = w;
+  if constexpr (Tr::kStashItem) {  // the item from shared memory (prefill.cu): not held through the loop
+    int* f = reinterpret_cast<int*>(&e);
+    const unsigned at = smem_addr(&bars) + Tr::kItemOffset;
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(PrefillWork) / 4); ++i)
+      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(f[i]) : "r"(at + 4 * i) : "memory");
+  }
+  const float v_scale = Tr::kFp8 ? __ldg(p.v_scale + e.kv_head) : 1.f;  // an fp8 cache: out = o v_scale / l
+  store_rows<OT, DV, Tr::kVariants, Tr::kFp8>(p, e, ri, by_group, o, st, w.row0 + first_row, quad,
                                              shared_load(page_flag) != 0, v_scale);
   trace_store(kTraceEpilogueNs, T > 0 ? trace_now() - epilogue_from : 0ull, kTraceThread);
   trace_stamp(kTraceDone, kTraceThread);

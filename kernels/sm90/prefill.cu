@@ -102,14 +102,21 @@ struct Sm90PrefillTraits {
   // sm90/pipeline.cuh PipeBarriers: the ring's and Q's barriers, the consumers' scratch words and
   // the page flag, padded to the barriers' 8 bytes
   static constexpr int kBarrierBytes = ((4 * STAGES + 1) * 8 + kConsumerThreads * 4 + 4 + 7) / 8 * 8;
-  // an fp8 cache, after the barriers (at 16 bytes): each row's factor of bf16 queries rewritten as
-  // fp16 (sm90/consumer.cuh q_rows_to_fp16), then the staging slots of raw tiles
+  // after the barriers (at 16 bytes), the tiles that need them:
+  // - an fp8 cache: each row's factor of bf16 queries rewritten as fp16 (sm90/consumer.cuh
+  //   q_rows_to_fp16), then the staging slots of raw tiles;
+  // - the hooked 16-bit tiles: the CTA's work item (64 bytes), written once by thread 0 and read
+  //   back by the consumers' epilogue (sm90/consumer.cuh), so that its fields are not held in
+  //   registers through the consumers' loop (what lets the hooks' registers fit 80 keys a tile)
   static constexpr int kStagingSlotBytes = BLOCK_N * HEAD_DIM;
   static constexpr int kRowScaleOffset = (kBarrierBytes + 15) / 16 * 16;
   static constexpr int kStagingOffset = kRowScaleOffset + kBlockM * 4;
-  static constexpr int kFp8Bytes = kFp8 ? kStagingOffset + STAGING * kStagingSlotBytes - kBarrierBytes : 0;
+  static constexpr bool kStashItem = VARIANTS && !kFp8;
+  static constexpr int kItemOffset = (kBarrierBytes + 15) / 16 * 16;
+  static constexpr int kScratchBytes = kFp8 ? kStagingOffset + STAGING * kStagingSlotBytes - kBarrierBytes
+                                            : kStashItem ? kItemOffset + 64 - kBarrierBytes : 0;
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
-  static constexpr int kSmemBytes = 1024 + kQTileBytes + kRingBytes + kBarrierBytes + kFp8Bytes;
+  static constexpr int kSmemBytes = 1024 + kQTileBytes + kRingBytes + kBarrierBytes + kScratchBytes;
   static_assert(HEAD_DIM % (kSwizzle / 2) == 0 && HEAD_DIM <= 256, "whole column blocks, one wgmma N");
   static_assert(!kFp8 || HEAD_DIM % 64 == 0, "fp8: whole 64-byte rows of e4m3 (D 64, 128, 256)");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "whole k-steps of P V, one wgmma N");
@@ -144,7 +151,13 @@ __device__ __forceinline__ void prefill_sm90_body(const AttentionParams& p) {
   static_assert(sizeof(Barriers) == Tr::kBarrierBytes, "kBarrierBytes (and the host's smem_bytes) count every barrier byte");
   static_assert(sizeof(Barriers) == (Barriers::kPageBadOffset + 4 + 7) / 8 * 8, "page_bad: the last member, at kPageBadOffset");
   auto& bars = *reinterpret_cast<Barriers*>(smem + Tr::kQTileBytes + Tr::kRingBytes);
-  if (threadIdx.x == 0) bars.init(128, Tr::kConsumerThreads);
+  if (threadIdx.x == 0) {
+    bars.init(128, Tr::kConsumerThreads);
+    if constexpr (Tr::kStashItem) {  // the item, for the consumers' epilogue
+      static_assert(sizeof(PrefillWork) <= 64, "the item's 64 bytes");
+      *reinterpret_cast<PrefillWork*>(reinterpret_cast<unsigned char*>(&bars) + Tr::kItemOffset) = first;
+    }
+  }
   __syncthreads();
 
   // The producer warpgroup copies the item's tiles, the consumers compute on them.
