@@ -2,8 +2,11 @@
 # lab/patches (nothing extra carried) and timed beside this tree by lab/ab_hopper.py --kernel-trees.
 #   FP8_ABLATE="a b"  the fp8 prefill ablation trees lab/patches/20261206-fp8-ablate-{a,b}.patch (timing only)
 #   TAKE_BACK=P.patch this tree against itself with patch P taken back, on AB_ONLY's workloads
+#                     (comma-separated whole names)
 #   TRY_PATCH=P.patch this tree against a whole tree (package, bench, tests, kernels) with patch P applied,
-#                     on AB_ONLY's workloads, then TRY_TESTS (GPU test files) run inside that tree
+#                     on AB_ONLY's workloads, then TRY_TESTS (GPU test files) run inside that tree; the A/B
+#                     swaps only kernels/ in one process (lab/ab_hopper.py --kernel-trees), so a patch that
+#                     changes the package's host mirrors (shared-memory sizes) needs lab/call_candidate.sh
 # Needs $OUT and t0 set, the package on PYTHONPATH.
 mk() {  # exp/$1: this tree's kernels ($4 = all: and package, bench, tests) with lab/patches/$2 applied ($3 = -R: taken back)
   rm -rf exp/$1; mkdir -p exp/$1; cp -r kernels exp/$1/
