@@ -157,7 +157,8 @@ def test_fp8_long_requests_take_the_wgmma_family_on_sm90a():
 def test_fp8_wgmma_tile_mirrors_the_traits():
     """Shared memory of the fp8 tile at D 128: the 16-bit tile's, then (at 16 bytes past the
     barriers) a factor per row for bf16 queries and two staging slots of raw e4m3 tiles (the hooked
-    16-bit tile has its work item's 64 bytes there instead); the traits name spells KV_BYTES, STAGING and TANH only where one is not the 16-bit default."""
+    16-bit tile has its work item's 64 bytes there instead); the traits name spells KV_BYTES,
+    STAGING and TANH only where one is not the 16-bit default."""
     tile = s9.FP8_TILES[128]
     plain = s9.DEFAULT_TILES[128]
     barriers = ((4 * 2 + 1) * 8 + 384 * 4 + 4 + 7) // 8 * 8

@@ -110,7 +110,8 @@ class Sm90Tile:
             scratch = (barriers + 15) // 16 * 16 + self.block_m * 4 + self.staging * self.block_n * d - barriers
         elif self.variants:  # the work item of a hooked 16-bit tile
             scratch = (barriers + 15) // 16 * 16 + 64 - barriers
-        return 1024 + self.block_m * d * 2 + self.stages * self.block_n * (d + self.head_dim_vo) * 2 + barriers + scratch
+        rings = self.stages * self.block_n * (d + self.head_dim_vo) * 2
+        return 1024 + self.block_m * d * 2 + rings + barriers + scratch
 
     def with_variants(self):
         """This tile's kernel with the variant hooks compiled in (window, soft-cap, sinks): the
