@@ -10,20 +10,8 @@ and the query together cost clearly less than the pageable copy.
     PYTHONPATH=. python3 lab/host_copy_probe.py      (a GPU machine)
 """
 
-import statistics
-import time
-
 import numpy as np
-
-
-def host_us(fn, sync, repeats=300):
-    times = []
-    for _ in range(repeats + 10):
-        sync()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times[10:]), 1e6 * min(times[10:])
+from host_launch_probe import host_us  # (median, least) us of one call after a sync (lab/ on the path)
 
 
 def main():

@@ -105,11 +105,12 @@ class Sm90Tile:
         head_dim, V's of head_dim_vo), barriers, scratch."""
         d = self.head_dim
         barriers = ((4 * self.stages + 1) * 8 + 128 * self.consumer_wgs * 4 + 4 + 7) // 8 * 8  # + the page flag
-        scratch = 0  # after the barriers, at 16 bytes (Sm90PrefillTraits kScratchBytes)
+        scratch = 0  # after the barriers, from 16 bytes on (Sm90PrefillTraits kScratchBytes)
+        pad = (barriers + 15) // 16 * 16 - barriers
         if self.kv_bytes == 1:  # each row's factor of bf16 queries, then the staging slots
-            scratch = (barriers + 15) // 16 * 16 + self.block_m * 4 + self.staging * self.block_n * d - barriers
+            scratch = pad + self.block_m * 4 + self.staging * self.block_n * d
         elif self.variants:  # the work item of a hooked 16-bit tile
-            scratch = (barriers + 15) // 16 * 16 + 64 - barriers
+            scratch = pad + 64
         rings = self.stages * self.block_n * (d + self.head_dim_vo) * 2
         return 1024 + self.block_m * d * 2 + rings + barriers + scratch
 

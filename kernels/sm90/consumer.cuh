@@ -243,8 +243,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const PrefillW
     int* f = reinterpret_cast<int*>(&e);
     const unsigned at = smem_addr(&bars) + Tr::kItemOffset;
 #pragma unroll
-    for (int i = 0; i < (int)(sizeof(PrefillWork) / 4); ++i)
-      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(f[i]) : "r"(at + 4 * i) : "memory");
+    for (int i = 0; i < (int)(sizeof(PrefillWork) / 4); ++i) f[i] = shared_load(at + 4 * i);
   }
   const float v_scale = Tr::kFp8 ? __ldg(p.v_scale + e.kv_head) : 1.f;  // an fp8 cache: out = o v_scale / l
   store_rows<OT, DV, Tr::kVariants, Tr::kFp8>(p, e, ri, by_group, o, st, w.row0 + first_row, quad,

@@ -108,11 +108,12 @@ struct Sm90PrefillTraits {
   // - the hooked 16-bit tiles: the CTA's work item (64 bytes), written once by thread 0 and read
   //   back by the consumers' epilogue (sm90/consumer.cuh), so that its fields are not held in
   //   registers through the consumers' loop (what lets the hooks' registers fit 80 keys a tile)
+  static constexpr int kScratchOffset = (kBarrierBytes + 15) / 16 * 16;  // (from the barriers)
   static constexpr int kStagingSlotBytes = BLOCK_N * HEAD_DIM;
-  static constexpr int kRowScaleOffset = (kBarrierBytes + 15) / 16 * 16;
+  static constexpr int kRowScaleOffset = kScratchOffset;
   static constexpr int kStagingOffset = kRowScaleOffset + kBlockM * 4;
   static constexpr bool kStashItem = VARIANTS && !kFp8;
-  static constexpr int kItemOffset = (kBarrierBytes + 15) / 16 * 16;
+  static constexpr int kItemOffset = kScratchOffset;
   static constexpr int kScratchBytes = kFp8 ? kStagingOffset + STAGING * kStagingSlotBytes - kBarrierBytes
                                             : kStashItem ? kItemOffset + 64 - kBarrierBytes : 0;
   // 1024 bytes of slack: the tiles start on a 1024-byte boundary (the swizzle's period)
