@@ -311,11 +311,12 @@ def test_host_steps_planned_while_the_device_is_busy(monkeypatch):
     steps = [device_step(rng, DTYPE, HEADS, D, PAGE, *batch(rng, size)) for size in (5, 9, 3, 7, 4)]
     attn = cupy_fa.BatchAttention(*HEADS, D, DTYPE)
     stream = after_current(cupy.cuda.Stream(non_blocking=True))
-    run_step(attn, steps[0], stream)  # sizes the buffers, compiles and loads
+    for step in steps:  # sizes the buffers, compiles and loads every step's kernels
+        run_step(attn, step, stream)
     stream.synchronize()
     taken.clear()
     with stream:
-        spin((1,), (1,), (np.int64(200_000_000),))  # about 0.1 s at 2 GHz: every copy below waits behind it
+        spin((1,), (1,), (np.int64(2_000_000_000),))  # about 1 s at 2 GHz: every copy below waits behind it
     outs = [run_step(attn, step, stream) for step in steps]
     assert sorted(taken[:2]) == ["pinned 0", "pinned 1"] and taken[2:] == ["pageable"] * 3
     stream.synchronize()
