@@ -247,6 +247,7 @@ def test_host_step_staged_in_one_copy(monkeypatch):
     width with -1 past the caller's columns for a graph step (padding rows q_len = kv_len = 0); a
     table over MIRRORED_TABLE_BYTES in a second copy, straight from the caller's array."""
     device = FakeDevice(monkeypatch)
+    monkeypatch.setattr(_staging, "PINNED_FROM_BYTES", 0)  # every copy from the pinned mirrors
     buffers = staged_buffers(device, 8, 6)
     stream = types.SimpleNamespace(ptr=5)
     for i, (q, kv, table) in enumerate((([1, 3, 2, 1, 1], [10, 30, 20, 5, 7], np.arange(20).reshape(5, 4)),
@@ -281,10 +282,12 @@ def test_host_step_staged_in_one_copy(monkeypatch):
 def test_host_mirrors_taken_in_turn_never_waited_on(monkeypatch):
     """A pinned mirror is written again only once the event after its last copy has passed: with
     both busy a step goes from the pageable mirror (no event, no wait); a step inside a capture,
-    or larger than PINNED_MIRROR_BYTES, always does. Each mirror zeroes the lengths past the batch
-    it last held, so every copy carries the whole capacity's lengths right."""
+    larger than PINNED_MIRROR_BYTES or smaller than PINNED_FROM_BYTES always does. Each mirror
+    zeroes the lengths past the batch it last held, so every copy carries the whole capacity's
+    lengths right."""
     device = FakeDevice(monkeypatch)
     monkeypatch.setattr(_staging, "PINNED_MIRROR_BYTES", 4 * (16 + 8))  # the lengths and 8 table entries
+    monkeypatch.setattr(_staging, "PINNED_FROM_BYTES", 4 * (16 + 2))    # the lengths and 2 table entries
     buffers = staged_buffers(device, 8, 6)
     stream = types.SimpleNamespace(ptr=5)
     mirrors = buffers.mirrors
@@ -301,6 +304,7 @@ def test_host_mirrors_taken_in_turn_never_waited_on(monkeypatch):
         assert table_of(buffers)[:table.size].tolist() == table.ravel().tolist()
         return device.sources[0], [c[0] for c in device.calls]
 
+    assert stage(1) == (mirrors.pageable.ptr, ["memcpy"])  # 1 table entry: below the pinned floor
     assert stage(6) == (mirrors.pinned[0].ptr, ["memcpy", "record"])
     mirrors.pinned[0].event.done = False  # its copy still queued
     assert stage(5) == (mirrors.pinned[1].ptr, ["memcpy", "record"])
