@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from . import _arrays, _build, _params, _views, catalog, schedule
-from ._staging import MIRRORED_TABLE_BYTES, stage_inputs  # noqa: F401 - plan's names
+from ._staging import MIRRORED_TABLE_BYTES, HostMirrors, stage_inputs  # noqa: F401 - plan's names
 from .knobs import knobs
 
 
@@ -55,7 +55,7 @@ class PlanBuffers:
     mask), the plan kernel's outputs, and the split-KV workspace, on the device current when they
     are made (``device_id``). ``q_lens``, ``kv_lens`` and ``page_table`` are consecutive parts of
     one array (``inputs``), so a host step's lengths and page table go over in one copy from a host
-    mirror (``host_inputs``; :func:`stage_inputs`)."""
+    mirror (``mirrors``; :func:`stage_inputs`)."""
 
     def __init__(self, capacity, num_qo_heads, head_dim, dtype_name, partial_rows=None, workspace_bytes=None):
         # (partial_rows: the split partials' rows where a caller sizes them itself: cupy_fa.mla;
@@ -90,9 +90,7 @@ class PlanBuffers:
             if partial_rows is None else partial_rows
         self.partial_out = cupy.empty((rows, num_qo_heads, head_dim), dtype)  # in q's dtype, like FlashInfer's tmp_v
         self.partial_lse = cupy.empty((rows, num_qo_heads), np.float32)
-        self.host_inputs = np.zeros(2 * b + b * width, i32)  # what host steps stage (lengths: zeros past the batch)
-        self.host_inputs_ptr = self.host_inputs.ctypes.data
-        self.staged_batch = 0
+        self.mirrors = HostMirrors(2 * b + b * width)  # what host steps stage (lengths: zeros past the batch)
         self._plan_launch = None
         self._plan_tiles = None  # (tile, long_tile, knobs, their plan constants) of the last plan
         self.stage_launch = None  # the staging kernel's launch (cupy_fa._staging), made at its first use

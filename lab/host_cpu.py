@@ -89,6 +89,9 @@ class FakeStream:
 
 
 class FakeEvent:
+    ptr = 1
+    done = True
+
     def __init__(self, *a, **k):
         pass
 
@@ -125,8 +128,9 @@ def install(package="cupy_fa"):
     cupy.cuda.Event = FakeEvent
     cupy.cuda.Device = lambda device_id=None: contextlib.nullcontext(types.SimpleNamespace(id=0))
     runtime = cupy.cuda.runtime
-    for name in ("memcpyAsync", "memsetAsync", "memcpy2DAsync"):
+    for name in ("memcpyAsync", "memsetAsync", "memcpy2DAsync", "eventRecord"):
         setattr(runtime, name, counted(name))
+    cupy.cuda.alloc_pinned_memory = bytearray  # (host memory the test reads back)
     runtime.getDevice = lambda: 0
     _views._KINDS[FakeArray] = _views.CUPY
     _arrays.require_cuda = lambda: None

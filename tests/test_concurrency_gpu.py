@@ -285,3 +285,41 @@ def test_graph_runner_from_two_threads_at_once(monkeypatch):
     assert not errors, errors
     assert seen and "use one GraphRunner per thread" in seen[0] and "'runner-b'" in seen[0], seen
     assert_matches(outs["a"], reference_of(step), DTYPE, step["q_lens"], "runner thread A")
+
+
+def test_host_steps_planned_while_the_device_is_busy(monkeypatch):
+    """Host steps planned and run back to back while the stream is still held by earlier work (a
+    spin kernel), so no copy from a host mirror has run when the next step is written: the two
+    pinned mirrors take the first steps, then (both copies pending) the pageable one; no step's
+    lengths or page table are overwritten before their copy, and every run matches float64."""
+    import cupy
+    import cupy_fa
+    from cupy_fa import _staging
+
+    taken = []
+    real_take = _staging.HostMirrors.take
+
+    def take(self, words, capturing=False):
+        mirror = real_take(self, words, capturing)
+        taken.append("pageable" if mirror is self.pageable else f"pinned {self.pinned.index(mirror)}")
+        return mirror
+
+    monkeypatch.setattr(_staging.HostMirrors, "take", take)
+    monkeypatch.setattr(_staging, "PINNED_FROM_BYTES", 0)  # these small steps from the pinned mirrors too
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+        long long start = clock64(); while (clock64() - start < cycles) { } }''', "spin")
+    rng, _ = new_rng()
+    steps = [device_step(rng, DTYPE, HEADS, D, PAGE, *batch(rng, size)) for size in (5, 9, 3, 7, 4)]
+    attn = cupy_fa.BatchAttention(*HEADS, D, DTYPE)
+    stream = after_current(cupy.cuda.Stream(non_blocking=True))
+    for step in steps:  # sizes the buffers, compiles and loads every step's kernels
+        run_step(attn, step, stream)
+    stream.synchronize()
+    taken.clear()
+    with stream:
+        spin((1,), (1,), (np.int64(2_000_000_000),))  # about 1 s at 2 GHz: every copy below waits behind it
+    outs = [run_step(attn, step, stream) for step in steps]
+    assert sorted(taken[:2]) == ["pinned 0", "pinned 1"] and taken[2:] == ["pageable"] * 3
+    stream.synchronize()
+    for i, (out, step) in enumerate(zip(outs, steps)):
+        assert_matches(out, reference_of(step), DTYPE, step["q_lens"], f"step {i} ({taken[i]})")

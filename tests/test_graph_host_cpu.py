@@ -46,8 +46,9 @@ def device(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Event", host_cpu.FakeEvent)
     monkeypatch.setattr(cupy.cuda, "Device", lambda device_id=None: contextlib.nullcontext(types.SimpleNamespace(id=0)))
     runtime = cupy.cuda.runtime
-    for name in ("memcpyAsync", "memsetAsync", "memcpy2DAsync"):
+    for name in ("memcpyAsync", "memsetAsync", "memcpy2DAsync", "eventRecord"):
         monkeypatch.setattr(runtime, name, record(name))
+    monkeypatch.setattr(cupy.cuda, "alloc_pinned_memory", bytearray)
     monkeypatch.setattr(runtime, "getDevice", lambda: 0)
     monkeypatch.setitem(_views._KINDS, FakeArray, _views.CUPY)
     monkeypatch.setattr(_arrays, "require_cuda", lambda: None)
@@ -122,8 +123,9 @@ def test_device_step_is_one_staging_launch_and_the_graph(device, batch):
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_host_step_is_one_host_copy_one_device_copy_and_the_graph(device, batch):
-    """A replay with host (NumPy) lengths: the lengths and table in one copy from the host mirror,
-    q in one device copy, the graph; with sinks, q and sinks in one staging launch instead."""
+    """A replay with host (NumPy) lengths: the lengths and table in one copy from a host mirror
+    (pinned, its event recorded after, where the copy is PINNED_FROM_BYTES or more), q in one
+    device copy, the graph; with sinks, q and sinks in one staging launch instead."""
     import cupy
 
     r = runner()
@@ -133,16 +135,20 @@ def test_host_step_is_one_host_copy_one_device_copy_and_the_graph(device, batch)
     r.run("decode", q, cache, *lens)
     runtime = cupy.cuda.runtime
     buffers = r.attn.plan_buffers
-    assert device == [("memcpyAsync", (buffers.inputs.data.ptr, buffers.host_inputs_ptr, 4 * (2 * 64 + batch * 256),
-                                       runtime.memcpyHostToDevice, 7)),
-                      ("memcpyAsync", (r.q.data.ptr, q.data.ptr, batch * 8192, runtime.memcpyDeviceToDevice, 7)),
-                      ("graph", None)]
+    words = 2 * 64 + batch * 256
+    pinned = 4 * words >= _staging.PINNED_FROM_BYTES  # (batch 64: 66 KiB; 1 and 8: under 9 KiB)
+    assert pinned == (batch == 64)
+    mirror = buffers.mirrors.pinned[1] if pinned else buffers.mirrors.pageable  # (pinned ones in turn)
+    assert device == ([("memcpyAsync", (buffers.inputs.data.ptr, mirror.ptr, 4 * words, runtime.memcpyHostToDevice, 7))]
+                      + ([("eventRecord", (mirror.event.ptr, 7))] if pinned else [])
+                      + [("memcpyAsync", (r.q.data.ptr, q.data.ptr, batch * 8192, runtime.memcpyDeviceToDevice, 7)),
+                         ("graph", None)])
     sinks = FakeArray((32,), np.float32)
     r.run("decode", q, cache, *lens, sinks=sinks)
     device.clear()
     r.run("decode", q, cache, *lens, sinks=sinks)
-    assert [c[0] for c in device] == ["memcpyAsync", "stage", "graph"]
-    assert device[1][1] == [(q.data.ptr, r.q.data.ptr, batch * 8192, 1, 0, 0, 0, 0),
+    assert [c[0] for c in device] == ["memcpyAsync"] + ["eventRecord"] * pinned + ["stage", "graph"]
+    assert device[1 + pinned][1] == [(q.data.ptr, r.q.data.ptr, batch * 8192, 1, 0, 0, 0, 0),
                             (sinks.data.ptr, r.sinks.data.ptr, 128, 1, 0, 0, 0, 0)]
 
 

@@ -138,6 +138,15 @@ def test_memoised_device_length_schedules():
 # ---- staging: what one copy carries -------------------------------------------------------------
 
 
+class FakeEvent:
+    """An event whose completion the test sets (``done``), at its own fake address."""
+    _next = [1000]
+
+    def __init__(self, *a, **k):
+        self.ptr = FakeEvent._next[0] = FakeEvent._next[0] + 1
+        self.done = True
+
+
 class FakeDevice:
     """Device memory at fake addresses, and a runtime whose copies and memsets move real bytes in
     it (host sources read at their NumPy address), so a test reads back what staging wrote."""
@@ -145,9 +154,12 @@ class FakeDevice:
     def __init__(self, monkeypatch):
         import cupy
 
-        self.memory, self.calls = {}, []
+        self.memory, self.calls, self.sources = {}, [], []
         runtime = cupy.cuda.runtime
         monkeypatch.setattr(runtime, "memcpyAsync", self.memcpy)
+        monkeypatch.setattr(runtime, "eventRecord", lambda event, stream: self.calls.append(("record", event)))
+        monkeypatch.setattr(cupy.cuda, "alloc_pinned_memory", bytearray)
+        monkeypatch.setattr(cupy.cuda, "Event", FakeEvent)
         monkeypatch.setattr(runtime, "memsetAsync", self.memset)
         monkeypatch.setattr(runtime, "memcpy2DAsync", self.memcpy2d)
         monkeypatch.setattr(_build, "memset_d2d32", self.memset_d2d32)
@@ -169,6 +181,7 @@ class FakeDevice:
 
     def memcpy(self, dst, src, size, kind, stream):
         self.calls.append(("memcpy", kind, size))
+        self.sources.append(src)
         self._bytes(dst, size)[:] = bytes(self._bytes(src, size))
 
     def memset(self, ptr, value, size, stream):
@@ -212,9 +225,7 @@ def staged_buffers(device, batch, pages):
     buffers.q_lens, buffers.kv_lens = part(0, (batch,)), part(batch, (batch,))
     buffers.page_table = part(2 * batch, (batch, pages))
     buffers.capacity = plan.Capacity(batch, 16 * batch, pages)
-    buffers.host_inputs = np.zeros(2 * batch + batch * pages, np.int32)
-    buffers.host_inputs_ptr = buffers.host_inputs.ctypes.data
-    buffers.staged_batch = 0
+    buffers.mirrors = plan.HostMirrors(2 * batch + batch * pages)
     buffers.custom_mask = None
     buffers.stage_launch, buffers.staged_parts, buffers.device_id = None, None, 0
     return buffers
@@ -236,17 +247,21 @@ def test_host_step_staged_in_one_copy(monkeypatch):
     width with -1 past the caller's columns for a graph step (padding rows q_len = kv_len = 0); a
     table over MIRRORED_TABLE_BYTES in a second copy, straight from the caller's array."""
     device = FakeDevice(monkeypatch)
+    monkeypatch.setattr(_staging, "PINNED_FROM_BYTES", 0)  # every copy from the pinned mirrors
     buffers = staged_buffers(device, 8, 6)
     stream = types.SimpleNamespace(ptr=5)
-    for q, kv, table in (([1, 3, 2, 1, 1], [10, 30, 20, 5, 7], np.arange(20).reshape(5, 4)),
-                         ([2, 1], [9, 40], np.arange(6, dtype=np.int32).reshape(2, 3))):
+    for i, (q, kv, table) in enumerate((([1, 3, 2, 1, 1], [10, 30, 20, 5, 7], np.arange(20).reshape(5, 4)),
+                                        ([2, 1], [9, 40], np.arange(6, dtype=np.int32).reshape(2, 3)))):
         device.calls.clear()
+        device.sources.clear()
         step = plan.check_step(np.array(q), np.array(kv), table)
         stride = plan.stage_inputs(buffers, step, stream=stream)
         lengths = lengths_of(buffers)
         assert lengths[:8].tolist() == q + [0] * (8 - len(q)) and lengths[8:8 + len(kv)].tolist() == kv
         assert stride == table.shape[1] and table_of(buffers)[:table.size].tolist() == table.ravel().tolist()
-        assert device.calls == [("memcpy", 1, 4 * (16 + table.size))]  # (kind 1: host to device)
+        mirror = buffers.mirrors.pinned[i]  # (the pinned mirrors in turn, each copy followed by its event)
+        assert device.calls == [("memcpy", 1, 4 * (16 + table.size)), ("record", mirror.event.ptr)]  # (1: to device)
+        assert device.sources == [mirror.ptr]
     table_of(buffers)[:] = 99
     step = plan.check_step(np.array([1, 1]), np.array([3, 4]), np.array([[5, 6], [7, 8]]))
     device.calls.clear()
@@ -254,13 +269,54 @@ def test_host_step_staged_in_one_copy(monkeypatch):
     lengths = lengths_of(buffers)
     assert stride == 6 and lengths[:8].tolist() == [1, 1, 0, 0, 0, 0, 0, 0] and lengths[8:12].tolist() == [3, 4, 0, 0]
     assert table_of(buffers)[:12].reshape(2, 6).tolist() == [[5, 6, -1, -1, -1, -1], [7, 8, -1, -1, -1, -1]]
-    assert [c[0] for c in device.calls] == ["memcpy"]
+    assert [c[0] for c in device.calls] == ["memcpy", "record"]
     monkeypatch.setattr(_staging, "MIRRORED_TABLE_BYTES", 16)
     device.calls.clear()
     table = np.arange(12, dtype=np.int64).reshape(3, 4) + 40
     stride = plan.stage_inputs(buffers, plan.check_step(np.array([1, 1, 1]), np.array([5, 5, 5]), table), stream=stream)
     assert stride == 4 and table_of(buffers)[:12].tolist() == list(range(40, 52))
-    assert device.calls == [("memcpy", 1, 4 * 16), ("memcpy", 1, 4 * 12)]
+    assert [c[:3:2] if c[0] == "memcpy" else c[0] for c in device.calls] == [("memcpy", 4 * 16), "record",
+                                                                             ("memcpy", 4 * 12)]
+
+
+def test_host_mirrors_taken_in_turn_never_waited_on(monkeypatch):
+    """A pinned mirror is written again only once the event after its last copy has passed: with
+    both busy a step goes from the pageable mirror (no event, no wait); a step inside a capture,
+    larger than PINNED_MIRROR_BYTES or smaller than PINNED_FROM_BYTES always does. Each mirror
+    zeroes the lengths past the batch it last held, so every copy carries the whole capacity's
+    lengths right."""
+    device = FakeDevice(monkeypatch)
+    monkeypatch.setattr(_staging, "PINNED_MIRROR_BYTES", 4 * (16 + 8))  # the lengths and 8 table entries
+    monkeypatch.setattr(_staging, "PINNED_FROM_BYTES", 4 * (16 + 2))    # the lengths and 2 table entries
+    buffers = staged_buffers(device, 8, 6)
+    stream = types.SimpleNamespace(ptr=5)
+    mirrors = buffers.mirrors
+
+    def stage(batch, columns=1, capturing=False):
+        device.calls.clear()
+        device.sources.clear()
+        q, kv = np.arange(1, batch + 1), np.arange(1, batch + 1) * 16
+        table = np.arange(batch * columns).reshape(batch, columns)
+        plan.stage_inputs(buffers, plan.check_step(q, kv, table), stream=stream, capturing=capturing)
+        lengths = lengths_of(buffers)
+        assert lengths[:8].tolist() == q.tolist() + [0] * (8 - batch)
+        assert lengths[8:].tolist() == kv.tolist() + [0] * (8 - batch)
+        assert table_of(buffers)[:table.size].tolist() == table.ravel().tolist()
+        return device.sources[0], [c[0] for c in device.calls]
+
+    assert stage(1) == (mirrors.pageable.ptr, ["memcpy"])  # 1 table entry: below the pinned floor
+    assert stage(6) == (mirrors.pinned[0].ptr, ["memcpy", "record"])
+    mirrors.pinned[0].event.done = False  # its copy still queued
+    assert stage(5) == (mirrors.pinned[1].ptr, ["memcpy", "record"])
+    mirrors.pinned[1].event.done = False
+    assert stage(3) == (mirrors.pageable.ptr, ["memcpy"])  # both busy: the pageable copy, no wait
+    mirrors.pinned[0].event.done = True
+    assert stage(2) == (mirrors.pinned[0].ptr, ["memcpy", "record"])  # (its lengths past 2 zeroed: it held 6)
+    mirrors.pinned[1].event.done = True
+    assert stage(4) == (mirrors.pinned[1].ptr, ["memcpy", "record"])
+    assert stage(1, capturing=True) == (mirrors.pageable.ptr, ["memcpy"])  # a capture reads no pinned mirror
+    assert stage(3, columns=3) == (mirrors.pageable.ptr, ["memcpy"])  # 9 table entries: past the pinned size
+    assert stage(7) == (mirrors.pinned[0].ptr, ["memcpy", "record"])
 
 
 def test_device_step_staged_device_to_device(monkeypatch):

@@ -131,7 +131,7 @@ class MLAAttention(PlannedInstance):
             0 if self._fixed_capacity else step.batch * step.max_q_len)
         self._ensure_capacity(step.batch, tokens, step.page_columns, step.mask_bytes if step.has_mask else 0,
                               capturing, stream)
-        stride = _plan.stage_inputs(self._buffers, step, stream=stream)  # dense rows, `stride` apart
+        stride = _plan.stage_inputs(self._buffers, step, stream=stream, capturing=capturing)  # dense rows
         mask_mode = _plan.MASK_CUSTOM if step.has_mask else (_plan.MASK_CAUSAL if causal else _plan.MASK_NONE)
         self._plan_staged(step, mask_mode, sm_scale, max_kv_len, stream, check, stride)
 
