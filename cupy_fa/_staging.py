@@ -148,19 +148,18 @@ class HostMirror:
 
 class HostMirrors:
     """A PlanBuffers' host mirrors: ``PINNED_MIRRORS`` pinned ones of up to ``PINNED_MIRROR_BYTES``
-    (made at the first step that takes one), taken in turn while the last copy from each has
-    passed, for copies of ``PINNED_FROM_BYTES`` or more; and the pageable one of the whole size,
-    taken for smaller copies (the driver's copy into its staging memory costs less than the
-    pinned copy's event and query there), when both pinned ones are busy or too small, or when
-    the stream is capturing (a captured copy from a pinned mirror would read it at each replay).
-    Never a wait: a busy pinned mirror only costs that step the pageable copy. (On an H100 host,
-    2026-12-07: `plan` of decode B=16 over 32768 keys, a 128 KiB table, 41.1 -> 37.7 us; at 64
-    KiB even; at 1 KiB 2 us slower, hence the floor.)"""
+    (made on the current device at the first step that takes one), taken in turn while the last
+    copy from each has passed, for copies of ``PINNED_FROM_BYTES`` or more; and the pageable one of
+    the whole size, taken for smaller copies (there the driver's copy into its staging memory
+    costs no more than the pinned copy's event and query: docs/performance.md), when both pinned
+    ones are busy or too small, when the stream is capturing (a captured copy from a pinned
+    mirror would read it at each replay), or where pinned memory cannot be had. Never a wait: a
+    busy pinned mirror only costs that step the pageable copy."""
 
     def __init__(self, words):
         self.words = words
         self.pageable = HostMirror(words)
-        self.pinned = None
+        self.pinned = None  # made at first use; [] where pinned memory could not be had
         self._next = 0
 
     def take(self, words, capturing=False):
@@ -169,15 +168,25 @@ class HostMirrors:
             return self.pageable
         pinned = self.pinned
         if pinned is None:
-            pinned = self.pinned = [HostMirror(min(self.words, PINNED_MIRROR_BYTES // 4), pinned=True)
-                                    for _ in range(PINNED_MIRRORS)]
-        if words <= pinned[0].array.size:
+            pinned = self.pinned = self._make_pinned()
+        if pinned and words <= pinned[0].array.size:
             for k in range(len(pinned)):
                 mirror = pinned[(self._next + k) % len(pinned)]
                 if mirror.event.done:
                     self._next = (self._next + k + 1) % len(pinned)
                     return mirror
         return self.pageable
+
+    def _make_pinned(self):
+        words = min(self.words, PINNED_MIRROR_BYTES // 4)
+        try:
+            return [HostMirror(words, pinned=True) for _ in range(PINNED_MIRRORS)]
+        except Exception as e:  # noqa: BLE001 - a host without pinned memory to spare copies from pageable memory
+            import warnings
+
+            warnings.warn(f"cupy_fa: no pinned host memory for the plan's host mirrors ({type(e).__name__}: {e}); "
+                          f"host steps copy from pageable memory", RuntimeWarning, stacklevel=4)
+            return []
 
 
 def part(src, dst, nbytes):

@@ -7,6 +7,7 @@ of one shape only; a View's one-comparison check against check_device_array's.""
 
 import itertools
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -317,6 +318,30 @@ def test_host_mirrors_taken_in_turn_never_waited_on(monkeypatch):
     assert stage(1, capturing=True) == (mirrors.pageable.ptr, ["memcpy"])  # a capture reads no pinned mirror
     assert stage(3, columns=3) == (mirrors.pageable.ptr, ["memcpy"])  # 9 table entries: past the pinned size
     assert stage(7) == (mirrors.pinned[0].ptr, ["memcpy", "record"])
+
+
+def test_host_mirrors_without_pinned_memory(monkeypatch):
+    """Where pinned memory cannot be had, one warning and every step from the pageable mirror."""
+    import cupy
+
+    device = FakeDevice(monkeypatch)
+    monkeypatch.setattr(_staging, "PINNED_FROM_BYTES", 0)
+
+    def refuse(nbytes):
+        raise cupy.cuda.memory.OutOfMemoryError(nbytes, 0, 0)
+
+    monkeypatch.setattr(cupy.cuda, "alloc_pinned_memory", refuse)
+    buffers = staged_buffers(device, 8, 6)
+    step = plan.check_step(np.array([1, 2]), np.array([5, 9]), np.arange(4).reshape(2, 2))
+    with pytest.warns(RuntimeWarning, match="no pinned host memory"):
+        plan.stage_inputs(buffers, step, stream=types.SimpleNamespace(ptr=5))
+    assert buffers.mirrors.pinned == [] and device.sources == [buffers.mirrors.pageable.ptr]
+    device.sources.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.stage_inputs(buffers, step, stream=types.SimpleNamespace(ptr=5))
+    assert not caught  # one warning, at the first step
+    assert device.sources == [buffers.mirrors.pageable.ptr] and lengths_of(buffers)[:2].tolist() == [1, 2]
 
 
 def test_device_step_staged_device_to_device(monkeypatch):
