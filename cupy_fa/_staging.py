@@ -8,6 +8,7 @@ there are more. ``cupy_fa.plan`` exports :func:`stage_inputs`; ``BatchAttention.
 ``GraphRunner.run`` stage through it."""
 
 import struct
+import weakref
 
 import numpy as np
 
@@ -20,6 +21,7 @@ PINNED_MIRROR_BYTES = 1 << 20      # the largest of them (a copy of more goes fr
 PINNED_FROM_BYTES = 64 << 10       # the smallest copy sent from them (below it the pageable copy costs no more)
 STAGE_CTAS = 264                  # the staging kernel's largest grid (2 CTAs of 256 threads an SM on an H100)
 _CTA_BYTES = 16 << 10             # bytes of its largest part per CTA below that (4 passes of 16-byte units)
+_RETIRED = []  # (memory, event) of dropped pinned mirrors whose last copy may still be queued
 
 _STAGE = _params.DTYPES["StageParams"]
 _COPIES_AT = _STAGE.fields["copies"][1]
@@ -130,7 +132,7 @@ class HostMirror:
     Pageable (``event`` None): the driver copies the bytes to its own staging memory before the
     call returns, so the mirror is free at once (the call costs the host that copy)."""
 
-    __slots__ = ("array", "ptr", "staged_batch", "event", "_memory")
+    __slots__ = ("array", "ptr", "staged_batch", "event", "_memory", "__weakref__")
 
     def __init__(self, words, pinned=False):
         if pinned:
@@ -139,6 +141,8 @@ class HostMirror:
             self.array = np.frombuffer(self._memory, np.int32, words)
             self.array[:] = 0
             self.event = cupy.cuda.Event(disable_timing=True)
+            # back to CuPy's pinned pool (which may hand it out again at once) only after its last copy
+            weakref.finalize(self, _RETIRED.append, (self._memory, self.event))
         else:
             self._memory, self.event = None, None
             self.array = np.zeros(words, np.int32)
@@ -166,6 +170,8 @@ class HostMirrors:
         """The mirror a step of ``words`` int32 values is written to and copied from."""
         if capturing or PINNED_MIRRORS == 0 or 4 * words < PINNED_FROM_BYTES:
             return self.pageable
+        if _RETIRED:
+            _release_retired()
         pinned = self.pinned
         if pinned is None:
             pinned = self.pinned = self._make_pinned()
@@ -187,6 +193,17 @@ class HostMirrors:
             warnings.warn(f"cupy_fa: no pinned host memory for the plan's host mirrors ({type(e).__name__}: {e}); "
                           f"host steps copy from pageable memory", RuntimeWarning, stacklevel=4)
             return []
+
+
+def _release_retired():
+    """Lets go of the dropped pinned mirrors whose last copy has passed. (A dropped mirror is kept in
+    ``_RETIRED`` by its finalizer, which makes no CUDA call: the garbage collector may run it inside
+    a graph capture, where a wait or a query would break the capture. Each entry is popped and put
+    back whole, so a finalizer appending meanwhile on another thread loses nothing.)"""
+    for _ in range(len(_RETIRED)):
+        entry = _RETIRED.pop(0)
+        if not entry[1].done:
+            _RETIRED.append(entry)
 
 
 def part(src, dst, nbytes):

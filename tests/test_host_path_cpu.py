@@ -320,6 +320,33 @@ def test_host_mirrors_taken_in_turn_never_waited_on(monkeypatch):
     assert stage(7) == (mirrors.pinned[0].ptr, ["memcpy", "record"])
 
 
+def test_pinned_mirror_released_only_after_its_last_copy(monkeypatch):
+    """A pinned mirror whose owner is dropped (an instance gone right after a plan) is kept, with no
+    CUDA call from the finalizer, until the copy last queued from it has passed: only then does its
+    memory go back to CuPy's pinned pool (which may hand it to a new mirror at once)."""
+    import gc
+
+    device = FakeDevice(monkeypatch)
+    monkeypatch.setattr(_staging, "PINNED_FROM_BYTES", 0)
+    monkeypatch.setattr(_staging, "_RETIRED", [])
+    buffers = staged_buffers(device, 8, 6)
+    step = plan.check_step(np.array([1, 2]), np.array([5, 9]), np.arange(4).reshape(2, 2))
+    plan.stage_inputs(buffers, step, stream=types.SimpleNamespace(ptr=5))
+    used, spare = buffers.mirrors.pinned
+    assert device.sources == [used.ptr]
+    used.event.done = False  # its copy still queued
+    memory, event = used._memory, used.event
+    del used, spare, buffers
+    gc.collect()
+    assert len(_staging._RETIRED) == 2 and any(m is memory for m, _ in _staging._RETIRED)  # both kept
+    other = staged_buffers(device, 8, 6)
+    plan.stage_inputs(other, step, stream=types.SimpleNamespace(ptr=5))  # any later step lets go of passed ones
+    assert [e for _, e in _staging._RETIRED] == [event]
+    event.done = True
+    plan.stage_inputs(other, step, stream=types.SimpleNamespace(ptr=5))
+    assert _staging._RETIRED == []
+
+
 def test_host_mirrors_without_pinned_memory(monkeypatch):
     """Where pinned memory cannot be had, one warning and every step from the pageable mirror."""
     import cupy
