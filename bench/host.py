@@ -141,6 +141,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=300, help="timed calls per figure (median; default 300)")
     parser.add_argument("--no-flashinfer", action="store_true")
     parser.add_argument("--no-graph", action="store_true", help="skip the GraphRunner steps")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="run every cell this many times in this process, a table each pass; the JSON's "
+                             "figures are the last pass's, the earlier ones under 'passes' (default 1)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     from cupy_fa import _arrays
@@ -154,17 +157,22 @@ def main(argv=None) -> int:
     chosen = W.select(args.workloads) if args.workloads else [W.BY_NAME[n] for n in DEFAULT_CELLS]
     fi, reason = (None, "--no-flashinfer") if args.no_flashinfer else peers.load_flashinfer()
     print(f"flashinfer: {getattr(fi, '__version__', '?') if fi else 'not used (' + str(reason)[:200] + ')'}", flush=True)
-    rows = []
-    for w in chosen:
-        for ps in args.page_sizes or [16]:
-            start = time.perf_counter()
-            rows.append(cell(w, ps, fi if not w.variant else None, args.repeats))
-            print(f"[{time.perf_counter() - start:5.1f} s] {w.name} ps={ps}: {json.dumps(rows[-1])[:300]}", flush=True)
-    steps = [] if args.no_graph else graph_runner_steps(args.repeats)
-    print("\n" + table(rows, steps), flush=True)
+    passes = []
+    for p in range(max(args.passes, 1)):
+        rows = []
+        for w in chosen:
+            for ps in args.page_sizes or [16]:
+                start = time.perf_counter()
+                rows.append(cell(w, ps, fi if not w.variant else None, args.repeats))
+                print(f"[{time.perf_counter() - start:5.1f} s] {w.name} ps={ps}: {json.dumps(rows[-1])[:300]}",
+                      flush=True)
+        steps = [] if args.no_graph else graph_runner_steps(args.repeats)
+        title = f" (pass {p + 1} of {args.passes})" if args.passes > 1 else ""
+        print(f"\n{table(rows, steps)}{title}", flush=True)
+        passes.append({"cells": rows, "graph_runner": steps})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cells": rows, "graph_runner": steps, "flashinfer": getattr(fi, "__version__", None)}, f,
+            json.dump({**passes[-1], "passes": passes[:-1], "flashinfer": getattr(fi, "__version__", None)}, f,
                       indent=1)
     return 0
 
