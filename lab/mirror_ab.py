@@ -13,6 +13,23 @@ import statistics
 import numpy as np
 
 
+def count_mirrors():
+    """Counts which mirror each host step takes from now on ("pinned" / "pageable"): the Counter
+    returned, filled by a wrapper of `_staging.HostMirrors.take` (lab/mirror_big_ab.py too)."""
+    from cupy_fa import _staging
+
+    taken = collections.Counter()
+    real = _staging.HostMirrors.take
+
+    def take(self, words, capturing=False):
+        mirror = real(self, words, capturing)
+        taken["pageable" if mirror is self.pageable else "pinned"] += 1
+        return mirror
+
+    _staging.HostMirrors.take = take
+    return taken
+
+
 def main():
     import cupy
 
@@ -23,15 +40,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    taken = collections.Counter()
-    real = _staging.HostMirrors.take
-
-    def take(self, words, capturing=False):
-        mirror = real(self, words, capturing)
-        taken["pageable" if mirror is self.pageable else "pinned"] += 1
-        return mirror
-
-    _staging.HostMirrors.take = take
+    taken = count_mirrors()
     sync = cupy.cuda.Device().synchronize
     print(f"{'cell':24s} {'pinned us':>18s} {'pageable us':>18s}  (block medians of 200 plans)  mirrors taken")
     for name, b, q, kv in (("decode B=1 L=4096", 1, 1, 4096), ("decode B=64 L=4096", 64, 1, 4096),

@@ -15,6 +15,7 @@ import collections
 import statistics
 
 import numpy as np
+from mirror_ab import count_mirrors  # (lab/ on the path: run as a script from it)
 
 BIG = 4 << 20
 
@@ -30,18 +31,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     base = (_staging.MIRRORED_TABLE_BYTES, _staging.PINNED_MIRROR_BYTES)
-    taken = collections.Counter()
-    real = _staging.HostMirrors.take
-
-    def take(self, words, capturing=False):
-        mirror = real(self, words, capturing)
-        taken["pageable" if mirror is self.pageable else "pinned"] += 1
-        return mirror
+    taken = count_mirrors()
 
     def configure(variant):
         _staging.MIRRORED_TABLE_BYTES, _staging.PINNED_MIRROR_BYTES = (BIG, BIG) if variant else base
 
-    _staging.HostMirrors.take = take
     sync = cupy.cuda.Device().synchronize
     print(f"{'cell (page 1)':26s} {'table':>8s} {'direct us':>16s} {'pinned mirror us':>18s}  (block medians of 100)")
     for name, b, kv in (("decode B=1 L=131072", 1, 131072), ("decode B=64 L=4096", 64, 4096),
