@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The closing GPU call (2026-12-06): `python -m bench.host` over its default cells first on an H200 (issue 41's
 # host figures, on a machine nothing else has run on yet: a test run before doubles them; lab/call_begin.sh),
-# then lab/host_copy_probe.py on any card (COPY_PROBE=0: not),
+# then lab/host_copy_probe.py on any card (COPY_PROBE=0: not), then LAB_SCRIPT (a lab script) where set,
 # then with TIMELINE_CELLS the clock-stamp timelines of this tree and TREE_PATCHES' trees
 # (lab/call_tree_timeline.sh), then an MLA A/B of the exp trees in MLA_AB_TREES (MLA_ONLY, ROUNDS as lab/call_mla_ab.sh takes them) where
 # set, then the A/B stages of lab/call_stages.sh (FP8_ABLATE, TAKE_BACK, TRY_PATCH; after the check
@@ -13,6 +13,9 @@ CALL_DEFAULT=585 . lab/call_begin.sh
 host_bench
 if [ "${COPY_PROBE:-1}" = 1 ]; then  # plan's host copy, pageable against pinned (lab/host_copy_probe.py; any card)
   timeout 40 python3 lab/host_copy_probe.py 2>&1 | tail -n 6; echo "== host_copy_probe at $(( $(date +%s) - t0 )) s"
+fi
+if [ -n "${LAB_SCRIPT:-}" ]; then  # one lab script before the check (LAB_SECONDS, default 70), its output in $OUT/lab_script.txt
+  timeout ${LAB_SECONDS:-70} python3 $LAB_SCRIPT 2>&1 | tee "$OUT/lab_script.txt"; echo "== $LAB_SCRIPT at $(( $(date +%s) - t0 )) s"
 fi
 if [ -n "${TIMELINE_CELLS:-}" ]; then  # timelines of this tree and of TREE_PATCHES' trees (lab/call_tree_timeline.sh)
   TIMELINE_SECONDS=${TIMELINE_SECONDS:-70} bash lab/call_tree_timeline.sh 2>&1 | tee "$OUT/tree_timeline.txt" \
