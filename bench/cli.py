@@ -92,17 +92,25 @@ def run_cell(w, ps, ctx) -> dict:
 
     impls = {"ours": ours.bench_ours(inp, refs, opts, n_launch)}
     if not ctx["no_peers"]:
-        if w.name not in ctx["sdpa"]:  # dense SDPA has no pages: timed once per workload
-            ctx["sdpa"][w.name] = {k: dict(v, timed_at_page_size=ps) for k, v in
-                                   peers.bench_sdpa(inp, refs[0], opts, n_launch).items()}
-        impls.update(ctx["sdpa"][w.name])
-        if ctx["fi"] is not None:
-            impls["flashinfer"] = peers.bench_flashinfer(ctx["fi"], inp, refs[0], opts, n_launch)
-        else:
-            impls["flashinfer"] = peers.cell("n/a", error=ctx["fi_reason"])
+        try:  # a peer that raises past its own handler (a fault that loses the CUDA context) is its FAIL
+            if w.name not in ctx["sdpa"]:  # dense SDPA has no pages: timed once per workload
+                ctx["sdpa"][w.name] = {k: dict(v, timed_at_page_size=ps) for k, v in
+                                       peers.bench_sdpa(inp, refs[0], opts, n_launch).items()}
+            impls.update(ctx["sdpa"][w.name])
+            if ctx["fi"] is not None:
+                impls["flashinfer"] = peers.bench_flashinfer(ctx["fi"], inp, refs[0], opts, n_launch)
+            else:
+                impls["flashinfer"] = peers.cell("n/a", error=ctx["fi_reason"])
+        except Exception as e:  # noqa: BLE001
+            ctx["lost"] = f"a peer's call in {w.name} ps={ps} raised {type(e).__name__}: {str(e)[:200]}"
+            impls.setdefault("flashinfer", peers.cell("FAIL", error=ctx["lost"]))
+            return _row_of(w, ps, ctx, impls, 0.0, ())
     del inp
     _free()
+    return _row_of(w, ps, ctx, impls, ref_s, windows)
 
+
+def _row_of(w, ps, ctx, impls, ref_s, windows) -> dict:
     read_c, gemm_c = ctx["ceilings_used"]["read_tbps"], ctx["ceilings_used"]["gemm_tflops"]
     floor_bytes_us, floor_flops_us = w.floors_us(read_c, gemm_c)
     o, fi = impls["ours"], impls.get("flashinfer", {})
@@ -199,6 +207,9 @@ def main(argv=None) -> int:
             if args.budget and time.perf_counter() - t_start > args.budget:
                 skipped.append(f"{w.name} ps={ps}")
                 continue
+            if ctx.get("lost"):  # the process's CUDA context is gone: nothing after it can run
+                skipped.append(f"{w.name} ps={ps}")
+                continue
             log(f"{w.name} page_size={ps} ...")
             try:
                 rows.append(run_cell(w, ps, ctx))
@@ -224,7 +235,8 @@ def main(argv=None) -> int:
     for f in results["failures"]:
         print(f"FAIL {f}", flush=True)
     if skipped:
-        print(f"skipped (over --budget): {', '.join(skipped)}", flush=True)
+        why = f"after {ctx['lost']}" if ctx.get("lost") else "over --budget"
+        print(f"skipped ({why}): {', '.join(skipped)}", flush=True)
     print(f"\n{report.legend(results)}")
     print(report.table(rows), flush=True)
     return 1 if results["failures"] else 0

@@ -186,3 +186,16 @@ def test_the_fp8_kv_workloads():
                                                                      "bfloat16")
         assert w.flops() == bf16.flops() and w.kv_bytes() * 2 == bf16.kv_bytes() and w.qo_bytes() == bf16.qo_bytes()
         assert w.shape == "bf16 fp8kv D128 causal" and w.metric == "TFLOP/s"
+
+
+def test_flashinfer_is_not_called_where_it_faults():
+    """FlashInfer's paged prefill runs only at the head dims it serves here (64, 128, 256 and the qk 192 /
+    vo 128 pair): at 96 its kernel faults and takes the process's CUDA context with it, so that cell's
+    FlashInfer column is n/a with the reason, and decode at any head dim is still run."""
+    from bench import peers
+
+    assert peers.flashinfer_refuses(W.BY_NAME["prefill_b4_l4096_d96"]).startswith("n/a: FlashInfer")
+    assert peers.flashinfer_refuses(W.BY_NAME["prefill_b4_l4096_d192"]) is not None
+    for name in ("prefill_b4_l4096", "prefill_b2_l8192_d64", "prefill_b2_l8192_d256", "prefill_b4_l4096_qk192_vo128",
+                 "decode_b64_l4096", "prefill_b4_l4096_fp8"):
+        assert peers.flashinfer_refuses(W.BY_NAME[name]) is None, name
