@@ -193,8 +193,13 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
     if w.fp8:
         kv_sets = [torch.stack([torch.from_dlpack(s.cache.k), torch.from_dlpack(s.cache.v)], dim=1)
                    .view(torch.float8_e4m3fn) for s in inp.sets]
-    elif w.dim_vo != w.head_dim:  # separate K / V widths: the (k, v) tuple form of a paged cache
-        kv_sets = [(as_torch(s.cache.k), as_torch(s.cache.v)) for s in inp.sets]
+    elif w.dim_vo != w.head_dim:  # separate K / V widths: the (k, v) tuple form of a paged cache, V a view
+        # of the first dim_vo columns of rows as wide as K's (FlashInfer wants one page stride for both)
+        def padded_v(v):
+            wide = torch.empty(v.shape[:-1] + (w.head_dim,), dtype=v.dtype, device=v.device)
+            wide[..., : w.dim_vo] = v
+            return wide[..., : w.dim_vo]
+        kv_sets = [(as_torch(s.cache.k), padded_v(as_torch(s.cache.v))) for s in inp.sets]
     else:
         kv_sets = [torch.stack([as_torch(s.cache.k), as_torch(s.cache.v)], dim=1) for s in inp.sets]
     q_sets = [as_torch(s.q) for s in inp.sets]
