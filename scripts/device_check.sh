@@ -36,11 +36,11 @@ else  # the archive is git-ignored: a checkout has it only where it was copied i
 fi
 
 sglang_ignore=()  # SGLang 0.5.17 and what its attention kit's import needs, as wheels (scripts/pack_sglang.sh)
-if ls .sgl/*.whl > /dev/null 2>&1; then
-  if python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl-site .sgl/*.whl; then
+if sgl_wheels=$(python3 scripts/sgl_wheels.py); then  # .sgl/*.whl, or .sgl/wheels.tar.xz made into wheels
+  if python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl-site "$sgl_wheels"/*.whl; then
     export PYTHONPATH=/tmp/sgl-site:$PYTHONPATH
   else
-    echo "ERROR: sglang: installing .sgl/*.whl failed" >> "$summary"; check_failed=1
+    echo "ERROR: sglang: installing $sgl_wheels/*.whl failed" >> "$summary"; check_failed=1
   fi
 else  # never a silent skip: say which GPU tests were left out
   sglang_ignore=(--ignore=tests/test_sglang_graph_gpu.py)

@@ -4,8 +4,8 @@
 # through .git/info/exclude, as scripts/pack_flashinfer.sh does for .fi/).
 #
 # Run HERE (PyPI reachable), from anywhere:   bash scripts/pack_sglang.sh
-# On the device:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/sgl-site .sgl/*.whl
+# (SGL_ARCHIVE=0 keeps the .whl files; by default they go into .sgl/wheels.tar.xz). On the device:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/sgl-site $(python3 scripts/sgl_wheels.py)/*.whl
 #   export PYTHONPATH=/tmp/sgl-site:$PYTHONPATH
 # and tests/sglang_harness makes sgl_kernel / flashinfer placeholders (the kit only imports them).
 #
@@ -38,4 +38,9 @@ for w in "${WHEELS[@]}"; do
   "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT" "$w"
 done
 ls "$OUT" | wc -l | xargs echo "wheels:"
+if [ "${SGL_ARCHIVE:-1}" = 1 ]; then  # smaller to carry: each wheel unpacked, all in one xz tar (34 -> 22 MiB);
+  STAGE="$(mktemp -d)"                 # scripts/sgl_wheels.py zips them back into the same wheels
+  for w in "$OUT"/*.whl; do mkdir "$STAGE/$(basename "$w")" && "$PY" -m zipfile -e "$w" "$STAGE/$(basename "$w")"; done
+  tar -C "$STAGE" -cf - . | xz -T0 -6 > "$OUT/wheels.tar.xz" && rm -f "$OUT"/*.whl; rm -rf "$STAGE"
+fi
 du -sh "$OUT"

@@ -1,0 +1,46 @@
+"""Where the SGLang wheels for a GPU machine without internet are, printed as one folder.
+
+``scripts/pack_sglang.sh`` leaves them in ``.sgl/`` either as ``*.whl`` files or, smaller to carry, as
+``.sgl/wheels.tar.xz``: each wheel unpacked into a folder of its own name, the folders in one xz tar
+(the wheels' zip deflate gives 34 MiB, xz over their files 22 MiB). This prints ``.sgl`` when the wheels
+are there as files, else unpacks the archive and zips each folder back into a wheel of the same name
+and the same files (RECORD included) under the folder given (default ``/tmp/sgl-wheels``) and prints
+that; nothing and exit status 1 when neither is there.
+
+    python3 scripts/sgl_wheels.py [DEST]
+"""
+import glob
+import os
+import sys
+import tarfile
+import zipfile
+
+
+def wheels_folder(root=".sgl", dest="/tmp/sgl-wheels"):
+    if glob.glob(os.path.join(root, "*.whl")):
+        return root
+    archive = os.path.join(root, "wheels.tar.xz")
+    if not os.path.isfile(archive):
+        return None
+    unpacked = dest + ".unpacked"
+    os.makedirs(unpacked, exist_ok=True)
+    os.makedirs(dest, exist_ok=True)
+    with tarfile.open(archive, "r:xz") as tar:
+        tar.extractall(unpacked, filter="data")
+    for name in sorted(os.listdir(unpacked)):
+        folder = os.path.join(unpacked, name)
+        if not name.endswith(".whl") or not os.path.isdir(folder):
+            continue
+        with zipfile.ZipFile(os.path.join(dest, name), "w", zipfile.ZIP_STORED) as whl:
+            for top, _, files in os.walk(folder):
+                for f in sorted(files):
+                    path = os.path.join(top, f)
+                    whl.write(path, os.path.relpath(path, folder))
+    return dest
+
+
+if __name__ == "__main__":
+    found = wheels_folder(dest=sys.argv[1] if len(sys.argv) > 1 else "/tmp/sgl-wheels")
+    if found is None:
+        sys.exit(1)
+    print(found)
