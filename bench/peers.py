@@ -248,7 +248,9 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
 
 # Head dims FlashInfer 0.7.4's paged prefill runs here: at 96 its JIT-built kernel faults with an
 # illegal memory access on sm_90 (H100, 2026-12-07), which loses the process's CUDA context, so
-# the bench does not call it outside these (the qk 192 / vo 128 pair is its DeepSeek shape).
+# the bench does not call it outside these (the qk 192 / vo 128 pair is its DeepSeek shape: its sm90
+# JIT build there fails at run time with "operation not supported", an error the cell records,
+# the context intact; H100, 2026-12-07).
 FLASHINFER_PREFILL_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 
 
