@@ -26,7 +26,10 @@ def wheels_folder(root=".sgl", dest="/tmp/sgl-wheels"):
     os.makedirs(unpacked, exist_ok=True)
     os.makedirs(dest, exist_ok=True)
     with tarfile.open(archive, "r:xz") as tar:
-        tar.extractall(unpacked, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later: no links or paths out of `unpacked`
+            tar.extractall(unpacked, filter="data")
+        else:
+            tar.extractall(unpacked)
     for name in sorted(os.listdir(unpacked)):
         folder = os.path.join(unpacked, name)
         if not name.endswith(".whl") or not os.path.isdir(folder):
