@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # One call whose work depends on the card it lands on (2026-12-07): on an H200, the closing check
-# (lab/call_final.sh: bench.host, device_check.sh all, bench.mla; .fi and .sgl carried); on any other
-# card, the fp8 tensor-copy staging A/B (lab/call_fp8_tma.sh), then the qk 192 / vo 128 prefill cell
-# beside FlashInfer (lab/call_prefill_table.sh without its warmup) in the time left.
+# (lab/call_final.sh: bench.host, device_check.sh all, bench.mla; .fi and .sgl carried: the tree with both
+# fits the carry limit since .sgl holds wheels.tar.xz); on any other card, the A/B of an fp8 prefill patch
+# against main (lab/call_fp8_ab.sh; PATCH, default the widen-halves patch).
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 if echo "$gpu" | grep -q H200; then
   HOST_SECONDS=70 AFTER_CHECK=5 CALL_SECONDS=${CALL_SECONDS:-585} exec bash lab/call_final.sh
 fi
-s0=$(date +%s)
-CALL_SECONDS=${FP8_SECONDS:-400} bash lab/call_fp8_tma.sh
-WARMUP=0 CELLS=${CELLS:-prefill_b4_l4096_qk192_vo128} CALL_SECONDS=$(( ${CALL_SECONDS:-585} - ($(date +%s) - s0) )) \
-  bash lab/call_prefill_table.sh
+PATCH=${PATCH:-20261207-fp8-widen-halves.patch} CALL_SECONDS=${CALL_SECONDS:-400} exec bash lab/call_fp8_ab.sh
