@@ -264,24 +264,32 @@ struct KVProducer {
     static_assert(kFp8 && SW == 128 && RP % 8 == 0, "the swizzle phase is the same for every pass");
     const unsigned from0 = staging + (warp * 32 + lane) * 16;
     const unsigned to0 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk);
-    const unsigned to1 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk + 1);
-#pragma unroll 1  // one pass at a time: the producer's registers are few (32 beside three consumers)
+    // (chunk 2 c + 1's place is chunk 2 c's with the swizzled chunk's bit 0 flipped: address bit 4, as
+    // dst, the rows and the passes are multiples of 128 bytes; one register fewer)
+    // Half a chunk (8 bytes, one 16-bit chunk widened) at a time, the next half's load issued before
+    // this one is widened and stored, so each load's latency passes under the conversions before it
+    // (a whole pass loaded ahead needs four registers more than the producer's 32 hold).
+    u32 cur[2];
+    load_staged_half(from0, cur);
+#pragma unroll 1
     for (int i = 0; i < BN / RP; ++i) {
-      u32 x[4];
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
-                   : "r"(from0 + i * 128 * 16)
-                   : "memory");
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // each 16-bit chunk stored once widened: fewer registers live
-        u32 lo[2], hi[2];
-        Fp8Widen<__half>::run(x[2 * half], lo);
-        Fp8Widen<__half>::run(x[2 * half + 1], hi);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((half ? to1 : to0) + i * RP * 128), "r"(lo[0]),
+      for (int half = 0; half < 2; ++half) {
+        u32 next[2], lo[2], hi[2];
+        // (after the last pass, pass 0's first half again: a load in the slot, never used)
+        load_staged_half(from0 + (half == 0 ? i * 128 * 16 + 8 : (i + 1 < BN / RP ? i + 1 : 0) * 128 * 16), next);
+        Fp8Widen<__half>::run(cur[0], lo);
+        Fp8Widen<__half>::run(cur[1], hi);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((to0 + i * RP * 128) ^ (16u * half)), "r"(lo[0]),
                      "r"(lo[1]), "r"(hi[0]), "r"(hi[1])
                      : "memory");
+        cur[0] = next[0], cur[1] = next[1];
       }
     }
+  }
+
+  static __device__ __forceinline__ void load_staged_half(unsigned addr, u32 (&x)[2]) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(x[0]), "=r"(x[1]) : "r"(addr) : "memory");
   }
 
   // The item's start, both producers alike: the page ids of its first tile (the last, T - 1) on
