@@ -245,11 +245,11 @@ struct KVProducer {
   __device__ __forceinline__ void stage_fp8(bool is_k, unsigned staging, const int (&slots)[LOOKUPS]) const {
     static_assert(kFp8, "fp8 caches only");
     const char* base = static_cast<const char*>(is_k ? p.k_cache : p.v_cache) + head_bytes;
-    const unsigned to0 = staging + (warp * 32 + lane) * 16;
+    const unsigned to0 = staging + (threadIdx.x % 128) * 16;  // (warp * 32 + lane: read again, not held)
 #pragma unroll 2
     for (int i = 0; i < BN / RP; ++i) {
       const int slot = slot_of_pass(i, slots);
-      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)slot_bytes;
+      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)(p.num_kv_heads * D);
       asm volatile(
           "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
           "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to0 + i * 128 * 16),
@@ -262,7 +262,7 @@ struct KVProducer {
   // its chunk c of row r (16 e4m3 values, columns 16 c ..) is the 16-bit chunks 2 c and 2 c + 1.
   __device__ __forceinline__ void widen_fp8(unsigned staging, unsigned dst) const {
     static_assert(kFp8 && SW == 128 && RP % 8 == 0, "the swizzle phase is the same for every pass");
-    const unsigned from0 = staging + (warp * 32 + lane) * 16;
+    const unsigned from0 = staging + (threadIdx.x % 128) * 16;
     const unsigned to0 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk);
     // (chunk 2 c + 1's place is chunk 2 c's with the swizzled chunk's bit 0 flipped: address bit 4, as
     // dst, the rows and the passes are multiples of 128 bytes; one register fewer)
@@ -271,13 +271,12 @@ struct KVProducer {
     // (a whole pass loaded ahead needs four registers more than the producer's 32 hold).
     u32 cur[2];
     load_staged_half(from0, cur);
-#pragma unroll 1
+#pragma unroll  // (whole: each load and store an immediate offset from from0 and to0)
     for (int i = 0; i < BN / RP; ++i) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         u32 next[2], lo[2], hi[2];
-        // (after the last pass, pass 0's first half again: a load in the slot, never used)
-        load_staged_half(from0 + (half == 0 ? i * 128 * 16 + 8 : (i + 1 < BN / RP ? i + 1 : 0) * 128 * 16), next);
+        if (half == 0 || i + 1 < BN / RP) load_staged_half(from0 + (half == 0 ? i * 128 * 16 + 8 : (i + 1) * 128 * 16), next);
         Fp8Widen<__half>::run(cur[0], lo);
         Fp8Widen<__half>::run(cur[1], hi);
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((to0 + i * RP * 128) ^ (16u * half)), "r"(lo[0]),
