@@ -245,7 +245,7 @@ struct KVProducer {
   __device__ __forceinline__ void stage_fp8(bool is_k, unsigned staging, const int (&slots)[LOOKUPS]) const {
     static_assert(kFp8, "fp8 caches only");
     const char* base = static_cast<const char*>(is_k ? p.k_cache : p.v_cache) + head_bytes;
-    const unsigned to0 = staging + (threadIdx.x % 128) * 16;  // (warp * 32 + lane: read again, not held)
+    const unsigned to0 = staging + (threadIdx.x % 128) * 16;  // (warp * 32 + lane, not held in registers)
 #pragma unroll 2
     for (int i = 0; i < BN / RP; ++i) {
       const int slot = slot_of_pass(i, slots);
@@ -264,25 +264,26 @@ struct KVProducer {
     static_assert(kFp8 && SW == 128 && RP % 8 == 0, "the swizzle phase is the same for every pass");
     const unsigned from0 = staging + (threadIdx.x % 128) * 16;
     const unsigned to0 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk);
-    // (chunk 2 c + 1's place is chunk 2 c's with the swizzled chunk's bit 0 flipped: address bit 4, as
-    // dst, the rows and the passes are multiples of 128 bytes; one register fewer)
-    // Half a chunk (8 bytes, one 16-bit chunk widened) at a time, the next half's load issued before
+    // Half a chunk (8 bytes: one 16-bit chunk widened) at a time, the next half's load issued before
     // this one is widened and stored, so each load's latency passes under the conversions before it
-    // (a whole pass loaded ahead needs four registers more than the producer's 32 hold).
+    // (a whole pass loaded ahead needs four registers more than the producer's 32 hold). Chunk 2 c + 1
+    // goes to chunk 2 c's place with address bit 4 flipped (the swizzled chunk's bit 0: the stage, the
+    // rows and the passes are multiples of 128 bytes), so one destination register serves both.
     u32 cur[2];
     load_staged_half(from0, cur);
 #pragma unroll  // (whole: each load and store an immediate offset from from0 and to0)
     for (int i = 0; i < BN / RP; ++i) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+        const bool more = half == 0 || i + 1 < BN / RP;
         u32 next[2], lo[2], hi[2];
-        if (half == 0 || i + 1 < BN / RP) load_staged_half(from0 + (half == 0 ? i * 128 * 16 + 8 : (i + 1) * 128 * 16), next);
+        if (more) load_staged_half(from0 + (half == 0 ? i * 128 * 16 + 8 : (i + 1) * 128 * 16), next);
         Fp8Widen<__half>::run(cur[0], lo);
         Fp8Widen<__half>::run(cur[1], hi);
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((to0 + i * RP * 128) ^ (16u * half)), "r"(lo[0]),
                      "r"(lo[1]), "r"(hi[0]), "r"(hi[1])
                      : "memory");
-        cur[0] = next[0], cur[1] = next[1];
+        if (more) cur[0] = next[0], cur[1] = next[1];
       }
     }
   }
