@@ -245,11 +245,11 @@ struct KVProducer {
   __device__ __forceinline__ void stage_fp8(bool is_k, unsigned staging, const int (&slots)[LOOKUPS]) const {
     static_assert(kFp8, "fp8 caches only");
     const char* base = static_cast<const char*>(is_k ? p.k_cache : p.v_cache) + head_bytes;
-    const unsigned to0 = staging + (warp * 32 + lane) * 16;
+    const unsigned to0 = staging + (threadIdx.x % 128) * 16;  // (warp * 32 + lane, not held in registers)
 #pragma unroll 2
     for (int i = 0; i < BN / RP; ++i) {
       const int slot = slot_of_pass(i, slots);
-      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)slot_bytes;
+      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)(p.num_kv_heads * D);
       asm volatile(
           "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
           "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to0 + i * 128 * 16),
@@ -262,26 +262,34 @@ struct KVProducer {
   // its chunk c of row r (16 e4m3 values, columns 16 c ..) is the 16-bit chunks 2 c and 2 c + 1.
   __device__ __forceinline__ void widen_fp8(unsigned staging, unsigned dst) const {
     static_assert(kFp8 && SW == 128 && RP % 8 == 0, "the swizzle phase is the same for every pass");
-    const unsigned from0 = staging + (warp * 32 + lane) * 16;
+    const unsigned from0 = staging + (threadIdx.x % 128) * 16;
     const unsigned to0 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk);
-    const unsigned to1 = dst + swizzled_offset<BN, SW>(row_in_pass, 2 * chunk + 1);
-#pragma unroll 1  // one pass at a time: the producer's registers are few (32 beside three consumers)
+    // Half a chunk (8 bytes: one 16-bit chunk widened) at a time, the next half's load issued before
+    // this one is widened and stored, so each load's latency passes under the conversions before it
+    // (a whole pass loaded ahead needs four registers more than the producer's 32 hold). Chunk 2 c + 1
+    // goes to chunk 2 c's place with address bit 4 flipped (the swizzled chunk's bit 0: the stage, the
+    // rows and the passes are multiples of 128 bytes), so one destination register serves both.
+    u32 cur[2];
+    load_staged_half(from0, cur);
+#pragma unroll  // (whole: each load and store an immediate offset from from0 and to0)
     for (int i = 0; i < BN / RP; ++i) {
-      u32 x[4];
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
-                   : "r"(from0 + i * 128 * 16)
-                   : "memory");
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // each 16-bit chunk stored once widened: fewer registers live
-        u32 lo[2], hi[2];
-        Fp8Widen<__half>::run(x[2 * half], lo);
-        Fp8Widen<__half>::run(x[2 * half + 1], hi);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((half ? to1 : to0) + i * RP * 128), "r"(lo[0]),
+      for (int half = 0; half < 2; ++half) {
+        const bool more = half == 0 || i + 1 < BN / RP;
+        u32 next[2], lo[2], hi[2];
+        if (more) load_staged_half(from0 + (half == 0 ? i * 128 * 16 + 8 : (i + 1) * 128 * 16), next);
+        Fp8Widen<__half>::run(cur[0], lo);
+        Fp8Widen<__half>::run(cur[1], hi);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((to0 + i * RP * 128) ^ (16u * half)), "r"(lo[0]),
                      "r"(lo[1]), "r"(hi[0]), "r"(hi[1])
                      : "memory");
+        if (more) cur[0] = next[0], cur[1] = next[1];
       }
     }
+  }
+
+  static __device__ __forceinline__ void load_staged_half(unsigned addr, u32 (&x)[2]) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(x[0]), "=r"(x[1]) : "r"(addr) : "memory");
   }
 
   // The item's start, both producers alike: the page ids of its first tile (the last, T - 1) on
