@@ -92,18 +92,22 @@ def run_cell(w, ps, ctx) -> dict:
 
     impls = {"ours": ours.bench_ours(inp, refs, opts, n_launch)}
     if not ctx["no_peers"]:
+        calling = peers.SDPA_BACKENDS  # the cells of the peer being called, for its FAIL below
         try:  # a peer that raises past its own handler (a fault that loses the CUDA context) is its FAIL
             if w.name not in ctx["sdpa"]:  # dense SDPA has no pages: timed once per workload
                 ctx["sdpa"][w.name] = {k: dict(v, timed_at_page_size=ps) for k, v in
                                        peers.bench_sdpa(inp, refs[0], opts, n_launch).items()}
             impls.update(ctx["sdpa"][w.name])
+            calling = ("flashinfer",)
             if ctx["fi"] is not None:
                 impls["flashinfer"] = peers.bench_flashinfer(ctx["fi"], inp, refs[0], opts, n_launch)
             else:
                 impls["flashinfer"] = peers.cell("n/a", error=ctx["fi_reason"])
         except Exception as e:  # noqa: BLE001
             ctx["lost"] = f"a peer's call in {w.name} ps={ps} raised {type(e).__name__}: {str(e)[:200]}"
-            impls.setdefault("flashinfer", peers.cell("FAIL", error=ctx["lost"]))
+            for name in calling:
+                impls.setdefault(name, peers.cell("FAIL", error=ctx["lost"]))
+            impls.setdefault("flashinfer", peers.cell("n/a", error=f"not run: {ctx['lost']}"))
             return _row_of(w, ps, ctx, impls, 0.0, ())
     del inp
     _free()

@@ -199,3 +199,38 @@ def test_flashinfer_is_not_called_where_it_faults():
     for name in ("prefill_b4_l4096", "prefill_b2_l8192_d64", "prefill_b2_l8192_d256", "prefill_b4_l4096_qk192_vo128",
                  "decode_b64_l4096", "prefill_b4_l4096_fp8"):
         assert peers.flashinfer_refuses(W.BY_NAME[name]) is None, name
+
+
+@pytest.mark.parametrize("raising", ["sdpa", "flashinfer"])
+def test_peer_that_raises_fails_its_own_cells(monkeypatch, raising):
+    """A peer raising past its own handler (a fault that loses the CUDA context) is recorded as a FAIL
+    under that peer's cells; a peer after it is 'not run', never blamed."""
+    from bench import inputs, ours, peers
+
+    w = W.BY_NAME["decode_b64_l4096"]
+
+    class Inp:
+        sets = [0]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    ok = {"status": "ok", "time_us": 10.0, "value": 1.0, "err": 1e-3}
+    monkeypatch.setattr(inputs, "make_inputs", lambda *a: Inp())
+    monkeypatch.setattr(inputs, "reference_windows", lambda *a: None)
+    monkeypatch.setattr(ours, "bench_ours", lambda *a: dict(ok))
+    monkeypatch.setattr(peers, "bench_sdpa", boom if raising == "sdpa" else
+                        (lambda *a: {name: dict(ok) for name in peers.SDPA_BACKENDS}))
+    monkeypatch.setattr(peers, "bench_flashinfer", boom)
+    ctx = {"opts": None, "launches": 8, "l2": 50 << 20, "seed": 0, "no_peers": False, "sdpa": {}, "fi": object(),
+           "fi_reason": "", "ceilings_used": {"read_tbps": 3.0, "gemm_tflops": 700.0}}
+    row = cli.run_cell(w, 16, ctx)
+    impls = row["impls"]
+    assert "illegal memory access" in ctx["lost"] and impls["ours"]["status"] == "ok"
+    if raising == "sdpa":
+        assert all(impls[name]["status"] == "FAIL" for name in peers.SDPA_BACKENDS)
+        assert impls["flashinfer"]["status"] == "n/a" and impls["flashinfer"]["error"].startswith("not run: ")
+    else:
+        assert all(impls[name]["status"] == "ok" for name in peers.SDPA_BACKENDS)
+        assert impls["flashinfer"]["status"] == "FAIL" and "RuntimeError" in impls["flashinfer"]["error"]
+    assert row["ours_over_flashinfer"] is None
