@@ -92,7 +92,7 @@ def run_cell(w, ps, ctx) -> dict:
 
     impls = {"ours": ours.bench_ours(inp, refs, opts, n_launch)}
     if not ctx["no_peers"]:
-        calling = peers.SDPA_BACKENDS  # the cells of the peer being called, for its FAIL below
+        calling = tuple(peers.SDPA_BACKENDS)  # the cells of the peer being called, for its FAIL below
         try:  # a peer that raises past its own handler (a fault that loses the CUDA context) is its FAIL
             if w.name not in ctx["sdpa"]:  # dense SDPA has no pages: timed once per workload
                 ctx["sdpa"][w.name] = {k: dict(v, timed_at_page_size=ps) for k, v in

@@ -30,7 +30,7 @@ for heads in 64 16; do
     | grep -E "^(decode|verify|fp8)" | cut -c1-170 | sed "s|^|min heads $heads: |"
 done
 if fits 60 "EAGLE probe"; then
-  [ -d /tmp/sgl-site/sglang ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl-site $(python3 scripts/sgl_wheels.py)/*.whl
+  [ -d /tmp/sgl-site/sglang ] || python3 scripts/sgl_wheels.py --install /tmp/sgl-site > /dev/null
   PYTHONPATH=/tmp/sgl-site:$PWD OPENBLAS_NUM_THREADS=1 timeout $(( $(left) - 5 )) python3 lab/eagle_chain_probe.py \
     > "$OUT/eagle_probe.txt" 2>&1
   echo "== eagle probe exit $? at $(( $(date +%s) - t0 )) s"

@@ -8,7 +8,7 @@ set -u
 OUT=${OUT:-/tmp/sglang_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 OPENBLAS_NUM_THREADS=1 TRITON_CACHE_DIR=/tmp/triton_cache
-timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl-site $(python3 scripts/sgl_wheels.py)/*.whl || echo "PIP INSTALL FAILED"
+timeout 60 python3 scripts/sgl_wheels.py --install /tmp/sgl-site > /dev/null || echo "PIP INSTALL FAILED"
 export PYTHONPATH=/tmp/sgl-site:$PYTHONPATH
 nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

@@ -28,8 +28,8 @@ KIT_CONFIGS=${KIT_CONFIGS:-d64-bf16-kit,d256-bf16-kit,d64-fp16-p64,d256-fp16-p64
 SGL_PATH=""
 sgl_site() {  # SGLang 0.5.17's wheels (scripts/pack_sglang.sh), once per machine
   SGL_PATH=/tmp/sgl-site
-  [ -d /tmp/sgl-site/sglang ] || timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile \
-    --target /tmp/sgl-site $(python3 scripts/sgl_wheels.py)/*.whl || echo "PIP INSTALL FAILED" | tee -a "$OUT/summary.txt"
+  [ -d /tmp/sgl-site/sglang ] || timeout 90 python3 scripts/sgl_wheels.py --install /tmp/sgl-site > /dev/null \
+    || echo "PIP INSTALL FAILED" | tee -a "$OUT/summary.txt"
 }
 fi_site() {
   [ -d /tmp/fi/flashinfer ] || { mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi; }

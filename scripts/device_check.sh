@@ -36,12 +36,12 @@ else  # the archive is git-ignored: a checkout has it only where it was copied i
 fi
 
 sglang_ignore=()  # SGLang 0.5.17 and what its attention kit's import needs, as wheels (scripts/pack_sglang.sh)
-if sgl_wheels=$(python3 scripts/sgl_wheels.py); then  # .sgl/*.whl, or .sgl/wheels.tar.xz made into wheels
-  if python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl-site "$sgl_wheels"/*.whl; then
-    export PYTHONPATH=/tmp/sgl-site:$PYTHONPATH
-  else
-    echo "ERROR: sglang: installing $sgl_wheels/*.whl failed" >> "$summary"; check_failed=1
-  fi
+sgl_status=0  # .sgl/*.whl, or .sgl/wheels.tar.xz made into wheels, installed (1: none carried, 2: pip failed)
+sgl_wheels=$(python3 scripts/sgl_wheels.py --install /tmp/sgl-site) || sgl_status=$?
+if [ $sgl_status = 0 ]; then
+  export PYTHONPATH=/tmp/sgl-site:$PYTHONPATH
+elif [ $sgl_status = 2 ]; then
+  echo "ERROR: sglang: installing $sgl_wheels/*.whl failed" >> "$summary"; check_failed=1
 else  # never a silent skip: say which GPU tests were left out
   sglang_ignore=(--ignore=tests/test_sglang_graph_gpu.py)
   echo "sglang: .sgl/ absent (scripts/pack_sglang.sh makes it): tests/test_sglang_graph_gpu.py, the SGLang" \

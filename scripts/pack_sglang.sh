@@ -5,7 +5,7 @@
 #
 # Run HERE (PyPI reachable), from anywhere:   bash scripts/pack_sglang.sh
 # (SGL_ARCHIVE=0 keeps the .whl files; by default they go into .sgl/wheels.tar.xz). On the device:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/sgl-site $(python3 scripts/sgl_wheels.py)/*.whl
+#   python3 scripts/sgl_wheels.py --install /tmp/sgl-site
 #   export PYTHONPATH=/tmp/sgl-site:$PYTHONPATH
 # and tests/sglang_harness makes sgl_kernel / flashinfer placeholders (the kit only imports them).
 #

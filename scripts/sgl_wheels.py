@@ -5,12 +5,16 @@
 (the wheels' zip deflate gives 34 MiB, xz over their files 22 MiB). This prints ``.sgl`` when the wheels
 are there as files, else unpacks the archive and zips each folder back into a wheel of the same name
 and the same files (RECORD included) under the folder given (default ``/tmp/sgl-wheels``) and prints
-that; nothing and exit status 1 when neither is there.
+that; nothing and exit status 1 when neither is there. With ``--install TARGET`` it also installs them
+into TARGET the one way every GPU script does (pip, offline, no dependencies: the wheels are the whole
+set; exit status 2 when pip fails), so that line lives here alone.
 
     python3 scripts/sgl_wheels.py [DEST]
+    python3 scripts/sgl_wheels.py --install TARGET [DEST]
 """
 import glob
 import os
+import subprocess
 import sys
 import tarfile
 import zipfile
@@ -42,8 +46,23 @@ def wheels_folder(root=".sgl", dest="/tmp/sgl-wheels"):
     return dest
 
 
+def install(folder, target):
+    """pip's offline install of every wheel in ``folder`` into ``target``; True when it succeeded."""
+    wheels = sorted(glob.glob(os.path.join(folder, "*.whl")))
+    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--target", target, *wheels], stdout=sys.stderr).returncode == 0  # stdout: the folder only
+
+
 if __name__ == "__main__":
-    found = wheels_folder(dest=sys.argv[1] if len(sys.argv) > 1 else "/tmp/sgl-wheels")
+    args = sys.argv[1:]
+    target = None
+    if args[:1] == ["--install"]:
+        if len(args) < 2:
+            sys.exit("usage: sgl_wheels.py --install TARGET [DEST]")
+        target, args = args[1], args[2:]
+    found = wheels_folder(dest=args[0] if args else "/tmp/sgl-wheels")
     if found is None:
         sys.exit(1)
     print(found)
+    if target is not None and not install(found, target):
+        sys.exit(2)

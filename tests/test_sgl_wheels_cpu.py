@@ -53,3 +53,33 @@ def test_wheel_files_are_used_as_they_are(tmp_path):
 def test_nothing_carried_is_exit_status_1(tmp_path):
     done = _run(tmp_path, tmp_path / "w")
     assert done.returncode == 1 and done.stdout == ""
+
+
+def test_install_puts_the_wheels_into_the_target(tmp_path):
+    """--install: the wheels (here one real, minimal wheel packed as pack_sglang.sh packs) installed by pip
+    into TARGET, offline; exit status 2 when pip fails."""
+    name, files = "tiny-1.0-py3-none-any.whl", {
+        "tiny/__init__.py": b"VALUE = 7\n",
+        "tiny-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tiny\nVersion: 1.0\n",
+        "tiny-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        "tiny-1.0.dist-info/RECORD": b"tiny/__init__.py,,\ntiny-1.0.dist-info/METADATA,,\n"
+                                     b"tiny-1.0.dist-info/WHEEL,,\ntiny-1.0.dist-info/RECORD,,\n"}
+    stage = tmp_path / "stage" / name
+    for rel, data in files.items():
+        (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stage / rel).write_bytes(data)
+    (tmp_path / ".sgl").mkdir()
+    with tarfile.open(tmp_path / ".sgl" / "wheels.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "stage", arcname=".")
+    site, dest = tmp_path / "site", tmp_path / "wheels"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--install", str(site), str(dest)], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(dest)
+    assert (site / "tiny" / "__init__.py").read_bytes() == files["tiny/__init__.py"]
+
+    (dest / name).write_bytes(b"not a zip")  # a broken wheel: pip fails, and so does the script
+    (tmp_path / ".sgl" / name).write_bytes(b"not a zip")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--install", str(tmp_path / "site2")], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout.strip() == ".sgl"
