@@ -17,10 +17,10 @@ def _run(cwd, dest):
     return subprocess.run([sys.executable, str(SCRIPT), str(dest)], cwd=cwd, capture_output=True, text=True)
 
 
-def _pack(root, name="pkg-1.0-py3-none-any.whl"):
+def _pack(root, name="pkg-1.0-py3-none-any.whl", files=FILES):
     """What pack_sglang.sh leaves in .sgl/: each wheel's files under a folder of its name, in one xz tar."""
     stage = root / "stage" / name
-    for rel, data in FILES.items():
+    for rel, data in files.items():
         (stage / rel).parent.mkdir(parents=True, exist_ok=True)
         (stage / rel).write_bytes(data)
     (root / ".sgl").mkdir()
@@ -64,13 +64,7 @@ def test_install_puts_the_wheels_into_the_target(tmp_path):
         "tiny-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         "tiny-1.0.dist-info/RECORD": b"tiny/__init__.py,,\ntiny-1.0.dist-info/METADATA,,\n"
                                      b"tiny-1.0.dist-info/WHEEL,,\ntiny-1.0.dist-info/RECORD,,\n"}
-    stage = tmp_path / "stage" / name
-    for rel, data in files.items():
-        (stage / rel).parent.mkdir(parents=True, exist_ok=True)
-        (stage / rel).write_bytes(data)
-    (tmp_path / ".sgl").mkdir()
-    with tarfile.open(tmp_path / ".sgl" / "wheels.tar.xz", "w:xz") as tar:
-        tar.add(tmp_path / "stage", arcname=".")
+    _pack(tmp_path, name, files)
     site, dest = tmp_path / "site", tmp_path / "wheels"
     done = subprocess.run([sys.executable, str(SCRIPT), "--install", str(site), str(dest)], cwd=tmp_path,
                           capture_output=True, text=True)
