@@ -12,8 +12,13 @@ if echo "$gpu" | grep -q H200; then
 fi
 if [ -n "${PATCH:-}" ]; then CALL_SECONDS=${CALL_SECONDS:-400} exec bash lab/call_fp8_ab.sh; fi
 s0=$(date +%s)
+# The SGLang backend's GPU tests through scripts/sgl_wheels.py --install (device_check.sh's install path since
+# afb10fa), before the probes: the path has not yet run on a GPU.
+site=$(python3 scripts/sgl_wheels.py --install /tmp/sgl-site); echo "== sgl_wheels --install exit $? ($site)"
+PYTHONPATH=/tmp/sgl-site:$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sglang_graph_gpu.py 2>&1 | tail -n 4
+echo "== sglang GPU tests at $(( $(date +%s) - s0 )) s"
 TIMELINE_CELLS="prefill_b4_l4096 prefill_b4_l4096_fp8" NCU_WORKLOADS=prefill_b4_l4096_fp8 NCU_WHO=ours \
-  NCU_KERNELS=prefill_sm90_kernel NCU_SOURCE=1 CALL_SECONDS=$(( ${CALL_SECONDS:-585} / 2 + 40 )) bash lab/call_probe.sh
+  NCU_KERNELS=prefill_sm90_kernel NCU_SOURCE=1 CALL_SECONDS=$(( (${CALL_SECONDS:-585} - ($(date +%s) - s0)) / 2 + 40 )) bash lab/call_probe.sh
 left=$(( ${CALL_SECONDS:-585} - ($(date +%s) - s0) ))
 if [ "$left" -ge 90 ]; then
   SHIPPED=0 TREE_PATCHES=20261206-fp8-ablate-as16 TIMELINE_CELLS=prefill_b4_l4096_fp8 TIMELINE_SECONDS=$(( left - 10 )) \
