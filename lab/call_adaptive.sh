@@ -36,4 +36,4 @@ if [ "$left" -ge 90 ]; then
   SHIPPED=0 TREE_PATCHES=20261206-fp8-ablate-as16 TIMELINE_CELLS=prefill_b4_l4096_fp8 TIMELINE_SECONDS=$(( left - 15 )) \
     bash lab/call_tree_timeline.sh
 fi
-(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=ncu_mla_sass.csv.gz . 2>/dev/null && find . -mindepth 1 ! -name logs.tgz ! -name ncu_mla_sass.csv.gz -delete)
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=ncu_mla_sass.csv.gz . 2>/dev/null; find . -mindepth 1 ! -name logs.tgz ! -name ncu_mla_sass.csv.gz -delete)
