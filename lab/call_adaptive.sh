@@ -10,7 +10,7 @@
 # the A/B of that fp8 prefill patch against main instead (lab/call_fp8_ab.sh).
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 if echo "$gpu" | grep -q H200; then
-  HOST_SECONDS=70 AFTER_CHECK=5 CALL_SECONDS=${CALL_SECONDS:-585} exec bash lab/call_final.sh
+  HOST_SECONDS=70 AFTER_CHECK=5 CALL_SECONDS=${H200_SECONDS:-${CALL_SECONDS:-585}} exec bash lab/call_final.sh
 fi
 if [ -n "${PATCH:-}" ]; then CALL_SECONDS=${CALL_SECONDS:-400} exec bash lab/call_fp8_ab.sh; fi
 s0=$(date +%s)
