@@ -21,6 +21,7 @@ def number(text):
 def main(path):
     opener = gzip.open if path.endswith(".gz") else open
     lines = [x for x in opener(path, "rt", encoding="utf-8", errors="replace") if x.count(",") > 3]
+    lines = lines[next((i for i, x in enumerate(lines) if x.startswith('"Address"')), 0):]  # past a "Kernel Name" line
     rows = list(csv.DictReader(lines))
     if not rows:
         print(f"no rows in {path}")
