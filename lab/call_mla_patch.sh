@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # One call for an MLA kernel patch (2026-12-07): on an H200 the closing check instead (lab/call_final.sh,
-# H200_SECONDS); on any other card exp/new, this tree (package, bench, tests, kernels) with
-# lab/patches/$MLA_PATCH applied, its MLA GPU tests, then bench.mla of this tree and exp/new interleaved
-# with each output's digest (lab/call_mla_ab.sh; ROUNDS, 2).
+# H200_SECONDS); on any other card this tree becomes the candidate (lab/patches/$MLA_PATCH applied in place,
+# main's package, bench, tests and kernels kept in exp/base first), the candidate's whole GPU suite
+# (scripts/device_check.sh tests, TEST_SECONDS), then bench.mla of exp/base and the candidate interleaved
+# with each output's digest (lab/call_mla_ab.sh; ROUNDS, 2) in what is left of CALL_SECONDS.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 if echo "$gpu" | grep -q H200; then
   HOST_SECONDS=70 AFTER_CHECK=5 CALL_SECONDS=${H200_SECONDS:-585} exec bash lab/call_final.sh
 fi
-rm -rf exp/new && mkdir -p exp/new && cp -r kernels cupy_fa bench tests pyproject.toml exp/new/ \
-  && (cd exp/new && patch -s -p1 < "../../lab/patches/$MLA_PATCH") || { echo "== $MLA_PATCH does not apply"; exit 1; }
-TEST_TREES=exp/new AB_TREES=". exp/new" ROUNDS=${ROUNDS:-2} exec bash lab/call_mla_ab.sh
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"; s0=$(date +%s)
+rm -rf exp/base && mkdir -p exp/base && cp -r kernels cupy_fa bench tests pyproject.toml exp/base/ \
+  && patch -s -p1 < "lab/patches/$MLA_PATCH" || { echo "== $MLA_PATCH does not apply"; exit 1; }
+CHECK_SECONDS=$(( ${TEST_SECONDS:-300} + 40 )) TEST_SECONDS=${TEST_SECONDS:-300} OUT=$OUT/check \
+  bash scripts/device_check.sh tests > "$OUT/check.log" 2>&1
+echo "== device_check.sh tests (the candidate): exit $? at $(( $(date +%s) - s0 )) s"
+sed -n '/device_check summary/,$p' "$OUT/check.log" | cut -c1-200 | head -40
+TEST_TREES=" " AB_TREES="exp/base ." ROUNDS=${ROUNDS:-2} CALL_SECONDS=$(( ${CALL_SECONDS:-585} - ($(date +%s) - s0) )) \
+  bash lab/call_mla_ab.sh
