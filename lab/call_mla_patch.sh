@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One call for an MLA kernel patch (2026-12-07): on an H200 the closing check instead (lab/call_final.sh,
-# H200_SECONDS); on any other card this tree becomes the candidate (lab/patches/$MLA_PATCH applied in place,
+# One call for an MLA kernel patch (2026-12-07): on an H200 the closing check instead (lab/call_final.sh in
+# H200_SECONDS; under 500 s, lab/call_h200_tests.sh: bench.host and the GPU tests); on any other card this tree becomes the candidate (lab/patches/$MLA_PATCH applied in place,
 # main's package, bench, tests and kernels kept in exp/base first), the candidate's whole GPU suite
 # (scripts/device_check.sh tests, TEST_SECONDS; SUITE=0: its MLA GPU tests alone), then bench.mla of exp/base and the candidate interleaved
 # with each output's digest (lab/call_mla_ab.sh; ROUNDS, 2) in what is left of CALL_SECONDS.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 if echo "$gpu" | grep -q H200; then
+  if [ "${H200_SECONDS:-585}" -lt 500 ]; then CALL_SECONDS=$H200_SECONDS exec bash lab/call_h200_tests.sh; fi
   HOST_SECONDS=70 AFTER_CHECK=5 CALL_SECONDS=${H200_SECONDS:-585} exec bash lab/call_final.sh
 fi
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"; s0=$(date +%s)
