@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One call for an MLA kernel patch (2026-12-07): on an H200 the closing check instead (lab/call_final.sh in
-# H200_SECONDS; under 500 s, lab/call_h200_tests.sh: bench.host and the GPU tests); on any other card this tree becomes the candidate (lab/patches/$MLA_PATCH applied in place,
-# main's package, bench, tests and kernels kept in exp/base first), the candidate's whole GPU suite
-# (scripts/device_check.sh tests, TEST_SECONDS; SUITE=0: its MLA GPU tests alone), then bench.mla of exp/base and the candidate interleaved
+# One call for an MLA kernel patch (2026-12-07). On an H200 the closing check instead: lab/call_final.sh in
+# H200_SECONDS, or under 500 s lab/call_h200_tests.sh (bench.host and the GPU tests). On any other card this
+# tree becomes the candidate (lab/patches/$MLA_PATCH applied in place; main's package, bench, tests and
+# kernels kept in exp/base first): the candidate's whole GPU suite (scripts/device_check.sh tests,
+# TEST_SECONDS; SUITE=0: its MLA GPU tests alone), then bench.mla of exp/base and the candidate interleaved
 # with each output's digest (lab/call_mla_ab.sh; ROUNDS, 2) in what is left of CALL_SECONDS.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 if echo "$gpu" | grep -q H200; then
