@@ -40,10 +40,7 @@ def main(path):
         print(f"  {100 * number(r[samples]) / total:5.1f}%  {r.get('Address', '')[-6:]:>6s}  {r[source][:90]}")
     by_op = Counter()
     for r in rows:
-        op = r[source].split()[0] if r[source].split() else "?"
-        if op.startswith("@"):
-            op = r[source].split()[1] if len(r[source].split()) > 1 else op
-        by_op[op.split(".")[0]] += number(r[samples])
+        by_op[opcode(r[source])] += number(r[samples])
     print("by opcode:", ", ".join(f"{op} {100 * n / total:.1f}%" for op, n in by_op.most_common(12)))
     executed = next((n for n in names if n.strip() == "Instructions Executed"), None)
     if executed:
