@@ -1,6 +1,7 @@
 """The hottest SASS lines of an ncu source page (``ncu --import R --page source --csv --print-source
 sass``, plain or gzipped): the 25 instructions with the most warp-stall samples, and the samples summed
-by opcode; where the page has the executed-instruction counts (SourceCounters), the same for those.
+by opcode and by region of 64 lines; where the page has the executed-instruction counts
+(SourceCounters), the same for those.
 
     python3 lab/ncu_sass_top.py sass.csv[.gz]
 """
@@ -34,14 +35,8 @@ def main(path):
     if samples is None:
         print("no stall-sampling column")
         return 1
-    total = sum(number(r[samples]) for r in rows) or 1.0
-    print(f"{len(rows)} SASS lines, {total:.0f} samples ({samples})")
-    for r in sorted(rows, key=lambda r: -number(r[samples]))[:25]:
-        print(f"  {100 * number(r[samples]) / total:5.1f}%  {r.get('Address', '')[-6:]:>6s}  {r[source][:90]}")
-    by_op = Counter()
-    for r in rows:
-        by_op[opcode(r[source])] += number(r[samples])
-    print("by opcode:", ", ".join(f"{op} {100 * n / total:.1f}%" for op, n in by_op.most_common(12)))
+    print(f"{len(rows)} SASS lines")
+    ranked(rows, source, samples, f"samples ({samples})")
     executed = next((n for n in names if n.strip() == "Instructions Executed"), None)
     if executed:
         ranked(rows, source, executed, "executed warp instructions")
