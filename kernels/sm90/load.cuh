@@ -81,7 +81,7 @@ struct KVProducer {
       row_in_pass = tid / CPR;
     }
     page_row = p.page_table + (i64)w.b * p.page_table_stride;
-    slot_bytes = p.num_kv_heads * D * (int)sizeof(KVT);
+    slot_bytes = k_slot_bytes();
     constexpr int ELEMS = 16 / (int)sizeof(KVT);  // elements of a 16-byte chunk
     k_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.k_cache) + w.kv_head * D + chunk * ELEMS);
     v_base = reinterpret_cast<const char*>(static_cast<const KVT*>(p.v_cache) + w.kv_head * DV + chunk * ELEMS);
@@ -159,6 +159,10 @@ struct KVProducer {
     for (int j = 1; j < LOOKUPS; ++j) mine = reg == j ? slots[j] : mine;
     return __shfl_sync(0xffffffffu, mine, (i * WARP_ROWS) % 32 + warp_row());
   }
+
+  // K's bytes from one cache slot to the next, from the params (slot_bytes holds it; an fp8 cache's
+  // copies read it here instead, where the producer's registers are fewest)
+  __device__ __forceinline__ int k_slot_bytes() const { return p.num_kv_heads * D * (int)sizeof(KVT); }
 
   // V's bytes from one cache slot to the next: K's (slot_bytes) unless separate qk / vo head dims,
   // then from the params (no register more held in the producer)
@@ -249,7 +253,7 @@ struct KVProducer {
 #pragma unroll 2
     for (int i = 0; i < BN / RP; ++i) {
       const int slot = slot_of_pass(i, slots);
-      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)(p.num_kv_heads * D);
+      const char* src = base + (unsigned long long)(unsigned)max(slot, 0) * (unsigned)k_slot_bytes();
       asm volatile(
           "{\n.reg .pred p;\nsetp.lt.s32 p, %2, 0;\n"
           "cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(to0 + i * 128 * 16),
