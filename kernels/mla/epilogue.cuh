@@ -35,6 +35,25 @@ __device__ __forceinline__ OT* row_target(const MlaParams& p, const Work& w, i64
   return static_cast<OT*>(w.splits == 1 ? p.out : p.partial_out) + slot * kValueDim;
 }
 
+// The targets of packed rows row, row + STEP, row + 2 STEP, ... (one request's rows) without a division
+// a row: a packed row is token x heads + head, so its slot (row_slot) moves by STEP with the row, and
+// by (splits - 1) x heads more each time the step passes a token's last head (a partial row's token
+// is splits x heads rows on; one split's rows are consecutive).
+template <typename OT, int STEP>
+struct RowWalk {
+  OT* dst;    // row_target of the current row
+  int head;   // its head
+  i64 wrap;   // elements skipped on passing a token's last head
+  __device__ __forceinline__ RowWalk(const MlaParams& p, const Work& w, const FastDiv& by_head, int row, int partial_base)
+      : dst(row_target<OT>(p, w, row_slot(p, w, by_head, row, partial_base))), head(by_head.mod(row)),
+        wrap(w.splits == 1 ? 0 : (i64)(w.splits - 1) * p.num_heads * kValueDim) {}
+  __device__ __forceinline__ void step(int num_heads) {
+    dst += STEP * kValueDim;
+    head += STEP;
+    while (head >= num_heads) head -= num_heads, dst += wrap;  // once a step where STEP <= heads
+  }
+};
+
 // the row's LSE from its offset m and sum l: natural log into lse (when asked) for one split, base 2
 // into partial_lse for several
 __device__ __forceinline__ void row_lse(const MlaParams& p, const Work& w, i64 slot, float m, float l, bool bad) {

@@ -323,7 +323,8 @@ struct SeesawRole {
   // the mma.sync tile's store_rows rounds it, into its own K buffer (free once both warpgroups passed
   // kBarEnd; rows kStagePitch bytes apart, so the 8 rows of a warp's 4-byte writes fall on 32 banks),
   // then, after a named barrier of its own, a warp stores a row's 512 bytes as 32 whole 16-byte chunks
-  // (out must be 16-byte aligned). The LSE comes from warpgroup 0.
+  // (out must be 16-byte aligned), its rows' targets walked (RowWalk), not each found again. The LSE
+  // comes from warpgroup 0.
   __device__ __forceinline__ void store_rows(const Work& done, int partial_base, const float (&l)[2], bool bad,
                                              int wg) const {
     const unsigned stage = buffer(wg);
@@ -340,14 +341,20 @@ struct SeesawRole {
       }
     }
     sm90::named_sync(kBarStage + wg, 128);
-    for (int r = wtid >> 5; r < kBlockRows && done.row0 + r < done.rows; r += 4) {
-      uint4 v;
+    const int first = wtid >> 5;  // warp w of the warpgroup stores rows w, w + 4, ...
+    if (done.row0 + first >= done.rows) return;
+    RowWalk<T, 4> to(p, done, by_head, done.row0 + first, partial_base);
+    for (int r = first; r < kBlockRows && done.row0 + r < done.rows; r += 4) {
+      u32 v[4];
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                    : "r"(stage + r * SeesawSmem::kStagePitch + 16 * lane)
                    : "memory");
-      T* dst = row_target<T>(p, done, row_slot(p, done, by_head, done.row0 + r, partial_base)) + 256 * wg;
-      *reinterpret_cast<uint4*>(dst + 8 * lane) = v;
+      // one 16-byte store (a plain uint4 assignment compiles to four 4-byte ones here)
+      asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(to.dst + 256 * wg + 8 * lane), "r"(v[0]),
+                   "r"(v[1]), "r"(v[2]), "r"(v[3])
+                   : "memory");
+      to.step(p.num_heads);
     }
   }
 
