@@ -228,17 +228,20 @@ def test_decode_equals_verify_bit_for_bit(heads, kv_dtype):
 
 
 def test_decode_equals_verify_past_4096_keys_and_the_workspace_warning():
-    """At 128 heads (the seesaw kernel on sm_90a), drafts over 4097-6000 keys (9-12 splits a token):
-    decode == verify bit for bit with the default workspace, which holds the batch; an instance whose
-    workspace cannot hold it caps the splits and says so once (BatchInvarianceWarning)."""
+    """At 128 heads (the seesaw kernel on sm_90a), drafts over 8 S + 1 .. 8 S + 1903 keys (S the split
+    size, 512: 4097-6000 keys, 9-12 splits a token): decode == verify bit for bit with the default
+    workspace, which holds the batch; an instance whose workspace cannot hold it caps the splits and
+    says so once (BatchInvarianceWarning)."""
     import warnings
 
     import cupy
     import cupy_fa
+    from cupy_fa.mla import schedule as mla_schedule
 
     rng, seed = new_rng()
     n, batch, heads = 4, 4, 128
-    prefix = rng.integers(4097, 6000, size=batch)
+    split = mla_schedule.split_size(heads)
+    prefix = rng.integers(8 * split + 1, 8 * split + 1904, size=batch)
     kv_lens = prefix + n
     table, _, cache, _ = latent_case(rng, "bfloat16", 16, kv_lens)
     q_host = rng.standard_normal((batch * n, heads, 576), dtype=np.float32).astype(np_dtype("bfloat16"))
@@ -246,7 +249,7 @@ def test_decode_equals_verify_past_4096_keys_and_the_workspace_warning():
         warnings.simplefilter("error", cupy_fa.BatchInvarianceWarning)
         verify = cupy_fa.MLAAttention(heads, "bfloat16")
         verify.plan(np.full(batch, n), kv_lens, table)
-        assert verify.planned.schedule.partial_rows == n * int((-(-kv_lens // 512)).sum())
+        assert verify.planned.schedule.partial_rows == n * int((-(-kv_lens // split)).sum())
         v_out = verify.run(cupy.asarray(q_host), cache).get()
         order = rng.permutation(batch * n)
         b_of, i_of = order // n, order % n
