@@ -1,13 +1,10 @@
 # Sourced first by the device-call scripts (lab/call_final.sh, call_probe.sh, call_fp8_deep.sh; 2026-12-07):
-# OUT, the call's clock (t0, total = CALL_SECONDS or the caller's CALL_DEFAULT, left), the environment every
-# stage runs in, the card's name in $gpu (printed), and host_bench: `python -m bench.host` on an H200 (issue
-# 41's bars are H200 figures; HOST_ANY=1: on any card), first, on a machine nothing else has run on yet, in
-# HOST_PASSES passes (default 2: a fresh machine's first seconds read high, 2026-12-07).
-set -u
-OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-t0=$(date +%s); total=${CALL_SECONDS:-${CALL_DEFAULT:-585}}
-left() { echo $(( total - ($(date +%s) - t0) )); }
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
+# lab/call_budget.sh (OUT, the call's clock: t0, total = CALL_SECONDS or the caller's CALL_DEFAULT, left,
+# fits; the environment every stage runs in; unpack_flashinfer, patched_tree), the card's name in $gpu
+# (printed), and host_bench: `python -m bench.host` on an H200 (issue 41's bars are H200 figures; HOST_ANY=1:
+# on any card), first, on a machine nothing else has run on yet, in HOST_PASSES passes (default 2: a fresh
+# machine's first seconds read high, 2026-12-07).
+. lab/call_budget.sh
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "== $gpu"
 host_bench() {
   if echo "$gpu" | grep -q H200 || [ "${HOST_ANY:-0}" = 1 ]; then

@@ -4,8 +4,7 @@
 # main and the patched tree, ROUNDS rounds interleaved, on the fp8 prefill cells and the bf16 cell.
 #   PATCH=20261207-fp8-widen-halves.patch bash lab/call_fp8_ab.sh
 CALL_DEFAULT=400 . lab/call_begin.sh
-rm -rf exp/fp8ab && mkdir -p exp/fp8ab && cp -r kernels cupy_fa bench tests scripts pyproject.toml README.md exp/fp8ab/ \
-  && (cd exp/fp8ab && patch -s -p1 < ../../lab/patches/${PATCH:?a patch in lab/patches}) || { echo "== the patch did not apply"; exit 1; }
+patched_tree exp/fp8ab "${PATCH:?a patch in lab/patches}" kernels cupy_fa bench tests scripts pyproject.toml README.md || exit 1
 (cd exp/fp8ab && PYTHONPATH=$PWD timeout ${TEST_SECONDS:-200} python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/test_fp8_prefill_gpu.py 2>&1 | tail -n 8)
 echo "== patched tree's fp8 prefill tests at $(( $(date +%s) - t0 )) s"

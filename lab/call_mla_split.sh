@@ -9,10 +9,7 @@
 # the new size). CALL_SECONDS (585 in all).
 . lab/call_budget.sh
 SPLIT=${SPLIT:-1024}
-if [ -f .fi/flashinfer.tar.xz ]; then
-  mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi
-  export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-fi
+unpack_flashinfer
 if [ "${MLA_TESTS:-0}" = 1 ] && fits 120 "MLA tests at $SPLIT"; then
   CUPY_FA_MLA_SPLIT_SIZE=$SPLIT timeout 110 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/test_mla_gpu.py \
     > "$OUT/mla_tests_split.log" 2>&1
@@ -21,9 +18,7 @@ fi
 trees=""
 for patch in ${PATCHES:-}; do
   tree=exp/$(basename "$patch" .patch)
-  rm -rf "$tree" && mkdir -p "$tree" && cp -r cupy_fa kernels bench tests pyproject.toml "$tree"/ \
-    && (cd "$tree" && patch -s -p1 < "$OLDPWD/lab/patches/$patch") && trees="$trees $tree" \
-    || echo "== $patch does not apply"
+  patched_tree "$tree" "$patch" && trees="$trees $tree"
 done
 FI_SECONDS=${FI_SECONDS:-330}
 TEST_TREES="${trees:- }" AB_TREES=". .:CUPY_FA_MLA_SPLIT_SIZE=$SPLIT$trees" ROUNDS=${ROUNDS:-2} \

@@ -4,10 +4,7 @@
 # builds on this machine) and cuDNN, page 16, inside CALL_SECONDS (OURS_CELLS: cells run first without
 # FlashInfer; WARMUP=0: no warmup first).
 CALL_DEFAULT=560 . lab/call_begin.sh
-if [ -f .fi/flashinfer.tar.xz ]; then
-  mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi
-  export PYTHONPATH=$PYTHONPATH:/tmp/fi FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-fi
+unpack_flashinfer && export PYTHONPATH=$PYTHONPATH:/tmp/fi
 if [ "${WARMUP:-1}" = 1 ]; then  # WARMUP=0: the cells compile what they use
   timeout 120 python3 -m cupy_fa warmup --fp8 --variants --quiet 2>&1 | tail -n 1
   echo "== warmup at $(( $(date +%s) - t0 )) s"
