@@ -173,6 +173,12 @@ def load_flashinfer():
         return None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def flashinfer_wrapper_kind(w) -> str:
+    """Which FlashInfer wrapper runs workload ``w``: "sinks" (its attention-sink wrapper), "decode" (one
+    query token a request) or "prefill" (prefill, extend and ragged batches)."""
+    return "sinks" if w.sinks else "decode" if w.q_len == 1 else "prefill"
+
+
 def flashinfer_step(fi, inp: Inputs, workspace=None):
     """FlashInfer's wrapper for workload ``inp`` (its q and caches as torch views): ``(plan, run,
     outs, how)``, ``plan()`` its plan with this step's metadata (device tensors, as the bench has
@@ -215,7 +221,8 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
     if w.soft_cap:
         dt["logits_soft_cap"] = w.soft_cap
     extra = ()
-    if w.sinks:  # its attention-sink variant (a JIT module of its own), prefill and decode alike
+    kind = flashinfer_wrapper_kind(w)
+    if kind == "sinks":  # its attention-sink variant (a JIT module of its own), prefill and decode alike
         wrapper = fi.BatchAttentionWithAttentionSinkWrapper(
             workspace, "NHD", q_data_type=elem, kv_data_type=elem, head_dim_qk=w.head_dim, head_dim_vo=w.dim_vo,
             window_left=dt.get("window_left", -1))
@@ -223,7 +230,7 @@ def flashinfer_step(fi, inp: Inputs, workspace=None):
                                     causal=w.causal, **dt)
         extra = (torch.as_tensor(inp.sinks, device=DEVICE), 1.0 / np.sqrt(w.head_dim))
         how = f"BatchAttentionWithAttentionSinkWrapper(causal={w.causal}) run(q, kv, sinks, sm_scale)"
-    elif w.q_len == 1:
+    elif kind == "decode":
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
         plan = lambda: wrapper.plan(kv_indptr, kv_indices, last_page_len, H_Q, H_KV, w.head_dim, ps, **dt)
         how = "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)"

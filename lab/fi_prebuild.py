@@ -27,8 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def variant(w):
     """What FlashInfer builds a module for: the wrapper and the template arguments of workload w
     (lengths, batch, page size, causality and the variants' values are run time)."""
-    wrapper = "sinks" if w.sinks else "decode" if w.q_len == 1 else "prefill"
-    return (wrapper, w.dtype, w.kv_dtype or w.dtype, w.head_dim, w.dim_vo, bool(w.window), bool(w.soft_cap))
+    from bench import peers
+
+    return (peers.flashinfer_wrapper_kind(w), w.dtype, w.kv_dtype or w.dtype, w.head_dim, w.dim_vo, bool(w.window),
+            bool(w.soft_cap))
 
 
 def variants(patterns):
