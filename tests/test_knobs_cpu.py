@@ -115,7 +115,7 @@ def test_soft_cap_tanh_picks_the_hooked_wgmma_kernels_form():
 def test_mla_split_size_moves_every_mla_split_and_the_plan_constants():
     """CUPY_FA_MLA_SPLIT_SIZE sets the MLA small-q split (the host's bound and the plan kernel's
     constant together, so decode and verify still split at the same keys) at every head count;
-    unset, SPLIT_SIZE up to ROW_BLOCK_HEADS heads and MANY_HEADS_SPLIT_SIZE past them."""
+    unset, SPLIT_SIZE at every head count."""
     import numpy as np
 
     from cupy_fa.mla import schedule as mla_schedule
@@ -124,7 +124,7 @@ def test_mla_split_size_moves_every_mla_split_and_the_plan_constants():
     try:
         knobs.use(knobs.Knobs())
         for heads in (1, 16, 64, 65, 128):
-            want = mla_schedule.SPLIT_SIZE if heads <= 64 else mla_schedule.MANY_HEADS_SPLIT_SIZE
+            want = mla_schedule.SPLIT_SIZE
             assert mla_schedule.split_size(heads) == want
             sched = mla_schedule.schedule_step(heads, False, "sm_90a", q_lens=[1] * 4, kv_lens=[4096] * 4)
             assert sched.split_size == mla_schedule.plan_constants(sched)["split_size"] == want

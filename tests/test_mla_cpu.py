@@ -207,7 +207,7 @@ def test_splits_sit_at_fixed_positions_for_small_q(heads):
     """Decode and verify of the same keys split them alike (the key of batch invariance); longer
     requests split less; no request past MAX_SPLITS."""
     s = mla_schedule.split_size(heads)
-    assert s == (1024 if heads == 16 else 512)
+    assert s == 1024
     assert mla_schedule.max_splits([1], [4096], heads)[0] == mla_schedule.max_splits([16], [4096], heads)[0] == 4096 // s
     assert mla_schedule.max_splits([100], [4096], heads)[0] == 1
     assert mla_schedule.max_splits([1], [10**7], heads)[0] == mla_schedule.MAX_SPLITS == family.MAX_MERGE_SPLITS
@@ -216,8 +216,8 @@ def test_splits_sit_at_fixed_positions_for_small_q(heads):
 
 def test_the_workspace_says_when_a_batch_keeps_its_bits():
     """The rows a host step's splits want (MLAAttention warns past the workspace, BatchInvarianceWarning):
-    q_len x splits at the fixed 512-key positions; at 128 heads the verify cell of 64 x 4 drafts over
-    4100 keys wants 9 splits a token, past the default's 8 a token of that capacity, and a
+    q_len x splits at the fixed 1024-key positions; at 128 heads a verify step of 64 x 4 drafts over
+    8196 keys wants 9 splits a token, past the default's 8 a token of that capacity, and a
     workspace_bytes of those rows holds it."""
     from cupy_fa.mla import plan as mla_plan
 
@@ -229,7 +229,7 @@ def test_the_workspace_says_when_a_batch_keeps_its_bits():
         sched = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=q, kv_lens=kv)
         splits = -(-np.maximum(kv, 1) // mla_schedule.split_size(128))
         assert sched.partial_rows == int((q * splits)[(q > 0) & (splits > 1)].sum()), seed
-    q, kv = np.full(64, 4), np.full(64, 4100)
+    q, kv = np.full(64, 4), np.full(64, 8196)
     wanted = mla_schedule.schedule_step(128, False, "sm_90a", q_lens=q, kv_lens=kv).partial_rows
     capacity = Capacity(64, 256, 257)
     row = 128 * (512 * 2 + 4)

@@ -20,7 +20,8 @@ WORKSPACE_BYTES = 256 << 20     # and at least this many bytes
 def partial_rows(capacity, num_heads, elem_bytes, workspace_bytes=None):
     """Rows of the split partials: at least ``workspace_bytes`` (default WORKSPACE_BYTES) of them and
     at least SPLITS_PER_TOKEN per token of the capacity (so a batch of full-capacity decode or
-    verify tokens over 4096 keys never overflows them); a row is H x (512 outputs + one fp32 LSE)."""
+    verify tokens over 8 x split_size keys (8192 at the default) never overflows them); a row is H x (512
+    outputs + one fp32 LSE)."""
     budget = WORKSPACE_BYTES if workspace_bytes is None else int(workspace_bytes)
     rows = budget // partial_row_bytes(num_heads, VALUE_DIM, elem_bytes)
     return max(rows, SPLITS_PER_TOKEN * capacity.max_num_tokens, 1)

@@ -11,11 +11,11 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   with a 16-bit cache, else the mma.sync tile with two rows of warps. Where both classes take the
   same tile, the step has one work list.
 * **Splits** (``kernels/shared/plan.cu`` applies them on the device): small-q requests split their
-  keys at the fixed positions 0, S, 2S, ... (S = split_size(num_heads): 1024 keys up to 64 heads, 512
-  past them; a model constant, so decode and verify of one model cut alike), whatever their q_len or
+  keys at the fixed positions 0, S, 2S, ... (S = split_size(num_heads): 1024 keys at every head count; a
+  model constant, so decode and verify of one model cut alike), whatever their q_len or
   batch, so a token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
-  on the batch: a context past MAX_SPLITS x S keys, 65536 at 128 heads).
+  on the batch: a context past MAX_SPLITS x S keys, 131072).
 * **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (2 heads a CTA: 256 threads) for many rows,
   deep (4 ways over a row's groups of splits) for a few.
 """
@@ -29,14 +29,10 @@ import numpy as np
 from .. import schedule as _policy
 from ..families.common import is_sm90a
 from ..knobs import knobs
-from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, WGMMA_BLOCK, MlaMmaTile, MlaWgmmaTile
+from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
 
 SMALL_Q_LEN = 16
-SPLIT_SIZE = 1024         # keys a split of a small-q request up to ROW_BLOCK_HEADS heads (one 64-row block
-                          # a decode token), and MANY_HEADS_SPLIT_SIZE past them (split_size(); the knob
-                          # CUPY_FA_MLA_SPLIT_SIZE sets one size for every head count)
-MANY_HEADS_SPLIT_SIZE = 512
-ROW_BLOCK_HEADS = WGMMA_BLOCK  # a decode token of up to this many heads is one row block of the seesaw kernel
+SPLIT_SIZE = 1024         # keys a split of a small-q request (split_size(); CUPY_FA_MLA_SPLIT_SIZE sets another)
 MAX_SPLITS = MAX_MERGE_SPLITS
 SPLIT_ROW_BUDGET = 128
 WGMMA_MIN_HEADS = 16      # from 16 heads a decode token fills a quarter of a 64-row block and the
@@ -73,17 +69,15 @@ def max_splits(q_lens, kv_lens, num_heads):
 
 def split_size(num_heads):
     """Keys a split of a small-q request at ``num_heads`` query heads: CUPY_FA_MLA_SPLIT_SIZE where
-    set, else :data:`SPLIT_SIZE` (1024) up to :data:`ROW_BLOCK_HEADS` heads and
-    :data:`MANY_HEADS_SPLIT_SIZE` (512) past them. Every split costs its CTA a query block, a
+    set, else :data:`SPLIT_SIZE` (1024) at every head count. Every split costs its CTA a query block, a
     pipeline start and a partial output the merge reads again, so longer splits are faster where a
-    batch fills the GPU; shorter ones give one long request more CTAs. Up to 64 heads a decode
-    token is one 64-row block, and 1024 keys keep decode B=1 over 32768 keys (32 CTAs) ahead of
-    FlashInfer's MLA wrapper while decode and verify at B=64 gain 7-10%; at 128 heads (two row
-    blocks a token) 1024 keys would cost that cell 24% and 512 stay (docs/performance.md)."""
+    batch fills the GPU; shorter ones give one long request more CTAs. At 1024 keys decode and verify
+    at B=64 run faster than at 512 while decode B=1 over 32768 keys (32 CTAs a row block) stays within
+    FlashInfer's MLA wrapper (docs/performance.md, "Multi-head latent attention")."""
     chosen = knobs().mla_split_size
     if chosen is not None:
         return chosen
-    return SPLIT_SIZE if num_heads <= ROW_BLOCK_HEADS else MANY_HEADS_SPLIT_SIZE
+    return SPLIT_SIZE
 
 
 
