@@ -227,11 +227,11 @@ def test_decode_equals_verify_bit_for_bit(heads, kv_dtype):
                         f"{[type(x.tile).__name__ for x in verify.planned.schedule.launches]})")
 
 
-def test_decode_equals_verify_past_4096_keys_and_the_workspace_warning():
+def test_decode_equals_verify_past_8_splits_and_the_workspace_warning():
     """At 128 heads (the seesaw kernel on sm_90a), drafts over 8 S + 1 .. 8 S + 1903 keys (S the split
-    size, 512: 4097-6000 keys, 9-12 splits a token): decode == verify bit for bit with the default
-    workspace, which holds the batch; an instance whose workspace cannot hold it caps the splits and
-    says so once (BatchInvarianceWarning)."""
+    size, 1024 by default: 8193-10095 keys, 9-10 splits a token): decode == verify bit for bit with
+    the default workspace, which holds the batch; an instance whose workspace cannot hold it caps the
+    splits and says so once (BatchInvarianceWarning)."""
     import warnings
 
     import cupy
