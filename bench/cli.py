@@ -156,11 +156,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    from cupy_fa import _arrays
+    from . import cannot_run
 
-    problem = _arrays.cuda_problem()
-    if problem is not None:  # one line, not CuPy's traceback (--list needs no GPU)
-        print(f"python -m bench needs a GPU: {problem}", file=sys.stderr)
+    why = cannot_run("bench")
+    if why is not None:  # one line, not CuPy's traceback (--list needs no GPU)
+        print(why, file=sys.stderr)
         return 1
     page_sizes = args.page_sizes or list(W.PAGE_SIZES)
     q = args.quick

@@ -226,7 +226,12 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    from . import cannot_run
 
+    why = cannot_run("bench.fp8")
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 1
     import cupy
 
     from . import ceilings

@@ -112,7 +112,14 @@ def main(argv=None):
     parser.add_argument("--max-batch-tokens", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary", default=None, help="a CUPY_FA_HF_SUMMARY file to print first")
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    from . import cannot_run
+
+    why = cannot_run("bench.hf_throughput", needs=("torch", "transformers"))
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 1
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -146,11 +146,11 @@ def main(argv=None) -> int:
                              "figures are the last pass's, the earlier ones under 'passes' (default 1)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
-    from cupy_fa import _arrays
+    from . import cannot_run
 
-    problem = _arrays.cuda_problem()
-    if problem is not None:
-        print(f"python -m bench.host needs a GPU: {problem}", file=sys.stderr)
+    why = cannot_run("bench.host")
+    if why is not None:
+        print(why, file=sys.stderr)
         return 1
     from . import peers
 

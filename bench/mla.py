@@ -242,6 +242,12 @@ def main(argv=None):
     parser.add_argument("--digest", action="store_true",
                         help="print a digest of our first output's bits beside the name (trees compared bit for bit)")
     args = parser.parse_args(argv)
+    from . import cannot_run
+
+    why = cannot_run("bench.mla")
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 1
     import cupy
 
     from . import ceilings

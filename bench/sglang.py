@@ -128,6 +128,12 @@ def main(argv=None):
     ap.add_argument("--backends", default="cupy_fa,triton")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    from . import cannot_run
+
+    why = cannot_run("bench.sglang", needs=("torch", "transformers"))
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 1
     sys.path.insert(0, "tests")
     import sglang_harness
 
@@ -157,4 +163,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -146,6 +146,43 @@ def test_cli_help_and_list(capsys):
     assert "prefill_b2_l8192" in capsys.readouterr().out
 
 
+
+@pytest.mark.parametrize("module,prog", [("bench.cli", "bench"), ("bench.mla", "bench.mla"), ("bench.fp8", "bench.fp8"),
+                                         ("bench.host", "bench.host")])
+def test_every_bench_says_in_one_line_that_it_needs_a_gpu(monkeypatch, capsys, module, prog):
+    """Without a usable CUDA device (simulated, so this holds on a GPU machine too) each bench entry
+    point exits 1 with one line naming itself and what is missing, before any device call; its
+    --help still works."""
+    import importlib
+
+    from cupy_fa import _arrays
+
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    capsys.readouterr()
+    monkeypatch.setattr(_arrays, "cuda_problem", lambda: "no NVIDIA driver was found (simulated here)")
+    assert main([]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"python -m {prog} needs a GPU: no NVIDIA driver was found (simulated here)\n"
+
+
+@pytest.mark.parametrize("module,prog", [("bench.hf_throughput", "bench.hf_throughput"), ("bench.sglang", "bench.sglang")])
+def test_the_torch_benches_name_the_module_they_miss(monkeypatch, capsys, module, prog):
+    """bench.hf_throughput and bench.sglang drive torch models: without torch they say so in one
+    line and exit 1 (simulated: find_spec answers None for torch)."""
+    import importlib
+    import importlib.util
+
+    main = importlib.import_module(module).main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    assert main([]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"python -m {prog} needs torch, which is not installed here")
+    assert err.count("\n") == 1
+
 def _fake_results():
     rows = []
     design = {"decode_b64_l4096": (4.33, 4.46, 2.72), "prefill_b4_l4096": (516, 610, 323)}
