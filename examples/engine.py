@@ -64,7 +64,12 @@ import sys
 import time
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:  # one line, not a traceback
+    sys.exit("examples/engine.py needs torch (on a CPU build it runs with a torch reference in cupy_fa's place): "
+             "pip install torch")
 
 from cupy_fa.graph import default_buckets
 from cupy_fa.modes import ForwardMode, contract_lengths

@@ -6,8 +6,11 @@ device_map="cuda", attn_implementation="paged|cupy_fa").   PYTHONPATH=. python e
 """
 import sys
 
-import torch
-import transformers
+try:
+    import torch
+    import transformers
+except ImportError as e:  # one line, not a traceback
+    sys.exit(f"examples/hf_continuous_batching.py needs torch and transformers: {e}")
 
 import cupy_fa.integrations.transformers as cupy_fa_hf
 from cupy_fa import _arrays

@@ -31,7 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:  # one line, not a traceback
+    sys.exit("examples/tp_engine.py needs torch (a CPU build runs its ranks over gloo, a CUDA build over NCCL): "
+             "pip install torch")
 
 # NVLink multicast off, in this process and every rank it starts (they inherit the environment)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -157,3 +157,24 @@ for name, call in calls.items():
         assert got[name].startswith("RuntimeError cupy_fa cannot run here: CuPy is not installed: install cupy_fa "
                                     "with the CUDA extra"), (name, got[name])
     assert got["PagedKVCache(numpy)"].startswith("TypeError k must be a CUDA device array"), got
+
+
+@pytest.mark.parametrize("example", ["engine.py", "hf_continuous_batching.py", "tp_engine.py"])
+def test_the_torch_examples_say_in_one_line_that_torch_is_missing(tmp_path, example):
+    """Each example that drives torch, run where torch cannot be imported (a stand-in package that
+    raises, first on the path, so this holds where torch is installed too), exits 1 with one line
+    naming itself and torch, not a traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError(\"No module named 'torch' (simulated)\")\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]))
+    done = subprocess.run([sys.executable, str(root / "examples" / example)], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=root)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"examples/{example} needs torch"), done.stderr
