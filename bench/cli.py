@@ -156,11 +156,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    from . import cannot_run
+    from . import refuse_here
 
-    why = cannot_run("bench")
-    if why is not None:  # one line, not CuPy's traceback (--list needs no GPU)
-        print(why, file=sys.stderr)
+    if refuse_here("bench"):  # one line, not CuPy's traceback (--list needs no GPU)
         return 1
     page_sizes = args.page_sizes or list(W.PAGE_SIZES)
     q = args.quick

@@ -226,11 +226,9 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from . import cannot_run
+    from . import refuse_here
 
-    why = cannot_run("bench.fp8")
-    if why is not None:
-        print(why, file=sys.stderr)
+    if refuse_here("bench.fp8"):
         return 1
     import cupy
 

@@ -113,11 +113,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary", default=None, help="a CUPY_FA_HF_SUMMARY file to print first")
     args = parser.parse_args(argv)
-    from . import cannot_run
+    from . import refuse_here
 
-    why = cannot_run("bench.hf_throughput", needs=("torch", "transformers"))
-    if why is not None:
-        print(why, file=sys.stderr)
+    if refuse_here("bench.hf_throughput", needs=("torch", "transformers")):
         return 1
     return run(args)
 

@@ -146,11 +146,9 @@ def main(argv=None) -> int:
                              "figures are the last pass's, the earlier ones under 'passes' (default 1)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
-    from . import cannot_run
+    from . import refuse_here
 
-    why = cannot_run("bench.host")
-    if why is not None:
-        print(why, file=sys.stderr)
+    if refuse_here("bench.host"):
         return 1
     from . import peers
 

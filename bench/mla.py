@@ -242,11 +242,9 @@ def main(argv=None):
     parser.add_argument("--digest", action="store_true",
                         help="print a digest of our first output's bits beside the name (trees compared bit for bit)")
     args = parser.parse_args(argv)
-    from . import cannot_run
+    from . import refuse_here
 
-    why = cannot_run("bench.mla")
-    if why is not None:
-        print(why, file=sys.stderr)
+    if refuse_here("bench.mla"):
         return 1
     import cupy
 

@@ -128,11 +128,9 @@ def main(argv=None):
     ap.add_argument("--backends", default="cupy_fa,triton")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from . import cannot_run
+    from . import refuse_here
 
-    why = cannot_run("bench.sglang", needs=("torch", "transformers"))
-    if why is not None:
-        print(why, file=sys.stderr)
+    if refuse_here("bench.sglang", needs=("torch", "transformers")):
         return 1
     sys.path.insert(0, "tests")
     import sglang_harness
