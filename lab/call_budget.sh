@@ -1,13 +1,15 @@
 # Sourced by the lab's bounded GPU calls (lab/call_*.sh, and through lab/call_begin.sh): $OUT, the package
 # on PYTHONPATH with its compile caches in /tmp, and the call's time budget (CALL_SECONDS, else the
 # caller's CALL_DEFAULT, else 585): `left` prints the seconds left, `fits N NAME` says whether a stage of N
-# seconds still fits (and names it when not). Two helpers the calls share:
+# seconds still fits (and names it when not). Helpers the calls share:
 #   unpack_flashinfer   .fi/flashinfer.tar.xz (scripts/pack_flashinfer.sh) into /tmp/fi, FlashInfer's JIT
 #                       cache in /tmp/fiws (FLASHINFER_WORKSPACE_BASE, as scripts/device_check.sh sets it);
 #                       status 1 when .fi/ holds no archive (the caller adds /tmp/fi to its PYTHONPATH)
-#   patched_tree DIR PATCH [PATHS...]
+#   tree_copy DIR [PATHS...]
 #                       DIR made afresh: a copy of this tree's PATHS (default cupy_fa kernels bench tests
-#                       pyproject.toml) with lab/patches/PATCH applied; status 1 (and a line) when it fails
+#                       pyproject.toml)
+#   patched_tree DIR PATCH [PATHS...]
+#                       tree_copy with lab/patches/PATCH applied; status 1 (and a line) when it fails
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
@@ -18,9 +20,13 @@ unpack_flashinfer() {
   [ -f .fi/flashinfer.tar.xz ] || return 1
   mkdir -p /tmp/fi /tmp/fiws && tar -xJf .fi/flashinfer.tar.xz -C /tmp/fi && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 }
+tree_copy() {
+  local dir=$1; shift
+  [ $# -gt 0 ] || set -- cupy_fa kernels bench tests pyproject.toml
+  rm -rf "$dir" && mkdir -p "$dir" && cp -r "$@" "$dir"/
+}
 patched_tree() {
   local dir=$1 patch=$2; shift 2
-  [ $# -gt 0 ] || set -- cupy_fa kernels bench tests pyproject.toml
-  rm -rf "$dir" && mkdir -p "$dir" && cp -r "$@" "$dir"/ && (cd "$dir" && patch -s -p1 < "$OLDPWD/lab/patches/$patch") \
+  tree_copy "$dir" "$@" && (cd "$dir" && patch -s -p1 < "$OLDPWD/lab/patches/$patch") \
     || { echo "== $patch does not apply"; return 1; }
 }

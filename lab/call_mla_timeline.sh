@@ -6,7 +6,7 @@
 # cells in CELLS. Bounded inside CALL_SECONDS (default 200).
 CALL_DEFAULT=200 . lab/call_budget.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-rm -rf exp/trace && mkdir -p exp/trace && cp -r cupy_fa kernels bench exp/trace/ && python3 lab/mla_trace_stamp.py exp/trace \
+tree_copy exp/trace cupy_fa kernels bench && python3 lab/mla_trace_stamp.py exp/trace \
   || { echo "== the trace stamps do not apply"; exit 1; }
 if fits 90 "timeline probe"; then
   (cd exp/trace && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_trace timeout 85 python3 "$OLDPWD/lab/probe_mla_timeline.py" 2>&1 \
