@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# MLA's split merge at 16-byte lanes against main (2026-12-07; lab/NOTES, twenty-fourth stop): on an H200
+# `python -m bench.host` first (issue 41's figures, one pass); then exp/vec8 (this tree with
+# lab/patches/20261207-mla-merge-vec8.patch): its MLA and invariance GPU tests (the MHA merge's SASS
+# changed in addressing only), bench.mla of main and exp/vec8 interleaved (ROUNDS, 2; digests must be
+# equal), each tree's merge under Nsight Compute's duration (decode and verify at 128 heads), and the MHA
+# split cells of the bench on both trees interleaved (the MHA merge unchanged within 1%). CALL_SECONDS
+# (default 480); a stage that does not fit is named and skipped.
+CALL_DEFAULT=480 . lab/call_begin.sh
+HOST_PASSES=1 HOST_SECONDS=60 host_bench
+patched_tree exp/vec8 20261207-mla-merge-vec8.patch || exit 1
+if fits 150 "exp/vec8 GPU tests"; then
+  (cd exp/vec8 && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_vec8 OMP_NUM_THREADS=2 timeout 140 python3 -m pytest -q \
+    -p no:cacheprovider -n 8 -m gpu --timeout 120 tests/test_mla_gpu.py tests/test_invariance_gpu.py) > "$OUT/vec8_tests.log" 2>&1
+  echo "== exp/vec8 tests: exit $?: $(tail -n 1 "$OUT/vec8_tests.log") at $(( $(date +%s) - t0 )) s"
+  grep -E "^(FAILED|ERROR)" "$OUT/vec8_tests.log" | head -10
+fi
+run_tree() {  # tree, command...
+  local tree=$1; shift
+  (cd $tree && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_$(basename $tree) "$@")
+}
+for round in $(seq ${ROUNDS:-2}); do
+  for tree in . exp/vec8; do
+    fits 45 "bench.mla r$round $tree" || continue
+    run_tree $tree timeout 40 python3 -m bench.mla --no-peers --digest 2>&1 | grep -E "^(decode|verify|fp8)" | cut -c1-150 \
+      | sed "s|^|r$round $tree: |"
+  done
+done
+for tree in . exp/vec8; do
+  for cell in "decode B=64 L=4096 H=128" "verify q=4 B=64 L=4096 H=128"; do
+    fits 40 "ncu $tree $cell" || continue
+    run_tree $tree timeout 35 ncu --clock-control none -k "regex:merge" --metrics gpu__time_duration.sum python3 -m bench.mla \
+      --only "$cell" --no-peers --reps 1 --launches 1 > "$OUT/ncu_merge.txt" 2>&1
+    echo "== ncu merge, $tree, $cell: exit $?: $(awk '/Context [0-9]+, Stream/ {n=$2} /gpu__time_duration.sum/ {print n, $NF}' \
+      "$OUT/ncu_merge.txt" | tail -n 4 | tr '\n' ' ')"
+  done
+done
+for round in $(seq ${ROUNDS:-2}); do
+  for tree in . exp/vec8; do
+    fits 30 "MHA bench r$round $tree" || continue
+    run_tree $tree timeout 28 python3 -m bench decode_b64_l4096 verify_q4_b64_l4096 decode_b16_l32768 --page-size 16 \
+      --no-peers --no-ceilings --no-plot --out "$OUT/mha_$round$(basename $tree)" 2>&1 | grep -E "ours" | cut -c1-110 \
+      | sed "s|^|r$round $tree: |"
+  done
+done
+echo "== done at $(( $(date +%s) - t0 )) s"
