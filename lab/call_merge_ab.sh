@@ -2,13 +2,15 @@
 # MLA's split merge at 16-byte lanes against main (2026-12-07; lab/NOTES, twenty-fourth stop): on an H200
 # `python -m bench.host` first (issue 41's figures, one pass); then exp/vec8 (this tree with
 # lab/patches/20261207-mla-merge-vec8.patch): its MLA and invariance GPU tests (the MHA merge's SASS
-# changed in addressing only), bench.mla of main and exp/vec8 interleaved (ROUNDS, 2; digests must be
-# equal), each tree's merge under Nsight Compute's duration (decode and verify at 128 heads), and the MHA
+# changed in addressing only), bench.mla of main, exp/vec8 and exp/pages (lab/patches/
+# 20261207-mla-first-pages-early.patch: the seesaw kernel's first page ids loaded earlier) interleaved
+# (ROUNDS, 2; digests must be equal), each tree's merge under Nsight Compute's duration (decode and verify at 128 heads), and the MHA
 # split cells of the bench on both trees interleaved (the MHA merge unchanged within 1%). CALL_SECONDS
 # (default 480); a stage that does not fit is named and skipped.
 CALL_DEFAULT=480 . lab/call_begin.sh
 HOST_PASSES=1 HOST_SECONDS=60 host_bench
 patched_tree exp/vec8 20261207-mla-merge-vec8.patch || exit 1
+patched_tree exp/pages 20261207-mla-first-pages-early.patch || exit 1
 if fits 150 "exp/vec8 GPU tests"; then
   (cd exp/vec8 && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_vec8 OMP_NUM_THREADS=2 timeout 140 python3 -m pytest -q \
     -p no:cacheprovider -n 8 -m gpu --timeout 120 tests/test_mla_gpu.py tests/test_invariance_gpu.py) > "$OUT/vec8_tests.log" 2>&1
@@ -20,7 +22,7 @@ run_tree() {  # tree, command...
   (cd $tree && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_$(basename $tree) "$@")
 }
 for round in $(seq ${ROUNDS:-2}); do
-  for tree in . exp/vec8; do
+  for tree in . exp/vec8 exp/pages; do
     fits 45 "bench.mla r$round $tree" || continue
     run_tree $tree timeout 40 python3 -m bench.mla --no-peers --digest 2>&1 | grep -E "^(decode|verify|fp8)" | cut -c1-150 \
       | sed "s|^|r$round $tree: |"
