@@ -128,9 +128,10 @@ def kernel(dtype_name, tile):
 # The split merge of MLA's 512-column partials (kernels/shared/merge.cu): at most MAX_MERGE_SPLITS
 # splits a row, so the deep shape's shared memory (a float4 per lane per group) fits: (heads per CTA,
 # ways over groups of 8 splits). Wide at 2 heads (256 threads): each merge CTA starts with a chain of
-# dependent metadata loads before its partials, and eight such CTAs an SM overlap their chains where
-# 8 heads a CTA (1024 threads, two an SM) left the memory idle between them: 5.8% off decode B=64 at
-# 128 heads, 4.4% off verify q=4 (H100, 2026-12-06; the same bits, a row's fold order is its own).
+# dependent metadata loads before its partials, and four such CTAs an SM (58 registers a thread)
+# overlap their chains where 8 heads a CTA (1024 threads, two an SM) left the memory idle between
+# them: 5.8% off decode B=64 at 128 heads, 4.4% off verify q=4 (H100, 2026-12-06; the same bits, a
+# row's fold order is its own).
 MAX_MERGE_SPLITS = 128
 MERGE_WIDE = (2, 1)
 MERGE_DEEP = (1, 4)
