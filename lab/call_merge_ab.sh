@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# MLA's split merge at 16-byte lanes against main (2026-12-07; lab/NOTES, twenty-fourth stop): on an H200
-# `python -m bench.host` first (issue 41's figures, one pass); then exp/vec8 (this tree with
-# lab/patches/20261207-mla-merge-vec8.patch): its MLA and invariance GPU tests (the MHA merge's SASS
-# changed in addressing only), bench.mla of main, exp/vec8 and exp/pages (lab/patches/
-# 20261207-mla-first-pages-early.patch: the seesaw kernel's first page ids loaded earlier) interleaved
-# (ROUNDS, 2; digests must be equal), each tree's merge under Nsight Compute's duration (decode and verify at 128 heads), and the MHA
-# split cells of the bench on both trees interleaved (the MHA merge unchanged within 1%). CALL_SECONDS
-# (default 480); a stage that does not fit is named and skipped.
+# MLA's split merge at 16-byte lanes against main (2026-12-07; lab/NOTES, twenty-fourth stop). On an
+# H200 `python -m bench.host` first (issue 41's figures, one pass). Then, with exp/vec8 this tree with
+# lab/patches/20261207-mla-merge-vec8.patch and exp/pages with lab/patches/20261207-mla-first-pages-early.patch
+# (the seesaw kernel's first page ids loaded earlier): exp/vec8's MLA and invariance GPU tests (the MHA
+# merge's SASS changed in addressing only); bench.mla of main, exp/vec8 and exp/pages interleaved (ROUNDS,
+# 2; digests must be equal); each merge tree's merge under Nsight Compute's duration (decode and verify at
+# 128 heads); the MHA split cells of the bench on main and exp/vec8 interleaved (the MHA merge unchanged
+# within 1%); exp/pages' MLA GPU tests where time is left. CALL_SECONDS (default 480); a stage that does
+# not fit is named and skipped.
 CALL_DEFAULT=480 . lab/call_begin.sh
 HOST_PASSES=1 HOST_SECONDS=60 host_bench
 patched_tree exp/vec8 20261207-mla-merge-vec8.patch || exit 1
@@ -45,4 +46,10 @@ for round in $(seq ${ROUNDS:-2}); do
       | sed "s|^|r$round $tree: |"
   done
 done
+if fits 120 "exp/pages MLA GPU tests"; then  # (last: what its merge would need)
+  (cd exp/pages && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_pages OMP_NUM_THREADS=2 timeout 110 python3 -m pytest -q \
+    -p no:cacheprovider -n 8 -m gpu --timeout 100 tests/test_mla_gpu.py) > "$OUT/pages_tests.log" 2>&1
+  echo "== exp/pages tests: exit $?: $(tail -n 1 "$OUT/pages_tests.log") at $(( $(date +%s) - t0 )) s"
+  grep -E "^(FAILED|ERROR)" "$OUT/pages_tests.log" | head -10
+fi
 echo "== done at $(( $(date +%s) - t0 )) s"
