@@ -10,6 +10,9 @@
 #                       pyproject.toml)
 #   patched_tree DIR PATCH [PATHS...]
 #                       tree_copy with lab/patches/PATCH applied; status 1 (and a line) when it fails
+#   tree_tests TREE NAME SECONDS FILES...
+#                       the GPU tests FILES of tree TREE (8 workers, compile cache /tmp/cupy_fa_$(basename TREE)), bounded by
+#                       SECONDS, into $OUT/NAME.log; one line with the exit and the summary, then any failures
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUPY_FA_CACHE_DIR=/tmp/cupy_fa_cache CUPY_CACHE_DIR=/tmp/cupy_cache
@@ -29,4 +32,12 @@ patched_tree() {
   local dir=$1 patch=$2; shift 2
   tree_copy "$dir" "$@" && (cd "$dir" && patch -s -p1 < "$OLDPWD/lab/patches/$patch") \
     || { echo "== $patch does not apply"; return 1; }
+}
+tree_tests() {
+  local tree=$1 name=$2 seconds=$3; shift 3
+  (cd "$tree" && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_$(basename "$tree") OMP_NUM_THREADS=2 \
+    timeout "$seconds" python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu --timeout $(( seconds - 10 )) "$@") \
+    > "$OUT/$name.log" 2>&1
+  echo "== $tree $*: exit $?: $(tail -n 1 "$OUT/$name.log") at $(( $(date +%s) - t0 )) s"
+  grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -10
 }

@@ -12,12 +12,7 @@ CALL_DEFAULT=480 . lab/call_begin.sh
 HOST_PASSES=1 HOST_SECONDS=60 host_bench
 patched_tree exp/vec8 20261207-mla-merge-vec8.patch || exit 1
 patched_tree exp/pages 20261207-mla-first-pages-early.patch || exit 1
-if fits 150 "exp/vec8 GPU tests"; then
-  (cd exp/vec8 && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_vec8 OMP_NUM_THREADS=2 timeout 140 python3 -m pytest -q \
-    -p no:cacheprovider -n 8 -m gpu --timeout 120 tests/test_mla_gpu.py tests/test_invariance_gpu.py) > "$OUT/vec8_tests.log" 2>&1
-  echo "== exp/vec8 tests: exit $?: $(tail -n 1 "$OUT/vec8_tests.log") at $(( $(date +%s) - t0 )) s"
-  grep -E "^(FAILED|ERROR)" "$OUT/vec8_tests.log" | head -10
-fi
+fits 150 "exp/vec8 GPU tests" && tree_tests exp/vec8 vec8_tests 140 tests/test_mla_gpu.py tests/test_invariance_gpu.py
 run_tree() {  # tree, command...
   local tree=$1; shift
   (cd $tree && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_$(basename $tree) "$@")
@@ -46,10 +41,5 @@ for round in $(seq ${ROUNDS:-2}); do
       | sed "s|^|r$round $tree: |"
   done
 done
-if fits 120 "exp/pages MLA GPU tests"; then  # (last: what its merge would need)
-  (cd exp/pages && PYTHONPATH=$PWD CUPY_FA_CACHE_DIR=/tmp/cupy_fa_pages OMP_NUM_THREADS=2 timeout 110 python3 -m pytest -q \
-    -p no:cacheprovider -n 8 -m gpu --timeout 100 tests/test_mla_gpu.py) > "$OUT/pages_tests.log" 2>&1
-  echo "== exp/pages tests: exit $?: $(tail -n 1 "$OUT/pages_tests.log") at $(( $(date +%s) - t0 )) s"
-  grep -E "^(FAILED|ERROR)" "$OUT/pages_tests.log" | head -10
-fi
+fits 120 "exp/pages MLA GPU tests" && tree_tests exp/pages pages_tests 110 tests/test_mla_gpu.py  # (last: what its merge would need)
 echo "== done at $(( $(date +%s) - t0 )) s"

@@ -9,17 +9,10 @@
 . lab/call_budget.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
-tests() {  # tree, log name, files
-  local tree=$1 name=$2; shift 2
-  (cd $tree && PYTHONPATH=$PWD OMP_NUM_THREADS=2 timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu \
-    --timeout 90 "$@") > "$OUT/$name.log" 2>&1
-  echo "== $tree $*: exit $?: $(tail -n 1 "$OUT/$name.log") at $(( $(date +%s) - t0 )) s"
-  grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -10
-}
 for tree in ${TEST_TREES:-.}; do
-  fits 110 "MLA tests $tree" && tests $tree "mla_tests_$(basename $tree)" tests/test_mla_gpu.py
+  fits 110 "MLA tests $tree" && tree_tests $tree "mla_tests_$(basename $tree)" 100 tests/test_mla_gpu.py
 done
-[ "${VARIANT_TESTS:-0}" = 1 ] && fits 110 "variant tests ." && tests . variant_tests tests/test_variants_gpu.py
+[ "${VARIANT_TESTS:-0}" = 1 ] && fits 110 "variant tests ." && tree_tests . variant_tests 100 tests/test_variants_gpu.py
 if [ -n "${PROBE_TREE:-}" ] && fits 90 "timeline probe"; then
   (cd $PROBE_TREE && PYTHONPATH=$PWD timeout 80 python3 $OLDPWD/lab/probe_mla_timeline.py 2>&1 | tail -40)
 fi

@@ -146,7 +146,6 @@ def test_cli_help_and_list(capsys):
     assert "prefill_b2_l8192" in capsys.readouterr().out
 
 
-
 @pytest.mark.parametrize("module,prog", [("bench.cli", "bench"), ("bench.mla", "bench.mla"), ("bench.fp8", "bench.fp8"),
                                          ("bench.host", "bench.host")])
 def test_every_bench_says_in_one_line_that_it_needs_a_gpu(monkeypatch, capsys, module, prog):
@@ -182,6 +181,7 @@ def test_the_torch_benches_name_the_module_they_miss(monkeypatch, capsys, module
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"python -m {prog} needs torch, which is not installed here")
     assert err.count("\n") == 1
+
 
 def _fake_results():
     rows = []
