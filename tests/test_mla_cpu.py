@@ -240,8 +240,8 @@ def test_the_workspace_says_when_a_batch_keeps_its_bits():
 def test_merge_shapes():
     assert mla_schedule.merge_shape(64, 128) == family.MERGE_WIDE
     assert mla_schedule.merge_shape(1, 128) == family.MERGE_DEEP
-    heads, ways = family.MERGE_DEEP
-    # merge.cu's shared memory at 512 columns: a float4 a lane per group of 8 splits, under 48 KiB
+    heads, ways, vec = family.MERGE_DEEP
+    # merge.cu's shared memory at 512 columns: a float4 per 4 columns per group of 8 splits, under 48 KiB
     assert (family.MAX_MERGE_SPLITS // 8) * heads * 128 * 16 <= 48 * 1024
 
 

@@ -180,10 +180,10 @@ def test_long_context_and_padding(heads, kv_dtype):
              label=f"seed {seed} non-causal")
 
 
-@pytest.mark.parametrize("heads", [2, 6], ids=["H2", "H6"])
+@pytest.mark.parametrize("heads", [4, 12], ids=["H4", "H12"])
 def test_wide_merge_at_few_heads(heads):
-    """The merge's wide shape (2 heads a CTA) at head counts other than the bench's: any even count
-    takes it once a step has 1024 rows, here 2 and 6 heads, a decode batch of just over 1024 rows
+    """The merge's wide shape (4 heads a CTA) at head counts other than the bench's: any multiple of 4
+    takes it once a step has 1024 rows, here 4 and 12 heads, a decode batch of just over 1024 rows
     past one split (1024 keys), eager and graph against float64."""
     from cupy_fa.mla import schedule as S
 

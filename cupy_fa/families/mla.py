@@ -126,23 +126,26 @@ def kernel(dtype_name, tile):
 
 
 # The split merge of MLA's 512-column partials (kernels/shared/merge.cu): at most MAX_MERGE_SPLITS
-# splits a row, so the deep shape's shared memory (a float4 per lane per group) fits: (heads per CTA,
-# ways over groups of 8 splits). Wide at 2 heads (256 threads): each merge CTA starts with a chain of
-# dependent metadata loads before its partials, and four such CTAs an SM (58 registers a thread)
-# overlap their chains where 8 heads a CTA (1024 threads, two an SM) left the memory idle between
-# them: 5.8% off decode B=64 at 128 heads, 4.4% off verify q=4 (H100, 2026-12-06; the same bits, a
-# row's fold order is its own).
+# splits a row, so the deep shape's shared memory (a float4 per 4 columns per group) fits: (heads per
+# CTA, ways over groups of 8 splits, columns a lane). Each merge CTA starts with a chain of dependent
+# metadata loads before its partials. Wide: 8 columns a lane (16-byte loads, 64 lanes a head) give each
+# lane twice the bytes after that chain, and 4 heads a CTA keep 256 threads, four CTAs an SM at 64
+# registers overlapping their chains (8 heads at 1024 threads, two an SM, left the memory idle between
+# them); against 4 columns a lane at 2 heads: the merge 31.3 -> 18.7 us under Nsight Compute at decode
+# B=64 L=4096 H=128, the step 7% faster, verify q=4 1.5-4% (H100, 2026-12-07). Deep: 4 columns a lane,
+# 512 threads a head, for the few rows of a step whose splits are many (at 8 columns, half the threads,
+# decode B=1 L=32768 H=16 ran 2% slower). The same bits whatever the shape: a row's fold order is its own.
 MAX_MERGE_SPLITS = 128
-MERGE_WIDE = (2, 1)
-MERGE_DEEP = (1, 4)
+MERGE_WIDE = (4, 1, 8)
+MERGE_DEEP = (1, 4, 4)
 
 
 @functools.lru_cache(maxsize=None)
 def merge_kernel(dtype_name, shape):
-    heads, ways = shape
+    heads, ways, vec = shape
     expr = (f"cupy_fa::merge_kernel<{_compile.CTYPES[dtype_name]}, "
-            f"cupy_fa::MergeTraits<{VALUE_DIM}, {heads}, {ways}, {MAX_MERGE_SPLITS}>>")
-    return _compile.Kernel("shared/merge.cu", expr, VALUE_DIM // 4 * heads * ways)
+            f"cupy_fa::MergeTraits<{VALUE_DIM}, {heads}, {ways}, {MAX_MERGE_SPLITS}, {vec}>>")
+    return _compile.Kernel("shared/merge.cu", expr, VALUE_DIM // vec * heads * ways)
 
 
 def append_kernel(index_dtype, in_dtype_name, fp8):

@@ -16,8 +16,8 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
   batch, so a token's bits are the same in decode and verify; long ones only while q_len x splits <=
   SPLIT_ROW_BUDGET; at most MAX_SPLITS a request (then splits grow past S, and results may depend
   on the batch: a context past MAX_SPLITS x S keys, 131072).
-* **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (2 heads a CTA: 256 threads) for many rows,
-  deep (4 ways over a row's groups of splits) for a few.
+* **The merge**: ``kernels/shared/merge.cu`` at 512 columns, wide (4 heads a CTA at 8 columns a lane: 256
+  threads) for many rows, deep (4 ways over a row's groups of splits, 4 columns a lane) for a few.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def plan_constants(schedule):
 
 
 def merge_shape(num_tokens, num_heads):
-    """Wide (2 heads a CTA) when the step's rows give every SM work, else deep (4 ways a row)."""
+    """Wide (4 heads a CTA) when the step's rows give every SM work, else deep (4 ways a row)."""
     return MERGE_WIDE if num_tokens * num_heads >= 1024 and num_heads % MERGE_WIDE[0] == 0 else MERGE_DEEP
 
 
