@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The first call of the next stop (after 2026-12-07, twenty-fourth stop), by the card it lands on: on an
+# The first call of the next stop (after 2026-12-07, twenty-fifth stop), by the card it lands on: on an
 # H200 the closing check (lab/call_final.sh: bench.host, device_check.sh all, bench.mla beside FlashInfer;
-# .fi and .sgl carried): issue 41's bars are H200 figures; on any other card the MLA merge at 16-byte lanes
-# and the seesaw kernel's first page ids loaded early, each against main (lab/call_merge_ab.sh: the
-# merge tree's GPU tests, bench.mla of the three trees interleaved, the merges' ncu durations, the MHA
-# split cells of both merge trees).
+# .fi and .sgl carried): issue 41's bars are H200 figures; on any other card the soft-capped prefill beside
+# FlashInfer's (its JIT build cut in the last table), then the plain and fp8 cells of issue 42's table
+# (lab/call_prefill_table.sh, soft-cap first so FlashInfer's build has the call's time).
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 if echo "$gpu" | grep -q H200; then
   HOST_SECONDS=70 AFTER_CHECK=5 CALL_SECONDS=${CALL_SECONDS:-585} exec bash lab/call_final.sh
 fi
-CALL_SECONDS=${CALL_SECONDS:-440} exec bash lab/call_merge_ab.sh
+CELLS=${CELLS:-"prefill_b4_l4096_cap50 prefill_b4_l4096 prefill_b4_l4096_fp8 prefill_b2_l8192 prefill_b2_l8192_fp8"} \
+  WARMUP=0 CALL_SECONDS=${CALL_SECONDS:-420} exec bash lab/call_prefill_table.sh
