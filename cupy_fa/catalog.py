@@ -21,7 +21,8 @@ from . import _arrays, _build, _compile, schedule
 from ._compile import Kernel
 from .families import is_small_q_tile, mma_sync, sm90
 from .families import mla as mla_family
-from .families.common import FP8, FP8_HEAD_DIMS, HEAD_DIM_PAIRS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT, ElementTypes, is_sm90a
+from .families.common import (FP8, FP8_HEAD_DIMS, HEAD_DIM_PAIRS, HEAD_DIMS, MERGE_GROUP, SM80_SMEM_LIMIT, SMEM_LIMIT,
+                              ElementTypes, is_sm90a, split_merge_kernel)
 from .families.mma_sync import MmaTile
 from .knobs import STAGE_CHOICES
 
@@ -49,9 +50,7 @@ def merge_kernel(dtype_name, head_dim, shape):
         ways = min(1024 // lanes, schedule.MAX_SPLITS // MERGE_GROUP)
         while lanes * ways % 32:  # whole warps (D = 192: 20 ways of 48 lanes): its warp-wide search
             ways -= 1
-    expr = (f"cupy_fa::merge_kernel<{_compile.CTYPES[dtype_name]}, "
-            f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {schedule.MAX_SPLITS}>>")
-    return Kernel("shared/merge.cu", expr, head_dim // 4 * heads_per_cta * ways)
+    return split_merge_kernel(dtype_name, head_dim, heads_per_cta, ways, schedule.MAX_SPLITS)
 
 
 MERGE_STATES_THREADS = 256  # kernels/shared/merge_states.cu's launch bounds: head_dim / 4 threads a row

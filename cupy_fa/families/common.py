@@ -25,6 +25,15 @@ FP8_HEAD_DIMS = (64, 128, 256)
 HEAD_DIM_PAIRS = ((192, 128),)
 
 
+def split_merge_kernel(dtype_name, head_dim, heads_per_cta, ways, max_splits, vec=4):
+    """The split merge (kernels/shared/merge.cu ``MergeTraits``) of one output type at ``head_dim``
+    columns: ``heads_per_cta`` heads of a token a CTA, ``ways`` ways over groups of MERGE_GROUP splits,
+    at most ``max_splits`` splits a row, ``vec`` columns a lane (4: 8-byte loads, 8: 16-byte)."""
+    expr = (f"cupy_fa::merge_kernel<{_compile.CTYPES[dtype_name]}, "
+            f"cupy_fa::MergeTraits<{head_dim}, {heads_per_cta}, {ways}, {max_splits}, {vec}>>")
+    return _compile.Kernel("shared/merge.cu", expr, head_dim // vec * heads_per_cta * ways)
+
+
 def checked_head_dims(head_dim, head_dim_vo, kv_dtype_name=None, name="head_dim_vo"):
     """(head_dim, head_dim_vo) as ints, ``head_dim_vo=None`` meaning ``head_dim``; ValueError naming
     the argument unless ``head_dim`` is one of HEAD_DIMS and a separate ``head_dim_vo`` makes one of

@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from .. import _compile, _mla_params
-from .common import SMEM_LIMIT, KernelFamily  # noqa: F401 - SMEM_LIMIT: what every tile here must fit
+from .common import SMEM_LIMIT, KernelFamily, split_merge_kernel  # noqa: F401 - SMEM_LIMIT: what every tile here must fit
 
 LATENT_DIM = 576   # kv_lora_rank 512 + qk_rope_head_dim 64 (kernels/mla/params.cuh kLatentDim)
 VALUE_DIM = 512
@@ -143,9 +143,7 @@ MERGE_DEEP = (1, 4, 4)
 @functools.lru_cache(maxsize=None)
 def merge_kernel(dtype_name, shape):
     heads, ways, vec = shape
-    expr = (f"cupy_fa::merge_kernel<{_compile.CTYPES[dtype_name]}, "
-            f"cupy_fa::MergeTraits<{VALUE_DIM}, {heads}, {ways}, {MAX_MERGE_SPLITS}, {vec}>>")
-    return _compile.Kernel("shared/merge.cu", expr, VALUE_DIM // vec * heads * ways)
+    return split_merge_kernel(dtype_name, VALUE_DIM, heads, ways, MAX_MERGE_SPLITS, vec)
 
 
 def append_kernel(index_dtype, in_dtype_name, fp8):
