@@ -50,6 +50,8 @@ class Knobs:
                                      # copies on its consumer warps (schedule.tile_for; for A/B runs)
     mla_wgmma: bool = True           # CUPY_FA_MLA_WGMMA: "0" runs every MLA step on the mma.sync tile
                                      # (cupy_fa.mla.schedule; for A/B runs and isolating a kernel)
+    mla_wgmma_fp8: bool = True       # CUPY_FA_MLA_WGMMA_FP8: "0" keeps fp8 latent caches on the mma.sync tile
+                                     # (cupy_fa.mla.schedule; for A/B runs)
     mla_wgmma_min_heads: int | None = None  # CUPY_FA_MLA_WGMMA_MIN_HEADS: the fewest heads whose small-q
                                      # steps take the seesaw kernel (None: cupy_fa.mla.schedule.WGMMA_MIN_HEADS)
     mla_split_size: int | None = None  # CUPY_FA_MLA_SPLIT_SIZE: keys a split of a small-q MLA request, a
@@ -115,6 +117,7 @@ class Knobs:
                    half_rows=flag("CUPY_FA_HALF_ROWS", cls.half_rows),
                    producer_warp=flag("CUPY_FA_PRODUCER_WARP", cls.producer_warp),
                    mla_wgmma=flag("CUPY_FA_MLA_WGMMA", cls.mla_wgmma),
+                   mla_wgmma_fp8=flag("CUPY_FA_MLA_WGMMA_FP8", cls.mla_wgmma_fp8),
                    mla_wgmma_min_heads=integer("CUPY_FA_MLA_WGMMA_MIN_HEADS", cls.mla_wgmma_min_heads),
                    mla_split_size=integer("CUPY_FA_MLA_SPLIT_SIZE", cls.mla_split_size),
                    soft_cap_tanh=(get("CUPY_FA_SOFT_CAP_TANH") or "").strip().lower() or None,

@@ -243,7 +243,8 @@ def test_variant_lists_hold_the_wgmma_family_where_the_target_is_sm90a():
     # the wgmma family's fp8 tiles, plain and hooked: sm_90a only too
     fp8 = {catalog.attention_kernel(families.common.ElementTypes(dt, families.common.FP8, dt), t) for dt in _compile.CTYPES
            for tile in s9.FP8_TILES.values() for t in (tile, tile.with_variants())}
-    mla_wgmma = {families.mla.kernel(dt, families.mla.MlaWgmmaTile()) for dt in _compile.CTYPES}  # cupy_fa.mla
+    mla_wgmma = {families.mla.kernel(dt, families.mla.MlaWgmmaTile(fp8)) for dt in _compile.CTYPES
+                 for fp8 in (False, True)}  # cupy_fa.mla
     # separate qk / vo head dims: the wgmma family's tile of each pair, plain and hooked
     pairs = {catalog.attention_kernel(dt, t) for dt in _compile.CTYPES for tile in s9.PAIR_TILES.values()
              for t in (tile, tile.with_variants())}

@@ -152,6 +152,11 @@ def test_mla_wgmma_min_heads_moves_the_small_q_tile():
         knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_WGMMA_MIN_HEADS": "32"}))
         assert isinstance(mla_schedule.small_q_tile(32, False, "sm_90a"), MlaWgmmaTile)
         assert isinstance(mla_schedule.small_q_tile(16, False, "sm_90a"), MlaMmaTile)
-        assert isinstance(mla_schedule.small_q_tile(16, True, "sm_90a"), MlaMmaTile)  # fp8: the mma.sync tile
+        assert isinstance(mla_schedule.small_q_tile(16, True, "sm_90a"), MlaMmaTile)
+        assert mla_schedule.small_q_tile(32, True, "sm_90a") == MlaWgmmaTile(True)  # fp8 on the seesaw kernel
+        knobs.use(knobs.Knobs.from_environ({"CUPY_FA_MLA_WGMMA_FP8": "0"}))
+        assert isinstance(mla_schedule.small_q_tile(128, True, "sm_90a"), MlaMmaTile)  # fp8 kept off it
+        assert isinstance(mla_schedule.long_tile(128, True, "sm_90a"), MlaMmaTile)
+        assert mla_schedule.small_q_tile(128, False, "sm_90a") == MlaWgmmaTile()
     finally:
         knobs.use(before)

@@ -134,8 +134,8 @@ def test_every_mla_kernel_carries_the_size_checks():
 def test_the_catalog_compiles_every_mla_kernel():
     everything = set(catalog.all_kernels())
     assert set(family.all_kernels()) <= everything
-    wgmma = {family.kernel(dt, family.MlaWgmmaTile()) for dt in _compile.CTYPES}
-    assert wgmma <= everything and not wgmma & set(catalog.all_kernels("sm_80"))
+    wgmma = {family.kernel(dt, family.MlaWgmmaTile(fp8)) for dt in _compile.CTYPES for fp8 in (False, True)}
+    assert len(wgmma) == 2 * len(_compile.CTYPES) and wgmma <= everything and not wgmma & set(catalog.all_kernels("sm_80"))
 
 
 # ---- the policy --------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_small_q_tiles_share_their_key_layout(heads, fp8, arch):
     compiled = set(catalog.all_kernels())
     tiles = {mla_schedule.small_q_tile(heads, fp8, arch, q) for q in range(1, mla_schedule.SMALL_Q_LEN + 1)}
     assert len({(type(t), t.block_n) for t in tiles}) == 1, tiles
-    wgmma = not fp8 and arch == "sm_90a" and heads >= mla_schedule.WGMMA_MIN_HEADS
+    wgmma = arch == "sm_90a" and heads >= mla_schedule.WGMMA_MIN_HEADS
     assert all(isinstance(t, family.MlaWgmmaTile) == wgmma for t in tiles)
     for t in tiles | {mla_schedule.long_tile(heads, fp8, arch)}:
         assert t.kv_fp8 == fp8 and t.smem_bytes <= family.SMEM_LIMIT
@@ -384,7 +384,10 @@ def test_warmup_lists_what_steps_select():
 
     hopper = set(warm.warmup_kernels(("bfloat16",), ("bfloat16", "float8_e4m3fn"), "sm_90a"))
     assert family.kernel("bfloat16", family.MlaWgmmaTile()) in hopper
-    assert family.kernel("bfloat16", family.MlaMmaTile(1, True)) in hopper
+    assert family.kernel("bfloat16", family.MlaWgmmaTile(True)) in hopper  # fp8 from 16 heads
+    assert family.kernel("bfloat16", family.MlaMmaTile(1, True)) not in hopper  # (16 and 128 heads by default)
+    few = set(warm.warmup_kernels(("bfloat16",), ("float8_e4m3fn",), "sm_90a", heads=(8,)))
+    assert family.kernel("bfloat16", family.MlaMmaTile(1, True)) in few  # fp8 below 16 heads
     assert hopper <= set(catalog.all_kernels("sm_90a")) | {catalog.PLAN_KERNEL}
     ampere = set(warm.warmup_kernels(("float16",), None, "sm_80"))
     assert not any(k.source == "mla/wgmma.cu" for k in ampere)

@@ -7,8 +7,9 @@ Two kernel templates, each a composition of the named phases beside it:
   mma.sync, sm_80+): 16 x WARPS_M packed (token, head) rows a CTA, 4 warps over each key tile's
   keys for S = Q K^T and over the 512 value columns for P V; 16-bit and fp8 caches (an fp8 tile is
   widened to the queries' type in shared memory). :class:`MlaMmaTile`.
-* ``mla_wgmma_kernel<T>`` (``kernels/mla/wgmma.cu``, wgmma, sm_90a only): 64 rows a CTA, two
-  warpgroups in a seesaw over 64-key blocks (``kernels/mla/seesaw.cuh``); 16-bit caches.
+* ``mla_wgmma_kernel<T, FP8>`` (``kernels/mla/wgmma.cu``, wgmma, sm_90a only): 64 rows a CTA, two
+  warpgroups in a seesaw over 64-key blocks (``kernels/mla/seesaw.cuh``); 16-bit caches, or fp8
+  ones whose bytes each warpgroup widens in place in its halves of the K buffers.
   :class:`MlaWgmmaTile`.
 
 Both read plan_kernel's work layout (``block_m`` rows a work item, one split a CTA, no fold) and end
@@ -90,23 +91,30 @@ class MlaMmaTile:
 
 @dataclasses.dataclass(frozen=True)
 class MlaWgmmaTile:
-    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups, 16-bit caches."""
+    """The seesaw kernel (kernels/mla/wgmma.cu): 64 rows, two warpgroups; a 16-bit cache, or
+    (``kv_fp8``) an e4m3 one widened in place in its K buffers."""
+    kv_fp8: bool = False
+
     family = MLA_WGMMA
     block_m = WGMMA_BLOCK
     block_n = WGMMA_BLOCK
     threads = 256
-    kv_fp8 = False
-    kv_bytes = 2
     splits_per_cta = 1
     fold_splits = False
 
     @property
+    def kv_bytes(self):
+        return 1 if self.kv_fp8 else 2
+
+    @property
     def smem_bytes(self):
         """SeesawSmem::kAllocBytes: Q and two K buffers of 64 x 576, the exchanges and barriers, and
-        1024 bytes of slack to align the tiles (the 128-byte swizzle's period)."""
+        1024 bytes of slack to align the tiles (the 128-byte swizzle's period). An fp8 cache's raw
+        bytes land inside the K buffers: the same size."""
         tile = WGMMA_BLOCK * LATENT_DIM * 2
-        return (3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + (1 + 2 * COLUMN_BLOCKS) * 8 + 8 + WORK_BYTES
-                + 1024)  # barriers: q_full, one a column block of each buffer; the page flag; the work item
+        return (3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + (1 + 2 * COLUMN_BLOCKS + 4) * 8 + 8 + WORK_BYTES
+                + 1024)  # barriers: q_full, one a column block of each buffer, one a half of each (fp8's
+        # raw bytes); the page flag; the work item
 
     def checks(self):
         return (f"cupy_fa::mla::SeesawSmem::kAllocBytes == {self.smem_bytes}",)
@@ -119,8 +127,8 @@ def kernel(dtype_name, tile):
     ctype = _compile.CTYPES[dtype_name]
     checks = tuple(_mla_params.size_checks()) + tuple(tile.checks())
     if isinstance(tile, MlaWgmmaTile):
-        return _compile.Kernel(MLA_WGMMA.source, f"{MLA_WGMMA.kernel}<{ctype}>", tile.threads, tile.smem_bytes,
-                               checks)
+        return _compile.Kernel(MLA_WGMMA.source, f"{MLA_WGMMA.kernel}<{ctype}, {str(tile.kv_fp8).lower()}>",
+                               tile.threads, tile.smem_bytes, checks)
     return _compile.Kernel(MLA_MMA.source, f"{MLA_MMA.kernel}<{ctype}, {tile.traits()}>", tile.threads,
                            tile.smem_bytes, checks)
 
@@ -166,6 +174,6 @@ def all_kernels(arch=None):
             for index in (np.int32, np.int64):
                 out.append(append_kernel(index, dtype_name, fp8))
         if arch is None or is_sm90a(arch):
-            out.append(kernel(dtype_name, MlaWgmmaTile()))
+            out += [kernel(dtype_name, MlaWgmmaTile(fp8)) for fp8 in (False, True)]
         out += [merge_kernel(dtype_name, shape) for shape in (MERGE_WIDE, MERGE_DEEP)]
     return out

@@ -4,11 +4,11 @@ runs (the MLA counterpart of :mod:`cupy_fa.schedule`, whose shapes it follows; t
 
 * **Classes and tiles.** A request is small-q (``q_len <= SMALL_Q_LEN``: decode, verify, draft
   extend, a mixed batch's decode rows) or long (prefill-like extends). Small-q requests take one
-  tile per (head count, cache type, target): the seesaw wgmma kernel for 16-bit caches at
+  tile per (head count, cache type, target): the seesaw wgmma kernel (16-bit or fp8 caches) at
   ``num_heads >= WGMMA_MIN_HEADS`` on sm_90a (16: a token fills a quarter of a 64-row block), else the
   mma.sync tile (16 rows a row of warps; one row of warps when a request packs at most 16 rows,
-  two otherwise, the same arithmetic per row). Long requests take the seesaw kernel on sm_90a
-  with a 16-bit cache, else the mma.sync tile with two rows of warps. Where both classes take the
+  two otherwise, the same arithmetic per row). Long requests take the seesaw kernel on sm_90a,
+  else the mma.sync tile with two rows of warps. Where both classes take the
   same tile, the step has one work list.
 * **Splits** (``kernels/shared/plan.cu`` applies them on the device): small-q requests split their
   keys at the fixed positions 0, S, 2S, ... (S = split_size(num_heads): 1024 keys at every head count; a
@@ -44,7 +44,7 @@ def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
     """The tile of a step's small-q requests (the longest has ``max_q_len`` tokens)."""
     min_heads = knobs().mla_wgmma_min_heads
     if _wgmma(kv_fp8, arch) and num_heads >= (WGMMA_MIN_HEADS if min_heads is None else min_heads):
-        return MlaWgmmaTile()
+        return MlaWgmmaTile(bool(kv_fp8))
     rows = max(int(max_q_len), 1) * num_heads
     return MlaMmaTile(1 if rows <= 16 else 2, kv_fp8)
 
@@ -52,13 +52,15 @@ def small_q_tile(num_heads, kv_fp8, arch, max_q_len=1):
 def long_tile(num_heads, kv_fp8, arch):
     """The tile of requests of more than SMALL_Q_LEN tokens."""
     if _wgmma(kv_fp8, arch):
-        return MlaWgmmaTile()
+        return MlaWgmmaTile(bool(kv_fp8))
     return MlaMmaTile(2, kv_fp8)
 
 
 def _wgmma(kv_fp8, arch):
-    """The seesaw kernel applies: a 16-bit cache on sm_90a (CUPY_FA_MLA_WGMMA=0: never)."""
-    return not kv_fp8 and is_sm90a(arch) and knobs().mla_wgmma
+    """The seesaw kernel applies: sm_90a, a 16-bit cache or an fp8 one (CUPY_FA_MLA_WGMMA=0: never;
+    CUPY_FA_MLA_WGMMA_FP8=0: not over fp8)."""
+    k = knobs()
+    return is_sm90a(arch) and k.mla_wgmma and (not kv_fp8 or k.mla_wgmma_fp8)
 
 
 def max_splits(q_lens, kv_lens, num_heads):

@@ -68,19 +68,6 @@ __device__ __forceinline__ void copy_tile(const MlaParams& p, const int* slots, 
   }
 }
 
-// Four e4m3 bytes as two pairs of T (exact: every e4m3 value is an fp16 and a bf16 value).
-template <typename T>
-__device__ __forceinline__ void widen4(u32 x, u32 (&out)[2]) {
-  Fp8Widen<__half>::run(x, out);
-  if constexpr (SameType<T, __nv_bfloat16>::value) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float2 f = __half22float2(*reinterpret_cast<__half2*>(&out[i]));
-      out[i] = ElemTraits<__nv_bfloat16>::pack(f.x, f.y);
-    }
-  }
-}
-
 // An e4m3 tile (row-major bytes) widened into the swizzled 16-bit tile `dst`.
 template <int BN, int THREADS, typename T>
 __device__ __forceinline__ void widen_tile(const unsigned char* raw, T* dst, int tid) {

@@ -46,6 +46,7 @@ namespace mla {
 
 constexpr int kBarP0 = 1, kBarP1 = 2, kBarP1Read = 3, kBarEnd = 4;  // named barriers (0: __syncthreads)
 constexpr int kBarStage = 5;  // + wg: a warpgroup's staged rows (SeesawRole::store_rows)
+constexpr int kBarWiden = 7;  // + wg: a warpgroup's phases of widening an fp8 half (wgmma_copy.cuh widen_half_fp8)
 
 // The shared-memory plan: the query block, two K buffers (each one's rope column block carries its P
 // once S is done with it), the offset and sum exchanges, the barriers, the page flag, the first
@@ -58,8 +59,9 @@ struct SeesawSmem {
   static constexpr int kM0 = 3 * kTileBytes64;                  // float2 [128]: warpgroup 0's offsets
   static constexpr int kM1 = kM0 + 128 * 8;                     // warpgroup 1's
   static constexpr int kL = kM1 + 128 * 8;                      // float2 [2][128]: the sums at the end
-  static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][column block]
-  static constexpr int kNumBars = 1 + 2 * kLatentBlocks;
+  static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][column block], raw[buffer][half]
+  static constexpr int kRawBars = 1 + 2 * kLatentBlocks;        // (an fp8 cache's halves; unused over 16 bits)
+  static constexpr int kNumBars = kRawBars + 4;
   static constexpr int kFlag = kBars + kNumBars * 8;            // int: a page id outside the cache
   static constexpr int kPartialBase = kFlag + 4;                // int: the request's first partial row
   static constexpr int kWork = kFlag + 8;                       // the CTA's Work, for its end
@@ -69,7 +71,7 @@ struct SeesawSmem {
   static_assert(kAllocBytes <= 227 * 1024, "fits the sm_90 shared memory of one CTA");
 };
 
-template <typename T>
+template <typename T, bool FP8>
 struct SeesawRole {
   static constexpr int NB = 32;  // 8-column blocks of a thread's O half (64 x 256 over 128 threads)
   const MlaParams& p;
@@ -79,7 +81,8 @@ struct SeesawRole {
   int wtid, lane, quad;
   int first_row;  // the thread's row half 0 in the block (+ 8: half 1)
   int num_blocks, num_pairs, mask_blocks_from;
-  float scale_log2;
+  float scale_log2;  // the softmax scale x log2(e) (times an fp8 cache's scale)
+  float v_scale;     // an fp8 cache's scale on the output (1 over 16 bits)
   float o[4 * NB];
   float s[32];
   unsigned own[4][4];
@@ -93,7 +96,8 @@ struct SeesawRole {
     num_blocks = (w.kv_end - w.kv_begin + kBlockRows - 1) / kBlockRows;
     num_pairs = (num_blocks + 1) / 2;
     mask_blocks_from = (w.mask_from - w.kv_begin) / kBlockRows;
-    scale_log2 = p.sm_scale_log2;
+    v_scale = FP8 ? __ldg(p.kv_scale) : 1.f;
+    scale_log2 = p.sm_scale_log2 * v_scale;
 #pragma unroll
     for (int i = 0; i < 4 * NB; ++i) o[i] = 0.f;
     m[0] = m[1] = -INFINITY;
@@ -103,6 +107,8 @@ struct SeesawRole {
   __device__ __forceinline__ unsigned buffer(int b) const { return base + (b ? SeesawSmem::kK1 : SeesawSmem::kK0); }
   // buffer b's barriers, one a column block (its filling warpgroup's 128 threads arrive on each)
   __device__ __forceinline__ unsigned full_bars(int b) const { return base + SeesawSmem::kBars + 8 * (1 + kLatentBlocks * b); }
+  // an fp8 cache: buffer b's half h's raw bytes (its filling warpgroup's 128 threads arrive)
+  __device__ __forceinline__ unsigned raw_bar(int b, int h) const { return base + SeesawSmem::kBars + 8 * (SeesawSmem::kRawBars + 2 * b + h); }
   __device__ __forceinline__ int* flag() const {
     return reinterpret_cast<int*>(__cvta_shared_to_generic(base + SeesawSmem::kFlag));
   }
@@ -311,7 +317,7 @@ struct SeesawRole {
       if (wg == 1) sm90::named_sync(kBarP1Read, 256);  // (every pair: the barrier alternates strictly)
       if (more) {
         fill(1, 2 * i + 3, wg, next);
-        issue_scores(wg, i + 1);
+        begin_pair(wg, i + 1);
       }
     }
     sm90::wgmma_wait<0>();  // none in flight past the loop (ptxas cannot tell the last pair issued none)
@@ -331,7 +337,7 @@ struct SeesawRole {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = first_row + 8 * h, row = done.row0 + r;
-      const float inv = row_inverse(l[h], bad, 1.f);
+      const float inv = row_inverse(l[h], bad, v_scale);
       if (wg == 0 && quad == 0 && row < done.rows) row_lse(p, done, row_slot(p, done, by_head, row, partial_base), m[h], l[h], bad);
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
@@ -367,8 +373,34 @@ struct SeesawRole {
 
   // this warpgroup's half of buffer b for key block `block`, from its keys' page ids (lookup_keys)
   __device__ __forceinline__ void fill(int b, int block, int wg, const KeyPages& pages) {
-    if (wg == 0) fill_half<0>(p, w, pages, buffer(b), block, full_bars(b), wtid, flag());
-    else fill_half<1>(p, w, pages, buffer(b), block, full_bars(b), wtid, flag());
+    if constexpr (FP8) {
+      if (wg == 0) fill_half_fp8<0>(p, w, pages, buffer(b), block, raw_bar(b, 0), wtid, flag());
+      else fill_half_fp8<1>(p, w, pages, buffer(b), block, raw_bar(b, 1), wtid, flag());
+    } else {
+      if (wg == 0) fill_half<0>(p, w, pages, buffer(b), block, full_bars(b), wtid, flag());
+      else fill_half<1>(p, w, pages, buffer(b), block, full_bars(b), wtid, flag());
+    }
+  }
+
+  // an fp8 cache: this warpgroup's half of buffer b (filled for pair `pair`) widened in place
+  __device__ __forceinline__ void widen(int b, int wg, int pair) {
+    if (wg == 0) widen_half_fp8<0, T>(buffer(b), raw_bar(b, 0), pair & 1, full_bars(b), wtid, kBarWiden);
+    else widen_half_fp8<1, T>(buffer(b), raw_bar(b, 1), pair & 1, full_bars(b), wtid, kBarWiden + 1);
+  }
+
+  // S of pair `pair` once both of its blocks are filled (16 bits: issued at once, each column block
+  // taken as it lands). An fp8 cache: each warpgroup widens its halves of both buffers, warpgroup 0
+  // its half of buffer 0 before its S and of buffer 1 under it, warpgroup 1 both before its S (which
+  // waits for warpgroup 0's half of buffer 1: no cycle, as warpgroup 0's S needs only buffer 0).
+  __device__ __forceinline__ void begin_pair(int wg, int pair) {
+    if constexpr (FP8) {
+      widen(0, wg, pair);
+      if (wg == 1) widen(1, 1, pair);
+      issue_scores(wg, pair);
+      if (wg == 0) widen(1, 0, pair);
+    } else {
+      issue_scores(wg, pair);
+    }
   }
 };
 

@@ -4,7 +4,9 @@
 // products by columns (kernels/mla/seesaw.cuh: the schedule, the exchanges and their barriers, and
 // the end, each warpgroup's rows staged through shared memory; kernels/mla/wgmma_copy.cuh: the
 // cp.async copies into two 64 x 576 K buffers; mla/epilogue.cuh: where a row's out and LSE, or its
-// split partial for merge_kernel, go). 16-bit caches; the queries' element type.
+// split partial for merge_kernel, go). 16-bit caches in the queries' element type, or (FP8) e4m3
+// caches with one scale, each K buffer half's bytes widened to that type in place before S reads it
+// (kernels/mla/wgmma_copy.cuh widen_half_fp8); the scale joins the softmax's and the output's.
 //
 // Shared memory (kernels/mla/seesaw.cuh SeesawSmem): the query block (73728 bytes), two K buffers
 // (73728 each), the exchanges and barriers: one CTA an SM, 256 threads.
@@ -21,9 +23,9 @@
 namespace cupy_fa {
 namespace mla {
 
-template <typename T>
+template <typename T, bool FP8>
 __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant__ MlaParams p) {
-  static_assert(sizeof(T) == 2, "16-bit queries, cache and output");
+  static_assert(sizeof(T) == 2, "16-bit queries and output (and cache, or e4m3 bytes widened to T: FP8)");
   allow_dependent_launch();
   const FastDiv by_head{p.head_multiplier, p.head_shift, p.num_heads};
   Work w;
@@ -40,7 +42,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   if (tid == 0) {
     mbar::init(base + SeesawSmem::kBars, 256);  // q_full: every thread's copies of Q
 #pragma unroll
-    for (int i = 1; i < SeesawSmem::kNumBars; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full[buffer][block]
+    for (int i = 1; i < SeesawSmem::kNumBars; ++i) mbar::init(base + SeesawSmem::kBars + 8 * i, 128);  // full, raw
     *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kFlag) = 0;
     *reinterpret_cast<int*>(smem_raw + (base - raw) + SeesawSmem::kPartialBase) = partial_base;
     *reinterpret_cast<Work*>(smem_raw + (base - raw) + SeesawSmem::kWork) = w;
@@ -48,7 +50,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   __syncthreads();
 
-  SeesawRole<T> role(p, w, by_head, base, wtid);
+  SeesawRole<T, FP8> role(p, w, by_head, base, wtid);
   mbar::cp_async_arrive_noinc(base + SeesawSmem::kBars);
   if (role.num_blocks > 0) {  // the first pair (a missing second block is zero-filled)
 #pragma unroll
@@ -56,7 +58,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   mbar::wait(base + SeesawSmem::kBars, 0);
   if (role.num_blocks > 0) {
-    role.issue_scores(wg, 0);
+    role.begin_pair(wg, 0);
     role.run(wg);
   }
 

@@ -11,6 +11,13 @@
 // computes S on the buffer starts on a block as soon as that block is in. Keys past the CTA's range
 // are zero-filled (so a masked key's V row is 0, never stale or NaN); a page id outside the cache is
 // clamped into it and flags the CTA.
+//
+// An fp8 (e4m3) cache: the same halves, the same keys a thread, but a half's raw bytes (64 bytes a
+// key a column block, half the 16-bit block's size) land in the upper part of the half's own region
+// of the K buffer (fill_half_fp8, completing the half's `raw` barrier), and the warpgroup that filled
+// it widens them in place into the swizzled 16-bit blocks (widen_half_fp8), in phases ordered so that
+// no raw block is overwritten before all 128 threads have read it; each widened column block then
+// completes its `full` barrier as a 16-bit fill does. Shared memory stays that of the 16-bit kernel.
 #pragma once
 
 #include "shared/common.cuh"
@@ -146,6 +153,143 @@ __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, con
     mbar::cp_async_arrive_noinc(full + 8 * c);
   }
   if (out) *flag = 1;
+}
+
+// ---- an fp8 cache ----------------------------------------------------------------
+//
+// A half of n column blocks (n = 4 low, 5 high) spans [0, n) in units of 8 KB from its first column
+// block; its raw block j (64 keys x 64 bytes, row-major) sits at n / 2 + j / 2 in those units, the
+// upper half of the region, and widens into column block j at [j, j + 1).
+template <int HALF>
+struct Fp8Half {
+  static constexpr int kFirst = HALF == 0 ? 0 : kLowHalfBlocks;
+  static constexpr int kLast = HALF == 0 ? kLowHalfBlocks : kLatentBlocks;
+  static constexpr int kBlocks = kLast - kFirst;
+  static constexpr int kRawBlockBytes = kBlockRows * 64;
+  // raw block j of the half whose first column block is at region (a K buffer + kFirst x 8 KB)
+  static __device__ __forceinline__ unsigned raw(unsigned region, int j) {
+    return region + (kBlocks + j) * kRawBlockBytes;
+  }
+};
+
+// fill_half for an fp8 cache: the half's raw bytes. A thread copies, for its four keys (the same
+// keys as a 16-bit fill: lookup_keys), 16-byte chunks wtid % 8 of pairs of raw blocks (chunk k of a
+// pair: block 2 t + k / 4, chunk k % 4 of its 64-byte row segment); each thread's copies arrive on
+// the half's raw barrier once they are done. A page id outside the cache is clamped and flags the CTA.
+template <int HALF>
+__device__ __forceinline__ void fill_half_fp8(const MlaParams& p, const Work& w, const KeyPages& pages, unsigned buf_addr,
+                                              int block, unsigned raw_full, int wtid, int* flag) {
+  using H = Fp8Half<HALF>;
+  constexpr int KEYS = kBlockRows / 16;
+  const char* cache = static_cast<const char*>(p.cache);
+  const int key_in0 = wtid >> 3, k = wtid & 7;
+  bool out = false;
+  const char* src[KEYS];
+  bool valid[KEYS];
+  const int key0 = block_key(w, block, wtid, 0);
+  int index[KEYS], in_page[KEYS];
+  key_places(p, key0, index, in_page);
+  const unsigned last_page = static_cast<unsigned>(p.num_pages - 1);
+  // chunk k of a pair of raw blocks: block j = 2 t + k / 4 (column block kFirst + j), bytes 16 (k % 4)
+  const char* thread_src = cache + (H::kFirst + (k >> 2)) * 64 + (k & 3) * 16;
+#pragma unroll
+  for (int j = 0; j < KEYS; ++j) {
+    valid[j] = key0 + 16 * j < w.kv_end;
+    out |= valid[j] && pages.page[j] > last_page;
+    const unsigned slot = min(pages.page[j], last_page) * static_cast<unsigned>(p.page_size) + in_page[j];
+    src[j] = thread_src + static_cast<unsigned long long>(slot) * kLatentDim;
+  }
+  const unsigned region = buf_addr + H::kFirst * kColumnBlockBytes;
+  const unsigned dst0 = H::raw(region, k >> 2) + key_in0 * 64 + (k & 3) * 16;
+#pragma unroll
+  for (int t = 0; 2 * t < H::kBlocks; ++t) {
+    if (2 * t + (k >> 2) < H::kBlocks) {  // (a high half's fifth block: the first four threads of eight)
+#pragma unroll
+      for (int j = 0; j < KEYS; ++j) {
+        cp_async_shared(dst0 + (2 * t * H::kRawBlockBytes + j * 16 * 64), src[j] + 2 * t * 64, valid[j]);
+      }
+    }
+  }
+  mbar::cp_async_arrive_noinc(raw_full);
+  if (out) *flag = 1;
+}
+
+// Thread wtid's two 16-byte chunks of a raw block (chunks wtid and wtid + 128 of its 256: key c / 4,
+// bytes 16 (c % 4)): raw e4m3 bytes in 8 registers.
+__device__ __forceinline__ void raw_load(unsigned raw_block, int wtid, u32 (&x)[2][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int c = wtid + 128 * h;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x[h][0]), "=r"(x[h][1]), "=r"(x[h][2]), "=r"(x[h][3])
+                 : "r"(raw_block + (c >> 2) * 64 + (c & 3) * 16)
+                 : "memory");
+  }
+}
+// ... widened to T (exact) into the swizzled 16-bit column block at `column_block`: chunk c's 16
+// values are 16-byte chunks 2 (c % 4) and 2 (c % 4) + 1 of row c / 4.
+template <typename T>
+__device__ __forceinline__ void widen_store(unsigned column_block, int wtid, const u32 (&x)[2][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int c = wtid + 128 * h, key = c >> 2, chunk = 2 * (c & 3);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      u32 wide[4];
+      widen4<T>(x[h][2 * e], *reinterpret_cast<u32(*)[2]>(&wide[0]));
+      widen4<T>(x[h][2 * e + 1], *reinterpret_cast<u32(*)[2]>(&wide[2]));
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                       column_block + sm90::swizzled_offset<kBlockRows>(key, chunk + e)),
+                   "r"(wide[0]), "r"(wide[1]), "r"(wide[2]), "r"(wide[3])
+                   : "memory");
+    }
+  }
+}
+
+// The fp8 half HALF of the K buffer at buf_addr widened in place (its raw barrier waited at
+// `parity` first), by the 128 threads of the warpgroup that filled it (named barrier `bar`); each
+// column block's barrier (`full` + 8 c) completes once all 128 threads have written it and fenced
+// their writes for the tensor cores. In units of 8 KB from the half's start (n column blocks), raw
+// block j is [n/2 + j/2, n/2 + (j + 1)/2) and column block j is [j, j + 1), so a column block is
+// written only after every raw block under it has been read by all 128 threads:
+//   blocks 0 and 1 (no raw block below 2)                                     | sync
+//   block 2 (over raw 0 and 1); raw 3 into registers                          | sync
+//   block 3 (over raw 1 .. 3); n = 5: raw 4 into registers                    | sync; block 4 (over raw 3, 4)
+// (raw 2 lies over block 3 or past it, so it is read before the second sync, and block 2 is written
+// after it has been read.)
+template <int HALF, typename T>
+__device__ __forceinline__ void widen_half_fp8(unsigned buf_addr, unsigned raw_full, int parity, unsigned full, int wtid,
+                                               int bar) {
+  using H = Fp8Half<HALF>;
+  static_assert(H::kBlocks == 4 || H::kBlocks == 5, "a half of 4 or 5 column blocks");
+  const unsigned region = buf_addr + H::kFirst * kColumnBlockBytes;
+  mbar::wait(raw_full, parity);
+  u32 x[2][4], y[2][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    raw_load(H::raw(region, j), wtid, x);
+    widen_store<T>(region + j * kColumnBlockBytes, wtid, x);
+  }
+  sm90::fence_async_shared();
+  mbar::arrive(full + 8 * H::kFirst);
+  mbar::arrive(full + 8 * (H::kFirst + 1));
+  sm90::named_sync(bar, 128);
+  raw_load(H::raw(region, 2), wtid, x);
+  raw_load(H::raw(region, 3), wtid, y);
+  widen_store<T>(region + 2 * kColumnBlockBytes, wtid, x);
+  sm90::fence_async_shared();
+  mbar::arrive(full + 8 * (H::kFirst + 2));
+  sm90::named_sync(bar, 128);
+  widen_store<T>(region + 3 * kColumnBlockBytes, wtid, y);
+  if constexpr (H::kBlocks == 5) raw_load(H::raw(region, 4), wtid, x);
+  sm90::fence_async_shared();
+  mbar::arrive(full + 8 * (H::kFirst + 3));
+  if constexpr (H::kBlocks == 5) {
+    sm90::named_sync(bar, 128);
+    widen_store<T>(region + 4 * kColumnBlockBytes, wtid, x);
+    sm90::fence_async_shared();
+    mbar::arrive(full + 8 * (H::kFirst + 4));
+  }
 }
 
 }  // namespace mla

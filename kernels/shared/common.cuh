@@ -107,6 +107,19 @@ template <> struct Fp8Widen<__half> {
 #endif
   }
 };
+// Four e4m3 bytes as two pairs of T (exact: every e4m3 value is an fp16 and a bf16 value).
+template <typename T>
+__device__ __forceinline__ void widen4(u32 x, u32 (&out)[2]) {
+  Fp8Widen<__half>::run(x, out);
+  if constexpr (SameType<T, __nv_bfloat16>::value) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<__half2*>(&out[i]));
+      out[i] = ElemTraits<__nv_bfloat16>::pack(f.x, f.y);
+    }
+  }
+}
+
 // float -> e4m3fn byte, round to nearest even, saturating: |x| >= 448 (and +-inf) give +-448,
 // NaN gives NaN (0x7f, with x's sign), values below half the smallest subnormal (2^-10) give a
 // zero of x's sign. Integer arithmetic only, so every arch rounds alike (the host's
