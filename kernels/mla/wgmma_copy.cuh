@@ -253,10 +253,8 @@ __device__ __forceinline__ void widen_store(unsigned column_block, int wtid, con
 // block j is [n/2 + j/2, n/2 + (j + 1)/2) and column block j is [j, j + 1), so a column block is
 // written only after every raw block under it has been read by all 128 threads:
 //   blocks 0 and 1 (no raw block below 2)                                     | sync
-//   block 2 (over raw 0 and 1); raw 3 into registers                          | sync
+//   raw 2 and 3 into registers; block 2 (over raw 0 and 1)                    | sync
 //   block 3 (over raw 1 .. 3); n = 5: raw 4 into registers                    | sync; block 4 (over raw 3, 4)
-// (raw 2 lies over block 3 or past it, so it is read before the second sync, and block 2 is written
-// after it has been read.)
 template <int HALF, typename T>
 __device__ __forceinline__ void widen_half_fp8(unsigned buf_addr, unsigned raw_full, int parity, unsigned full, int wtid,
                                                int bar) {
