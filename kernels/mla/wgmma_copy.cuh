@@ -109,6 +109,32 @@ __device__ __forceinline__ KeyPages lookup_keys(const MlaParams& p, const Work& 
   return k;
 }
 
+// The source addresses of a thread's four keys of key block `block` (lookup_keys' pages), each at
+// byte `offset` of its cache row of ROW_BYTES, and whether each key is in the CTA's range; true when a
+// valid key's page id is outside the cache (it is clamped into it). A key past the range has page 0
+// (lookup_keys) and copies nothing (src-size 0): no select; the slot (a cache row) fits 32 bits, its
+// byte offset is one 32 x 32 -> 64-bit multiply-add.
+template <int ROW_BYTES>
+__device__ __forceinline__ bool key_sources(const MlaParams& p, const Work& w, const KeyPages& pages, int block, int wtid,
+                                            int offset, const char* (&src)[kBlockRows / 16],
+                                            bool (&valid)[kBlockRows / 16]) {
+  constexpr int KEYS = kBlockRows / 16;
+  const int key0 = block_key(w, block, wtid, 0);
+  int index[KEYS], in_page[KEYS];
+  key_places(p, key0, index, in_page);
+  const char* thread_src = static_cast<const char*>(p.cache) + offset;
+  const unsigned last_page = static_cast<unsigned>(p.num_pages - 1);
+  bool out = false;
+#pragma unroll
+  for (int j = 0; j < KEYS; ++j) {
+    valid[j] = key0 + 16 * j < w.kv_end;
+    out |= valid[j] && pages.page[j] > last_page;
+    const unsigned slot = min(pages.page[j], last_page) * static_cast<unsigned>(p.page_size) + in_page[j];
+    src[j] = thread_src + static_cast<unsigned long long>(slot) * ROW_BYTES;
+  }
+  return out;
+}
+
 // One half of key block `block` (keys kv_begin + 64 block ..) into the K buffer at buf_addr, by the
 // 128 threads of one warpgroup (wtid its thread), from the page ids `pages` (lookup_keys of the same
 // block): HALF 0 the column blocks 0 .. 3 (V's left half and K's first 256 columns), HALF 1 the
@@ -120,27 +146,12 @@ __device__ __forceinline__ KeyPages lookup_keys(const MlaParams& p, const Work& 
 template <int HALF>
 __device__ __forceinline__ void fill_half(const MlaParams& p, const Work& w, const KeyPages& pages, unsigned buf_addr,
                                           int block, unsigned full, int wtid, int* flag) {
-  constexpr int ROW_BYTES = 2 * kLatentDim, KEYS = kBlockRows / 16;
+  constexpr int KEYS = kBlockRows / 16;
   constexpr int FIRST = HALF == 0 ? 0 : kLowHalfBlocks, LAST = HALF == 0 ? kLowHalfBlocks : kLatentBlocks;  // column blocks
-  const char* cache = static_cast<const char*>(p.cache);
   const int key_in0 = wtid >> 3, chunk = wtid & 7;
-  bool out = false;
   const char* src[KEYS];
   bool valid[KEYS];
-  const int key0 = block_key(w, block, wtid, 0);
-  int index[KEYS], in_page[KEYS];
-  key_places(p, key0, index, in_page);
-  const char* thread_src = cache + chunk * 16;
-  const unsigned last_page = static_cast<unsigned>(p.num_pages - 1);
-#pragma unroll
-  for (int j = 0; j < KEYS; ++j) {
-    valid[j] = key0 + 16 * j < w.kv_end;
-    out |= valid[j] && pages.page[j] > last_page;
-    // a key past the range has page 0 (lookup_keys) and copies nothing (src-size 0): no select; the slot
-    // (a cache row) fits 32 bits, its byte offset is one 32 x 32 -> 64-bit multiply-add
-    const unsigned slot = min(pages.page[j], last_page) * static_cast<unsigned>(p.page_size) + in_page[j];
-    src[j] = thread_src + static_cast<unsigned long long>(slot) * ROW_BYTES;
-  }
+  const bool out = key_sources<2 * kLatentDim>(p, w, pages, block, wtid, chunk * 16, src, valid);
   const unsigned dst0 = buf_addr + sm90::swizzled_offset<kBlockRows>(key_in0, chunk);
 #pragma unroll
   for (int c = FIRST; c < LAST; ++c) {
@@ -181,24 +192,11 @@ __device__ __forceinline__ void fill_half_fp8(const MlaParams& p, const Work& w,
                                               int block, unsigned raw_full, int wtid, int* flag) {
   using H = Fp8Half<HALF>;
   constexpr int KEYS = kBlockRows / 16;
-  const char* cache = static_cast<const char*>(p.cache);
   const int key_in0 = wtid >> 3, k = wtid & 7;
-  bool out = false;
   const char* src[KEYS];
   bool valid[KEYS];
-  const int key0 = block_key(w, block, wtid, 0);
-  int index[KEYS], in_page[KEYS];
-  key_places(p, key0, index, in_page);
-  const unsigned last_page = static_cast<unsigned>(p.num_pages - 1);
   // chunk k of a pair of raw blocks: block j = 2 t + k / 4 (column block kFirst + j), bytes 16 (k % 4)
-  const char* thread_src = cache + (H::kFirst + (k >> 2)) * 64 + (k & 3) * 16;
-#pragma unroll
-  for (int j = 0; j < KEYS; ++j) {
-    valid[j] = key0 + 16 * j < w.kv_end;
-    out |= valid[j] && pages.page[j] > last_page;
-    const unsigned slot = min(pages.page[j], last_page) * static_cast<unsigned>(p.page_size) + in_page[j];
-    src[j] = thread_src + static_cast<unsigned long long>(slot) * kLatentDim;
-  }
+  const bool out = key_sources<kLatentDim>(p, w, pages, block, wtid, (H::kFirst + (k >> 2)) * 64 + (k & 3) * 16, src, valid);
   const unsigned region = buf_addr + H::kFirst * kColumnBlockBytes;
   const unsigned dst0 = H::raw(region, k >> 2) + key_in0 * 64 + (k & 3) * 16;
 #pragma unroll
