@@ -108,13 +108,14 @@ class MlaWgmmaTile:
 
     @property
     def smem_bytes(self):
-        """SeesawSmem::kAllocBytes: Q and two K buffers of 64 x 576, the exchanges and barriers, and
-        1024 bytes of slack to align the tiles (the 128-byte swizzle's period). An fp8 cache's raw
-        bytes land inside the K buffers: the same size."""
+        """SeesawSmem::kAllocBytes: Q and two K buffers of 64 x 576, the exchanges, the query rows'
+        scales (bf16 queries over an fp8 cache), the barriers, and 1024 bytes of slack to align the
+        tiles (the 128-byte swizzle's period). An fp8 cache's raw bytes land inside the K buffers: the
+        same size."""
         tile = WGMMA_BLOCK * LATENT_DIM * 2
-        return (3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + (1 + 2 * COLUMN_BLOCKS + 4) * 8 + 8 + WORK_BYTES
-                + 1024)  # barriers: q_full, one a column block of each buffer, one a half of each (fp8's
-        # raw bytes); the page flag; the work item
+        return (3 * tile + 128 * 8 * 2 + 2 * 128 * 8 + WGMMA_BLOCK * 4 + (1 + 2 * COLUMN_BLOCKS + 4) * 8 + 8
+                + WORK_BYTES + 1024)  # barriers: q_full, one a column block of each buffer, one a half of
+        # each (fp8's raw bytes); the page flag; the work item
 
     def checks(self):
         return (f"cupy_fa::mla::SeesawSmem::kAllocBytes == {self.smem_bytes}",)

@@ -59,7 +59,8 @@ struct SeesawSmem {
   static constexpr int kM0 = 3 * kTileBytes64;                  // float2 [128]: warpgroup 0's offsets
   static constexpr int kM1 = kM0 + 128 * 8;                     // warpgroup 1's
   static constexpr int kL = kM1 + 128 * 8;                      // float2 [2][128]: the sums at the end
-  static constexpr int kBars = kL + 2 * 128 * 8;                // q_full, full[buffer][column block], raw[buffer][half]
+  static constexpr int kRowScale = kL + 2 * 128 * 8;            // float [64]: bf16 queries over fp8, 2^-e a row
+  static constexpr int kBars = kRowScale + kBlockRows * 4;      // q_full, full[buffer][column block], raw[buffer][half]
   static constexpr int kRawBars = 1 + 2 * kLatentBlocks;        // (an fp8 cache's halves; unused over 16 bits)
   static constexpr int kNumBars = kRawBars + 4;
   static constexpr int kFlag = kBars + kNumBars * 8;            // int: a page id outside the cache
@@ -74,6 +75,11 @@ struct SeesawSmem {
 template <typename T, bool FP8>
 struct SeesawRole {
   static constexpr int NB = 32;  // 8-column blocks of a thread's O half (64 x 256 over 128 threads)
+  // the products' element type: the queries', or fp16 over an fp8 cache (its blocks widen to fp16 by
+  // one conversion a pair of values; bf16 queries are rewritten as fp16 times 2^e a row first:
+  // queries_to_fp16, and the scores' scale is then per row)
+  typedef typename TypeIf<FP8, __half, T>::type PT;
+  static constexpr bool kRowScaled = FP8 && SameType<T, __nv_bfloat16>::value;
   const MlaParams& p;
   const Work& w;
   const FastDiv& by_head;
@@ -82,6 +88,7 @@ struct SeesawRole {
   int first_row;  // the thread's row half 0 in the block (+ 8: half 1)
   int num_blocks, num_pairs, mask_blocks_from;
   float scale_log2;  // the softmax scale x log2(e) (times an fp8 cache's scale)
+  float row_scale_log2[2];  // kRowScaled: scale_log2 x 2^-e of the thread's two rows (queries_to_fp16)
   float v_scale;     // an fp8 cache's scale on the output (1 over 16 bits)
   float o[4 * NB];
   float s[32];
@@ -113,6 +120,28 @@ struct SeesawRole {
     return reinterpret_cast<int*>(__cvta_shared_to_generic(base + SeesawSmem::kFlag));
   }
 
+  // the scores' scale into base 2 of the thread's row half h
+  __device__ __forceinline__ float score_scale(int h) const {
+    if constexpr (kRowScaled) return row_scale_log2[h];
+    else return scale_log2;
+  }
+
+  // bf16 queries over an fp8 cache, once the query block has arrived (all 256 threads): the block
+  // rewritten as fp16 times 2^e a row (wgmma_copy.cuh q_block_to_fp16), fenced for the tensor cores,
+  // and each thread's two rows' scales
+  __device__ __forceinline__ void queries_to_fp16(int tid) {
+    const unsigned row_scale = base + SeesawSmem::kRowScale;
+    q_block_to_fp16(base + SeesawSmem::kQ, row_scale, tid);
+    sm90::fence_async_shared();
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float f;
+      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(f) : "r"(row_scale + 4 * (first_row + 8 * h)) : "memory");
+      row_scale_log2[h] = scale_log2 * f;
+    }
+  }
+
   static __device__ __forceinline__ sm90::u64 opaque(sm90::u64 x) {
     asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
     return x;
@@ -131,7 +160,7 @@ struct SeesawRole {
 #pragma unroll
     for (int kk = 0; kk < kLatentDim / 16; ++kk) {
       if (kk % 4 == 0) mbar::wait(full_bars(b) + 8 * (kk / 4), pair & 1), sm90::wgmma_fence();
-      sm90::Wgmma<64, T>::ss_kk(s, sm90::desc_at_lo(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
+      sm90::Wgmma<64, PT>::ss_kk(s, sm90::desc_at_lo(q_desc, sm90::kmajor_step<kBlockRows>(kk)),
                                 sm90::desc_at_lo(k_desc, sm90::kmajor_step<kBlockRows>(kk)), kk > 0);
     }
     sm90::wgmma_commit();
@@ -142,7 +171,7 @@ struct SeesawRole {
     const sm90::u64 v_desc = opaque(sm90::mnmajor_desc<kBlockRows>(buffer(b) + 4 * half * kColumnBlockBytes));
     sm90::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) sm90::Wgmma<256, T>::rs_mn(o, frag[ks], sm90::desc_at(v_desc, sm90::mnmajor_step(ks)), 1);
+    for (int ks = 0; ks < 4; ++ks) sm90::Wgmma<256, PT>::rs_mn(o, frag[ks], sm90::desc_at(v_desc, sm90::mnmajor_step(ks)), 1);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::pin(o);
@@ -184,7 +213,7 @@ struct SeesawRole {
 #pragma unroll
       for (int j = 0; j < 8; ++j) x = fmaxf(x, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
       x = quad_max(x);
-      mx[h] = x * scale_log2;  // -inf stays -inf (scale > 0)
+      mx[h] = x * score_scale(h);  // -inf stays -inf (scale > 0)
     }
   }
 
@@ -198,14 +227,14 @@ struct SeesawRole {
   __device__ __forceinline__ void exponentials(const float (&offset_of)[2], float (&sum)[2], unsigned (&frag)[4][4]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float offset = safe_offset(offset_of[h]);
+      const float offset = safe_offset(offset_of[h]), scale = score_scale(h);
       float acc = 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * j + 2 * h + e];
-          x = exp2f(fmaf(x, scale_log2, -offset));
+          x = exp2f(fmaf(x, scale, -offset));
           acc += x;
         }
       }
@@ -213,10 +242,10 @@ struct SeesawRole {
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      frag[ks][0] = ElemTraits<T>::pack(s[8 * ks + 0], s[8 * ks + 1]);
-      frag[ks][1] = ElemTraits<T>::pack(s[8 * ks + 2], s[8 * ks + 3]);
-      frag[ks][2] = ElemTraits<T>::pack(s[8 * ks + 4], s[8 * ks + 5]);
-      frag[ks][3] = ElemTraits<T>::pack(s[8 * ks + 6], s[8 * ks + 7]);
+      frag[ks][0] = ElemTraits<PT>::pack(s[8 * ks + 0], s[8 * ks + 1]);
+      frag[ks][1] = ElemTraits<PT>::pack(s[8 * ks + 2], s[8 * ks + 3]);
+      frag[ks][2] = ElemTraits<PT>::pack(s[8 * ks + 4], s[8 * ks + 5]);
+      frag[ks][3] = ElemTraits<PT>::pack(s[8 * ks + 6], s[8 * ks + 7]);
     }
   }
 
@@ -384,8 +413,8 @@ struct SeesawRole {
 
   // an fp8 cache: this warpgroup's half of buffer b (filled for pair `pair`) widened in place
   __device__ __forceinline__ void widen(int b, int wg, int pair) {
-    if (wg == 0) widen_half_fp8<0, T>(buffer(b), raw_bar(b, 0), pair & 1, full_bars(b), wtid, kBarWiden);
-    else widen_half_fp8<1, T>(buffer(b), raw_bar(b, 1), pair & 1, full_bars(b), wtid, kBarWiden + 1);
+    if (wg == 0) widen_half_fp8<0>(buffer(b), raw_bar(b, 0), pair & 1, full_bars(b), wtid, kBarWiden);
+    else widen_half_fp8<1>(buffer(b), raw_bar(b, 1), pair & 1, full_bars(b), wtid, kBarWiden + 1);
   }
 
   // S of pair `pair` once both of its blocks are filled (16 bits: issued at once, each column block

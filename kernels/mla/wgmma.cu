@@ -5,8 +5,9 @@
 // the end, each warpgroup's rows staged through shared memory; kernels/mla/wgmma_copy.cuh: the
 // cp.async copies into two 64 x 576 K buffers; mla/epilogue.cuh: where a row's out and LSE, or its
 // split partial for merge_kernel, go). 16-bit caches in the queries' element type, or (FP8) e4m3
-// caches with one scale, each K buffer half's bytes widened to that type in place before S reads it
-// (kernels/mla/wgmma_copy.cuh widen_half_fp8); the scale joins the softmax's and the output's.
+// caches with one scale, each K buffer half's bytes widened to fp16 in place before S reads it
+// (kernels/mla/wgmma_copy.cuh widen_half_fp8), the products in fp16 (bf16 queries rewritten as fp16
+// times 2^e a row first: q_block_to_fp16); the scale joins the softmax's and the output's.
 //
 // Shared memory (kernels/mla/seesaw.cuh SeesawSmem): the query block (73728 bytes), two K buffers
 // (73728 each), the exchanges and barriers: one CTA an SM, 256 threads.
@@ -58,6 +59,7 @@ __global__ void __launch_bounds__(256, 1) mla_wgmma_kernel(const __grid_constant
   }
   mbar::wait(base + SeesawSmem::kBars, 0);
   if (role.num_blocks > 0) {
+    if constexpr (SeesawRole<T, FP8>::kRowScaled) role.queries_to_fp16(tid);
     role.begin_pair(wg, 0);
     role.run(wg);
   }

@@ -15,7 +15,7 @@
 // An fp8 (e4m3) cache: the same halves, the same keys a thread, but a half's raw bytes (64 bytes a
 // key a column block, half the 16-bit block's size) land in the upper part of the half's own region
 // of the K buffer (fill_half_fp8, completing the half's `raw` barrier), and the warpgroup that filled
-// it widens them in place into the swizzled 16-bit blocks (widen_half_fp8), in phases ordered so that
+// it widens them in place into swizzled fp16 blocks (widen_half_fp8), in phases ordered so that
 // no raw block is overwritten before all 128 threads have read it; each widened column block then
 // completes its `full` barrier as a 16-bit fill does. Shared memory stays that of the 16-bit kernel.
 #pragma once
@@ -60,6 +60,34 @@ __device__ __forceinline__ void copy_q_block(const MlaParams& p, const Work& w, 
   }
 #pragma unroll
   for (int k = 0; k < 2; ++k) cp_async_shared(at[k] + (kValueDim / 64) * kColumnBlockBytes, pe + 32 * k, valid);
+}
+
+// bf16 queries over an fp8 cache (the products then run in fp16, shared/common.cuh): the query block
+// at q_addr, once it has arrived, rewritten in place as fp16 times 2^e_r per row, by the same 256
+// threads and chunks as copy_q_block (18 chunks a thread, four threads a row: their largest |q| first,
+// agreed by shuffles, then the rewrite); row_scale[r] = 2^-e_r (floats at row_scale + 4 r).
+__device__ __forceinline__ void q_block_to_fp16(unsigned q_addr, unsigned row_scale, int tid) {
+  constexpr int kChunks = kLatentDim / 32;  // a thread's: 18
+  const int r = tid >> 2, c0 = tid & 3;
+  const unsigned at[2] = {q_addr + r * 128 + ((c0 ^ (r & 7)) << 4), q_addr + r * 128 + (((c0 + 4) ^ (r & 7)) << 4)};
+  u32 x[4];
+  float m = 0.f;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    ld_shared_v4(at[k & 1] + (k >> 1) * kColumnBlockBytes, x);
+    m = fmaxf(m, bf16_chunk_absmax(x));
+  }
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  const int e = fp16_row_exponent(m);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const unsigned a = at[k & 1] + (k >> 1) * kColumnBlockBytes;
+    ld_shared_v4(a, x);
+    bf16_chunk_scaled_fp16(x, e);
+    st_shared_v4(a, x);
+  }
+  if (c0 == 0) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(row_scale + 4 * r), "f"(pow2(-e)) : "memory");
 }
 
 // The page ids of one thread's four keys of key block `block` (keys kv_begin + 64 block + wtid / 8
@@ -218,15 +246,11 @@ __device__ __forceinline__ void raw_load(unsigned raw_block, int wtid, u32 (&x)[
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int c = wtid + 128 * h;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(x[h][0]), "=r"(x[h][1]), "=r"(x[h][2]), "=r"(x[h][3])
-                 : "r"(raw_block + (c >> 2) * 64 + (c & 3) * 16)
-                 : "memory");
+    ld_shared_v4(raw_block + (c >> 2) * 64 + (c & 3) * 16, x[h]);
   }
 }
-// ... widened to T (exact) into the swizzled 16-bit column block at `column_block`: chunk c's 16
+// ... widened to fp16 (exact) into the swizzled 16-bit column block at `column_block`: chunk c's 16
 // values are 16-byte chunks 2 (c % 4) and 2 (c % 4) + 1 of row c / 4.
-template <typename T>
 __device__ __forceinline__ void widen_store(unsigned column_block, int wtid, const u32 (&x)[2][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -234,8 +258,8 @@ __device__ __forceinline__ void widen_store(unsigned column_block, int wtid, con
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       u32 wide[4];
-      widen4<T>(x[h][2 * e], *reinterpret_cast<u32(*)[2]>(&wide[0]));
-      widen4<T>(x[h][2 * e + 1], *reinterpret_cast<u32(*)[2]>(&wide[2]));
+      widen4<__half>(x[h][2 * e], *reinterpret_cast<u32(*)[2]>(&wide[0]));
+      widen4<__half>(x[h][2 * e + 1], *reinterpret_cast<u32(*)[2]>(&wide[2]));
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(
                        column_block + sm90::swizzled_offset<kBlockRows>(key, chunk + e)),
                    "r"(wide[0]), "r"(wide[1]), "r"(wide[2]), "r"(wide[3])
@@ -253,7 +277,7 @@ __device__ __forceinline__ void widen_store(unsigned column_block, int wtid, con
 //   blocks 0 and 1 (no raw block below 2)                                     | sync
 //   raw 2 and 3 into registers; block 2 (over raw 0 and 1)                    | sync
 //   block 3 (over raw 1 .. 3); n = 5: raw 4 into registers                    | sync; block 4 (over raw 3, 4)
-template <int HALF, typename T>
+template <int HALF>
 __device__ __forceinline__ void widen_half_fp8(unsigned buf_addr, unsigned raw_full, int parity, unsigned full, int wtid,
                                                int bar) {
   using H = Fp8Half<HALF>;
@@ -264,7 +288,7 @@ __device__ __forceinline__ void widen_half_fp8(unsigned buf_addr, unsigned raw_f
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     raw_load(H::raw(region, j), wtid, x);
-    widen_store<T>(region + j * kColumnBlockBytes, wtid, x);
+    widen_store(region + j * kColumnBlockBytes, wtid, x);
   }
   sm90::fence_async_shared();
   mbar::arrive(full + 8 * H::kFirst);
@@ -272,17 +296,17 @@ __device__ __forceinline__ void widen_half_fp8(unsigned buf_addr, unsigned raw_f
   sm90::named_sync(bar, 128);
   raw_load(H::raw(region, 2), wtid, x);
   raw_load(H::raw(region, 3), wtid, y);
-  widen_store<T>(region + 2 * kColumnBlockBytes, wtid, x);
+  widen_store(region + 2 * kColumnBlockBytes, wtid, x);
   sm90::fence_async_shared();
   mbar::arrive(full + 8 * (H::kFirst + 2));
   sm90::named_sync(bar, 128);
-  widen_store<T>(region + 3 * kColumnBlockBytes, wtid, y);
+  widen_store(region + 3 * kColumnBlockBytes, wtid, y);
   if constexpr (H::kBlocks == 5) raw_load(H::raw(region, 4), wtid, x);
   sm90::fence_async_shared();
   mbar::arrive(full + 8 * (H::kFirst + 3));
   if constexpr (H::kBlocks == 5) {
     sm90::named_sync(bar, 128);
-    widen_store<T>(region + 4 * kColumnBlockBytes, wtid, x);
+    widen_store(region + 4 * kColumnBlockBytes, wtid, x);
     sm90::fence_async_shared();
     mbar::arrive(full + 8 * (H::kFirst + 4));
   }

@@ -147,7 +147,18 @@ __device__ __forceinline__ unsigned char e4m3_from_float(float x) {
 // element down to 2^-17 (2^-31 of the row's largest) is exact in fp16 and the scores come out
 // 2^e_r times Q K^T, which the kernels multiply by 2^-e_r again. Per row, so a row's bits depend on its own q only (batch invariance;
 // decode == verify). The mma.sync family (mma_sync/paged_kv.cuh) and the wgmma family
-// (sm90/consumer.cuh) both rewrite their Q tiles with bf16_chunk_to_fp16.
+// (sm90/consumer.cuh) rewrite their Q tiles with bf16_chunk_to_fp16, the MLA seesaw kernel its
+// 576-column query block from the same parts (mla/wgmma_copy.cuh q_block_to_fp16).
+
+// 16 bytes from / to a shared-memory address (one ld / st.shared.v4)
+__device__ __forceinline__ void ld_shared_v4(unsigned addr, u32 (&x)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void st_shared_v4(unsigned addr, const u32 (&x)[4]) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3])
+               : "memory");
+}
 
 // 2^e as a float, for -126 <= e <= 127 (an exponent field, no rounding).
 __device__ __forceinline__ float pow2(int e) { return __uint_as_float(static_cast<u32>(127 + e) << 23); }
@@ -164,28 +175,42 @@ __device__ __forceinline__ float quad_max(float x) {
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-// One 16-byte chunk of a row of bf16 queries (8 values, x), rewritten in place as fp16 times 2^e_r
-// (see above); the row's CH chunks are CH consecutive lanes of one warp (CH a power of two, at
-// most 32), which agree on e_r by shuffles. Returns e_r.
-template <int CH>
-__device__ __forceinline__ int bf16_chunk_to_fp16(u32 (&x)[4]) {
+// The largest |value| of a 16-byte chunk of bf16 queries (a NaN is ignored by fmaxf and stays NaN
+// through the rewrite).
+__device__ __forceinline__ float bf16_chunk_absmax(const u32 (&x)[4]) {
   float m = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 f = ElemTraits<__nv_bfloat16>::unpack(x[j]);
     m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
   }
-#pragma unroll
-  for (int o = 1; o < CH; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  // (NaN in a row: fmaxf ignores it, the NaN stays NaN through the conversion)
+  return m;
+}
+// e_r of a row whose largest |q| is m (see above)
+__device__ __forceinline__ int fp16_row_exponent(float m) {
   const int exponent = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;  // floor(log2 m), m normal
-  const int e = m > 0.f ? min(64, max(-64, 14 - exponent)) : 0;
+  return m > 0.f ? min(64, max(-64, 14 - exponent)) : 0;
+}
+// A chunk of bf16 queries rewritten in place as fp16 times 2^e (exact, see above).
+__device__ __forceinline__ void bf16_chunk_scaled_fp16(u32 (&x)[4], int e) {
   const float up = pow2(e);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 f = ElemTraits<__nv_bfloat16>::unpack(x[j]);
-    x[j] = ElemTraits<__half>::pack(f.x * up, f.y * up);  // exact (see above)
+    x[j] = ElemTraits<__half>::pack(f.x * up, f.y * up);
   }
+}
+
+// One 16-byte chunk of a row of bf16 queries (8 values, x), rewritten in place as fp16 times 2^e_r
+// (see above); the row's CH chunks are CH consecutive lanes of one warp (CH a power of two, at
+// most 32), which agree on e_r by shuffles. Returns e_r.
+template <int CH>
+__device__ __forceinline__ int bf16_chunk_to_fp16(u32 (&x)[4]) {
+  float m = bf16_chunk_absmax(x);
+#pragma unroll
+  for (int o = 1; o < CH; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const int e = fp16_row_exponent(m);
+  bf16_chunk_scaled_fp16(x, e);
   return e;
 }
 

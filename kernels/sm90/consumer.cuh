@@ -33,11 +33,9 @@ __device__ __forceinline__ void q_rows_to_fp16(unsigned q_addr, unsigned row_sca
     const int r = wg * 64 + wtid / CH + RP * i;
     const unsigned at = q_addr + swizzled_offset<BM, SW>(r, chunk);
     u32 x[4];
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(at)
-                 : "memory");
+    ld_shared_v4(at, x);
     const int e = bf16_chunk_to_fp16<CH>(x);
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3])
-                 : "memory");
+    st_shared_v4(at, x);
     if (chunk == 0) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(row_scale + 4 * r), "f"(pow2(-e)) : "memory");
   }
 }
