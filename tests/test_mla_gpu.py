@@ -134,7 +134,10 @@ def planned_in_graph(heads, dtype, kv_dtype, q_lens, kv_lens, table, q, cache, m
 
 
 MODES = [M.DECODE, M.TARGET_VERIFY, "tree", M.DRAFT_EXTEND, M.DRAFT_EXTEND_V2, M.MIXED, M.EXTEND]
-CACHES = [("bfloat16", None), ("float16", None), ("bfloat16", FP8)]
+# (queries, cache): 16-bit caches in the queries' type; fp8 caches under bf16 queries (the seesaw
+# kernel rewrites them as fp16 times 2^e a row) and under fp16 queries (taken as they are)
+CACHES = [("bfloat16", None), ("float16", None), ("bfloat16", FP8), ("float16", FP8)]
+CACHE_IDS = ("bf16", "fp16", "fp8", "fp16-fp8")
 
 
 def _mode_cases():
@@ -147,7 +150,7 @@ def _mode_cases():
         for c in range(len(CACHES)):
             heads, page = (16, 128, 8)[(m + c) % 3], (1, 16, 64)[(m + 2 * c) % 3]
             name = mode if isinstance(mode, str) else mode.name
-            cases.append(pytest.param(mode, c, heads, page, id=f"{name}-{('bf16', 'fp16', 'fp8')[c]}-H{heads}-p{page}"))
+            cases.append(pytest.param(mode, c, heads, page, id=f"{name}-{CACHE_IDS[c]}-H{heads}-p{page}"))
     return cases
 
 
