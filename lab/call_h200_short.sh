@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# A short first call on an H200 (2026-12-08, twenty-seventh stop: about 400 s of device time left): issue 41's
-# H200 figures first (bench.host on the fresh machine, two passes; then scripts/cold_compile.py --no-serial:
-# the first calls cold and warmup() on every core), then bench.mla beside FlashInfer (.fi carried), then
-# issue 42's prefill cells beside FlashInfer while time is left. On another card: the same, bench.host too.
-HOST_ANY=1 CALL_DEFAULT=${CALL_SECONDS:-330} . lab/call_begin.sh
-HOST_SECONDS=75 host_bench
-fits 45 "cold_compile" && { timeout 45 python3 scripts/cold_compile.py --no-serial 2>&1 | tail -n 14; echo "== cold at $(( $(date +%s) - t0 )) s"; }
+# A short call for the device time left (2026-12-08, twenty-seventh stop: about 250 s): the MLA GPU tests first
+# (the fp16-query fp8 cases are new), then on an H200 issue 41's figures (bench.host on the fresh machine, two
+# passes; then scripts/cold_compile.py --no-serial: the first calls cold and warmup() on every core), then
+# bench.mla beside FlashInfer (.fi carried) while time is left.
+CALL_DEFAULT=${CALL_SECONDS:-150} . lab/call_begin.sh
+tree_tests . mla_tests 60 tests/test_mla_gpu.py
+grep -E "passed|failed" "$OUT/mla_tests.log" | tail -1
+HOST_SECONDS=60 host_bench
+if echo "$gpu" | grep -q H200 && fits 40 "cold_compile"; then
+  timeout 40 python3 scripts/cold_compile.py --no-serial 2>&1 | tail -n 14; echo "== cold at $(( $(date +%s) - t0 )) s"
+fi
 unpack_flashinfer && export PYTHONPATH=$PYTHONPATH:/tmp/fi
-fits 60 "bench.mla" && { timeout 75 python3 -m bench.mla 2>&1 | grep -E "^(decode|verify|fp8|ceilings)" | cut -c1-240; echo "== bench.mla at $(( $(date +%s) - t0 )) s"; }
-fits 60 "prefill cells" && timeout $(( $(left) - 5 )) python3 -m bench prefill_b4_l4096 prefill_b4_l4096_fp8 prefill_b4_l4096_cap50 \
-  --page-size 16 --quick --no-plot --out "$OUT/bench" 2>&1 | grep -E " ps=16: " | sed 's/sdpa_flash [^|]*|//; s/n\/a: n\/a: [^|]*//' | cut -c1-300
+fits 40 "bench.mla" && { timeout $(( $(left) - 3 )) python3 -m bench.mla 2>&1 | grep -E "^(decode|verify|fp8|ceilings)" | cut -c1-240; }
 echo "== done at $(( $(date +%s) - t0 )) s"
