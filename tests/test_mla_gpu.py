@@ -22,9 +22,10 @@ TAIL = 3
 SCALE = 4.0 / 448  # an fp8 cache's scale: N(0, 1) values' 4 sigma at e4m3's largest
 
 
-def latent_case(rng, dtype, page_size, kv_lens, kv_dtype=None):
+def latent_case(rng, dtype, page_size, kv_lens, kv_dtype=None, fp8_scale=SCALE):
     """(page_table, host latent (what the reference reads), PagedLatentCache, scale): a shuffled
-    interleaved paged layout, NaN in every slot no request may read."""
+    interleaved paged layout, NaN in every slot no request may read. An fp8 cache holds N(0, 1)
+    values quantised at SCALE, read at ``fp8_scale``."""
     import cupy
     import cupy_fa
     from cupy_fa import reference
@@ -38,7 +39,7 @@ def latent_case(rng, dtype, page_size, kv_lens, kv_dtype=None):
     if kv_dtype == FP8:
         raw = reference.quantize_e4m3(values.reshape(-1, 1, 576), SCALE).reshape(values.shape)
         raw[~valid] = FP8_NAN
-        return table, raw, cupy_fa.PagedLatentCache(cupy.asarray(raw), dtype=FP8, scale=SCALE), SCALE
+        return table, raw, cupy_fa.PagedLatentCache(cupy.asarray(raw), dtype=FP8, scale=fp8_scale), fp8_scale
     host = values.astype(np_dtype(dtype))
     host[~valid] = np.nan
     return table, host, cupy_fa.PagedLatentCache(cupy.asarray(host)), None
@@ -67,16 +68,20 @@ def mode_lengths(rng, mode, batch, max_prefix, max_new=90):
 
 
 def run_case(rng, heads, dtype, kv_dtype, page_size, q_lens, kv_lens, *, causal=True, masks=None, split_q=False,
-             graph=True, label=""):
+             graph=True, label="", q_exponents=None, fp8_scale=SCALE):
     """One step eager (host lengths) against float64, then the graph path's bits (device lengths, plan
-    and run captured, replayed) against the eager ones. Returns (out, the plan's schedule)."""
+    and run captured, replayed) against the eager ones (``q_exponents``: each (token, head) row of
+    N(0, 1) queries times 2^e; ``fp8_scale``: an fp8 cache's scale). Returns (out, the plan's schedule)."""
     import cupy
     import cupy_fa
     from cupy_fa import reference
 
-    table, host, cache, scale = latent_case(rng, dtype, page_size, kv_lens, kv_dtype)
+    table, host, cache, scale = latent_case(rng, dtype, page_size, kv_lens, kv_dtype, fp8_scale)
     total = int(q_lens.sum())
-    q_host = rng.standard_normal((total, heads, 576), dtype=np.float32).astype(np_dtype(dtype))
+    q_host = rng.standard_normal((total, heads, 576), dtype=np.float32)
+    if q_exponents is not None:
+        q_host *= 2.0 ** q_exponents(total, heads)[..., None]
+    q_host = q_host.astype(np_dtype(dtype))
     q = cupy.asarray(q_host)
     flat_mask = np.concatenate([m.reshape(-1) for m in masks]) if masks is not None else None
     attn = cupy_fa.MLAAttention(heads, dtype, kv_dtype=kv_dtype)
@@ -181,6 +186,28 @@ def test_long_context_and_padding(heads, kv_dtype):
     run_case(rng, heads, "bfloat16", kv_dtype, 64, q_lens, kv_lens, label=f"seed {seed} long")
     run_case(rng, heads, "bfloat16", kv_dtype, 16, np.array([2, 5]), np.array([900, 77]), causal=False, graph=False,
              label=f"seed {seed} non-causal")
+
+
+@pytest.mark.parametrize("heads,mode", [(128, M.DECODE), (16, M.TARGET_VERIFY)], ids=["H128-decode", "H16-verify"])
+def test_fp8_bf16_queries_beyond_fp16_range(heads, mode):
+    """bf16 queries whose (token, head) rows span 2^4 .. 2^21 in magnitude, mixed inside each 64-row
+    block (one token's 64 heads at 128 heads; four tokens' 16 at 16), over an fp8 cache read at a
+    scale 2^-18 smaller (so the scores stay moderate): the seesaw kernel's products run in fp16, each
+    row rewritten as fp16 times its own power of two (kernels/mla/wgmma_copy.cuh q_block_to_fp16), so
+    rows past 65504 stay finite. Eager and graph, against float64."""
+    rng, seed = new_rng()
+    q_lens, kv_lens = mode_lengths(rng, mode, 5, 2500)
+    largest = []
+
+    def exponents(total, h):
+        e = rng.integers(4, 22, size=(total, h))
+        e[0, 0], e[0, 1] = 21, 4  # both ends in one row block
+        largest.append(int(e.max()))
+        return e
+
+    run_case(rng, heads, "bfloat16", FP8, 16, q_lens, kv_lens, q_exponents=exponents, fp8_scale=SCALE * 2.0**-18,
+             label=f"seed {seed} bf16 queries 2^4 .. 2^21")
+    assert largest == [21]  # (2^21 x N(0, 1) rows: well past fp16's 65504)
 
 
 @pytest.mark.parametrize("heads", [4, 12], ids=["H4", "H12"])
