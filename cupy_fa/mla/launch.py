@@ -83,7 +83,7 @@ class PreparedStep:
     with its launch per token count. Built for one device and one set of buffers."""
 
     def __init__(self, state, buffers, num_heads, dtype_name, device_id):
-        self.buffers, self.device_id, self.num_heads, self.dtype_name = buffers, device_id, num_heads, dtype_name
+        self.buffers, self.device_id = buffers, device_id
         self.signature = signature(state)
         self.cache = self.num_tokens = self.run = None  # what the structs hold of the last run
         head_div = _lib_params.fast_divisor(num_heads)
