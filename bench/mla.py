@@ -19,7 +19,9 @@ FlashInfer as a speed ratio (FlashInfer's time over ours).
 
 Every cell is held to float64 (cupy_fa.reference.mla_attention) on four requests before it is timed;
 a cell over the bf16 bar is reported, not timed. Timing: CUDA-graph replays of 10 launches rotating
-over input sets larger than L2 together (bench/timing.py), medians of ``--reps`` replays.
+over input sets larger than L2 together (bench/timing.py), medians of ``--reps`` replays. Host time:
+one ``run`` (and one ``plan`` with host lengths) timed alone after a sync, the median of 100
+(bench.timing.host_us; ours with CuPy arrays, FlashInfer's ``run`` with torch tensors).
 """
 
 from __future__ import annotations
@@ -145,6 +147,11 @@ def time_ours(heads, kv_dtype, table, sets, q_lens, kv_lens, n_launch, reps):
                 for i in range(n_launch)]
     t = timing.cupy_graph(launches, warmup=5, reps=reps)
     cell.update(status="ok", us=t.time_us, min_us=t.min_us, max_us=t.max_us)
+    # host time of one call, alone after a sync (CuPy arrays; host lengths for plan)
+    sync = cupy.cuda.Device().synchronize
+    cell["run_host_us"] = timing.host_us(lambda: attn.run(sets[0]["q"], sets[0]["cache"], out=out), sync, repeats=100)
+    cell["plan_host_us"] = timing.host_us(lambda: attn.plan(q_lens, kv_lens, table, sm_scale=SM_SCALE), sync,
+                                          repeats=100)
     return cell
 
 
@@ -219,6 +226,9 @@ def flashinfer_cell(fi, heads, kv_dtype, table, sets, q_lens, kv_lens, page, n_l
     n = len(sets)
     t = timing.torch_graph([lambda i=i: call(i % n) for i in range(n_launch)], warmup=5, reps=reps)
     cell.update(status="ok", us=t.time_us, min_us=t.min_us, max_us=t.max_us, method=t.method)
+    import torch
+
+    cell["run_host_us"] = timing.host_us(lambda: call(0), torch.cuda.synchronize, repeats=100)
     return cell
 
 
@@ -297,6 +307,10 @@ def main(argv=None):
                      else f" | FlashInfer {peer['us']:8.1f} us")
         elif peer:
             text += f" | FlashInfer {peer.get('status')}"
+        if "run_host_us" in ours:
+            text += f" | host run {ours['run_host_us']:.1f} plan {ours['plan_host_us']:.1f} us"
+            if "run_host_us" in peer:
+                text += f" (FlashInfer run {peer['run_host_us']:.1f})"
         text += f"   [{', '.join(ours.get('kernels', []))}]"
         print(text, flush=True)
         lines.append(text)

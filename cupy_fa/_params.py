@@ -85,12 +85,14 @@ def make(struct_name, **values):
 _STRUCT_CODES = {("u", 8): "Q", ("i", 8): "q", ("u", 4): "I", ("i", 4): "i", ("f", 4): "f", ("f", 8): "d"}
 
 
-def field_setter(struct_name, fields):
+def field_setter(struct_name, fields, dtypes=None):
     """``write(buffer, values)``: packs ``values`` into ``fields`` of a ``struct_name`` struct held
     in ``buffer`` (a writable byte view of one packed struct), each in its own little-endian
     standard-size format (uint64 pointers as 8 bytes: struct's ``L`` would be 4); fields that
-    follow one another in the struct with no padding between them go in one ``pack_into``."""
-    dtype = DTYPES[struct_name]
+    follow one another in the struct with no padding between them go in one ``pack_into``.
+    ``dtypes``: the mirrors the struct is named in (default this module's; the MLA family's are
+    cupy_fa._mla_params.DTYPES)."""
+    dtype = (DTYPES if dtypes is None else dtypes)[struct_name]
     groups = []  # [offset, format codes, value count]
     for name in fields:
         field, offset = dtype.fields[name][:2]

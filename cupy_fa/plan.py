@@ -142,20 +142,21 @@ class PlanBuffers:
 
 
 _PLAN = _params.DTYPES["PlanParams"]
-_PLAN_CONSTANTS = ("block_m", "block_n", "long_q_len", "long_block_m", "long_block_n", "split_size", "max_splits",
-                   "small_q_len", "split_row_budget", "splits_per_cta", "fold_splits")
+# PlanParams' policy fields (schedule.plan_constants; MLA's: cupy_fa.mla.schedule.plan_constants), in the struct's order
+PLAN_CONSTANTS = ("block_m", "block_n", "long_q_len", "long_block_m", "long_block_n", "split_size", "max_splits",
+                  "small_q_len", "split_row_budget", "splits_per_cta", "fold_splits")
 
 
 # (in the struct's order: batch_size .. max_kv_len are one run of int32s, packed in one call)
-_set_plan = _params.field_setter("PlanParams", ("batch_size", "group_size") + _PLAN_CONSTANTS
+_set_plan = _params.field_setter("PlanParams", ("batch_size", "group_size") + PLAN_CONSTANTS
                                  + ("max_q_len", "max_kv_len", "window"))
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_constants(tile, long_tile, knobs_in_force):
-    """schedule.plan_constants' values in _PLAN_CONSTANTS order, once per (tiles, knobs)."""
+    """schedule.plan_constants' values in PLAN_CONSTANTS order, once per (tiles, knobs)."""
     found = schedule.plan_constants(tile, long_tile)
-    return tuple(int(found[f]) for f in _PLAN_CONSTANTS)
+    return tuple(int(found[f]) for f in PLAN_CONSTANTS)
 
 
 # ---- a planned step -------------------------------------------------------------------

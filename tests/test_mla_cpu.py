@@ -328,11 +328,12 @@ def test_launch_step_fills_every_field(monkeypatch, heads, q_lens, kv_lens, arch
     cache = types.SimpleNamespace(kernel_fields=lambda: dict(cache=0xCAC0, page_size=64, page_shift=6, num_pages=999,
                                                              kv_scale=0))
     calls = []
-    monkeypatch.setattr(_build, "launch", lambda kernel, grid, params, stream, programmatic=False:
-                        calls.append((kernel, tuple(grid), params, programmatic)))
+    monkeypatch.setattr(_build, "launch_packed", lambda launch, stream_ptr: calls.append(
+        (launch.kernel, launch.grid, launch.packed[0].copy(), launch.programmatic)))
     tokens = int(np.sum(q_lens))
     q = ((0x1000, (heads * 576, 576)), (0x1000 + 1024, (heads * 576, 576)))
-    mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, _Buf(), _Buf(), tokens, None)
+    mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, _Buf(), _Buf(), tokens,
+                           types.SimpleNamespace(ptr=0), 0)
     attention = [c for c in calls if c[0].source != "shared/merge.cu"]
     assert [c[1] for c in attention] == [(x.work_grid,) for x in sched.launches]
     for (kernel, _, params, programmatic), launch in zip(attention, sched.launches):
@@ -363,6 +364,120 @@ def _lib_fast_div(d):
     from cupy_fa import _params
 
     return _params.fast_divisor(d)
+
+
+@pytest.mark.parametrize("heads,kv_fp8,arch", [(128, False, "sm_90a"), (16, True, "sm_90a"), (8, False, "sm_90a"),
+                                               (128, False, "sm_80")])
+def test_memoised_schedules_are_fresh_ones(heads, kv_fp8, arch):
+    """Over random batches (decode, verify, draft extend, prefill, mixed; lengths moved within and
+    across split boundaries), each memoised MLA schedule equals schedule_step's, and a batch whose
+    lengths moved within their splits hits the memo."""
+    rng = np.random.default_rng(5 + heads + kv_fp8)
+    memo = mla_schedule.ScheduleMemo(heads, kv_fp8)
+    split = mla_schedule.split_size(heads)
+    for trial in range(60):
+        b = int(rng.integers(1, 40))
+        q = rng.choice([0, 1, 1, 4, 8, 16, 17, 100, 300, 2048], size=b).astype(np.int64 if trial % 2 else np.int32)
+        kv = (q + rng.integers(0, 40000, size=b)).astype(q.dtype)
+        for moved in (kv, kv + (split - 1 - (kv - 1) % split) * (kv % split != 0), kv + 1, kv + split):
+            moved = np.maximum(moved, q).astype(q.dtype)
+            fresh = mla_schedule.schedule_step(heads, kv_fp8, arch, q_lens=q, kv_lens=moved)
+            assert memo.step(arch, q, moved) == fresh, (q, moved)
+    hits = memo.hits
+    q, kv = np.ones(8, np.int64), np.full(8, 3 * split + 5, np.int64)
+    memo.step(arch, q, kv)
+    memo.step(arch, q, kv + 1)  # one more key in the same split: the same schedule
+    assert memo.hits == hits + 1
+
+
+def test_the_plan_launch_holds_plan_params(monkeypatch):
+    """The plan kernel's packed struct, rewritten in place step after step (other batches, head
+    counts' schedules, bounds), holds what plan_params gives, field for field; new buffers, a new one."""
+    import types
+
+    from cupy_fa.mla.plan import PlanLaunch, plan_params
+
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "key_base")
+
+    def new_buffers():
+        return types.SimpleNamespace(**{n: _Buf() for n in names}, partial_out=_Buf((5000, 8, 512)), device_id=0)
+
+    plan_launch, buffers = PlanLaunch(), new_buffers()
+    rng = np.random.default_rng(3)
+    for i in range(8):
+        if i == 5:
+            buffers = new_buffers()
+        heads, arch = [(128, "sm_90a"), (8, "sm_90a"), (16, "sm_80")][i % 3]
+        b = int(rng.integers(1, 30))
+        q = rng.choice([1, 4, 300], size=b)
+        kv = q + rng.integers(0, 9000, size=b)
+        sched = mla_schedule.schedule_step(heads, bool(i % 2), arch, q_lens=q, kv_lens=kv)
+        max_q, max_kv = int(q.max()), int(kv.max()) + i
+        launch = plan_launch(buffers, b, heads, sched, max_q, max_kv)
+        assert _fields(launch.packed[0]) == _fields(plan_params(buffers, b, heads, sched, max_q, max_kv)), f"step {i}"
+        assert launch is plan_launch(buffers, b, heads, sched, max_q, max_kv)
+
+
+def _fields(record):
+    """Every field of a packed struct by name (its padding bytes are no field)."""
+    return tuple((name, record[name].item()) for name in record.dtype.names)
+
+
+def test_prepared_launches_hold_the_full_fill(monkeypatch):
+    """A plan's packed structs, updated in place run after run (new q / out / lse, strides, another
+    cache, another token count, a plan of the same shape reusing them), hold what a fresh fill of every
+    field gives, field for field, attention and merge alike."""
+    import types
+
+    from cupy_fa import _build, _mla_params, _params, plan
+    from cupy_fa.mla import launch as mla_launch
+    from cupy_fa.mla.plan import MlaPlanState
+
+    rng = np.random.default_rng(7)
+    names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
+             "num_splits", "split_keys", "status", "custom_mask", "partial_out", "partial_lse", "key_base")
+    buffers = types.SimpleNamespace(**{n: _Buf() for n in names}, page_table=_Buf((3, 300)))
+    heads, q_lens, kv_lens = 8, np.array([4, 200, 1]), np.array([4000, 900, 10])  # two lists, a merge
+    sched = mla_schedule.schedule_step(heads, False, "sm_90a", q_lens=q_lens, kv_lens=kv_lens)
+    assert len(sched.launches) == 2 and sched.needs_merge
+    launched = []
+    monkeypatch.setattr(_build, "launch_packed", lambda launch, stream_ptr: launched.append(launch))
+
+    def new_state():
+        return MlaPlanState(3, int(q_lens.sum()), sched, plan.MASK_CAUSAL, 0.0721, types.SimpleNamespace(page_columns=300),
+                            None, None, page_table_stride=177)
+
+    def new_cache(base):
+        fields = dict(cache=base, page_size=16, page_shift=4, num_pages=int(rng.integers(1, 1 << 20)), kv_scale=base + 8)
+        return types.SimpleNamespace(kernel_fields=lambda: dict(fields))
+
+    state, cache = new_state(), new_cache(0xCAC0)
+    for i in range(6):
+        if i == 3:
+            cache = new_cache(0xBEE0)
+        if i == 4:  # the next step's plan, same shape: the same packed launches
+            previous, state = state, new_state()
+            assert previous.prepared.matches(state, buffers, 0)
+            state.prepared = previous.prepared
+        tokens = int(q_lens.sum()) - (i == 5)
+        q = tuple((int(rng.integers(1, 1 << 40)) * 16, (int(rng.integers(1, 1 << 20)), int(rng.integers(1, 4096))))
+                  for _ in range(2))
+        out, lse = _Buf(), (_Buf() if i % 2 else None)
+        launched.clear()
+        mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, out, lse, tokens,
+                               types.SimpleNamespace(ptr=0), 0)
+        attention, merge = launched[:-1], launched[-1]
+        head_div = _params.fast_divisor(heads)
+        lse_ptr = lse.data.ptr if lse is not None else 0
+        for packed, launch in zip(attention, sched.launches):
+            want = mla_launch.attention_params(state, buffers, launch, heads, head_div, cache.kernel_fields(), q,
+                                               out.data.ptr, lse_ptr, tokens)
+            assert packed.packed.dtype == _mla_params.DTYPES["MlaParams"]
+            assert _fields(packed.packed[0]) == _fields(want), f"run {i}"
+        assert merge.programmatic and merge.grid == tuple(mla_schedule.merge_grid(tokens, heads)[1])
+        want = mla_launch.merge_params(state, buffers, heads, out.data.ptr, lse_ptr)
+        assert _fields(merge.packed[0]) == _fields(want), f"run {i}"
 
 
 def test_the_wgmma_knob_keeps_every_step_on_mma_sync():

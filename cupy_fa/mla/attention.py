@@ -24,7 +24,7 @@ from ..families import mla as family
 from . import schedule as _schedule
 from .cache import PagedLatentCache, check_rows
 from .launch import launch_step, step_kernels
-from .plan import MlaPlanState, plan_buffers, plan_params
+from .plan import MlaPlanState, PlanLaunch, plan_buffers
 
 DEFAULT_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's qk head (nope 128 + rope 64) before absorption
 
@@ -76,6 +76,8 @@ class MLAAttention(PlannedInstance):
         capacity = checked_capacity(max_batch_size, max_num_tokens, max_pages_per_request, max_mask_bytes)
         self._workspace = checked_workspace(workspace_bytes)
         self._loaded = None  # the kernels of the last step planned, loaded on this device (_load)
+        self._memo = _schedule.ScheduleMemo(self.num_heads, self.kv_dtype_name == _arrays.FP8)  # host-length plans
+        self._plan_launch = PlanLaunch()
         self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 
     def _new_buffers(self, capacity):
@@ -139,7 +141,7 @@ class MLAAttention(PlannedInstance):
         buffers = self._buffers
         arch = _build.current_arch(self.device_id)
         if step.on_host:
-            sched = _schedule.schedule_step(self.num_heads, self.kv_fp8, arch, q_lens=step.q_host, kv_lens=step.kv_host)
+            sched = self._memo.step(arch, step.q_host, step.kv_host)
             kv_bound = int(step.kv_host.max()) if step.batch else 0
             self._check_partials(sched.partial_rows)
         else:
@@ -149,14 +151,17 @@ class MLAAttention(PlannedInstance):
         from .. import catalog
 
         self._load(catalog.PLAN_KERNEL, sched, step.num_tokens)
-        with stream:
-            params = plan_params(buffers, step.batch, self.num_heads, sched, step.max_q_len, min(kv_bound, 2**31 - 1))
-            _build.launch(catalog.PLAN_KERNEL, (1,), params, stream)
+        _build.launch_packed(self._plan_launch(buffers, step.batch, self.num_heads, sched, step.max_q_len,
+                                               min(kv_bound, 2**31 - 1)), stream.ptr)
         done = None if stream.is_capturing() else stream.record()
-        self._plan = MlaPlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale, step, stream, done,
-                                  mask_entries=step.mask_bytes if step.has_mask else 0,
-                                  check=_knobs.knobs().debug if check is None else bool(check),
-                                  page_table_stride=page_table_stride)
+        previous = self._plan
+        self._plan = state = MlaPlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale, step, stream, done,
+                                          mask_entries=step.mask_bytes if step.has_mask else 0,
+                                          check=_knobs.knobs().debug if check is None else bool(check),
+                                          page_table_stride=page_table_stride)
+        if previous is not None and previous.prepared is not None and previous.prepared.matches(state, buffers,
+                                                                                               self.device_id):
+            state.prepared = previous.prepared  # (a step of the same shape: its packed launches)
 
     def _load(self, plan_kernel, sched, num_tokens):
         """The plan kernel and every kernel ``sched`` may launch (``launch.step_kernels``), those missing
@@ -242,7 +247,8 @@ class MLAAttention(PlannedInstance):
                     raise ValueError("lse must be given to return it inside a CUDA-graph capture")
                 lse_dev = cupy.empty((num_tokens, h), np.float32)
             self._after_plan(state, stream, capturing)
-            launch_step(state, self._buffers, h, self.dtype_name, cache, queries, out_dev, lse_dev, num_tokens, stream)
+            launch_step(state, self._buffers, h, self.dtype_name, cache, queries, out_dev, lse_dev, num_tokens, stream,
+                        self.device_id)
         result = out if out is not None else _arrays.to_caller(out_dev, q)
         if return_lse:
             return result, (lse if lse is not None else _arrays.to_caller(lse_dev, q))

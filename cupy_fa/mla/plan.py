@@ -50,6 +50,34 @@ def plan_params(buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len)
         key_base=buffers.key_base.data.ptr, window=0)
 
 
+_PLAN = _lib_params.DTYPES["PlanParams"]
+_set_step = _lib_params.field_setter("PlanParams", ("batch_size", "group_size") + _plan.PLAN_CONSTANTS
+                                     + ("max_q_len", "max_kv_len"))
+
+
+class PlanLaunch:
+    """The plan kernel's launch of one MLA instance: a :class:`cupy_fa._build.PackedLaunch` of
+    :func:`plan_params`' bytes per set of buffers, each step's fields (batch size, heads, the
+    schedule's policy constants, the bounds) rewritten in place, so a plan launches it with one
+    driver call."""
+
+    def __init__(self):
+        self.buffers = self.launch = None
+
+    def __call__(self, buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len):
+        if self.buffers is not buffers:
+            packed = np.array([plan_params(buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len)], _PLAN)
+            from .. import _build, catalog
+
+            self.launch = _build.PackedLaunch(catalog.PLAN_KERNEL, (1,), packed, buffers.device_id)
+            self.buffers = buffers
+            return self.launch
+        constants = _schedule.plan_constants(schedule)
+        _set_step(self.launch.raw, (batch_size, num_heads) + tuple(constants[f] for f in _plan.PLAN_CONSTANTS)
+                  + (int(max_q_len), int(max_kv_len)))
+        return self.launch
+
+
 @dataclasses.dataclass
 class MlaPlanState:
     """A planned MLA step as the host knows it (``MLAAttention.planned``)."""
@@ -66,3 +94,4 @@ class MlaPlanState:
     page_table_stride: int = 0  # entries between page-table rows in the buffer (stage_inputs' dense rows)
     checked_geometry: set = dataclasses.field(default_factory=set)
     other_streams: dict = dataclasses.field(default_factory=dict)
+    prepared: object = None     # its launches packed (cupy_fa.mla.launch.PreparedStep), made at the first run
