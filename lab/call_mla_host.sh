@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU call (prepared 2026-12-08, twenty-seventh stop) for the branch mla-host-path: the MLA GPU tests of
+# One GPU call (prepared 2026-12-08, twenty-seventh stop) for the MLA host path (branch mla-host-path, merged): the MLA GPU tests of
 # this tree, then MLA host time per call (lab/mla_host_ab.py) of main's tree (exp/base: made before the call
-# by `rm -rf exp && mkdir -p exp/base && git archive main | tar -x -C exp/base`, untracked, it travels) and
+# by `rm -rf exp && mkdir -p exp/base && git archive 0e83f75 | tar -x -C exp/base`: main before the merge; untracked, it travels) and
 # this one, interleaved, two rounds; then bench.mla of both with digests (the same bits) and this tree's
 # host columns. About 200 s.
 CALL_DEFAULT=${CALL_SECONDS:-240} . lab/call_begin.sh
