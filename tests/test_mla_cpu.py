@@ -332,7 +332,7 @@ def test_launch_step_fills_every_field(monkeypatch, heads, q_lens, kv_lens, arch
         (launch.kernel, launch.grid, launch.packed[0].copy(), launch.programmatic)))
     tokens = int(np.sum(q_lens))
     q = ((0x1000, (heads * 576, 576)), (0x1000 + 1024, (heads * 576, 576)))
-    mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, _Buf(), _Buf(), tokens,
+    mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, _Buf().data.ptr, _Buf().data.ptr, tokens,
                            types.SimpleNamespace(ptr=0), 0)
     attention = [c for c in calls if c[0].source != "shared/merge.cu"]
     assert [c[1] for c in attention] == [(x.work_grid,) for x in sched.launches]
@@ -465,11 +465,11 @@ def test_prepared_launches_hold_the_full_fill(monkeypatch):
                   for _ in range(2))
         out, lse = _Buf(), (_Buf() if i % 2 else None)
         launched.clear()
-        mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, out, lse, tokens,
+        lse_ptr = lse.data.ptr if lse is not None else 0
+        mla_launch.launch_step(state, buffers, heads, "bfloat16", cache, q, out.data.ptr, lse_ptr, tokens,
                                types.SimpleNamespace(ptr=0), 0)
         attention, merge = launched[:-1], launched[-1]
         head_div = _params.fast_divisor(heads)
-        lse_ptr = lse.data.ptr if lse is not None else 0
         for packed, launch in zip(attention, sched.launches):
             want = mla_launch.attention_params(state, buffers, launch, heads, head_div, cache.kernel_fields(), q,
                                                out.data.ptr, lse_ptr, tokens)

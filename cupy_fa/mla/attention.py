@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from .. import _arrays, _build, knobs as _knobs, plan as _plan
+from .. import _arrays, _build, _views, knobs as _knobs, plan as _plan
 from .._instance import PlannedInstance, checked_capacity, checked_workspace
 from ..families import mla as family
 from . import schedule as _schedule
@@ -27,6 +27,7 @@ from .launch import launch_step, step_kernels
 from .plan import MlaPlanState, PlanLaunch, plan_buffers
 
 DEFAULT_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's qk head (nope 128 + rope 64) before absorption
+_RUN_NAMES = ("q", "q_pe", "out", "lse")
 
 
 class MLAAttention(PlannedInstance):
@@ -70,6 +71,7 @@ class MLAAttention(PlannedInstance):
                              f"(DeepSeek V2 / V3 / R1, Kimi K2), got {kv_lora_rank!r} and {qk_rope_head_dim!r}")
         self.num_heads = int(num_heads)
         self.dtype_name = _arrays.resolve_dtype(dtype)
+        self._np_dtype = _arrays.DTYPES[self.dtype_name]
         self.kv_dtype_name = self.dtype_name if kv_dtype is None else _arrays.resolve_kv_dtype(kv_dtype, "kv_dtype")
         if self.kv_dtype_name not in (self.dtype_name, _arrays.FP8):
             raise TypeError(f"kv_dtype must be dtype ({self.dtype_name}) or float8_e4m3fn, got {self.kv_dtype_name}")
@@ -219,53 +221,56 @@ class MLAAttention(PlannedInstance):
         if cache.dtype_name != self.kv_dtype_name:
             raise TypeError(f"cache dtype is {cache.dtype_name}, this MLAAttention was built for kv_dtype "
                             f"{self.kv_dtype_name}")
-        stream = _arrays.caller_stream(q, q_pe, out, lse, device_id=self.device_id)
-        with stream:
-            q_dev = _arrays.to_cupy(q, "q")
-            pe_dev = _arrays.to_cupy(q_pe, "q_pe") if q_pe is not None else None
-            out_dev = _arrays.to_cupy(out, "out") if out is not None else None
-            lse_dev = _arrays.to_cupy(lse, "lse") if lse is not None else None
-        queries, num_tokens = self._queries(q_dev, pe_dev, state)
+        # the arrays as views (cupy_fa._views: no DLPack exchange for CuPy and torch) and the caller's stream
+        stream, (q_view, pe_view, out_view, lse_view) = _views.intake((q, q_pe, out, lse), _RUN_NAMES, self.device_id,
+                                                                      stream_from=4)
+        queries, num_tokens = self._queries(q_view, pe_view, state)
         if cache.device_id != self.device_id:
             raise ValueError(f"cache is on device {cache.device_id}, expected device {self.device_id} ({self._bound_text})")
-        h = self.num_heads
-        if out_dev is not None:
-            _arrays.check_device_array(out_dev, "out", dtype=self.dtype_name, ndim=3, shape=(num_tokens, h, 512),
-                                       device_id=self.device_id, align=16, bound=self._bound_text)
-        if lse_dev is not None:
-            _arrays.check_device_array(lse_dev, "lse", dtype=np.float32, ndim=2, shape=(num_tokens, h),
-                                       device_id=self.device_id, align=4, bound=self._bound_text)
+        h, device = self.num_heads, self.device_id
+        if out_view is not None and not out_view.fits(self._np_dtype, (num_tokens, h, 512), device, 16):
+            _arrays.check_device_array(out_view, "out", dtype=self.dtype_name, ndim=3, shape=(num_tokens, h, 512),
+                                       device_id=device, align=16, bound=self._bound_text)
+        if lse_view is not None and not lse_view.fits(np.float32, (num_tokens, h), device, 4):
+            _arrays.check_device_array(lse_view, "lse", dtype=np.float32, ndim=2, shape=(num_tokens, h),
+                                       device_id=device, align=4, bound=self._bound_text)
         self._check_pages(state, cache)
         capturing = stream.is_capturing()
+        out_dev = lse_dev = None
         with stream:
-            if out_dev is None:
+            if out_view is None:
                 if capturing:
                     raise ValueError("out must be given when running inside a CUDA-graph capture")
-                out_dev = cupy.empty((num_tokens, h, 512), _arrays.DTYPES[self.dtype_name])
-            if return_lse and lse_dev is None:
+                out_dev = cupy.empty((num_tokens, h, 512), self._np_dtype)
+            if return_lse and lse_view is None:
                 if capturing:
                     raise ValueError("lse must be given to return it inside a CUDA-graph capture")
                 lse_dev = cupy.empty((num_tokens, h), np.float32)
             self._after_plan(state, stream, capturing)
-            launch_step(state, self._buffers, h, self.dtype_name, cache, queries, out_dev, lse_dev, num_tokens, stream,
-                        self.device_id)
+            out_ptr = out_view.ptr if out_view is not None else out_dev.data.ptr
+            lse_ptr = lse_view.ptr if lse_view is not None else (lse_dev.data.ptr if lse_dev is not None else 0)
+            launch_step(state, self._buffers, h, self.dtype_name, cache, queries, out_ptr, lse_ptr, num_tokens, stream,
+                        device)
         result = out if out is not None else _arrays.to_caller(out_dev, q)
         if return_lse:
             return result, (lse if lse is not None else _arrays.to_caller(lse_dev, q))
         return result
 
     def _queries(self, q_dev, pe_dev, state):
-        """((q_nope pointer, (token, head) strides), (q_pe pointer, strides)) in elements, checked."""
+        """((q_nope pointer, (token, head) strides), (q_pe pointer, strides)) in elements, checked
+        (``q_dev`` / ``pe_dev``: views, cupy_fa._views.View)."""
         h, bound = self.num_heads, self._bound_text
         width = 576 if pe_dev is None else 512
         if q_dev.ndim != 3 or q_dev.shape[1:] != (h, width):
             what = "[T, H, 576] (or q_nope [T, H, 512] with q_pe)" if pe_dev is None else "q_nope [T, H, 512]"
             raise ValueError(f"q must be {what} with H = {h}, got shape {tuple(q_dev.shape)}")
         parts = [("q", q_dev)] + ([("q_pe", pe_dev)] if pe_dev is not None else [])
+        strides = []  # each array's in bytes, read once
         for name, x in parts:
-            if x.dtype != _arrays.DTYPES[self.dtype_name]:
+            if x.dtype != self._np_dtype:
                 raise TypeError(f"{name} must have dtype {self.dtype_name}, got {_arrays.dtype_name(x.dtype)}")
-            check_rows(x, name, self.device_id, bound)
+            strides.append(x.strides)
+            check_rows(x, name, self.device_id, bound, strides[-1])
         num_tokens = int(q_dev.shape[0])
         if pe_dev is not None and pe_dev.shape != (num_tokens, h, 64):
             raise ValueError(f"q_pe must be [T, H, 64] = {(num_tokens, h, 64)}, got {tuple(pe_dev.shape)}")
@@ -273,10 +278,10 @@ class MLAAttention(PlannedInstance):
             raise ValueError(f"q has {num_tokens} tokens, the plan's sum(q_lens) is {state.num_tokens}")
         if state.num_tokens is None and num_tokens > self._buffers.capacity.max_num_tokens:
             raise ValueError(f"q has {num_tokens} tokens, more than max_num_tokens {self._buffers.capacity.max_num_tokens}")
-        item = q_dev.itemsize
-        strides = lambda x: (x.strides[0] // item, x.strides[1] // item)
-        nope = (q_dev.data.ptr, strides(q_dev))
-        pe = (pe_dev.data.ptr, strides(pe_dev)) if pe_dev is not None else (q_dev.data.ptr + 512 * item, strides(q_dev))
+        item = q_dev.dtype.itemsize
+        in_elements = [(st[0] // item, st[1] // item) for st in strides]
+        nope = (q_dev.ptr, in_elements[0])
+        pe = (pe_dev.ptr, in_elements[1]) if pe_dev is not None else (q_dev.ptr + 512 * item, in_elements[0])
         return (nope, pe), num_tokens
 
     def _check_pages(self, state, cache):

@@ -209,14 +209,16 @@ def _rows(x, name, width, dtype_name, device_id):
     return x
 
 
-def check_rows(x, name, device_id, bound="the device of this cache"):
-    """A strided device view whose rows the kernels move in 16-byte pieces: its last dimension
+def check_rows(x, name, device_id, bound="the device of this cache", strides=None):
+    """A strided device view (a CuPy array or a cupy_fa._views.View; ``strides``: its strides in bytes,
+    where the caller has read them) whose rows the kernels move in 16-byte pieces: its last dimension
     contiguous, every row start on a 16-byte boundary (base pointer and strides), on ``device_id``."""
     if x.size == 0:
         return
-    if x.strides[-1] != x.itemsize:
-        raise ValueError(f"{name} must have a contiguous last dimension (got strides {x.strides})")
-    if x.data.ptr % 16 or any(s % 16 for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1):
+    strides = x.strides if strides is None else strides
+    if strides[-1] != x.dtype.itemsize:
+        raise ValueError(f"{name} must have a contiguous last dimension (got strides {strides})")
+    if x.data.ptr % 16 or any(s % 16 for s, n in zip(strides[:-1], x.shape[:-1]) if n > 1):
         raise ValueError(f"{name}'s rows must start on 16-byte boundaries (address {x.data.ptr:#x}, strides "
-                         f"{x.strides})")
+                         f"{strides})")
     _arrays.check_device(x, name, device_id, bound)

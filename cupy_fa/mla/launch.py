@@ -107,16 +107,16 @@ class PreparedStep:
         return self.buffers is buffers and self.device_id == device_id and self.signature == signature(state)
 
 
-def launch_step(state, buffers, num_heads, dtype_name, cache, q, out, lse, num_tokens, stream, device_id):
+def launch_step(state, buffers, num_heads, dtype_name, cache, q, out_ptr, lse_ptr, num_tokens, stream, device_id):
     """Every kernel of a planned step on ``stream`` (CuPy's current device must be ``device_id``, the
-    buffers'): nothing for an empty step. ``q``: (q_nope pointer, strides), (q_pe pointer, strides)."""
+    buffers'): nothing for an empty step. ``q``: (q_nope pointer, strides), (q_pe pointer, strides);
+    ``out_ptr`` / ``lse_ptr``: addresses (0: no lse)."""
     if state.batch_size == 0 or num_tokens == 0:
         return
     prepared = state.prepared
     if prepared is None or prepared.buffers is not buffers or prepared.device_id != device_id:
         prepared = state.prepared = PreparedStep(state, buffers, num_heads, dtype_name, device_id)
     (nope_ptr, nope_strides), (pe_ptr, pe_strides) = q
-    out_ptr, lse_ptr = out.data.ptr, (lse.data.ptr if lse is not None else 0)
     run = (nope_ptr, pe_ptr, out_ptr, lse_ptr) + tuple(nope_strides) + tuple(pe_strides)
     new_run, new_cache = run != prepared.run, prepared.cache is not cache
     new_tokens = prepared.num_tokens != num_tokens
