@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The first call of the next stop (after 2026-12-07, twenty-sixth stop), by the card it lands on: on an
-# H200 the closing check (lab/call_final.sh: bench.host, device_check.sh all, bench.mla beside FlashInfer;
-# .fi and .sgl carried): issue 41's bars are H200 figures. On any other card issue 42's prefill table with
-# the soft-capped cell beside FlashInfer's first (lab/call_prefill_table.sh; its JIT build was cut before).
+# The first call of the next stop (after 2026-12-08, twenty-seventh stop), by the card it lands on: on an
+# H200 the closing check (lab/call_final.sh: bench.host, device_check.sh all, bench.mla beside FlashInfer with
+# its host columns; .fi and .sgl carried): issue 41's bars are H200 figures. On any other card
+# `device_check.sh all` alone: main's MLA host path and nine MLA GPU test cases have run on no GPU yet.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 if echo "$gpu" | grep -q H200; then
   HOST_SECONDS=70 AFTER_CHECK=5 CALL_SECONDS=${CALL_SECONDS:-585} exec bash lab/call_final.sh
 fi
-CELLS=${CELLS:-"prefill_b4_l4096_cap50 prefill_b4_l4096 prefill_b4_l4096_fp8 prefill_b2_l8192 prefill_b2_l8192_fp8"} \
-  WARMUP=0 CALL_SECONDS=${CALL_SECONDS:-420} exec bash lab/call_prefill_table.sh
+. lab/call_budget.sh
+echo "== $gpu"
+CHECK_SECONDS=$(( ${CALL_SECONDS:-585} - 15 )) TEST_SECONDS=330 OUT=$OUT/check bash scripts/device_check.sh all \
+  > "$OUT/check.log" 2>&1
+echo "== device_check.sh all: exit $? at $(( $(date +%s) - t0 )) s"
+sed -n '/device_check summary/,$p' "$OUT/check.log" | cut -c1-260
