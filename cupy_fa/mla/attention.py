@@ -52,7 +52,7 @@ class MLAAttention(PlannedInstance):
             CUDA device here. TypeError: a dtype other than float16 / bfloat16, a kv_dtype other than
             ``dtype`` or float8_e4m3fn. RuntimeError: capacities given where there is no usable device.
 
-    Which kernel runs (cupy_fa.mla.schedule): the sm_90a seesaw kernel (wgmma) for a 16-bit cache at
+    Which kernel runs (cupy_fa.mla.schedule): the sm_90a seesaw kernel (wgmma, a 16-bit or fp8 cache) at
     16 heads or more and for long requests, else the mma.sync tile; a token's bits are the same in
     decode and in verify / draft extend of up to 16 tokens by construction (docs/design.md,
     "Multi-head latent attention"; tests/test_mla_gpu.py checks it).
