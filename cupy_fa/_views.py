@@ -15,6 +15,7 @@ DLPack exchange did; the kernels are ordered on the caller's stream either way. 
 imported here unless the caller already passed a torch tensor.
 """
 
+import math
 import sys
 
 import numpy as np
@@ -41,7 +42,7 @@ class View:
 
     @property
     def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def flags(self):

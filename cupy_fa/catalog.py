@@ -64,6 +64,7 @@ def merge_states_kernel(dtype_name):
                   MERGE_STATES_THREADS)
 
 
+@functools.lru_cache(maxsize=None)
 def append_kernel(index_dtype, quantize_from=None):
     """The append kernel for slots of ``index_dtype``: a copy, or (``quantize_from``: the new
     rows' dtype name) the fp8 cache's quantising one."""

@@ -8,10 +8,15 @@ An fp8 cache (dtype ``float8_e4m3fn``) holds e4m3fn bytes and a scale per KV hea
 one for V: a key's value is ``e4m3(byte) * k_scale[head]`` (docs/design.md, "fp8 KV cache").
 """
 
+import threading
+
 import numpy as np
 
-from . import _arrays, _build, _params, catalog
+from . import _arrays, _build, _params, _views, catalog
 from .families.common import HEAD_DIM_PAIRS
+
+_APPEND = _params.DTYPES["AppendParams"]
+_set_append = _params.field_setter("AppendParams", ("k_new", "v_new", "slots", "num_tokens"))
 
 
 class PagedKVCache:
@@ -102,6 +107,9 @@ class PagedKVCache:
         import cupy
 
         self._device = cupy.cuda.Device(self.device_id)  # made current by append and status
+        # the append kernel's packed launches (by kernel and K / V array), their per-call fields rewritten
+        # under a lock (two threads appending to one cache do not share a half-written struct)
+        self._append_launches, self._append_lock = {}, threading.Lock()
         with self._device:  # the append kernel's status word (status.cuh)
             self._status = all_ones_word()
             if fp8:
@@ -206,49 +214,65 @@ class PagedKVCache:
             self._append(k_new, v_new, slots)
 
     def _append(self, k_new, v_new, slots):
-        stream = _arrays.caller_stream(k_new, v_new, slots, device_id=self.device_id)
-        with stream:  # DLPack exchange on the caller's stream (a capture must see no foreign stream)
-            k_dev = _arrays.to_cupy(k_new, "k_new")
-            v_dev = _arrays.to_cupy(v_new, "v_new")
-            host, dev = _arrays.host_or_device_ints(slots, "slots", 1)
-        row = (None, self.num_kv_heads, self.head_dim)
+        stream, (k_view, v_view), host, dev = append_intake((k_new, v_new), ("k_new", "v_new"), slots, self.device_id)
         new_dtype = self.dtype_name
         if self.is_fp8:  # the new rows' own 16-bit type, quantised by the kernel
             try:
-                new_dtype = _arrays.resolve_dtype(k_dev.dtype, "k_new.dtype")
+                new_dtype = _arrays.resolve_dtype(k_view.dtype, "k_new.dtype")
             except TypeError:
                 raise TypeError(f"k_new must be float16 or bfloat16 to append to a float8_e4m3fn cache (quantised "
-                                f"on the fly), got {_arrays.dtype_name(k_dev.dtype)}") from None
-        bound = "the device of this cache"
-        _arrays.check_device_array(k_dev, "k_new", dtype=new_dtype, ndim=3, shape=row, device_id=self.device_id,
-                                   bound=bound)
-        v_row = tuple(k_dev.shape[:2]) + (self.head_dim_v,)
-        _arrays.check_device_array(v_dev, "v_new", dtype=new_dtype, shape=v_row, device_id=self.device_id,
-                                   bound=bound)
-        num_tokens = int(k_dev.shape[0])
+                                f"on the fly), got {_arrays.dtype_name(k_view.dtype)}") from None
+        bound, dtype = "the device of this cache", _arrays.DTYPES[new_dtype]
+        row = (k_view.shape[0] if k_view.ndim == 3 else None, self.num_kv_heads, self.head_dim)
+        if not k_view.fits(dtype, row, self.device_id, 16):
+            _arrays.check_device_array(k_view, "k_new", dtype=new_dtype, ndim=3, shape=row, device_id=self.device_id,
+                                       bound=bound)
+        v_row = tuple(k_view.shape[:2]) + (self.head_dim_v,)
+        if not v_view.fits(dtype, v_row, self.device_id, 16):
+            _arrays.check_device_array(v_view, "v_new", dtype=new_dtype, shape=v_row, device_id=self.device_id,
+                                       bound=bound)
+        num_tokens = int(k_view.shape[0])
         dev = staged_slots(host, dev, num_tokens, "k_new", self.num_slots, self.device_id, stream)
         if num_tokens == 0:
             return
+        slots_ptr = dev.data.ptr
         if self.head_dim_v != self.head_dim:  # rows of two widths: the copy kernel once per array (K, then V)
-            for new, cache, dim in ((k_dev, self.k, self.head_dim), (v_dev, self.v, self.head_dim_v)):
-                self._launch_append(new, new, cache, cache, dim, dev, num_tokens, new_dtype, stream)
+            for new, cache, dim in ((k_view, self.k, self.head_dim), (v_view, self.v, self.head_dim_v)):
+                self._launch_append(new.ptr, new.ptr, cache, cache, dim, dev.dtype, slots_ptr, num_tokens, new_dtype,
+                                    stream)
             return
-        self._launch_append(k_dev, v_dev, self.k, self.v, self.head_dim, dev, num_tokens, new_dtype, stream)
+        self._launch_append(k_view.ptr, v_view.ptr, self.k, self.v, self.head_dim, dev.dtype, slots_ptr, num_tokens,
+                            new_dtype, stream)
 
-    def _launch_append(self, k_dev, v_dev, k_cache, v_cache, head_dim, dev, num_tokens, new_dtype, stream):
-        """The append kernel: rows of ``head_dim`` from k_dev / v_dev into k_cache / v_cache at the
-        slots ``dev`` (with separate K / V widths, one array at a time: both pairs the same array)."""
-        row_chunks = self.num_kv_heads * head_dim // 8  # 16-byte chunks of a new row
+    def _launch_append(self, k_ptr, v_ptr, k_cache, v_cache, head_dim, slots_dtype, slots_ptr, num_tokens, new_dtype,
+                       stream):
+        """The append kernel: rows of ``head_dim`` from k_ptr / v_ptr into k_cache / v_cache at the
+        slots at ``slots_ptr`` (with separate K / V widths, one array at a time: both pairs the same
+        array), its struct packed once per (kernel, cache array) and its per-call fields rewritten."""
+        kernel = catalog.append_kernel(slots_dtype, new_dtype if self.is_fp8 else None)
+        key = (kernel, k_cache.data.ptr)
+        with self._append_lock:
+            launch = self._append_launches.get(key)
+            if launch is None:
+                packed = np.array([self.append_params(k_cache, v_cache, head_dim, k_new=0, v_new=0, slots=0,
+                                                      num_tokens=0)], _APPEND)
+                launch = self._append_launches[key] = _build.PackedLaunch(kernel, (1,), packed, self.device_id)
+            _set_append(launch.raw, (k_ptr, v_ptr, slots_ptr, num_tokens))
+            row_chunks = self.num_kv_heads * head_dim // 8
+            launch.set_grid(min((num_tokens * row_chunks + kernel.threads - 1) // kernel.threads, 65535))
+            _build.launch_packed(launch, stream.ptr)
+
+    def append_params(self, k_cache, v_cache, head_dim, *, k_new, v_new, slots, num_tokens):
+        """The ``AppendParams`` of one append launch (an ``np.void``), every field named: this cache's
+        arrays (``k_cache`` / ``v_cache``: the pair the launch writes, rows of ``head_dim``), its
+        status word and scales, and the call's rows, slots and token count (addresses)."""
         fp8 = self.is_fp8
-        params = _params.make(
-            "AppendParams", k_new=k_dev.data.ptr, v_new=v_dev.data.ptr, k_cache=k_cache.data.ptr,
-            v_cache=v_cache.data.ptr, slots=dev.data.ptr, num_slots=self.num_slots,
-            num_tokens=num_tokens, row_chunks=row_chunks, status=self._status.data.ptr,
+        return _params.make(
+            "AppendParams", k_new=k_new, v_new=v_new, k_cache=k_cache.data.ptr, v_cache=v_cache.data.ptr,
+            slots=slots, num_slots=self.num_slots, num_tokens=num_tokens,
+            row_chunks=self.num_kv_heads * head_dim // 8, status=self._status.data.ptr,
             k_scale=self.k_scale_device.data.ptr if fp8 else 0, v_scale=self.v_scale_device.data.ptr if fp8 else 0,
             head_chunks=head_dim // 8)
-        kernel = catalog.append_kernel(dev.dtype, new_dtype if fp8 else None)
-        blocks = min((num_tokens * row_chunks + kernel.threads - 1) // kernel.threads, 65535)
-        _build.launch(kernel, (blocks,), params, stream)
 
     def status(self):
         """The first device slot the appends since the last ``status()`` skipped because it lies
@@ -272,6 +296,28 @@ def page_shift(page_size):
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
+def append_intake(rows, names, slots, device_id):
+    """An append's arrays in one pass: ``(stream, views, host, dev)``: the caller's stream
+    (cupy_fa._views.intake's rule), the new rows as views (no DLPack exchange for CuPy and torch),
+    and its slots as ``_arrays.host_or_device_ints`` gives them (host NumPy int64, or a device array:
+    a view of a CuPy array or a torch CUDA tensor, else exchanged by DLPack on that stream)."""
+    kind = _views.kind_of(slots)
+    on_device = kind == _views.CUPY or (kind == _views.TORCH and slots.is_cuda)
+    arrays = tuple(rows) + ((slots,) if on_device else ())
+    stream, views = _views.intake(arrays, tuple(names) + (("slots",) if on_device else ()), device_id,
+                                  stream_from=len(arrays))
+    if on_device:
+        dev = views[-1]
+        if dev.ndim != 1:
+            raise ValueError(f"slots must have 1 dimension(s), got shape {tuple(dev.shape)}")
+        if dev.dtype.kind not in "iu":
+            raise TypeError(f"slots must hold integers, got dtype {dev.dtype}")
+        return stream, views[:-1], None, dev
+    with stream:  # a DLPack exchange on the caller's stream (a capture must see no foreign stream)
+        host, dev = _arrays.host_or_device_ints(slots, "slots", 1)
+    return stream, views, host, dev
+
+
 def staged_slots(host, dev, num_tokens, rows_name, num_slots, device_id, stream):
     """An append's slots (``_arrays.host_or_device_ints``' pair: host NumPy or device CuPy), checked
     against its ``num_tokens`` new rows (of argument ``rows_name``) and a cache of ``num_slots``
@@ -293,7 +339,7 @@ def staged_slots(host, dev, num_tokens, rows_name, num_slots, device_id, stream)
         raise ValueError(f"slots has {dev.shape[0]} entries, {rows_name} has {num_tokens} tokens")
     if dev.dtype not in (np.int32, np.int64):
         raise TypeError(f"slots must be int32 or int64, got {dev.dtype}")
-    _arrays.check_device_array(dev, "slots", device_id=device_id, align=dev.itemsize,
+    _arrays.check_device_array(dev, "slots", device_id=device_id, align=dev.dtype.itemsize,
                                bound="the device of this cache")
     return dev
 

@@ -155,6 +155,7 @@ def merge_kernel(dtype_name, shape):
     return split_merge_kernel(dtype_name, VALUE_DIM, heads, ways, MAX_MERGE_SPLITS, vec)
 
 
+@functools.lru_cache(maxsize=None)
 def append_kernel(index_dtype, in_dtype_name, fp8):
     """PagedLatentCache.append's kernel (kernels/mla/latent_append.cu): slots of ``index_dtype``, new
     rows of ``in_dtype_name``, copied or (``fp8``) quantised."""

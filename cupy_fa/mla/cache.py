@@ -13,12 +13,18 @@ An fp8 cache holds e4m3fn bytes and one dequantisation scale for the whole cache
 scale), as SGLang's fp8 MLA pool does with its layer's k_scale.
 """
 
+import threading
+
 import numpy as np
 
-from .. import _arrays, _build
+from .. import _arrays, _build, _params as _lib_params
 from ..families import mla as family
-from ..kv_cache import all_ones_word, checked_scales, page_shift, read_append_status, staged_slots
+from ..kv_cache import all_ones_word, append_intake, checked_scales, page_shift, read_append_status, staged_slots
 from .. import _mla_params as _params
+
+_APPEND = _params.DTYPES["MlaAppendParams"]
+_set_append = _lib_params.field_setter("MlaAppendParams", ("ckv", "kpe", "slots", "ckv_stride", "kpe_stride",
+                                                           "num_tokens"), _params.DTYPES)
 
 LATENT_DIM, KV_LORA_RANK, ROPE_DIM = family.LATENT_DIM, family.VALUE_DIM, family.ROPE_DIM
 
@@ -83,6 +89,8 @@ class PagedLatentCache:
         import cupy
 
         self._device = cupy.cuda.Device(self.device_id)
+        # the append kernel's packed launches (by kernel), their per-call fields rewritten under a lock
+        self._append_launches, self._append_lock = {}, threading.Lock()
         with self._device:
             self._status = all_ones_word()
             if self.is_fp8:
@@ -156,31 +164,37 @@ class PagedLatentCache:
             self._append(ckv, kpe, slots)
 
     def _append(self, ckv, kpe, slots):
-        stream = _arrays.caller_stream(ckv, kpe, slots, device_id=self.device_id)
-        with stream:
-            c = _arrays.to_cupy(ckv, "ckv")
-            k = _arrays.to_cupy(kpe, "kpe")
-            host, dev = _arrays.host_or_device_ints(slots, "slots", 1)
+        stream, (c, k), host, dev = append_intake((ckv, kpe), ("ckv", "kpe"), slots, self.device_id)
         want = None if self.is_fp8 else self.dtype_name
-        c = _rows(c, "ckv", KV_LORA_RANK, want, self.device_id)
-        k = _rows(k, "kpe", ROPE_DIM, want, self.device_id)
+        c_ptr, c_stride, tokens = _rows(c, "ckv", KV_LORA_RANK, want, self.device_id)
+        k_ptr, k_stride, k_tokens = _rows(k, "kpe", ROPE_DIM, want, self.device_id)
         if c.dtype != k.dtype:
             raise TypeError(f"ckv and kpe must have one dtype, got {_arrays.dtype_name(c.dtype)} and "
                             f"{_arrays.dtype_name(k.dtype)}")
-        if c.shape[0] != k.shape[0]:
-            raise ValueError(f"ckv has {c.shape[0]} tokens, kpe has {k.shape[0]}")
-        tokens = int(c.shape[0])
+        if tokens != k_tokens:
+            raise ValueError(f"ckv has {tokens} tokens, kpe has {k_tokens}")
         dev = staged_slots(host, dev, tokens, "ckv", self.num_slots, self.device_id, stream)
         if tokens == 0:
             return
-        params = _params.make(
-            "MlaAppendParams", ckv=c.data.ptr, kpe=k.data.ptr, cache=self.latent.data.ptr, slots=dev.data.ptr,
-            status=self._status.data.ptr, scale=self.scale_device.data.ptr if self.is_fp8 else 0,
-            num_slots=self.num_slots, ckv_stride=c.strides[0] // c.itemsize, kpe_stride=k.strides[0] // k.itemsize,
-            num_tokens=tokens)
         kernel = family.append_kernel(dev.dtype, _arrays.dtype_name(c.dtype), self.is_fp8)
-        blocks = min(-(-tokens * (LATENT_DIM // 8) // kernel.threads), 65535)
-        _build.launch(kernel, (blocks,), params, stream)
+        with self._append_lock:  # the kernel's struct packed once, this call's fields rewritten
+            launch = self._append_launches.get(kernel)
+            if launch is None:
+                packed = np.array([self.append_params(ckv=0, kpe=0, slots=0, ckv_stride=0, kpe_stride=0, num_tokens=0)],
+                                  _APPEND)
+                launch = self._append_launches[kernel] = _build.PackedLaunch(kernel, (1,), packed, self.device_id)
+            _set_append(launch.raw, (c_ptr, k_ptr, dev.data.ptr, c_stride, k_stride, tokens))
+            launch.set_grid(min(-(-tokens * (LATENT_DIM // 8) // kernel.threads), 65535))
+            _build.launch_packed(launch, stream.ptr)
+
+    def append_params(self, *, ckv, kpe, slots, ckv_stride, kpe_stride, num_tokens):
+        """The ``MlaAppendParams`` of one append (an ``np.void``), every field named: this cache's
+        rows, status word and scale, and the call's rows (addresses, token strides in elements),
+        slots and token count."""
+        return _params.make(
+            "MlaAppendParams", ckv=ckv, kpe=kpe, cache=self.latent.data.ptr, slots=slots,
+            status=self._status.data.ptr, scale=self.scale_device.data.ptr if self.is_fp8 else 0,
+            num_slots=self.num_slots, ckv_stride=ckv_stride, kpe_stride=kpe_stride, num_tokens=num_tokens)
 
     def status(self):
         """The first token the appends since the last ``status()`` skipped because its slot lies past
@@ -192,11 +206,13 @@ class PagedLatentCache:
 
 
 def _rows(x, name, width, dtype_name, device_id):
-    """A ``[T, width]`` (or ``[T, 1, width]``) view with a contiguous last dimension and 16-byte
-    aligned rows, of ``dtype_name`` (None: float16 or bfloat16)."""
-    if x.ndim == 3 and x.shape[1] == 1:
-        x = x.reshape(x.shape[0], x.shape[2]) if x.flags.c_contiguous else x[:, 0, :]
-    if x.ndim != 2 or x.shape[1] != width:
+    """(address, token stride in elements, tokens) of a ``[T, width]`` (or ``[T, 1, width]``) view
+    (cupy_fa._views.View, or a CuPy array) with a contiguous last dimension and 16-byte aligned rows,
+    of ``dtype_name`` (None: float16 or bfloat16)."""
+    shape, strides = tuple(x.shape), x.strides
+    if len(shape) == 3 and shape[1] == 1:
+        shape, strides = (shape[0], shape[2]), (strides[0], strides[2])
+    if len(shape) != 2 or shape[1] != width:
         raise ValueError(f"{name} must be [T, {width}] (or [T, 1, {width}]), got shape {tuple(x.shape)}")
     try:
         got = _arrays.resolve_dtype(x.dtype, f"{name}.dtype")
@@ -205,20 +221,22 @@ def _rows(x, name, width, dtype_name, device_id):
     if got is None or (dtype_name is not None and got != dtype_name):
         want = dtype_name or "float16 or bfloat16 (quantised into the fp8 cache)"
         raise TypeError(f"{name} must have dtype {want}, got {_arrays.dtype_name(x.dtype)}")
-    check_rows(x, name, device_id)
-    return x
+    check_rows(x, name, device_id, strides=strides, shape=shape)
+    return x.data.ptr, strides[0] // x.dtype.itemsize, int(shape[0])
 
 
-def check_rows(x, name, device_id, bound="the device of this cache", strides=None):
-    """A strided device view (a CuPy array or a cupy_fa._views.View; ``strides``: its strides in bytes,
-    where the caller has read them) whose rows the kernels move in 16-byte pieces: its last dimension
-    contiguous, every row start on a 16-byte boundary (base pointer and strides), on ``device_id``."""
-    if x.size == 0:
+def check_rows(x, name, device_id, bound="the device of this cache", strides=None, shape=None):
+    """A strided device view (a CuPy array or a cupy_fa._views.View; ``strides`` / ``shape``: its
+    strides in bytes and shape where the caller has read or squeezed them) whose rows the kernels move
+    in 16-byte pieces: its last dimension contiguous, every row start on a 16-byte boundary (base
+    pointer and strides), on ``device_id``."""
+    shape = x.shape if shape is None else shape
+    if 0 in shape:  # (empty)
         return
     strides = x.strides if strides is None else strides
     if strides[-1] != x.dtype.itemsize:
         raise ValueError(f"{name} must have a contiguous last dimension (got strides {strides})")
-    if x.data.ptr % 16 or any(s % 16 for s, n in zip(strides[:-1], x.shape[:-1]) if n > 1):
+    if x.data.ptr % 16 or any(s % 16 for s, n in zip(strides[:-1], shape[:-1]) if n > 1):
         raise ValueError(f"{name}'s rows must start on 16-byte boundaries (address {x.data.ptr:#x}, strides "
                          f"{strides})")
     _arrays.check_device(x, name, device_id, bound)
