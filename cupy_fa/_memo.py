@@ -27,23 +27,53 @@ from .knobs import knobs
 SIZE = 64  # schedules kept per instance (oldest out first)
 
 
-class ScheduleMemo:
+class Memo:
+    """The last :data:`SIZE` values of a pure function by key (oldest out first), emptied when the
+    knobs in force change; the rule both schedule memos share (this module's, MHA's, and
+    cupy_fa.mla.schedule's). A caller looks a key up (:meth:`lookup`, None on a miss) and keeps
+    what it computed on a miss (:meth:`keep`)."""
+
+    def __init__(self):
+        self._found, self._knobs = {}, None
+        self.hits = self.misses = 0
+
+    def knobs_changed(self):
+        """Whether the knobs in force are others than at the last call (then the memo is emptied)."""
+        k = knobs()
+        if k is self._knobs:
+            return False
+        self._found, self._knobs = {}, k
+        return True
+
+    def lookup(self, key):
+        found = self._found.get(key)
+        if found is not None:
+            self.hits += 1
+        return found
+
+    def keep(self, key, value):
+        self.misses += 1
+        if len(self._found) >= SIZE:
+            del self._found[next(iter(self._found))]
+        self._found[key] = value
+        return value
+
+
+class ScheduleMemo(Memo):
     """``schedule.schedule_step`` for one attention shape (head dim, group, KV heads, KV element
     bytes), with the schedules of the last :data:`SIZE` keys kept."""
 
     def __init__(self, head_dim, group_size, num_kv_heads, kv_bytes, head_dim_vo=None):
+        super().__init__()
         self.shape = (head_dim, group_size, num_kv_heads)
         self.kv_bytes, self.head_dim_vo = kv_bytes, head_dim_vo
-        self._found, self._knobs, self._split = {}, None, None
-        self.hits = self.misses = 0
+        self._split = None
 
     def step(self, q_lens=None, kv_lens=None, *, max_q_len=None, max_kv_len=None, capacity=None, batch_size=None,
              smem_limit, sm_count, arch, window=0):
         """What ``schedule.schedule_step`` gives for these arguments (host lengths ``q_lens`` /
         ``kv_lens`` as int64 arrays, or device-length bounds)."""
-        k = knobs()
-        if k is not self._knobs:
-            self._found, self._knobs = {}, k
+        if self.knobs_changed():
             self._split = schedule.split_size(self.kv_bytes)  # (a knob)
         device = (smem_limit, sm_count, arch, window)
         if q_lens is not None:
@@ -53,17 +83,10 @@ class ScheduleMemo:
                 key += (schedule.window_quotient(q_lens, kv_lens, window, schedule.MERGE_GROUP * split).tobytes(),)
         else:
             key = (device, max_q_len, max_kv_len, capacity, batch_size)
-        found = self._found.get(key)
+        found = self.lookup(key)
         if found is not None:
-            self.hits += 1
             return found
-        self.misses += 1
-        found = schedule.schedule_step(*self.shape, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len,
-                                       max_kv_len=max_kv_len, capacity=capacity, batch_size=batch_size,
-                                       smem_limit=smem_limit, sm_count=sm_count, arch=arch, kv_bytes=self.kv_bytes,
-                                       window=window, head_dim_vo=self.head_dim_vo)
-        if len(self._found) >= SIZE:
-            del self._found[next(iter(self._found))]
-        self._found[key] = found
-        return found
-
+        return self.keep(key, schedule.schedule_step(
+            *self.shape, q_lens=q_lens, kv_lens=kv_lens, max_q_len=max_q_len, max_kv_len=max_kv_len,
+            capacity=capacity, batch_size=batch_size, smem_limit=smem_limit, sm_count=sm_count, arch=arch,
+            kv_bytes=self.kv_bytes, window=window, head_dim_vo=self.head_dim_vo))

@@ -114,31 +114,17 @@ class PlanBuffers:
         ``max_q_len`` / ``max_kv_len`` (the bounds the grids were sized with) are refused. With a
         sliding ``window`` (> 0) each request's splits cover only its queries' windows, from its
         ``key_base`` (kernels/shared/plan.cu window_key_base)."""
-        return _params.make(
-            "PlanParams", q_lens=self.q_lens.data.ptr, kv_lens=self.kv_lens.data.ptr,
-            q_indptr=self.q_indptr.data.ptr, work_indptr=self.work_indptr.data.ptr,
-            long_work_indptr=self.long_work_indptr.data.ptr,
-            num_splits=self.num_splits.data.ptr, split_keys=self.split_keys.data.ptr,
-            partial_indptr=self.partial_indptr.data.ptr, mask_indptr=self.mask_indptr.data.ptr,
-            status=self.status.data.ptr, batch_size=batch_size, group_size=group_size,
-            max_q_len=int(max_q_len), max_kv_len=int(max_kv_len),
-            partial_capacity=self.partial_out.shape[0], **schedule.plan_constants(tile, long_tile),
-            key_base=self.key_base.data.ptr, window=int(window))
+        return plan_params_of(self, batch_size, group_size, schedule.plan_constants(tile, long_tile), max_q_len,
+                              max_kv_len, window)
 
     def plan_launch(self, batch_size, group_size, tile, long_tile=None, max_q_len=2**31 - 1, max_kv_len=2**31 - 1,
                     window=0):
-        """The plan kernel's :class:`cupy_fa._build.PackedLaunch` with :meth:`plan_params`' bytes:
-        one struct per buffers, its per-step fields rewritten in place."""
-        launch = self._plan_launch
-        if launch is None:
-            packed = np.array([self.plan_params(batch_size, group_size, tile, long_tile, max_q_len, max_kv_len,
-                                                window)], _PLAN)
-            launch = self._plan_launch = _build.PackedLaunch(catalog.PLAN_KERNEL, (1,), packed, self.device_id)
+        """The plan kernel's :class:`cupy_fa._build.PackedLaunch` with :meth:`plan_params`' bytes
+        (:func:`packed_plan`), the tiles' policy constants kept for the next plan."""
         k, last = knobs(), self._plan_tiles
         if last is None or last[0] is not tile or last[1] is not long_tile or last[2] is not k:
             last = self._plan_tiles = (tile, long_tile, k, _plan_constants(tile, long_tile, k))
-        _set_plan(launch.raw, (batch_size, group_size) + last[3] + (int(max_q_len), int(max_kv_len), int(window)))
-        return launch
+        return packed_plan(self, batch_size, group_size, last[3], max_q_len, max_kv_len, window)
 
 
 _PLAN = _params.DTYPES["PlanParams"]
@@ -150,6 +136,35 @@ PLAN_CONSTANTS = ("block_m", "block_n", "long_q_len", "long_block_m", "long_bloc
 # (in the struct's order: batch_size .. max_kv_len are one run of int32s, packed in one call)
 _set_plan = _params.field_setter("PlanParams", ("batch_size", "group_size") + PLAN_CONSTANTS
                                  + ("max_q_len", "max_kv_len", "window"))
+
+
+def plan_params_of(buffers, batch_size, group_size, constants, max_q_len=2**31 - 1, max_kv_len=2**31 - 1, window=0):
+    """PlanParams over ``buffers`` (a PlanBuffers: their addresses and split-partial capacity) with the
+    policy fields ``constants`` (a plan_constants dict: cupy_fa.schedule's for a pair of tiles, or
+    cupy_fa.mla.schedule's for an MLA schedule), the step's batch, group size and bounds."""
+    return _params.make(
+        "PlanParams", q_lens=buffers.q_lens.data.ptr, kv_lens=buffers.kv_lens.data.ptr,
+        q_indptr=buffers.q_indptr.data.ptr, work_indptr=buffers.work_indptr.data.ptr,
+        long_work_indptr=buffers.long_work_indptr.data.ptr,
+        num_splits=buffers.num_splits.data.ptr, split_keys=buffers.split_keys.data.ptr,
+        partial_indptr=buffers.partial_indptr.data.ptr, mask_indptr=buffers.mask_indptr.data.ptr,
+        status=buffers.status.data.ptr, batch_size=batch_size, group_size=group_size,
+        max_q_len=int(max_q_len), max_kv_len=int(max_kv_len),
+        partial_capacity=buffers.partial_out.shape[0], **constants,
+        key_base=buffers.key_base.data.ptr, window=int(window))
+
+
+def packed_plan(buffers, batch_size, group_size, constants, max_q_len=2**31 - 1, max_kv_len=2**31 - 1, window=0):
+    """The plan kernel's :class:`cupy_fa._build.PackedLaunch` over ``buffers``: one struct per set of
+    buffers (``buffers._plan_launch``, :func:`plan_params_of`' bytes at its first step), each step's
+    fields rewritten in place (``constants``: the policy fields' values in PLAN_CONSTANTS order)."""
+    launch = buffers._plan_launch
+    if launch is None:
+        packed = np.array([plan_params_of(buffers, batch_size, group_size, dict(zip(PLAN_CONSTANTS, constants)),
+                                          max_q_len, max_kv_len, window)], _PLAN)
+        launch = buffers._plan_launch = _build.PackedLaunch(catalog.PLAN_KERNEL, (1,), packed, buffers.device_id)
+    _set_plan(launch.raw, (batch_size, group_size) + tuple(constants) + (int(max_q_len), int(max_kv_len), int(window)))
+    return launch
 
 
 @functools.lru_cache(maxsize=256)

@@ -221,6 +221,16 @@ def new_runner(package="cupy_fa"):
                                                         max_pages_per_request=256, page_size=16)
 
 
+def print_profiles(name, repeats=3000, **calls):
+    """cProfile's top functions (internal time) of each call in ``calls`` (label -> function), run
+    ``repeats`` times."""
+    for label, fn in calls.items():
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [fn() for _ in range(repeats)])
+        print(f"\n== {name}: {label}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", action="store_true", help="cProfile of each call kind, top functions")
@@ -231,11 +241,7 @@ def main(argv=None):
         plan, run = attention_cell(*cell)
         rows.append((name, median_us(plan), median_us(run)))
         if args.profile:
-            for label, fn in (("plan", plan), ("run", run)):
-                prof = cProfile.Profile()
-                prof.runcall(lambda: [fn() for _ in range(3000)])
-                print(f"\n== {name}: {label}")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+            print_profiles(name, plan=plan, run=run)
     runner = new_runner()
     steps = []
     for lengths in ("device", "host"):

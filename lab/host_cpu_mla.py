@@ -6,9 +6,7 @@ cupy_fa's own Python between the calls; a probe for predicting the GPU host's fi
 """
 
 import argparse
-import cProfile
 import os
-import pstats
 import sys
 import types
 
@@ -32,6 +30,16 @@ class StridedFake(H.FakeArray):
             out.append(step)
             step *= n
         return tuple(reversed(out))
+
+
+class SlicedFake(StridedFake):
+    """A StridedFake with strides of its own (a column slice of a wider array)."""
+
+    def __init__(self, shape, dtype, ptr, strides):
+        super().__init__(shape, dtype, ptr)
+        self._strides = strides
+
+    strides = property(lambda self: self._strides)
 
 
 def install():
@@ -96,11 +104,7 @@ def main(argv=None):
         calls = " ".join(f"{k} {v}" for k, v in sorted(H.CALLS.items()))
         print(f"{name:32s} {H.median_us(plan, 500):8.1f} {H.median_us(run, 2000):8.1f}   {calls}")
         if args.profile:
-            for label, fn in (("plan", plan), ("run", run)):
-                prof = cProfile.Profile()
-                prof.runcall(lambda: [fn() for _ in range(2000)])
-                print(f"\n== {name}: {label}")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+            H.print_profiles(name, 2000, plan=plan, run=run)
 
 
 if __name__ == "__main__":

@@ -10,33 +10,13 @@ import threading
 import numpy as np
 import pytest
 
-from cupy_fa import _arrays, _build, _views
+from cupy_fa import _arrays
 from lab import host_cpu, host_cpu_mla
-from test_graph_host_cpu import device  # noqa: F401 - the fixture
+from test_graph_host_cpu import device  # noqa: F401 - the stubs, recorded
+from test_mla_host_cpu import launches  # noqa: F401 - every packed launch, recorded
 
-Strided = host_cpu_mla.StridedFake
+Strided, Sliced = host_cpu_mla.StridedFake, host_cpu_mla.SlicedFake
 BF16 = _arrays.DTYPES["bfloat16"]
-
-
-class Sliced(Strided):
-    """A fake view with strides of its own (a column slice of a wider array)."""
-
-    def __init__(self, shape, dtype, ptr, strides):
-        super().__init__(shape, dtype, ptr)
-        self._strides = strides
-
-    strides = property(lambda self: self._strides)
-
-
-@pytest.fixture
-def launches(device, monkeypatch):  # noqa: F811 - the fixture above
-    """Every packed launch of the test: (kernel, its struct's fields by name, grid)."""
-    found = []
-    for cls in (Strided, Sliced):
-        monkeypatch.setitem(_views._KINDS, cls, _views.CUPY)
-    monkeypatch.setattr(_build, "launch_packed", lambda launch, stream_ptr: found.append(
-        (launch.kernel, {n: launch.packed[0][n].item() for n in launch.packed.dtype.names}, launch._grid3)))
-    return found
 
 
 def fields(record):

@@ -391,19 +391,21 @@ def test_memoised_schedules_are_fresh_ones(heads, kv_fp8, arch):
 
 
 def test_the_plan_launch_holds_plan_params(monkeypatch):
-    """The plan kernel's packed struct, rewritten in place step after step (other batches, head
-    counts' schedules, bounds), holds what plan_params gives, field for field; new buffers, a new one."""
+    """The plan kernel's packed struct (cupy_fa.plan.packed_plan), rewritten in place step after step
+    (other batches, head counts' schedules, bounds), holds what plan_params gives, field for field;
+    new buffers, a new one."""
     import types
 
-    from cupy_fa.mla.plan import PlanLaunch, plan_params
+    from cupy_fa.mla.plan import plan_launch, plan_params
 
     names = ("q_lens", "kv_lens", "q_indptr", "work_indptr", "long_work_indptr", "partial_indptr", "mask_indptr",
              "num_splits", "split_keys", "status", "custom_mask", "key_base")
 
     def new_buffers():
-        return types.SimpleNamespace(**{n: _Buf() for n in names}, partial_out=_Buf((5000, 8, 512)), device_id=0)
+        return types.SimpleNamespace(**{n: _Buf() for n in names}, partial_out=_Buf((5000, 8, 512)), device_id=0,
+                                     _plan_launch=None)
 
-    plan_launch, buffers = PlanLaunch(), new_buffers()
+    buffers = new_buffers()
     rng = np.random.default_rng(3)
     for i in range(8):
         if i == 5:

@@ -10,28 +10,19 @@ from cupy_fa import _arrays, _build, _views
 from lab import host_cpu, host_cpu_mla
 from test_graph_host_cpu import device  # noqa: F401 - the fixture
 
-Strided = host_cpu_mla.StridedFake
+Strided, Sliced = host_cpu_mla.StridedFake, host_cpu_mla.SlicedFake
 BF16 = _arrays.DTYPES["bfloat16"]
-
-
-class Sliced(Strided):
-    """A fake view with strides of its own (a column slice of a wider array)."""
-
-    def __init__(self, shape, dtype, ptr, strides):
-        super().__init__(shape, dtype, ptr)
-        self._strides = strides
-
-    strides = property(lambda self: self._strides)
 
 
 @pytest.fixture
 def launches(device, monkeypatch):  # noqa: F811 - the fixture above
-    """Every packed launch of the test: (kernel source, its struct's fields by name)."""
+    """Every packed launch of the test: (kernel, its struct's fields by name, grid); the fake views
+    (lab/host_cpu_mla.py) read as CuPy arrays. tests/test_append_host_cpu.py takes it too."""
     found = []
-    monkeypatch.setitem(_views._KINDS, Strided, _views.CUPY)
-    monkeypatch.setitem(_views._KINDS, Sliced, _views.CUPY)
+    for cls in (Strided, Sliced):
+        monkeypatch.setitem(_views._KINDS, cls, _views.CUPY)
     monkeypatch.setattr(_build, "launch_packed", lambda launch, stream_ptr: found.append(
-        (launch.kernel.source, {n: launch.packed[0][n].item() for n in launch.packed.dtype.names})))
+        (launch.kernel, {n: launch.packed[0][n].item() for n in launch.packed.dtype.names}, launch._grid3)))
     return found
 
 
@@ -53,7 +44,7 @@ def test_run_hands_the_kernels_its_arrays(launches):
     attn, cache, tokens = planned(heads)
     q, out = Strided((tokens, heads, 576), BF16), Strided((tokens, heads, 512), BF16)
     attn.run(q, cache, out=out)
-    kinds = [k for k, _ in launches]
+    kinds = [k.source for k, _, _ in launches]
     assert kinds == ["shared/plan.cu", "mla/wgmma.cu", "shared/merge.cu"], kinds
     first = launches[1][1]
     assert (first["q_nope"], first["q_pe"]) == (q.data.ptr, q.data.ptr + 1024)

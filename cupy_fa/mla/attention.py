@@ -24,7 +24,7 @@ from ..families import mla as family
 from . import schedule as _schedule
 from .cache import PagedLatentCache, check_rows
 from .launch import launch_step, step_kernels
-from .plan import MlaPlanState, PlanLaunch, plan_buffers
+from .plan import MlaPlanState, plan_buffers, plan_launch
 
 DEFAULT_SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's qk head (nope 128 + rope 64) before absorption
 _RUN_NAMES = ("q", "q_pe", "out", "lse")
@@ -79,7 +79,6 @@ class MLAAttention(PlannedInstance):
         self._workspace = checked_workspace(workspace_bytes)
         self._loaded = None  # the kernels of the last step planned, loaded on this device (_load)
         self._memo = _schedule.ScheduleMemo(self.num_heads, self.kv_dtype_name == _arrays.FP8)  # host-length plans
-        self._plan_launch = PlanLaunch()
         self._bind(device, capacity)  # (cupy_fa._instance: the device, the buffers of a fixed capacity)
 
     def _new_buffers(self, capacity):
@@ -153,8 +152,8 @@ class MLAAttention(PlannedInstance):
         from .. import catalog
 
         self._load(catalog.PLAN_KERNEL, sched, step.num_tokens)
-        _build.launch_packed(self._plan_launch(buffers, step.batch, self.num_heads, sched, step.max_q_len,
-                                               min(kv_bound, 2**31 - 1)), stream.ptr)
+        _build.launch_packed(plan_launch(buffers, step.batch, self.num_heads, sched, step.max_q_len,
+                                         min(kv_bound, 2**31 - 1)), stream.ptr)
         done = None if stream.is_capturing() else stream.record()
         previous = self._plan
         self._plan = state = MlaPlanState(step.batch, step.num_tokens, sched, mask_mode, sm_scale, step, stream, done,

@@ -5,9 +5,6 @@ a step's inputs and every host check are :mod:`cupy_fa.plan`'s."""
 
 import dataclasses
 
-import numpy as np
-
-from .. import _params as _lib_params
 from .. import plan as _plan
 from ..schedule import partial_row_bytes
 from . import schedule as _schedule
@@ -39,43 +36,16 @@ def plan_buffers(capacity, num_heads, dtype_name, workspace_bytes=None):
 def plan_params(buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len):
     """PlanParams of an MLA schedule over ``buffers`` (one KV head: group size H; the policy fields
     are cupy_fa.mla.schedule's)."""
-    return _lib_params.make(
-        "PlanParams", q_lens=buffers.q_lens.data.ptr, kv_lens=buffers.kv_lens.data.ptr,
-        q_indptr=buffers.q_indptr.data.ptr, work_indptr=buffers.work_indptr.data.ptr,
-        long_work_indptr=buffers.long_work_indptr.data.ptr, num_splits=buffers.num_splits.data.ptr,
-        split_keys=buffers.split_keys.data.ptr, partial_indptr=buffers.partial_indptr.data.ptr,
-        mask_indptr=buffers.mask_indptr.data.ptr, status=buffers.status.data.ptr, batch_size=batch_size,
-        group_size=num_heads, max_q_len=int(max_q_len), max_kv_len=int(max_kv_len),
-        partial_capacity=buffers.partial_out.shape[0], **_schedule.plan_constants(schedule),
-        key_base=buffers.key_base.data.ptr, window=0)
+    return _plan.plan_params_of(buffers, batch_size, num_heads, _schedule.plan_constants(schedule), max_q_len,
+                                max_kv_len)
 
 
-_PLAN = _lib_params.DTYPES["PlanParams"]
-_set_step = _lib_params.field_setter("PlanParams", ("batch_size", "group_size") + _plan.PLAN_CONSTANTS
-                                     + ("max_q_len", "max_kv_len"))
-
-
-class PlanLaunch:
-    """The plan kernel's launch of one MLA instance: a :class:`cupy_fa._build.PackedLaunch` of
-    :func:`plan_params`' bytes per set of buffers, each step's fields (batch size, heads, the
-    schedule's policy constants, the bounds) rewritten in place, so a plan launches it with one
-    driver call."""
-
-    def __init__(self):
-        self.buffers = self.launch = None
-
-    def __call__(self, buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len):
-        if self.buffers is not buffers:
-            packed = np.array([plan_params(buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len)], _PLAN)
-            from .. import _build, catalog
-
-            self.launch = _build.PackedLaunch(catalog.PLAN_KERNEL, (1,), packed, buffers.device_id)
-            self.buffers = buffers
-            return self.launch
-        constants = _schedule.plan_constants(schedule)
-        _set_step(self.launch.raw, (batch_size, num_heads) + tuple(constants[f] for f in _plan.PLAN_CONSTANTS)
-                  + (int(max_q_len), int(max_kv_len)))
-        return self.launch
+def plan_launch(buffers, batch_size, num_heads, schedule, max_q_len, max_kv_len):
+    """The plan kernel's packed launch over ``buffers`` for an MLA schedule (cupy_fa.plan.packed_plan:
+    one struct per set of buffers, each step's fields rewritten in place)."""
+    constants = _schedule.plan_constants(schedule)
+    return _plan.packed_plan(buffers, batch_size, num_heads, tuple(constants[f] for f in _plan.PLAN_CONSTANTS),
+                             max_q_len, max_kv_len)
 
 
 @dataclasses.dataclass

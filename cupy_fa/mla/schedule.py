@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from .. import schedule as _policy
+from .. import _memo, schedule as _policy
 from ..families.common import is_sm90a
 from ..knobs import knobs
 from ..families.mla import MAX_MERGE_SPLITS, MERGE_DEEP, MERGE_WIDE, MlaMmaTile, MlaWgmmaTile
@@ -202,34 +202,26 @@ def merge_grid(num_tokens, num_heads):
     return shape, (num_tokens, -(-num_heads // shape[0]))
 
 
-class ScheduleMemo:
+class ScheduleMemo(_memo.Memo):
     """:func:`schedule_step` over host lengths for one instance (``num_heads``, ``kv_fp8``), the last
-    ``size`` schedules kept, keyed by exactly what the policy reads of a batch: ``q_lens`` and
-    ``ceil(kv_len / split_size)`` per request (every split count derives from that quotient and q_len:
-    a long request's row budget keeps its splits at 7 or fewer, where rounding its keys up to whole
-    tiles cannot change them; cupy_fa._memo says the same of the MHA policy), with the arch; a knob
-    change empties it. A decode step's lengths change every step while its schedule changes every
-    split_size keys, so a step's plan reuses the schedule of the steps before it."""
+    schedules kept (cupy_fa._memo.Memo's rule), keyed by exactly what the policy reads of a batch:
+    ``q_lens`` and ``ceil(kv_len / split_size)`` per request (every split count derives from that
+    quotient and q_len: a long request's row budget keeps its splits at 7 or fewer, where rounding its
+    keys up to whole tiles cannot change them; cupy_fa._memo says the same of the MHA policy), with the
+    arch. A decode step's lengths change every step while its schedule changes every split_size keys,
+    so a step's plan reuses the schedule of the steps before it."""
 
-    def __init__(self, num_heads, kv_fp8, size=64):
-        self.num_heads, self.kv_fp8, self.size = num_heads, kv_fp8, size
-        self._found, self._knobs, self._split = {}, None, None
-        self.hits = self.misses = 0
+    def __init__(self, num_heads, kv_fp8):
+        super().__init__()
+        self.num_heads, self.kv_fp8 = num_heads, kv_fp8
+        self._split = None
 
     def step(self, arch, q_lens, kv_lens):
-        k = knobs()
-        if k is not self._knobs:
-            self._found, self._knobs = {}, k
+        if self.knobs_changed():
             self._split = split_size(self.num_heads)  # (a knob)
         split = self._split
         key = (arch, q_lens.dtype.char, q_lens.tobytes(), (-(-kv_lens // split)).tobytes())  # (no overflow)
-        found = self._found.get(key)
+        found = self.lookup(key)
         if found is not None:
-            self.hits += 1
             return found
-        self.misses += 1
-        found = schedule_step(self.num_heads, self.kv_fp8, arch, q_lens=q_lens, kv_lens=kv_lens)
-        if len(self._found) >= self.size:
-            del self._found[next(iter(self._found))]
-        self._found[key] = found
-        return found
+        return self.keep(key, schedule_step(self.num_heads, self.kv_fp8, arch, q_lens=q_lens, kv_lens=kv_lens))
