@@ -381,10 +381,7 @@ struct SeesawRole {
     RowWalk<T, 4> to(p, done, by_head, done.row0 + first, partial_base);
     for (int r = first; r < kBlockRows && done.row0 + r < done.rows; r += 4) {
       u32 v[4];
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                   : "r"(stage + r * SeesawSmem::kStagePitch + 16 * lane)
-                   : "memory");
+      ld_shared_v4(stage + r * SeesawSmem::kStagePitch + 16 * lane, v);
       // one 16-byte store (a plain uint4 assignment compiles to four 4-byte ones here)
       asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(to.dst + 256 * wg + 8 * lane), "r"(v[0]),
                    "r"(v[1]), "r"(v[2]), "r"(v[3])

@@ -260,10 +260,7 @@ __device__ __forceinline__ void widen_store(unsigned column_block, int wtid, con
       u32 wide[4];
       widen4<__half>(x[h][2 * e], *reinterpret_cast<u32(*)[2]>(&wide[0]));
       widen4<__half>(x[h][2 * e + 1], *reinterpret_cast<u32(*)[2]>(&wide[2]));
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                       column_block + sm90::swizzled_offset<kBlockRows>(key, chunk + e)),
-                   "r"(wide[0]), "r"(wide[1]), "r"(wide[2]), "r"(wide[3])
-                   : "memory");
+      st_shared_v4(column_block + sm90::swizzled_offset<kBlockRows>(key, chunk + e), wide);
     }
   }
 }
